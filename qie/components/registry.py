@@ -1,0 +1,186 @@
+"""The component registry: a name per pipeline part, and how to build each from a hub id or folder.
+
+A stage asks for the parts it needs and gets only those; each part is placed on its own device and
+dtype once, here, when it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from qie.errors import ConfigError, ModelLoadError
+
+PART_NAMES = ("vae", "text_encoder", "tokenizer", "processor", "transformer", "scheduler")
+# Parts that hold weights; the others have no device or dtype.
+MODULE_PARTS = ("vae", "text_encoder", "transformer")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Parts:
+    """The built parts of one model; a part not asked for stays None."""
+
+    vae: Any = None
+    text_encoder: Any = None
+    tokenizer: Any = None
+    processor: Any = None
+    transformer: Any = None
+    scheduler: Any = None
+
+    def built(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """`auto` is the first CUDA device when there is one, else the CPU; a device that is not there fails.
+
+    Raises:
+        ConfigError: naming the device and the devices this machine has.
+    """
+    if isinstance(name, torch.device):
+        return name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"device {name!r} is not a device name (try cpu, cuda, cuda:1): {e}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0 or (device.index or 0) >= count:
+            raise ConfigError(f"device {name!r} does not exist here: this machine has {count} CUDA device(s)")
+    elif device.type not in ("cpu", "mps", "xpu", "meta"):
+        raise ConfigError(f"device {name!r} is not supported: use cpu or cuda[:N]")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[str(name)]
+    except KeyError:
+        raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def _load_vae(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage.from_pretrained(
+        source, subfolder="vae", revision=revision, torch_dtype=dtype
+    )
+
+
+def _load_text_encoder(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        source, subfolder="text_encoder", revision=revision, dtype=dtype
+    )
+
+
+def _load_tokenizer(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+    from transformers import Qwen2Tokenizer
+
+    return Qwen2Tokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+
+
+def _load_processor(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+    from qie.components.processor import load_processor
+
+    return load_processor(source, revision=revision)
+
+
+def _load_transformer(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel.from_pretrained(
+        source, subfolder="transformer", revision=revision, torch_dtype=dtype
+    )
+
+
+def _load_scheduler(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
+
+
+LOADERS: dict[str, Callable[[str, str | None, torch.dtype], Any]] = {
+    "vae": _load_vae,
+    "text_encoder": _load_text_encoder,
+    "tokenizer": _load_tokenizer,
+    "processor": _load_processor,
+    "transformer": _load_transformer,
+    "scheduler": _load_scheduler,
+}
+
+
+def build_parts(
+    source: str,
+    names: Iterable[str],
+    placements: dict[str, Placement] | None = None,
+    revision: str | None = None,
+    quantize: str = "none",
+) -> Parts:
+    """Build the named parts of the model at `source` (hub id or diffusers-format folder).
+
+    Args:
+        source: hub id or local folder with model_index.json and one subfolder per part.
+        names: parts to build, a subset of PART_NAMES.
+        placements: device and dtype per weight-holding part; missing ones go to the CPU in float32.
+        revision: hub revision (branch, tag or commit).
+        quantize: "none", "fp8" or "int8": weight quantization of the transformer.
+
+    Returns:
+        Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
+
+    Raises:
+        ConfigError: an unknown part name.
+        ModelLoadError: a part that cannot be loaded, naming the part and the source.
+    """
+    names = list(dict.fromkeys(names))
+    unknown = [n for n in names if n not in LOADERS]
+    if unknown:
+        raise ConfigError(f"unknown model part(s) {unknown}: parts are {', '.join(PART_NAMES)}")
+    placements = placements or {}
+    parts = Parts()
+    for name in names:
+        place = placements.get(name, Placement(torch.device("cpu"), torch.float32))
+        try:
+            part = LOADERS[name](source, revision, place.dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(
+                f"cannot load the {name} of {source!r}: {e}\n"
+                f"Expected a hub id or a diffusers-format folder with {name}/ inside."
+            ) from None
+        if name in MODULE_PARTS:
+            part.requires_grad_(False)
+            part.eval()
+            if name == "transformer" and quantize != "none":
+                from qie.components.quantize import quantize_transformer
+
+                quantize_transformer(part, quantize)
+            part.to(place.device)
+        setattr(parts, name, part)
+    return parts
+
+
+def edit_pipeline(parts: Parts, variant: str) -> Any:
+    """A diffusers Edit (or Edit-Plus) pipeline over the built parts; parts not built stay None.
+
+    Reusing the pipeline object lets qie call diffusers' own prompt and VAE encoding code.
+    """
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    cls = QwenImageEditPlusPipeline if variant == "edit_plus" else QwenImageEditPipeline
+    return cls(**{name: getattr(parts, name) for name in PART_NAMES})

@@ -1,0 +1,145 @@
+"""Typed config roots, their registration with Hydra, and `compose()` for code and notebooks.
+
+The YAML tree in `qie/conf` fills these schemas; a key that is not in a schema, or a value of the wrong
+type or outside an enum, fails while composing, before anything is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from qie.config.cache import CACHE_TYPES, CacheAction, CacheConfig, PrecomputeConfig, VerifyConfig
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
+from qie.config.predict import PredictConfig
+from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
+from qie.errors import ConfigError
+
+STAGES = ("precompute", "train", "infer", "cache")
+
+
+def qie_home() -> Path:
+    """Folder for qie's own files (tiny models, default cache): `$QIE_HOME` or `~/.cache/qie`."""
+    return Path(os.environ.get("QIE_HOME") or Path.home() / ".cache" / "qie")
+
+
+@dataclass
+class PrecomputeRoot:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+
+
+@dataclass
+class TrainRoot:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+@dataclass
+class InferRoot:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+
+
+@dataclass
+class CacheAdminRoot:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    action: CacheAction = CacheAction.stats
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+
+
+def _register() -> None:
+    if not OmegaConf.has_resolver("qie_home"):
+        OmegaConf.register_new_resolver("qie_home", lambda: str(qie_home()))
+    cs = ConfigStore.instance()
+    cs.store(name="precompute_schema", node=PrecomputeRoot)
+    cs.store(name="train_schema", node=TrainRoot)
+    cs.store(name="infer_schema", node=InferRoot)
+    cs.store(name="cache_schema", node=CacheAdminRoot)
+
+
+_register()
+
+
+def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
+    """Build the config the CLI of `stage` would build, with the same overrides syntax.
+
+    Args:
+        stage: one of "precompute", "train", "infer", "cache".
+        overrides: Hydra overrides such as ["model=tiny", "train.max_steps=10"].
+
+    Returns:
+        The composed config (interpolations unresolved, as in the CLI).
+
+    Raises:
+        ValueError: for an unknown stage; Hydra's errors for unknown keys, groups or bad values.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    if stage not in STAGES:
+        raise ConfigError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="qie.conf", version_base=None):
+            cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
+    except HydraException as e:
+        detail = f"\n{e.__cause__}" if e.__cause__ else ""
+        raise ConfigError(f"{e}{detail}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check a composed config against its schema and ranges, building nothing.
+
+    Raises:
+        ConfigError: naming the key, the bad value and what is allowed.
+    """
+    for name, node in cfg.items():
+        if name == "hydra" or not isinstance(node, DictConfig):
+            continue
+        schema = OmegaConf.get_type(node)
+        allowed = set(getattr(schema, "__dataclass_fields__", {}))
+        extra = sorted(set(node.keys()) - allowed) if allowed else []
+        if extra:
+            raise ConfigError(
+                f"unknown key {name}.{extra[0]}: valid keys of {name!r} are {', '.join(sorted(allowed))}"
+            )
+    _check_range(cfg, "data.caption_dropout_rate", 0.0, 1.0)
+    _check_range(cfg, "data.batch_size", 1, None)
+    _check_range(cfg, "train.max_steps", 0, None)
+    _check_range(cfg, "train.gradient_accumulation_steps", 1, None)
+    _check_range(cfg, "train.learning_rate", 0.0, None)
+    _check_range(cfg, "model.vae_image_pixels", 32 * 32, None)
+    _check_range(cfg, "model.vl_image_pixels", 28 * 28, None)
+    _check_range(cfg, "model.max_control_images", 1, None)
+
+
+def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | None) -> None:
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None:
+        return
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{low}, {high if high is not None else 'inf'}]"
+        raise ConfigError(f"{key}={value} is out of range: it must lie in {bounds}")
+
+
+__all__ = ["CACHE_TYPES", "STAGES", "compose", "qie_home", "validate"]

@@ -1,0 +1,58 @@
+"""Schemas of the `cache` group, the precompute stage and the cache admin command."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SourceMode(str, Enum):
+    """Where training gets embeddings: the cache only, live encoders, or the cache filled on a miss."""
+
+    cached = "cached"
+    live = "live"
+    lazy = "lazy"
+
+
+class OnError(str, Enum):
+    skip = "skip"
+    raise_ = "raise"
+
+
+class CacheAction(str, Enum):
+    stats = "stats"
+    clear = "clear"
+    verify = "verify"
+
+
+CACHE_TYPES = [
+    "pixel_latent",
+    "control_latent",
+    "prompt_embed",
+    "prompt_embeds_mask",
+    "empty_prompt_embed",
+    "empty_prompt_embeds_mask",
+]
+
+
+@dataclass
+class CacheConfig:
+    # The backend class; a new backend is one module and one yaml file.
+    _target_: str = "qie.cache.ssd.SsdBackend"
+    name: str = "ssd"
+    dir: str | None = None
+    mode: SourceMode = SourceMode.cached
+    types: list[str] = field(default_factory=lambda: list(CACHE_TYPES))
+    vae_encoder_device: str = "auto"
+    text_encoder_device: str = "auto"
+
+
+@dataclass
+class PrecomputeConfig:
+    start: int = 0
+    end: int | None = None
+    batch_size: int = 4
+    on_error: OnError = OnError.skip
+
+
+@dataclass
+class VerifyConfig:
+    fix: bool = False

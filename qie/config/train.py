@@ -1,0 +1,114 @@
+"""Schemas of the `train` group and of the training run's logging and validation."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class TrainMode(str, Enum):
+    lora = "lora"
+    full = "full"
+
+
+class MixedPrecision(str, Enum):
+    auto = "auto"  # bf16 on CUDA when the model is bf16, else no
+    no = "no"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class TimestepSampling(str, Enum):
+    uniform = "uniform"
+    logit_normal = "logit_normal"
+    mode = "mode"
+    # uniform sigmas passed through the flow shift s*σ/(1+(s-1)σ); `dynamic_shift` picks s from resolution
+    shift = "shift"
+
+
+class LossWeighting(str, Enum):
+    none = "none"
+    sigma_sqrt = "sigma_sqrt"
+    cosmap = "cosmap"
+
+
+class ReportTo(str, Enum):
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    none = "none"
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    alpha: int = 16
+    dropout: float = 0.0
+    # peft's `init_lora_weights`: "true" (B=0), "gaussian", "pissa", ...
+    init: str = "true"
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_add_out",
+        ]
+    )
+
+
+@dataclass
+class TrainConfig:
+    mode: TrainMode = TrainMode.lora
+    max_steps: int = 1000
+    seed: int = 42
+    learning_rate: float = 1e-4
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    mixed_precision: MixedPrecision = MixedPrecision.auto
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 500
+    checkpoints_total_limit: int | None = None
+    # "latest" (newest checkpoint of this run directory) or a checkpoint folder.
+    resume: str | None = None
+    export_comfyui: bool = False
+    timestep_sampling: TimestepSampling = TimestepSampling.logit_normal
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 3.0
+    dynamic_shift: bool = False
+    loss_weighting: LossWeighting = LossWeighting.none
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optimizer: Any = field(
+        default_factory=lambda: {"_target_": "torch.optim.AdamW", "_partial_": True, "weight_decay": 1e-2}
+    )
+    lr_scheduler: Any = field(
+        default_factory=lambda: {
+            "_target_": "transformers.get_constant_schedule_with_warmup",
+            "_partial_": True,
+            "num_warmup_steps": 0,
+        }
+    )
+
+
+@dataclass
+class LoggingConfig:
+    report_to: ReportTo = ReportTo.tensorboard
+    log_every: int = 1
+    log_images: bool = False
+    log_images_every: int = 100
+    log_images_count: int = 4
+
+
+@dataclass
+class ValidationConfig:
+    # Sample the validation inputs every N optimizer steps; 0 turns validation off.
+    every: int = 0
+    prompts: list[str] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    num_inference_steps: int = 20
+    true_cfg_scale: float = 1.0
+    negative_prompt: str | None = None
+    seed: int = 0

@@ -1,0 +1,21 @@
+"""Errors a user can act on. The CLI prints their message, without a traceback, and exits 2."""
+
+
+class QieError(Exception):
+    """Base class: the message names the file or key at fault and says what to do."""
+
+
+class ConfigError(QieError):
+    """A config key or value that cannot work."""
+
+
+class DataError(QieError):
+    """A data set input (image, caption, manifest row) that cannot be read."""
+
+
+class CacheMissError(QieError):
+    """Cached mode needs an entry the cache does not hold."""
+
+
+class ModelLoadError(QieError):
+    """A model part, LoRA or checkpoint that cannot be loaded."""

@@ -1,0 +1,180 @@
+"""The tiny random Qwen-Image-Edit checkpoints load into the real diffusers pipelines and run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import Qwen2Tokenizer
+
+from qie.components.processor import QwenImageProcessorNoVideo, load_processor
+from qie.components.tiny import (
+    LATENTS_MEAN,
+    build_tiny_model,
+    default_tiny_path,
+    ensure_tiny_model,
+    system_prefix,
+)
+from qie.errors import ModelLoadError
+
+WEIGHT_FILES = (
+    "transformer/diffusion_pytorch_model.safetensors",
+    "vae/diffusion_pytorch_model.safetensors",
+    "text_encoder/model.safetensors",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_edit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "edit", variant="edit", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "edit_plus", variant="edit_plus", seed=0)
+
+
+@pytest.fixture
+def small_condition_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the pipelines from resizing the condition images to ~1 MP."""
+    full = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(
+        pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: full(64 * 64, ratio)
+    )
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 64 * 64)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+
+
+def _image(color: tuple[int, int, int]) -> Image.Image:
+    return Image.new("RGB", (64, 64), color)
+
+
+def _run(pipe, image) -> torch.Tensor:
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        image=image,
+        prompt="Make the sky blue.",
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        true_cfg_scale=1.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    )
+    return out.images
+
+
+@pytest.mark.usefixtures("small_condition_images")
+def test_edit_pipeline_runs(tiny_edit: Path, tmp_path: Path) -> None:
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit, processor=load_processor(tiny_edit))
+    assert isinstance(pipe.processor, QwenImageProcessorNoVideo)
+    assert pipe.vae.config.latents_mean == LATENTS_MEAN
+    images = _run(pipe, _image((200, 40, 90)))
+    assert images.shape == (1, 3, 64, 64)
+    assert torch.isfinite(images).all()
+    # A pipeline saved by diffusers (transformers 5 writes processor_config.json) loads back too.
+    pipe.save_pretrained(tmp_path / "resaved")
+    assert isinstance(load_processor(tmp_path / "resaved"), QwenImageProcessorNoVideo)
+
+
+@pytest.mark.usefixtures("small_condition_images")
+def test_edit_plus_pipeline_runs_with_two_images(tiny_edit_plus: Path) -> None:
+    index = json.loads((tiny_edit_plus / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline"
+    pipe = QwenImageEditPlusPipeline.from_pretrained(tiny_edit_plus, processor=load_processor(tiny_edit_plus))
+    images = _run(pipe, [_image((200, 40, 90)), _image((10, 180, 60))])
+    assert images.shape == (1, 3, 64, 64)
+    assert torch.isfinite(images).all()
+
+
+@pytest.mark.parametrize("pipeline_cls", [QwenImageEditPipeline, QwenImageEditPlusPipeline])
+def test_system_prefix_is_exactly_the_drop_index(tiny_edit: Path, pipeline_cls: type) -> None:
+    tokenizer = Qwen2Tokenizer.from_pretrained(tiny_edit / "tokenizer")
+    prefix, drop_idx = system_prefix(pipeline_cls)
+    assert drop_idx == 64 and prefix.endswith("<|im_start|>user\n")
+    template = pipeline_cls(None, None, None, None, None, None).prompt_template_encode
+    prefix_ids = tokenizer(prefix)["input_ids"]
+    assert len(prefix_ids) == drop_idx
+    # The prefix tokenises the same inside the full prompt, so dropping it leaves the user turn.
+    full_ids = tokenizer(template.format("Make the sky blue."))["input_ids"]
+    assert full_ids[:drop_idx] == prefix_ids
+    assert tokenizer.convert_ids_to_tokens(full_ids[drop_idx - 3 : drop_idx]) == ["<|im_start|>", "user", "Ċ"]
+
+
+def test_config_token_ids_match_tokenizer(tiny_edit: Path) -> None:
+    tokenizer = Qwen2Tokenizer.from_pretrained(tiny_edit / "tokenizer")
+    config = json.loads((tiny_edit / "text_encoder" / "config.json").read_text())
+    assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert config["video_token_id"] == tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    assert config["vision_start_token_id"] == tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    assert config["vision_end_token_id"] == tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    assert config["text_config"]["vocab_size"] == len(tokenizer)
+
+
+def test_same_seed_builds_bitwise_equal_weights(tiny_edit: Path, tmp_path: Path) -> None:
+    again = build_tiny_model(tmp_path / "again", variant="edit", seed=0)
+    other = build_tiny_model(tmp_path / "other", variant="edit", seed=1)
+    for name in WEIGHT_FILES:
+        first, second, third = (load_file(root / name) for root in (tiny_edit, again, other))
+        assert first.keys() == second.keys()
+        assert all(torch.equal(first[k], second[k]) for k in first), name
+        assert not all(torch.equal(first[k], third[k]) for k in first), name
+    for name in ("tokenizer/tokenizer.json", "processor/tokenizer.json"):
+        assert (tiny_edit / name).read_bytes() == (again / name).read_bytes()
+
+
+def test_ensure_builds_when_missing_then_reuses(tmp_path: Path) -> None:
+    target = tmp_path / "cache" / "edit-v1"
+    stale = tmp_path / "cache" / ".edit-v1.tmp-killed"  # what a killed build leaves behind
+    (stale / "vae").mkdir(parents=True)
+    assert ensure_tiny_model(target) == target
+    assert (target / "model_index.json").is_file()
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.tmp-")]
+    stamp = (target / "model_index.json").stat().st_mtime_ns
+    weights = (target / WEIGHT_FILES[0]).stat().st_mtime_ns
+    assert ensure_tiny_model(target) == target
+    assert (target / "model_index.json").stat().st_mtime_ns == stamp
+    assert (target / WEIGHT_FILES[0]).stat().st_mtime_ns == weights
+    with pytest.raises(ModelLoadError, match="QwenImageEditPipeline"):
+        ensure_tiny_model(target, variant="edit_plus")
+
+
+def test_default_tiny_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QIE_HOME", str(tmp_path))
+    assert default_tiny_path("edit_plus") == tmp_path / "tiny" / "edit_plus-v1"
+    monkeypatch.delenv("QIE_HOME")
+    assert default_tiny_path() == Path.home() / ".cache" / "qie" / "tiny" / "edit-v1"
+
+
+def test_load_processor_without_video_config(tiny_edit: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_edit / "processor", copy / "processor")
+    (copy / "processor" / "video_preprocessor_config.json").unlink(missing_ok=True)
+    processor = load_processor(copy)
+    inputs = processor(
+        text=["<|vision_start|><|image_pad|><|vision_end|>Make the sky blue."],
+        images=[_image((1, 2, 3))],
+        padding=True,
+        return_tensors="pt",
+    )
+    # 64 px -> 56x56 -> 4x4 patches of 14 px -> 2x2 merged -> 4 image tokens.
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert (inputs["input_ids"] == processor.image_token_id).sum() == 4
+
+
+def test_load_processor_names_what_is_missing(tiny_edit: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"missing the folder itself"):
+        load_processor(tmp_path)
+    copy = tmp_path / "processor"
+    shutil.copytree(tiny_edit / "processor", copy)
+    (copy / "preprocessor_config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"preprocessor_config\.json") as err:
+        load_processor(tmp_path)
+    assert str(tmp_path) in str(err.value)
