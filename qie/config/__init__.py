@@ -20,7 +20,7 @@ from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache")
+STAGES = ("precompute", "train", "infer", "cache", "demo")
 
 
 def qie_home() -> Path:
@@ -48,6 +48,19 @@ class TrainRoot:
 
 
 @dataclass
+class DemoConfig:
+    train_samples: int = 64
+    heldout_samples: int = 8
+    image_size: int = 64
+    seed: int = 0
+
+
+@dataclass
+class DemoRoot(TrainRoot):
+    demo: DemoConfig = field(default_factory=DemoConfig)
+
+
+@dataclass
 class InferRoot:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -69,6 +82,7 @@ def _register() -> None:
     cs.store(name="train_schema", node=TrainRoot)
     cs.store(name="infer_schema", node=InferRoot)
     cs.store(name="cache_schema", node=CacheAdminRoot)
+    cs.store(name="demo_schema", node=DemoRoot)
 
 
 _register()
@@ -78,7 +92,7 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     """Build the config the CLI of `stage` would build, with the same overrides syntax.
 
     Args:
-        stage: one of "precompute", "train", "infer", "cache".
+        stage: one of "precompute", "train", "infer", "cache", "demo".
         overrides: Hydra overrides such as ["model=tiny", "train.max_steps=10"].
 
     Returns:
@@ -142,4 +156,4 @@ def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | Non
         raise ConfigError(f"{key}={value} is out of range: it must lie in {bounds}")
 
 
-__all__ = ["CACHE_TYPES", "STAGES", "compose", "qie_home", "validate"]
+__all__ = ["PrecomputeRoot", "CACHE_TYPES", "STAGES", "compose", "qie_home", "validate"]

@@ -1,0 +1,86 @@
+"""Deterministic, resumable batches grouped by latent shape (aspect-ratio buckets) and prompt length.
+
+Batch n of the stream is a pure function of (seed, n): resuming at batch k needs only k, and every
+process of a distributed run sees the same stream and takes its own slice of each global batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Iterator, Sequence
+
+from qie.errors import DataError
+
+
+class BucketBatchSampler:
+    """An endless stream of (batch_number, sample indices).
+
+    Args:
+        bucket_keys: per sample, a key equal for samples whose latents share shapes.
+        lengths: per sample, a proxy for prompt length (e.g. caption characters): batches are cut from
+            runs of similar length to limit padding.
+        batch_size: samples per batch and process.
+        num_replicas, rank: distributed slicing; each global batch holds batch_size * num_replicas samples.
+    """
+
+    def __init__(
+        self,
+        bucket_keys: Sequence[Hashable],
+        lengths: Sequence[int],
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+        start: int = 0,
+    ) -> None:
+        """Raises DataError when no bucket holds one full global batch."""
+        self.keys, self.lengths = list(bucket_keys), list(lengths)
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.num_replicas, self.rank, self.start = num_replicas, rank, start
+        if not self.epoch_batches(0):
+            raise DataError(
+                f"no full batch: {len(self.keys)} samples cannot fill a batch of {batch_size} x {num_replicas} "
+                "processes within one bucket; lower data.batch_size"
+            )
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """Global batches of one epoch (each batch_size * num_replicas indices)."""
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        global_size = self.batch_size * self.num_replicas
+        buckets: dict[Hashable, list[int]] = {}
+        for i, key in enumerate(self.keys):
+            buckets.setdefault(key, []).append(i)
+        batches = []
+        for key in sorted(buckets, key=repr):
+            idx = buckets[key]
+            if self.shuffle:
+                rng.shuffle(idx)
+            if global_size > 1:
+                # Similar lengths next to each other, in chunks, so batches still vary between epochs.
+                chunk = global_size * 8
+                idx = [
+                    i
+                    for c in range(0, len(idx), chunk)
+                    for i in sorted(idx[c : c + chunk], key=self.lengths.__getitem__)
+                ]
+            batches += [idx[b : b + global_size] for b in range(0, len(idx) - global_size + 1, global_size)]
+        if self.shuffle:
+            rng.shuffle(batches)
+        return batches
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        n = self.start
+        epoch, per_epoch = 0, len(self.epoch_batches(0))
+        cache: dict[int, list[list[int]]] = {}
+        while True:
+            epoch, pos = divmod(n, per_epoch)
+            if epoch not in cache:
+                cache.clear()
+                cache[epoch] = self.epoch_batches(epoch)
+            batch = cache[epoch][pos]
+            yield n, batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            n += 1
+
+    def batches_per_epoch(self) -> int:
+        return len(self.epoch_batches(0))

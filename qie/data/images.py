@@ -1,0 +1,125 @@
+"""Image reading and the resizing rules of Qwen-Image-Edit's pipelines.
+
+Sizes follow diffusers: an image is resized to a target *area* keeping its aspect ratio, sides rounded
+to a multiple of 32 (`calculate_dimensions`), and normalised to [-1, 1] by diffusers' VaeImageProcessor.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from qie.errors import DataError
+
+
+class ImageError(DataError):
+    """An image file that cannot be used; `path` names it."""
+
+    def __init__(self, path: str | Path, message: str) -> None:
+        super().__init__(message)
+        self.path = str(path)
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """Read an image as 8-bit RGB, upright (EXIF orientation applied).
+
+    Alpha (RGBA, LA, palette or grey with a transparent colour) is composited on white; palette, grey,
+    CMYK, 16-bit and 32-bit images are converted, never rejected.
+
+    Raises:
+        ImageError: naming the file when it is missing or not a readable image.
+    """
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return to_rgb(ImageOps.exif_transpose(img))
+    except FileNotFoundError:
+        raise ImageError(path, f"image {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ImageError(path, f"image {str(path)!r} is a folder, not an image file") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(path, f"image {str(path)!r} cannot be read ({e}): replace or remove it") from None
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB of any PIL mode: alpha over white, 16/32-bit and float scaled to 0..255."""
+    if img.mode.startswith("I") or img.mode == "F":
+        img = _high_depth_to_l(img)
+    if img.mode in ("P", "L", "RGB") and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA", "La", "RGBa"):
+        rgba = img.convert("RGBA") if img.mode != "La" else img.convert("LA").convert("RGBA")
+        background = Image.new("RGB", img.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return img.convert("RGB")
+
+
+def _high_depth_to_l(img: Image.Image) -> Image.Image:
+    """Greyscale of a 16-bit ("I;16*"), 32-bit ("I") or float ("F") image, scaled to 8 bits.
+
+    16-bit images span 0..65535; "I" images are taken as 8-bit values if none exceeds 255 (PIL opens some
+    8-bit files as "I"), else as 16-bit; "F" images as 0..1 if none exceeds 1, else as 0..255.
+    """
+    arr = np.asarray(img, dtype=np.float64)
+    top = float(arr.max()) if arr.size else 0.0
+    if img.mode.startswith("I;16"):
+        peak = 65535.0
+    elif img.mode == "F":
+        peak = 1.0 if top <= 1.0 else 255.0
+    else:
+        peak = 255.0 if top <= 255 else 65535.0
+    return Image.fromarray(np.clip(np.floor(arr / peak * 255.0 + 0.5), 0, 255).astype(np.uint8), "L")
+
+
+def fit_area(width: int, height: int, area: int, multiple: int = 32) -> tuple[int, int]:
+    """(width, height) of about `area` pixels with the aspect ratio of width/height, as diffusers rounds."""
+    ratio = width / height
+    w = math.sqrt(area * ratio)
+    h = w / ratio
+    return max(multiple, round(w / multiple) * multiple), max(multiple, round(h / multiple) * multiple)
+
+
+@lru_cache(maxsize=4)
+def _processor(vae_scale_factor: int):
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor(vae_scale_factor=vae_scale_factor)
+
+
+def to_tensor(img: Image.Image, width: int, height: int, multiple: int = 16) -> torch.Tensor:
+    """Resize to (width, height) and normalise to a (3, H, W) float32 tensor in [-1, 1]."""
+    return _processor(multiple).preprocess(img, height, width)[0]
+
+
+def resize(img: Image.Image, width: int, height: int, multiple: int = 16) -> Image.Image:
+    return _processor(multiple).resize(img, height, width)
+
+
+def center_crop_to(img: Image.Image, width: int, height: int) -> Image.Image:
+    """Scale to cover (width, height), then cut the middle: keeps aspect, loses the borders."""
+    scale = max(width / img.width, height / img.height)
+    w, h = max(width, round(img.width * scale)), max(height, round(img.height * scale))
+    img = img.resize((w, h), Image.Resampling.LANCZOS)
+    left, top = (w - width) // 2, (h - height) // 2
+    return img.crop((left, top, left + width, top + height))
+
+
+def prepare_target(img: Image.Image, area: int, mode: str = "resize", multiple: int = 32) -> torch.Tensor:
+    """The training target: about `area` pixels, sides a multiple of `multiple`, in [-1, 1]."""
+    width, height = fit_area(img.width, img.height, area, multiple)
+    if mode == "crop":
+        img = center_crop_to(img, width, height)
+    return to_tensor(img, width, height)
+
+
+def condition_images(img: Image.Image, vae_pixels: int, vl_pixels: int) -> tuple[torch.Tensor, Image.Image]:
+    """What the pipelines make of one control image: the VAE input (3, H, W) and the image Qwen2.5-VL sees."""
+    vae_w, vae_h = fit_area(img.width, img.height, vae_pixels)
+    vl_w, vl_h = fit_area(img.width, img.height, vl_pixels)
+    return to_tensor(img, vae_w, vae_h), resize(img, vl_w, vl_h)

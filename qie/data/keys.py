@@ -1,0 +1,63 @@
+"""Cache keys of a sample: a hash of exactly what each cached value depends on.
+
+- pixel_latent: target image bytes, target area / resize mode / rounding, VAE fingerprint
+- control_latent: every control image's bytes, VAE condition area, VAE fingerprint
+- prompt_embed (+mask): prompt text, every control image's bytes, VL condition area, text-encoder
+  fingerprint, prompt template
+- empty_prompt_embed (+mask): the same with the empty prompt
+Image bytes are hashed once and remembered against (path, size, mtime_ns) by the FileHasher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qie.cache.keys import FileHasher, entry_key
+from qie.data.samples import Sample
+
+
+@dataclass(frozen=True)
+class KeyContext:
+    """Everything besides the sample itself that cached values depend on."""
+
+    vae_fingerprint: str
+    text_encoder_fingerprint: str
+    prompt_template: str
+    target_pixels: int
+    resize_mode: str
+    multiple_of: int
+    vae_image_pixels: int
+    vl_image_pixels: int
+
+
+def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str, str]:
+    """The key of each of the six entry types of `sample` (pixel_latent only when it has a target)."""
+    controls = [hasher.hash(p) for p in sample.controls]
+    keys = {
+        "control_latent": entry_key(
+            "control_latent", {"controls": controls, "area": ctx.vae_image_pixels, "vae": ctx.vae_fingerprint}
+        )
+    }
+    if sample.target is not None:
+        keys["pixel_latent"] = entry_key(
+            "pixel_latent",
+            {
+                "target": hasher.hash(sample.target),
+                "area": ctx.target_pixels,
+                "mode": ctx.resize_mode,
+                "multiple": ctx.multiple_of,
+                "vae": ctx.vae_fingerprint,
+            },
+        )
+    for kind, prompt in (("prompt_embed", sample.prompt), ("empty_prompt_embed", "")):
+        fields = {
+            "prompt": prompt,
+            "controls": controls,
+            "area": ctx.vl_image_pixels,
+            "text_encoder": ctx.text_encoder_fingerprint,
+            "template": ctx.prompt_template,
+        }
+        keys[kind] = entry_key(kind, fields)
+        mask_kind = kind.replace("embed", "embeds_mask")
+        keys[mask_kind] = entry_key(mask_kind, fields)
+    return keys

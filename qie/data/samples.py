@@ -1,0 +1,229 @@
+"""Samples of an edit data set: a target image, its control images and the instruction.
+
+Two layouts: a folder (`training_images/<stem>.<ext>` + `<stem>.txt`, `control_images/<stem>.<ext>` and
+`control_images/<stem>_control_<N>.<ext>`) or a manifest (.jsonl or .csv with `target`, `controls`,
+`prompt`; paths relative to the manifest). Problems with single samples are collected, not raised, so
+precompute can name them and go on; a data set with no usable sample at all is an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qie.errors import DataError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+_CONTROL_SUFFIX = re.compile(r"^(?P<stem>.+)_control_(?P<n>\d+)$")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training or inference example. `target` is None for inference-only rows."""
+
+    id: str
+    target: Path | None
+    controls: tuple[Path, ...]
+    prompt: str
+
+
+@dataclass(frozen=True)
+class DataProblem:
+    """A sample that cannot be used: the file at fault and why."""
+
+    id: str
+    path: str
+    reason: str
+
+
+@dataclass
+class Dataset:
+    samples: list[Sample] = field(default_factory=list)
+    problems: list[DataProblem] = field(default_factory=list)
+
+
+def scan_dataset(path: str | Path, format: str = "auto", require_target: bool = True) -> Dataset:
+    """Find the samples of a data set folder or manifest.
+
+    Args:
+        path: a folder in the folder layout, or a .jsonl / .csv manifest.
+        format: "auto", "folder" or "manifest".
+        require_target: whether a sample without a target image is a problem (training) or fine (infer).
+
+    Returns:
+        The samples in a stable order (sorted by id) and the problems found.
+
+    Raises:
+        DataError: the path does not exist, is not a data set, or holds no usable sample.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(f"data.path {str(root)!r} does not exist: point data.path at a data set folder or manifest")
+    if format == "auto":
+        format = "folder" if root.is_dir() else "manifest"
+    data = _scan_folder(root, require_target) if format == "folder" else _scan_manifest(root, require_target)
+    if not data.samples:
+        detail = "".join(f"\n  {p.path}: {p.reason}" for p in data.problems[:5])
+        raise DataError(f"no usable sample in {str(root)!r}{detail}\nSee README 'Data sets' for the layouts.")
+    data.samples.sort(key=lambda s: s.id)
+    return data
+
+
+def read_caption(path: Path) -> str:
+    """The caption text of `path`, stripped.
+
+    Raises:
+        DataError: missing file or not UTF-8.
+    """
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise DataError(f"caption {str(path)!r} is missing: add a UTF-8 .txt beside the image") from None
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"caption {str(path)!r} is not UTF-8 ({e.reason} at byte {e.start}): re-save it as UTF-8"
+        ) from None
+
+
+def _images_by_stem(folder: Path) -> dict[str, Path]:
+    if not folder.is_dir():
+        return {}
+    return {
+        p.stem: p
+        for p in sorted(folder.iterdir())
+        if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")  # ._x.png: macOS metadata
+    }
+
+
+def _scan_folder(root: Path, require_target: bool) -> Dataset:
+    targets_dir, controls_dir = root / "training_images", root / "control_images"
+    if not targets_dir.is_dir() and not controls_dir.is_dir():
+        raise DataError(f"{str(root)!r} is not a data set folder: expected training_images/ and control_images/ inside")
+    targets = _images_by_stem(targets_dir)
+    controls: dict[str, list[tuple[int, Path]]] = {}
+    for stem, p in _images_by_stem(controls_dir).items():
+        m = _CONTROL_SUFFIX.match(stem)
+        base, n = (m["stem"], int(m["n"])) if m else (stem, -1)
+        controls.setdefault(base, []).append((n, p))
+    data = Dataset()
+    stems = sorted(set(targets) | set(controls)) if not require_target else sorted(targets)
+    for stem in sorted(set(controls) - set(stems)):
+        data.problems.append(
+            DataProblem(stem, str(targets_dir / f"{stem}.<ext>"), "target image is missing (control image found)")
+        )
+    for stem in stems:
+        target = targets.get(stem)
+        ctrl = tuple(p for _, p in sorted(controls.get(stem, [])))
+        caption_path = targets_dir / f"{stem}.txt"
+        if not caption_path.exists() and (controls_dir / f"{stem}.txt").exists():
+            caption_path = controls_dir / f"{stem}.txt"
+        if not ctrl:
+            data.problems.append(DataProblem(stem, str(controls_dir / f"{stem}.<ext>"), "control image is missing"))
+            continue
+        try:
+            prompt = read_caption(caption_path)
+        except DataError as e:
+            data.problems.append(DataProblem(stem, str(caption_path), str(e)))
+            continue
+        data.samples.append(Sample(stem, target, ctrl, prompt))
+    return data
+
+
+def _manifest_rows(path: Path) -> list[tuple[int, object]]:
+    """(line or row number, parsed row) of a .jsonl or .csv manifest; a row that cannot be parsed is a
+    string saying why, so it becomes a problem of that row alone."""
+    if path.is_dir():
+        raise DataError(f"{str(path)!r} is a folder: use data.format=folder (or auto) for the folder layout")
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".csv"):
+        raise DataError(f"manifest {str(path)!r}: use a .jsonl or .csv file, or a data set folder")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"manifest {str(path)!r} is not UTF-8 ({e.reason} at byte {e.start}): re-save it") from None
+    if suffix == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        return [(n, _csv_row(row)) for n, row in enumerate(reader, 2)]  # row 1 is the header
+    rows: list[tuple[int, object]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                rows.append((n, f"line {n} is not JSON ({e.msg})"))
+    return rows
+
+
+def _csv_row(row: dict) -> dict | str:
+    """A CSV row with `controls` parsed: a JSON list, or paths separated by `|`."""
+    raw = (row.get("controls") or "").strip()
+    if raw.startswith("["):
+        try:
+            row["controls"] = json.loads(raw)
+        except json.JSONDecodeError as e:
+            return f"'controls' is not a JSON list ({e.msg})"
+    else:
+        row["controls"] = [c.strip() for c in raw.split("|") if c.strip()]
+    return row
+
+
+def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
+    """(controls, target, prompt) of a manifest row, or why the row is not usable."""
+    if not isinstance(row, dict):
+        return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
+    controls = row.get("controls")
+    if controls is None and row.get("control"):
+        controls = [row["control"]]
+    if isinstance(controls, str):
+        controls = [controls]
+    if not isinstance(controls, list) or not all(isinstance(c, str) and c for c in controls):
+        return f"'controls' must be a list of paths, got {controls!r}"
+    target, prompt = row.get("target") or None, row.get("prompt")
+    if target is not None and not isinstance(target, str):
+        return f"'target' must be a path, got {target!r}"
+    if prompt is not None and not isinstance(prompt, str):
+        return f"'prompt' must be text, got {prompt!r}"
+    return controls, target, prompt
+
+
+def _scan_manifest(path: Path, require_target: bool) -> Dataset:
+    data = Dataset()
+    seen: set[str] = set()
+    for n, row in _manifest_rows(path):
+        rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
+        where = f"{path}:{n}"
+        fields = row if isinstance(row, str) else _row_fields(row)
+        if isinstance(fields, str):
+            data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
+            continue
+        controls, target, prompt = fields
+        missing = [k for k, ok in (("controls", controls), ("prompt", prompt is not None)) if not ok]
+        if require_target and not target:
+            missing.append("target")
+        if missing:
+            data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
+            continue
+        paths = [path.parent / c for c in controls] + ([path.parent / target] if target else [])
+        bad = [p for p in paths if not p.is_file()]
+        if bad:
+            data.problems.append(
+                DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
+            )
+            continue
+        sample_id = str(row.get("id") or Path(target or controls[0]).with_suffix("").as_posix())
+        if sample_id in seen:  # one target with several instructions: ids stay unique
+            sample_id = f"{sample_id}#{n}"
+        seen.add(sample_id)
+        data.samples.append(
+            Sample(
+                sample_id,
+                path.parent / target if target else None,
+                tuple(path.parent / c for c in controls),
+                prompt.strip(),
+            )
+        )
+    return data

@@ -1,0 +1,16 @@
+"""python -m qie.precompute model=... data.path=... cache=ssd cache.dir=..."""
+
+import hydra
+from omegaconf import DictConfig
+
+from qie.cli import run_stage
+from qie.stages import precompute
+
+
+@hydra.main(config_path="conf", config_name="precompute", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_stage(precompute.run, cfg)
+
+
+if __name__ == "__main__":
+    main()

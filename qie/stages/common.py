@@ -1,0 +1,58 @@
+"""Config-to-object glue the stages share: sizes, cache backend, key context, encoder, embedding source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from qie.cache import build_backend
+from qie.cache.keys import FileHasher
+from qie.components import load_parts, model_source
+from qie.embeddings import CachedSource, EmbeddingSource, LazySource, LiveSource, key_context
+from qie.encode import Encoder, ImageSizes
+
+ENCODER_PARTS = ("vae", "text_encoder", "tokenizer", "processor")
+
+
+def value(x: Any) -> Any:
+    """The plain value of a config enum."""
+    return getattr(x, "value", x)
+
+
+def image_sizes(cfg: DictConfig) -> ImageSizes:
+    return ImageSizes(
+        target_pixels=int(cfg.data.target_pixels),
+        vae_image_pixels=int(cfg.model.vae_image_pixels),
+        vl_image_pixels=int(cfg.model.vl_image_pixels),
+        resize_mode=str(value(cfg.data.resize_mode)),
+        multiple_of=int(cfg.data.multiple_of),
+    )
+
+
+def file_hasher(cfg: DictConfig) -> FileHasher:
+    """The image-hash index, kept in the cache folder when there is one."""
+    index = Path(cfg.cache.dir) / "file_hashes.json" if cfg.cache.get("dir") else None
+    return FileHasher(index)
+
+
+def build_encoder(cfg: DictConfig) -> Encoder:
+    """Encoder with the VAE on cache.vae_encoder_device and Qwen2.5-VL on cache.text_encoder_device."""
+    devices = {"vae": cfg.cache.vae_encoder_device, "text_encoder": cfg.cache.text_encoder_device}
+    parts = load_parts(cfg.model, ENCODER_PARTS, devices)
+    return Encoder(parts, str(value(cfg.model.variant)))
+
+
+def build_source(cfg: DictConfig, mode: str | None = None, encoder: Encoder | None = None) -> EmbeddingSource:
+    """The EmbeddingSource that `cache.mode` (or `mode`) names; `cache=none` is always live."""
+    mode = mode or str(value(cfg.cache.mode))
+    sizes = image_sizes(cfg)
+    if mode == "live" or cfg.cache.name == "none":
+        return LiveSource(encoder or build_encoder(cfg), sizes)
+    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"))
+    ctx = key_context(model_source(cfg.model), cfg.model.revision, str(value(cfg.model.variant)), sizes)
+    cached = CachedSource(backend, ctx, file_hasher(cfg))
+    if mode == "cached":
+        return cached
+    return LazySource(cached, encoder or build_encoder(cfg), sizes)

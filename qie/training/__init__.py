@@ -1,0 +1,1 @@
+"""Training: the flow-matching step, LoRA, quantization, checkpoints, logging and the loop."""

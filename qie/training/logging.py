@@ -1,0 +1,152 @@
+"""Training metrics and images: metrics.jsonl in the run directory, TensorBoard or wandb beside it.
+
+metrics.jsonl gets one line per logged optimizer step (step, loss, lr, grad_norm, seconds); the tracker
+gets the same scalars plus memory. Image grids show the training and control images of recent samples,
+read from the original files when logged and dropped right after, so cached training holds no pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from qie.data.collate import Batch
+from qie.data.images import open_image
+from qie.data.samples import Sample
+
+
+def memory_gib() -> dict[str, float]:
+    """Peak memory so far: the CUDA allocator's on a GPU, else the process's peak resident set."""
+    if torch.cuda.is_available():
+        return {
+            "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "memory/max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        }
+    return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+
+
+class MetricsLogger:
+    """Writes one JSON line per logged step and mirrors scalars and images to a tracker.
+
+    Args:
+        run_dir: where metrics.jsonl and tensorboard/ go.
+        report_to: "tensorboard", "wandb" or "none" (metrics.jsonl is written in every case).
+        enabled: False on non-main processes (they log nothing).
+        config: the run's config, for wandb.
+
+    Raises:
+        ConfigError: report_to=wandb without wandb installed.
+    """
+
+    def __init__(
+        self, run_dir: Path, report_to: str = "tensorboard", enabled: bool = True, config: dict | None = None
+    ) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        self.wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        elif report_to == "wandb":
+            try:
+                import wandb
+            except ImportError:
+                from qie.errors import ConfigError
+
+                raise ConfigError("logging.report_to=wandb needs wandb: pip install 'qie[wandb]'") from None
+            self.wandb = wandb.init(dir=str(run_dir), config=config or {})
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append `metrics` to metrics.jsonl; send them and the memory figures to the tracker."""
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        scalars = {f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        scalars.update(memory_gib())
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def log_image(self, tag: str, image: Image.Image, step: int) -> None:
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            self.tb.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(image)}, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class ImageLogger:
+    """An `on_step_end` hook: every `every` steps, a grid of the last `count` samples trained on.
+
+    Each row is one sample: its control images, then its training (target) image. Batches carry sample
+    ids only; the images are read from the samples' files here, so no pixels travel with the batches.
+
+    Args:
+        samples: sample id -> Sample (the files to read).
+        tag: the image's name in the tracker.
+    """
+
+    def __init__(
+        self,
+        logger: MetricsLogger,
+        samples: Mapping[str, Sample],
+        every: int,
+        count: int,
+        tag: str = "images/control_and_target",
+        height: int = 128,
+    ) -> None:
+        self.logger, self.samples, self.every = logger, samples, max(1, every)
+        self.recent: deque[str] = deque(maxlen=max(1, count))
+        self.tag, self.height = tag, height
+
+    def __call__(self, step: int, batch: Batch) -> None:
+        self.recent.extend(batch.ids)
+        if step % self.every or not self.logger.enabled:
+            return
+        rows = []
+        for sample_id in self.recent:
+            sample = self.samples[sample_id]
+            rows.append([open_image(p) for p in (*sample.controls, sample.target) if p is not None])
+        grid = image_grid(rows, self.height)
+        del rows  # the pixels are not needed beyond the grid
+        self.logger.log_image(self.tag, grid, step)
+
+
+def image_grid(rows: list[list[Image.Image]], height: int = 128) -> Image.Image:
+    """Rows of images, each scaled to `height`, on a white canvas as wide as the widest row."""
+    scaled = [
+        [im.convert("RGB").resize((max(1, round(im.width * height / im.height)), height)) for im in r] for r in rows
+    ]
+    width = max((sum(im.width for im in r) for r in scaled), default=1)
+    grid = Image.new("RGB", (max(1, width), height * max(1, len(scaled))), "white")
+    for y, row in enumerate(scaled):
+        x = 0
+        for im in row:
+            grid.paste(im, (x, y * height))
+            x += im.width
+    return grid

@@ -1,0 +1,192 @@
+"""The training loop: steps, gradient accumulation, logging, checkpoints, validation, stop signals.
+
+It is handed built objects (an Accelerator, a prepared model, optimizer, scheduler and a stream of
+batches) and knows nothing of configs, caches or encoders.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from qie.data.collate import Batch
+from qie.training.logging import MetricsLogger
+from qie.training.step import flow_matching_loss
+from qie.training.timesteps import sample_sigmas
+
+
+@dataclass
+class LoopSettings:
+    max_steps: int
+    seed: int
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 0
+    log_every: int = 1
+    timestep_sampling: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 3.0
+    dynamic_shift: bool = False
+    loss_weighting: str = "none"
+    scheduler_config: dict | None = None
+
+
+def batch_generator(seed: int, batch_number: int, rank: int, device: torch.device) -> torch.Generator:
+    """Noise and sigmas of a batch depend on (seed, batch number, rank) only, so a resumed run repeats them."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed((seed * 1_000_003 + batch_number) * 131 + rank)
+    return g
+
+
+def noise_and_sigmas(batch: Batch, settings: LoopSettings, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    latents = batch.latents
+    noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
+    tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+    sigmas = sample_sigmas(
+        latents.shape[0],
+        g,
+        settings.timestep_sampling,
+        settings.logit_mean,
+        settings.logit_std,
+        settings.mode_scale,
+        settings.shift,
+        settings.dynamic_shift,
+        tokens,
+        settings.scheduler_config,
+    )
+    return noise, sigmas
+
+
+class StopSignal:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then it saves and exits)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignal:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def fit(
+    accelerator: Any,
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    optimizer: Any,
+    lr_scheduler: Any,
+    batches: Iterable[tuple[int, Batch]],
+    dtype: torch.dtype,
+    settings: LoopSettings,
+    logger: MetricsLogger,
+    start_step: int = 0,
+    save_checkpoint: Callable[[int, int], Path] | None = None,
+    on_step_end: Callable[[int, Batch], None] | None = None,
+) -> dict:
+    """Train until `settings.max_steps` optimizer steps (or a stop signal), from `start_step`.
+
+    Args:
+        batches: (batch number, Batch) pairs on the CPU; the stream must resume at `start_step`'s batch.
+        dtype: the dtype batches are cast to (the frozen base model's).
+        save_checkpoint: called as save_checkpoint(step, batches_consumed) every `checkpoint_every` steps,
+            at the end and on a stop signal, on every process.
+        on_step_end: hook after each optimizer step, on every process (image logging, validation).
+
+    Returns:
+        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal"}.
+    """
+    step, consumed, saved_at = start_step, None, None
+    losses: list[float] = []
+    stream = iter(batches)
+    stopping = False
+    bar = tqdm(total=settings.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process)
+    with StopSignal() as stop, bar:
+        while step < settings.max_steps and not stopping:
+            t0 = time.perf_counter()
+            loss, grad_norm, batch, consumed = _optimizer_step(
+                accelerator, model, params, optimizer, lr_scheduler, stream, dtype, settings
+            )
+            step += 1
+            # One collective for both: every process must stop after the same step, or the checkpoint's
+            # collectives would pair with another process's training step.
+            totals = accelerator.reduce(
+                torch.tensor([loss, float(stop.received is not None)], device=accelerator.device), "sum"
+            )
+            mean_loss = totals[0].item() / accelerator.num_processes
+            stopping = totals[1].item() > 0
+            losses.append(mean_loss)
+            bar.update(1)
+            bar.set_postfix(loss=f"{mean_loss:.4f}")
+            if step % settings.log_every == 0 or step == settings.max_steps:
+                metrics = {
+                    "loss": mean_loss,
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                    "seconds": time.perf_counter() - t0,
+                }
+                logger.log(step, metrics)
+            if on_step_end is not None:
+                on_step_end(step, batch)
+            if save_checkpoint and settings.checkpoint_every and step % settings.checkpoint_every == 0:
+                save_checkpoint(step, consumed)
+                saved_at = step
+        if save_checkpoint and consumed is not None and saved_at != step:
+            save_checkpoint(step, consumed)
+    return {"step": step, "loss": losses[-1] if losses else math.nan, "losses": losses, "stopped_by_signal": stopping}
+
+
+def _optimizer_step(
+    accelerator: Any,
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    optimizer: Any,
+    lr_scheduler: Any,
+    stream: Iterator[tuple[int, Batch]],
+    dtype: torch.dtype,
+    settings: LoopSettings,
+) -> tuple[float, torch.Tensor | None, Batch, int]:
+    """One optimizer step over `gradient_accumulation_steps` batches.
+
+    Returns:
+        (mean loss of the window on this process, grad norm before clipping, last batch, batches consumed).
+    """
+    model.train()
+    window_loss, grad_norm = 0.0, None
+    micro_steps = accelerator.gradient_accumulation_steps
+    for _ in range(micro_steps):
+        number, batch = next(stream)
+        with accelerator.accumulate(model):
+            batch = batch.to(accelerator.device, dtype)
+            g = batch_generator(settings.seed, number, accelerator.process_index, accelerator.device)
+            noise, sigmas = noise_and_sigmas(batch, settings, g)
+            loss = flow_matching_loss(model, batch, noise, sigmas, settings.loss_weighting)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and settings.max_grad_norm > 0:
+                grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm)
+            # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
+            optimizer.step()
+            if accelerator.sync_gradients:
+                lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        window_loss += loss.detach().float().item() / micro_steps
+    return window_loss, grad_norm, batch, number + 1

@@ -1,0 +1,63 @@
+"""Sigma (noise level) sampling for flow-matching training, and its loss weighting.
+
+Qwen-Image's scheduler shifts sigmas dynamically at inference, so a fixed `shift` given to it is ignored:
+the training distribution of sigmas is set here.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+
+def sample_sigmas(
+    batch_size: int,
+    generator: torch.Generator,
+    method: str = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    shift: float = 3.0,
+    dynamic_shift: bool = False,
+    image_seq_len: int = 4096,
+    scheduler_config: dict | None = None,
+) -> torch.Tensor:
+    """Sigmas in (0, 1], one per sample.
+
+    Args:
+        method: "uniform", "logit_normal", "mode" (SD3's densities) or "shift": uniform sigmas pushed
+            towards noise by s*σ / (1 + (s-1)*σ).
+        dynamic_shift: with "shift", pick s = exp(mu) from the target's token count, as Qwen-Image's
+            scheduler does at inference (calculate_shift with the scheduler's config).
+        image_seq_len: packed tokens of one target latent.
+    """
+    scheme = "uniform" if method == "shift" else method
+    u = compute_density_for_timestep_sampling(
+        scheme,
+        batch_size,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+        mode_scale=mode_scale,
+        generator=generator,
+    )
+    if method == "shift":
+        s = torch.tensor(shift, dtype=u.dtype)
+        if dynamic_shift:
+            c = scheduler_config or {}
+            mu = calculate_shift(
+                image_seq_len,
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.15),
+            )
+            s = torch.tensor(mu, dtype=u.dtype).exp()
+        u = s * u / (1 + (s - 1) * u)
+    # σ=0 would be a clean input with no noise to predict; keep away from both ends.
+    return u.clamp(1e-4, 1.0)
+
+
+def loss_weights(method: str, sigmas: torch.Tensor) -> torch.Tensor:
+    """Per-sample loss weights: "none", "sigma_sqrt" or "cosmap" (SD3)."""
+    return compute_loss_weighting_for_sd3(method, sigmas)

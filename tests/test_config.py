@@ -1,0 +1,85 @@
+"""The config tree: every root composes with every option of its groups; bad configs fail early."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import qie
+from qie.config import compose
+from qie.errors import ConfigError
+
+CONF = Path(qie.__file__).parent / "conf"
+ROOT_GROUPS = {
+    "precompute": ["model", "data", "cache"],
+    "train": ["model", "data", "cache", "train", "predict"],
+    "infer": ["model", "data", "predict"],
+    "cache": ["cache"],
+}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "stage,group,option",
+    [(s, g, o) for s, groups in ROOT_GROUPS.items() for g in groups for o in options(g)],
+)
+def test_every_root_composes_with_every_option(stage: str, group: str, option: str) -> None:
+    cfg = compose(stage, [f"{group}={option}"])
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert group in resolved
+    if group == "model":
+        assert cfg.model.name == option
+    if group == "cache":
+        assert cfg.cache.name == option and cfg.cache._target_.startswith("qie.cache.")
+
+
+def test_experiment_presets_compose() -> None:
+    for option in options("experiment"):
+        cfg = compose("train", [f"experiment={option}"])
+        assert cfg.train.max_steps > 0
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("cache=nvme", "Available options in 'cache'"),
+        ("train.learning_rate=abc", "could not be converted to Float"),
+        ("model.quantize=fp7", "expected one of [none, fp8, int8]"),
+        ("model.dtype=float8", "expected one of [bfloat16, float16, float32]"),
+        ("model.foo=1", "Could not override 'model.foo'"),
+        ("+model.foo=1", "unknown key model.foo"),
+        ("data.caption_dropout_rate=1.5", "data.caption_dropout_rate=1.5 is out of range"),
+        ("train.mixed_precision=fp4", "expected one of [auto, no, bf16, fp16]"),
+    ],
+)
+def test_bad_config_fails_naming_key_and_choices(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose("train", [override])
+    assert expected in str(err.value)
+    key = override.lstrip("+").split("=")[0]
+    assert key in str(err.value) or key.split(".")[0] in str(err.value)
+
+
+def test_tiny_paths_follow_qie_home(qie_home: Path) -> None:
+    cfg = compose("train", ["model=tiny_plus"])
+    assert cfg.model.pretrained_model_name_or_path == str(qie_home / "tiny" / "edit_plus-v1")
+    assert cfg.model.variant.value == "edit_plus"
+    assert cfg.data.target_pixels == cfg.model.vae_image_pixels == 4096
+
+
+def test_real_model_presets_carry_their_condition_sizes() -> None:
+    edit = compose("infer", ["model=qwen_image_edit"]).model
+    plus = compose("infer", ["model=qwen_image_edit_plus"]).model
+    assert (edit.vae_image_pixels, edit.vl_image_pixels) == (1024 * 1024, 1024 * 1024)
+    assert (plus.vae_image_pixels, plus.vl_image_pixels) == (1024 * 1024, 384 * 384)
+    assert plus.max_control_images > edit.max_control_images == 1
+
+
+def test_unknown_stage() -> None:
+    with pytest.raises(ConfigError, match="unknown stage 'fit'"):
+        compose("fit")
