@@ -1,0 +1,75 @@
+"""Embedding cache: entries (dicts of named tensors) stored under (type, key) by a pluggable backend.
+
+Backends: `ssd` (files), `memory` (in-process), `none` (always a miss). A new backend is one module with
+a class following `CacheBackend` and one yaml file naming it in `_target_`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from qie.cache.base import (
+    SCHEMA_VERSION,
+    CacheBackend,
+    CorruptEntry,
+    Entry,
+    VerifyReport,
+    check_key,
+    check_type,
+    check_types,
+)
+from qie.config.cache import CACHE_TYPES
+from qie.errors import ConfigError
+
+
+def build_backend(target: str, dir: str | None) -> CacheBackend:
+    """Construct the backend class named by the dotted path `target` (`cache._target_`) with `dir`.
+
+    Args:
+        target: e.g. "qie.cache.ssd.SsdBackend".
+        dir: `cache.dir`; the ssd backend needs it, the others ignore it.
+
+    Raises:
+        ConfigError: when `target` names no importable backend class, or the backend rejects `dir`.
+    """
+    module_name, _, class_name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name) if module_name else None
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"cache._target_={target!r} cannot be imported: {e}") from None
+    except AttributeError:
+        cls = None
+    if not isinstance(cls, type):
+        raise ConfigError(
+            f"cache._target_={target!r} is not a class: expected a dotted path such as 'qie.cache.ssd.SsdBackend'"
+        )
+    try:
+        backend = cls(dir=dir)
+    except TypeError as e:
+        raise ConfigError(f"cache._target_={target!r} cannot be built with dir={dir!r}: {e}") from None
+    if not isinstance(backend, CacheBackend):
+        raise ConfigError(f"cache._target_={target!r} does not implement the CacheBackend protocol")
+    return backend
+
+
+__all__ = [
+    "CACHE_TYPES",
+    "SCHEMA_VERSION",
+    "CacheBackend",
+    "CorruptEntry",
+    "Entry",
+    "VerifyReport",
+    "build_backend",
+    "check_key",
+    "check_type",
+    "check_types",
+]
+
+
+def __getattr__(name: str):
+    # The notebook facade imports qie.data (sample keys); load it on first use only.
+    if name in ("EmbeddingCacheManager", "check_cache_exists"):
+        from qie.cache import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'qie.cache' has no attribute {name!r}")

@@ -1,0 +1,99 @@
+"""A familiar notebook API over qie's cache: `EmbeddingCacheManager` and `check_cache_exists`.
+
+A thin facade: entries are stored by the ssd backend exactly as precompute stores them, so what one
+writes the other reads. A manager made with a KeyContext (see `qie.api.cache_manager(cfg)`) computes the
+same keys as precompute and training; without one, prompt keys cover the prompt and image content only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from qie.cache.keys import FileHasher, entry_key
+from qie.cache.ssd import SsdBackend
+from qie.config.cache import CACHE_TYPES
+from qie.data.keys import KeyContext, sample_keys
+from qie.data.samples import Sample
+
+# The tensor name each type's single tensor is stored under (control_latent: one per control image).
+TENSOR_NAMES = {
+    "pixel_latent": "latent",
+    "prompt_embed": "embed",
+    "empty_prompt_embed": "embed",
+    "prompt_embeds_mask": "mask",
+    "empty_prompt_embeds_mask": "mask",
+}
+
+
+class EmbeddingCacheManager:
+    """Save, load and inspect cache entries by type and key.
+
+    Args:
+        cache_dir: the `cache.dir` of precompute and training.
+        context: model fingerprints and image sizes; with it, keys equal those precompute writes.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, context: KeyContext | None = None) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.backend = SsdBackend(dir=self.cache_dir)
+        self.hasher = FileHasher(self.cache_dir / "file_hashes.json")
+        self.context = context
+
+    def save_cache(self, cache_type: str, key: str, tensor: torch.Tensor | list[torch.Tensor]) -> int:
+        """Store `tensor` (a list of tensors for several control latents); returns bytes written."""
+        if cache_type == "control_latent":
+            tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+            return self.backend.put(cache_type, key, {str(i): t for i, t in enumerate(tensors)})
+        return self.backend.put(cache_type, key, {TENSOR_NAMES[cache_type]: tensor})
+
+    def load_cache(self, cache_type: str, key: str) -> torch.Tensor | list[torch.Tensor] | None:
+        """The stored tensor (a list for control_latent), or None on a miss or an unreadable entry."""
+        entry = self.backend.get(cache_type, key)
+        if entry is None:
+            return None
+        if cache_type == "control_latent":
+            return [entry[str(i)] for i in range(len(entry))]
+        return entry[TENSOR_NAMES[cache_type]]
+
+    def cache_exists(self, cache_type: str, key: str) -> bool:
+        return self.backend.exists(cache_type, key)
+
+    def get_cache_stats(self) -> dict[str, int]:
+        """Entry count per type, e.g. {'pixel_latent': 100, 'control_latent': 100, ...}."""
+        return {t: s["count"] for t, s in self.backend.stats().items()}
+
+    def clear_cache(self, cache_type: str | None = None) -> int:
+        """Remove all entries, or those of one type; returns how many were removed."""
+        return self.backend.clear([cache_type] if cache_type else None)
+
+    def get_file_hash_for_image(self, image_path: str | os.PathLike) -> str:
+        """sha256 of the file's bytes (remembered against path, size and mtime)."""
+        return self.hasher.hash(image_path)
+
+    def get_file_hash_for_prompt(self, image_path: str | os.PathLike | list, prompt: str) -> str:
+        """The prompt_embed key of `prompt` seen with the image(s): covers the image content, not only text."""
+        paths = image_path if isinstance(image_path, (list, tuple)) else [image_path]
+        if self.context is not None:
+            sample = Sample("api", None, tuple(Path(p) for p in paths), prompt)
+            return sample_keys(sample, self.context, self.hasher)["prompt_embed"]
+        return entry_key("prompt_embed", {"prompt": prompt, "controls": [self.hasher.hash(p) for p in paths]})
+
+    def keys_for(self, target: str | os.PathLike | None, controls: list, prompt: str) -> dict[str, str]:
+        """All keys of a sample, as precompute computes them. Needs a context."""
+        if self.context is None:
+            raise ValueError("keys_for needs a KeyContext: build the manager with qie.api.cache_manager(cfg)")
+        sample = Sample("api", Path(target) if target else None, tuple(Path(c) for c in controls), prompt)
+        return sample_keys(sample, self.context, self.hasher)
+
+
+def check_cache_exists(cache_dir: str | os.PathLike) -> bool:
+    """Whether `cache_dir` holds a usable cache: at least one entry of every type training reads."""
+    path = Path(cache_dir)
+    if not path.is_dir():
+        return False
+    stats = SsdBackend(dir=path).stats()
+    needed = [t for t in CACHE_TYPES if "mask" not in t]
+    return all(stats[t]["count"] > 0 for t in needed)

@@ -1,0 +1,57 @@
+"""The `none` backend: stores nothing, so every lookup misses and embeddings are always computed live."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from qie.cache.base import Entry, VerifyReport, check_entry, check_key, check_type, check_types, empty_stats
+
+
+class NoneBackend:
+    """Always a miss; `put` accepts and drops the entry.
+
+    Args:
+        dir: accepted for a uniform constructor (the config passes `cache.dir`) and ignored.
+    """
+
+    def __init__(self, dir: str | os.PathLike | None = None) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "NoneBackend()"
+
+    def get(self, type: str, key: str) -> Entry | None:
+        """Always None."""
+        _check(type, key)
+        return None
+
+    def put(self, type: str, key: str, tensors: Entry) -> int:
+        """Drops the entry; 0 bytes written."""
+        _check(type, key)
+        check_entry(tensors)
+        return 0
+
+    def exists(self, type: str, key: str) -> bool:
+        """Always False."""
+        _check(type, key)
+        return False
+
+    def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
+        """Zero entries of every type."""
+        return empty_stats(types)
+
+    def clear(self, types: Iterable[str] | None = None) -> int:
+        """Nothing to remove: 0."""
+        check_types(types)
+        return 0
+
+    def verify(self, types: Iterable[str] | None = None, fix: bool = False) -> VerifyReport:
+        """Nothing to check."""
+        check_types(types)
+        return VerifyReport()
+
+
+def _check(type: str, key: str) -> None:
+    check_type(type)
+    check_key(key)
