@@ -1,0 +1,209 @@
+"""The Python API for notebooks and scripts: thin facades over the stage code the CLI runs.
+
+    cfg = qie.compose("train", ["data.path=/data/edits", "cache.dir=/cache"])
+    trainer = qie.Trainer(cfg)
+    trainer.cache_embeddings(); trainer.fit()
+    image = trainer.predict("in.png", "make the sky pink")
+
+Nothing is built when a Trainer is made; each method builds what it needs, once.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+
+from qie.cache.api import EmbeddingCacheManager
+from qie.config import PrecomputeRoot
+from qie.data.samples import scan_dataset
+from qie.errors import ConfigError
+from qie.stages.common import image_sizes, value
+
+
+def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
+    """An EmbeddingCacheManager on `cfg.cache.dir` whose keys equal precompute's for `cfg.model`."""
+    from qie.components import model_source
+    from qie.embeddings import key_context
+
+    sizes = image_sizes(cfg)
+    context = key_context(model_source(cfg.model), cfg.model.revision, str(value(cfg.model.variant)), sizes)
+    return EmbeddingCacheManager(cfg.cache.dir, context)
+
+
+class EditDataset:
+    """The samples of `cfg.data.path`, each read through the configured EmbeddingSource.
+
+    Indexing returns a dict of the tensors a training step needs and `cached` (True when they came
+    from the cache); `get_cache_stats()` counts hits and misses so far.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        from qie.stages.common import build_source
+
+        self.samples = scan_dataset(cfg.data.path, str(value(cfg.data.format))).samples
+        self.source = build_source(cfg)
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        (item,) = self.source.get([self.samples[index]])
+        if item.cached:
+            self.hits += 1
+        else:
+            self.misses += 1
+        return {
+            "id": item.id,
+            "pixel_latent": item.pixel_latent,
+            "control_latents": list(item.control_latents),
+            "prompt_embed": item.prompt_embed,
+            "empty_prompt_embed": item.empty_prompt_embed,
+            "prompt": self.samples[index].prompt,
+            "cached": item.cached,
+        }
+
+    def get_cache_stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses}
+
+
+class Trainer:
+    """Precompute, train and predict with one config, as the CLI stages do.
+
+    Args:
+        cfg: a composed "train" config (`qie.compose("train", overrides)`).
+        run_dir: where outputs go; default `outputs/api-<time>`.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: str | Path | None = None) -> None:
+        if "train" not in cfg or "predict" not in cfg:
+            raise ConfigError("Trainer needs a train config: qie.compose('train', overrides)")
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or Path("outputs") / f"api-{datetime.now():%Y-%m-%d_%H-%M-%S}")
+        self.lora_path: Path | None = None
+        self._predictor = None
+        self._encoder = None
+
+    # Training ------------------------------------------------------------------------------------
+    def cache_embeddings(self):
+        """Run precompute for the config's data set into `cache.dir`; returns the summary."""
+        from qie.stages import precompute
+
+        pre = OmegaConf.merge(
+            OmegaConf.structured(PrecomputeRoot),
+            {"model": self.cfg.model, "data": self.cfg.data, "cache": self.cfg.cache},
+        )
+        return precompute.run(pre, self.run_dir / "precompute")
+
+    def fit(self) -> dict:
+        """Train as `python -m qie.train` does; returns the result (steps, losses, LoRA path)."""
+        from qie.stages import train
+
+        result = train.run(self.cfg, self.run_dir / "train")
+        if result.get("lora"):
+            self.lora_path = Path(result["lora"])
+            if self._predictor is not None:
+                self._predictor.load_lora(self.lora_path, float(self.cfg.predict.lora_scale))
+        return result
+
+    def save_lora(self, path: str | Path) -> Path:
+        """Copy the trained (or loaded) LoRA file to `path` (a file or a folder)."""
+        if self.lora_path is None:
+            raise ConfigError("no LoRA to save: call fit() or load_lora() first")
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / self.lora_path.name
+        shutil.copyfile(self.lora_path, path)
+        return path
+
+    def load_lora(self, path: str | Path, scale: float | None = None) -> None:
+        """Use this LoRA for prediction (loaded now if prediction is set up, else when it is)."""
+        from qie.training.lora_io import lora_file
+
+        self.lora_path = lora_file(path)
+        if self._predictor is not None:
+            self._predictor.load_lora(
+                self.lora_path, scale if scale is not None else float(self.cfg.predict.lora_scale)
+            )
+
+    def merge_lora(self) -> None:
+        """Fuse the loaded LoRA into the transformer's weights (faster prediction, no unloading)."""
+        from qie.training.lora_io import merge_lora
+
+        merge_lora(self.setup_predict().parts.transformer)
+
+    # Prediction ----------------------------------------------------------------------------------
+    def setup_predict(self):
+        """Build the prediction parts once (on predict.devices) and load the LoRA if there is one."""
+        if self._predictor is None:
+            from qie.stages.infer import build_predictor
+
+            cfg = self.cfg.copy()
+            OmegaConf.update(cfg, "predict.lora", str(self.lora_path) if self.lora_path else None, merge=False)
+            self._predictor = build_predictor(cfg)
+            self._encoder = self._predictor.encoder
+        return self._predictor
+
+    def predict(
+        self,
+        image: Image.Image | str | Path | Sequence[Image.Image | str | Path],
+        prompt: str,
+        negative_prompt: str | None = "",
+        num_inference_steps: int = 20,
+        true_cfg_scale: float = 4.0,
+        seed: int | None = None,
+    ) -> Image.Image | list[Image.Image]:
+        """Edit `image` (a list of images for Edit-Plus) as `python -m qie.infer` would.
+
+        Returns one PIL image, or a list when several input images were given.
+        """
+        images = list(image) if isinstance(image, (list, tuple)) else [image]
+        out = self.setup_predict().predict(
+            images,
+            prompt,
+            negative_prompt=negative_prompt,
+            steps=num_inference_steps,
+            cfg=true_cfg_scale,
+            seed=int(self.cfg.predict.seed if seed is None else seed),
+        )
+        return out if len(images) > 1 else out[0]
+
+    # Encoding ------------------------------------------------------------------------------------
+    def _encoder_only(self):
+        if self._encoder is None:
+            from qie.stages.common import build_encoder
+
+            self._encoder = build_encoder(self.cfg)
+        return self._encoder
+
+    def encode_image(self, image: Image.Image | str | Path) -> torch.Tensor:
+        """Normalised VAE latent (1, C, 1, h, w) of an image at the model's condition size."""
+        from qie.data.images import condition_images, open_image
+
+        pil = image.convert("RGB") if isinstance(image, Image.Image) else open_image(image)
+        pixels, _ = condition_images(pil, int(self.cfg.model.vae_image_pixels), int(self.cfg.model.vl_image_pixels))
+        return self._encoder_only().encode_latents([pixels])[0].unsqueeze(0)
+
+    def encode_prompt(self, prompt: str, images: Sequence[Image.Image | str | Path]) -> torch.Tensor:
+        """Prompt embedding (tokens, dim) of `prompt` seen with `images`, unpadded."""
+        from qie.data.images import condition_images, open_image
+
+        pil = [im.convert("RGB") if isinstance(im, Image.Image) else open_image(im) for im in images]
+        m = self.cfg.model
+        vl = [condition_images(im, int(m.vae_image_pixels), int(m.vl_image_pixels))[1] for im in pil]
+        return self._encoder_only().encode_prompts([prompt], [vl])[0]
+
+    def decode_latents(self, latents: torch.Tensor) -> list[Image.Image]:
+        """PIL images of normalised latents (B, C, 1, h, w)."""
+        from qie.sampling import decode_latents
+
+        parts = self._predictor.parts if self._predictor is not None else self._encoder_only().parts
+        return decode_latents(parts.vae, latents)
