@@ -1,0 +1,16 @@
+"""python -m qie.infer predict.image=in.png predict.prompt="..." [predict.lora=...] [predict.merge_to=DIR]"""
+
+import hydra
+from omegaconf import DictConfig
+
+from qie.cli import run_stage
+from qie.stages import infer
+
+
+@hydra.main(config_path="conf", config_name="infer", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_stage(infer.run, cfg)
+
+
+if __name__ == "__main__":
+    main()
