@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from qie.cache.api import EmbeddingCacheManager
-from qie.config import PrecomputeRoot
+from qie.config import for_stage
 from qie.data.samples import scan_dataset
 from qie.errors import ConfigError
 from qie.stages.common import image_sizes, value
@@ -96,11 +96,7 @@ class Trainer:
         """Run precompute for the config's data set into `cache.dir`; returns the summary."""
         from qie.stages import precompute
 
-        pre = OmegaConf.merge(
-            OmegaConf.structured(PrecomputeRoot),
-            {"model": self.cfg.model, "data": self.cfg.data, "cache": self.cfg.cache},
-        )
-        return precompute.run(pre, self.run_dir / "precompute")
+        return precompute.run(for_stage(self.cfg, "precompute"), self.run_dir / "precompute")
 
     def fit(self) -> dict:
         """Train as `python -m qie.train` does; returns the result (steps, losses, LoRA path)."""

@@ -121,6 +121,17 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     return cfg
 
 
+ROOTS = {"precompute": PrecomputeRoot, "train": TrainRoot, "infer": InferRoot, "cache": CacheAdminRoot,
+         "demo": DemoRoot}
+
+
+def for_stage(cfg: DictConfig, stage: str) -> DictConfig:
+    """A config of `stage` made of the sections of `cfg` that stage has (e.g. a train config's model,
+    data and cache as a precompute config), the rest at its defaults."""
+    root = OmegaConf.structured(ROOTS[stage])
+    return OmegaConf.merge(root, {k: cfg[k] for k in root.keys() if k in cfg})
+
+
 def validate(cfg: DictConfig) -> None:
     """Check a composed config against its schema and ranges, building nothing.
 
@@ -156,4 +167,4 @@ def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | Non
         raise ConfigError(f"{key}={value} is out of range: it must lie in {bounds}")
 
 
-__all__ = ["PrecomputeRoot", "CACHE_TYPES", "STAGES", "compose", "qie_home", "validate"]
+__all__ = ["CACHE_TYPES", "STAGES", "compose", "for_stage", "qie_home", "validate"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from qie.config import PrecomputeRoot
+from qie.config import for_stage
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import scan_dataset
 from qie.demo.synthetic import make_dataset
@@ -37,11 +37,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     heldout_cfg = _with(train_cfg, **{"data.path": str(data_root / "heldout")})
 
     for split_cfg, name in ((train_cfg, "train"), (heldout_cfg, "heldout")):
-        pre = OmegaConf.merge(
-            OmegaConf.structured(PrecomputeRoot),
-            {"model": split_cfg.model, "data": split_cfg.data, "cache": split_cfg.cache},
-        )
-        precompute.run(pre, run_dir / f"precompute_{name}")
+        precompute.run(for_stage(split_cfg, "precompute"), run_dir / f"precompute_{name}")
 
     result = train.run(train_cfg, run_dir / "train")
 
