@@ -43,15 +43,19 @@ class PreparedSample:
     vl_images: list[Image.Image]
 
 
-def prepare_sample(sample: Sample, sizes: ImageSizes, with_target: bool = True) -> PreparedSample:
-    """Read and resize a sample's images. Raises DataError naming an unreadable file."""
+def prepare_sample(
+    sample: Sample, sizes: ImageSizes, with_target: bool = True, with_controls: bool = True
+) -> PreparedSample:
+    """Read and resize a sample's images (the target, the controls, or both).
+
+    Raises:
+        ImageError (a DataError): naming the unreadable file in its message and in `.path`.
+    """
     target = None
     if with_target and sample.target is not None:
-        target = prepare_target(
-            open_image(sample.target), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of
-        )
+        target = prepare_target(open_image(sample.target), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
     pixels, vl = [], []
-    for path in sample.controls:
+    for path in sample.controls if with_controls else ():
         vae_in, vl_in = condition_images(open_image(path), sizes.vae_image_pixels, sizes.vl_image_pixels)
         pixels.append(vae_in)
         vl.append(vl_in)
@@ -82,14 +86,18 @@ class Encoder:
         return [latent.cpu() for latent in latents.unbind(0)]
 
     @torch.no_grad()
-    def encode_prompts(
-        self, prompts: Sequence[str], images: Sequence[Sequence[Image.Image]]
-    ) -> list[torch.Tensor]:
+    def encode_prompts(self, prompts: Sequence[str], images: Sequence[Sequence[Image.Image]]) -> list[torch.Tensor]:
         """Prompt embeddings, each (tokens, dim) without padding, of prompts seen with their control images.
 
         Edit prompts (one image each) are encoded as one batch; Edit-Plus prompts one at a time, as
         diffusers' multi-image prompt applies one image list to every prompt of a call.
         """
+        counts = [len(imgs) for imgs in images]
+        if len(counts) != len(prompts) or 0 in counts or (self.variant != "edit_plus" and max(counts, default=1) > 1):
+            raise ValueError(
+                f"{len(prompts)} prompts with {counts} control images each: every prompt needs its images, and "
+                f"the Edit pipeline's prompt takes one image (Edit-Plus takes several)"
+            )
         device = self.parts.text_encoder.device
         if self.variant == "edit_plus":
             out = []
@@ -98,9 +106,7 @@ class Encoder:
             return out
         return self._encode(list(prompts), [imgs[0] for imgs in images], device)
 
-    def _encode(
-        self, prompts: list[str], images: list[Image.Image], device: torch.device
-    ) -> list[torch.Tensor]:
+    def _encode(self, prompts: list[str], images: list[Image.Image], device: torch.device) -> list[torch.Tensor]:
         embeds, mask = self.pipeline._get_qwen_prompt_embeds(prompt=prompts, image=images, device=device)
         lengths = mask.sum(dim=1).tolist()
         return [e[:n].cpu().clone() for e, n in zip(embeds, lengths)]

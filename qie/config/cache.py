@@ -12,9 +12,9 @@ class SourceMode(str, Enum):
     lazy = "lazy"
 
 
-class OnError(str, Enum):
-    skip = "skip"
-    raise_ = "raise"
+# What precompute does with a sample it cannot read. Built with the functional API because `raise` is a
+# keyword: OmegaConf matches strings to member *names*, so the member must be named "raise" itself.
+OnError = Enum("OnError", [("skip", "skip"), ("raise", "raise")], type=str, module=__name__)
 
 
 class CacheAction(str, Enum):

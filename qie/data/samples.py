@@ -68,8 +68,13 @@ def scan_dataset(path: str | Path, format: str = "auto", require_target: bool = 
     data = _scan_folder(root, require_target) if format == "folder" else _scan_manifest(root, require_target)
     if not data.samples:
         detail = "".join(f"\n  {p.path}: {p.reason}" for p in data.problems[:5])
+        if len(data.problems) > 5:
+            detail += f"\n  ... and {len(data.problems) - 5} more"
+        if not data.problems:
+            detail = f"\n  it holds no samples (images are {', '.join(IMAGE_EXTENSIONS)})"
         raise DataError(f"no usable sample in {str(root)!r}{detail}\nSee README 'Data sets' for the layouts.")
     data.samples.sort(key=lambda s: s.id)
+    data.problems.sort(key=lambda p: p.id)
     return data
 
 

@@ -1,0 +1,169 @@
+"""The Encoder gives what diffusers' own Qwen-Image-Edit(-Plus) pipelines compute (tiny models, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from PIL import Image
+
+from qie.components.processor import load_processor
+from qie.config import compose
+from qie.data.samples import Sample
+from qie.encode import EMPTY_PROMPT, Encoder, ImageSizes, prepare_sample
+from qie.stages.common import build_encoder
+
+AREA = 64 * 64
+SIZES = ImageSizes(target_pixels=AREA, vae_image_pixels=AREA, vl_image_pixels=AREA)
+ALL_TYPES = [
+    "pixel_latent",
+    "control_latent",
+    "prompt_embed",
+    "prompt_embeds_mask",
+    "empty_prompt_embed",
+    "empty_prompt_embeds_mask",
+]
+
+
+def _noise(path: Path, seed: int, size: tuple[int, int] = (64, 64)) -> Path:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _pipeline(cls, path: Path):
+    pipe = cls.from_pretrained(path, processor=load_processor(path))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def edit(tiny_path: Path) -> tuple[Encoder, QwenImageEditPipeline]:
+    return build_encoder(compose("precompute", ["model=tiny"])), _pipeline(QwenImageEditPipeline, tiny_path)
+
+
+@pytest.fixture(scope="module")
+def plus(tiny_plus_path: Path) -> tuple[Encoder, QwenImageEditPlusPipeline]:
+    encoder = build_encoder(compose("precompute", ["model=tiny_plus"]))
+    return encoder, _pipeline(QwenImageEditPlusPipeline, tiny_plus_path)
+
+
+def _pipeline_inputs(pipe, path: Path, area: int = AREA) -> tuple[Image.Image, torch.Tensor]:
+    """What the pipeline's __call__ makes of a condition image: the resized PIL image and the VAE input."""
+    img = Image.open(path).convert("RGB")
+    w, h, _ = calculate_dimensions(area, img.width / img.height)
+    resized = pipe.image_processor.resize(img, h, w)
+    return resized, pipe.image_processor.preprocess(resized, h, w).unsqueeze(2)
+
+
+def test_prepared_images_are_the_pipelines(edit, tmp_path: Path) -> None:
+    _, pipe = edit
+    path = _noise(tmp_path / "c.png", 0, (80, 48))
+    prepared = prepare_sample(Sample("s", path, (path,), "p"), SIZES)
+    vl_image, vae_input = _pipeline_inputs(pipe, path)
+    assert prepared.control_pixels[0].shape == (3, 64, 96)
+    assert torch.equal(prepared.control_pixels[0], vae_input[0, :, 0])
+    assert np.array_equal(np.asarray(prepared.vl_images[0]), np.asarray(vl_image))
+    assert torch.equal(prepared.target, vae_input[0, :, 0])  # target area == condition area here
+
+
+def test_latents_equal_the_pipelines_vae_encoding(edit, tmp_path: Path) -> None:
+    encoder, pipe = edit
+    paths = [_noise(tmp_path / f"{i}.png", i) for i in range(3)]
+    inputs = [_pipeline_inputs(pipe, p)[1] for p in paths]
+    with torch.no_grad():
+        expected = [pipe._encode_vae_image(x, generator=None)[0] for x in inputs]
+    singles = [encoder.encode_latents([x[0, :, 0]])[0] for x in inputs]
+    for got, want in zip(singles, expected):
+        assert got.shape == (4, 1, 16, 16) and got.dtype == torch.float32
+        assert torch.equal(got, want)
+    batched = encoder.encode_latents([x[0, :, 0] for x in inputs])
+    for got, want in zip(batched, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # Normalised with the VAE's latents_mean / latents_std, not raw.
+    with torch.no_grad():
+        raw = pipe.vae.encode(inputs[0]).latent_dist.mode()[0]
+    assert not torch.allclose(raw, singles[0], atol=1e-3)
+
+
+def test_prompt_embeddings_equal_encode_prompt(edit, tmp_path: Path) -> None:
+    encoder, pipe = edit
+    images = [_pipeline_inputs(pipe, _noise(tmp_path / f"{i}.png", 10 + i))[0] for i in range(3)]
+    prompts = ["Make the sky blue.", "Remove the red car from the street.", EMPTY_PROMPT]
+    with torch.no_grad():
+        expected = []
+        for prompt, image in zip(prompts, images):
+            embeds, mask = pipe.encode_prompt(prompt, image=image, device=torch.device("cpu"))
+            assert mask is None  # nothing padded in a batch of one
+            expected.append(embeds[0])
+    singles = [encoder.encode_prompts([p], [[im]])[0] for p, im in zip(prompts, images)]
+    for got, want in zip(singles, expected):
+        assert torch.equal(got, want)
+    batched = encoder.encode_prompts(prompts, [[im] for im in images])
+    assert len({e.shape[0] for e in batched}) == 3  # different lengths, returned unpadded
+    for got, want in zip(batched, expected):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_same_prompt_other_image_other_embedding(edit, tmp_path: Path) -> None:
+    encoder, _ = edit
+    a, b = (prepare_sample(Sample("s", None, (_noise(tmp_path / f"{i}.png", i),), "x"), SIZES) for i in (1, 2))
+    ea, eb = encoder.encode_prompts(["Make it red."] * 2, [a.vl_images, b.vl_images])
+    assert ea.shape == eb.shape and not torch.allclose(ea, eb)
+
+
+def test_edit_prompt_takes_exactly_one_image(edit, tmp_path: Path) -> None:
+    encoder, _ = edit
+    img = Image.open(_noise(tmp_path / "a.png", 3)).convert("RGB")
+    with pytest.raises(ValueError, match="takes one image"):
+        encoder.encode_prompts(["two images"], [[img, img]])
+    with pytest.raises(ValueError, match="needs its images"):
+        encoder.encode_prompts(["no image"], [[]])
+
+
+def test_encode_entries_gives_every_type(edit, tmp_path: Path) -> None:
+    encoder, _ = edit
+    samples = [
+        Sample(f"s{i}", _noise(tmp_path / f"t{i}.png", i), (_noise(tmp_path / f"c{i}.png", 50 + i),), f"edit {i}")
+        for i in range(2)
+    ]
+    prepared = [prepare_sample(s, SIZES) for s in samples]
+    entries = encoder.encode_entries(prepared, ALL_TYPES)
+    for entry in entries:
+        assert set(entry) == set(ALL_TYPES)
+        assert entry["pixel_latent"]["latent"].shape == (4, 1, 16, 16)
+        assert list(entry["control_latent"]) == ["0"]
+        for kind in ("prompt_embed", "empty_prompt_embed"):
+            embed, mask = entry[kind]["embed"], entry[kind.replace("embed", "embeds_mask")]["mask"]
+            assert embed.ndim == 2 and embed.shape[1] == 16
+            assert torch.equal(mask, torch.ones(embed.shape[0], dtype=torch.long))
+    # Batched like encode_entries batches them (the two targets together), the latents are bit-identical.
+    targets = encoder.encode_latents([p.target for p in prepared])
+    assert all(torch.equal(e["pixel_latent"]["latent"], t) for e, t in zip(entries, targets))
+    only = encoder.encode_entries(prepared, ["control_latent"])
+    assert [set(e) for e in only] == [{"control_latent"}] * 2
+
+
+def test_edit_plus_multi_image_prompt(plus, tmp_path: Path) -> None:
+    encoder, pipe = plus
+    paths = [_noise(tmp_path / f"{i}.png", 20 + i, size) for i, size in enumerate([(64, 64), (80, 48)])]
+    sample = Sample("s", None, tuple(paths), "Put the object from picture 2 on the table in picture 1.")
+    prepared = prepare_sample(sample, SIZES)
+    conditions = [_pipeline_inputs(pipe, p)[0] for p in paths]
+    for got, want in zip(prepared.vl_images, conditions):
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    with torch.no_grad():
+        expected, _ = pipe.encode_prompt(sample.prompt, image=conditions, device=torch.device("cpu"))
+    (got,) = encoder.encode_prompts([sample.prompt], [prepared.vl_images])
+    assert torch.equal(got, expected[0])
+    (swapped,) = encoder.encode_prompts([sample.prompt], [prepared.vl_images[::-1]])
+    assert not torch.allclose(swapped, got)  # "Picture 1", "Picture 2" follow the image order
+    entry = encoder.encode_entries([prepared], ALL_TYPES)[0]
+    assert list(entry["control_latent"]) == ["0", "1"]
+    assert entry["control_latent"]["1"].shape == (4, 1, 16, 24)
+    assert torch.equal(entry["prompt_embed"]["embed"], expected[0])
