@@ -6,6 +6,7 @@ process of a distributed run sees the same stream and takes its own slice of eac
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Hashable, Iterator, Sequence
 
@@ -38,22 +39,43 @@ class BucketBatchSampler:
         self.keys, self.lengths = list(bucket_keys), list(lengths)
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.num_replicas, self.rank, self.start = num_replicas, rank, start
-        if not self.epoch_batches(0):
+        global_size = batch_size * num_replicas
+        buckets: dict[Hashable, list[int]] = {}
+        for i, key in enumerate(self.keys):
+            buckets.setdefault(key, []).append(i)
+        # Grouped once, in the order every epoch visits them (each epoch shuffles its own copies).
+        self._buckets = [buckets[key] for key in sorted(buckets, key=repr)]
+        self._per_epoch = sum(len(idx) // global_size for idx in self._buckets)
+        # The last epoch's batches: one epoch is computed once, however many iterators read it.
+        self._epoch: tuple[int, list[list[int]]] | None = None
+        if not self._per_epoch:
             raise DataError(
                 f"no full batch: {len(self.keys)} samples cannot fill a batch of {batch_size} x {num_replicas} "
                 "processes within one bucket; lower data.batch_size"
             )
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """Global batches of one epoch (each batch_size * num_replicas indices)."""
+        """Global batches of one epoch (each batch_size * num_replicas indices); do not modify the list."""
+        if self._epoch is not None and self._epoch[0] == epoch:
+            return self._epoch[1]
+        # No garbage collection passes while one small list per batch is made (100k of them: a GC pass
+        # each few hundred would walk every object of the process); none of them is cyclic.
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            batches = self._make_epoch(epoch)
+        finally:
+            if gc_was_on:
+                gc.enable()
+        self._epoch = (epoch, batches)
+        return batches
+
+    def _make_epoch(self, epoch: int) -> list[list[int]]:
         rng = random.Random(self.seed * 1_000_003 + epoch)
         global_size = self.batch_size * self.num_replicas
-        buckets: dict[Hashable, list[int]] = {}
-        for i, key in enumerate(self.keys):
-            buckets.setdefault(key, []).append(i)
         batches = []
-        for key in sorted(buckets, key=repr):
-            idx = buckets[key]
+        for bucket in self._buckets:
+            idx = list(bucket)
             if self.shuffle:
                 rng.shuffle(idx)
             if global_size > 1:
@@ -71,16 +93,11 @@ class BucketBatchSampler:
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         n = self.start
-        epoch, per_epoch = 0, len(self.epoch_batches(0))
-        cache: dict[int, list[list[int]]] = {}
         while True:
-            epoch, pos = divmod(n, per_epoch)
-            if epoch not in cache:
-                cache.clear()
-                cache[epoch] = self.epoch_batches(epoch)
-            batch = cache[epoch][pos]
+            epoch, pos = divmod(n, self._per_epoch)
+            batch = self.epoch_batches(epoch)[pos]
             yield n, batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
             n += 1
 
     def batches_per_epoch(self) -> int:
-        return len(self.epoch_batches(0))
+        return self._per_epoch

@@ -52,9 +52,7 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
     drop = list(drop_caption) if drop_caption is not None else [False] * len(items)
     shapes = {(tuple(s.pixel_latent.shape), tuple(tuple(c.shape) for c in s.control_latents)) for s in items}
     if len(shapes) > 1:
-        raise ValueError(
-            f"a batch mixes latent shapes {sorted(shapes)}: batch by bucket (see qie.data.buckets)"
-        )
+        raise ValueError(f"a batch mixes latent shapes {sorted(shapes)}: batch by bucket (see qie.data.buckets)")
     embeds, mask = pad_embeds([s.empty_prompt_embed if d else s.prompt_embed for s, d in zip(items, drop)])
     n_controls = len(items[0].control_latents)
     return Batch(

@@ -93,6 +93,11 @@ class MetricsLogger:
 
             self.wandb.log({tag: wandb.Image(image)}, step=step)
 
+    def log_images(self, tag: str, images: list[Image.Image], step: int) -> None:
+        """Log images side by side, as one grid (validation samples, for instance)."""
+        if images:
+            self.log_image(tag, image_grid([list(images)], height=max(im.height for im in images)), step)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()

@@ -40,8 +40,11 @@ class LoopSettings:
     scheduler_config: dict | None = None
 
 
-def batch_generator(seed: int, batch_number: int, rank: int, device: torch.device) -> torch.Generator:
-    """Noise and sigmas of a batch depend on (seed, batch number, rank) only, so a resumed run repeats them."""
+def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
+    """Noise and sigmas of a batch depend on (seed, batch number, rank) only, so a resumed run repeats them.
+
+    Drawn on the CPU so that every device gives the same numbers.
+    """
     g = torch.Generator(device="cpu")
     g.manual_seed((seed * 1_000_003 + batch_number) * 131 + rank)
     return g
@@ -82,6 +85,8 @@ class StopSignal:
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # a second signal: the user does not want to wait for the save
+            raise KeyboardInterrupt
         self.received = signum
 
     def __exit__(self, *exc: object) -> None:
@@ -123,9 +128,18 @@ def fit(
     with StopSignal() as stop, bar:
         while step < settings.max_steps and not stopping:
             t0 = time.perf_counter()
-            loss, grad_norm, batch, consumed = _optimizer_step(
-                accelerator, model, params, optimizer, lr_scheduler, stream, dtype, settings
-            )
+            try:
+                loss, grad_norm, batch, consumed = _optimizer_step(
+                    accelerator, model, params, optimizer, lr_scheduler, stream, dtype, settings
+                )
+            except Exception as e:
+                if stop.received is None:
+                    raise
+                # A scheduler signals every process, loader workers included: a step that lost its data
+                # is dropped and the last finished one is saved.
+                print(f"qie: stopping; step {step + 1} not finished: {e}")
+                stopping = True
+                break
             step += 1
             # One collective for both: every process must stop after the same step, or the checkpoint's
             # collectives would pair with another process's training step.
@@ -177,12 +191,14 @@ def _optimizer_step(
         number, batch = next(stream)
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, dtype)
-            g = batch_generator(settings.seed, number, accelerator.process_index, accelerator.device)
+            g = batch_generator(settings.seed, number, accelerator.process_index)
             noise, sigmas = noise_and_sigmas(batch, settings, g)
             loss = flow_matching_loss(model, batch, noise, sigmas, settings.loss_weighting)
             accelerator.backward(loss)
-            if accelerator.sync_gradients and settings.max_grad_norm > 0:
-                grad_norm = accelerator.clip_grad_norm_(params, settings.max_grad_norm)
+            if accelerator.sync_gradients:
+                # An infinite bound measures the norm without clipping, so grad_norm is always logged.
+                max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
+                grad_norm = accelerator.clip_grad_norm_(params, max_norm)
             # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
             optimizer.step()
             if accelerator.sync_gradients:

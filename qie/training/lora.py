@@ -31,12 +31,21 @@ def add_lora(
     """
     from peft import LoraConfig
 
+    dead = dead_modules(transformer)
+    # Exclude only what would be targeted (peft warns about unused exclusions), submodules included.
+    exclude = [
+        name
+        for name, _ in transformer.named_modules()
+        if any(name == d or name.startswith(f"{d}.") for d in dead)
+        and any(name == t or name.endswith(f".{t}") for t in target_modules)
+    ]
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
         init_lora_weights=_init_value(init),
         target_modules=list(target_modules),
+        exclude_modules=exclude or None,
     )
     transformer.add_adapter(config)
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
@@ -46,13 +55,28 @@ def add_lora(
     return params
 
 
+def dead_modules(transformer: torch.nn.Module) -> list[str]:
+    """Modules whose output never reaches the loss: the last block's text queries and text outputs.
+
+    The transformer returns image tokens only, and in joint attention text queries only make text outputs,
+    so in the last block these get no (or an all-zero) gradient. Trained weights without a gradient stop
+    DDP ("parameters that were not used in producing loss"); a LoRA on them would stay at its initial
+    value, and weight decay would shrink them for nothing.
+    """
+    blocks = getattr(transformer, "transformer_blocks", None)
+    if not blocks:
+        return []
+    last = f"transformer_blocks.{len(blocks) - 1}"
+    dead = ("attn.add_q_proj", "attn.norm_added_q", "attn.to_add_out", "txt_mlp")
+    names = dict(transformer.named_modules())
+    return [f"{last}.{n}" for n in dead if f"{last}.{n}" in names]
+
+
 def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's weights with peft's keys (`transformer_blocks.0.attn.to_q.lora_A.weight`, ...)."""
     from peft.utils import get_peft_model_state_dict
 
-    return {
-        k: v.detach().cpu().clone().contiguous() for k, v in get_peft_model_state_dict(transformer).items()
-    }
+    return {k: v.detach().cpu().clone().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
 def load_lora_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

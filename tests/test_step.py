@@ -1,0 +1,122 @@
+"""The training step: what the transformer is fed, the loss, timestep sampling, and LoRA-only updates."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from qie.components import load_parts
+from qie.config import compose
+from qie.data.collate import Batch
+from qie.training.lora import add_lora
+from qie.training.step import flow_matching_loss, pack_latents
+from qie.training.timesteps import loss_weights, sample_sigmas
+
+C, H, W = 4, 8, 8  # tiny latents: 4 channels, 64 px / 8
+
+
+def fixed_batch(batch_size: int = 2, seed: int = 0, control_hw: tuple[int, int] = (H, W)) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(batch_size, 7, 16, generator=g)
+    mask = torch.ones(batch_size, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    embeds[0, 5:] = 0
+    return Batch(
+        ids=[f"s{i}" for i in range(batch_size)],
+        latents=torch.randn(batch_size, C, 1, H, W, generator=g),
+        control_latents=[torch.randn(batch_size, C, 1, *control_hw, generator=g)],
+        prompt_embeds=embeds,
+        prompt_embeds_mask=mask,
+        cached=[True] * batch_size,
+    )
+
+
+class Recorder(torch.nn.Module):
+    """Stands in for the transformer: records its inputs, predicts a fixed tensor."""
+
+    def __init__(self, prediction: float = 0.0) -> None:
+        super().__init__()
+        self.prediction, self.calls = prediction, []
+
+    def forward(self, **kwargs):
+        self.calls.append(kwargs)
+        hidden = kwargs["hidden_states"]
+        return (torch.full(hidden.shape, self.prediction),)  # packed: 4C values per token
+
+
+def test_transformer_gets_target_then_control_tokens_and_their_shapes() -> None:
+    batch = fixed_batch(control_hw=(H, 2 * W))  # a control of another size than the target
+    noise = torch.randn_like(batch.latents)
+    sigmas = torch.tensor([0.25, 0.8])
+    model = Recorder()
+    loss = flow_matching_loss(model, batch, noise, sigmas)
+    call = model.calls[0]
+    target_tokens, control_tokens = (H // 2) * (W // 2), (H // 2) * (2 * W // 2)
+    assert call["hidden_states"].shape == (2, target_tokens + control_tokens, 4 * C)
+    s = sigmas.view(-1, 1, 1, 1)
+    noisy = pack_latents((1 - s) * batch.latents[:, :, 0] + s * noise[:, :, 0], 2, C, H, W)
+    control = pack_latents(batch.control_latents[0][:, :, 0], 2, C, H, 2 * W)
+    torch.testing.assert_close(call["hidden_states"], torch.cat([noisy, control], dim=1), rtol=0, atol=0)
+    assert call["img_shapes"] == [[(1, H // 2, W // 2), (1, H // 2, W)]] * 2
+    torch.testing.assert_close(call["timestep"], sigmas)  # σ itself: the model scales by 1000
+    assert torch.equal(call["encoder_hidden_states_mask"], batch.prompt_embeds_mask)
+    # A zero prediction leaves the whole velocity noise - x0 as the error, on the target's tokens only.
+    assert loss.item() == pytest.approx(((noise - batch.latents) ** 2).mean().item(), rel=1e-6)
+
+
+def test_loss_weighting_scales_each_sample() -> None:
+    batch = fixed_batch()
+    noise = torch.randn_like(batch.latents)
+    sigmas = torch.tensor([0.5, 0.5])
+    plain = flow_matching_loss(Recorder(), batch, noise, sigmas, "none")
+    weighted = flow_matching_loss(Recorder(), batch, noise, sigmas, "sigma_sqrt")
+    assert weighted.item() == pytest.approx(4.0 * plain.item(), rel=1e-6)  # σ^-2 = 4
+    assert torch.allclose(loss_weights("cosmap", sigmas), torch.full((2,), 2 / (math.pi * 0.5)))
+
+
+def test_timestep_sampling_methods() -> None:
+    def draw(method: str, **kw) -> torch.Tensor:
+        return sample_sigmas(4096, torch.Generator().manual_seed(0), method, **kw)
+
+    uniform, logit = draw("uniform"), draw("logit_normal")
+    assert 0 < uniform.min() and uniform.max() <= 1 and abs(uniform.mean() - 0.5) < 0.03
+    assert logit.std() < uniform.std()  # logit-normal concentrates around the middle
+    shifted = draw("shift", shift=3.0)
+    u = torch.rand(4096, generator=torch.Generator().manual_seed(0)).double()  # before clamping
+    torch.testing.assert_close(shifted.double(), (3 * u / (1 + 2 * u)).clamp(1e-4, 1), rtol=1e-6, atol=1e-6)
+    cfg = {"base_image_seq_len": 256, "max_image_seq_len": 8192, "base_shift": 0.5, "max_shift": 0.9}
+    small = draw("shift", dynamic_shift=True, image_seq_len=256, scheduler_config=cfg)
+    large = draw("shift", dynamic_shift=True, image_seq_len=8192, scheduler_config=cfg)
+    s = math.exp(0.9)  # mu = max_shift at max_image_seq_len
+    torch.testing.assert_close(large.double(), (s * u / (1 + (s - 1) * u)).clamp(1e-4, 1), rtol=1e-6, atol=1e-6)
+    assert large.mean() > small.mean() > uniform.mean()  # bigger images train at higher noise
+    assert torch.equal(draw("mode"), draw("mode"))  # the generator alone decides
+
+
+def test_loss_falls_on_a_fixed_batch_and_only_lora_changes(tiny_path: Path) -> None:
+    cfg = compose("train", [f"model.pretrained_model_name_or_path={tiny_path}"])
+    transformer = load_parts(cfg.model, ["transformer"]).transformer
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    params = add_lora(transformer, rank=4, alpha=4, target_modules=list(cfg.train.lora.target_modules))
+    optimizer = torch.optim.AdamW(params, lr=2e-2)
+    batch = fixed_batch()
+    g = torch.Generator().manual_seed(1)
+    noise, sigmas = torch.randn(batch.latents.shape, generator=g), torch.tensor([0.3, 0.7])
+    losses = []
+    for _ in range(20):
+        loss = flow_matching_loss(transformer, batch, noise, sigmas)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+    after = transformer.state_dict()
+    lora_keys = [k for k in after if "lora_B" in k]
+    assert lora_keys and all(after[k].abs().sum() > 0 for k in lora_keys)  # B starts at zero
+    base = {k.replace(".base_layer", ""): v for k, v in after.items() if "lora_" not in k}
+    assert base.keys() == before.keys()
+    changed = [k for k in before if not torch.equal(before[k], base[k])]
+    assert not changed, f"frozen weights changed: {changed[:3]}"

@@ -1,0 +1,110 @@
+"""`python -m qie.train` as a user runs it: a cache miss, SIGTERM then resume, two processes (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+
+from qie.config import compose
+from qie.demo.synthetic import make_dataset
+from qie.stages import precompute
+from qie.stages import train as train_stage
+
+pytestmark = pytest.mark.subprocess
+
+
+@pytest.fixture(scope="module")
+def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("cli_data")
+    make_dataset(root, train=8, heldout=0, size=64)
+    model = f"model.pretrained_model_name_or_path={tiny_path}"
+    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}"]
+    precompute.run(compose("precompute", base), root / "precompute_run")
+    return {"root": root, "base": base + ["logging.report_to=none"]}
+
+
+def env() -> dict[str, str]:
+    # One thread per process: two processes share this machine's cores.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@contextmanager
+def qie_train(args: list[str], logs: Path, launcher: list[str] | None = None) -> Iterator[subprocess.Popen]:
+    """Start `python -m qie.train ARGS` (or under `launcher`), output to files; kill what is left at exit."""
+    launcher = launcher or [sys.executable, "-m"]
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+        proc = subprocess.Popen([*launcher, "qie.train", *args], env=env(), stdout=out, stderr=err)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:  # a failed test: end it and everything it started (torchrun's workers
+                # run in sessions of their own, so its process group would not reach them)
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+                proc.kill()
+                proc.wait()
+
+
+def output(logs: Path) -> tuple[str, str]:
+    return (logs / "stdout").read_text(), (logs / "stderr").read_text()
+
+
+def test_a_cache_miss_stops_with_the_sample_and_the_precompute_command(data: dict, tmp_path: Path) -> None:
+    empty = f"cache.dir={tmp_path / 'empty'}"
+    with qie_train(data["base"] + [empty, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "logs") as proc:
+        proc.wait(timeout=120)
+    out, err = output(tmp_path / "logs")
+    assert proc.returncode == 2, err
+    assert err.startswith("qie: error: sample '0000")
+    assert f"python -m qie.precompute {data['base'][0]} data.path=" in err and empty in err
+    assert "Traceback" not in err
+
+
+def test_sigterm_saves_a_checkpoint_that_resume_latest_continues(data: dict, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["train.max_steps=100000", "train.checkpoint_every=100000", "data.num_workers=1"]
+    metrics, logs = run_dir / "metrics.jsonl", tmp_path / "logs"
+    with qie_train(data["base"] + args + [f"hydra.run.dir={run_dir}"], logs) as proc:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, output(logs)[1]
+            assert time.monotonic() < deadline, "no training step within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # to the main process only, as `kill PID` does
+        proc.wait(timeout=120)
+    out, err = output(logs)
+    assert proc.returncode == 0, err
+    assert "stopped by a signal" in out
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    saved = sorted((run_dir / "checkpoints").iterdir())
+    assert [p.name for p in saved] == [f"step-{steps[-1]:06d}"]
+
+    stopped = steps[-1]
+    cfg = compose("train", data["base"] + ["train.resume=latest", f"train.max_steps={stopped + 2}"])
+    result = train_stage.run(cfg, run_dir)
+    assert result["step"] == stopped + 2 and len(result["losses"]) == 2
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, stopped + 3))
+
+
+def test_two_processes_keep_the_lora_identical(data: dict, tmp_path: Path) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    args = ["train.max_steps=3", "data.num_workers=0", "train.learning_rate=1e-3", f"hydra.run.dir={tmp_path / 'run'}"]
+    with qie_train(data["base"] + args, tmp_path / "logs", launcher=launcher) as proc:
+        proc.wait(timeout=300)
+    assert proc.returncode == 0, output(tmp_path / "logs")[1][-3000:]
+    result = json.loads((tmp_path / "run" / "train_result.json").read_text())
+    checksums = result["param_checksums"]  # gathered from every process after the last step
+    assert len(checksums) == 2 and checksums[0] == checksums[1] and result["ranks_agree"]
+    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "accelerate" / "random_states_1.pkl").is_file()
