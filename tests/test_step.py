@@ -120,3 +120,34 @@ def test_loss_falls_on_a_fixed_batch_and_only_lora_changes(tiny_path: Path) -> N
     assert base.keys() == before.keys()
     changed = [k for k in before if not torch.equal(before[k], base[k])]
     assert not changed, f"frozen weights changed: {changed[:3]}"
+
+
+def test_saved_lora_keeps_its_alpha(tiny_path, tmp_path) -> None:
+    """A LoRA with alpha != rank reloads (diffusers' lora_state_dict + metadata) at its trained strength."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from qie.training.lora import add_lora, save_lora
+    from qie.training.lora_io import load_lora
+
+    trained = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
+    params = add_lora(trained, rank=4, alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    torch.manual_seed(0)
+    for p in params:
+        p.data.normal_(0, 0.2)
+    path = save_lora(trained, tmp_path)
+    loaded = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
+    load_lora(loaded, path)
+    base = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, 32, 16, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, 16, generator=g),
+        encoder_hidden_states_mask=torch.ones(1, 5, dtype=torch.long),
+        timestep=torch.tensor([0.5]),
+        img_shapes=[[(1, 4, 4), (1, 4, 4)]],
+        return_dict=False,
+    )
+    with torch.no_grad():
+        want, got, plain = (m(**inputs)[0] for m in (trained, loaded, base))
+    assert (want - plain).abs().max() > 1e-3  # the LoRA matters
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

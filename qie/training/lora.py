@@ -99,11 +99,31 @@ def save_lora(
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     folder.mkdir(parents=True, exist_ok=True)
-    QwenImageEditPipeline.save_lora_weights(folder, transformer_lora_layers=state, safe_serialization=True)
+    QwenImageEditPipeline.save_lora_weights(
+        folder,
+        transformer_lora_layers=state,
+        safe_serialization=True,
+        transformer_lora_adapter_metadata=adapter_metadata(transformer),
+    )
     if comfyui:
         rank_alpha = _alpha_of(transformer)
         save_file(comfyui_state(state, rank_alpha), str(folder / COMFYUI_FILE))
     return folder / LORA_FILE
+
+
+def adapter_metadata(transformer: torch.nn.Module) -> dict | None:
+    """Rank, alpha and targets saved with the weights: without them a loader assumes alpha == rank."""
+    config = getattr(transformer, "peft_config", {}).get("default")
+    if config is None:
+        return None
+    return {
+        "r": int(config.r),
+        "lora_alpha": float(config.lora_alpha),
+        "lora_dropout": float(config.lora_dropout),
+        "target_modules": sorted(config.target_modules),
+        "rank_pattern": dict(config.rank_pattern or {}),
+        "alpha_pattern": dict(config.alpha_pattern or {}),
+    }
 
 
 def _alpha_of(transformer: torch.nn.Module) -> float | None:
