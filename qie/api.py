@@ -24,17 +24,14 @@ from qie.cache.api import EmbeddingCacheManager
 from qie.config import for_stage
 from qie.data.samples import scan_dataset
 from qie.errors import ConfigError
-from qie.stages.common import image_sizes, value
+from qie.stages.common import value
 
 
 def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
     """An EmbeddingCacheManager on `cfg.cache.dir` whose keys equal precompute's for `cfg.model`."""
-    from qie.components import model_source
-    from qie.embeddings import key_context
+    from qie.stages.common import model_key_context
 
-    sizes = image_sizes(cfg)
-    context = key_context(model_source(cfg.model), cfg.model.revision, str(value(cfg.model.variant)), sizes)
-    return EmbeddingCacheManager(cfg.cache.dir, context)
+    return EmbeddingCacheManager(cfg.cache.dir, model_key_context(cfg))
 
 
 class EditDataset:

@@ -159,8 +159,10 @@ def prompt_template(variant: str) -> str:
     return f"{pipe.prompt_template_encode}|{pipe.prompt_template_encode_start_idx}"
 
 
-def key_context(source: str, revision: str | None, variant: str, sizes: ImageSizes) -> KeyContext:
-    """The KeyContext of a model and image sizes: fingerprints read from configs and weight headers."""
+def key_context(
+    source: str, revision: str | None, variant: str, sizes: ImageSizes, dtype: str = "float32"
+) -> KeyContext:
+    """The KeyContext of a model, its dtype and image sizes: fingerprints read from configs and weight headers."""
     from qie.components.fingerprint import part_fingerprint
 
     return KeyContext(
@@ -172,4 +174,6 @@ def key_context(source: str, revision: str | None, variant: str, sizes: ImageSiz
         multiple_of=sizes.multiple_of,
         vae_image_pixels=sizes.vae_image_pixels,
         vl_image_pixels=sizes.vl_image_pixels,
+        dtype=dtype,
+        processor_fingerprint=part_fingerprint(source, "processor", revision),
     )

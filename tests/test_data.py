@@ -264,6 +264,8 @@ ALL = {"pixel_latent", "control_latent"} | TEXT_TYPES
         ({"multiple_of": 16}, {"pixel_latent"}),
         ({"vae_image_pixels": 8192}, {"control_latent"}),
         ({"vl_image_pixels": 8192}, TEXT_TYPES),
+        ({"processor_fingerprint": "proc1"}, TEXT_TYPES),
+        ({"dtype": "bfloat16"}, ALL),
     ],
 )
 def test_keys_change_exactly_with_what_they_depend_on(tmp_path: Path, change: dict, expected: set) -> None:

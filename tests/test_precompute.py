@@ -26,11 +26,10 @@ from qie.components.tiny import build_tiny_model
 from qie.config import CACHE_TYPES, compose
 from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
-from qie.embeddings import key_context
 from qie.encode import prepare_sample
 from qie.errors import DataError
 from qie.stages import precompute
-from qie.stages.common import build_encoder, file_hasher, image_sizes, model_source
+from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context
 
 TEXT = ["prompt_embed", "prompt_embeds_mask", "empty_prompt_embed", "empty_prompt_embeds_mask"]
 CONTROL_DEPENDENT = ["control_latent", *TEXT]
@@ -85,7 +84,7 @@ def _keyed(ds: Path, cache: Path, *extra: str):
     """(samples, keys of each, backend, cfg) as precompute computes them."""
     cfg = compose("precompute", _overrides(ds, cache, *extra))
     samples = scan_dataset(ds).samples
-    ctx = key_context(model_source(cfg.model), cfg.model.revision, cfg.model.variant.value, image_sizes(cfg))
+    ctx = model_key_context(cfg)
     hasher = file_hasher(cfg)
     return samples, [sample_keys(s, ctx, hasher) for s in samples], build_backend(cfg.cache._target_, cache), cfg
 

@@ -28,6 +28,10 @@ class KeyContext:
     multiple_of: int
     vae_image_pixels: int
     vl_image_pixels: int
+    # Values are stored in the model dtype: a bf16 entry must not be read by a float32 run.
+    dtype: str = "float32"
+    # The processor's settings decide how many image tokens Qwen2.5-VL sees.
+    processor_fingerprint: str = ""
 
 
 def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str, str]:
@@ -35,7 +39,8 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
     controls = [hasher.hash(p) for p in sample.controls]
     keys = {
         "control_latent": entry_key(
-            "control_latent", {"controls": controls, "area": ctx.vae_image_pixels, "vae": ctx.vae_fingerprint}
+            "control_latent",
+            {"controls": controls, "area": ctx.vae_image_pixels, "vae": ctx.vae_fingerprint, "dtype": ctx.dtype},
         )
     }
     if sample.target is not None:
@@ -47,6 +52,7 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
                 "mode": ctx.resize_mode,
                 "multiple": ctx.multiple_of,
                 "vae": ctx.vae_fingerprint,
+                "dtype": ctx.dtype,
             },
         )
     for kind, prompt in (("prompt_embed", sample.prompt), ("empty_prompt_embed", "")):
@@ -56,6 +62,8 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
             "area": ctx.vl_image_pixels,
             "text_encoder": ctx.text_encoder_fingerprint,
             "template": ctx.prompt_template,
+            "processor": ctx.processor_fingerprint,
+            "dtype": ctx.dtype,
         }
         keys[kind] = entry_key(kind, fields)
         mask_kind = kind.replace("embed", "embeds_mask")

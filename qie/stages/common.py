@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from qie.cache import build_backend
 from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
+from qie.data.keys import KeyContext
 from qie.embeddings import CachedSource, EmbeddingSource, LazySource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
 
@@ -44,6 +45,12 @@ def build_encoder(cfg: DictConfig) -> Encoder:
     return Encoder(parts, str(value(cfg.model.variant)))
 
 
+def model_key_context(cfg: DictConfig) -> KeyContext:
+    """The cache-key context of `cfg`'s model (fingerprints, template, dtype) and image sizes."""
+    m = cfg.model
+    return key_context(model_source(m), m.revision, str(value(m.variant)), image_sizes(cfg), str(value(m.dtype)))
+
+
 def build_source(cfg: DictConfig, mode: str | None = None, encoder: Encoder | None = None) -> EmbeddingSource:
     """The EmbeddingSource that `cache.mode` (or `mode`) names; `cache=none` is always live."""
     mode = mode or str(value(cfg.cache.mode))
@@ -51,7 +58,7 @@ def build_source(cfg: DictConfig, mode: str | None = None, encoder: Encoder | No
     if mode == "live" or cfg.cache.name == "none":
         return LiveSource(encoder or build_encoder(cfg), sizes)
     backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"))
-    ctx = key_context(model_source(cfg.model), cfg.model.revision, str(value(cfg.model.variant)), sizes)
+    ctx = model_key_context(cfg)
     cached = CachedSource(backend, ctx, file_hasher(cfg))
     if mode == "cached":
         return cached

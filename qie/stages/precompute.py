@@ -27,10 +27,9 @@ from qie.config.cache import CACHE_TYPES
 from qie.data.images import ImageError
 from qie.data.keys import sample_keys
 from qie.data.samples import DataProblem, Sample, scan_dataset
-from qie.embeddings import key_context
 from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample
 from qie.errors import ConfigError, DataError
-from qie.stages.common import build_encoder, file_hasher, image_sizes, model_source, value
+from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, value
 
 Keyed = tuple[Sample, dict[str, str]]
 
@@ -92,7 +91,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     if raise_errors and problems:
         raise DataError(_message(problems[0]))
     sizes = image_sizes(cfg)
-    ctx = key_context(model_source(cfg.model), cfg.model.revision, str(value(cfg.model.variant)), sizes)
+    ctx = model_key_context(cfg)
     hasher = file_hasher(cfg)
     backend = build_backend(cfg.cache._target_, cfg.cache.dir)
     main = state.is_main_process
