@@ -83,3 +83,23 @@ def test_real_model_presets_carry_their_condition_sizes() -> None:
 def test_unknown_stage() -> None:
     with pytest.raises(ConfigError, match="unknown stage 'fit'"):
         compose("fit")
+
+
+def test_slurm_launcher_composes() -> None:
+    """`hydra/launcher=submitit_slurm` (the `slurm` extra) configures a SLURM sweep of the train stage."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("qie.conf", version_base=None):
+            cfg = hydra_compose(
+                "train",
+                ["hydra/launcher=submitit_slurm", "hydra.launcher.gpus_per_node=8", "train.learning_rate=3e-4"],
+                return_hydra_config=True,
+            )
+    finally:
+        GlobalHydra.instance().clear()
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.gpus_per_node == 8 and cfg.train.learning_rate == 3e-4
