@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import secrets
 import socket
@@ -34,6 +35,10 @@ SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 # A temp file this old belongs to a writer that died (a put takes well under a second).
 STALE_TEMP_SECONDS = 3600
+# Files at least this big are mapped (private, copy-on-write) instead of read: `get` then costs no copy,
+# the pages come straight from the page cache when first touched (usually by collate's own copy).
+# Smaller files are read: one read is cheaper than mapping and unmapping.
+MMAP_MIN_BYTES = 256 * 1024
 
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
@@ -69,7 +74,7 @@ class SsdBackend:
         """The entry, or None on a miss or an unreadable file (logged as a warning)."""
         path = self._path(check_type(type), check_key(key))
         try:
-            return decode(read_file(path), type)
+            return decode(load_file(path), type)
         except FileNotFoundError:
             return None
         except (OSError, CorruptError) as e:
@@ -178,21 +183,46 @@ class SsdBackend:
                 pass  # not empty, or a writer just used it
 
 
+def load_file(path: str | os.PathLike, mmap_min_bytes: int | None = None) -> torch.Tensor:
+    """The whole file as a uint8 tensor: mapped privately when it has `mmap_min_bytes` (default
+    `MMAP_MIN_BYTES`) or more, else read.
+
+    A mapped file is copy-on-write (writing to the tensors never reaches the file) and stays valid when
+    the entry is replaced or removed meanwhile: writers replace files atomically, never in place.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size >= (MMAP_MIN_BYTES if mmap_min_bytes is None else mmap_min_bytes) and size > 0:
+            try:
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError):  # a file system that cannot map: read instead
+                pass
+            else:
+                return torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
+        return _read_fd(fd, size)
+    finally:
+        os.close(fd)
+
+
 def read_file(path: str | os.PathLike) -> torch.Tensor:
     """The whole file in one uint8 tensor, read straight into it (no intermediate `bytes`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        pos = 0
-        while pos < size:
-            n = os.readv(fd, [view[pos:]])
-            if not n:
-                break
-            pos += n
+        return _read_fd(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def _read_fd(fd: int, size: int) -> torch.Tensor:
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    pos = 0
+    while pos < size:
+        n = os.readv(fd, [view[pos:]])
+        if not n:
+            break
+        pos += n
     return buf[:pos] if pos < size else buf
 
 

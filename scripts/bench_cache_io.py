@@ -1,0 +1,258 @@
+"""Cache read per sample on Qwen-Image-Edit shapes: the ssd backend vs `.pt` + torch.load vs a raw read.
+
+Per sample it writes the six cache types at the shapes of a 1024x1024 Edit sample (latents 16x1x128x128
+for the target and the control, prompt embeddings ~1,300x3,584 and empty-prompt embeddings ~1,290x3,584
+in bf16, their int64 masks) in two formats:
+
+- ssd:  `SsdBackend.put` (one safetensors file per entry, bf16, unpadded), read with `SsdBackend.get`;
+- .pt:  one `torch.save` file per type in fp16 (the format common in existing fine-tuning tools), read
+        with `torch.load(weights_only=True)`;
+- raw:  `open(path, "rb").read()` of the very safetensors files the ssd backend reads (bytes only).
+
+All reads are warm (the files sit in the page cache: dropping it needs root): one untimed pass of each
+variant first, then `--rounds` timed passes in rotating order; per-sample time = median pass / samples.
+Each format is timed three ways: the read alone; the read, then one byte of every 4 KiB page of what it
+returned touched; the read, then every tensor copied (as collate does). The ssd backend maps big files
+instead of reading them, so its read alone defers the page-cache copy to first use; the targets are
+judged on "read + touch", which pays for that.
+
+    python scripts/bench_cache_io.py --samples 64 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import fmt_bytes, header, median, table, target_line  # noqa: E402
+
+import qie.cache.ssd as ssd_module  # noqa: E402
+from qie.cache.keys import entry_key  # noqa: E402
+from qie.cache.ssd import SsdBackend  # noqa: E402
+
+
+def sample_tensors(i: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict[str, torch.Tensor]]:
+    """The six entries of sample `i` as the Encoder produces them (bf16 values, int64 masks)."""
+    c, h, w = args.latent_channels, args.latent_size, args.latent_size
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+    # Lengths vary a little per sample, as real prompts do.
+    n_prompt, n_empty = args.prompt_tokens + i % 7, args.empty_tokens + i % 3
+    return {
+        "pixel_latent": {"latent": rnd(c, 1, h, w)},
+        "control_latent": {"0": rnd(c, 1, h, w)},
+        "prompt_embed": {"embed": rnd(n_prompt, args.dim)},
+        "prompt_embeds_mask": {"mask": torch.ones(n_prompt, dtype=torch.long)},
+        "empty_prompt_embed": {"embed": rnd(n_empty, args.dim)},
+        "empty_prompt_embeds_mask": {"mask": torch.ones(n_empty, dtype=torch.long)},
+    }
+
+
+def to_pt(entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The .pt format's content: floating tensors as fp16, the rest as they are."""
+    return {k: t.half() if t.is_floating_point() else t for k, t in entry.items()}
+
+
+def disk_bytes(paths: list[str]) -> tuple[int, int]:
+    """(apparent bytes, allocated bytes) of the files."""
+    size = blocks = 0
+    for p in paths:
+        st = os.stat(p)
+        size += st.st_size
+        blocks += st.st_blocks * 512
+    return size, blocks
+
+
+def touch(t: torch.Tensor) -> None:
+    """Make every page of the tensor resident: read one byte per 4 KiB page."""
+    t.reshape(-1).view(torch.uint8)[::4096].sum()
+
+
+def copy(t: torch.Tensor) -> None:
+    """Copy the tensor, as collate does (stack / pad into a new batch tensor)."""
+    t.clone()
+
+
+# What each timed variant does with what a read returned.
+USES = {"read": None, "read + touch": touch, "read + copy": copy}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=64, help="samples written in each format (default 64)")
+    p.add_argument("--rounds", type=int, default=5, help="timed passes per variant (default 5)")
+    p.add_argument("--latent-size", type=int, default=128, help="latent side (1024 px / 8 = 128)")
+    p.add_argument("--latent-channels", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=1300)
+    p.add_argument("--empty-tokens", type=int, default=1290)
+    p.add_argument("--dim", type=int, default=3584, help="prompt embedding width (Qwen2.5-VL-7B: 3584)")
+    p.add_argument(
+        "--ssd-read",
+        choices=["auto", "read"],
+        default="auto",
+        help="auto: the backend as shipped (maps files >= MMAP_MIN_BYTES); read: always read() (the old path)",
+    )
+    p.add_argument("--dir", default=None, help="work folder (default: a temp folder, removed at the end)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    header(
+        "cache read per sample: ssd backend vs .pt + torch.load vs raw read",
+        ["scripts/bench_cache_io.py", *(sys.argv[1:] if argv is None else argv)],
+    )
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="qie_bench_io_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path) -> dict:
+    if args.ssd_read == "read":
+        ssd_module.MMAP_MIN_BYTES = 1 << 62
+        print("ssd backend reads every file into memory (--ssd-read read: the read path before mapping)")
+    else:
+        print(f"ssd backend maps files of >= {fmt_bytes(ssd_module.MMAP_MIN_BYTES)}, reads smaller ones")
+    backend = SsdBackend(work / "ssd")
+    pt_root = work / "pt"
+    g = torch.Generator().manual_seed(0)
+    ssd_keys: list[list[tuple[str, str]]] = []  # per sample: (type, key)
+    pt_files: list[list[str]] = []
+    t0 = time.perf_counter()
+    for i in range(args.samples):
+        keys, pts = [], []
+        folder = pt_root / f"{i:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for type, tensors in sample_tensors(i, args, g).items():
+            key = entry_key(type, {"sample": i})
+            backend.put(type, key, tensors)
+            keys.append((type, key))
+            path = str(folder / f"{type}.pt")
+            torch.save(to_pt(tensors), path)
+            pts.append(path)
+        ssd_keys.append(keys)
+        pt_files.append(pts)
+    print(f"wrote {args.samples} samples x 6 types in each format in {time.perf_counter() - t0:.1f} s")
+    raw_files = [[str(backend.path(t, k)) for t, k in keys] for keys in ssd_keys]
+
+    def read_ssd(use) -> None:
+        for keys in ssd_keys:
+            for t, k in keys:
+                entry = backend.get(t, k)
+                if use:
+                    for x in entry.values():
+                        use(x)
+
+    def read_pt(use, mmap: bool = False) -> None:
+        for paths in pt_files:
+            for path in paths:
+                entry = torch.load(path, weights_only=True, mmap=mmap)
+                if use:
+                    for x in entry.values():
+                        use(x)
+
+    def read_raw(use) -> None:
+        for paths in raw_files:
+            for path in paths:
+                with open(path, "rb") as f:
+                    data = f.read()
+                if use:
+                    with warnings.catch_warnings():  # frombuffer of bytes: read-only, which is fine here
+                        warnings.simplefilter("ignore")
+                        use(torch.frombuffer(data, dtype=torch.uint8))
+
+    ssd, pt, raw = "ssd (SsdBackend.get)", ".pt fp16 (torch.load)", "raw (open().read())"
+    pt_mmap = ".pt fp16 (torch.load mmap=True) [info]"
+    methods = {ssd: read_ssd, pt: read_pt, raw: read_raw, pt_mmap: lambda use: read_pt(use, mmap=True)}
+    variants = [(name, use) for use in USES for name in methods]
+    for name, use in variants:  # warm-up pass: every file in the page cache
+        methods[name](USES[use])
+    times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for name, use in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            t = time.perf_counter()
+            methods[name](USES[use])
+            times[(name, use)].append(time.perf_counter() - t)
+
+    n = args.samples
+    per = {v: median(ts) / n for v, ts in times.items()}
+    size_ssd, alloc_ssd = disk_bytes([p for paths in raw_files for p in paths])
+    size_pt, alloc_pt = disk_bytes([p for paths in pt_files for p in paths])
+    print(
+        f"\nwarm reads (page cache), {n} samples x 6 types ({fmt_bytes(size_ssd / n)} per sample), "
+        f"{args.rounds} passes per variant in rotating order; ms per sample (median pass / samples)"
+    )
+    rows = []
+    for name in methods:
+        rt = per[(name, "read + touch")]
+        rows.append(
+            [name]
+            + [f"{per[(name, use)] * 1e3:.3f}" for use in USES]
+            + [
+                f"{min(times[(name, 'read + touch')]) / n * 1e3:.3f}",
+                f"{max(times[(name, 'read + touch')]) / n * 1e3:.3f}",
+                f"{size_ssd / n / rt / 2**30:.2f}",
+            ]
+        )
+    print(table(["format", *USES, "min (r+t)", "max (r+t)", "GiB/s (r+t)"], rows))
+    print("read: the call alone (a mapped ssd read defers the page-cache copy to first use)")
+    print("read + touch: then one byte of every 4 KiB page of each result made resident (targets judged here)")
+    print("read + copy: then each tensor cloned, as collate's stack/pad does (the copy every format pays)")
+    print("\nbytes per sample on disk (6 types)")
+    print(
+        table(
+            ["format", "apparent", "allocated"],
+            [
+                ["ssd safetensors bf16", fmt_bytes(size_ssd / n), fmt_bytes(alloc_ssd / n)],
+                [".pt fp16", fmt_bytes(size_pt / n), fmt_bytes(alloc_pt / n)],
+            ],
+        )
+    )
+    vs_pt = per[(pt, "read + touch")] / per[(ssd, "read + touch")]
+    vs_raw = per[(raw, "read + touch")] / per[(ssd, "read + touch")]
+    disk = size_ssd / size_pt
+    print()
+    ok = [
+        target_line("cache read: ssd vs .pt", vs_pt, ">=", 3),
+        target_line("cache read: ssd vs raw read", vs_raw, ">=", 0.8),
+    ]
+    for use in ("read", "read + copy"):
+        print(
+            f"{use} (info): ssd vs .pt = {per[(pt, use)] / per[(ssd, use)]:.3g}x, "
+            f"ssd vs raw = {per[(raw, use)] / per[(ssd, use)]:.3g}x"
+        )
+    print(
+        "mapped .pt (info): ssd vs torch.load(mmap=True) = "
+        f"{per[(pt_mmap, 'read + touch')] / per[(ssd, 'read + touch')]:.3g}x (read + touch)"
+    )
+    print(
+        f"bytes on disk: ssd / .pt fp16 = {disk:.3f}x ({fmt_bytes(size_ssd / n)} vs {fmt_bytes(size_pt / n)} "
+        "per sample; both 2 bytes per value)"
+    )
+    return {
+        "vs_pt": vs_pt,
+        "vs_raw": vs_raw,
+        "disk_ratio": disk,
+        "ms_per_sample": {f"{k[0]}: {k[1]}": v * 1e3 for k, v in per.items()},
+        "passed": all(ok),
+    }
+
+
+if __name__ == "__main__":
+    main()

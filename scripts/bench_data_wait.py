@@ -1,0 +1,240 @@
+"""Data wait as a share of a cached training step, measured through the real train stage.
+
+It writes a synthetic data set, fills the cache with the precompute stage (tiny model), then runs
+`qie.stages.train.run` in a fresh process per variant with `qie.stages.train.fit` wrapped so the stream
+of batches it is handed is timed: the time blocked in each `next()` (data wait) against the time from one
+`next()` to the next (one whole training step, wait included). The first `--warmup` steps (worker start,
+first-touch costs) are reported apart from the steady state the target is judged on.
+
+    python scripts/bench_data_wait.py --samples 32 --steps 100
+    python scripts/bench_data_wait.py --workers 0 1 2 --repeats 2      # compare loader worker counts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import child_env, header, median, table, target_line  # noqa: E402
+
+TARGET = 0.02
+
+
+def prepare(work: Path, samples: int, image_size: int) -> tuple[Path, Path]:
+    """A synthetic data set and a cache filled by the precompute stage (skipped when already there)."""
+    from qie.config import compose
+    from qie.demo.synthetic import make_dataset
+    from qie.stages import precompute
+
+    data = work / "ds" / "train"
+    cache = work / "cache"
+    if not data.is_dir():
+        make_dataset(work / "ds", samples, 0, size=image_size)
+    cfg = compose("precompute", [f"data.path={data}", f"cache.dir={cache}", "precompute.batch_size=8"])
+    t0 = time.perf_counter()
+    precompute.run(cfg, work / "precompute_run")
+    print(f"precompute: {time.perf_counter() - t0:.1f} s")
+    return data, cache
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run the train stage once with the batch stream timed; write the timings as JSON to args.out."""
+    import qie.data.dataset as dataset_module
+    import qie.stages.train as train_stage
+    from qie.config import compose
+
+    if args.thread == "off":
+        dataset_module.PREFETCH_BATCHES = 0
+
+    waits: list[float] = []
+    starts: list[float] = []
+    calls = {"fit": 0}
+    real_fit = train_stage.fit
+
+    def timed(stream):
+        it = iter(stream)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            t1 = time.perf_counter()
+            starts.append(t0)
+            waits.append(t1 - t0)
+            yield item
+
+    def fit(accelerator, model, params, optimizer, lr_scheduler, batches, *rest, **kw):
+        calls["fit"] += 1
+        out = real_fit(accelerator, model, params, optimizer, lr_scheduler, timed(batches), *rest, **kw)
+        starts.append(time.perf_counter())  # end of the last step (its checkpoint save included)
+        return out
+
+    train_stage.fit = fit
+    cfg = compose("train", args.overrides)
+    t0 = time.perf_counter()
+    train_stage.run(cfg, Path(args.run_dir))
+    total = time.perf_counter() - t0
+    if not calls["fit"]:
+        raise SystemExit("bench_data_wait: qie.stages.train.run did not call qie.stages.train.fit: update the script")
+    Path(args.out).write_text(json.dumps({"waits": waits, "starts": starts, "total": total}))
+
+
+def summarise(waits: list[float], starts: list[float], warmup: int) -> dict:
+    """Per-step wait and step time; the last interval (ending with the final checkpoint save) is left out."""
+    steps = [starts[i + 1] - starts[i] for i in range(len(starts) - 2)]
+    waits = waits[: len(steps)]
+    w, s = waits[warmup:], steps[warmup:]
+    return {
+        "steps": len(s),
+        "step_ms": 1e3 * sum(s) / len(s),
+        "step_median_ms": 1e3 * median(s),
+        "wait_ms": 1e3 * sum(w) / len(w),
+        "wait_median_ms": 1e3 * median(w),
+        "wait_max_ms": 1e3 * max(w),
+        "share": sum(w) / sum(s),
+        "warmup_wait_s": sum(waits[:warmup]),
+        "warmup_step_s": sum(steps[:warmup]),
+        "share_all": sum(waits) / sum(steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=32, help="data set size (default 32)")
+    p.add_argument("--image-size", type=int, default=64, help="synthetic image side in pixels (default 64)")
+    p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
+    p.add_argument("--warmup", type=int, default=10, help="first steps left out of the steady state (default 10)")
+    p.add_argument("--batch-size", type=int, default=1, help="data.batch_size (default 1)")
+    p.add_argument(
+        "--workers", type=int, nargs="+", default=[None], help="data.num_workers values to compare (default: config's)"
+    )
+    p.add_argument(
+        "--prefetch-thread",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="with / without the loader's background prefetch thread (qie.data.dataset.PREFETCH_BATCHES)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs per variant, interleaved (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="OMP/torch threads of the training process")
+    p.add_argument("--work", default=None, help="work folder, reused when it holds a data set (default: temp)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for the train stage (key=value)")
+    # child mode (internal)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--thread", default="on", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return {}
+    header(
+        "data wait as a share of a cached training step (real train stage, tiny model)",
+        ["scripts/bench_data_wait.py", *(sys.argv[1:] if argv is None else argv)],
+    )
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="qie_bench_wait_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, work)
+    finally:
+        if not args.keep and not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path) -> dict:
+    data, cache = prepare(work, args.samples, args.image_size)
+    variants = [(w, t) for w in dict.fromkeys(args.workers) for t in dict.fromkeys(args.prefetch_thread)]
+    results: dict[tuple, list[dict]] = {v: [] for v in variants}
+    for r in range(args.repeats):
+        for v in variants:
+            w, thread = v
+            run_dir = work / f"train_w{w}_{thread}_{r}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            out = work / f"timings_w{w}_{thread}_{r}.json"
+            overrides = [
+                f"data.path={data}",
+                f"cache.dir={cache}",
+                f"train.max_steps={args.steps}",
+                f"data.batch_size={args.batch_size}",
+                "train.checkpoint_every=0",
+                *([f"data.num_workers={w}"] if w is not None else []),
+                *args.overrides,
+            ]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--run-dir", str(run_dir)]
+            cmd += ["--thread", thread, "--", *overrides]
+            proc = subprocess.run(cmd, env=child_env(args.threads), capture_output=True, text=True)
+            if proc.returncode:
+                print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+                raise SystemExit(f"training run failed ({proc.returncode}): {' '.join(cmd)}")
+            t = json.loads(out.read_text())
+            res = summarise(t["waits"], t["starts"], args.warmup)
+            res["total_s"] = t["total"]
+            results[v].append(res)
+
+    rows, best = [], {}
+    for v, runs in results.items():
+        for i, res in enumerate(runs):
+            rows.append(
+                [
+                    f"{label(v)} run {i + 1}",
+                    res["steps"],
+                    f"{res['step_ms']:.2f}",
+                    f"{res['step_median_ms']:.2f}",
+                    f"{res['wait_ms']:.3f}",
+                    f"{res['wait_median_ms']:.3f}",
+                    f"{res['wait_max_ms']:.2f}",
+                    f"{100 * res['share']:.2f}%",
+                    f"{res['warmup_wait_s']:.2f} / {res['warmup_step_s']:.2f}",
+                    f"{100 * res['share_all']:.1f}%",
+                ]
+            )
+        best[v] = median([res["share"] for res in runs])
+    print(
+        f"\n{args.steps} steps per run, batch size {args.batch_size}; steady state = steps after the first "
+        f"{args.warmup}; times in ms unless marked"
+    )
+    print(
+        table(
+            [
+                "variant",
+                "steps",
+                "step mean",
+                "step median",
+                "wait mean",
+                "wait median",
+                "wait max",
+                "wait share",
+                "warm-up wait / step (s)",
+                "share incl. warm-up",
+            ],
+            rows,
+        )
+    )
+    print()
+    ok = True
+    for v, share in best.items():
+        ok &= target_line(f"data wait share of a cached step ({label(v)})", 100 * share, "<=", 100 * TARGET, unit="%")
+    return {
+        "shares": {label(k): v for k, v in best.items()},
+        "results": {label(k): v for k, v in results.items()},
+        "passed": ok,
+    }
+
+
+def label(variant: tuple) -> str:
+    workers, thread = variant
+    return f"workers={'config' if workers is None else workers}, prefetch thread {thread}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The benchmark scripts run (tiny sizes, in-process) and print their target lines; and the speed-ups they
+led to (mapped cache reads, the loader's prefetch thread, the folder scan) keep their behaviour."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def script(name: str):
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
+
+
+def test_cache_io_bench_prints_its_ratio_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # 300 x 512 bf16 prompt embeddings: 300 KiB files, so the mapped read path is the one measured.
+    args = ["--samples", "2", "--rounds", "1", "--latent-size", "8", "--dim", "512"]
+    args += ["--prompt-tokens", "300", "--empty-tokens", "290", "--dir", str(tmp_path / "io")]
+    result = script("bench_cache_io").main(args)
+    out = capsys.readouterr().out
+    assert "cache read: ssd vs .pt = " in out and "(target >= 3x)" in out
+    assert "cache read: ssd vs raw read = " in out and "(target >= 0.8x)" in out
+    assert "bytes on disk: ssd / .pt fp16 = " in out
+    assert result["vs_pt"] > 0 and result["vs_raw"] > 0
+    assert not (tmp_path / "io").exists()  # removed unless --keep
+
+
+def test_gpu_step_bench_shows_help_without_a_gpu(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit:
+        script("bench_gpu_step").main(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert "--num-layers" in out and "QwenImageTransformer2DModel" in out
+
+
+def test_target_line_format(capsys: pytest.CaptureFixture) -> None:
+    common = script("_bench_common")
+    assert common.target_line("cache read: ssd vs .pt", 4.1, ">=", 3)
+    assert not common.target_line("data wait share", 2.5, "<=", 2, unit="%")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "cache read: ssd vs .pt = 4.1x (target >= 3x) PASS",
+        "data wait share = 2.5% (target <= 2%) FAIL",
+    ]
+
+
+# --- ssd backend: large entries are mapped, not read ------------------------------------------------------
+
+
+def test_mapped_entries_read_back_and_stay_private(tmp_path: Path) -> None:
+    from qie.cache import ssd
+
+    backend = ssd.SsdBackend(tmp_path)
+    embed = torch.randn(ssd.MMAP_MIN_BYTES // 2 + 64, dtype=torch.float32).reshape(-1, 2).to(torch.bfloat16)
+    backend.put("prompt_embed", "ab" * 8, {"embed": embed})
+    path = backend.path("prompt_embed", "ab" * 8)
+    assert path.stat().st_size >= ssd.MMAP_MIN_BYTES
+    got = backend.get("prompt_embed", "ab" * 8)["embed"]
+    assert torch.equal(got, embed)
+    got.zero_()  # copy-on-write: the file keeps its values
+    assert torch.equal(backend.get("prompt_embed", "ab" * 8)["embed"], embed)
+    # A reader's tensors outlive the entry being replaced (writers replace files, never rewrite them).
+    first = backend.get("prompt_embed", "ab" * 8)["embed"]
+    backend.put("prompt_embed", "ab" * 8, {"embed": embed + 1})
+    assert torch.equal(first, embed)
+    assert torch.equal(backend.get("prompt_embed", "ab" * 8)["embed"], embed + 1)
+
+
+def test_truncated_large_entry_is_a_miss(tmp_path: Path) -> None:
+    from qie.cache import ssd
+
+    backend = ssd.SsdBackend(tmp_path)
+    backend.put("pixel_latent", "cd" * 8, {"latent": torch.randn(4, 1, 256, 256)})
+    path = backend.path("pixel_latent", "cd" * 8)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert len(data) // 2 >= ssd.MMAP_MIN_BYTES
+    assert backend.get("pixel_latent", "cd" * 8) is None
+
+
+def test_small_and_large_files_load_the_same_bytes(tmp_path: Path) -> None:
+    from qie.cache.ssd import load_file, read_file
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 4096)
+    assert torch.equal(load_file(path, mmap_min_bytes=1), read_file(path))
+    assert torch.equal(load_file(path, mmap_min_bytes=1 << 40), read_file(path))
+
+
+# --- the loader's prefetch thread --------------------------------------------------------------------------
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "qie-prefetch"]
+
+
+def test_prefetcher_keeps_order_and_raises_errors_in_the_consumer() -> None:
+    from qie.data.dataset import Prefetcher
+
+    assert list(Prefetcher(iter(range(50)), 3)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("bad batch")
+
+    p = Prefetcher(failing(), 2)
+    assert next(p) == 1
+    with pytest.raises(ValueError, match="bad batch"):
+        next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+
+
+def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
+    from qie.data.dataset import Prefetcher
+
+    def endless():
+        n = 0
+        while True:
+            yield n
+            n += 1
+
+    before = len(_prefetch_threads())
+    p = Prefetcher(endless(), 2)
+    assert [next(p) for _ in range(5)] == [0, 1, 2, 3, 4]
+    del p
+    deadline = time.monotonic() + 5
+    while len(_prefetch_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_prefetch_threads()) == before
+
+
+def test_make_loader_prefetches_cached_sources_only() -> None:
+    from qie.data.dataset import EmbeddingDataset, Prefetcher, make_loader
+    from qie.embeddings import CachedSource
+
+    class Source:
+        def get(self, samples):
+            raise AssertionError("not read")
+
+    cached = CachedSource.__new__(CachedSource)
+    sampler = [(0, [0])]
+    assert isinstance(iter(make_loader(EmbeddingDataset([], cached), sampler, 0, 0)), Prefetcher)
+    assert not isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0)), Prefetcher)
+
+
+# --- the folder scan ----------------------------------------------------------------------------------------
+
+
+def test_folder_scan_reads_captions_as_read_text_would(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from qie.data.samples import scan_dataset
+
+    t, c = tmp_path / "training_images", tmp_path / "control_images"
+    t.mkdir()
+    c.mkdir()
+    for folder, name in [(t, "a.png"), (c, "a.png"), (t, "b.PNG"), (c, "b_control_1.png"), (c, "b_control_0.png")]:
+        Image.new("RGB", (8, 8)).save(folder / name, format="PNG")
+    (t / "a.txt").write_bytes(b"  line one\r\nline two\rthree\n")
+    (c / "b.txt").write_bytes(b"caption beside the control\r\n")
+    data = scan_dataset(tmp_path)
+    assert [(s.id, s.prompt) for s in data.samples] == [
+        ("a", (t / "a.txt").read_text(encoding="utf-8").strip()),
+        ("b", "caption beside the control"),
+    ]
+    assert data.samples[0].prompt == "line one\nline two\nthree"
+    assert data.samples[1].target == t / "b.PNG"
+    assert data.samples[1].controls == (c / "b_control_0.png", c / "b_control_1.png")
