@@ -122,3 +122,17 @@ def child_env(threads: int | None = None, **extra: str) -> dict[str, str]:
             env[k] = str(threads)
     env.update(extra)
     return env
+
+
+def run_in_work_dir(run: Callable[[Path], dict], work: str | None, prefix: str) -> dict:
+    """Run `run(folder)` in `work`, or in a temporary folder that is removed afterwards."""
+    import shutil
+    import tempfile
+
+    folder = Path(work) if work else Path(tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(folder)
+    finally:
+        if not work:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -34,16 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-REAL_CONFIG = dict(
-    patch_size=2,
-    in_channels=64,
-    out_channels=16,
-    num_layers=60,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=3584,
-    axes_dims_rope=(16, 56, 56),
-)
+from qie.components import real_size
+
+REAL_CONFIG = real_size.TRANSFORMER
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), matched against torch.cuda.get_device_name().
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0}
 CONFIGS = ("bf16", "bf16+gc", "fp8", "fp8+gc")

@@ -19,12 +19,11 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import check_line, child_env, fmt_bytes, header, table  # noqa: E402
+from _bench_common import check_line, child_env, fmt_bytes, header, run_in_work_dir, table  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 ENCODER_MARKERS = ("Qwen2_5_VL", "Qwen2VL", "AutoencoderKL")
@@ -105,13 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak RSS of cached vs live training, and the model classes each builds (tiny model)",
         ["scripts/bench_memory.py", *(sys.argv[1:] if argv is None else argv)],
     )
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="qie_bench_mem_"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        return _run(args, work)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_in_work_dir(lambda work: _run(args, work), args.work, "qie_bench_mem_")
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:

@@ -22,12 +22,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import child_env, header, table, target_line  # noqa: E402
+from _bench_common import child_env, header, run_in_work_dir, table, target_line  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 
@@ -120,13 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         "precompute throughput: batched vs one at a time, 2 processes vs 1 (tiny model, CPU)",
         ["scripts/bench_precompute.py", *(sys.argv[1:] if argv is None else argv)],
     )
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="qie_bench_pre_"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        return _run(args, work)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_in_work_dir(lambda work: _run(args, work), args.work, "qie_bench_pre_")
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:

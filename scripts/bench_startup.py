@@ -21,13 +21,12 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import child_env, header, table, target_line  # noqa: E402
+from _bench_common import child_env, header, run_in_work_dir, table, target_line  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 TARGET_S = 5.0
@@ -211,13 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         "start-up to the first cached training step vs cache size",
         ["scripts/bench_startup.py", *(sys.argv[1:] if argv is None else argv)],
     )
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="qie_bench_start_"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        return _run(args, work)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_in_work_dir(lambda work: _run(args, work), args.work, "qie_bench_start_")
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:

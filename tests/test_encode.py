@@ -13,20 +13,14 @@ from PIL import Image
 
 from qie.components.processor import load_processor
 from qie.config import compose
+from qie.config.cache import CACHE_TYPES
 from qie.data.samples import Sample
 from qie.encode import EMPTY_PROMPT, Encoder, ImageSizes, prepare_sample
 from qie.stages.common import build_encoder
 
 AREA = 64 * 64
 SIZES = ImageSizes(target_pixels=AREA, vae_image_pixels=AREA, vl_image_pixels=AREA)
-ALL_TYPES = [
-    "pixel_latent",
-    "control_latent",
-    "prompt_embed",
-    "prompt_embeds_mask",
-    "empty_prompt_embed",
-    "empty_prompt_embeds_mask",
-]
+ALL_TYPES = list(CACHE_TYPES)
 
 
 def _noise(path: Path, seed: int, size: tuple[int, int] = (64, 64)) -> Path:
