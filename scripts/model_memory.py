@@ -14,6 +14,7 @@ import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from peft import LoraConfig
 
+from qie.components import real_size
 from qie.components.quantize import KEEP_FULL_PRECISION
 from qie.config.train import LoraConfig as QieLora
 
@@ -25,19 +26,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
     with torch.device("meta"):
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=64,
-            out_channels=16,
-            num_layers=60,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=3584,
-            axes_dims_rope=(16, 56, 56),
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=96, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True], z_dim=16
-        )
+        transformer = QwenImageTransformer2DModel(**real_size.TRANSFORMER)
+        vae = AutoencoderKLQwenImage(**real_size.VAE)
     total = sum(p.numel() for p in transformer.parameters())
     kept = [n.rstrip("*") for n in KEEP_FULL_PRECISION]
     quantizable = sum(
