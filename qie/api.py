@@ -149,24 +149,21 @@ class Trainer:
         self,
         image: Image.Image | str | Path | Sequence[Image.Image | str | Path],
         prompt: str,
-        negative_prompt: str | None = "",
-        num_inference_steps: int = 20,
-        true_cfg_scale: float = 4.0,
-        seed: int | None = None,
+        **options: Any,
     ) -> Image.Image | list[Image.Image]:
         """Edit `image` (a list of images for Edit-Plus) as `python -m qie.infer` would.
 
+        Args:
+            options: SamplingOptions fields (negative_prompt, true_cfg_scale, num_inference_steps, seed,
+                height, width, num_images); the rest come from the config's `predict` group, so the
+                defaults are those of `python -m qie.infer`.
+
         Returns one PIL image, or a list when several input images were given.
         """
+        from qie.stages.common import sampling_options
+
         images = list(image) if isinstance(image, (list, tuple)) else [image]
-        out = self.setup_predict().predict(
-            images,
-            prompt,
-            negative_prompt=negative_prompt,
-            steps=num_inference_steps,
-            cfg=true_cfg_scale,
-            seed=int(self.cfg.predict.seed if seed is None else seed),
-        )
+        out = self.setup_predict().predict(images, prompt, sampling_options(self.cfg.predict, **options))
         return out if len(images) > 1 else out[0]
 
     # Encoding ------------------------------------------------------------------------------------

@@ -1,17 +1,15 @@
-"""EmbeddingSource: one interface from samples to the tensors a training step needs.
+"""EmbeddingSource: the one road from samples to the tensors a training step (or a sampler) needs.
 
 `cached` reads the cache only (no encoder is ever built), `live` encodes every time, `lazy` reads the
-cache and encodes + writes what is missing. The training step sees `SampleEmbeddings` and never knows
-which source produced them.
+cache and encodes + writes what is missing (building its encoder on the first miss). The training step
+sees `SampleEmbeddings` and never knows which source produced them; stages ask a source what they need
+to know (`encodes`, `check`, `with_encoding`) instead of asking what class it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Protocol
-
-import torch
 
 from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher
@@ -19,72 +17,108 @@ from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
 from qie.encode import Encoder, ImageSizes, prepare_sample
 from qie.errors import CacheMissError
+from qie.types import TRAINING_TYPES, SampleEmbeddings
 
-# What a training step needs of a sample (the masks are implied: embeddings are stored unpadded).
-TRAINING_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
+EncoderFactory = Callable[[], Encoder]
+DEFAULT_PRECOMPUTE_COMMAND = "python -m qie.precompute model=... data.path=... cache.dir=..."
 
 
-@dataclass
-class SampleEmbeddings:
-    """A sample's encoded inputs, on the CPU, unpadded."""
+def sample_types(sample: Sample) -> tuple[str, ...]:
+    """The entry types `sample` has: no pixel_latent without a target, no control_latent without controls."""
+    skip = {"pixel_latent"} if sample.target is None else set()
+    if not sample.controls:
+        skip.add("control_latent")
+    return tuple(t for t in TRAINING_TYPES if t not in skip)
 
-    id: str
-    pixel_latent: torch.Tensor  # (C, 1, h, w), normalised
-    control_latents: tuple[torch.Tensor, ...]  # each (C, 1, h, w), normalised
-    prompt_embed: torch.Tensor  # (tokens, dim)
-    empty_prompt_embed: torch.Tensor  # (tokens, dim), the same control images with the empty prompt
-    cached: bool = False
 
-    @classmethod
-    def from_entries(cls, sample_id: str, entries: dict, cached: bool) -> SampleEmbeddings:
-        controls = entries["control_latent"]
-        return cls(
-            id=sample_id,
-            pixel_latent=entries["pixel_latent"]["latent"],
-            control_latents=tuple(controls[str(k)] for k in range(len(controls))),
-            prompt_embed=entries["prompt_embed"]["embed"],
-            empty_prompt_embed=entries["empty_prompt_embed"]["embed"],
-            cached=cached,
-        )
+def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbeddings:
+    """SampleEmbeddings from cache entries (type name -> dict of named tensors)."""
+    controls = entries.get("control_latent", {})
+    pixel = entries.get("pixel_latent")
+    return SampleEmbeddings(
+        id=sample_id,
+        pixel_latent=pixel["latent"] if pixel is not None else None,
+        control_latents=tuple(controls[str(k)] for k in range(len(controls))),
+        prompt_embed=entries["prompt_embed"]["embed"],
+        empty_prompt_embed=entries["empty_prompt_embed"]["embed"],
+        cached=cached,
+    )
 
 
 class EmbeddingSource(Protocol):
+    # Whether `get` may run encoders: such a source stays in the training process (encoders may sit on
+    # a GPU that forked loader workers cannot use) and is not read ahead by a prefetch thread.
+    encodes: bool
+
     def get(self, samples: Sequence[Sample]) -> list[SampleEmbeddings]: ...
+
+    def check(self, samples: Sequence[Sample]) -> None:
+        """Raise CacheMissError when `get` could not serve a sample (only a cache-only source can fail)."""
+        ...
+
+    def with_encoding(self) -> EmbeddingSource:
+        """A source that reads what this one reads and encodes what is missing (itself if it can)."""
+        ...
+
+    def release(self) -> None:
+        """Free the encoders this source built (they are built again when needed)."""
+        ...
 
 
 class LiveSource:
     """Encodes every sample on every call."""
 
+    encodes = True
+
     def __init__(self, encoder: Encoder, sizes: ImageSizes) -> None:
         self.encoder, self.sizes = encoder, sizes
 
     def get(self, samples: Sequence[Sample]) -> list[SampleEmbeddings]:
-        entries = self.encoder.encode_entries([prepare_sample(s, self.sizes) for s in samples], TRAINING_TYPES)
-        return [SampleEmbeddings.from_entries(s.id, e, cached=False) for s, e in zip(samples, entries)]
+        return [
+            from_entries(s.id, e, cached=False) for s, e in zip(samples, _encode(self.encoder, samples, self.sizes))
+        ]
+
+    def check(self, samples: Sequence[Sample]) -> None:
+        pass
+
+    def with_encoding(self) -> LiveSource:
+        return self
+
+    def release(self) -> None:
+        pass  # the encoder is this source's reason to be
 
 
 class CachedSource:
     """Reads the cache only; a missing entry stops with the sample's name and the precompute command.
 
     Args:
+        encoder_factory: builds an encoder for `with_encoding()` (never called by this source itself).
         precompute_command: the command that fills this cache, quoted in the miss message.
     """
+
+    encodes = False
 
     def __init__(
         self,
         backend: CacheBackend,
         context: KeyContext,
         hasher: FileHasher,
-        precompute_command: str = "python -m qie.precompute model=... data.path=... cache.dir=...",
+        encoder_factory: EncoderFactory | None = None,
+        sizes: ImageSizes | None = None,
+        precompute_command: str = DEFAULT_PRECOMPUTE_COMMAND,
     ) -> None:
         self.backend, self.context, self.hasher = backend, context, hasher
+        self.encoder_factory, self.sizes = encoder_factory, sizes
         self.precompute_command = precompute_command
+
+    def keys(self, sample: Sample) -> dict[str, str]:
+        return sample_keys(sample, self.context, self.hasher)
 
     def read(self, sample: Sample) -> tuple[dict, list[str]]:
         """The sample's entries found in the cache, and the types that are missing."""
-        keys = sample_keys(sample, self.context, self.hasher)
+        keys = self.keys(sample)
         found, missing = {}, []
-        for kind in TRAINING_TYPES:
+        for kind in sample_types(sample):
             entry = self.backend.get(kind, keys[kind])
             if entry is None:
                 missing.append(kind)
@@ -93,14 +127,14 @@ class CachedSource:
         return found, missing
 
     def check(self, samples: Sequence[Sample]) -> None:
-        """Stop at the first sample with no entry of a training type, reading nothing but file metadata.
+        """Stop at the first sample with no entry of a type it needs, reading nothing but file metadata.
 
         Raises:
             CacheMissError: naming the sample, what is missing and the precompute command.
         """
         for sample in samples:
-            keys = sample_keys(sample, self.context, self.hasher)
-            missing = [kind for kind in TRAINING_TYPES if not self.backend.exists(kind, keys[kind])]
+            keys = self.keys(sample)
+            missing = [kind for kind in sample_types(sample) if not self.backend.exists(kind, keys[kind])]
             if missing:
                 raise self.miss(sample, missing)
 
@@ -118,15 +152,36 @@ class CachedSource:
             found, missing = self.read(sample)
             if missing:
                 raise self.miss(sample, missing)
-            out.append(SampleEmbeddings.from_entries(sample.id, found, cached=True))
+            out.append(from_entries(sample.id, found, cached=True))
         return out
+
+    def with_encoding(self) -> LazySource:
+        if self.encoder_factory is None or self.sizes is None:
+            raise ValueError("this cached source was built without an encoder factory and image sizes")
+        return LazySource(self, self.encoder_factory, self.sizes)
+
+    def release(self) -> None:
+        pass
 
 
 class LazySource:
-    """Reads the cache; encodes what is missing (in one batch) and writes it back."""
+    """Reads the cache; encodes what is missing (in one batch) and writes it back.
 
-    def __init__(self, cached: CachedSource, encoder: Encoder, sizes: ImageSizes) -> None:
-        self.cached, self.encoder, self.sizes = cached, encoder, sizes
+    The encoder is built on the first miss, so a warm cache costs no encoder at all.
+    """
+
+    encodes = True
+
+    def __init__(self, cached: CachedSource, encoder: Encoder | EncoderFactory, sizes: ImageSizes) -> None:
+        self.cached, self.sizes = cached, sizes
+        self._encoder = encoder if isinstance(encoder, Encoder) else None
+        self._factory = None if isinstance(encoder, Encoder) else encoder
+
+    @property
+    def encoder(self) -> Encoder:
+        if self._encoder is None:
+            self._encoder = self._factory()
+        return self._encoder
 
     def get(self, samples: Sequence[Sample]) -> list[SampleEmbeddings]:
         results: list[SampleEmbeddings | None] = [None] * len(samples)
@@ -136,27 +191,41 @@ class LazySource:
             if missing:
                 todo.append(i)
             else:
-                results[i] = SampleEmbeddings.from_entries(sample.id, found, cached=True)
+                results[i] = from_entries(sample.id, found, cached=True)
         if todo:
-            prepared = [prepare_sample(samples[i], self.sizes) for i in todo]
-            entries = self.encoder.encode_entries(prepared, TRAINING_TYPES)
+            entries = _encode(self.encoder, [samples[i] for i in todo], self.sizes)
             for i, entry in zip(todo, entries):
                 self._write(samples[i], entry)
-                results[i] = SampleEmbeddings.from_entries(samples[i].id, entry, cached=False)
+                results[i] = from_entries(samples[i].id, entry, cached=False)
         return results  # type: ignore[return-value]
 
+    def check(self, samples: Sequence[Sample]) -> None:
+        pass
+
+    def with_encoding(self) -> LazySource:
+        return self
+
+    def release(self) -> None:
+        if self._factory is not None:  # only what this source built itself
+            self._encoder = None
+
     def _write(self, sample: Sample, entry: dict) -> None:
-        keys = sample_keys(sample, self.cached.context, self.cached.hasher)
+        keys = self.cached.keys(sample)
         for kind, tensors in entry.items():
             self.cached.backend.put(kind, keys[kind], tensors)
 
 
-def prompt_template(variant: str) -> str:
-    """The prompt template and drop index of the variant's diffusers pipeline, as one string for keys."""
-    from qie.components import Parts, edit_pipeline
-
-    pipe = edit_pipeline(Parts(), variant)
-    return f"{pipe.prompt_template_encode}|{pipe.prompt_template_encode_start_idx}"
+def _encode(encoder: Encoder, samples: Sequence[Sample], sizes: ImageSizes) -> list[dict]:
+    """Entries of the types each sample has, encoded in batches of samples that have the same types."""
+    out: list[dict] = [{} for _ in samples]
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, sample in enumerate(samples):
+        groups.setdefault(sample_types(sample), []).append(i)
+    for types, idx in groups.items():
+        prepared = [prepare_sample(samples[i], sizes) for i in idx]
+        for i, entry in zip(idx, encoder.encode_entries(prepared, types)):
+            out[i] = entry
+    return out
 
 
 def key_context(
@@ -164,11 +233,12 @@ def key_context(
 ) -> KeyContext:
     """The KeyContext of a model, its dtype and image sizes: fingerprints read from configs and weight headers."""
     from qie.components.fingerprint import part_fingerprint
+    from qie.models import model_spec
 
     return KeyContext(
         vae_fingerprint=part_fingerprint(source, "vae", revision),
         text_encoder_fingerprint=part_fingerprint(source, "text_encoder", revision),
-        prompt_template=prompt_template(variant),
+        prompt_template=model_spec(variant).prompt_template(),
         target_pixels=sizes.target_pixels,
         resize_mode=sizes.resize_mode,
         multiple_of=sizes.multiple_of,

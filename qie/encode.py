@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from qie.components import Parts, edit_pipeline
+from qie.components import Parts
 from qie.data.images import condition_images, open_image, prepare_target
 from qie.data.samples import Sample
+from qie.models import model_spec
 
 # The empty prompt stands in for a dropped caption and is the default negative prompt.
 EMPTY_PROMPT = ""
@@ -75,7 +76,8 @@ class Encoder:
     def __init__(self, parts: Parts, variant: str) -> None:
         self.parts = parts
         self.variant = variant
-        self.pipeline = edit_pipeline(parts, variant)
+        self.spec = model_spec(variant)
+        self.pipeline = self.spec.pipeline(parts)
 
     @torch.no_grad()
     def encode_latents(self, pixels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -93,13 +95,17 @@ class Encoder:
         diffusers' multi-image prompt applies one image list to every prompt of a call.
         """
         counts = [len(imgs) for imgs in images]
-        if len(counts) != len(prompts) or 0 in counts or (self.variant != "edit_plus" and max(counts, default=1) > 1):
+        if (
+            len(counts) != len(prompts)
+            or 0 in counts
+            or (not self.spec.multi_image_prompt and max(counts, default=1) > 1)
+        ):
             raise ValueError(
                 f"{len(prompts)} prompts with {counts} control images each: every prompt needs its images, and "
                 f"the Edit pipeline's prompt takes one image (Edit-Plus takes several)"
             )
         device = self.parts.text_encoder.device
-        if self.variant == "edit_plus":
+        if self.spec.multi_image_prompt:
             out = []
             for prompt, imgs in zip(prompts, images):
                 out += self._encode([prompt], list(imgs), device)

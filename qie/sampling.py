@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,34 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
+from qie.types import pad_prompt_embeds
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How an image is sampled; one set of defaults for `python -m qie.infer`, `Trainer.predict` and
+    validation (the `predict` config group fills it; `validation.*` may override some fields).
+
+    The default negative prompt is the empty prompt: its embedding is what the cache stores for every
+    sample, so validation runs classifier-free guidance from cached inputs. `None` turns CFG off.
+    """
+
+    negative_prompt: str | None = ""
+    true_cfg_scale: float = 4.0
+    num_inference_steps: int = 50
+    seed: int = 0
+    # Output size; None: the model's rule (the condition size of its output image, see ModelSpec).
+    height: int | None = None
+    width: int | None = None
+    num_images: int = 1
+
+    @property
+    def guidance(self) -> bool:
+        """Whether true CFG runs with these options (diffusers' rule: a scale above 1 and a negative prompt)."""
+        return true_cfg_enabled(self.true_cfg_scale, self.negative_prompt is not None, bool(self.negative_prompt))
+
 
 _pack_latents = QwenImageEditPipeline._pack_latents
 _unpack_latents = QwenImageEditPipeline._unpack_latents
@@ -35,31 +63,15 @@ def vae_scale_factor(vae: Any) -> int:
     return 2 ** len(vae.temperal_downsample)
 
 
-def pad_prompt_embeds(embeds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack unpadded (tokens, dim) prompt embeddings into (B, L, dim), zero-padded at the end.
-
-    Returns:
-        The batch and its (B, L) 1/0 mask, or None for the mask when nothing is padded: diffusers'
-        `encode_prompt` drops an all-ones mask, and the transformer takes a different attention path
-        without one, so keeping it would change results in the last bits.
-    """
-    longest = max(e.shape[0] for e in embeds)
-    batch = torch.stack([torch.cat([e, e.new_zeros(longest - e.shape[0], e.shape[1])]) for e in embeds])
-    mask = torch.stack(
-        [torch.cat([torch.ones(e.shape[0], dtype=torch.long), torch.zeros(longest - e.shape[0], dtype=torch.long)])
-         for e in embeds]
-    )  # fmt: skip
-    return batch, (None if bool(mask.all()) else mask)
-
-
-def true_cfg_enabled(true_cfg_scale: float, has_negative: bool) -> bool:
-    """Whether true CFG runs: only with a scale above 1 *and* a negative prompt; warns as diffusers does."""
+def true_cfg_enabled(true_cfg_scale: float, has_negative: bool, warn_unused_negative: bool = True) -> bool:
+    """Whether true CFG runs: only with a scale above 1 *and* a negative prompt; warns as diffusers does
+    (the warning for a negative prompt left unused can be turned off: the default empty one is no choice)."""
     if true_cfg_scale > 1 and not has_negative:
         logger.warning(
             f"true_cfg_scale is {true_cfg_scale}, but classifier-free guidance is not enabled since no "
             "negative prompt is given (set predict.negative_prompt, e.g. to ' ')"
         )
-    elif true_cfg_scale <= 1 and has_negative:
+    elif true_cfg_scale <= 1 and has_negative and warn_unused_negative:
         logger.warning("a negative prompt is given, but classifier-free guidance is off since true_cfg_scale <= 1")
     return true_cfg_scale > 1 and has_negative
 
@@ -195,3 +207,52 @@ def decode_latents(vae: Any, latents: torch.Tensor, output_type: str = "pil") ->
     images = vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
     processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor(vae) * 2)
     return processor.postprocess(images, output_type=output_type)
+
+
+def sample_edit(
+    transformer: Any,
+    scheduler: Any,
+    vae_scale: int,
+    prompt_embed: torch.Tensor,
+    negative_embed: torch.Tensor | None,
+    control_latents: Sequence[torch.Tensor],
+    output_image: int,
+    options: SamplingOptions,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Latents of `options.num_images` images from one sample's encoded inputs, as the pipelines make them.
+
+    Args:
+        prompt_embed, negative_embed: unpadded (tokens, dim) embeddings; the negative one is used only
+            when `options.guidance`.
+        control_latents: normalised latents, each (C, 1, h, w), in the order of the images.
+        output_image: which control image's condition size is the output size (`ModelSpec.output_image`)
+            when `options` sets none.
+    """
+    copies, guidance = options.num_images, options.guidance
+    height, width = options.height, options.width
+    if height is None or width is None:
+        h, w = (vae_scale * d for d in control_latents[output_image].shape[-2:])
+        height, width = height or h, width or w
+    multiple = vae_scale * 2
+    height, width = int(height) // multiple * multiple, int(width) // multiple * multiple
+    embeds, mask = pad_prompt_embeds([prompt_embed] * copies)
+    neg = neg_mask = None
+    if guidance:
+        neg, neg_mask = pad_prompt_embeds([negative_embed] * copies)
+    return sample_latents(
+        transformer,
+        scheduler,
+        embeds,
+        mask,
+        [c.unsqueeze(0) for c in control_latents],
+        height=height,
+        width=width,
+        vae_scale_factor=vae_scale,
+        num_inference_steps=options.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(int(options.seed)),
+        negative_prompt_embeds=neg,
+        negative_prompt_embeds_mask=neg_mask,
+        true_cfg_scale=options.true_cfg_scale if guidance else 1.0,
+        progress=progress,
+    )

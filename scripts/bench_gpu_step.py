@@ -99,7 +99,7 @@ def build(args: argparse.Namespace, fp8: bool):
 def make_batch(args: argparse.Namespace):
     import torch
 
-    from qie.data.collate import Batch
+    from qie.types import Batch
 
     side = args.resolution // 8  # VAE: 8x down
     b, dev = args.batch_size, args.device
@@ -113,8 +113,7 @@ def make_batch(args: argparse.Namespace):
         latents=rnd(b, 16, 1, side, side),
         control_latents=[rnd(b, 16, 1, side, side)],
         prompt_embeds=rnd(b, args.prompt_tokens, 3584),
-        prompt_embeds_mask=torch.ones(b, args.prompt_tokens, dtype=torch.long, device=dev),
-        cached=[True] * b,
+        prompt_embeds_mask=None,
     )
     noise = rnd(b, 16, 1, side, side)
     sigmas = torch.rand(b, generator=g, device=dev).clamp(0.05, 0.95)

@@ -104,7 +104,7 @@ def _prefetch_threads() -> list[threading.Thread]:
 
 
 def test_prefetcher_keeps_order_and_raises_errors_in_the_consumer() -> None:
-    from qie.data.dataset import Prefetcher
+    from qie.data.prefetch import Prefetcher
 
     assert list(Prefetcher(iter(range(50)), 3)) == list(range(50))
 
@@ -121,7 +121,7 @@ def test_prefetcher_keeps_order_and_raises_errors_in_the_consumer() -> None:
 
 
 def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
-    from qie.data.dataset import Prefetcher
+    from qie.data.prefetch import Prefetcher
 
     def endless():
         n = 0
@@ -140,7 +140,8 @@ def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
 
 
 def test_make_loader_prefetches_cached_sources_only() -> None:
-    from qie.data.dataset import EmbeddingDataset, Prefetcher, make_loader
+    from qie.data.dataset import EmbeddingDataset, make_loader
+    from qie.data.prefetch import Prefetcher
     from qie.embeddings import CachedSource
 
     class Source:

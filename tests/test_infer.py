@@ -102,7 +102,7 @@ def lora(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.usefixtures("small_conditions")
 def test_edit_matches_pipeline(predictor: Predictor, tiny_path: Path, images: dict[str, Path]) -> None:
     wide = Image.open(images["wide"])
-    mine = predictor.predict([wide], PROMPT, steps=2, cfg=1.0, seed=5, output_type="np")
+    mine = predictor.predict([wide], PROMPT, num_inference_steps=2, true_cfg_scale=1.0, seed=5, output_type="np")
     ref = _reference(_pipeline(QwenImageEditPipeline, tiny_path), wide, seed=5, true_cfg_scale=1.0)
     assert mine.shape == ref.shape == (1, 32, 96, 3)  # the wide image's aspect at 64x64 px
     assert np.abs(mine - ref).max() <= 1e-5
@@ -113,13 +113,13 @@ def test_edit_with_cfg_and_two_images_per_prompt_matches_pipeline(
     predictor: Predictor, tiny_path: Path, images: dict[str, Path]
 ) -> None:
     square = Image.open(images["square"])
-    mine = predictor.predict(square, PROMPT, negative_prompt=" ", steps=2, cfg=4.0, seed=1, num_images=2,
-                             output_type="np")  # fmt: skip
+    mine = predictor.predict(square, PROMPT, negative_prompt=" ", num_inference_steps=2, true_cfg_scale=4.0, seed=1,
+                             num_images=2, output_type="np")  # fmt: skip
     ref = _reference(_pipeline(QwenImageEditPipeline, tiny_path), square, seed=1, negative_prompt=" ",
                      true_cfg_scale=4.0, num_images_per_prompt=2)  # fmt: skip
     assert mine.shape == ref.shape == (2, SIZE, SIZE, 3)
     assert np.abs(mine - ref).max() <= 1e-5
-    no_cfg = predictor.predict(square, PROMPT, steps=2, cfg=1.0, seed=1, output_type="np")
+    no_cfg = predictor.predict(square, PROMPT, num_inference_steps=2, true_cfg_scale=1.0, seed=1, output_type="np")
     assert np.abs(no_cfg[0] - mine[0]).max() > 1e-3
 
 
@@ -127,7 +127,7 @@ def test_edit_with_cfg_and_two_images_per_prompt_matches_pipeline(
 def test_edit_with_lora_matches_pipeline(tiny_path: Path, lora: Path, images: dict[str, Path]) -> None:
     square = Image.open(images["square"])
     with_lora = build_predictor(_cfg(f"predict.lora={lora.parent}", "predict.lora_scale=0.7"))
-    mine = with_lora.predict(square, PROMPT, steps=2, cfg=1.0, seed=2, output_type="np")
+    mine = with_lora.predict(square, PROMPT, num_inference_steps=2, true_cfg_scale=1.0, seed=2, output_type="np")
     pipe = _pipeline(QwenImageEditPipeline, tiny_path)
     base = _reference(pipe, square, seed=2, true_cfg_scale=1.0)
     pipe.load_lora_weights(lora, adapter_name="test")
@@ -136,7 +136,9 @@ def test_edit_with_lora_matches_pipeline(tiny_path: Path, lora: Path, images: di
     assert np.abs(mine - ref).max() <= 1e-5
     assert np.abs(mine - base).max() > 1e-3  # the LoRA does change the result
     with_lora.load_lora(lora, 0.7)  # loading again replaces the adapter rather than stacking a second
-    assert np.array_equal(with_lora.predict(square, PROMPT, steps=2, cfg=1.0, seed=2, output_type="np"), mine)
+    assert np.array_equal(
+        with_lora.predict(square, PROMPT, num_inference_steps=2, true_cfg_scale=1.0, seed=2, output_type="np"), mine
+    )
 
 
 @pytest.mark.usefixtures("small_conditions")
@@ -144,7 +146,7 @@ def test_edit_plus_two_images_matches_pipeline(tiny_plus_path: Path, images: dic
     plus = build_predictor(_cfg(model="tiny_plus"))
     pair = [Image.open(images["square"]), Image.open(images["wide"])]
     mine = plus.predict(pair, "Put the object from picture 2 on the table in picture 1.", negative_prompt="",
-                        steps=2, cfg=2.5, seed=4, output_type="np")  # fmt: skip
+                        num_inference_steps=2, true_cfg_scale=2.5, seed=4, output_type="np")  # fmt: skip
     ref = _reference(
         _pipeline(QwenImageEditPlusPipeline, tiny_plus_path),
         pair,
@@ -159,7 +161,7 @@ def test_edit_plus_two_images_matches_pipeline(tiny_plus_path: Path, images: dic
 
 def test_merged_lora_equals_unmerged(lora: Path, images: dict[str, Path], tmp_path: Path) -> None:
     merged_predictor = build_predictor(_cfg(f"predict.lora={lora}"))
-    kw = dict(steps=2, cfg=1.0, seed=3, output_type="np")
+    kw = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=3, output_type="np")
     unmerged = merged_predictor.predict([images["square"]], PROMPT, **kw)
     merge_lora(merged_predictor.parts.transformer)
     assert not getattr(merged_predictor.parts.transformer, "peft_config", None)
@@ -204,9 +206,19 @@ def test_cfg_without_negative_prompt_warns_and_runs_without_cfg(
     predictor: Predictor, images: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="qie.sampling"):
-        guided = predictor.predict(images["square"], PROMPT, steps=2, cfg=4.0, seed=0, output_type="np")
+        guided = predictor.predict(
+            images["square"],
+            PROMPT,
+            negative_prompt=None,
+            num_inference_steps=2,
+            true_cfg_scale=4.0,
+            seed=0,
+            output_type="np",
+        )
     assert "no negative prompt" in caplog.text
-    plain = predictor.predict(images["square"], PROMPT, steps=2, cfg=1.0, seed=0, output_type="np")
+    plain = predictor.predict(
+        images["square"], PROMPT, num_inference_steps=2, true_cfg_scale=1.0, seed=0, output_type="np"
+    )
     assert np.array_equal(guided, plain)
 
 

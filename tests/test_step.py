@@ -10,10 +10,10 @@ import torch
 
 from qie.components import load_parts
 from qie.config import compose
-from qie.data.collate import Batch
 from qie.training.lora import add_lora
 from qie.training.step import flow_matching_loss, pack_latents
 from qie.training.timesteps import loss_weights, sample_sigmas
+from qie.types import Batch
 
 C, H, W = 4, 8, 8  # tiny latents: 4 channels, 64 px / 8
 
@@ -30,7 +30,6 @@ def fixed_batch(batch_size: int = 2, seed: int = 0, control_hw: tuple[int, int] 
         control_latents=[torch.randn(batch_size, C, 1, *control_hw, generator=g)],
         prompt_embeds=embeds,
         prompt_embeds_mask=mask,
-        cached=[True] * batch_size,
     )
 
 

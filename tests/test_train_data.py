@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -10,14 +11,15 @@ from PIL import Image
 
 from qie.components.tiny import VAE_CONFIG
 from qie.config import compose
-from qie.data.buckets import BucketBatchSampler
-from qie.data.collate import collate, pad_embeds
-from qie.data.dataset import EmbeddingDataset, bucket_keys
+from qie.data.buckets import BucketBatchSampler, bucket_keys
+from qie.data.collate import collate
+from qie.data.dataset import EmbeddingDataset
 from qie.data.samples import scan_dataset
 from qie.demo.synthetic import make_dataset
 from qie.embeddings import CachedSource, LiveSource, SampleEmbeddings
 from qie.stages import precompute
 from qie.stages.common import build_source
+from qie.types import pad_prompt_embeds
 
 SCALE = 2 ** len(VAE_CONFIG["temperal_downsample"])  # pixels per latent of the tiny VAE, as diffusers counts
 
@@ -35,7 +37,7 @@ def cached(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[l
 
 def test_pad_embeds_pads_to_the_longest_with_a_mask() -> None:
     a, b = torch.randn(3, 4), torch.randn(5, 4)
-    embeds, mask = pad_embeds([a, b])
+    embeds, mask = pad_prompt_embeds([a, b])
     assert embeds.shape == (2, 5, 4) and mask.tolist() == [[1, 1, 1, 0, 0], [1] * 5]
     assert torch.equal(embeds[0, :3], a) and not embeds[0, 3:].any() and torch.equal(embeds[1], b)
 
@@ -54,7 +56,10 @@ def test_caption_dropout_swaps_in_the_samples_own_empty_prompt(cached, mode: str
         n, m = e.empty_prompt_embed.shape[0], e.prompt_embed.shape[0]
         assert n != m or not torch.equal(e.empty_prompt_embed, e.prompt_embed)
         assert torch.equal(dropped.prompt_embeds[i, :n], e.empty_prompt_embed)
-        assert dropped.prompt_embeds_mask[i].sum() == n and not dropped.prompt_embeds[i, n:].any()
+        # No mask means nothing is padded: every row is all tokens (as diffusers' encode_prompt gives it).
+        mask = dropped.prompt_embeds_mask
+        tokens = dropped.prompt_embeds.shape[1] if mask is None else int(mask[i].sum())
+        assert tokens == n and not dropped.prompt_embeds[i, n:].any()
         assert torch.equal(kept.prompt_embeds[i, :m], e.prompt_embed)
     # Both sources hand the step the same tensors.
     other = build_source(cfg, "live" if mode == "cached" else "cached").get(samples[:2])
@@ -63,21 +68,26 @@ def test_caption_dropout_swaps_in_the_samples_own_empty_prompt(cached, mode: str
         torch.testing.assert_close(a.pixel_latent, b.pixel_latent, rtol=0, atol=1e-6)
 
 
-def test_caption_dropout_rate_is_a_rate_and_repeats_per_batch_number() -> None:
+def test_caption_dropout_is_a_function_of_seed_and_batch_number() -> None:
     class Stub:
         def get(self, samples):
             return [
                 SampleEmbeddings(
-                    s, torch.zeros(4, 1, 2, 2), (torch.zeros(4, 1, 2, 2),), torch.ones(3, 2), torch.zeros(2, 2)
+                    s, torch.zeros(4, 1, 2, 2), (torch.zeros(4, 1, 2, 2),), torch.ones(3, 2), torch.full((2, 2), 2.0)
                 )
                 for s in samples
             ]
 
     data = EmbeddingDataset([f"s{i}" for i in range(8)], Stub(), caption_dropout_rate=0.3, seed=5)
-    drops = [data[(n, list(range(8)))][1].prompt_embeds_mask.sum(1).eq(2).tolist() for n in range(50)]
-    rate = sum(map(sum, drops)) / (50 * 8)
-    assert 0.2 < rate < 0.4
-    assert drops[7] == data[(7, list(range(8)))][1].prompt_embeds_mask.sum(1).eq(2).tolist()
+    drops = [data[(n, list(range(8)))][1].prompt_embeds[:, 0, 0].eq(2.0).tolist() for n in range(50)]
+    # Exactly the documented rule: one uniform draw per position from Random(f"{seed}:{batch number}").
+    expected = []
+    for n in range(50):
+        rng = random.Random(f"5:{n}")
+        expected.append([rng.random() < 0.3 for _ in range(8)])
+    assert drops == expected
+    assert 0.2 < sum(map(sum, drops)) / (50 * 8) < 0.4
+    assert drops[7] == data[(7, list(range(8)))][1].prompt_embeds[:, 0, 0].eq(2.0).tolist()
 
 
 def _image(path: Path, size: tuple[int, int], color: tuple[int, int, int]) -> None:

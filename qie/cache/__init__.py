@@ -18,8 +18,8 @@ from qie.cache.base import (
     check_type,
     check_types,
 )
-from qie.config.cache import CACHE_TYPES
 from qie.errors import ConfigError
+from qie.types import CACHE_TYPES
 
 
 def build_backend(target: str, dir: str | None) -> CacheBackend:

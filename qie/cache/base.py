@@ -15,11 +15,7 @@ from typing import Protocol, runtime_checkable
 import safetensors.torch
 import torch
 
-from qie.config.cache import CACHE_TYPES
-
-# Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
-# so old entries become misses instead of being read wrongly.
-SCHEMA_VERSION = 1
+from qie.types import CACHE_TYPES, SCHEMA_VERSION
 
 Entry = dict[str, torch.Tensor]
 

@@ -11,7 +11,6 @@ from qie.components.registry import (
     Parts,
     Placement,
     build_parts,
-    edit_pipeline,
     resolve_device,
     resolve_dtype,
 )
@@ -57,7 +56,6 @@ __all__ = [
     "Parts",
     "Placement",
     "build_parts",
-    "edit_pipeline",
     "load_parts",
     "model_source",
     "resolve_device",

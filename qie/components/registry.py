@@ -173,14 +173,3 @@ def build_parts(
             part.to(place.device)
         setattr(parts, name, part)
     return parts
-
-
-def edit_pipeline(parts: Parts, variant: str) -> Any:
-    """A diffusers Edit (or Edit-Plus) pipeline over the built parts; parts not built stay None.
-
-    Reusing the pipeline object lets qie call diffusers' own prompt and VAE encoding code.
-    """
-    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
-
-    cls = QwenImageEditPlusPipeline if variant == "edit_plus" else QwenImageEditPipeline
-    return cls(**{name: getattr(parts, name) for name in PART_NAMES})

@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+from qie.types import CACHE_TYPES
+
 
 class SourceMode(str, Enum):
     """Where training gets embeddings: the cache only, live encoders, or the cache filled on a miss."""
@@ -23,14 +25,6 @@ class CacheAction(str, Enum):
     verify = "verify"
 
 
-CACHE_TYPES = [
-    "pixel_latent",
-    "control_latent",
-    "prompt_embed",
-    "prompt_embeds_mask",
-    "empty_prompt_embed",
-    "empty_prompt_embeds_mask",
-]
 
 
 @dataclass

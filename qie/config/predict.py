@@ -20,7 +20,9 @@ class PredictConfig:
     input: str | None = None
     output: str = "output.png"
     output_dir: str = "predictions"
-    negative_prompt: str | None = None
+    # Sampling options (qie.sampling.SamplingOptions); the empty negative prompt is the one the cache
+    # stores, so CFG runs by default; set negative_prompt=null to turn CFG off.
+    negative_prompt: str | None = ""
     true_cfg_scale: float = 4.0
     num_inference_steps: int = 50
     seed: int = 0

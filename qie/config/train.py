@@ -108,7 +108,8 @@ class ValidationConfig:
     every: int = 0
     prompts: list[str] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
-    num_inference_steps: int = 20
-    true_cfg_scale: float = 1.0
+    # Sampling options; null takes the `predict` group's value (one set of defaults everywhere).
+    num_inference_steps: int | None = None
+    true_cfg_scale: float | None = None
     negative_prompt: str | None = None
-    seed: int = 0
+    seed: int | None = None

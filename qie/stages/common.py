@@ -11,8 +11,9 @@ from qie.cache import build_backend
 from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
 from qie.data.keys import KeyContext
-from qie.embeddings import CachedSource, EmbeddingSource, LazySource, LiveSource, key_context
+from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND, CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
+from qie.sampling import SamplingOptions
 
 ENCODER_PARTS = ("vae", "text_encoder", "tokenizer", "processor")
 
@@ -51,15 +52,41 @@ def model_key_context(cfg: DictConfig) -> KeyContext:
     return key_context(model_source(m), m.revision, str(value(m.variant)), image_sizes(cfg), str(value(m.dtype)))
 
 
-def build_source(cfg: DictConfig, mode: str | None = None, encoder: Encoder | None = None) -> EmbeddingSource:
-    """The EmbeddingSource that `cache.mode` (or `mode`) names; `cache=none` is always live."""
+def build_source(
+    cfg: DictConfig, mode: str | None = None, encoder: Encoder | None = None, precompute_command: str | None = None
+) -> EmbeddingSource:
+    """The EmbeddingSource that `cache.mode` (or `mode`) names; `cache=none` is always live.
+
+    A lazy source builds its encoders on its first miss; a cached one never builds them, but can hand out
+    a lazy variant (`with_encoding()`) that does.
+    """
     mode = mode or str(value(cfg.cache.mode))
     sizes = image_sizes(cfg)
     if mode == "live" or cfg.cache.name == "none":
         return LiveSource(encoder or build_encoder(cfg), sizes)
     backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"))
-    ctx = model_key_context(cfg)
-    cached = CachedSource(backend, ctx, file_hasher(cfg))
-    if mode == "cached":
-        return cached
-    return LazySource(cached, encoder or build_encoder(cfg), sizes)
+    factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg))
+    cached = CachedSource(
+        backend,
+        model_key_context(cfg),
+        file_hasher(cfg),
+        factory,
+        sizes,
+        precompute_command or DEFAULT_PRECOMPUTE_COMMAND,
+    )
+    return cached if mode == "cached" else cached.with_encoding()
+
+
+def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:
+    """SamplingOptions from the `predict` group; `overrides` whose value is None keep predict's value."""
+    base = {
+        "negative_prompt": predict.negative_prompt,
+        "true_cfg_scale": float(predict.true_cfg_scale),
+        "num_inference_steps": int(predict.num_inference_steps),
+        "seed": int(predict.seed),
+        "height": predict.height,
+        "width": predict.width,
+        "num_images": int(predict.num_images),
+    }
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingOptions(**base)

@@ -8,6 +8,7 @@ the transformer and saves it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -16,12 +17,12 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from qie.components import Parts, load_parts
-from qie.data.images import condition_images, fit_area, open_image
+from qie.data.images import condition_images, open_image
 from qie.data.samples import scan_dataset
 from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
-from qie.sampling import decode_latents, pad_prompt_embeds, sample_latents, true_cfg_enabled, vae_scale_factor
-from qie.stages.common import value
+from qie.sampling import SamplingOptions, decode_latents, sample_edit, vae_scale_factor
+from qie.stages.common import sampling_options, value
 from qie.training.lora_io import load_lora, merge_lora, save_transformer
 
 INFER_PARTS = ("vae", "text_encoder", "tokenizer", "processor", "transformer", "scheduler")
@@ -58,43 +59,30 @@ class Predictor:
         """Load (or replace) the LoRA on the transformer. Raises ModelLoadError when it does not fit."""
         return load_lora(self.parts.transformer, path, scale)
 
-    def output_size(self, image: Image.Image, height: int | None = None, width: int | None = None) -> tuple[int, int]:
-        """(height, width) of the output: given, or the image's aspect at `vae_image_pixels`, as diffusers."""
-        auto_w, auto_h = fit_area(image.width, image.height, self.vae_image_pixels)
-        multiple = self.vae_scale_factor * 2
-        return (height or auto_h) // multiple * multiple, (width or auto_w) // multiple * multiple
-
     @torch.no_grad()
     def predict(
         self,
         images: Sequence[Image.Image | str | Path] | Image.Image | str | Path,
         prompt: str,
-        negative_prompt: str | None = None,
-        steps: int = 50,
-        cfg: float = 4.0,
-        seed: int = 0,
-        height: int | None = None,
-        width: int | None = None,
-        num_images: int = 1,
+        options: SamplingOptions | None = None,
         output_type: str = "pil",
         progress: bool = False,
+        **overrides: Any,
     ) -> Any:
         """Edit `images` (one for Edit; one or more for Edit-Plus) following `prompt`.
 
         Args:
             images: control images (PIL or paths), in the order the prompt refers to them.
             prompt: the edit instruction.
-            negative_prompt: enables true CFG together with `cfg` > 1 (diffusers' rule).
-            steps, cfg, seed: denoising steps, true CFG scale, seed of the CPU noise generator.
-            height, width: output size; by default the last image's aspect at `vae_image_pixels`.
-            num_images: images made from one noise draw of batch `num_images`, as diffusers'
-                `num_images_per_prompt`.
+            options: sampling options (default: `SamplingOptions()`); `overrides` replace single fields
+                (e.g. `num_inference_steps=20, seed=3`).
             output_type: "pil" (list of images) or "np" (float array (N, H, W, 3) in [0, 1]).
 
         Raises:
             ConfigError: no prompt or image, or more images than the model takes.
             DataError: an image that is missing or unreadable.
         """
+        options = replace(options or SamplingOptions(), **overrides)
         pil = _open_all(images)
         if prompt is None:
             raise ConfigError("no prompt given: set predict.prompt to the edit instruction")
@@ -106,36 +94,16 @@ class Predictor:
                 f"{self.max_control_images}: use an Edit-Plus model for several images"
             )
         pixels, vl_images = zip(*(condition_images(im, self.vae_image_pixels, self.vl_image_pixels) for im in pil))
-        out_h, out_w = self.output_size(pil[-1] if self.variant == "edit_plus" else pil[0], height, width)
-        do_cfg = true_cfg_enabled(cfg, negative_prompt is not None)
-
-        embeds, mask = self._prompt(prompt, list(vl_images), num_images)
-        neg_embeds = neg_mask = None
-        if do_cfg:
-            neg_embeds, neg_mask = self._prompt(negative_prompt, list(vl_images), num_images)
-        controls = [self.encoder.encode_latents([p])[0].unsqueeze(0) for p in pixels]
-        latents = sample_latents(
-            self.parts.transformer,
-            self.parts.scheduler,
-            embeds,
-            mask,
-            controls,
-            height=out_h,
-            width=out_w,
-            vae_scale_factor=self.vae_scale_factor,
-            num_inference_steps=steps,
-            generator=torch.Generator("cpu").manual_seed(int(seed)),
-            negative_prompt_embeds=neg_embeds,
-            negative_prompt_embeds_mask=neg_mask,
-            true_cfg_scale=cfg if do_cfg else 1.0,
-            progress=progress,
-        )
+        (embed,) = self.encoder.encode_prompts([prompt], [list(vl_images)])
+        negative = None
+        if options.negative_prompt is not None and options.true_cfg_scale > 1:
+            (negative,) = self.encoder.encode_prompts([options.negative_prompt], [list(vl_images)])
+        controls = [self.encoder.encode_latents([p])[0] for p in pixels]
+        latents = sample_edit(
+            self.parts.transformer, self.parts.scheduler, self.vae_scale_factor, embed, negative, controls,
+            self.encoder.spec.output_image, options, progress=progress,
+        )  # fmt: skip
         return decode_latents(self.parts.vae, latents, output_type=output_type)
-
-    def _prompt(self, prompt: str, vl_images: list[Image.Image], copies: int) -> tuple[torch.Tensor, Any]:
-        (embed,) = self.encoder.encode_prompts([prompt], [vl_images])
-        embeds, mask = pad_prompt_embeds([embed] * copies)
-        return embeds, mask
 
 
 def _open_all(images: Any) -> list[Image.Image]:
@@ -186,15 +154,6 @@ def _save(images: list[Image.Image], path: Path) -> list[Path]:
     return paths
 
 
-def _options(cfg: DictConfig) -> dict[str, Any]:
-    p = cfg.predict
-    return {
-        "negative_prompt": p.negative_prompt, "steps": int(p.num_inference_steps), "cfg": float(p.true_cfg_scale),
-        "seed": int(p.seed), "height": p.height, "width": p.width, "num_images": int(p.num_images),
-        "progress": True,  # 50 steps of the real model take a while: show them
-    }  # fmt: skip
-
-
 def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     """Run inference (single image, or batch with `predict.input`) or the LoRA merge (`predict.merge_to`).
 
@@ -218,7 +177,9 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the edit instruction"')
     images = _open_all(sources)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(cfg)
-    written = _save(predictor.predict(images, p.prompt, **_options(cfg)), resolve_output(p.output, run_dir))
+    written = _save(
+        predictor.predict(images, p.prompt, sampling_options(p), progress=True), resolve_output(p.output, run_dir)
+    )
     for path in written:
         print(f"infer: wrote {path}")
     return written
@@ -233,7 +194,9 @@ def run_batch(cfg: DictConfig, run_dir: Path) -> list[Path]:
     failures = [f"{d.id}: {d.path}: {d.reason}" for d in data.problems]
     for sample in data.samples:
         try:
-            images = predictor.predict(list(sample.controls), sample.prompt, **_options(cfg))
+            images = predictor.predict(
+                list(sample.controls), sample.prompt, sampling_options(cfg.predict), progress=True
+            )
         except QieError as e:  # one bad row must not stop the others
             failures.append(f"{sample.id}: {e}")
             continue

@@ -22,10 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.components import load_parts, resolve_dtype
 from qie.components.quantize import is_quantized
-from qie.data.buckets import BucketBatchSampler
-from qie.data.dataset import EmbeddingDataset, bucket_keys, make_loader, raise_failures
+from qie.data.buckets import BucketBatchSampler, bucket_keys
+from qie.data.dataset import PREFETCH_BATCHES, EmbeddingDataset, make_loader, raise_failures
 from qie.data.samples import Sample, scan_dataset
-from qie.embeddings import CachedSource
 from qie.errors import ConfigError
 from qie.stages.common import build_source, value
 from qie.training import checkpoint as ckpt
@@ -128,11 +127,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     sampler = _sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
 
-    source = build_source(cfg)
-    if isinstance(source, CachedSource):
-        source.precompute_command = precompute_command(cfg)
-        # Fail on a wrong cache.dir in a second, before the model is built (later misses stop the run).
-        source.check([samples[i] for i in next(iter(sampler))[1]])
+    source = build_source(cfg, precompute_command=precompute_command(cfg))
+    # Fail on a wrong cache.dir in a second, before the model is built (later misses stop the run).
+    source.check([samples[i] for i in next(iter(sampler))[1]])
 
     model, params, optimizer, lr_scheduler, scheduler = _model_and_optimizer(cfg, accelerator)
     lora_mode = str(value(cfg.train.mode)) == "lora"
@@ -143,8 +140,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
     dataset = EmbeddingDataset(samples, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed))
     # Encoders may sit on a GPU, which forked workers cannot use: only cache reads go to workers.
-    workers = int(cfg.data.num_workers) if isinstance(source, CachedSource) else 0
-    loader = make_loader(dataset, sampler, workers, int(cfg.train.seed))
+    workers = 0 if source.encodes else int(cfg.data.num_workers)
+    prefetch = 0 if source.encodes else PREFETCH_BATCHES
+    loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
     config = OmegaConf.to_container(cfg, resolve=True)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process, config)
     hooks = _step_end_hooks(cfg, logger, samples)
@@ -238,18 +236,26 @@ def _step_end_hooks(cfg: DictConfig, logger: MetricsLogger, samples: list[Sample
 
 
 def _validation_hook(cfg: DictConfig, accelerator: Any, model: Any, source: Any, samples: list, scheduler: Any, logger):
-    """Every `validation.every` steps, sample the validation inputs with the shared denoising loop and log them.
+    """Every `validation.every` steps, sample the validation inputs as inference does and log them.
 
-    Builds the VAE (its decoder decodes the samples); the inputs come from the cache where they are there.
+    Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
     """
+    from qie.models import model_spec
+    from qie.stages.common import sampling_options
     from qie.stages.validation import validation_inputs, validation_samples
     from qie.training.validation import Validator
 
     v = cfg.validation
+    options = sampling_options(
+        cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
+        num_inference_steps=v.num_inference_steps, seed=v.seed,
+    )  # fmt: skip
     vae = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}).vae
-    inputs = validation_inputs(cfg, source, validation_samples(cfg, samples))
-    steps, scale, seed, every = int(v.num_inference_steps), float(v.true_cfg_scale), int(v.seed), int(v.every)
-    validator = Validator(inputs, scheduler, vae, logger, steps, scale, seed)
+    chosen = validation_samples(v, samples, int(cfg.logging.log_images_count))
+    inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
+    output_image = model_spec(cfg.model.variant).output_image
+    validator = Validator(inputs, negatives, scheduler, vae, logger, options, output_image)
+    every = int(v.every)
 
     def hook(step: int, batch: Any) -> None:
         if step % every == 0:

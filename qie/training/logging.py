@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qie.data.collate import Batch
 from qie.data.images import open_image
 from qie.data.samples import Sample
+from qie.types import Batch
 
 
 def memory_gib() -> dict[str, float]:

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from qie.data.collate import Batch
 from qie.training.logging import MetricsLogger
 from qie.training.step import flow_matching_loss
 from qie.training.timesteps import sample_sigmas
+from qie.types import Batch
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from diffusers import QwenImageEditPipeline
 
-from qie.data.collate import Batch
 from qie.training.timesteps import loss_weights
+from qie.types import Batch
 
 pack_latents = QwenImageEditPipeline._pack_latents
 

@@ -1,0 +1,87 @@
+"""Plain data types shared across the library: cache type names, the schema version, a sample's
+embeddings and a collated batch, and the one way prompt embeddings are padded.
+
+A leaf module: it imports torch and nothing of qie, so the training step, the cache and the data code
+can all use these types without importing each other (or Hydra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# The public names of the entry types: stats, clear and verify take these.
+CACHE_TYPES = [
+    "pixel_latent",
+    "control_latent",
+    "prompt_embed",
+    "prompt_embeds_mask",
+    "empty_prompt_embed",
+    "empty_prompt_embeds_mask",
+]
+
+# Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
+# so old entries become misses instead of being read wrongly.
+SCHEMA_VERSION = 1
+
+# What a training step needs of a sample (the masks are implied: embeddings are stored unpadded).
+TRAINING_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
+
+
+@dataclass
+class SampleEmbeddings:
+    """A sample's encoded inputs, on the CPU, unpadded.
+
+    `pixel_latent` is None for a sample without a target (validation and inference inputs);
+    `control_latents` is empty for a sample without control images.
+    """
+
+    id: str
+    pixel_latent: torch.Tensor | None  # (C, 1, h, w), normalised
+    control_latents: tuple[torch.Tensor, ...]  # each (C, 1, h, w), normalised
+    prompt_embed: torch.Tensor  # (tokens, dim)
+    empty_prompt_embed: torch.Tensor  # (tokens, dim), the same control images with the empty prompt
+    cached: bool = False  # read from the cache (True) or encoded for this call (False)
+
+
+@dataclass
+class Batch:
+    """A collated batch. All samples share their latent shapes (buckets keep it so)."""
+
+    ids: list[str]
+    latents: torch.Tensor  # (B, C, 1, h, w) normalised
+    control_latents: list[torch.Tensor]  # each (B, C, 1, h, w)
+    prompt_embeds: torch.Tensor  # (B, L, D), zero-padded
+    prompt_embeds_mask: torch.Tensor | None  # (B, L) 1/0, or None when nothing is padded
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        mask = None if self.prompt_embeds_mask is None else self.prompt_embeds_mask.to(device)
+        return Batch(
+            self.ids,
+            self.latents.to(device, dtype),
+            [c.to(device, dtype) for c in self.control_latents],
+            self.prompt_embeds.to(device, dtype),
+            mask,
+        )
+
+
+def pad_prompt_embeds(embeds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack unpadded (tokens, dim) prompt embeddings into (B, L, dim), zero-padded at the end.
+
+    Training batches and sampling inputs are padded by this one function, so the transformer sees the
+    same inputs in both.
+
+    Returns:
+        The batch and its (B, L) long 1/0 mask, or None for the mask when nothing is padded: diffusers'
+        `encode_prompt` drops an all-ones mask, and the transformer takes another attention path without
+        one, so keeping it would change sampling results in the last bits.
+    """
+    longest = max(e.shape[0] for e in embeds)
+    batch = embeds[0].new_zeros(len(embeds), longest, embeds[0].shape[1])
+    mask = torch.zeros(len(embeds), longest, dtype=torch.long)
+    for i, e in enumerate(embeds):
+        batch[i, : e.shape[0]] = e
+        mask[i, : e.shape[0]] = 1
+    return batch, (None if bool(mask.all()) else mask)
