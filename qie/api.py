@@ -119,7 +119,7 @@ class Trainer:
 
     def load_lora(self, path: str | Path, scale: float | None = None) -> None:
         """Use this LoRA for prediction (loaded now if prediction is set up, else when it is)."""
-        from qie.training.lora_io import lora_file
+        from qie.training.lora import lora_file
 
         self.lora_path = lora_file(path)
         if self._predictor is not None:
@@ -129,7 +129,7 @@ class Trainer:
 
     def merge_lora(self) -> None:
         """Fuse the loaded LoRA into the transformer's weights (faster prediction, no unloading)."""
-        from qie.training.lora_io import merge_lora
+        from qie.training.lora import merge_lora
 
         merge_lora(self.setup_predict().parts.transformer)
 

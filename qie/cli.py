@@ -9,8 +9,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from qie.config import validate
+from qie.config import register, validate
 from qie.errors import QieError
+
+# The stage schemas must be known to Hydra before an entry point's @hydra.main composes its config.
+register()
 
 
 def run_dir() -> Path:

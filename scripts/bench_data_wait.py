@@ -47,8 +47,8 @@ def prepare(work: Path, samples: int, image_size: int) -> tuple[Path, Path]:
 
 def child(args: argparse.Namespace) -> None:
     """Run the train stage once with the batch stream timed; write the timings as JSON to args.out."""
-    import qie.data.dataset as dataset_module
     import qie.stages.train as train_stage
+    import qie.training.batches as dataset_module
     from qie.config import compose
 
     if args.thread == "off":
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="+",
         choices=["on", "off"],
         default=["on"],
-        help="with / without the loader's background prefetch thread (qie.data.dataset.PREFETCH_BATCHES)",
+        help="with / without the loader's background prefetch thread (qie.training.batches.PREFETCH_BATCHES)",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs per variant, interleaved (default 1)")
     p.add_argument("--threads", type=int, default=None, help="OMP/torch threads of the training process")

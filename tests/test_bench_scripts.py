@@ -140,9 +140,9 @@ def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
 
 
 def test_make_loader_prefetches_cached_sources_only() -> None:
-    from qie.data.dataset import EmbeddingDataset, make_loader
     from qie.data.prefetch import Prefetcher
     from qie.embeddings import CachedSource
+    from qie.training.batches import EmbeddingDataset, make_loader
 
     class Source:
         def get(self, samples):

@@ -21,7 +21,7 @@ from qie.config import compose
 from qie.errors import ConfigError, DataError, ModelLoadError
 from qie.stages import infer
 from qie.stages.infer import Predictor, build_predictor
-from qie.training.lora_io import LORA_FILE, load_lora, merge_lora
+from qie.training.lora import LORA_FILE, load_lora, merge_lora
 
 SIZE = 64
 AREA = SIZE * SIZE

@@ -125,8 +125,7 @@ def test_saved_lora_keeps_its_alpha(tiny_path, tmp_path) -> None:
     """A LoRA with alpha != rank reloads (diffusers' lora_state_dict + metadata) at its trained strength."""
     from diffusers import QwenImageTransformer2DModel
 
-    from qie.training.lora import add_lora, save_lora
-    from qie.training.lora_io import load_lora
+    from qie.training.lora import add_lora, load_lora, save_lora
 
     trained = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
     params = add_lora(trained, rank=4, alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"])

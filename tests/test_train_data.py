@@ -13,12 +13,12 @@ from qie.components.tiny import VAE_CONFIG
 from qie.config import compose
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.collate import collate
-from qie.data.dataset import EmbeddingDataset
 from qie.data.samples import scan_dataset
 from qie.demo.synthetic import make_dataset
 from qie.embeddings import CachedSource, LiveSource, SampleEmbeddings
 from qie.stages import precompute
 from qie.stages.common import build_source
+from qie.training.batches import EmbeddingDataset
 from qie.types import pad_prompt_embeds
 
 SCALE = 2 ** len(VAE_CONFIG["temperal_downsample"])  # pixels per latent of the tiny VAE, as diffusers counts

@@ -1,7 +1,9 @@
 """Typed config roots, their registration with Hydra, and `compose()` for code and notebooks.
 
 The YAML tree in `qie/conf` fills these schemas; a key that is not in a schema, or a value of the wrong
-type or outside an enum, fails while composing, before anything is built.
+type or outside an enum, fails while composing, before anything is built. The schemas are registered
+with Hydra by `register()`, which `compose()` and the stage entry points call: importing this package
+loads no Hydra.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from qie.config.cache import CACHE_TYPES, CacheAction, CacheConfig, PrecomputeConfig, VerifyConfig
@@ -74,7 +75,10 @@ class CacheAdminRoot:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
-def _register() -> None:
+def register() -> None:
+    """Register the stage schemas and the `qie_home` resolver with Hydra (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
     if not OmegaConf.has_resolver("qie_home"):
         OmegaConf.register_new_resolver("qie_home", lambda: str(qie_home()))
     cs = ConfigStore.instance()
@@ -84,8 +88,6 @@ def _register() -> None:
     cs.store(name="cache_schema", node=CacheAdminRoot)
     cs.store(name="demo_schema", node=DemoRoot)
 
-
-_register()
 
 
 def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
@@ -108,6 +110,7 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
 
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
+    register()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="qie.conf", version_base=None):
@@ -167,4 +170,4 @@ def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | Non
         raise ConfigError(f"{key}={value} is out of range: it must lie in {bounds}")
 
 
-__all__ = ["CACHE_TYPES", "STAGES", "compose", "for_stage", "qie_home", "validate"]
+__all__ = ["CACHE_TYPES", "STAGES", "compose", "for_stage", "qie_home", "register", "validate"]

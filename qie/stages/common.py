@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,17 @@ def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingOptions(**base)
+
+
+def precompute_command(cfg: DictConfig) -> str:
+    """The precompute command that fills the cache this run reads: the CLI's model/data/cache overrides."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        given = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under the Hydra CLI: rebuild the essentials from the config
+        given = [f"model={cfg.model.name}", f"data.path={cfg.data.path}", f"cache={cfg.cache.name}"]
+        given.append(f"cache.dir={cfg.cache.dir}")
+    groups = ("model", "data", "cache", "experiment")
+    keep = [o for o in given if o.lstrip("+~").split("=")[0].split(".")[0] in groups and "cache.mode" not in o]
+    return " ".join(["python -m qie.precompute", *(shlex.quote(o) for o in keep)])

@@ -14,7 +14,7 @@ from qie.data.images import open_image, prepare_target
 from qie.data.samples import scan_dataset
 from qie.demo.synthetic import make_dataset
 from qie.stages import infer, precompute, train
-from qie.stages.common import build_source
+from qie.stages.common import build_source, sampling_options
 from qie.training.evaluate import heldout_loss
 
 REQUIRED_LOSS_DROP = 0.2
@@ -44,7 +44,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     heldout = scan_dataset(data_root / "heldout").samples
     source = build_source(heldout_cfg, mode="cached")
     predictor = infer.build_predictor(_with(heldout_cfg, **{"predict.lora": None}))
-    options = {"steps": int(cfg.predict.num_inference_steps), "cfg": float(cfg.predict.true_cfg_scale)}
+    options = sampling_options(cfg.predict)
 
     def evaluate(tag: str) -> tuple[float, float]:
         loss = heldout_loss(predictor.parts.transformer, source, heldout, seed=int(d.seed))
@@ -52,7 +52,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         out_dir = run_dir / "predictions" / tag
         out_dir.mkdir(parents=True, exist_ok=True)
         for i, sample in enumerate(heldout):
-            image = predictor.predict(sample.controls[0], sample.prompt, seed=i, output_type="pil", **options)[0]
+            image = predictor.predict(sample.controls[0], sample.prompt, options, seed=i)[0]
             image.save(out_dir / f"{sample.id}.png")
             target = prepare_target(open_image(sample.target), image.width * image.height)
             pred = np.asarray(image, dtype=np.float32) / 255.0

@@ -23,7 +23,7 @@ from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
 from qie.sampling import SamplingOptions, decode_latents, sample_edit, vae_scale_factor
 from qie.stages.common import sampling_options, value
-from qie.training.lora_io import load_lora, merge_lora, save_transformer
+from qie.training.lora import load_lora, merge_lora, save_transformer
 
 INFER_PARTS = ("vae", "text_encoder", "tokenizer", "processor", "transformer", "scheduler")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,80 +21,25 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from qie.components import load_parts, resolve_dtype
-from qie.components.quantize import is_quantized
 from qie.data.buckets import BucketBatchSampler, bucket_keys
-from qie.data.dataset import PREFETCH_BATCHES, EmbeddingDataset, make_loader, raise_failures
 from qie.data.samples import Sample, scan_dataset
 from qie.errors import ConfigError
-from qie.stages.common import build_source, value
+from qie.stages.common import build_source, precompute_command, value
 from qie.training import checkpoint as ckpt
+from qie.training.batches import PREFETCH_BATCHES, EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
-from qie.training.loop import LoopSettings, fit
-from qie.training.lora import LORA_FILE, add_lora, dead_modules, save_lora
+from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
+from qie.training.modes import FullMode, LoraMode, TrainMode
+from qie.training.timesteps import SigmaSampling
 
 RESULT_FILE = "train_result.json"
 
 
-def mixed_precision(cfg: DictConfig) -> str:
-    """`train.mixed_precision`, with "auto" meaning bf16 on CUDA for a bf16 model and "no" otherwise."""
-    mp = str(value(cfg.train.mixed_precision))
-    if mp == "auto":
-        return "bf16" if torch.cuda.is_available() and str(value(cfg.model.dtype)) == "bfloat16" else "no"
-    return mp
+def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] | None = None) -> dict:
+    """Train as `cfg` says, writing metrics, TensorBoard logs, checkpoints and the weights under `run_dir`.
 
-
-def loop_settings(cfg: DictConfig, scheduler_config: dict) -> LoopSettings:
-    t = cfg.train
-    return LoopSettings(
-        max_steps=int(t.max_steps),
-        seed=int(t.seed),
-        max_grad_norm=float(t.max_grad_norm),
-        checkpoint_every=int(t.checkpoint_every),
-        log_every=int(cfg.logging.log_every),
-        timestep_sampling=str(value(t.timestep_sampling)),
-        logit_mean=float(t.logit_mean),
-        logit_std=float(t.logit_std),
-        mode_scale=float(t.mode_scale),
-        shift=float(t.shift),
-        dynamic_shift=bool(t.dynamic_shift),
-        loss_weighting=str(value(t.loss_weighting)),
-        scheduler_config=dict(scheduler_config),
-    )
-
-
-def trainable_parameters(cfg: DictConfig, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Add the LoRA (train.mode=lora) or unfreeze the transformer (full); returns what the optimizer trains.
-
-    Raises:
-        ConfigError: full training of a quantized model.
-    """
-    if str(value(cfg.train.mode)) == "full":
-        if is_quantized(transformer):
-            raise ConfigError("train.mode=full cannot train quantized weights: set model.quantize=none")
-        transformer.requires_grad_(True)
-        for name in dead_modules(transformer):
-            transformer.get_submodule(name).requires_grad_(False)
-        return [p for p in transformer.parameters() if p.requires_grad]
-    lora = cfg.train.lora
-    return add_lora(transformer, lora.rank, lora.alpha, list(lora.target_modules), lora.dropout, lora.init)
-
-
-def precompute_command(cfg: DictConfig) -> str:
-    """The precompute command that fills the cache this run reads: the CLI's model/data/cache overrides."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        given = list(HydraConfig.get().overrides.task)
-    except ValueError:  # not under the Hydra CLI: rebuild the essentials from the config
-        given = [f"model={cfg.model.name}", f"data.path={cfg.data.path}", f"cache={cfg.cache.name}"]
-        given.append(f"cache.dir={cfg.cache.dir}")
-    groups = ("model", "data", "cache", "experiment")
-    keep = [o for o in given if o.lstrip("+~").split("=")[0].split(".")[0] in groups and "cache.mode" not in o]
-    return " ".join(["python -m qie.precompute", *(shlex.quote(o) for o in keep)])
-
-
-def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Train as `cfg` says, writing metrics, TensorBoard logs, checkpoints and the LoRA under `run_dir`.
+    Args:
+        on_step_end: an extra hook after each optimizer step (benchmarks time steps with it).
 
     Returns:
         The result also written to train_result.json: step, loss, losses, stopped_by_signal, lora, ...
@@ -102,102 +47,127 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     Raises:
         QieError subclasses for what a user can fix (config, data, cache misses, models).
     """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
-    accelerator = Accelerator(
-        # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
-        # is on the CPU; otherwise each process would train alone.
-        cpu=not torch.cuda.is_available(),
-        mixed_precision=mixed_precision(cfg),
-        gradient_accumulation_steps=int(cfg.train.gradient_accumulation_steps),
-        project_dir=str(run_dir),
-    )
-    set_seed(int(cfg.train.seed))
-    data = scan_dataset(cfg.data.path, str(value(cfg.data.format)))
-    for p in data.problems[:5] if accelerator.is_main_process else []:
-        print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
-    samples = data.samples
+    accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
+    samples = load_samples(cfg.data, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
-    if cfg.train.resume == "latest" and resume_from is None:
-        accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
-    sampler = _sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
-
+    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
     source = build_source(cfg, precompute_command=precompute_command(cfg))
     # Fail on a wrong cache.dir in a second, before the model is built (later misses stop the run).
     source.check([samples[i] for i in next(iter(sampler))[1]])
 
-    model, params, optimizer, lr_scheduler, scheduler = _model_and_optimizer(cfg, accelerator)
-    lora_mode = str(value(cfg.train.mode)) == "lora"
-    start_step = 0
+    mode = train_mode(cfg.train)
+    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
     if resume_from is not None:
-        start_step = int(ckpt.load_checkpoint(accelerator, resume_from)["step"])
-        accelerator.print(f"qie: resumed from {resume_from} at step {start_step}")
+        state.start_step = int(ckpt.load_checkpoint(accelerator, resume_from)["step"])
+        accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
+    elif cfg.train.resume == "latest":
+        accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
 
     dataset = EmbeddingDataset(samples, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed))
     # Encoders may sit on a GPU, which forked workers cannot use: only cache reads go to workers.
-    workers = 0 if source.encodes else int(cfg.data.num_workers)
-    prefetch = 0 if source.encodes else PREFETCH_BATCHES
+    workers, prefetch = (0, 0) if source.encodes else (int(cfg.data.num_workers), PREFETCH_BATCHES)
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process, config)
-    hooks = _step_end_hooks(cfg, logger, samples)
-    if int(cfg.validation.every) > 0 and accelerator.is_main_process:
-        hooks.append(_validation_hook(cfg, accelerator, model, source, samples, scheduler, logger))
-
-    def on_step_end(step: int, batch: Any) -> None:
-        for hook in hooks:
-            hook(step, batch)
-
-    save_checkpoint = functools.partial(_save_checkpoint, cfg, accelerator, model, run_dir, lora_mode)
-    settings = loop_settings(cfg, dict(scheduler.config))
-    dtype = resolve_dtype(str(value(cfg.model.dtype)))
+    logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
+                           OmegaConf.to_container(cfg, resolve=True))  # fmt: skip
+    hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end)
+    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train)
     try:
-        result = fit(
-            accelerator, model, params, optimizer, lr_scheduler, raise_failures(loader), dtype, settings, logger,
-            start_step=start_step, save_checkpoint=save_checkpoint, on_step_end=on_step_end,
-        )  # fmt: skip
+        result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler), logger,
+                     save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
     finally:
         logger.close()
-    result["param_checksums"] = _gather_checksums(accelerator, params)
-    result["ranks_agree"] = all(c == result["param_checksums"][0] for c in result["param_checksums"])
-    if accelerator.is_main_process:
-        _finish(cfg, accelerator, model, run_dir, result, lora_mode)
-    # Free the DDP wrapper while the process group is still registered: a gloo group whose last owner is
-    # DDP's reducer is destroyed holding the GIL, which deadlocks with gloo's threads (pytorch#56297).
-    del model, save_checkpoint
-    accelerator.free_memory()
-    accelerator.end_training()
+    finish(state, mode, run_dir, result, bool(cfg.train.export_comfyui))
     return result
 
 
-def _model_and_optimizer(cfg: DictConfig, accelerator: Any) -> tuple:
-    """The prepared transformer (+LoRA), its trained parameters, the optimizer, LR scheduler and noise scheduler."""
-    parts = load_parts(cfg.model, ["transformer", "scheduler"], {"transformer": str(accelerator.device)})
+def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
+    """The run's Accelerator, seeded with `train.seed`."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    accelerator = Accelerator(
+        # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
+        # is on the CPU; otherwise each process would train alone.
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=mixed_precision(str(value(train.mixed_precision)), model_dtype),
+        gradient_accumulation_steps=int(train.gradient_accumulation_steps),
+        project_dir=str(run_dir),
+    )
+    set_seed(int(train.seed))
+    return accelerator
+
+
+def mixed_precision(setting: str, model_dtype: str) -> str:
+    """`train.mixed_precision`, with "auto" meaning bf16 on CUDA for a bf16 model and "no" otherwise."""
+    if setting == "auto":
+        return "bf16" if torch.cuda.is_available() and model_dtype == "bfloat16" else "no"
+    return setting
+
+
+def load_samples(data: DictConfig, report: bool) -> list[Sample]:
+    """The usable samples of `data.path`; the first problems found are printed when `report`."""
+    dataset = scan_dataset(data.path, str(value(data.format)))
+    for p in dataset.problems[:5] if report else []:
+        print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
+    return dataset.samples
+
+
+def train_mode(train: DictConfig) -> TrainMode:
+    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA."""
+    if str(value(train.mode)) == "full":
+        return FullMode()
+    lora = train.lora
+    return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init))
+
+
+def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any) -> LoopSettings:
+    sigmas = SigmaSampling(
+        method=str(value(train.timestep_sampling)),
+        logit_mean=float(train.logit_mean),
+        logit_std=float(train.logit_std),
+        mode_scale=float(train.mode_scale),
+        shift=float(train.shift),
+        dynamic_shift=bool(train.dynamic_shift),
+        scheduler_config=dict(scheduler.config),
+    )
+    return LoopSettings(
+        max_steps=int(train.max_steps),
+        seed=int(train.seed),
+        max_grad_norm=float(train.max_grad_norm),
+        checkpoint_every=int(train.checkpoint_every),
+        log_every=int(logging.log_every),
+        sigmas=sigmas,
+        loss_weighting=str(value(train.loss_weighting)),
+    )
+
+
+def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any) -> tuple:
+    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler."""
+    parts = load_parts(model, ["transformer", "scheduler"], {"transformer": str(accelerator.device)})
     transformer = parts.transformer
-    if cfg.train.gradient_checkpointing:
+    if train.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    params = trainable_parameters(cfg, transformer)
-    optimizer = _instantiate(cfg.train.optimizer)(params, lr=float(cfg.train.learning_rate))
-    lr_scheduler = _instantiate(cfg.train.lr_scheduler)(optimizer)
-    model, optimizer = accelerator.prepare(transformer, optimizer)
+    params = mode.trainable(transformer)
+    optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
+    lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
+    prepared, optimizer = accelerator.prepare(transformer, optimizer)
     # Not prepared: accelerate would step it once per process. Registered, so its state is checkpointed.
     accelerator.register_for_checkpointing(lr_scheduler)
-    if str(value(cfg.train.mode)) == "lora":
+    if mode.lora:
         ckpt.register_lora_state(accelerator)
-    return model, params, optimizer, lr_scheduler, parts.scheduler
+    dtype = resolve_dtype(str(value(model.dtype)))
+    return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
-def _save_checkpoint(
-    cfg: DictConfig, accelerator: Any, model: Any, run_dir: Path, lora: bool, step: int, batches_consumed: int
-) -> Path:
-    state = {"step": step, "batches_consumed": batches_consumed, "num_processes": accelerator.num_processes}
-    comfyui, keep = bool(cfg.train.export_comfyui), cfg.train.checkpoints_total_limit
-    return ckpt.save_checkpoint(accelerator, model, run_dir, state, lora, comfyui, keep)
+def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, step: int, consumed: int) -> Path:
+    accelerator = state.accelerator
+    info = {"step": step, "batches_consumed": consumed, "num_processes": accelerator.num_processes}
+    comfyui, keep = bool(train.export_comfyui), train.checkpoints_total_limit
+    return ckpt.save_checkpoint(accelerator, state.model, run_dir, info, lora, comfyui, keep)
 
 
 def _instantiate(node: Any) -> Any:
@@ -206,7 +176,8 @@ def _instantiate(node: Any) -> Any:
     return instantiate(node)
 
 
-def _sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int) -> BucketBatchSampler:
+def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int) -> BucketBatchSampler:
+    """The resumable batch stream of this process, bucketed by latent shapes when batches hold several samples."""
     batch_size = int(cfg.data.batch_size)
     # Batches of one never mix shapes: skip reading every image header.
     keys: list = [0] * len(samples)
@@ -226,16 +197,22 @@ def _sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start: in
     )
 
 
-def _step_end_hooks(cfg: DictConfig, logger: MetricsLogger, samples: list[Sample]) -> list:
-    """What runs after each optimizer step: image logging; validation sampling plugs in here too."""
+def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger, extra) -> list:
+    """What runs after each optimizer step: image logging, validation sampling, and `extra`."""
     hooks = []
     if cfg.logging.log_images:
         by_id = {s.id: s for s in samples}
-        hooks.append(ImageLogger(logger, by_id, int(cfg.logging.log_images_every), int(cfg.logging.log_images_count)))
+        log = cfg.logging
+        images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
+        hooks.append(lambda info: images(info.step, info.batch))
+    if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
+        hooks.append(_validation_hook(cfg, state, source, samples, scheduler, logger))
+    if extra is not None:
+        hooks.append(extra)
     return hooks
 
 
-def _validation_hook(cfg: DictConfig, accelerator: Any, model: Any, source: Any, samples: list, scheduler: Any, logger):
+def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger):
     """Every `validation.every` steps, sample the validation inputs as inference does and log them.
 
     Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
@@ -245,7 +222,7 @@ def _validation_hook(cfg: DictConfig, accelerator: Any, model: Any, source: Any,
     from qie.stages.validation import validation_inputs, validation_samples
     from qie.training.validation import Validator
 
-    v = cfg.validation
+    v, accelerator = cfg.validation, state.accelerator
     options = sampling_options(
         cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
         num_inference_steps=v.num_inference_steps, seed=v.seed,
@@ -257,11 +234,34 @@ def _validation_hook(cfg: DictConfig, accelerator: Any, model: Any, source: Any,
     validator = Validator(inputs, negatives, scheduler, vae, logger, options, output_image)
     every = int(v.every)
 
-    def hook(step: int, batch: Any) -> None:
-        if step % every == 0:
-            validator(step, accelerator.unwrap_model(model))
+    def hook(info: StepInfo) -> None:
+        if info.step % every == 0:
+            validator(info.step, accelerator.unwrap_model(state.model))
 
     return hook
+
+
+def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, comfyui: bool) -> None:
+    """Check the replicas agree, export the trained weights and write train_result.json (main process)."""
+    accelerator = state.accelerator
+    result["param_checksums"] = _gather_checksums(accelerator, state.params)
+    result["ranks_agree"] = all(c == result["param_checksums"][0] for c in result["param_checksums"])
+    if accelerator.is_main_process:
+        key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, comfyui)
+        result[key] = str(path)
+        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
+        if not result["ranks_agree"]:
+            print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
+        how = "stopped by a signal" if result["stopped_by_signal"] else "trained"
+        print(f"qie: {how} at step {result['step']}, last loss {result['loss']:.4f}; weights: {path}")
+        if result["stopped_by_signal"]:
+            print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
+        print(f"qie: metrics {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    # Free the DDP wrapper while the process group is still registered: a gloo group whose last owner is
+    # DDP's reducer is destroyed holding the GIL, which deadlocks with gloo's threads (pytorch#56297).
+    state.model = None
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 def _gather_checksums(accelerator: Any, params: list[torch.nn.Parameter]) -> list[list[float]]:
@@ -273,23 +273,4 @@ def _gather_checksums(accelerator: Any, params: list[torch.nn.Parameter]) -> lis
     return gathered.cpu().tolist()
 
 
-def _finish(cfg: DictConfig, accelerator: Any, model: Any, run_dir: Path, result: dict, lora_mode: bool) -> None:
-    """Export the trained weights and write train_result.json (main process)."""
-    unwrapped = accelerator.unwrap_model(model)
-    if lora_mode:
-        result["lora"] = str(save_lora(unwrapped, run_dir / "lora", comfyui=bool(cfg.train.export_comfyui)))
-    else:
-        unwrapped.save_pretrained(run_dir / "transformer")
-        result["transformer"] = str(run_dir / "transformer")
-    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-    if not result["ranks_agree"]:
-        print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
-    how = "stopped by a signal" if result["stopped_by_signal"] else "trained"
-    out = result.get("lora") or result.get("transformer")
-    print(f"qie: {how} at step {result['step']}, last loss {result['loss']:.4f}; weights: {out}")
-    if result["stopped_by_signal"]:
-        print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
-    print(f"qie: metrics {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
-
-
-__all__ = ["LORA_FILE", "RESULT_FILE", "precompute_command", "run"]
+__all__ = ["RESULT_FILE", "precompute_command", "run"]

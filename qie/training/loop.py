@@ -10,7 +10,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from qie.training.logging import MetricsLogger
 from qie.training.step import flow_matching_loss
-from qie.training.timesteps import sample_sigmas
+from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
 
 
@@ -30,14 +30,37 @@ class LoopSettings:
     max_grad_norm: float = 1.0
     checkpoint_every: int = 0
     log_every: int = 1
-    timestep_sampling: str = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-    shift: float = 3.0
-    dynamic_shift: bool = False
+    sigmas: SigmaSampling = field(default_factory=SigmaSampling)
     loss_weighting: str = "none"
-    scheduler_config: dict | None = None
+
+
+@dataclass
+class TrainState:
+    """What the loop trains: the prepared model, its trained parameters, optimizer and LR schedule.
+
+    Args:
+        accelerator: the run's Accelerator (device, processes, gradient accumulation, mixed precision).
+        dtype: the dtype batches are cast to (the frozen base model's).
+        start_step: the optimizer step training resumes after (0 for a new run).
+    """
+
+    accelerator: Any
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: Any
+    lr_scheduler: Any
+    dtype: torch.dtype
+    start_step: int = 0
+
+
+@dataclass
+class StepInfo:
+    """What a hook sees after each optimizer step."""
+
+    step: int
+    batch: Batch  # the last batch of the step
+    loss: float  # mean over processes
+    seconds: float  # wall time of the step
 
 
 def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
@@ -50,23 +73,13 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
     return g
 
 
-def noise_and_sigmas(batch: Batch, settings: LoopSettings, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def noise_and_sigmas(
+    batch: Batch, sigmas: SigmaSampling, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     latents = batch.latents
     noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
     tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
-    sigmas = sample_sigmas(
-        latents.shape[0],
-        g,
-        settings.timestep_sampling,
-        settings.logit_mean,
-        settings.logit_std,
-        settings.mode_scale,
-        settings.shift,
-        settings.dynamic_shift,
-        tokens,
-        settings.scheduler_config,
-    )
-    return noise, sigmas
+    return noise, sigmas.sample(latents.shape[0], g, tokens)
 
 
 class StopSignal:
@@ -95,43 +108,35 @@ class StopSignal:
 
 
 def fit(
-    accelerator: Any,
-    model: torch.nn.Module,
-    params: list[torch.nn.Parameter],
-    optimizer: Any,
-    lr_scheduler: Any,
+    state: TrainState,
     batches: Iterable[tuple[int, Batch]],
-    dtype: torch.dtype,
     settings: LoopSettings,
     logger: MetricsLogger,
-    start_step: int = 0,
     save_checkpoint: Callable[[int, int], Path] | None = None,
-    on_step_end: Callable[[int, Batch], None] | None = None,
+    on_step_end: Callable[[StepInfo], None] | None = None,
 ) -> dict:
-    """Train until `settings.max_steps` optimizer steps (or a stop signal), from `start_step`.
+    """Train until `settings.max_steps` optimizer steps (or a stop signal), from `state.start_step`.
 
     Args:
         batches: (batch number, Batch) pairs on the CPU; the stream must resume at `start_step`'s batch.
-        dtype: the dtype batches are cast to (the frozen base model's).
         save_checkpoint: called as save_checkpoint(step, batches_consumed) every `checkpoint_every` steps,
             at the end and on a stop signal, on every process.
-        on_step_end: hook after each optimizer step, on every process (image logging, validation).
+        on_step_end: hook after each optimizer step, on every process (image logging, validation, timing).
 
     Returns:
         {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal"}.
     """
-    step, consumed, saved_at = start_step, None, None
+    accelerator = state.accelerator
+    step, consumed, saved_at = state.start_step, None, None
     losses: list[float] = []
     stream = iter(batches)
     stopping = False
-    bar = tqdm(total=settings.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process)
+    bar = tqdm(total=settings.max_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
     with StopSignal() as stop, bar:
         while step < settings.max_steps and not stopping:
             t0 = time.perf_counter()
             try:
-                loss, grad_norm, batch, consumed = _optimizer_step(
-                    accelerator, model, params, optimizer, lr_scheduler, stream, dtype, settings
-                )
+                loss, grad_norm, batch, consumed = _optimizer_step(state, stream, settings)
             except Exception as e:
                 if stop.received is None:
                     raise
@@ -151,16 +156,17 @@ def fit(
             losses.append(mean_loss)
             bar.update(1)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
+            seconds = time.perf_counter() - t0
             if step % settings.log_every == 0 or step == settings.max_steps:
                 metrics = {
                     "loss": mean_loss,
-                    "lr": lr_scheduler.get_last_lr()[0],
+                    "lr": state.lr_scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                    "seconds": time.perf_counter() - t0,
+                    "seconds": seconds,
                 }
                 logger.log(step, metrics)
             if on_step_end is not None:
-                on_step_end(step, batch)
+                on_step_end(StepInfo(step, batch, mean_loss, seconds))
             if save_checkpoint and settings.checkpoint_every and step % settings.checkpoint_every == 0:
                 save_checkpoint(step, consumed)
                 saved_at = step
@@ -170,39 +176,33 @@ def fit(
 
 
 def _optimizer_step(
-    accelerator: Any,
-    model: torch.nn.Module,
-    params: list[torch.nn.Parameter],
-    optimizer: Any,
-    lr_scheduler: Any,
-    stream: Iterator[tuple[int, Batch]],
-    dtype: torch.dtype,
-    settings: LoopSettings,
+    state: TrainState, stream: Iterator[tuple[int, Batch]], settings: LoopSettings
 ) -> tuple[float, torch.Tensor | None, Batch, int]:
     """One optimizer step over `gradient_accumulation_steps` batches.
 
     Returns:
         (mean loss of the window on this process, grad norm before clipping, last batch, batches consumed).
     """
+    accelerator, model = state.accelerator, state.model
     model.train()
     window_loss, grad_norm = 0.0, None
     micro_steps = accelerator.gradient_accumulation_steps
     for _ in range(micro_steps):
         number, batch = next(stream)
         with accelerator.accumulate(model):
-            batch = batch.to(accelerator.device, dtype)
+            batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
-            noise, sigmas = noise_and_sigmas(batch, settings, g)
+            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g)
             loss = flow_matching_loss(model, batch, noise, sigmas, settings.loss_weighting)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 # An infinite bound measures the norm without clipping, so grad_norm is always logged.
                 max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
-                grad_norm = accelerator.clip_grad_norm_(params, max_norm)
+                grad_norm = accelerator.clip_grad_norm_(state.params, max_norm)
             # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
-            optimizer.step()
+            state.optimizer.step()
             if accelerator.sync_gradients:
-                lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                state.lr_scheduler.step()
+            state.optimizer.zero_grad(set_to_none=True)
         window_loss += loss.detach().float().item() / micro_steps
     return window_loss, grad_norm, batch, number + 1

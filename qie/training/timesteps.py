@@ -6,6 +6,8 @@ the training distribution of sigmas is set here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
@@ -56,6 +58,35 @@ def sample_sigmas(
         u = s * u / (1 + (s - 1) * u)
     # σ=0 would be a clean input with no noise to predict; keep away from both ends.
     return u.clamp(1e-4, 1.0)
+
+
+@dataclass(frozen=True)
+class SigmaSampling:
+    """How training draws its noise levels (see `sample_sigmas` for the meaning of each field)."""
+
+    method: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 3.0
+    dynamic_shift: bool = False
+    # The model's scheduler config: its base/max shift and sequence lengths, for `dynamic_shift`.
+    scheduler_config: dict = field(default_factory=dict)
+
+    def sample(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
+        """`batch_size` sigmas for targets of `image_seq_len` packed tokens."""
+        return sample_sigmas(
+            batch_size,
+            generator,
+            method=self.method,
+            logit_mean=self.logit_mean,
+            logit_std=self.logit_std,
+            mode_scale=self.mode_scale,
+            shift=self.shift,
+            dynamic_shift=self.dynamic_shift,
+            image_seq_len=image_seq_len,
+            scheduler_config=self.scheduler_config,
+        )
 
 
 def loss_weights(method: str, sigmas: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The training data set: batches of sample indices in, collated embedding batches out."""
+"""Training batches: sample indices in, collated embedding batches out, through a DataLoader."""
 
 from __future__ import annotations
 

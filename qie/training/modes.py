@@ -1,0 +1,60 @@
+"""What is trained: a LoRA on the frozen transformer, or the whole transformer. A small strategy the train
+stage picks once from `train.mode`; nothing else compares mode names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qie.components.quantize import is_quantized
+from qie.errors import ConfigError
+from qie.training.lora import add_lora, dead_modules, save_lora
+
+
+@dataclass(frozen=True)
+class LoraMode:
+    """Train a LoRA adapter; checkpoints and the result hold the adapter only."""
+
+    rank: int = 16
+    alpha: int = 16
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    dropout: float = 0.0
+    init: str = "true"
+    lora = True
+
+    def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Add the adapter; returns its parameters (what the optimizer trains)."""
+        return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init)
+
+    def export(self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False) -> tuple[str, Path]:
+        """Write the trained weights; returns (result key, path)."""
+        return "lora", save_lora(transformer, run_dir / "lora", comfyui=comfyui)
+
+
+@dataclass(frozen=True)
+class FullMode:
+    """Train every transformer weight that reaches the loss; the result is a diffusers model folder."""
+
+    lora = False
+
+    def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Unfreeze the transformer (but modules whose output never reaches the loss).
+
+        Raises:
+            ConfigError: the transformer's weights are quantized.
+        """
+        if is_quantized(transformer):
+            raise ConfigError("train.mode=full cannot train quantized weights: set model.quantize=none")
+        transformer.requires_grad_(True)
+        for name in dead_modules(transformer):
+            transformer.get_submodule(name).requires_grad_(False)
+        return [p for p in transformer.parameters() if p.requires_grad]
+
+    def export(self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False) -> tuple[str, Path]:
+        transformer.save_pretrained(run_dir / "transformer")
+        return "transformer", run_dir / "transformer"
+
+
+TrainMode = LoraMode | FullMode
