@@ -139,19 +139,20 @@ def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
     assert len(_prefetch_threads()) == before
 
 
-def test_make_loader_prefetches_cached_sources_only() -> None:
+def test_make_loader_prefetches_as_asked_and_only_sources_that_do_not_encode_are_prefetched() -> None:
     from qie.data.prefetch import Prefetcher
-    from qie.embeddings import CachedSource
+    from qie.embeddings import CachedSource, LazySource, LiveSource
     from qie.training.batches import EmbeddingDataset, make_loader
 
     class Source:
         def get(self, samples):
             raise AssertionError("not read")
 
-    cached = CachedSource.__new__(CachedSource)
     sampler = [(0, [0])]
-    assert isinstance(iter(make_loader(EmbeddingDataset([], cached), sampler, 0, 0)), Prefetcher)
-    assert not isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0)), Prefetcher)
+    assert isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0, prefetch=4)), Prefetcher)
+    assert not isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0, prefetch=0)), Prefetcher)
+    # The train stage prefetches (and uses loader workers) only for sources that never run encoders.
+    assert (CachedSource.encodes, LazySource.encodes, LiveSource.encodes) == (False, True, True)
 
 
 # --- the folder scan ----------------------------------------------------------------------------------------
