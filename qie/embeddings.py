@@ -17,6 +17,7 @@ from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
 from qie.encode import Encoder, ImageSizes, prepare_sample
 from qie.errors import CacheMissError
+from qie.models import ModelSpec
 from qie.types import TRAINING_TYPES, SampleEmbeddings
 
 EncoderFactory = Callable[[], Encoder]
@@ -229,21 +230,24 @@ def _encode(encoder: Encoder, samples: Sequence[Sample], sizes: ImageSizes) -> l
 
 
 def key_context(
-    source: str, revision: str | None, variant: str, sizes: ImageSizes, dtype: str = "float32"
+    source: str, revision: str | None, spec: ModelSpec, sizes: ImageSizes, dtype: str = "float32"
 ) -> KeyContext:
-    """The KeyContext of a model, its dtype and image sizes: fingerprints read from configs and weight headers."""
+    """The KeyContext of a model, its dtype and image sizes: fingerprints read from configs and weight headers.
+
+    The prompt part's fingerprint is the processor's for the Edit pipelines and the tokenizer's for the
+    text-to-image one (which has no processor).
+    """
     from qie.components.fingerprint import part_fingerprint
-    from qie.models import model_spec
 
     return KeyContext(
         vae_fingerprint=part_fingerprint(source, "vae", revision),
         text_encoder_fingerprint=part_fingerprint(source, "text_encoder", revision),
-        prompt_template=model_spec(variant).prompt_template(),
+        prompt_template=spec.prompt_template(),
         target_pixels=sizes.target_pixels,
         resize_mode=sizes.resize_mode,
         multiple_of=sizes.multiple_of,
         vae_image_pixels=sizes.vae_image_pixels,
         vl_image_pixels=sizes.vl_image_pixels,
         dtype=dtype,
-        processor_fingerprint=part_fingerprint(source, "processor", revision),
+        processor_fingerprint=part_fingerprint(source, spec.prompt_parts[0], revision),
     )

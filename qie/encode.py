@@ -1,9 +1,10 @@
 """Encoder: images and prompts to the tensors the transformer consumes, through diffusers' own code.
 
-The Encoder holds a diffusers Edit / Edit-Plus pipeline object over whichever parts were built, and calls
-its `_get_qwen_prompt_embeds` and `_encode_vae_image`, so cached values are the values the pipeline
-computes. Latents come out normalised with the VAE's latents_mean / latents_std; prompt embeddings come
-out unpadded, one (tokens, dim) tensor per prompt.
+The Encoder holds the model's diffusers pipeline object (Edit, Edit-Plus or text-to-image) over whichever
+parts were built, and calls its `_get_qwen_prompt_embeds` and `_encode_vae_image`, so cached values are the
+values the pipeline computes (images are VAE-encoded as the Edit pipelines do: the text-to-image pipeline
+encodes none, and every Qwen-Image model shares the VAE). Latents come out normalised with the VAE's
+latents_mean / latents_std; prompt embeddings come out unpadded, one (tokens, dim) tensor per prompt.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from diffusers import QwenImageEditPipeline
 from PIL import Image
 
 from qie.components import Parts
 from qie.data.images import condition_images, open_image, prepare_target
 from qie.data.samples import Sample
-from qie.models import model_spec
+from qie.models import ModelSpec
 
 # The empty prompt stands in for a dropped caption and is the default negative prompt.
 EMPTY_PROMPT = ""
@@ -69,53 +71,63 @@ class Encoder:
     Results are returned on the CPU, whatever device the encoders run on.
 
     Args:
-        parts: built parts; `vae` for latents, `text_encoder` + `processor` (+ `tokenizer`) for prompts.
-        variant: "edit" or "edit_plus": picks the pipeline whose prompt template and image handling apply.
+        parts: built parts; `vae` for latents, `text_encoder` + the spec's `prompt_parts` for prompts.
+        spec: the model description: its pipeline's prompt template and how prompts see their images.
     """
 
-    def __init__(self, parts: Parts, variant: str) -> None:
+    def __init__(self, parts: Parts, spec: ModelSpec) -> None:
         self.parts = parts
-        self.variant = variant
-        self.spec = model_spec(variant)
-        self.pipeline = self.spec.pipeline(parts)
+        self.spec = spec
+        self.pipeline = spec.pipeline(parts)
+        self.vae_pipeline = QwenImageEditPipeline(
+            scheduler=None, vae=parts.vae, text_encoder=None, tokenizer=None, processor=None, transformer=None
+        )
 
     @torch.no_grad()
     def encode_latents(self, pixels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """VAE latents of same-size images (3, H, W) in [-1, 1]: one normalised (C, 1, h, w) each."""
         vae = self.parts.vae
         batch = torch.stack(list(pixels)).unsqueeze(2).to(vae.device, vae.dtype)
-        latents = self.pipeline._encode_vae_image(batch, generator=None)
+        latents = self.vae_pipeline._encode_vae_image(batch, generator=None)
         return [latent.cpu() for latent in latents.unbind(0)]
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], images: Sequence[Sequence[Image.Image]]) -> list[torch.Tensor]:
         """Prompt embeddings, each (tokens, dim) without padding, of prompts seen with their control images.
 
-        Edit prompts (one image each) are encoded as one batch; Edit-Plus prompts one at a time, as
-        diffusers' multi-image prompt applies one image list to every prompt of a call.
+        Prompts without images (text-to-image, or an Edit-Plus sample without a control image: the
+        pipeline's text-only prompt) and Edit prompts (one image each) are encoded in batches; Edit-Plus
+        prompts with images one at a time, as diffusers' multi-image prompt applies one image list to
+        every prompt of a call.
+
+        Raises:
+            ValueError: a prompt with a number of images the model's prompt cannot take.
         """
         counts = [len(imgs) for imgs in images]
-        if (
-            len(counts) != len(prompts)
-            or 0 in counts
-            or (not self.spec.multi_image_prompt and max(counts, default=1) > 1)
-        ):
+        bad = [self.spec.control_problem(n) for n in counts]
+        if len(counts) != len(prompts) or any(bad):
             raise ValueError(
-                f"{len(prompts)} prompts with {counts} control images each: every prompt needs its images, and "
-                f"the Edit pipeline's prompt takes one image (Edit-Plus takes several)"
+                f"{len(prompts)} prompts with {counts} control images each: every prompt needs its images, "
+                f"and the Edit pipeline's prompt takes one image (Edit-Plus takes several): "
+                f"{next((b for b in bad if b), '')}"
             )
         device = self.parts.text_encoder.device
-        if self.spec.multi_image_prompt:
-            out = []
-            for prompt, imgs in zip(prompts, images):
-                out += self._encode([prompt], list(imgs), device)
-            return out
-        return self._encode(list(prompts), [imgs[0] for imgs in images], device)
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        batched = [i for i, n in enumerate(counts) if n == 0 or self.spec.family.prompt_images == "one"]
+        if batched:
+            one = [images[i][0] for i in batched] if counts[batched[0]] else None
+            for i, embed in zip(batched, self._encode([prompts[i] for i in batched], one, device)):
+                out[i] = embed
+        for i in (i for i, n in enumerate(counts) if out[i] is None):
+            (out[i],) = self._encode([prompts[i]], list(images[i]), device)
+        return out  # type: ignore[return-value]
 
-    def _encode(self, prompts: list[str], images: list[Image.Image], device: torch.device) -> list[torch.Tensor]:
-        embeds, mask = self.pipeline._get_qwen_prompt_embeds(prompt=prompts, image=images, device=device)
-        lengths = mask.sum(dim=1).tolist()
-        return [e[:n].cpu().clone() for e, n in zip(embeds, lengths)]
+    def _encode(self, prompts: list[str], images: list[Image.Image] | None, device: torch.device) -> list[torch.Tensor]:
+        # The text-to-image pipeline takes no `image`; an Edit-Plus prompt without one is its text-only prompt.
+        kwargs = {} if images is None else {"image": images}
+        embeds, mask = self.pipeline._get_qwen_prompt_embeds(prompt=prompts, device=device, **kwargs)
+        cut = self.spec.family.max_prompt_tokens  # where the pipeline's __call__ cuts prompt embeddings
+        return [e[: min(int(n), cut or int(n))].cpu().clone() for e, n in zip(embeds, mask.sum(dim=1).tolist())]
 
     def encode_entries(self, prepared: Sequence[PreparedSample], types: Sequence[str]) -> list[dict]:
         """Cache entries of the given types for each prepared sample, computed in batches.

@@ -1,9 +1,11 @@
-"""The denoising loop of Qwen-Image-Edit(-Plus), shared by inference and training's validation.
+"""The denoising loop of Qwen-Image (Edit, Edit-Plus, text-to-image), shared by inference and validation.
 
-It starts from already-encoded inputs (prompt embeddings, normalised control latents), so validation in
-cached mode can feed cached tensors, and it reproduces `QwenImageEditPipeline.__call__` and
-`QwenImageEditPlusPipeline.__call__` step for step, through diffusers' own helpers: the same noise from
-the same generator, the same sigmas and shift, the same true-CFG rescale and scheduler steps.
+It starts from already-encoded inputs (prompt embeddings, normalised control latents, possibly none), so
+validation in cached mode can feed cached tensors, and it reproduces `QwenImageEditPipeline.__call__`,
+`QwenImageEditPlusPipeline.__call__` and `QwenImagePipeline.__call__` step for step, through diffusers' own
+helpers: the same noise from the same generator, the same sigmas and shift, the same true-CFG rescale and
+scheduler steps. With no control latents it is the text-to-image loop (an Edit-Plus model without an input
+image runs it too: diffusers' own `__call__(image=None)` fails in 0.42.1).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class SamplingOptions:
     true_cfg_scale: float = 4.0
     num_inference_steps: int = 50
     seed: int = 0
-    # Output size; None: the model's rule (the condition size of its output image, see ModelSpec).
+    # Output size; None: the model's rule (the condition size of its output image, see ModelSpec.output_size).
     height: int | None = None
     width: int | None = None
     num_images: int = 1
@@ -115,7 +117,7 @@ def sample_latents(
     true_cfg_scale: float = 1.0,
     progress: bool = False,
 ) -> torch.Tensor:
-    """Denoise from noise to the latents of the edited image, as the Edit / Edit-Plus pipelines do.
+    """Denoise from noise to the latents of the image, as the Qwen-Image pipelines do.
 
     Runs on the transformer's device; inputs may live anywhere. The scheduler is not modified (a fresh
     one is made from its config), so one scheduler can serve training and validation.
@@ -125,7 +127,8 @@ def sample_latents(
         scheduler: FlowMatchEulerDiscreteScheduler of the model (its config decides the shift).
         prompt_embeds: (B, L, dim); B is the number of images made.
         prompt_embeds_mask: (B, L) 1/0, or None when nothing is padded (see `pad_prompt_embeds`).
-        control_latents: normalised VAE latents, each (B or 1, C, 1, h, w), in the order of the images.
+        control_latents: normalised VAE latents, each (B or 1, C, 1, h, w), in the order of the images
+            (none for text to image).
         height, width: output size in pixels, multiples of `2 * vae_scale_factor`.
         vae_scale_factor: pixels per latent (see `vae_scale_factor()`).
         num_inference_steps: denoising steps.
@@ -216,7 +219,7 @@ def sample_edit(
     prompt_embed: torch.Tensor,
     negative_embed: torch.Tensor | None,
     control_latents: Sequence[torch.Tensor],
-    output_image: int,
+    size: tuple[int, int],
     options: SamplingOptions,
     progress: bool = False,
 ) -> torch.Tensor:
@@ -225,17 +228,13 @@ def sample_edit(
     Args:
         prompt_embed, negative_embed: unpadded (tokens, dim) embeddings; the negative one is used only
             when `options.guidance`.
-        control_latents: normalised latents, each (C, 1, h, w), in the order of the images.
-        output_image: which control image's condition size is the output size (`ModelSpec.output_image`)
-            when `options` sets none.
+        control_latents: normalised latents, each (C, 1, h, w), in the order of the images (may be none).
+        size: (height, width) of the output in pixels (`ModelSpec.output_size`), rounded down to whole
+            latent patches as the pipelines round it.
     """
     copies, guidance = options.num_images, options.guidance
-    height, width = options.height, options.width
-    if height is None or width is None:
-        h, w = (vae_scale * d for d in control_latents[output_image].shape[-2:])
-        height, width = height or h, width or w
     multiple = vae_scale * 2
-    height, width = int(height) // multiple * multiple, int(width) // multiple * multiple
+    height, width = int(size[0]) // multiple * multiple, int(size[1]) // multiple * multiple
     embeds, mask = pad_prompt_embeds([prompt_embed] * copies)
     neg = neg_mask = None
     if guidance:
@@ -256,3 +255,8 @@ def sample_edit(
         true_cfg_scale=options.true_cfg_scale if guidance else 1.0,
         progress=progress,
     )
+
+
+def latent_sizes(latents: Sequence[torch.Tensor], vae_scale: int) -> list[tuple[int, int]]:
+    """(height, width) in pixels of images whose latents are (..., h, w)."""
+    return [(vae_scale * int(x.shape[-2]), vae_scale * int(x.shape[-1])) for x in latents]

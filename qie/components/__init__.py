@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from qie.components.check import check_checkpoint
 from qie.components.registry import (
     MODULE_PARTS,
     PART_NAMES,
@@ -17,12 +18,17 @@ from qie.components.registry import (
 
 
 def model_source(model_cfg: Any) -> str:
-    """Hub id or folder of the model; builds qie's tiny model there first when `model.tiny` is set."""
+    """Hub id or folder of the model; builds qie's tiny model there first when `model.tiny` names a preset.
+
+    Raises:
+        ConfigError: the checkpoint is not the model `model_cfg` describes (see `check_checkpoint`).
+    """
     source = str(model_cfg.pretrained_model_name_or_path)
     if model_cfg.tiny:
         from qie.components.tiny import ensure_tiny_model
 
-        ensure_tiny_model(source, variant=str(_value(model_cfg.variant)))
+        ensure_tiny_model(source, variant=str(model_cfg.tiny))
+    check_checkpoint(model_cfg, source)
     return source
 
 

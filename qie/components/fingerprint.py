@@ -23,10 +23,21 @@ def part_folder(source: str, subfolder: str, revision: str | None = None) -> Pat
     local = Path(source) / subfolder
     if local.is_dir():
         return local
+    return _hub_snapshot(source, revision, f"{subfolder}/*.json") / subfolder
+
+
+def config_file(source: str, relative: str, revision: str | None = None) -> Path:
+    """A JSON file of the model (`model_index.json`, `transformer/config.json`), fetched alone from the hub
+    like `part_folder` fetches configs; the path may not exist (a folder without it)."""
+    if Path(source).is_dir():
+        return Path(source) / relative
+    return _hub_snapshot(source, revision, relative) / relative
+
+
+def _hub_snapshot(source: str, revision: str | None, pattern: str) -> Path:
     from huggingface_hub import snapshot_download
 
-    root = snapshot_download(source, revision=revision, allow_patterns=[f"{subfolder}/*.json"])
-    return Path(root) / subfolder
+    return Path(snapshot_download(source, revision=revision, allow_patterns=[pattern]))
 
 
 @lru_cache(maxsize=32)

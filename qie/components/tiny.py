@@ -1,21 +1,21 @@
-"""Tiny, randomly initialised Qwen-Image-Edit checkpoints made of the real classes, for tests.
+"""Tiny, randomly initialised Qwen-Image checkpoints made of the real classes, for tests.
 
-`build_tiny_model` writes a normal diffusers folder (model_index.json, transformer/, vae/,
-text_encoder/, tokenizer/, processor/, scheduler/) that `QwenImageEditPipeline.from_pretrained`
-(or `QwenImageEditPlusPipeline`) loads with `processor=load_processor(path)`. The same seed gives
-bitwise identical weights. The tokenizer is a byte-level BPE trained here, offline, so that the
-pipelines' system-prompt prefix is exactly `prompt_template_encode_start_idx` tokens long.
+`build_tiny_model` writes a normal diffusers folder (model_index.json, transformer/, vae/, text_encoder/,
+tokenizer/, scheduler/, and processor/ for the Edit pipelines) that the preset's pipeline loads with
+`from_pretrained` (Edit pipelines with `processor=load_processor(path)`). One generic builder takes the
+sizes; the presets (`PRESETS`: edit, edit_plus, edit_2511, t2i) fill in the pipeline and the numbers that
+differ. The same seed gives bitwise identical weights. `python -m qie.tiny PRESET DIR` writes one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,35 +26,45 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
+    QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from qie.components.tiny_tokenizer import build_tokenizer, system_prefix
 from qie.errors import ModelLoadError
+from qie.models import pipeline_parts
 
-PIPELINES: dict[str, type] = {"edit": QwenImageEditPipeline, "edit_plus": QwenImageEditPlusPipeline}
 TINY_VERSION = "v1"
+EDIT_PIPELINES = (QwenImageEditPipeline, QwenImageEditPlusPipeline)
 
-# Qwen2.5-VL's special tokens, in Qwen's order; here they take ids 0..13.
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-]  # fmt: skip
-TOKENIZER_VOCAB_CAP = 1024
-EDIT_INSTRUCTIONS = [
-    "Make the sky blue.", "Remove the red car from the street.", "Add a small hat to the dog.",
-    "Change the color of the dress to green.", "Turn the photo into a pencil sketch.",
-    "Replace the background with a sandy beach at sunset.", "Put a pair of glasses on the man.",
-    "Make it look like winter, with snow on the ground.", "Change the text on the sign to 'OPEN'.",
-    "Remove the people in the background.", "Make the cat orange and fluffy.",
-    "Rotate the cup so the handle faces left.", "Add soft light from the window on the right.",
-    "Make the image brighter and more colorful.", "Turn the house into a wooden cabin.",
-    "Give the woman long black hair.", "Replace the apple with a pear.", "Make the water calm and clear.",
-    "Put the object from picture 2 on the table in picture 1.", "Keep the face, change the clothes.",
-]  # fmt: skip
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """What one tiny model is: its pipeline, the pipelines whose templates its tokenizer learns, and
+    the transformer config entries that differ from `TRANSFORMER_CONFIG`."""
+
+    pipeline: type
+    tokenizer_pipelines: tuple[type, ...]
+    transformer: tuple[tuple[str, Any], ...] = ()
+
+
+PRESETS: dict[str, TinyPreset] = {
+    "edit": TinyPreset(QwenImageEditPipeline, EDIT_PIPELINES),
+    "edit_plus": TinyPreset(QwenImageEditPlusPipeline, EDIT_PIPELINES),
+    # The Edit-Plus weights (same seed), with control tokens at timestep 0 as in Qwen-Image-Edit-2511.
+    "edit_2511": TinyPreset(QwenImageEditPlusPipeline, EDIT_PIPELINES, (("zero_cond_t", True),)),
+    "t2i": TinyPreset(QwenImagePipeline, (QwenImagePipeline,)),
+}
+# Where each part comes from, as model_index.json names it; a pipeline lists the parts it takes.
+MODEL_INDEX: dict[str, list[str]] = {
+    "processor": ["transformers", "Qwen2VLProcessor"],
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+    "tokenizer": ["transformers", "Qwen2Tokenizer"],
+    "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKLQwenImage"],
+}
 
 # Qwen-Image's scheduler/scheduler_config.json.
 SCHEDULER_CONFIG: dict[str, Any] = {
@@ -87,70 +97,11 @@ IMAGE_PROCESSOR_CONFIG: dict[str, Any] = {
 }  # fmt: skip
 
 
-def _check_variant(variant: str) -> type:
-    if variant not in PIPELINES:
-        raise ValueError(f"unknown tiny model variant {variant!r}; expected one of {sorted(PIPELINES)}")
-    return PIPELINES[variant]
-
-
-def _template(pipeline_cls: type) -> tuple[str, int]:
-    """The pipeline's prompt template and its drop index, read off a component-less instance."""
-    pipe = pipeline_cls(None, None, None, None, None, None)
-    return pipe.prompt_template_encode, int(pipe.prompt_template_encode_start_idx)
-
-
-def system_prefix(pipeline_cls: type) -> tuple[str, int]:
-    """The template's system-prompt prefix (through "<|im_start|>user\\n") and the drop index."""
-    template, drop_idx = _template(pipeline_cls)
-    user_start = "<|im_start|>user\n"
-    cut = template.rindex(user_start, 0, template.index("{}")) + len(user_start)
-    return template[:cut], drop_idx
-
-
-def _training_corpus() -> list[str]:
-    """Both templates and some edit instructions, cut at the special tokens (those are not learned)."""
-    special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
-    texts = [_template(pipeline_cls)[0] for pipeline_cls in PIPELINES.values()]
-    texts += [f"Picture {i}: " for i in range(1, 4)] + EDIT_INSTRUCTIONS
-    return [part for text in texts for part in special.split(text) if part]
-
-
-def build_tokenizer() -> Qwen2Tokenizer:
-    """Train the tiny byte-level BPE (Qwen2 pre-tokenizer) and wrap it as a `Qwen2Tokenizer`."""
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_CAP,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_training_corpus(), trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(
-        vocab=model["vocab"],
-        merges=merges,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        extra_special_tokens=SPECIAL_TOKENS[1:],
-        model_max_length=32768,
-    )
-    for pipeline_cls in PIPELINES.values():  # the pipelines' prefix dropping must cut exactly here
-        prefix, drop_idx = system_prefix(pipeline_cls)
-        if (n := len(tokenizer(prefix)["input_ids"])) != drop_idx:
-            raise RuntimeError(
-                f"{pipeline_cls.__name__}: system prefix is {n} tokens, pipeline drops {drop_idx}"
-            )
-    return tokenizer
+def preset(variant: str) -> TinyPreset:
+    """The tiny preset named `variant`. Raises ValueError naming the presets for an unknown one."""
+    if variant not in PRESETS:
+        raise ValueError(f"unknown tiny model variant {variant!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[variant]
 
 
 def _text_encoder_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
@@ -192,13 +143,14 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
-    """Build a tiny random Qwen-Image-Edit(-Plus) checkpoint into `path` and return it."""
-    pipeline_cls = _check_variant(variant)
+    """Build the tiny random checkpoint of preset `variant` into `path` and return it."""
+    spec = preset(variant)
+    parts = pipeline_parts(spec.pipeline.__name__)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(spec.tokenizer_pipelines)
     with _seeded(seed):
-        transformer = QwenImageTransformer2DModel(**TRANSFORMER_CONFIG)
+        transformer = QwenImageTransformer2DModel(**{**TRANSFORMER_CONFIG, **dict(spec.transformer)})
     with _seeded(seed + 1):
         vae = AutoencoderKLQwenImage(**VAE_CONFIG)
     with _seeded(seed + 2):
@@ -208,35 +160,31 @@ def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int =
     text_encoder.save_pretrained(out / "text_encoder")
     FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
     tokenizer.save_pretrained(out / "tokenizer")
-    tokenizer.save_pretrained(out / "processor")
-    _write_json(out / "processor" / "preprocessor_config.json", IMAGE_PROCESSOR_CONFIG)
-    # Like the real repos, also ship a video processor config, which load_processor must ignore.
-    video = {k: v for k, v in IMAGE_PROCESSOR_CONFIG.items() if k != "image_processor_type"}
-    _write_json(
-        out / "processor" / "video_preprocessor_config.json",
-        {**video, "video_processor_type": "Qwen2VLVideoProcessor"},
-    )
-    _write_json(
-        out / "model_index.json",
-        {
-            "_class_name": pipeline_cls.__name__,
-            "_diffusers_version": diffusers.__version__,
-            "processor": ["transformers", "Qwen2VLProcessor"],
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-            "tokenizer": ["transformers", "Qwen2Tokenizer"],
-            "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        },
-    )
+    if "processor" in parts:
+        tokenizer.save_pretrained(out / "processor")
+        _write_json(out / "processor" / "preprocessor_config.json", IMAGE_PROCESSOR_CONFIG)
+        # Like the real repos, also ship a video processor config, which load_processor must ignore.
+        video = {k: v for k, v in IMAGE_PROCESSOR_CONFIG.items() if k != "image_processor_type"}
+        _write_json(
+            out / "processor" / "video_preprocessor_config.json",
+            {**video, "video_processor_type": "Qwen2VLVideoProcessor"},
+        )
+    index = {"_class_name": spec.pipeline.__name__, "_diffusers_version": diffusers.__version__}
+    _write_json(out / "model_index.json", {**index, **{name: MODEL_INDEX[name] for name in parts}})
     return out
 
 
 def _check_existing(path: Path, variant: str) -> Path:
+    """`path`, when the model there is the tiny `variant` (its pipeline class and transformer settings)."""
+    spec = preset(variant)
     found = json.loads((path / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
-    expected = PIPELINES[variant].__name__
-    if found != expected:
-        raise ModelLoadError(f"{path} holds a tiny {found} model, not the {expected} one asked for")
+    config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
+    differs = {k: config.get(k) for k, v in spec.transformer if config.get(k) != v}
+    if found != spec.pipeline.__name__ or differs:
+        raise ModelLoadError(
+            f"{path} holds a tiny {found} model {differs or ''}, not the {variant} one asked for "
+            f"({spec.pipeline.__name__} {dict(spec.transformer) or ''}): remove it to rebuild"
+        )
     return path
 
 
@@ -262,7 +210,7 @@ def ensure_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int 
     The build goes to a temporary sibling folder that is renamed into place at the end, so a
     killed build leaves no half-written model; concurrent callers serialise on a lock file.
     """
-    _check_variant(variant)
+    preset(variant)
     final = Path(path)
     if (final / "model_index.json").is_file():
         return _check_existing(final, variant)
@@ -296,5 +244,17 @@ def default_tiny_path(variant: str = "edit") -> Path:
     """Where the shared tiny model lives: `$QIE_HOME/tiny/<variant>-v1` (QIE_HOME: ~/.cache/qie)."""
     from qie.config import qie_home
 
-    _check_variant(variant)
+    preset(variant)
     return qie_home() / "tiny" / f"{variant}-{TINY_VERSION}"
+
+
+__all__ = [
+    "PRESETS",
+    "TinyPreset",
+    "build_tiny_model",
+    "build_tokenizer",
+    "default_tiny_path",
+    "ensure_tiny_model",
+    "preset",
+    "system_prefix",
+]

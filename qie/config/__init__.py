@@ -89,7 +89,6 @@ def register() -> None:
     cs.store(name="demo_schema", node=DemoRoot)
 
 
-
 def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     """Build the config the CLI of `stage` would build, with the same overrides syntax.
 
@@ -124,8 +123,13 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     return cfg
 
 
-ROOTS = {"precompute": PrecomputeRoot, "train": TrainRoot, "infer": InferRoot, "cache": CacheAdminRoot,
-         "demo": DemoRoot}
+ROOTS = {
+    "precompute": PrecomputeRoot,
+    "train": TrainRoot,
+    "infer": InferRoot,
+    "cache": CacheAdminRoot,
+    "demo": DemoRoot,
+}
 
 
 def for_stage(cfg: DictConfig, stage: str) -> DictConfig:
@@ -148,9 +152,7 @@ def validate(cfg: DictConfig) -> None:
         allowed = set(getattr(schema, "__dataclass_fields__", {}))
         extra = sorted(set(node.keys()) - allowed) if allowed else []
         if extra:
-            raise ConfigError(
-                f"unknown key {name}.{extra[0]}: valid keys of {name!r} are {', '.join(sorted(allowed))}"
-            )
+            raise ConfigError(f"unknown key {name}.{extra[0]}: valid keys of {name!r} are {', '.join(sorted(allowed))}")
     _check_range(cfg, "data.caption_dropout_rate", 0.0, 1.0)
     _check_range(cfg, "data.batch_size", 1, None)
     _check_range(cfg, "train.max_steps", 0, None)
@@ -158,7 +160,8 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "train.learning_rate", 0.0, None)
     _check_range(cfg, "model.vae_image_pixels", 32 * 32, None)
     _check_range(cfg, "model.vl_image_pixels", 28 * 28, None)
-    _check_range(cfg, "model.max_control_images", 1, None)
+    _check_range(cfg, "model.min_control_images", 0, None)
+    _check_range(cfg, "model.max_control_images", OmegaConf.select(cfg, "model.min_control_images", default=0), None)
 
 
 def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | None) -> None:

@@ -1,4 +1,8 @@
-"""Schema of the `model` group: which checkpoint, in which dtype, with which condition sizes."""
+"""Schema of the `model` group: which checkpoint, in which dtype, with which condition sizes.
+
+One yaml per model (`model=NAME`) fills it; `qie.models.model_spec` turns it into the model description
+every stage reads (pipeline class, prompt template, control counts, output size, parts to build).
+"""
 
 from dataclasses import dataclass
 from enum import Enum
@@ -7,10 +11,11 @@ from omegaconf import MISSING
 
 
 class Variant(str, Enum):
-    """Pipeline family: Edit takes one control image, Edit-Plus several."""
+    """Pipeline family: Edit takes one control image, Edit-Plus several, text-to-image none."""
 
     edit = "edit"
     edit_plus = "edit_plus"
+    text_to_image = "text_to_image"
 
 
 class Dtype(str, Enum):
@@ -34,11 +39,19 @@ class ModelConfig:
     # Hub id or local diffusers-format folder.
     pretrained_model_name_or_path: str = MISSING
     revision: str | None = None
-    # Build qie's tiny random model at `pretrained_model_name_or_path` when it is not there yet.
-    tiny: bool = False
+    # A tiny preset (edit, edit_plus, edit_2511, t2i): qie builds that tiny random model at
+    # `pretrained_model_name_or_path` when it is not there yet. null for real checkpoints.
+    tiny: str | None = None
     dtype: Dtype = Dtype.bfloat16
     quantize: Quantize = Quantize.none
     # Areas (pixels) the pipeline resizes condition images to, for the VAE and for Qwen2.5-VL.
     vae_image_pixels: int = 1024 * 1024
     vl_image_pixels: int = 1024 * 1024
+    # Control images one sample may have; 0 as the minimum lets a sample without one train through the
+    # pipeline's text-only prompt (Edit-Plus), 0 as the maximum is a text-to-image model.
+    min_control_images: int = 1
     max_control_images: int = 1
+    # Whether the checkpoint's transformer gives control tokens timestep 0 (Edit-2511): its config must agree.
+    zero_cond_t: bool = False
+    # Compare the checkpoint's model_index.json and transformer config with this description at start-up.
+    check: bool = True

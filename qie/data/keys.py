@@ -35,14 +35,15 @@ class KeyContext:
 
 
 def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str, str]:
-    """The key of each of the six entry types of `sample` (pixel_latent only when it has a target)."""
+    """The key of each entry type `sample` has: pixel_latent only with a target, control_latent only with
+    control images (a text-to-image sample, or an edit sample trained on the text-only prompt, has none)."""
     controls = [hasher.hash(p) for p in sample.controls]
-    keys = {
-        "control_latent": entry_key(
+    keys = {}
+    if controls:
+        keys["control_latent"] = entry_key(
             "control_latent",
             {"controls": controls, "area": ctx.vae_image_pixels, "vae": ctx.vae_fingerprint, "dtype": ctx.dtype},
         )
-    }
     if sample.target is not None:
         keys["pixel_latent"] = entry_key(
             "pixel_latent",

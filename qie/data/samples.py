@@ -1,8 +1,10 @@
-"""Samples of an edit data set: a target image, its control images and the instruction.
+"""Samples of a data set: a target image, its control images (none for text to image) and the prompt.
 
 Two layouts: a folder (`training_images/<stem>.<ext>` + `<stem>.txt`, `control_images/<stem>.<ext>` and
-`control_images/<stem>_control_<N>.<ext>`) or a manifest (.jsonl or .csv with `target`, `controls`,
-`prompt`; paths relative to the manifest). Problems with single samples are collected, not raised, so
+`control_images/<stem>_control_<N>.<ext>`; without `control_images/` every sample has no control image) or a
+manifest (.jsonl or .csv with `target`, `controls`, `prompt`; paths relative to the manifest; a row without
+`controls` has none). Whether a model takes a sample's control count is the model's to say
+(`ModelSpec.control_problem`). Problems with single samples are collected, not raised, so
 precompute can name them and go on; a data set with no usable sample at all is an error.
 """
 
@@ -25,7 +27,8 @@ _CONTROL_SUFFIX = re.compile(r"^(?P<stem>.+)_control_(?P<n>\d+)$")
 
 @dataclass(frozen=True)
 class Sample:
-    """One training or inference example. `target` is None for inference-only rows."""
+    """One training or inference example. `target` is None for inference-only rows; `controls` is empty for
+    a text-to-image sample (or an edit sample trained on the text-only prompt)."""
 
     id: str
     target: Path | None
@@ -153,7 +156,11 @@ def _child_path(folder: Path):
 def _scan_folder(root: Path, require_target: bool) -> Dataset:
     targets_dir, controls_dir = root / "training_images", root / "control_images"
     if not targets_dir.is_dir() and not controls_dir.is_dir():
-        raise DataError(f"{str(root)!r} is not a data set folder: expected training_images/ and control_images/ inside")
+        raise DataError(
+            f"{str(root)!r} is not a data set folder: expected training_images/ (and control_images/ for edits) inside"
+        )
+    # Without control_images/ the data set is text to image; with it, a target without a control is a mistake.
+    controls_needed = controls_dir.is_dir()
     # One listing per folder gives the images and the captions: no stat per sample.
     target_names, control_names = _listing(targets_dir), _listing(controls_dir)
     target_set, control_set = set(target_names), set(control_names)
@@ -177,7 +184,7 @@ def _scan_folder(root: Path, require_target: bool) -> Dataset:
         caption_path = f"{targets_str}/{caption}"  # a string: 100k Path objects cost a second
         if caption not in target_set and caption in control_set:
             caption_path = f"{controls_str}/{caption}"
-        if not ctrl:
+        if not ctrl and controls_needed:
             data.problems.append(DataProblem(stem, str(controls_dir / f"{stem}.<ext>"), "control image is missing"))
             continue
         try:
@@ -232,10 +239,10 @@ def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
     if not isinstance(row, dict):
         return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
     controls = row.get("controls")
-    if controls is None and row.get("control"):
-        controls = [row["control"]]
+    if controls is None:  # no control image: a text-to-image row, or an edit row for the text-only prompt
+        controls = [row["control"]] if row.get("control") else []
     if isinstance(controls, str):
-        controls = [controls]
+        controls = [controls] if controls else []
     if not isinstance(controls, list) or not all(isinstance(c, str) and c for c in controls):
         return f"'controls' must be a list of paths, got {controls!r}"
     target, prompt = row.get("target") or None, row.get("prompt")
@@ -257,7 +264,7 @@ def _scan_manifest(path: Path, require_target: bool) -> Dataset:
             data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
             continue
         controls, target, prompt = fields
-        missing = [k for k, ok in (("controls", controls), ("prompt", prompt is not None)) if not ok]
+        missing = [] if prompt is not None else ["prompt"]
         if require_target and not target:
             missing.append("target")
         if missing:
@@ -270,7 +277,8 @@ def _scan_manifest(path: Path, require_target: bool) -> Dataset:
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
             )
             continue
-        sample_id = str(row.get("id") or Path(target or controls[0]).with_suffix("").as_posix())
+        first = target or (controls[0] if controls else None)
+        sample_id = str(row.get("id") or (Path(first).with_suffix("").as_posix() if first else f"row{n:06d}"))
         if sample_id in seen:  # one target with several instructions: ids stay unique
             sample_id = f"{sample_id}#{n}"
         seen.add(sample_id)

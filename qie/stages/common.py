@@ -14,9 +14,8 @@ from qie.components import load_parts, model_source
 from qie.data.keys import KeyContext
 from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND, CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
+from qie.models import model_spec
 from qie.sampling import SamplingOptions
-
-ENCODER_PARTS = ("vae", "text_encoder", "tokenizer", "processor")
 
 
 def value(x: Any) -> Any:
@@ -41,16 +40,17 @@ def file_hasher(cfg: DictConfig) -> FileHasher:
 
 
 def build_encoder(cfg: DictConfig) -> Encoder:
-    """Encoder with the VAE on cache.vae_encoder_device and Qwen2.5-VL on cache.text_encoder_device."""
+    """Encoder with the VAE on cache.vae_encoder_device and Qwen2.5-VL on cache.text_encoder_device; it
+    builds the encoder parts of the model's spec (no processor for text-to-image)."""
     devices = {"vae": cfg.cache.vae_encoder_device, "text_encoder": cfg.cache.text_encoder_device}
-    parts = load_parts(cfg.model, ENCODER_PARTS, devices)
-    return Encoder(parts, str(value(cfg.model.variant)))
+    spec = model_spec(cfg.model)
+    return Encoder(load_parts(cfg.model, spec.encoder_parts, devices), spec)
 
 
 def model_key_context(cfg: DictConfig) -> KeyContext:
     """The cache-key context of `cfg`'s model (fingerprints, template, dtype) and image sizes."""
     m = cfg.model
-    return key_context(model_source(m), m.revision, str(value(m.variant)), image_sizes(cfg), str(value(m.dtype)))
+    return key_context(model_source(m), m.revision, model_spec(m), image_sizes(cfg), str(value(m.dtype)))
 
 
 def build_source(

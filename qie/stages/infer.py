@@ -1,4 +1,5 @@
-"""The infer stage: edit one image (or each row of a data set) with the base model, optionally a LoRA.
+"""The infer stage: edit one image, make one from a prompt (text to image, or an Edit-Plus model given no
+image), or do so for each row of a data set, with the base model and optionally a LoRA.
 
 `Predictor` holds the built parts and is what a notebook keeps: build once, call `predict` many times.
 `run(cfg, run_dir)` is what `python -m qie.infer` calls; `predict.merge_to` instead fuses the LoRA into
@@ -21,38 +22,24 @@ from qie.data.images import condition_images, open_image
 from qie.data.samples import scan_dataset
 from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
-from qie.sampling import SamplingOptions, decode_latents, sample_edit, vae_scale_factor
+from qie.models import ModelSpec, model_spec
+from qie.sampling import SamplingOptions, decode_latents, latent_sizes, sample_edit, vae_scale_factor
 from qie.stages.common import sampling_options, value
 from qie.training.lora import load_lora, merge_lora, save_transformer
 
-INFER_PARTS = ("vae", "text_encoder", "tokenizer", "processor", "transformer", "scheduler")
-
 
 class Predictor:
-    """Edits images with built parts, exactly as the diffusers Edit / Edit-Plus pipelines would.
+    """Makes images with built parts, exactly as the model's diffusers pipeline would.
 
     Args:
-        parts: all of INFER_PARTS, each already on its device.
-        variant: "edit" or "edit_plus".
-        vae_image_pixels: area the control images are resized to for the VAE (and the output size).
-        vl_image_pixels: area the control images are resized to for Qwen2.5-VL.
-        max_control_images: how many images one edit may take.
+        parts: the parts of the spec's pipeline (`spec.part_names`), each already on its device.
+        spec: the model description (pipeline, condition sizes, control counts, output size rule).
     """
 
-    def __init__(
-        self,
-        parts: Parts,
-        variant: str,
-        vae_image_pixels: int,
-        vl_image_pixels: int,
-        max_control_images: int = 1,
-    ) -> None:
+    def __init__(self, parts: Parts, spec: ModelSpec) -> None:
         self.parts = parts
-        self.variant = variant
-        self.vae_image_pixels = vae_image_pixels
-        self.vl_image_pixels = vl_image_pixels
-        self.max_control_images = max_control_images
-        self.encoder = Encoder(parts, variant)
+        self.spec = spec
+        self.encoder = Encoder(parts, spec)
         self.vae_scale_factor = vae_scale_factor(parts.vae)
 
     def load_lora(self, path: str | Path, scale: float = 1.0) -> Path:
@@ -62,47 +49,52 @@ class Predictor:
     @torch.no_grad()
     def predict(
         self,
-        images: Sequence[Image.Image | str | Path] | Image.Image | str | Path,
+        images: Sequence[Image.Image | str | Path] | Image.Image | str | Path | None,
         prompt: str,
         options: SamplingOptions | None = None,
         output_type: str = "pil",
         progress: bool = False,
         **overrides: Any,
     ) -> Any:
-        """Edit `images` (one for Edit; one or more for Edit-Plus) following `prompt`.
+        """Edit `images` (one for Edit; none to three for Edit-Plus; none for text to image) following `prompt`.
 
         Args:
-            images: control images (PIL or paths), in the order the prompt refers to them.
-            prompt: the edit instruction.
+            images: control images (PIL or paths), in the order the prompt refers to them; None or [] for none.
+            prompt: the instruction (the image description for text to image).
             options: sampling options (default: `SamplingOptions()`); `overrides` replace single fields
-                (e.g. `num_inference_steps=20, seed=3`).
+                (e.g. `num_inference_steps=20, seed=3`). Without height and width the output size follows the
+                model's rule (`ModelSpec.output_size`).
             output_type: "pil" (list of images) or "np" (float array (N, H, W, 3) in [0, 1]).
 
         Raises:
-            ConfigError: no prompt or image, or more images than the model takes.
+            ConfigError: no prompt, or a number of images the model does not take.
             DataError: an image that is missing or unreadable.
         """
         options = replace(options or SamplingOptions(), **overrides)
         pil = _open_all(images)
         if prompt is None:
-            raise ConfigError("no prompt given: set predict.prompt to the edit instruction")
-        if not pil:
+            raise ConfigError("no prompt given: set predict.prompt to the instruction")
+        if not pil and self.spec.needs_controls:
             raise ConfigError("no input image given: set predict.image (or predict.images for Edit-Plus)")
-        if len(pil) > self.max_control_images:
-            raise ConfigError(
-                f"{len(pil)} input images given, but this model ({self.variant}) takes at most "
-                f"{self.max_control_images}: use an Edit-Plus model for several images"
-            )
-        pixels, vl_images = zip(*(condition_images(im, self.vae_image_pixels, self.vl_image_pixels) for im in pil))
-        (embed,) = self.encoder.encode_prompts([prompt], [list(vl_images)])
+        problem = self.spec.control_problem(len(pil))
+        if problem:
+            raise ConfigError(f"{len(pil)} input images given: {problem}")
+        spec = self.spec
+        pixels, vl_images = [], []
+        for im in pil:
+            vae_in, vl_in = condition_images(im, spec.vae_image_pixels, spec.vl_image_pixels)
+            pixels.append(vae_in)
+            vl_images.append(vl_in)
+        (embed,) = self.encoder.encode_prompts([prompt], [vl_images])
         negative = None
         if options.negative_prompt is not None and options.true_cfg_scale > 1:
-            (negative,) = self.encoder.encode_prompts([options.negative_prompt], [list(vl_images)])
+            (negative,) = self.encoder.encode_prompts([options.negative_prompt], [vl_images])
         controls = [self.encoder.encode_latents([p])[0] for p in pixels]
+        f = self.vae_scale_factor
+        size = spec.output_size(options.height, options.width, latent_sizes(controls, f), None, f)
         latents = sample_edit(
-            self.parts.transformer, self.parts.scheduler, self.vae_scale_factor, embed, negative, controls,
-            self.encoder.spec.output_image, options, progress=progress,
-        )  # fmt: skip
+            self.parts.transformer, self.parts.scheduler, f, embed, negative, controls, size, options, progress=progress
+        )
         return decode_latents(self.parts.vae, latents, output_type=output_type)
 
 
@@ -115,19 +107,14 @@ def _open_all(images: Any) -> list[Image.Image]:
 
 
 def build_predictor(cfg: DictConfig) -> Predictor:
-    """Build the parts on `predict.devices` and the Predictor; loads `predict.lora` when set.
+    """Build the parts of the model's pipeline on `predict.devices` and the Predictor; loads `predict.lora`.
 
     Raises:
-        ConfigError: a device that does not exist; ModelLoadError: a part or LoRA that cannot be loaded.
+        ConfigError: a device that does not exist, a checkpoint that is not the configured model;
+        ModelLoadError: a part or LoRA that cannot be loaded.
     """
-    parts = load_parts(cfg.model, INFER_PARTS, devices=dict(cfg.predict.devices))
-    predictor = Predictor(
-        parts,
-        str(value(cfg.model.variant)),
-        int(cfg.model.vae_image_pixels),
-        int(cfg.model.vl_image_pixels),
-        int(cfg.model.max_control_images),
-    )
+    spec = model_spec(cfg.model)
+    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices=dict(cfg.predict.devices)), spec)
     if cfg.predict.lora:
         predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale))
     return predictor
@@ -169,12 +156,15 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     if p.input:
         return run_batch(cfg, run_dir)
     sources = list(p.images) if p.images else ([p.image] if p.image else [])
-    if not sources:
+    spec = model_spec(cfg.model)
+    if not sources and spec.needs_controls:
         raise ConfigError(
             "no input image: set predict.image=FILE (predict.images=[A,B] for Edit-Plus, or predict.input=DATASET)"
         )
     if p.prompt is None:
-        raise ConfigError('no prompt: set predict.prompt="the edit instruction"')
+        raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
+    if problem := spec.control_problem(len(sources)):
+        raise ConfigError(f"{len(sources)} input images given: {problem}")
     images = _open_all(sources)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(cfg)
     written = _save(

@@ -29,6 +29,7 @@ from qie.data.keys import sample_keys
 from qie.data.samples import DataProblem, Sample, scan_dataset
 from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample
 from qie.errors import ConfigError, DataError
+from qie.models import model_spec
 from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, value
 
 Keyed = tuple[Sample, dict[str, str]]
@@ -132,13 +133,10 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
 
 def _keys(sample: Sample, ctx, hasher, model_cfg) -> dict[str, str]:
     """The sample's entry keys; DataError for a sample the model cannot take or a file that cannot be read."""
-    limit = int(model_cfg.max_control_images)
-    if len(sample.controls) > limit:
-        raise ImageError(
-            sample.controls[limit],
-            f"sample {sample.id!r} has {len(sample.controls)} control images; model {model_cfg.name!r} takes "
-            f"at most {limit} (use an Edit-Plus model, or remove the extra control images)",
-        )
+    problem = model_spec(model_cfg).control_problem(len(sample.controls))
+    if problem:
+        path = sample.controls[int(model_cfg.max_control_images)] if sample.controls else sample.target
+        raise ImageError(path, f"sample {sample.id!r} has {problem}")
     try:
         return sample_keys(sample, ctx, hasher)
     except OSError as e:

@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.components import load_parts, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
-from qie.data.samples import Sample, scan_dataset
-from qie.errors import ConfigError
+from qie.data.samples import DataProblem, Sample, scan_dataset
+from qie.errors import ConfigError, DataError
+from qie.models import ModelSpec, model_spec
 from qie.stages.common import build_source, precompute_command, value
 from qie.training import checkpoint as ckpt
 from qie.training.batches import PREFETCH_BATCHES, EmbeddingDataset, make_loader, raise_failures
@@ -51,7 +52,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
-    samples = load_samples(cfg.data, accelerator.is_main_process)
+    samples = load_samples(cfg.data, model_spec(cfg.model), accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
@@ -108,12 +109,24 @@ def mixed_precision(setting: str, model_dtype: str) -> str:
     return setting
 
 
-def load_samples(data: DictConfig, report: bool) -> list[Sample]:
-    """The usable samples of `data.path`; the first problems found are printed when `report`."""
+def load_samples(data: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]:
+    """The samples of `data.path` the model can take; the first problems found are printed when `report`.
+
+    Raises:
+        DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
+    """
     dataset = scan_dataset(data.path, str(value(data.format)))
-    for p in dataset.problems[:5] if report else []:
+    problems = [
+        DataProblem(s.id, str(s.target), why) for s in dataset.samples if (why := spec.control_problem(len(s.controls)))
+    ]
+    skipped = {p.id for p in problems}
+    samples = [s for s in dataset.samples if s.id not in skipped]
+    problems = dataset.problems + problems
+    if not samples:
+        raise DataError(f"no sample of {data.path} can train model={spec.name}: {problems[0].reason}")
+    for p in problems[:5] if report else []:
         print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
-    return dataset.samples
+    return samples
 
 
 def train_mode(train: DictConfig) -> TrainMode:
@@ -217,7 +230,6 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
 
     Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
     """
-    from qie.models import model_spec
     from qie.stages.common import sampling_options
     from qie.stages.validation import validation_inputs, validation_samples
     from qie.training.validation import Validator
@@ -230,8 +242,7 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
     vae = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}).vae
     chosen = validation_samples(v, samples, int(cfg.logging.log_images_count))
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
-    output_image = model_spec(cfg.model.variant).output_image
-    validator = Validator(inputs, negatives, scheduler, vae, logger, options, output_image)
+    validator = Validator(inputs, negatives, scheduler, vae, logger, options, model_spec(cfg.model))
     every = int(v.every)
 
     def hook(info: StepInfo) -> None:

@@ -21,19 +21,25 @@ from qie.types import SampleEmbeddings
 
 
 def validation_samples(v: DictConfig, training: list[Sample], count: int) -> list[Sample]:
-    """`validation.images` with `validation.prompts` (an Edit-Plus entry joins its images with '|'),
-    or, when none are given, the first `count` training samples (without their targets)."""
+    """`validation.images` with `validation.prompts` (an Edit-Plus entry joins its images with '|'; no
+    images for text to image), or, when none are given, the first `count` training samples. Those keep
+    their target only when they have no control image: its size is then the output size.
+
+    Raises:
+        ConfigError: images given, but not one entry per prompt.
+    """
     if v.prompts:
-        if len(v.images) != len(v.prompts):
+        images = list(v.images) or [""] * len(v.prompts)
+        if len(images) != len(v.prompts):
             raise ConfigError(
                 f"validation.images has {len(v.images)} entries and validation.prompts {len(v.prompts)}: "
-                "give one image (or 'a.png|b.png' for Edit-Plus) per prompt"
+                "give one image (or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image"
             )
         return [
-            Sample(f"validation_{i}", None, tuple(Path(p) for p in str(img).split("|")), str(prompt))
-            for i, (img, prompt) in enumerate(zip(v.images, v.prompts))
+            Sample(f"validation_{i}", None, tuple(Path(p) for p in str(img).split("|") if p), str(prompt))
+            for i, (img, prompt) in enumerate(zip(images, v.prompts))
         ]
-    return [Sample(s.id, None, s.controls, s.prompt) for s in training[:count]]
+    return [Sample(s.id, None if s.controls else s.target, s.controls, s.prompt) for s in training[:count]]
 
 
 def validation_inputs(

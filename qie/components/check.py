@@ -1,0 +1,63 @@
+"""The start-up check: does the checkpoint hold the model the `model` config describes?
+
+A Qwen-Image checkpoint paired with an Edit config (or an Edit-2509 config with a 2511 checkpoint) loads
+and runs, but trains and samples wrongly. The check reads only JSON files (model_index.json and the
+transformer and VAE configs; for a hub id those alone are fetched) and fails before any part is built.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from qie.components.fingerprint import config_file
+from qie.errors import ConfigError
+from qie.models import CheckpointFacts, fitting_models, model_spec
+
+
+def read_facts(source: str, revision: str | None = None) -> CheckpointFacts:
+    """What the checkpoint at `source` says about itself; a file it lacks leaves its fields None."""
+    index = _read_json(source, "model_index.json", revision)
+    transformer = _read_json(source, "transformer/config.json", revision)
+    vae = _read_json(source, "vae/config.json", revision)
+    return CheckpointFacts(
+        pipeline_class=index.get("_class_name"),
+        zero_cond_t=bool(transformer.get("zero_cond_t", False)),
+        patch_size=transformer.get("patch_size"),
+        in_channels=transformer.get("in_channels"),
+        out_channels=transformer.get("out_channels"),
+        latent_channels=vae.get("z_dim"),
+    )
+
+
+def check_checkpoint(model_cfg: Any, source: str) -> None:
+    """Compare the checkpoint at `source` with `model_cfg` (skipped when `model.check=false`).
+
+    Raises:
+        ConfigError: naming the config, what the checkpoint is, the `model=` that fits it, and the override.
+    """
+    if not model_cfg.get("check", True):
+        return
+    spec = model_spec(model_cfg)
+    found = read_facts(source, model_cfg.get("revision"))
+    problems = spec.mismatches(found)
+    if not problems:
+        return
+    fits = fitting_models(found)
+    hint = (
+        f"use {' or '.join(f'model={name}' for name in fits)} (with model.pretrained_model_name_or_path={source})"
+        if fits
+        else "no model config of qie describes this checkpoint"
+    )
+    raise ConfigError(
+        f"model={spec.name} does not match the checkpoint {source}: {'; '.join(problems)}.\n"
+        f"{hint}, or set model.check=false to use it anyway"
+    )
+
+
+def _read_json(source: str, relative: str, revision: str | None) -> dict:
+    try:
+        path = config_file(source, relative, revision)
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):  # unreachable hub or broken file: loading the part will say what is wrong
+        return {}
