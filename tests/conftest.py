@@ -27,3 +27,17 @@ def tiny_plus_path(qie_home: Path) -> Path:
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
 
     return ensure_tiny_model(default_tiny_path("edit_plus"), "edit_plus")
+
+
+@pytest.fixture(scope="session")
+def tiny_2511_path(qie_home: Path) -> Path:
+    from qie.components.tiny import default_tiny_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_path("edit_2511"), "edit_2511")
+
+
+@pytest.fixture(scope="session")
+def tiny_t2i_path(qie_home: Path) -> Path:
+    from qie.components.tiny import default_tiny_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_path("t2i"), "t2i")

@@ -100,6 +100,16 @@ def test_infer_layout_needs_no_target(tmp_path: Path) -> None:
     assert [(s.id, s.target, s.prompt) for s in data.samples] == [("q", None, "do it")]
 
 
+def test_folder_without_control_images_is_text_to_image(tmp_path: Path) -> None:
+    root = _folder(tmp_path / "ds", ["b", "a"])
+    for path in (root / "control_images").iterdir():
+        path.unlink()
+    (root / "control_images").rmdir()
+    data = scan_dataset(root)
+    assert [(s.id, s.controls, s.prompt) for s in data.samples] == [("a", (), "edit a"), ("b", (), "edit b")]
+    assert data.problems == []
+
+
 # ---------------------------------------------------------------- manifests
 
 
@@ -297,3 +307,32 @@ def test_keys_follow_file_bytes_and_prompt(tmp_path: Path) -> None:
     _png(tmp_path / "c.png", (4, 5, 6))
     assert changed(Sample("a", t, (c,), "p")) == ALL - {"pixel_latent"}
     assert "pixel_latent" not in sample_keys(Sample("a", None, (c,), "p"), ctx, hasher)
+
+
+def test_manifest_rows_without_control_images(tmp_path: Path) -> None:
+    _png(tmp_path / "t.png")
+    _png(tmp_path / "c.png")
+    rows = [
+        {"target": "t.png", "prompt": "no controls key"},
+        {"target": "t.png", "controls": [], "prompt": "empty list"},
+        {"target": "t.png", "controls": "", "prompt": "empty string"},
+        {"target": "t.png", "controls": ["c.png"], "prompt": "one control"},
+        {"prompt": "prompt only"},
+    ]
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    data = scan_dataset(tmp_path / "m.jsonl")
+    assert {s.prompt: len(s.controls) for s in data.samples} == {
+        "no controls key": 0, "empty list": 0, "empty string": 0, "one control": 1
+    }  # fmt: skip
+    (problem,) = data.problems
+    assert "has no 'target'" in problem.reason
+    (csv_sample,) = scan_dataset(_csv(tmp_path / "m.csv", "target,prompt\nt.png,a csv row\n")).samples
+    assert (csv_sample.target, csv_sample.controls) == (tmp_path / "t.png", ())
+    # For inference, a prompt alone is a sample (text to image).
+    prompt_only = [s for s in scan_dataset(tmp_path / "m.jsonl", require_target=False).samples if s.target is None]
+    assert [(s.id, s.controls, s.prompt) for s in prompt_only] == [("row000005", (), "prompt only")]
+
+
+def _csv(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -178,3 +178,22 @@ def test_load_processor_names_what_is_missing(tiny_edit: Path, tmp_path: Path) -
     with pytest.raises(ModelLoadError, match=r"preprocessor_config\.json") as err:
         load_processor(tmp_path)
     assert str(tmp_path) in str(err.value)
+
+
+def test_python_m_qie_tiny_writes_any_preset(tiny_t2i_path: Path, tmp_path: Path, capsys) -> None:
+    from qie import tiny
+
+    tiny.main(["t2i", str(tmp_path / "t2i")])
+    assert str(tmp_path / "t2i") in capsys.readouterr().out
+    assert json.loads((tmp_path / "t2i" / "model_index.json").read_text())["_class_name"] == "QwenImagePipeline"
+    for name in WEIGHT_FILES:  # the same seed as the shared tiny model: the same weights
+        first, second = load_file(tiny_t2i_path / name), load_file(tmp_path / "t2i" / name)
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), name
+    with pytest.raises(SystemExit) as stop:
+        tiny.main(["edit_2512", str(tmp_path / "nope")])
+    assert stop.value.code == 2 and not (tmp_path / "nope").exists()
+
+
+def test_ensure_refuses_a_folder_of_another_preset(tiny_plus_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="zero_cond_t"):
+        ensure_tiny_model(tiny_plus_path, variant="edit_2511")

@@ -1,0 +1,134 @@
+"""The start-up check: a model config paired with a checkpoint of another model fails before anything is
+built, naming both and the `model=` that fits; `model.check=false` lets it through."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from qie.components import model_source
+from qie.config import compose
+from qie.errors import ConfigError
+from qie.models import model_spec
+from qie.stages import train as train_stage
+from qie.stages.infer import build_predictor
+
+
+@pytest.fixture
+def constructions(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Counts constructions of the classes that hold weights."""
+    counts: Counter = Counter()
+    for cls in (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel):
+        monkeypatch.setattr(cls, "__init__", _counted(cls.__init__, cls.__name__, counts))
+    return counts
+
+
+def _counted(original, name: str, counts: Counter):
+    @functools.wraps(original)  # keeps the signature, which diffusers and transformers read
+    def counting(self, *args, **kwargs):
+        counts[name] += 1
+        original(self, *args, **kwargs)
+
+    return counting
+
+
+def _infer(model: str, path: Path, *more: str):
+    return compose("infer", [f"model={model}", "model.tiny=null", f"model.pretrained_model_name_or_path={path}", *more])
+
+
+def _edit_folder(root: Path) -> Path:
+    from PIL import Image
+
+    for sub in ("training_images", "control_images"):
+        (root / sub).mkdir(parents=True)
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(root / sub / "a.png")
+    (root / "training_images" / "a.txt").write_text("make it red", encoding="utf-8")
+    return root
+
+
+def test_edit_config_with_a_text_to_image_checkpoint(tiny_t2i_path: Path, tmp_path: Path, constructions) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_predictor(_infer("tiny", tiny_t2i_path))
+    message = str(err.value)
+    assert "model=tiny does not match the checkpoint" in message and str(tiny_t2i_path) in message
+    assert "QwenImagePipeline" in message and "QwenImageEditPipeline" in message
+    assert "use model=qwen_image or model=qwen_image_2512 or model=tiny_t2i" in message
+    assert "model.check=false" in message
+    assert constructions == Counter()  # failed before any part was built
+    # A real-model config gets the real models' names; the train stage stops as early.
+    with pytest.raises(ConfigError, match="model=qwen_image_edit_plus does not match"):
+        model_source(_infer("qwen_image_edit_plus", tiny_t2i_path).model)
+    model = ["model=tiny", "model.tiny=null", f"model.pretrained_model_name_or_path={tiny_t2i_path}"]
+    cfg = compose("train", [*model, f"data.path={_edit_folder(tmp_path / 'data')}", f"cache.dir={tmp_path / 'c'}"])
+    with pytest.raises(ConfigError, match="QwenImagePipeline"):
+        train_stage.run(cfg, tmp_path / "run")
+    assert constructions == Counter()
+
+
+def test_2509_config_with_a_2511_checkpoint(tiny_2511_path: Path, constructions) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_predictor(_infer("tiny_plus", tiny_2511_path))
+    message = str(err.value)
+    assert "zero_cond_t=True" in message and "expects False" in message
+    assert "use model=qwen_image_edit_2511 or model=tiny_edit_2511 " in message
+    assert constructions == Counter()
+    # The override lets it through: the parts are built.
+    predictor = build_predictor(_infer("tiny_plus", tiny_2511_path, "model.check=false"))
+    assert predictor.parts.transformer.config.zero_cond_t is True
+    assert constructions["QwenImageTransformer2DModel"] == 1
+
+
+def test_the_reverse_pairing_and_a_fitting_pair(tiny_plus_path: Path, tiny_2511_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match="(?s)zero_cond_t=False.*expects True.*use model=qwen_image_edit_plus or model=tiny_plus"
+    ):
+        model_source(_infer("tiny_edit_2511", tiny_plus_path).model)
+    assert model_source(_infer("qwen_image_edit_2511", tiny_2511_path).model) == str(tiny_2511_path)
+
+
+def test_a_hub_id_is_checked_from_its_json_files_alone(monkeypatch: pytest.MonkeyPatch, tiny_t2i_path: Path) -> None:
+    import huggingface_hub
+
+    asked: list[list[str]] = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+        assert repo_id == "Qwen/Qwen-Image-Edit-2511"
+        asked.append(list(allow_patterns))
+        return str(tiny_t2i_path)  # the "hub" holds a text-to-image model
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(ConfigError, match="Qwen/Qwen-Image-Edit-2511.*QwenImagePipeline"):
+        model_source(compose("infer", ["model=qwen_image_edit_2511"]).model)
+    assert asked and all(p.endswith(".json") for patterns in asked for p in patterns)
+
+
+def test_model_descriptions_come_from_the_yaml() -> None:
+    names = ("qwen_image_edit", "qwen_image_edit_plus", "qwen_image_edit_2511", "qwen_image", "qwen_image_2512")
+    specs = {name: model_spec(compose("infer", [f"model={name}"]).model) for name in names}
+    assert specs["qwen_image_edit_2511"].pipeline_class == "QwenImageEditPlusPipeline"
+    assert specs["qwen_image_edit_2511"].zero_cond_t and not specs["qwen_image_edit_plus"].zero_cond_t
+    assert specs["qwen_image"].pipeline_class == specs["qwen_image_2512"].pipeline_class == "QwenImagePipeline"
+    assert "processor" not in specs["qwen_image"].part_names
+    assert specs["qwen_image"].encoder_parts == ("vae", "text_encoder", "tokenizer")
+    assert specs["qwen_image_edit_2511"].encoder_parts == ("vae", "text_encoder", "processor")
+    assert specs["qwen_image"].prompt_template().endswith("|34|512")
+    assert specs["qwen_image_edit_2511"].prompt_template() == specs["qwen_image_edit_plus"].prompt_template()
+    assert [(s.min_control_images, s.max_control_images) for s in specs.values()] == [
+        (1, 1),
+        (0, 3),
+        (0, 3),
+        (0, 0),
+        (0, 0),
+    ]
+    # Output sizes: Edit follows the first control image, Edit-Plus the last, text to image the request or
+    # the target, else the pipeline's default (128 latent pixels a side).
+    sizes = [(32, 96), (64, 64)]
+    assert specs["qwen_image_edit"].output_size(None, None, sizes, None, 8) == (32, 96)
+    assert specs["qwen_image_edit_plus"].output_size(None, None, sizes, None, 8) == (64, 64)
+    assert specs["qwen_image"].output_size(None, 48, [], (80, 64), 8) == (80, 48)
+    assert specs["qwen_image"].output_size(None, None, [], None, 8) == (1024, 1024)

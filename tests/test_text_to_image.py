@@ -1,0 +1,228 @@
+"""Text-to-image Qwen-Image (model=tiny_t2i): a data set without control images, a cache without control
+entries, training, and inference equal to diffusers' QwenImagePipeline (also for a folder qie did not build)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from qie.components.tiny import SCHEDULER_CONFIG, system_prefix
+from qie.config import compose
+from qie.data.keys import sample_keys
+from qie.data.samples import scan_dataset
+from qie.errors import ConfigError
+from qie.models import model_spec
+from qie.stages import infer, precompute
+from qie.stages import train as train_stage
+from qie.stages.common import build_encoder, build_source, file_hasher, model_key_context
+from qie.stages.infer import build_predictor
+
+PROMPTS = ["a red circle on a blue ground", "a green square", "two yellow stripes", "a white cat"]
+NEGATIVE = "blurry and dark"
+TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7"]
+SAMPLING = ["predict.num_inference_steps=2", "predict.true_cfg_scale=4.0", f"predict.negative_prompt={NEGATIVE}"]
+
+
+def _write_image(path: Path, width: int, height: int, seed: int) -> Path:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def t2i_folder(root: Path) -> Path:
+    """training_images/ only: two 64x64 targets and two wide ones (two buckets of two)."""
+    for i, prompt in enumerate(PROMPTS):
+        _write_image(root / "training_images" / f"s{i}.png", 64 if i < 2 else 128, 64, seed=i)
+        (root / "training_images" / f"s{i}.txt").write_text(prompt, encoding="utf-8")
+    return root
+
+
+def _pipeline(path: Path) -> QwenImagePipeline:
+    pipe = QwenImagePipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _reference(pipe: QwenImagePipeline, prompt: str, seed: int, output_type: str = "np", **kw):
+    kw = {"negative_prompt": NEGATIVE, "true_cfg_scale": 4.0, **kw}
+    out = pipe(prompt=prompt, num_inference_steps=2, generator=torch.Generator().manual_seed(seed),
+               output_type=output_type, **kw)  # fmt: skip
+    return out.images
+
+
+@pytest.fixture(scope="module")
+def data(tiny_t2i_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("t2i")
+    folder = t2i_folder(root / "data")
+    base = ["model=tiny_t2i", f"data.path={folder}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
+    summary = precompute.run(compose("precompute", base[:3]), root / "precompute")
+    return {"root": root, "base": base, "summary": summary, "tiny": tiny_t2i_path}
+
+
+def train(data: dict, overrides: list[str], run_dir: Path) -> dict:
+    return train_stage.run(compose("train", data["base"] + overrides), run_dir)
+
+
+@pytest.fixture(scope="module")
+def cached_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("t2i_cached")
+    validation = ["validation.every=4", "validation.num_inference_steps=2", "logging.log_images_count=2"]
+    return {"dir": run_dir, "result": train(data, TRAINING + validation, run_dir)}
+
+
+def test_the_tiny_model_is_a_text_to_image_pipeline(tiny_t2i_path: Path) -> None:
+    index = json.loads((tiny_t2i_path / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImagePipeline" and "processor" not in index
+    assert not (tiny_t2i_path / "processor").exists()
+    tokenizer = Qwen2Tokenizer.from_pretrained(tiny_t2i_path / "tokenizer")
+    prefix, drop_idx = system_prefix(QwenImagePipeline)
+    assert drop_idx == 34 and len(tokenizer(prefix)["input_ids"]) == 34
+    pipe = _pipeline(tiny_t2i_path)
+    spec = model_spec(compose("infer", ["model=tiny_t2i"]).model)
+    assert spec.default_size(pipe.vae_scale_factor) == (pipe.default_sample_size * pipe.vae_scale_factor,) * 2
+
+
+def test_the_encoder_builds_no_processor_and_encodes_as_the_pipeline(data: dict) -> None:
+    encoder = build_encoder(compose("precompute", ["model=tiny_t2i"]))
+    assert sorted(encoder.parts.built()) == ["text_encoder", "tokenizer", "vae"]
+    pipe = _pipeline(data["tiny"])
+    with torch.no_grad():
+        expected = [pipe.encode_prompt(p, device=torch.device("cpu"))[0][0] for p in PROMPTS]
+    for got, want in zip(encoder.encode_prompts(PROMPTS, [[]] * len(PROMPTS)), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="text-to-image and takes none"):
+        encoder.encode_prompts(["x"], [[Image.new("RGB", (64, 64))]])
+
+
+def test_precompute_writes_no_control_entries(data: dict) -> None:
+    types = data["summary"].types
+    assert (types["pixel_latent"].new, types["prompt_embed"].new, types["prompt_embeds_mask"].new) == (4, 4, 4)
+    # Without control images every sample's empty prompt is the same text: stored once.
+    assert (types["empty_prompt_embed"].new, types["empty_prompt_embed"].skipped) == (1, 3)
+    assert (types["control_latent"].new, types["control_latent"].skipped, types["control_latent"].failed) == (0, 0, 0)
+    cache = data["root"] / "cache"
+    assert not list((cache / "control_latent").rglob("*.safetensors"))
+    assert len(list((cache / "pixel_latent").rglob("*.safetensors"))) == 4
+    # The stored prompt embeddings are the pipeline's (encoded in one batch: equal up to padding's rounding).
+    cfg = compose("train", data["base"])
+    samples = scan_dataset(cfg.data.path).samples
+    assert all(s.controls == () for s in samples)
+    source = build_source(cfg, mode="cached")
+    pipe = _pipeline(data["tiny"])
+    for sample, item in zip(samples, source.get(samples)):
+        with torch.no_grad():
+            want = pipe.encode_prompt(sample.prompt, device=torch.device("cpu"))[0][0]
+        assert item.control_latents == ()
+        torch.testing.assert_close(item.prompt_embed, want, atol=1e-5, rtol=0)
+        assert "control_latent" not in sample_keys(sample, model_key_context(cfg), file_hasher(cfg))
+
+
+def test_cached_and_live_training_give_the_same_losses(data: dict, cached_run: dict, tmp_path: Path) -> None:
+    live = train(data, TRAINING + ["cache=none", "logging.report_to=none"], tmp_path / "live")
+    expected = cached_run["result"]["losses"]
+    assert len(expected) == 4 and all(np.isfinite(expected))
+    np.testing.assert_allclose(live["losses"], expected, rtol=0, atol=1e-6)
+
+
+def test_validation_samples_at_the_targets_size(cached_run: dict) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(cached_run["dir"] / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    (image,) = events.Images("validation")
+    assert (image.step, image.width, image.height) == (4, 2 * 64, 64)  # s0 and s1, 64x64 targets
+
+
+def test_lora_round_trip_through_diffusers(data: dict, cached_run: dict) -> None:
+    lora = Path(cached_run["result"]["lora"])
+    cfg = compose("infer", ["model=tiny_t2i", *SAMPLING, f"predict.lora={lora.parent}"])
+    options = dict(negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=2, seed=1, height=64, width=64)
+    mine = build_predictor(cfg).predict(None, PROMPTS[0], output_type="np", **options)
+    pipe = _pipeline(data["tiny"])
+    base = _reference(pipe, PROMPTS[0], 1, height=64, width=64)
+    pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+    assert len([k for k in pipe.transformer.state_dict() if "lora_" in k]) == len(load_file(lora))
+    ref = _reference(pipe, PROMPTS[0], 1, height=64, width=64)
+    assert np.abs(mine - ref).max() <= 1e-5
+    assert np.abs(ref - base).max() > 1e-6  # the trained LoRA changes the image
+
+
+def test_infer_run_equals_the_pipeline_with_cfg_and_a_negative_prompt(data: dict, tmp_path: Path) -> None:
+    overrides = ["model=tiny_t2i", *SAMPLING, f"predict.prompt={PROMPTS[1]}", "predict.seed=3",
+                 "predict.height=64", "predict.width=96", "predict.output=t2i.png"]  # fmt: skip
+    (written,) = infer.run(compose("infer", overrides), tmp_path)
+    pipe = _pipeline(data["tiny"])
+    (ref,) = _reference(pipe, PROMPTS[1], 3, output_type="pil", height=64, width=96)
+    assert np.array_equal(np.asarray(Image.open(written)), np.asarray(ref))
+    mine = build_predictor(compose("infer", overrides)).predict(
+        [], PROMPTS[1], negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=2, seed=3,
+        height=64, width=96, output_type="np",
+    )  # fmt: skip
+    assert mine.shape == (1, 64, 96, 3)
+    assert np.abs(mine - _reference(pipe, PROMPTS[1], 3, height=64, width=96)).max() <= 1e-5
+    other_negative = _reference(pipe, PROMPTS[1], 3, height=64, width=96, negative_prompt="")
+    assert np.abs(mine - other_negative).max() > 1e-3  # the negative prompt is used
+    image = _write_image(tmp_path / "in.png", 64, 64, 9)
+    with pytest.raises(ConfigError, match="text-to-image and takes none"):
+        infer.run(compose("infer", [*overrides, f"predict.image={image}"]), tmp_path)
+
+
+def _foreign_t2i_folder(tokenizer_from: Path, out: Path) -> Path:
+    """A QwenImagePipeline of other sizes than qie's tiny preset, built and saved by diffusers alone."""
+    tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_from / "tokenizer")
+    pad, image_pad = tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    text = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 48,
+                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                     "bos_token_id": pad, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                       "out_hidden_size": 32, "fullatt_block_indexes": [0]},
+        image_token_id=image_pad,
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+    )  # fmt: skip
+    torch.manual_seed(11)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        vae=AutoencoderKLQwenImage(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                                   temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                   latents_std=[0.9, 1.1, 1.3, 0.7]),
+        text_encoder=Qwen2_5_VLForConditionalGeneration(text).eval(),
+        tokenizer=tokenizer,
+        transformer=QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                                attention_head_dim=8, num_attention_heads=2,
+                                                joint_attention_dim=32, axes_dims_rope=(2, 2, 4)),
+    )  # fmt: skip
+    pipe.save_pretrained(out)
+    return out
+
+
+def test_a_folder_qie_did_not_build_runs_through_the_same_stages(data: dict, tmp_path: Path) -> None:
+    folder = _foreign_t2i_folder(data["tiny"], tmp_path / "foreign")
+    model = ["model=tiny_t2i", "model.tiny=null", f"model.pretrained_model_name_or_path={folder}"]
+    mine = build_predictor(compose("infer", model)).predict(
+        None, PROMPTS[2], negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=2, seed=5,
+        height=64, width=64, output_type="np",
+    )  # fmt: skip
+    assert np.abs(mine - _reference(_pipeline(folder), PROMPTS[2], 5, height=64, width=64)).max() <= 1e-5
+    base = [*model, f"data.path={data['root'] / 'data'}", f"cache.dir={tmp_path / 'cache'}", "data.num_workers=0"]
+    summary = precompute.run(compose("precompute", base[:5]), tmp_path / "pre")
+    assert summary.types["prompt_embed"].new == 4 and summary.types["control_latent"].new == 0
+    short = ["train.max_steps=2", "data.batch_size=2", "logging.report_to=none"]
+    cached = train_stage.run(compose("train", base + short), tmp_path / "cached")
+    live = train_stage.run(compose("train", base + short + ["cache=none"]), tmp_path / "live")
+    np.testing.assert_allclose(live["losses"], cached["losses"], rtol=0, atol=1e-6)
