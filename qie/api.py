@@ -147,11 +147,11 @@ class Trainer:
 
     def predict(
         self,
-        image: Image.Image | str | Path | Sequence[Image.Image | str | Path],
+        image: Image.Image | str | Path | Sequence[Image.Image | str | Path] | None,
         prompt: str,
         **options: Any,
     ) -> Image.Image | list[Image.Image]:
-        """Edit `image` (a list of images for Edit-Plus) as `python -m qie.infer` would.
+        """Edit `image` (a list of images for Edit-Plus; None for text to image) as `python -m qie.infer` would.
 
         Args:
             options: SamplingOptions fields (negative_prompt, true_cfg_scale, num_inference_steps, seed,
@@ -162,7 +162,7 @@ class Trainer:
         """
         from qie.stages.common import sampling_options
 
-        images = list(image) if isinstance(image, (list, tuple)) else [image]
+        images = list(image) if isinstance(image, (list, tuple)) else ([] if image is None else [image])
         out = self.setup_predict().predict(images, prompt, sampling_options(self.cfg.predict, **options))
         return out if len(images) > 1 else out[0]
 
