@@ -132,3 +132,20 @@ def test_model_descriptions_come_from_the_yaml() -> None:
     assert specs["qwen_image_edit_plus"].output_size(None, None, sizes, None, 8) == (64, 64)
     assert specs["qwen_image"].output_size(None, 48, [], (80, 64), 8) == (80, 48)
     assert specs["qwen_image"].output_size(None, None, [], None, 8) == (1024, 1024)
+
+
+def test_validation_inputs_follow_the_models_control_counts() -> None:
+    from qie.stages.validation import validation_samples
+
+    t2i = compose("train", ["model=tiny_t2i", "validation.prompts=[a cat,a dog]"])
+    chosen = validation_samples(t2i.validation, [], 2, model_spec(t2i.model))
+    assert [(s.id, s.controls, s.prompt) for s in chosen] == [
+        ("validation_0", (), "a cat"),
+        ("validation_1", (), "a dog"),
+    ]
+    edit = compose("train", ["model=tiny", "validation.prompts=[a cat]"])
+    with pytest.raises(ConfigError, match=r"validation.prompts\[0\].*needs at least 1"):
+        validation_samples(edit.validation, [], 2, model_spec(edit.model))
+    with pytest.raises(ConfigError, match="takes none"):
+        validation_samples(compose("train", ["model=tiny_t2i", "validation.prompts=[a]", "validation.images=[x.png]"])
+                           .validation, [], 2, model_spec(t2i.model))  # fmt: skip

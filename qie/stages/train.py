@@ -240,7 +240,7 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
         num_inference_steps=v.num_inference_steps, seed=v.seed,
     )  # fmt: skip
     vae = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}).vae
-    chosen = validation_samples(v, samples, int(cfg.logging.log_images_count))
+    chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), model_spec(cfg.model))
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
     validator = Validator(inputs, negatives, scheduler, vae, logger, options, model_spec(cfg.model))
     every = int(v.every)

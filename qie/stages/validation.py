@@ -17,29 +17,33 @@ from omegaconf import DictConfig
 from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError
+from qie.models import ModelSpec
 from qie.types import SampleEmbeddings
 
 
-def validation_samples(v: DictConfig, training: list[Sample], count: int) -> list[Sample]:
+def validation_samples(v: DictConfig, training: list[Sample], count: int, spec: ModelSpec) -> list[Sample]:
     """`validation.images` with `validation.prompts` (an Edit-Plus entry joins its images with '|'; no
     images for text to image), or, when none are given, the first `count` training samples. Those keep
     their target only when they have no control image: its size is then the output size.
 
     Raises:
-        ConfigError: images given, but not one entry per prompt.
+        ConfigError: images given, but not one entry per prompt, or a number of images the model does not take.
     """
-    if v.prompts:
-        images = list(v.images) or [""] * len(v.prompts)
-        if len(images) != len(v.prompts):
-            raise ConfigError(
-                f"validation.images has {len(v.images)} entries and validation.prompts {len(v.prompts)}: "
-                "give one image (or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image"
-            )
-        return [
-            Sample(f"validation_{i}", None, tuple(Path(p) for p in str(img).split("|") if p), str(prompt))
-            for i, (img, prompt) in enumerate(zip(images, v.prompts))
-        ]
-    return [Sample(s.id, None if s.controls else s.target, s.controls, s.prompt) for s in training[:count]]
+    if not v.prompts:
+        return [Sample(s.id, None if s.controls else s.target, s.controls, s.prompt) for s in training[:count]]
+    images = list(v.images) or [""] * len(v.prompts)
+    if len(images) != len(v.prompts):
+        raise ConfigError(
+            f"validation.images has {len(v.images)} entries and validation.prompts {len(v.prompts)}: "
+            "give one image (or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image"
+        )
+    chosen = []
+    for i, (image, prompt) in enumerate(zip(images, v.prompts)):
+        controls = tuple(Path(p) for p in str(image).split("|") if p)
+        if problem := spec.control_problem(len(controls)):
+            raise ConfigError(f"validation.prompts[{i}] comes with {problem}")
+        chosen.append(Sample(f"validation_{i}", None, controls, str(prompt)))
+    return chosen
 
 
 def validation_inputs(
