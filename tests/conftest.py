@@ -41,3 +41,44 @@ def tiny_t2i_path(qie_home: Path) -> Path:
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
 
     return ensure_tiny_model(default_tiny_path("t2i"), "t2i")
+
+
+@pytest.fixture(scope="session")
+def foreign_parts():
+    """Builds pipeline parts of other sizes than qie's tiny presets, with diffusers' and transformers' own
+    classes: for folders qie did not build (`Pipeline(tokenizer=..., **parts).save_pretrained(dir)`)."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from qie.components.tiny import SCHEDULER_CONFIG
+
+    def build(tokenizer, **transformer) -> dict:
+        pad = tokenizer.pad_token_id
+        text = Qwen2_5_VLConfig(
+            text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 48,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                         "bos_token_id": pad, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}},
+            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                           "out_hidden_size": 32, "fullatt_block_indexes": [0]},
+            image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+            vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+            vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(11)
+            return {
+                "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+                "vae": AutoencoderKLQwenImage(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                                              temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                              latents_std=[0.9, 1.1, 1.3, 0.7]),
+                "text_encoder": Qwen2_5_VLForConditionalGeneration(text).eval(),
+                "transformer": QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                                           attention_head_dim=8, num_attention_heads=2,
+                                                           joint_attention_dim=32, axes_dims_rope=(2, 2, 4),
+                                                           **transformer),
+            }  # fmt: skip
+
+    return build

@@ -19,6 +19,7 @@ from qie.config import compose
 from qie.data.buckets import bucket_keys
 from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
+from qie.errors import ConfigError
 from qie.stages import infer, precompute
 from qie.stages import train as train_stage
 from qie.stages.common import build_source, file_hasher, model_key_context
@@ -189,3 +190,16 @@ def test_an_edit_model_without_an_image_samples_from_the_text_only_prompt(tiny_2
                num_inference_steps=2, generator=torch.Generator().manual_seed(4), output_type="np").images  # fmt: skip
     assert mine.shape == (1, 64, 96, 3)
     assert np.abs(mine - ref).max() <= 1e-5
+
+
+@pytest.mark.usefixtures("small_conditions")
+def test_a_2511_folder_qie_did_not_build(tiny_2511_path: Path, foreign_parts, images: list[Path], tmp_path) -> None:
+    """An Edit-2511 pipeline of other sizes than qie's tiny preset, built and saved by diffusers alone."""
+    processor = load_processor(tiny_2511_path)
+    parts = foreign_parts(processor.tokenizer, zero_cond_t=True)
+    QwenImageEditPlusPipeline(tokenizer=processor.tokenizer, processor=processor, **parts).save_pretrained(tmp_path)
+    model = ["model=tiny_edit_2511", "model.tiny=null", f"model.pretrained_model_name_or_path={tmp_path}"]
+    mine = build_predictor(compose("infer", model)).predict(images, PROMPT, output_type="np", **SAMPLING)
+    assert np.abs(mine - _reference(_pipeline(tmp_path), images)).max() <= 1e-5
+    with pytest.raises(ConfigError, match="use model=qwen_image_edit_2511 or model=tiny_edit_2511"):
+        build_predictor(compose("infer", [*model, "model=tiny_plus"]))

@@ -9,17 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-)
+from diffusers import QwenImagePipeline
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from transformers import Qwen2Tokenizer
 
-from qie.components.tiny import SCHEDULER_CONFIG, system_prefix
+from qie.components.tiny import system_prefix
 from qie.config import compose
 from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
@@ -181,38 +176,11 @@ def test_infer_run_equals_the_pipeline_with_cfg_and_a_negative_prompt(data: dict
         infer.run(compose("infer", [*overrides, f"predict.image={image}"]), tmp_path)
 
 
-def _foreign_t2i_folder(tokenizer_from: Path, out: Path) -> Path:
+def test_a_folder_qie_did_not_build_runs_through_the_same_stages(data: dict, foreign_parts, tmp_path: Path) -> None:
     """A QwenImagePipeline of other sizes than qie's tiny preset, built and saved by diffusers alone."""
-    tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_from / "tokenizer")
-    pad, image_pad = tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    text = Qwen2_5_VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 48,
-                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-                     "bos_token_id": pad, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-                       "out_hidden_size": 32, "fullatt_block_indexes": [0]},
-        image_token_id=image_pad,
-        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-    )  # fmt: skip
-    torch.manual_seed(11)
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-        vae=AutoencoderKLQwenImage(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
-                                   temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
-                                   latents_std=[0.9, 1.1, 1.3, 0.7]),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(text).eval(),
-        tokenizer=tokenizer,
-        transformer=QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
-                                                attention_head_dim=8, num_attention_heads=2,
-                                                joint_attention_dim=32, axes_dims_rope=(2, 2, 4)),
-    )  # fmt: skip
-    pipe.save_pretrained(out)
-    return out
-
-
-def test_a_folder_qie_did_not_build_runs_through_the_same_stages(data: dict, tmp_path: Path) -> None:
-    folder = _foreign_t2i_folder(data["tiny"], tmp_path / "foreign")
+    tokenizer = Qwen2Tokenizer.from_pretrained(data["tiny"] / "tokenizer")
+    folder = tmp_path / "foreign"
+    QwenImagePipeline(tokenizer=tokenizer, **foreign_parts(tokenizer)).save_pretrained(folder)
     model = ["model=tiny_t2i", "model.tiny=null", f"model.pretrained_model_name_or_path={folder}"]
     mine = build_predictor(compose("infer", model)).predict(
         None, PROMPTS[2], negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=2, seed=5,

@@ -45,9 +45,7 @@ def tiny_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_condition_images(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep the pipelines from resizing the condition images to ~1 MP."""
     full = pipeline_qwenimage_edit.calculate_dimensions
-    monkeypatch.setattr(
-        pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: full(64 * 64, ratio)
-    )
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: full(64 * 64, ratio))
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 64 * 64)
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
 
