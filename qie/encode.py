@@ -112,13 +112,14 @@ class Encoder:
                 f"{next((b for b in bad if b), '')}"
             )
         device = self.parts.text_encoder.device
+        if self.spec.family.prompt_images == "one":  # Edit: one image per prompt, one batch
+            return self._encode(list(prompts), [imgs[0] for imgs in images], device)
         out: list[torch.Tensor | None] = [None] * len(prompts)
-        batched = [i for i, n in enumerate(counts) if n == 0 or self.spec.family.prompt_images == "one"]
-        if batched:
-            one = [images[i][0] for i in batched] if counts[batched[0]] else None
-            for i, embed in zip(batched, self._encode([prompts[i] for i in batched], one, device)):
+        text_only = [i for i, n in enumerate(counts) if n == 0]
+        if text_only:
+            for i, embed in zip(text_only, self._encode([prompts[i] for i in text_only], None, device)):
                 out[i] = embed
-        for i in (i for i, n in enumerate(counts) if out[i] is None):
+        for i in (i for i, n in enumerate(counts) if n):
             (out[i],) = self._encode([prompts[i]], list(images[i]), device)
         return out  # type: ignore[return-value]
 

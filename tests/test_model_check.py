@@ -149,3 +149,18 @@ def test_validation_inputs_follow_the_models_control_counts() -> None:
     with pytest.raises(ConfigError, match="takes none"):
         validation_samples(compose("train", ["model=tiny_t2i", "validation.prompts=[a]", "validation.images=[x.png]"])
                            .validation, [], 2, model_spec(t2i.model))  # fmt: skip
+
+
+def test_channel_counts_are_checked() -> None:
+    from qie.models import CheckpointFacts
+
+    spec = model_spec(compose("infer", ["model=qwen_image_edit_2511"]).model)
+    real = CheckpointFacts("QwenImageEditPlusPipeline", True, patch_size=2, in_channels=64, out_channels=16,
+                           latent_channels=16)  # fmt: skip
+    assert spec.mismatches(real) == []
+    # Patch-1 transformers on 64-channel latents (as Qwen-Image-2.1 is built) are not this family.
+    (problem,) = spec.mismatches(CheckpointFacts("QwenImageEditPlusPipeline", True, 1, 64, 64, 64))
+    assert "patch 1, in/out channels 64/64" in problem and "expects 2x2 patches" in problem
+    # A transformer that takes channels beside the packed latents (in != 4 x out) does not fit either.
+    assert spec.mismatches(CheckpointFacts("QwenImageEditPlusPipeline", True, 2, 68, 16, 16))
+    assert spec.mismatches(CheckpointFacts("QwenImageEditPlusPipeline", True, 2, 64, 16, 8))  # VAE of 8 channels
