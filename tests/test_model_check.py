@@ -11,7 +11,7 @@ import pytest
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qie.components import model_source
+from qie.components import check, model_source
 from qie.config import compose
 from qie.errors import ConfigError
 from qie.models import model_spec
@@ -102,9 +102,11 @@ def test_a_hub_id_is_checked_from_its_json_files_alone(monkeypatch: pytest.Monke
         return str(tiny_t2i_path)  # the "hub" holds a text-to-image model
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    check._hub_text.cache_clear()  # hub files are read once per process
     with pytest.raises(ConfigError, match="Qwen/Qwen-Image-Edit-2511.*QwenImagePipeline"):
         model_source(compose("infer", ["model=qwen_image_edit_2511"]).model)
     assert asked and all(p.endswith(".json") for patterns in asked for p in patterns)
+    check._hub_text.cache_clear()
 
 
 def test_model_descriptions_come_from_the_yaml() -> None:

@@ -8,6 +8,8 @@ transformer and VAE configs; for a hub id those alone are fetched) and fails bef
 from __future__ import annotations
 
 import json
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from qie.components.fingerprint import config_file
@@ -56,8 +58,23 @@ def check_checkpoint(model_cfg: Any, source: str) -> None:
 
 
 def _read_json(source: str, relative: str, revision: str | None) -> dict:
+    # A local folder is read each time (it may change within a process); a hub snapshot is fetched once.
+    text = _read_text(source, relative, revision) if Path(source).is_dir() else _hub_text(source, relative, revision)
+    try:
+        data = json.loads(text or "{}")
+    except ValueError:  # a broken file: loading the part will say what is wrong
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@lru_cache(maxsize=64)
+def _hub_text(source: str, relative: str, revision: str | None) -> str | None:
+    return _read_text(source, relative, revision)
+
+
+def _read_text(source: str, relative: str, revision: str | None) -> str | None:
     try:
         path = config_file(source, relative, revision)
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):  # unreachable hub or broken file: loading the part will say what is wrong
-        return {}
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    except (OSError, ValueError):  # an unreachable hub: loading the part will say what is wrong
+        return None
