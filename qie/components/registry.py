@@ -1,11 +1,13 @@
 """The component registry: a name per pipeline part, and how to build each from a hub id or folder.
 
 A stage asks for the parts it needs and gets only those; each part is placed on its own device and
-dtype once, here, when it is built.
+dtype once, here, when it is built. Each part built is logged (DEBUG, logger `qie.components.registry`,
+the part's name in the record's `part` attribute), so a tool can see what a stage builds.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -13,6 +15,8 @@ from typing import Any
 import torch
 
 from qie.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger(__name__)
 
 PART_NAMES = ("vae", "text_encoder", "tokenizer", "processor", "transformer", "scheduler")
 # Parts that hold weights; the others have no device or dtype.
@@ -76,9 +80,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 def _load_vae(source: str, revision: str | None, dtype: torch.dtype) -> Any:
     from diffusers import AutoencoderKLQwenImage
 
-    return AutoencoderKLQwenImage.from_pretrained(
-        source, subfolder="vae", revision=revision, torch_dtype=dtype
-    )
+    return AutoencoderKLQwenImage.from_pretrained(source, subfolder="vae", revision=revision, torch_dtype=dtype)
 
 
 def _load_text_encoder(source: str, revision: str | None, dtype: torch.dtype) -> Any:
@@ -172,4 +174,5 @@ def build_parts(
                 quantize_transformer(part, quantize)
             part.to(place.device)
         setattr(parts, name, part)
+        log.debug("built the %s of %s", name, source, extra={"part": name})
     return parts

@@ -155,6 +155,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"unknown key {name}.{extra[0]}: valid keys of {name!r} are {', '.join(sorted(allowed))}")
     _check_range(cfg, "data.caption_dropout_rate", 0.0, 1.0)
     _check_range(cfg, "data.batch_size", 1, None)
+    _check_range(cfg, "data.num_workers", 0, None)
+    _check_range(cfg, "data.prefetch", 0, None)
     _check_range(cfg, "train.max_steps", 0, None)
     _check_range(cfg, "train.gradient_accumulation_steps", 1, None)
     _check_range(cfg, "train.learning_rate", 0.0, None)

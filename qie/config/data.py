@@ -29,4 +29,6 @@ class DataConfig:
     caption_dropout_rate: float = 0.0
     batch_size: int = 1
     num_workers: int = 2
+    # Batches a background thread of the training process keeps ready (cached sources only; 0: no thread).
+    prefetch: int = 4
     shuffle: bool = True

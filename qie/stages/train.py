@@ -23,11 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 from qie.components import load_parts, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.samples import DataProblem, Sample, scan_dataset
+from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec, model_spec
 from qie.stages.common import build_source, precompute_command, value
 from qie.training import checkpoint as ckpt
-from qie.training.batches import PREFETCH_BATCHES, EmbeddingDataset, make_loader, raise_failures
+from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.modes import FullMode, LoraMode, TrainMode
@@ -69,8 +70,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
 
     dataset = EmbeddingDataset(samples, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed))
-    # Encoders may sit on a GPU, which forked workers cannot use: only cache reads go to workers.
-    workers, prefetch = (0, 0) if source.encodes else (int(cfg.data.num_workers), PREFETCH_BATCHES)
+    workers, prefetch = loader_settings(cfg.data, source)
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
                            OmegaConf.to_container(cfg, resolve=True))  # fmt: skip
@@ -127,6 +127,13 @@ def load_samples(data: DictConfig, spec: ModelSpec, report: bool) -> list[Sample
     for p in problems[:5] if report else []:
         print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
     return samples
+
+
+def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
+    """(worker processes, prefetched batches) of the training loader: `data.num_workers` and `data.prefetch`
+    for a source that only reads, none for one that encodes (encoders may sit on a GPU, which forked
+    workers cannot use, and are not run ahead of the step)."""
+    return (0, 0) if source.encodes else (int(data.num_workers), int(data.prefetch))
 
 
 def train_mode(train: DictConfig) -> TrainMode:

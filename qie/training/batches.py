@@ -72,24 +72,20 @@ def _exit_quietly(signum: int, frame: object) -> None:
     os._exit(0)
 
 
-# Batches a background thread of the training process keeps ready (cached sources only; 0 turns it off).
-PREFETCH_BATCHES = 4
-
-
 def make_loader(
     dataset: EmbeddingDataset,
     sampler: Iterable[tuple[int, list[int]]],
     num_workers: int,
     seed: int,
-    prefetch: int = PREFETCH_BATCHES,
+    prefetch: int = 0,
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over `sampler`'s (number, indices) items, one Batch each.
 
     It has its own generator, so creating its iterator draws nothing from the global RNG that a resumed
-    run restores (LoRA dropout draws from that). For a cached source its iterator also runs in a
-    background thread, `PREFETCH_BATCHES` ahead: taking a batch from a worker (unpickling, receiving its
-    shared-memory tensors) or reading it (num_workers=0) then overlaps the training step instead of
-    stalling it. Order and content of the stream are unchanged.
+    run restores (LoRA dropout draws from that). With `prefetch` > 0 its iterator runs in a background
+    thread, that many batches ahead: taking a batch from a worker (unpickling, receiving its shared-memory
+    tensors) or reading it (num_workers=0) then overlaps the training step instead of stalling it. Order
+    and content of the stream are unchanged. (The train stage prefetches for sources that only read.)
     """
     loader = (_PrefetchingLoader if prefetch > 0 else torch.utils.data.DataLoader)(
         dataset,

@@ -60,7 +60,8 @@ class StepInfo:
     step: int
     batch: Batch  # the last batch of the step
     loss: float  # mean over processes
-    seconds: float  # wall time of the step
+    seconds: float  # wall time of the step, data wait included
+    data_seconds: float = 0.0  # time this process waited for the step's batches
 
 
 def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
@@ -73,9 +74,7 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
     return g
 
 
-def noise_and_sigmas(
-    batch: Batch, sigmas: SigmaSampling, g: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def noise_and_sigmas(batch: Batch, sigmas: SigmaSampling, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     latents = batch.latents
     noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
     tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
@@ -136,7 +135,7 @@ def fit(
         while step < settings.max_steps and not stopping:
             t0 = time.perf_counter()
             try:
-                loss, grad_norm, batch, consumed = _optimizer_step(state, stream, settings)
+                loss, grad_norm, batch, consumed, waited = _optimizer_step(state, stream, settings)
             except Exception as e:
                 if stop.received is None:
                     raise
@@ -166,7 +165,7 @@ def fit(
                 }
                 logger.log(step, metrics)
             if on_step_end is not None:
-                on_step_end(StepInfo(step, batch, mean_loss, seconds))
+                on_step_end(StepInfo(step, batch, mean_loss, seconds, waited))
             if save_checkpoint and settings.checkpoint_every and step % settings.checkpoint_every == 0:
                 save_checkpoint(step, consumed)
                 saved_at = step
@@ -177,18 +176,21 @@ def fit(
 
 def _optimizer_step(
     state: TrainState, stream: Iterator[tuple[int, Batch]], settings: LoopSettings
-) -> tuple[float, torch.Tensor | None, Batch, int]:
+) -> tuple[float, torch.Tensor | None, Batch, int, float]:
     """One optimizer step over `gradient_accumulation_steps` batches.
 
     Returns:
-        (mean loss of the window on this process, grad norm before clipping, last batch, batches consumed).
+        (mean loss of the window on this process, grad norm before clipping, last batch, batches consumed,
+        seconds spent waiting for the batches).
     """
     accelerator, model = state.accelerator, state.model
     model.train()
-    window_loss, grad_norm = 0.0, None
+    window_loss, grad_norm, waited = 0.0, None, 0.0
     micro_steps = accelerator.gradient_accumulation_steps
     for _ in range(micro_steps):
+        t0 = time.perf_counter()
         number, batch = next(stream)
+        waited += time.perf_counter() - t0
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
@@ -205,4 +207,4 @@ def _optimizer_step(
                 state.lr_scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
         window_loss += loss.detach().float().item() / micro_steps
-    return window_loss, grad_norm, batch, number + 1
+    return window_loss, grad_norm, batch, number + 1, waited
