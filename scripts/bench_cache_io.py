@@ -35,9 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import fmt_bytes, header, median, table, target_line  # noqa: E402
 
-import qie.cache.ssd as ssd_module  # noqa: E402
+from qie.cache.base import decode  # noqa: E402
 from qie.cache.keys import entry_key  # noqa: E402
-from qie.cache.ssd import SsdBackend  # noqa: E402
+from qie.cache.ssd import MMAP_MIN_BYTES, SsdBackend, read_file  # noqa: E402
 
 
 def sample_tensors(i: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict[str, torch.Tensor]]:
@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ssd-read",
         choices=["auto", "read"],
         default="auto",
-        help="auto: the backend as shipped (maps files >= MMAP_MIN_BYTES); read: always read() (the old path)",
+        help="auto: SsdBackend.get as shipped (maps files >= MMAP_MIN_BYTES); read: the entry files read() "
+        "whole and decoded as get decodes them (the read path before mapping)",
     )
     p.add_argument("--dir", default=None, help="work folder (default: a temp folder, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
@@ -125,10 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
     if args.ssd_read == "read":
-        ssd_module.MMAP_MIN_BYTES = 1 << 62
-        print("ssd backend reads every file into memory (--ssd-read read: the read path before mapping)")
+        print("ssd entries read() whole into memory and decoded (--ssd-read read: the read path before mapping)")
     else:
-        print(f"ssd backend maps files of >= {fmt_bytes(ssd_module.MMAP_MIN_BYTES)}, reads smaller ones")
+        print(f"ssd backend maps files of >= {fmt_bytes(MMAP_MIN_BYTES)}, reads smaller ones")
     backend = SsdBackend(work / "ssd")
     pt_root = work / "pt"
     g = torch.Generator().manual_seed(0)
@@ -151,10 +151,15 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     print(f"wrote {args.samples} samples x 6 types in each format in {time.perf_counter() - t0:.1f} s")
     raw_files = [[str(backend.path(t, k)) for t, k in keys] for keys in ssd_keys]
 
+    def get(t: str, k: str) -> dict[str, torch.Tensor]:
+        if args.ssd_read == "read":
+            return decode(read_file(backend.path(t, k)), t)
+        return backend.get(t, k)
+
     def read_ssd(use) -> None:
         for keys in ssd_keys:
             for t, k in keys:
-                entry = backend.get(t, k)
+                entry = get(t, k)
                 if use:
                     for x in entry.values():
                         use(x)
@@ -177,7 +182,8 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                         warnings.simplefilter("ignore")
                         use(torch.frombuffer(data, dtype=torch.uint8))
 
-    ssd, pt, raw = "ssd (SsdBackend.get)", ".pt fp16 (torch.load)", "raw (open().read())"
+    ssd = "ssd (SsdBackend.get)" if args.ssd_read == "auto" else "ssd (read() + decode)"
+    pt, raw = ".pt fp16 (torch.load)", "raw (open().read())"
     pt_mmap = ".pt fp16 (torch.load mmap=True) [info]"
     methods = {ssd: read_ssd, pt: read_pt, raw: read_raw, pt_mmap: lambda use: read_pt(use, mmap=True)}
     variants = [(name, use) for use in USES for name in methods]

@@ -1,10 +1,10 @@
 """Data wait as a share of a cached training step, measured through the real train stage.
 
 It writes a synthetic data set, fills the cache with the precompute stage (tiny model), then runs
-`qie.stages.train.run` in a fresh process per variant with `qie.stages.train.fit` wrapped so the stream
-of batches it is handed is timed: the time blocked in each `next()` (data wait) against the time from one
-`next()` to the next (one whole training step, wait included). The first `--warmup` steps (worker start,
-first-touch costs) are reported apart from the steady state the target is judged on.
+`qie.stages.train.run` in a fresh process per variant with an `on_step_end` hook that records each step's
+`StepInfo`: the time the loop waited for the step's batch (`data_seconds`) against the step's wall time
+(`seconds`, wait included). The first `--warmup` steps (worker start, first-touch costs) are reported apart
+from the steady state the target is judged on. `--prefetch-thread off` sets `data.prefetch=0`.
 
     python scripts/bench_data_wait.py --samples 32 --steps 100
     python scripts/bench_data_wait.py --workers 0 1 2 --repeats 2      # compare loader worker counts
@@ -45,53 +45,31 @@ def prepare(work: Path, samples: int, image_size: int) -> tuple[Path, Path]:
     return data, cache
 
 
-def child(args: argparse.Namespace) -> None:
-    """Run the train stage once with the batch stream timed; write the timings as JSON to args.out."""
-    import qie.stages.train as train_stage
-    import qie.training.batches as dataset_module
+def measure(overrides: list[str], run_dir: Path) -> dict:
+    """Run the train stage once in this process; per step, the data wait and the wall time (seconds)."""
     from qie.config import compose
-
-    if args.thread == "off":
-        dataset_module.PREFETCH_BATCHES = 0
+    from qie.stages import train
 
     waits: list[float] = []
-    starts: list[float] = []
-    calls = {"fit": 0}
-    real_fit = train_stage.fit
+    steps: list[float] = []
 
-    def timed(stream):
-        it = iter(stream)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            t1 = time.perf_counter()
-            starts.append(t0)
-            waits.append(t1 - t0)
-            yield item
+    def record(info) -> None:  # a qie.training.loop.StepInfo
+        waits.append(info.data_seconds)
+        steps.append(info.seconds)
 
-    def fit(accelerator, model, params, optimizer, lr_scheduler, batches, *rest, **kw):
-        calls["fit"] += 1
-        out = real_fit(accelerator, model, params, optimizer, lr_scheduler, timed(batches), *rest, **kw)
-        starts.append(time.perf_counter())  # end of the last step (its checkpoint save included)
-        return out
-
-    train_stage.fit = fit
-    cfg = compose("train", args.overrides)
+    cfg = compose("train", overrides)
     t0 = time.perf_counter()
-    train_stage.run(cfg, Path(args.run_dir))
-    total = time.perf_counter() - t0
-    if not calls["fit"]:
-        raise SystemExit("bench_data_wait: qie.stages.train.run did not call qie.stages.train.fit: update the script")
-    Path(args.out).write_text(json.dumps({"waits": waits, "starts": starts, "total": total}))
+    train.run(cfg, run_dir, on_step_end=record)
+    return {"waits": waits, "steps": steps, "total": time.perf_counter() - t0}
 
 
-def summarise(waits: list[float], starts: list[float], warmup: int) -> dict:
-    """Per-step wait and step time; the last interval (ending with the final checkpoint save) is left out."""
-    steps = [starts[i + 1] - starts[i] for i in range(len(starts) - 2)]
-    waits = waits[: len(steps)]
+def child(args: argparse.Namespace) -> None:
+    """Run `measure` for the overrides after `--`; write the timings as JSON to args.out."""
+    Path(args.out).write_text(json.dumps(measure(args.overrides, Path(args.run_dir))))
+
+
+def summarise(waits: list[float], steps: list[float], warmup: int) -> dict:
+    """Per-step wait and step time, the first `warmup` steps apart."""
     w, s = waits[warmup:], steps[warmup:]
     return {
         "steps": len(s),
@@ -122,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="+",
         choices=["on", "off"],
         default=["on"],
-        help="with / without the loader's background prefetch thread (qie.training.batches.PREFETCH_BATCHES)",
+        help="with (data.prefetch as configured) / without (data.prefetch=0) the loader's prefetch thread",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs per variant, interleaved (default 1)")
     p.add_argument("--threads", type=int, default=None, help="OMP/torch threads of the training process")
@@ -133,7 +111,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
-    p.add_argument("--thread", default="on", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         child(args)
@@ -168,16 +145,17 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                 f"data.batch_size={args.batch_size}",
                 "train.checkpoint_every=0",
                 *([f"data.num_workers={w}"] if w is not None else []),
+                *(["data.prefetch=0"] if thread == "off" else []),
                 *args.overrides,
             ]
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--run-dir", str(run_dir)]
-            cmd += ["--thread", thread, "--", *overrides]
+            cmd += ["--", *overrides]
             proc = subprocess.run(cmd, env=child_env(args.threads), capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
                 raise SystemExit(f"training run failed ({proc.returncode}): {' '.join(cmd)}")
             t = json.loads(out.read_text())
-            res = summarise(t["waits"], t["starts"], args.warmup)
+            res = summarise(t["waits"], t["steps"], args.warmup)
             res["total_s"] = t["total"]
             results[v].append(res)
 

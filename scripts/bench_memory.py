@@ -4,8 +4,8 @@ Each variant runs `qie.stages.train.run` in a fresh process, started by a fresh 
 `resource.getrusage(RUSAGE_CHILDREN).ru_maxrss` once its only child has exited: the peak RSS of the
 training process (or of a DataLoader worker, if one were larger). Inside the training process every
 constructed diffusers `ModelMixin` / transformers `PreTrainedModel` subclass is recorded, and every part
-the component registry builds, so the report shows that cached training never builds the text encoder or
-the VAE.
+the component registry reports building (its DEBUG log records), so the report shows that cached training
+never builds the text encoder or the VAE.
 
     python scripts/bench_memory.py --samples 16 --steps 20
 """
@@ -31,12 +31,13 @@ ENCODER_MARKERS = ("Qwen2_5_VL", "Qwen2VL", "AutoencoderKL")
 
 def child(args: argparse.Namespace) -> None:
     """Train once with constructor tracking; write what was built and this process's own peak RSS."""
+    import logging
+
     import diffusers
     import transformers
 
-    import qie.components.registry as registry
-    import qie.stages.train as train_stage
     from qie.config import compose
+    from qie.stages import train
 
     classes: dict[str, int] = {}
     parts: list[str] = []
@@ -51,17 +52,20 @@ def child(args: argparse.Namespace) -> None:
 
         base.__init__ = __init__
 
+    class BuiltParts(logging.Handler):
+        """Collects the parts the component registry reports building (its DEBUG records carry `part`)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if hasattr(record, "part"):
+                parts.append(record.part)
+
     track(diffusers.ModelMixin)
     track(transformers.PreTrainedModel)
-    for name, loader in list(registry.LOADERS.items()):
-
-        def load(*a, _name=name, _loader=loader, **kw):
-            parts.append(_name)
-            return _loader(*a, **kw)
-
-        registry.LOADERS[name] = load
+    registry_log = logging.getLogger("qie.components.registry")
+    registry_log.setLevel(logging.DEBUG)
+    registry_log.addHandler(BuiltParts())
     t0 = time.perf_counter()
-    train_stage.run(compose("train", args.overrides), Path(args.run_dir))
+    train.run(compose("train", args.overrides), Path(args.run_dir))
     out = {
         "classes": classes,
         "parts": parts,

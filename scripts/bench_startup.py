@@ -6,7 +6,8 @@ one .jsonl instead of the captions), computes every sample's real cache keys (`q
 with the tiny model's KeyContext and the FileHasher index kept in the cache folder, as precompute leaves
 it) and writes the four entry types training reads with `SsdBackend.put` (tiny tensors of the tiny model's
 shapes). Then, in a fresh process per size, it imports everything first and times `qie.stages.train.run`
-(train.max_steps=1) from its call to the end of the first optimizer step. `--profile` prints a cProfile
+(train.max_steps=1) from its call to the end of the first optimizer step, which the stage's `on_step_end`
+hook reports (its `StepInfo` also gives the step's time and its wait for the batch). `--profile` prints a cProfile
 of the largest size's start-up.
 
     python scripts/bench_startup.py --sizes 1000 10000 100000
@@ -143,51 +144,45 @@ def child(args: argparse.Namespace) -> None:
     import torch.utils.tensorboard  # noqa: F401
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageTransformer2DModel  # noqa: F401
 
-    import qie.stages.train as train_stage
-    from qie.config import compose
+    import qie.config  # noqa: F401
+    import qie.stages.train  # noqa: F401
 
     imports = time.perf_counter() - t_import
+    out = measure(args.overrides, Path(args.run_dir), args.profile_out)
+    Path(args.out).write_text(json.dumps({"imports": imports, **out}))
+
+
+def measure(overrides: list[str], run_dir: Path, profile_out: str | None = None) -> dict:
+    """Seconds from calling `qie.stages.train.run` to its loop start, its first batch and the end of its
+    first step (the stage's `on_step_end` hook reports the step), and to its return."""
+    from qie.config import compose
+    from qie.stages import train
+
     marks: dict[str, float] = {}
-    real_fit = train_stage.fit
 
-    def fit(*a, **kw):
-        marks["fit called"] = time.perf_counter()
-        batches = a[5]
-        hook = kw.get("on_step_end")
+    def first_step(info) -> None:  # a qie.training.loop.StepInfo
+        if "first step done" not in marks:
+            now = time.perf_counter()
+            marks["first step done"] = now
+            marks["loop start"] = now - info.seconds  # the first step began when the loop did
+            marks["first batch"] = now - info.seconds + info.data_seconds
 
-        def first(stream):
-            for i, item in enumerate(stream):
-                if i == 0:
-                    marks["first batch"] = time.perf_counter()
-                yield item
-
-        def on_step_end(step, batch):
-            marks.setdefault("first step done", time.perf_counter())
-            if hook is not None:
-                hook(step, batch)
-
-        kw["on_step_end"] = on_step_end
-        return real_fit(*a[:5], first(batches), *a[6:], **kw)
-
-    train_stage.fit = fit
     profiler = None
-    if args.profile_out:
+    if profile_out:
         import cProfile
 
         profiler = cProfile.Profile()
     t0 = time.perf_counter()
     if profiler:
         profiler.enable()
-    cfg = compose("train", args.overrides)
-    train_stage.run(cfg, Path(args.run_dir))
+    train.run(compose("train", overrides), run_dir, on_step_end=first_step)
     if profiler:
         profiler.disable()
-        profiler.dump_stats(args.profile_out)
+        profiler.dump_stats(profile_out)
     end = time.perf_counter()
     if "first step done" not in marks:
-        raise SystemExit("bench_startup: no training step was seen: update the script's instrumentation")
-    out = {"imports": imports, "total": end - t0, **{k: v - t0 for k, v in marks.items()}}
-    Path(args.out).write_text(json.dumps(out))
+        raise SystemExit("bench_startup: the train stage reported no step (train.max_steps=0?)")
+    return {"total": end - t0, **{k: v - t0 for k, v in marks.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -249,8 +244,8 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                 f"{n:,}",
                 f"{r['entries']:,}",
                 f"{r['imports']:.2f}",
-                f"{r['fit called']:.2f}",
-                f"{r['first batch'] - r['fit called']:.2f}",
+                f"{r['loop start']:.2f}",
+                f"{r['first batch'] - r['loop start']:.2f}",
                 f"{r['first step done'] - r['first batch']:.2f}",
                 f"{r['first step done']:.2f}",
                 f"{1e6 * r['first step done'] / n:.1f}",
