@@ -1,11 +1,15 @@
-"""Shared fixtures: a private QIE_HOME per test session, and the tiny models built once in it."""
+"""Shared fixtures: a private QIE_HOME per test session, the tiny models built once in it, the real config
+shrunk for tests, a cached 8-sample data set, and the diffusers pipelines held to the tiny model's sizes."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import CachedData, small_config
+from omegaconf import DictConfig
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -82,3 +86,37 @@ def foreign_parts():
             }  # fmt: skip
 
     return build
+
+
+@pytest.fixture(scope="session")
+def small_cfg(tiny_path: Path) -> Callable[..., DictConfig]:
+    """`small_cfg(stage, *overrides)`: the stage's real config shrunk for tests (see helpers.SHRINK)."""
+    return small_config
+
+
+@pytest.fixture(scope="session")
+def cached_data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> CachedData:
+    """Eight 64 px samples of the synthetic task, cached for the tiny model. Tests read it, never write it."""
+    from qie.demo.synthetic import make_dataset
+    from qie.stages import precompute
+
+    root = tmp_path_factory.mktemp("cached_data")
+    make_dataset(root, train=8, heldout=0, size=64)
+    data = CachedData(root, root / "train", root / "cache")
+    precompute.run(small_config("precompute", *data.overrides), root / "precompute_run")
+    return data
+
+
+@pytest.fixture
+def small_conditions(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Make the diffusers pipelines resize condition images (and pick output sizes) at the tiny model's
+    64x64 area instead of ~1 MP; returns that area."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    area = 64 * 64
+    for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
+        full = module.calculate_dimensions
+        monkeypatch.setattr(module, "calculate_dimensions", lambda _, ratio, full=full: full(area, ratio))
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", area)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", area)
+    return area

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+from helpers import count_constructions, small_overrides
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -17,6 +17,8 @@ import qie
 from qie.cache import EmbeddingCacheManager
 from qie.demo.synthetic import make_dataset
 from qie.stages import infer
+
+MODELS = (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel)
 
 
 @pytest.fixture(scope="module")
@@ -26,29 +28,12 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def constructions(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    counts: Counter = Counter()
-    for cls in (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel):
-        original = cls.__init__
-
-        @functools.wraps(original)
-        def counting(self, *args, __original=original, __name=cls.__name__, **kwargs):
-            if type(self).__name__ == __name:
-                counts[__name] += 1
-            __original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "__init__", counting)
-    return counts
+    return count_constructions(monkeypatch, MODELS)
 
 
 def overrides(data: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        f"data.path={data}/train",
-        f"cache.dir={cache}",
-        "train.max_steps=2",
-        "train.checkpoint_every=0",
-        "data.num_workers=0",
-        *extra,
-    ]
+    """A shrunk train config's overrides (see helpers.SHRINK) on `data` and `cache`, then `extra`."""
+    return small_overrides("train", f"data.path={data}/train", f"cache.dir={cache}", *extra)
 
 
 def test_predict_equals_the_infer_stage(data: Path, tmp_path: Path, tiny_path: Path, constructions: Counter) -> None:
@@ -84,17 +69,8 @@ def test_fit_in_cached_mode_builds_no_encoder(data: Path, tmp_path: Path, tiny_p
     cfg = qie.compose("train", overrides(data, tmp_path / "cache"))
     trainer = qie.Trainer(cfg, run_dir=tmp_path / "run")
     trainer.cache_embeddings()
-    counts: Counter = Counter()
     with pytest.MonkeyPatch.context() as mp:
-        for cls in (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel):
-            original = cls.__init__
-
-            @functools.wraps(original)
-            def counting(self, *args, __original=original, __name=cls.__name__, **kwargs):
-                counts[__name] += 1
-                __original(self, *args, **kwargs)
-
-            mp.setattr(cls, "__init__", counting)
+        counts = count_constructions(mp, MODELS)
         result = trainer.fit()
     assert counts == Counter({"QwenImageTransformer2DModel": 1})
     assert result["step"] == 2 and Path(result["lora"]).exists()

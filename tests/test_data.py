@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from helpers import write_solid_image
 from PIL import Image
 
 from qie.cache.keys import FileHasher
@@ -17,16 +18,10 @@ from qie.data.samples import Sample, scan_dataset
 from qie.errors import DataError
 
 
-def _png(path: Path, color=(10, 20, 30), size=(8, 8)) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, color).save(path)
-    return path
-
-
 def _folder(root: Path, stems: list[str]) -> Path:
     for i, stem in enumerate(stems):
-        _png(root / "training_images" / f"{stem}.png", (i, 0, 0))
-        _png(root / "control_images" / f"{stem}.png", (0, i, 0))
+        write_solid_image(root / "training_images" / f"{stem}.png", (i, 0, 0))
+        write_solid_image(root / "control_images" / f"{stem}.png", (0, i, 0))
         (root / "training_images" / f"{stem}.txt").write_text(f"  edit {stem}\n", encoding="utf-8")
     return root
 
@@ -36,9 +31,9 @@ def _folder(root: Path, stems: list[str]) -> Path:
 
 def test_folder_layout_finds_samples_controls_and_captions(tmp_path: Path) -> None:
     root = _folder(tmp_path / "ds", ["b", "a"])
-    _png(root / "control_images" / "a_control_2.png")
-    _png(root / "control_images" / "a_control_1.png")
-    _png(root / "control_images" / "._a.png")  # macOS metadata file: ignored
+    write_solid_image(root / "control_images" / "a_control_2.png")
+    write_solid_image(root / "control_images" / "a_control_1.png")
+    write_solid_image(root / "control_images" / "._a.png")  # macOS metadata file: ignored
     data = scan_dataset(root)
     assert [s.id for s in data.samples] == ["a", "b"]
     a = data.samples[0]
@@ -60,7 +55,7 @@ def test_folder_problems_name_the_file(tmp_path: Path) -> None:
     (root / "training_images" / "nocap.txt").unlink()
     (root / "control_images" / "noctl.png").unlink()
     (root / "training_images" / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
-    _png(root / "control_images" / "orphan.png")  # a control image without a target
+    write_solid_image(root / "control_images" / "orphan.png")  # a control image without a target
     data = scan_dataset(root)
     assert [s.id for s in data.samples] == ["good"]
     problems = {p.id: p for p in data.problems}
@@ -93,7 +88,7 @@ def test_empty_or_wrong_folders_are_clear_errors(tmp_path: Path) -> None:
 
 def test_infer_layout_needs_no_target(tmp_path: Path) -> None:
     root = tmp_path / "ds"
-    _png(root / "control_images" / "q.png")
+    write_solid_image(root / "control_images" / "q.png")
     (root / "control_images" / "q.txt").write_text("do it", encoding="utf-8")
     (root / "training_images").mkdir()
     data = scan_dataset(root, require_target=False)
@@ -115,7 +110,7 @@ def test_folder_without_control_images_is_text_to_image(tmp_path: Path) -> None:
 
 def test_jsonl_manifest_paths_relative_to_the_manifest(tmp_path: Path) -> None:
     for name in ("t1.png", "c1.png", "c2.png"):
-        _png(tmp_path / "img" / name)
+        write_solid_image(tmp_path / "img" / name)
     rows = [
         {"target": "../img/t1.png", "controls": ["../img/c1.png", "../img/c2.png"], "prompt": "two controls"},
         {"target": "../img/t1.png", "controls": "../img/c1.png", "prompt": "same target, string control"},
@@ -144,7 +139,7 @@ def test_jsonl_manifest_paths_relative_to_the_manifest(tmp_path: Path) -> None:
 
 def test_csv_manifest_with_list_or_pipe_controls(tmp_path: Path) -> None:
     for name in ("t.png", "c1.png", "c2.png"):
-        _png(tmp_path / name)
+        write_solid_image(tmp_path / name)
     (tmp_path / "m.csv").write_text(
         "target,controls,prompt\n"
         't.png,"[""c1.png"", ""c2.png""]",json list\n'
@@ -222,7 +217,7 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
 
 def test_unreadable_images_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
-    _png(tmp_path / "ok.png")
+    write_solid_image(tmp_path / "ok.png")
     (tmp_path / "cut.png").write_bytes((tmp_path / "ok.png").read_bytes()[:40])
     (tmp_path / "dir.png").mkdir()
     for name in ("bad.png", "cut.png", "missing.png", "dir.png"):
@@ -279,15 +274,17 @@ ALL = {"pixel_latent", "control_latent"} | TEXT_TYPES
     ],
 )
 def test_keys_change_exactly_with_what_they_depend_on(tmp_path: Path, change: dict, expected: set) -> None:
-    sample = Sample("a", _png(tmp_path / "t.png"), (_png(tmp_path / "c.png", (1, 2, 3)),), "p")
+    sample = Sample(
+        "a", write_solid_image(tmp_path / "t.png"), (write_solid_image(tmp_path / "c.png", (1, 2, 3)),), "p"
+    )
     hasher = FileHasher()
     before, after = sample_keys(sample, _ctx(), hasher), sample_keys(sample, _ctx(**change), hasher)
     assert {t for t in before if before[t] != after[t]} == expected
 
 
 def test_keys_follow_file_bytes_and_prompt(tmp_path: Path) -> None:
-    t, c = _png(tmp_path / "t.png"), _png(tmp_path / "c.png", (1, 2, 3))
-    c2 = _png(tmp_path / "c2.png", (9, 9, 9))
+    t, c = write_solid_image(tmp_path / "t.png"), write_solid_image(tmp_path / "c.png", (1, 2, 3))
+    c2 = write_solid_image(tmp_path / "c2.png", (9, 9, 9))
     hasher, ctx = FileHasher(), _ctx()
     base = sample_keys(Sample("a", t, (c,), "p"), ctx, hasher)
     assert set(base) == ALL and len(set(base.values())) == 6
@@ -304,14 +301,14 @@ def test_keys_follow_file_bytes_and_prompt(tmp_path: Path) -> None:
     # Same bytes under another name: same keys. New bytes under the same name: new keys.
     (tmp_path / "copy.png").write_bytes(c.read_bytes())
     assert changed(Sample("a", t, (tmp_path / "copy.png",), "p")) == set()
-    _png(tmp_path / "c.png", (4, 5, 6))
+    write_solid_image(tmp_path / "c.png", (4, 5, 6))
     assert changed(Sample("a", t, (c,), "p")) == ALL - {"pixel_latent"}
     assert "pixel_latent" not in sample_keys(Sample("a", None, (c,), "p"), ctx, hasher)
 
 
 def test_manifest_rows_without_control_images(tmp_path: Path) -> None:
-    _png(tmp_path / "t.png")
-    _png(tmp_path / "c.png")
+    write_solid_image(tmp_path / "t.png")
+    write_solid_image(tmp_path / "c.png")
     rows = [
         {"target": "t.png", "prompt": "no controls key"},
         {"target": "t.png", "controls": [], "prompt": "empty list"},

@@ -5,22 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qie.config import compose
 from qie.stages import demo
 
 
-def test_short_demo_learns(tmp_path: Path, tiny_path: Path) -> None:
-    cfg = compose(
-        "demo",
-        [
-            "demo.train_samples=16",
-            "demo.heldout_samples=2",
-            "train.max_steps=60",
-            "train.checkpoint_every=0",
-            "predict.num_inference_steps=2",
-            "data.num_workers=0",
-        ],
-    )
+def test_short_demo_learns(tmp_path: Path, small_cfg) -> None:
+    cfg = small_cfg("demo", "demo.train_samples=16", "demo.heldout_samples=2", "train.max_steps=60")
     report = demo.run(cfg, tmp_path)
     on_disk = json.loads((tmp_path / "demo_report.json").read_text())
     assert on_disk == report

@@ -9,10 +9,9 @@ import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from helpers import small_config, tiny_pipeline, write_noise_image
 from PIL import Image
 
-from qie.components.processor import load_processor
-from qie.config import compose
 from qie.config.cache import CACHE_TYPES
 from qie.data.samples import Sample
 from qie.encode import EMPTY_PROMPT, Encoder, ImageSizes, prepare_sample
@@ -23,27 +22,15 @@ SIZES = ImageSizes(target_pixels=AREA, vae_image_pixels=AREA, vl_image_pixels=AR
 ALL_TYPES = list(CACHE_TYPES)
 
 
-def _noise(path: Path, seed: int, size: tuple[int, int] = (64, 64)) -> Path:
-    rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
-    return path
-
-
-def _pipeline(cls, path: Path):
-    pipe = cls.from_pretrained(path, processor=load_processor(path))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 @pytest.fixture(scope="module")
 def edit(tiny_path: Path) -> tuple[Encoder, QwenImageEditPipeline]:
-    return build_encoder(compose("precompute", ["model=tiny"])), _pipeline(QwenImageEditPipeline, tiny_path)
+    return build_encoder(small_config("precompute")), tiny_pipeline(QwenImageEditPipeline, tiny_path)
 
 
 @pytest.fixture(scope="module")
 def plus(tiny_plus_path: Path) -> tuple[Encoder, QwenImageEditPlusPipeline]:
-    encoder = build_encoder(compose("precompute", ["model=tiny_plus"]))
-    return encoder, _pipeline(QwenImageEditPlusPipeline, tiny_plus_path)
+    encoder = build_encoder(small_config("precompute", "model=tiny_plus"))
+    return encoder, tiny_pipeline(QwenImageEditPlusPipeline, tiny_plus_path)
 
 
 def _pipeline_inputs(pipe, path: Path, area: int = AREA) -> tuple[Image.Image, torch.Tensor]:
@@ -56,7 +43,7 @@ def _pipeline_inputs(pipe, path: Path, area: int = AREA) -> tuple[Image.Image, t
 
 def test_prepared_images_are_the_pipelines(edit, tmp_path: Path) -> None:
     _, pipe = edit
-    path = _noise(tmp_path / "c.png", 0, (80, 48))
+    path = write_noise_image(tmp_path / "c.png", 0, (80, 48))
     prepared = prepare_sample(Sample("s", path, (path,), "p"), SIZES)
     vl_image, vae_input = _pipeline_inputs(pipe, path)
     assert prepared.control_pixels[0].shape == (3, 64, 96)
@@ -67,7 +54,7 @@ def test_prepared_images_are_the_pipelines(edit, tmp_path: Path) -> None:
 
 def test_latents_equal_the_pipelines_vae_encoding(edit, tmp_path: Path) -> None:
     encoder, pipe = edit
-    paths = [_noise(tmp_path / f"{i}.png", i) for i in range(3)]
+    paths = [write_noise_image(tmp_path / f"{i}.png", i) for i in range(3)]
     inputs = [_pipeline_inputs(pipe, p)[1] for p in paths]
     with torch.no_grad():
         expected = [pipe._encode_vae_image(x, generator=None)[0] for x in inputs]
@@ -86,7 +73,7 @@ def test_latents_equal_the_pipelines_vae_encoding(edit, tmp_path: Path) -> None:
 
 def test_prompt_embeddings_equal_encode_prompt(edit, tmp_path: Path) -> None:
     encoder, pipe = edit
-    images = [_pipeline_inputs(pipe, _noise(tmp_path / f"{i}.png", 10 + i))[0] for i in range(3)]
+    images = [_pipeline_inputs(pipe, write_noise_image(tmp_path / f"{i}.png", 10 + i))[0] for i in range(3)]
     prompts = ["Make the sky blue.", "Remove the red car from the street.", EMPTY_PROMPT]
     with torch.no_grad():
         expected = []
@@ -106,14 +93,16 @@ def test_prompt_embeddings_equal_encode_prompt(edit, tmp_path: Path) -> None:
 
 def test_same_prompt_other_image_other_embedding(edit, tmp_path: Path) -> None:
     encoder, _ = edit
-    a, b = (prepare_sample(Sample("s", None, (_noise(tmp_path / f"{i}.png", i),), "x"), SIZES) for i in (1, 2))
+    a, b = (
+        prepare_sample(Sample("s", None, (write_noise_image(tmp_path / f"{i}.png", i),), "x"), SIZES) for i in (1, 2)
+    )
     ea, eb = encoder.encode_prompts(["Make it red."] * 2, [a.vl_images, b.vl_images])
     assert ea.shape == eb.shape and not torch.allclose(ea, eb)
 
 
 def test_edit_prompt_takes_exactly_one_image(edit, tmp_path: Path) -> None:
     encoder, _ = edit
-    img = Image.open(_noise(tmp_path / "a.png", 3)).convert("RGB")
+    img = Image.open(write_noise_image(tmp_path / "a.png", 3)).convert("RGB")
     with pytest.raises(ValueError, match="takes one image"):
         encoder.encode_prompts(["two images"], [[img, img]])
     with pytest.raises(ValueError, match="needs its images"):
@@ -123,7 +112,12 @@ def test_edit_prompt_takes_exactly_one_image(edit, tmp_path: Path) -> None:
 def test_encode_entries_gives_every_type(edit, tmp_path: Path) -> None:
     encoder, _ = edit
     samples = [
-        Sample(f"s{i}", _noise(tmp_path / f"t{i}.png", i), (_noise(tmp_path / f"c{i}.png", 50 + i),), f"edit {i}")
+        Sample(
+            f"s{i}",
+            write_noise_image(tmp_path / f"t{i}.png", i),
+            (write_noise_image(tmp_path / f"c{i}.png", 50 + i),),
+            f"edit {i}",
+        )
         for i in range(2)
     ]
     prepared = [prepare_sample(s, SIZES) for s in samples]
@@ -145,7 +139,7 @@ def test_encode_entries_gives_every_type(edit, tmp_path: Path) -> None:
 
 def test_edit_plus_multi_image_prompt(plus, tmp_path: Path) -> None:
     encoder, pipe = plus
-    paths = [_noise(tmp_path / f"{i}.png", 20 + i, size) for i, size in enumerate([(64, 64), (80, 48)])]
+    paths = [write_noise_image(tmp_path / f"{i}.png", 20 + i, size) for i, size in enumerate([(64, 64), (80, 48)])]
     sample = Sample("s", None, tuple(paths), "Put the object from picture 2 on the table in picture 1.")
     prepared = prepare_sample(sample, SIZES)
     conditions = [_pipeline_inputs(pipe, p)[0] for p in paths]

@@ -2,59 +2,50 @@
 
 from __future__ import annotations
 
-import functools
+import logging
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
+from helpers import count_constructions, tiny_pipeline
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qie.components import PART_NAMES, build_parts, load_parts, resolve_device
-from qie.components.processor import load_processor
 from qie.components.quantize import is_quantized
-from qie.config import compose
 from qie.errors import ConfigError, ModelLoadError
 
 
 @pytest.fixture
 def constructions(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Counts __init__ calls of the model classes that hold weights."""
-    counts: Counter = Counter()
-    for cls in (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel):
-        monkeypatch.setattr(cls, "__init__", _counted(cls.__init__, cls.__name__, counts))
-    return counts
+    return count_constructions(
+        monkeypatch, (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel)
+    )
 
 
-def _counted(original, name: str, counts: Counter):
-    # wraps() keeps the signature, which diffusers and transformers read to register configs.
-    @functools.wraps(original)
-    def counting(self, *args, **kwargs):
-        if type(self).__name__ == name:
-            counts[name] += 1
-        original(self, *args, **kwargs)
-
-    return counting
-
-
-def test_transformer_and_scheduler_build_nothing_else(tiny_path: Path, constructions: Counter) -> None:
-    parts = build_parts(str(tiny_path), ["transformer", "scheduler"])
+def test_transformer_and_scheduler_build_nothing_else(
+    tiny_path: Path, constructions: Counter, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="qie.components.registry"):
+        parts = build_parts(str(tiny_path), ["transformer", "scheduler"])
     assert parts.built() == ["transformer", "scheduler"]
+    assert [r.part for r in caplog.records] == ["transformer", "scheduler"]  # what tools watch to see builds
     assert constructions == Counter({"QwenImageTransformer2DModel": 1})
     assert not any(p.requires_grad for p in parts.transformer.parameters())
 
 
-def test_all_parts_build_from_config(tiny_path: Path, constructions: Counter) -> None:
-    cfg = compose("infer", [])
+def test_all_parts_build_from_config(small_cfg, constructions: Counter) -> None:
+    cfg = small_cfg("infer")
     parts = load_parts(cfg.model, PART_NAMES, {"vae": "cpu", "text_encoder": "cpu", "transformer": "cpu"})
     assert sorted(parts.built()) == sorted(PART_NAMES)
     assert set(constructions.values()) == {1} and len(constructions) == 3
     assert parts.transformer.dtype == torch.float32 and parts.vae.device.type == "cpu"
 
 
-def test_fp8_builds_a_quantized_transformer(tiny_path: Path) -> None:
-    cfg = compose("train", ["model.quantize=fp8"])
+def test_fp8_builds_a_quantized_transformer(small_cfg) -> None:
+    cfg = small_cfg("train", "model.quantize=fp8")
     parts = load_parts(cfg.model, ["transformer"])
     assert is_quantized(parts.transformer)
     qlinear = parts.transformer.transformer_blocks[0].attn.to_q
@@ -64,13 +55,15 @@ def test_fp8_builds_a_quantized_transformer(tiny_path: Path) -> None:
     assert type(parts.transformer.proj_out).__name__ == "Linear"
 
 
-def test_any_diffusers_folder_loads(tiny_path: Path, tmp_path: Path) -> None:
+def test_any_diffusers_folder_loads(tiny_path: Path, small_cfg, tmp_path: Path) -> None:
     """A folder written by diffusers' save_pretrained (not by qie) loads through model=qwen_image_edit."""
-    pipe = QwenImageEditPipeline.from_pretrained(tiny_path, processor=load_processor(str(tiny_path)))
+    pipe = tiny_pipeline(QwenImageEditPipeline, tiny_path)
     pipe.save_pretrained(tmp_path / "saved")
-    cfg = compose(
+    cfg = small_cfg(
         "infer",
-        ["model=qwen_image_edit", f"model.pretrained_model_name_or_path={tmp_path / 'saved'}", "model.dtype=float32"],
+        "model=qwen_image_edit",
+        f"model.pretrained_model_name_or_path={tmp_path / 'saved'}",
+        "model.dtype=float32",
     )
     parts = load_parts(cfg.model, PART_NAMES)
     assert sorted(parts.built()) == sorted(PART_NAMES)

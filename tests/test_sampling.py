@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImageEditPipeline
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from PIL import Image
+from helpers import noise_image, tiny_pipeline
 
-from qie.components.processor import load_processor
 from qie.sampling import decode_latents, pad_prompt_embeds, sample_latents, true_cfg_enabled, vae_scale_factor
 
 SIZE = 64
@@ -20,19 +18,11 @@ SIZE = 64
 
 @pytest.fixture(scope="module")
 def pipe(tiny_path: Path) -> QwenImageEditPipeline:
-    pipe = QwenImageEditPipeline.from_pretrained(tiny_path, processor=load_processor(tiny_path))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny_pipeline(QwenImageEditPipeline, tiny_path)
 
 
-@pytest.fixture
-def small_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
-    full = pipeline_qwenimage_edit.calculate_dimensions
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: full(SIZE * SIZE, ratio))
-
-
-def _image(seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+def _image(seed: int):
+    return noise_image(seed, (SIZE, SIZE))
 
 
 def test_pad_prompt_embeds_drops_an_all_ones_mask() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from helpers import tiny_pipeline
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
@@ -41,15 +41,6 @@ def tiny_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "edit_plus", variant="edit_plus", seed=0)
 
 
-@pytest.fixture
-def small_condition_images(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep the pipelines from resizing the condition images to ~1 MP."""
-    full = pipeline_qwenimage_edit.calculate_dimensions
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: full(64 * 64, ratio))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 64 * 64)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
-
-
 def _image(color: tuple[int, int, int]) -> Image.Image:
     return Image.new("RGB", (64, 64), color)
 
@@ -69,9 +60,9 @@ def _run(pipe, image) -> torch.Tensor:
     return out.images
 
 
-@pytest.mark.usefixtures("small_condition_images")
+@pytest.mark.usefixtures("small_conditions")
 def test_edit_pipeline_runs(tiny_edit: Path, tmp_path: Path) -> None:
-    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit, processor=load_processor(tiny_edit))
+    pipe = tiny_pipeline(QwenImageEditPipeline, tiny_edit)
     assert isinstance(pipe.processor, QwenImageProcessorNoVideo)
     assert pipe.vae.config.latents_mean == LATENTS_MEAN
     images = _run(pipe, _image((200, 40, 90)))
@@ -82,11 +73,11 @@ def test_edit_pipeline_runs(tiny_edit: Path, tmp_path: Path) -> None:
     assert isinstance(load_processor(tmp_path / "resaved"), QwenImageProcessorNoVideo)
 
 
-@pytest.mark.usefixtures("small_condition_images")
+@pytest.mark.usefixtures("small_conditions")
 def test_edit_plus_pipeline_runs_with_two_images(tiny_edit_plus: Path) -> None:
     index = json.loads((tiny_edit_plus / "model_index.json").read_text())
     assert index["_class_name"] == "QwenImageEditPlusPipeline"
-    pipe = QwenImageEditPlusPipeline.from_pretrained(tiny_edit_plus, processor=load_processor(tiny_edit_plus))
+    pipe = tiny_pipeline(QwenImageEditPlusPipeline, tiny_edit_plus)
     images = _run(pipe, [_image((200, 40, 90)), _image((10, 180, 60))])
     assert images.shape == (1, 3, 64, 64)
     assert torch.isfinite(images).all()

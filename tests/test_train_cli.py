@@ -14,23 +14,19 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import CachedData
 
 from qie.config import compose
-from qie.demo.synthetic import make_dataset
-from qie.stages import precompute
 from qie.stages import train as train_stage
 
 pytestmark = pytest.mark.subprocess
 
 
 @pytest.fixture(scope="module")
-def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("cli_data")
-    make_dataset(root, train=8, heldout=0, size=64)
+def data(tiny_path: Path, cached_data: CachedData) -> dict:
+    """The CLI's arguments for the shared cached data set (the model named by its folder)."""
     model = f"model.pretrained_model_name_or_path={tiny_path}"
-    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}"]
-    precompute.run(compose("precompute", base), root / "precompute_run")
-    return {"root": root, "base": base + ["logging.report_to=none"]}
+    return {"root": cached_data.root, "base": [model, *cached_data.overrides, "logging.report_to=none"]}
 
 
 def env() -> dict[str, str]:

@@ -7,32 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
+from helpers import CachedData, small_config, write_solid_image
 
 from qie.components.tiny import VAE_CONFIG
-from qie.config import compose
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.collate import collate
 from qie.data.samples import scan_dataset
-from qie.demo.synthetic import make_dataset
 from qie.embeddings import CachedSource, LiveSource, SampleEmbeddings
-from qie.stages import precompute
 from qie.stages.common import build_source
 from qie.training.batches import EmbeddingDataset
 from qie.types import pad_prompt_embeds
 
 SCALE = 2 ** len(VAE_CONFIG["temperal_downsample"])  # pixels per latent of the tiny VAE, as diffusers counts
-
-
-@pytest.fixture(scope="module")
-def cached(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
-    """A 4-sample data set and a cache filled for it; returns the overrides that point at both."""
-    root = tmp_path_factory.mktemp("data")
-    make_dataset(root, train=4, heldout=0, size=64)
-    overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={root / 'train'}"]
-    overrides.append(f"cache.dir={root / 'cache'}")
-    precompute.run(compose("precompute", overrides), root / "precompute_run")
-    return overrides, root
 
 
 def test_pad_embeds_pads_to_the_longest_with_a_mask() -> None:
@@ -43,9 +29,8 @@ def test_pad_embeds_pads_to_the_longest_with_a_mask() -> None:
 
 
 @pytest.mark.parametrize("mode", ["cached", "live"])
-def test_caption_dropout_swaps_in_the_samples_own_empty_prompt(cached, mode: str) -> None:
-    overrides, root = cached
-    cfg = compose("train", overrides)
+def test_caption_dropout_swaps_in_the_samples_own_empty_prompt(cached_data: CachedData, mode: str) -> None:
+    cfg = small_config("train", *cached_data.overrides)
     source = build_source(cfg, mode)
     assert isinstance(source, CachedSource if mode == "cached" else LiveSource)
     samples = scan_dataset(cfg.data.path).samples
@@ -90,20 +75,14 @@ def test_caption_dropout_is_a_function_of_seed_and_batch_number() -> None:
     assert drops[7] == data[(7, list(range(8)))][1].prompt_embeds[:, 0, 0].eq(2.0).tolist()
 
 
-def _image(path: Path, size: tuple[int, int], color: tuple[int, int, int]) -> None:
-    Image.new("RGB", size, color).save(path)
-
-
 @pytest.fixture(scope="module")
 def two_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six square and six wide samples (64x64 and 128x32: different latent shapes at 4096 px)."""
     root = tmp_path_factory.mktemp("shapes")
-    (root / "training_images").mkdir()
-    (root / "control_images").mkdir()
     for i in range(12):
         size = (64, 64) if i % 2 else (128, 32)
-        _image(root / "training_images" / f"{i:02d}.png", size, (20 * i, 0, 0))
-        _image(root / "control_images" / f"{i:02d}.png", size, (0, 20 * i, 0))
+        write_solid_image(root / "training_images" / f"{i:02d}.png", (20 * i, 0, 0), size)
+        write_solid_image(root / "control_images" / f"{i:02d}.png", (0, 20 * i, 0), size)
         (root / "training_images" / f"{i:02d}.txt").write_text("x" * (i + 1))
     return root
 
@@ -128,9 +107,8 @@ def test_buckets_never_mix_shapes(two_shapes: Path) -> None:
         assert not set(x[1]) & set(y[1]) and len({keys[i] for i in x[1] + y[1]}) == 1
 
 
-def test_bucket_keys_are_the_latent_shapes_and_collate_refuses_a_mix(two_shapes: Path, tiny_path: Path) -> None:
-    cfg = compose("train", [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={two_shapes}"])
-    cfg.cache.mode = "live"
+def test_bucket_keys_are_the_latent_shapes_and_collate_refuses_a_mix(two_shapes: Path, small_cfg) -> None:
+    cfg = small_cfg("train", f"data.path={two_shapes}", "cache.mode=live")
     samples = scan_dataset(two_shapes).samples[:2]
     embeds = build_source(cfg).get(samples)
     for e, key in zip(embeds, bucket_keys(samples, 4096, 4096, 32)):

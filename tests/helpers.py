@@ -1,0 +1,118 @@
+"""Helpers the tests share: a shrunk real config, images on disk, counting model constructions, the tiny
+diffusers pipelines. Fixtures built on them live in conftest.py."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import DictConfig
+from PIL import Image
+
+# What makes the real config small and quick, per section of a stage's root: the tiny model (its files
+# follow QIE_HOME, which conftest points at the session's folder), no loader worker processes, no
+# TensorBoard, two training steps, two denoising steps. Tests add what they need after these.
+SHRINK = {
+    "model": ["model=tiny"],
+    "data": ["data.num_workers=0"],
+    "train": ["train.max_steps=2", "train.checkpoint_every=0"],
+    "logging": ["logging.report_to=none"],
+    "predict": ["predict.num_inference_steps=2"],
+}
+ROOT_SECTIONS = {
+    "precompute": ("model", "data"),
+    "train": ("model", "data", "train", "logging", "predict"),
+    "demo": ("model", "data", "train", "logging", "predict"),
+    "infer": ("model", "data", "predict"),
+    "cache": (),
+}
+
+
+def small_overrides(stage: str, *overrides: str) -> list[str]:
+    """The overrides that shrink `stage`'s real config, then `overrides` (which win where they overlap)."""
+    return [o for section in ROOT_SECTIONS[stage] for o in SHRINK[section]] + list(overrides)
+
+
+def small_config(stage: str, *overrides: str) -> DictConfig:
+    """`stage`'s real composed config (as the CLI composes it), shrunk for tests, with `overrides`."""
+    from qie.config import compose
+
+    return compose(stage, small_overrides(stage, *overrides))
+
+
+@dataclass(frozen=True)
+class CachedData:
+    """A synthetic data set and a cache the precompute stage filled for it (conftest's `cached_data`)."""
+
+    root: Path  # holds train/ (the samples), cache/ and precompute_run/
+    data: Path
+    cache: Path
+
+    @property
+    def overrides(self) -> list[str]:
+        """data.path and cache.dir pointing here."""
+        return [f"data.path={self.data}", f"cache.dir={self.cache}"]
+
+
+# --- images ---------------------------------------------------------------------------------------------
+
+
+def noise_image(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
+    """An RGB image of uniform noise, `size` = (width, height), a function of `seed`."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def write_noise_image(path: Path, seed: int, size: tuple[int, int] = (64, 64)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    noise_image(seed, size).save(path)
+    return path
+
+
+def write_solid_image(path: Path, color: tuple[int, int, int] = (10, 20, 30), size: tuple[int, int] = (8, 8)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+    return path
+
+
+# --- models ---------------------------------------------------------------------------------------------
+
+
+def count_constructions(mp: pytest.MonkeyPatch, classes: Mapping[str, type] | Iterable[type]) -> Counter:
+    """Count constructions of each class (not of its subclasses) while `mp` is active.
+
+    Args:
+        classes: {label: class}, or classes counted under their own names.
+
+    Returns:
+        A Counter, label -> constructions so far (labels never built are absent).
+    """
+    labelled = dict(classes) if isinstance(classes, Mapping) else {cls.__name__: cls for cls in classes}
+    counts: Counter = Counter()
+    for label, cls in labelled.items():
+        mp.setattr(cls, "__init__", _counting(cls.__init__, cls, label, counts))
+    return counts
+
+
+def _counting(init, cls: type, label: str, counts: Counter):
+    @functools.wraps(init)  # keeps the signature, which diffusers and transformers read to build configs
+    def counted(self, *args, **kwargs):
+        if type(self) is cls:
+            counts[label] += 1
+        init(self, *args, **kwargs)
+
+    return counted
+
+
+def tiny_pipeline(cls: type, path: Path):
+    """A diffusers pipeline of class `cls` from a tiny model folder, with qie's processor, quiet."""
+    from qie.components.processor import load_processor
+
+    pipe = cls.from_pretrained(path, processor=load_processor(path))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
