@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CachedData, small_overrides
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -140,19 +141,42 @@ def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
 
 
 def test_make_loader_prefetches_as_asked_and_only_sources_that_do_not_encode_are_prefetched() -> None:
+    from omegaconf import OmegaConf
+
     from qie.data.prefetch import Prefetcher
     from qie.embeddings import CachedSource, LazySource, LiveSource
+    from qie.stages.train import loader_settings
     from qie.training.batches import EmbeddingDataset, make_loader
 
     class Source:
+        encodes = False
+
         def get(self, samples):
             raise AssertionError("not read")
 
     sampler = [(0, [0])]
-    assert isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0, prefetch=4)), Prefetcher)
+    assert isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0, prefetch=2)), Prefetcher)
     assert not isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0, prefetch=0)), Prefetcher)
     # The train stage prefetches (and uses loader workers) only for sources that never run encoders.
     assert (CachedSource.encodes, LazySource.encodes, LiveSource.encodes) == (False, True, True)
+    data = OmegaConf.create({"num_workers": 3, "prefetch": 5})
+    assert loader_settings(data, Source()) == (3, 5)
+    Source.encodes = True  # encoders stay in the training process and are not run ahead of the step
+    assert loader_settings(data, Source()) == (0, 0)
+
+
+# --- the scripts that drive the train stage, through its step hook ---------------------------------------
+
+
+def test_data_wait_and_startup_benches_read_the_steps_of_a_real_run(cached_data: CachedData, tmp_path: Path) -> None:
+    overrides = small_overrides("train", *cached_data.overrides, "train.max_steps=3", "data.prefetch=0")
+    timings = script("bench_data_wait").measure(overrides, tmp_path / "wait")
+    assert len(timings["waits"]) == len(timings["steps"]) == 3
+    assert all(0 <= w <= s for w, s in zip(timings["waits"], timings["steps"]))
+    summary = script("bench_data_wait").summarise(timings["waits"], timings["steps"], warmup=1)
+    assert summary["steps"] == 2 and 0 <= summary["share"] <= 1
+    marks = script("bench_startup").measure(overrides, tmp_path / "start")
+    assert 0 <= marks["loop start"] <= marks["first batch"] <= marks["first step done"] <= marks["total"]
 
 
 # --- the folder scan ----------------------------------------------------------------------------------------

@@ -103,3 +103,40 @@ def test_slurm_launcher_composes() -> None:
         GlobalHydra.instance().clear()
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.gpus_per_node == 8 and cfg.train.learning_rate == 3e-4
+
+
+# --- every `_target_` of every group option builds ---------------------------------------------------------
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and list(p.glob("*.yaml")))
+# Where a composed train config may name a class to build, and how the stages build it.
+BUILT = {"cache", "train.optimizer", "train.lr_scheduler"}
+
+
+def _targets(node: object, path: str = "") -> list[str]:
+    """Dotted paths of the config nodes that carry a `_target_`."""
+    if not isinstance(node, dict):
+        return []
+    found = [path] if "_target_" in node else []
+    for key, child in node.items():
+        found += _targets(child, f"{path}.{key}" if path else str(key))
+    return found
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_path: Path) -> None:
+    import torch
+    from hydra.utils import instantiate
+
+    from qie.cache import CacheBackend, build_backend
+
+    cfg = compose("train", [f"{group}={option}"])
+    assert set(_targets(OmegaConf.to_container(cfg))) == BUILT
+    backend = build_backend(cfg.cache._target_, str(tmp_path / "cache"))  # as the stages build it
+    assert isinstance(backend, CacheBackend)
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = instantiate(cfg.train.optimizer)([param], lr=float(cfg.train.learning_rate))
+    lr_scheduler = instantiate(cfg.train.lr_scheduler)(optimizer)
+    param.grad = torch.ones(3)
+    optimizer.step()
+    lr_scheduler.step()
+    assert isinstance(optimizer, torch.optim.Optimizer) and not torch.equal(param.detach(), torch.zeros(3))

@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImageTransformer2DModel
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from helpers import small_config, tiny_pipeline, write_noise_image
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from qie.components.processor import load_processor
-from qie.config import compose
 from qie.errors import ConfigError, DataError, ModelLoadError
 from qie.stages import infer
 from qie.stages.infer import Predictor, build_predictor
@@ -26,35 +24,18 @@ from qie.training.lora import LORA_FILE, load_lora, merge_lora
 SIZE = 64
 AREA = SIZE * SIZE
 PROMPT = "Make the sky blue."
-FAST = ["predict.num_inference_steps=2", "predict.true_cfg_scale=1.0"]
+FAST = ["predict.true_cfg_scale=1.0"]  # and two denoising steps, as the shrunk config has
 
 
 def _cfg(*overrides: str, model: str = "tiny"):
-    return compose("infer", [f"model={model}", *FAST, *overrides])
-
-
-def _write_image(path: Path, width: int, height: int, seed: int) -> Path:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels).save(path)
-    return path
+    return small_config("infer", f"model={model}", *FAST, *overrides)
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("images")
-    return {"square": _write_image(root / "square.png", SIZE, SIZE, 1),
-            "wide": _write_image(root / "wide.png", 2 * SIZE, SIZE, 2)}  # fmt: skip
-
-
-@pytest.fixture
-def small_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the pipelines resize condition images (and pick output sizes) at the tiny model's 64x64 area."""
-    for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
-        full = module.calculate_dimensions
-        monkeypatch.setattr(module, "calculate_dimensions", lambda area, ratio, full=full: full(AREA, ratio))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", AREA)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", AREA)
+    return {"square": write_noise_image(root / "square.png", 1, (SIZE, SIZE)),
+            "wide": write_noise_image(root / "wide.png", 2, (2 * SIZE, SIZE))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +44,7 @@ def predictor(tiny_path: Path) -> Predictor:
 
 
 def _pipeline(cls: type, path: Path):
-    pipe = cls.from_pretrained(path, processor=load_processor(path))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny_pipeline(cls, path)
 
 
 def _reference(pipe, image, prompt=PROMPT, seed=0, steps=2, **kw) -> np.ndarray:
@@ -192,7 +171,7 @@ def test_run_writes_numbered_outputs(images: dict[str, Path], tmp_path: Path, ca
 def test_batch_mode_writes_one_image_per_row(images: dict[str, Path], tmp_path: Path, capsys) -> None:
     data = tmp_path / "data"
     for stem, seed in (("a", 1), ("b", 2)):
-        _write_image(data / "control_images" / f"{stem}.png", SIZE, SIZE, seed)
+        write_noise_image(data / "control_images" / f"{stem}.png", seed, (SIZE, SIZE))
         (data / "control_images" / f"{stem}.txt").write_text(PROMPT)
     (data / "control_images" / "c.png").write_bytes(b"broken")
     (data / "control_images" / "c.txt").write_text(PROMPT)
@@ -220,6 +199,46 @@ def test_cfg_without_negative_prompt_warns_and_runs_without_cfg(
         images["square"], PROMPT, num_inference_steps=2, true_cfg_scale=1.0, seed=0, output_type="np"
     )
     assert np.array_equal(guided, plain)
+
+
+# --- one image for one input, whoever samples it ----------------------------------------------------
+
+
+def test_infer_api_and_validation_give_the_same_image(images: dict[str, Path], tmp_path: Path) -> None:
+    """`python -m qie.infer`'s stage, `Trainer.predict` and training's Validator (inputs taken through an
+    EmbeddingSource) turn one input into the same pixels under the same defaults: the `predict` group's
+    SamplingOptions (CFG with the empty negative prompt, seed 0), the output size of the model's rule."""
+    import qie
+    from qie.components import load_parts
+    from qie.models import model_spec
+    from qie.stages.common import build_source, sampling_options
+    from qie.stages.validation import validation_inputs, validation_samples
+    from qie.training.validation import Validator
+
+    image = images["wide"]  # a control of another aspect: the output size follows it
+    run = small_config("infer", f"predict.image={image}", f"predict.prompt={PROMPT}")
+    (written,) = infer.run(run, tmp_path / "infer")
+    from_infer = np.asarray(Image.open(written))
+
+    cfg = small_config("train", "cache=none", f"validation.images=['{image}']", f"validation.prompts=['{PROMPT}']")
+    from_api = np.asarray(qie.Trainer(cfg, run_dir=tmp_path / "api").predict(image, PROMPT))
+
+    v = cfg.validation
+    options = sampling_options(cfg.predict)
+    # Validation's own settings are unset by default, so it samples with predict's.
+    assert sampling_options(cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
+                            num_inference_steps=v.num_inference_steps, seed=v.seed) == options  # fmt: skip
+    assert options.guidance and options == sampling_options(run.predict)
+    spec = model_spec(cfg.model)
+    samples = validation_samples(v, [], 0, spec)
+    inputs, negatives = validation_inputs(build_source(cfg), samples, options.negative_prompt)
+    parts = load_parts(cfg.model, ["transformer", "scheduler", "vae"])
+    validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, spec)
+    (from_validation,) = validator.images(parts.transformer)
+
+    assert from_infer.shape == (32, 96, 3)
+    assert np.array_equal(from_api, from_infer)
+    assert np.array_equal(np.asarray(from_validation), from_infer)
 
 
 # --- errors ------------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from qie.components import load_parts
-from qie.config import compose
+from qie.data.collate import collate
 from qie.training.lora import add_lora
-from qie.training.step import flow_matching_loss, pack_latents
+from qie.training.step import flow_matching_loss, pack_latents, packed
 from qie.training.timesteps import loss_weights, sample_sigmas
-from qie.types import Batch
+from qie.types import Batch, SampleEmbeddings, pad_prompt_embeds
 
 C, H, W = 4, 8, 8  # tiny latents: 4 channels, 64 px / 8
 
@@ -66,6 +66,67 @@ def test_transformer_gets_target_then_control_tokens_and_their_shapes() -> None:
     assert loss.item() == pytest.approx(((noise - batch.latents) ** 2).mean().item(), rel=1e-6)
 
 
+class Echo(torch.nn.Module):
+    """Stands in for the transformer: its prediction is its input, target and control tokens alike."""
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs):
+        return (hidden_states,)
+
+
+def test_the_loss_reads_the_target_tokens_and_nothing_else() -> None:
+    batch = fixed_batch(control_hw=(H, 2 * W))  # more control tokens than target tokens
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(batch.latents.shape, generator=g)
+    sigmas = torch.tensor([0.25, 0.8])
+    loss = flow_matching_loss(Echo(), batch, noise, sigmas)
+    # The echoed prediction for the target's tokens is x_t itself; the velocity target is noise - x0, so the
+    # error is x_t - (noise - x0) = (2 - σ)·x0 - (1 - σ)·noise, in every latent value of the target.
+    s = sigmas.view(-1, 1, 1, 1, 1)
+    x0 = batch.latents
+    assert loss.item() == pytest.approx((((2 - s) * x0 - (1 - s) * noise) ** 2).mean().item(), rel=1e-6)
+    # The control tokens, also echoed, count for nothing; any change to the target does.
+    other = Batch(batch.ids, batch.latents, [torch.randn(batch.control_latents[0].shape, generator=g) * 9],
+                  batch.prompt_embeds, batch.prompt_embeds_mask)  # fmt: skip
+    assert flow_matching_loss(Echo(), other, noise, sigmas).item() == loss.item()
+    shifted = Batch(batch.ids, batch.latents + 1, batch.control_latents, batch.prompt_embeds, batch.prompt_embeds_mask)
+    assert flow_matching_loss(Echo(), shifted, noise, sigmas).item() != pytest.approx(loss.item(), rel=1e-3)
+
+
+def test_a_padded_sample_gives_the_transformer_output_it_gives_alone(tiny_path: Path) -> None:
+    """Training pads prompts in a batch and sampling passes one unpadded: the same sample must give the
+    transformer the same output either way (both pad with `qie.types.pad_prompt_embeds`)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
+    g = torch.Generator().manual_seed(0)
+
+    def sample(name: str, tokens: int) -> SampleEmbeddings:
+        def latent() -> torch.Tensor:
+            return torch.randn(C, 1, H, W, generator=g)
+
+        embed = torch.randn(tokens, 16, generator=g)
+        return SampleEmbeddings(name, latent(), (latent(),), embed, embed[:2])
+
+    short, long = sample("short", 5), sample("long", 9)
+    alone, padded = collate([short]), collate([short, long])
+    assert alone.prompt_embeds_mask is None and padded.prompt_embeds_mask[0].tolist() == [1] * 5 + [0] * 4
+    embeds, mask = pad_prompt_embeds([short.prompt_embed])  # what sampling passes for one prompt
+    assert mask is None and torch.equal(embeds, alone.prompt_embeds)
+
+    def output(batch: Batch) -> torch.Tensor:
+        hidden = torch.cat([packed(x)[0] for x in (batch.latents, *batch.control_latents)], dim=1)
+        with torch.no_grad():
+            return transformer(
+                hidden_states=hidden, timestep=torch.full((hidden.shape[0],), 0.6),
+                encoder_hidden_states=batch.prompt_embeds, encoder_hidden_states_mask=batch.prompt_embeds_mask,
+                img_shapes=[[(1, H // 2, W // 2)] * 2] * hidden.shape[0], return_dict=False,
+            )[0]  # fmt: skip
+
+    single, batched = output(alone), output(padded)
+    assert (batched[0] - single[0]).abs().max() <= 1e-5
+    assert (batched[1] - single[0]).abs().max() > 1e-3  # the other sample's output differs
+
+
 def test_loss_weighting_scales_each_sample() -> None:
     batch = fixed_batch()
     noise = torch.randn_like(batch.latents)
@@ -95,8 +156,8 @@ def test_timestep_sampling_methods() -> None:
     assert torch.equal(draw("mode"), draw("mode"))  # the generator alone decides
 
 
-def test_loss_falls_on_a_fixed_batch_and_only_lora_changes(tiny_path: Path) -> None:
-    cfg = compose("train", [f"model.pretrained_model_name_or_path={tiny_path}"])
+def test_loss_falls_on_a_fixed_batch_and_only_lora_changes(small_cfg) -> None:
+    cfg = small_cfg("train")
     transformer = load_parts(cfg.model, ["transformer"]).transformer
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
     params = add_lora(transformer, rank=4, alpha=4, target_modules=list(cfg.train.lora.target_modules))

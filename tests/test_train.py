@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import math
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from helpers import CachedData, count_constructions, small_config, small_overrides, tiny_pipeline
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qie.components.processor import load_processor
-from qie.config import compose
 from qie.data.buckets import BucketBatchSampler
 from qie.data.samples import scan_dataset
-from qie.demo.synthetic import make_dataset
 from qie.errors import CacheMissError
 from qie.stages import precompute
 from qie.stages import train as train_stage
@@ -31,70 +28,60 @@ from qie.stages.common import build_source
 
 # Shared by every run compared here: what decides the losses.
 TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7"]
+# The tiny model's losses under TRAINING on `cached_data`, the same in cached, live and lazy mode; and its
+# first two with model.quantize=fp8 and gradient checkpointing. They move when the tiny model, the
+# synthetic data, the encoders, the noise draws or the step change. When such a change is meant, take the
+# new values from the failing assertion's message (it prints the losses the run gave):
+#   python -m pytest tests/test_train.py -k "pinned or fp8"
+LOSSES = [1.3999013900756836, 1.4438574314117432, 1.5568647384643555, 1.431458592414856]
+FP8_LOSSES = [1.3598867654800415, 1.3686456680297852]
+ENCODERS = {"text_encoder": Qwen2_5_VLForConditionalGeneration, "vae": AutoencoderKLQwenImage}
 
 
-@pytest.fixture(scope="module")
-def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Eight 64 px samples and a cache filled for them."""
-    root = tmp_path_factory.mktemp("train_data")
-    make_dataset(root, train=8, heldout=0, size=64)
-    model = f"model.pretrained_model_name_or_path={tiny_path}"
-    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
-    precompute.run(compose("precompute", base[:3]), root / "precompute_run")
-    return {"root": root, "base": base, "tiny": tiny_path}
-
-
-def train(data: dict, overrides: list[str], run_dir: Path) -> dict:
-    return train_stage.run(compose("train", data["base"] + overrides), run_dir)
+def train(data: CachedData, overrides: list[str], run_dir: Path) -> dict:
+    return train_stage.run(small_config("train", *data.overrides, *overrides), run_dir)
 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def count_constructions(mp: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count every construction of the text encoder and of the VAE (whose encoder cached mode must skip)."""
-    counts = {"text_encoder": 0, "vae": 0}
-    for name, cls in (("text_encoder", Qwen2_5_VLForConditionalGeneration), ("vae", AutoencoderKLQwenImage)):
-        mp.setattr(cls, "__init__", _counting(cls.__init__, name, counts))
-    return counts
-
-
-def _counting(init, name: str, counts: dict[str, int]):
-    @functools.wraps(init)  # keeps the signature, which diffusers reads to build the config
-    def counted(self, *args, **kwargs):
-        counts[name] += 1
-        init(self, *args, **kwargs)
-
-    return counted
-
-
 @pytest.fixture(scope="module")
-def cached_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def cached_run(cached_data: CachedData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One cached run with image logging, TensorBoard, checkpoints and the ComfyUI export, counting encoders."""
     run_dir = tmp_path_factory.mktemp("cached_run")
-    logging = ["logging.log_images=true", "logging.log_images_every=2", "logging.log_images_count=3"]
+    logging = ["logging.report_to=tensorboard", "logging.log_images=true", "logging.log_images_every=2"]
+    logging.append("logging.log_images_count=3")
     with pytest.MonkeyPatch.context() as mp:
-        counts = count_constructions(mp)
-        result = train(data, TRAINING + logging + ["train.checkpoint_every=2", "train.export_comfyui=true"], run_dir)
-        during_run = dict(counts)
-        build_source(compose("train", data["base"]), "live")  # the counters do see an encoder being built
-        when_live = dict(counts)
+        counts = count_constructions(mp, ENCODERS)
+        overrides = TRAINING + logging + ["train.checkpoint_every=2", "train.export_comfyui=true"]
+        result = train(cached_data, overrides, run_dir)
+        during_run = Counter(counts)
+        build_source(small_config("train", *cached_data.overrides), "live")  # the counters do see an encoder
+        when_live = Counter(counts)
     return {"dir": run_dir, "result": result, "counts": during_run, "counts_live": when_live}
 
 
 def test_cached_mode_builds_no_text_encoder_and_no_vae(cached_run: dict) -> None:
-    assert cached_run["counts"] == {"text_encoder": 0, "vae": 0}
+    assert cached_run["counts"] == Counter()
     assert cached_run["counts_live"]["text_encoder"] >= 1 and cached_run["counts_live"]["vae"] >= 1
 
 
+def test_pinned_first_losses(cached_run: dict) -> None:
+    losses = cached_run["result"]["losses"]
+    assert losses == pytest.approx(LOSSES, rel=1e-6), f"losses: {losses}"
+
+
 @pytest.mark.parametrize("mode", ["live", "lazy"])
-def test_live_and_lazy_give_the_cached_losses(data: dict, cached_run: dict, tmp_path: Path, mode: str) -> None:
+def test_live_and_lazy_give_the_cached_losses(
+    cached_data: CachedData, cached_run: dict, tmp_path: Path, mode: str
+) -> None:
     overrides = ["cache=none"] if mode == "live" else ["cache.mode=lazy", f"cache.dir={tmp_path / 'empty_cache'}"]
-    result = train(data, TRAINING + overrides + ["logging.report_to=none"], tmp_path / "run")
+    result = train(cached_data, TRAINING + overrides, tmp_path / "run")
     expected = cached_run["result"]["losses"]
     assert len(result["losses"]) == len(expected) == 4
     np.testing.assert_allclose(result["losses"], expected, rtol=0, atol=1e-6)
+    assert result["losses"] == pytest.approx(LOSSES, rel=1e-6), f"losses: {result['losses']}"
     if mode == "lazy":  # it wrote what it encoded
         assert len(list((tmp_path / "empty_cache" / "prompt_embed").rglob("*.safetensors"))) == 8
 
@@ -136,15 +123,13 @@ def test_checkpoints_hold_the_lora_and_the_full_state(cached_run: dict) -> None:
     assert any(k.startswith("diffusion_model.") and k.endswith(".lora_down.weight") for k in comfy)
 
 
+# The pipeline resizes conditions to 1024² whatever their size; 64² keeps the tiny VAE fast.
+@pytest.mark.usefixtures("small_conditions")
 def test_saved_lora_loads_into_the_diffusers_pipeline_and_changes_its_output(
-    cached_run: dict, data: dict, monkeypatch: pytest.MonkeyPatch
+    cached_run: dict, cached_data: CachedData, tiny_path: Path
 ) -> None:
-    full = pipeline_qwenimage_edit.calculate_dimensions
-    # The pipeline resizes conditions to 1024² whatever their size; 64² keeps the tiny VAE fast.
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: full(64 * 64, ratio))
-    pipe = QwenImageEditPipeline.from_pretrained(data["tiny"], processor=load_processor(data["tiny"]))
-    pipe.set_progress_bar_config(disable=True)
-    image = Image.open(next((data["root"] / "train" / "control_images").iterdir()))
+    pipe = tiny_pipeline(QwenImageEditPipeline, tiny_path)
+    image = Image.open(next((cached_data.data / "control_images").iterdir()))
 
     def edit() -> np.ndarray:
         out = pipe(image=image, prompt="make the circle red", num_inference_steps=2, height=64, width=64,
@@ -164,15 +149,15 @@ def test_saved_lora_loads_into_the_diffusers_pipeline_and_changes_its_output(
     assert np.abs(edit() - before).max() > 1e-6
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(data: dict, tmp_path: Path) -> None:
+def test_resume_continues_exactly_like_an_uninterrupted_run(cached_data: CachedData, tmp_path: Path) -> None:
     # Warmup makes the LR differ per step, dropout draws from the restored RNG, accumulation spans batches.
     overrides = [
         "train.max_steps=6", "train.checkpoint_every=3", "train.gradient_accumulation_steps=2",
         "train.lr_scheduler.num_warmup_steps=5", "train.lora.dropout=0.1", "data.caption_dropout_rate=0.3",
-        "logging.report_to=none", "train.learning_rate=1e-3", "data.batch_size=2",
+        "train.learning_rate=1e-3", "data.batch_size=2",
     ]  # fmt: skip
-    train(data, overrides, tmp_path / "whole")
-    resumed = train(data, overrides + [f"train.resume={tmp_path / 'whole' / 'checkpoints' / 'step-000003'}"],
+    train(cached_data, overrides, tmp_path / "whole")
+    resumed = train(cached_data, overrides + [f"train.resume={tmp_path / 'whole' / 'checkpoints' / 'step-000003'}"],
                     tmp_path / "resumed")  # fmt: skip
     assert resumed["step"] == 6 and len(resumed["losses"]) == 3
     expected = [r for r in metrics(tmp_path / "whole") if r["step"] > 3]
@@ -186,49 +171,53 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(data: dict, tmp_path
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-7) for k in a)
 
 
-def test_fp8_with_gradient_checkpointing_trains(data: dict, tmp_path: Path) -> None:
+def test_fp8_with_gradient_checkpointing_trains(cached_data: CachedData, tmp_path: Path) -> None:
     overrides = ["model.quantize=fp8", "train.gradient_checkpointing=true", "train.max_steps=2"]
-    result = train(data, overrides + ["logging.report_to=none", "train.learning_rate=1e-3"], tmp_path)
+    result = train(cached_data, overrides + ["train.learning_rate=1e-3"], tmp_path)
     assert all(math.isfinite(x) for x in result["losses"])
+    assert result["losses"] == pytest.approx(FP8_LOSSES, rel=1e-6), f"losses: {result['losses']}"
     lora = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
     b_weights = [v for k, v in lora.items() if "lora_B" in k]
     assert b_weights and all(v.abs().sum() > 0 for v in b_weights)  # B starts at zero: every one moved
 
 
-def test_a_cache_miss_in_a_loader_worker_names_the_sample(data: dict, tmp_path: Path) -> None:
-    samples = scan_dataset(data["root"] / "train").samples
+def test_a_cache_miss_in_a_loader_worker_names_the_sample(cached_data: CachedData, tmp_path: Path) -> None:
+    samples = scan_dataset(cached_data.data).samples
     sampler = BucketBatchSampler([0] * len(samples), [1] * len(samples), 1, seed=7)
     first = samples[next(iter(sampler))[1][0]]
     gone = next(s for s in samples if s.id != first.id)
     partial = tmp_path / "partial"  # the data set without `gone`, to fill a cache that lacks it
-    shutil.copytree(data["root"] / "train", partial)
+    shutil.copytree(cached_data.data, partial)
     for f in partial.rglob(f"{gone.id}.*"):
         f.unlink()
     cache = f"cache.dir={tmp_path / 'cache'}"
-    precompute.run(compose("precompute", data["base"][:1] + [f"data.path={partial}", cache]), tmp_path / "pre")
+    precompute.run(small_config("precompute", f"data.path={partial}", cache), tmp_path / "pre")
     with pytest.raises(CacheMissError) as err:
-        train(data, ["train.max_steps=8", "train.seed=7", cache, "data.num_workers=1"], tmp_path / "run")
+        train(cached_data, ["train.max_steps=8", "train.seed=7", cache, "data.num_workers=1"], tmp_path / "run")
     message = str(err.value)
     assert repr(gone.id) in message and "python -m qie.precompute" in message and str(partial) not in message
     assert "Traceback" not in message and "worker" not in message
 
 
-def test_multirun_gives_each_job_its_own_run_directory(data: dict, tmp_path: Path, monkeypatch) -> None:
+def test_multirun_gives_each_job_its_own_run_directory(cached_data: CachedData, tmp_path: Path, monkeypatch) -> None:
     from qie import train as cli
 
     sweep = tmp_path / "sweep"
-    argv = ["qie.train", "-m", "train.learning_rate=1e-4,3e-4", "train.max_steps=1", f"hydra.sweep.dir={sweep}"]
-    monkeypatch.setattr(sys, "argv", argv + data["base"] + ["logging.report_to=none"])
+    overrides = ["train.learning_rate=1e-4,3e-4", "train.max_steps=1", f"hydra.sweep.dir={sweep}"]
+    argv = ["qie.train", "-m", *small_overrides("train", *cached_data.overrides, *overrides)]
+    monkeypatch.setattr(sys, "argv", argv)
     cli.main()
     lrs = {job.name: metrics(job)[0]["lr"] for job in sweep.iterdir() if (job / "metrics.jsonl").exists()}
     assert lrs == {"0": pytest.approx(1e-4), "1": pytest.approx(3e-4)}
 
 
-def test_full_mode_trains_every_weight_but_the_dead_ones(data: dict, tmp_path: Path) -> None:
+def test_full_mode_trains_every_weight_but_the_dead_ones(
+    cached_data: CachedData, tiny_path: Path, tmp_path: Path
+) -> None:
     from safetensors.torch import load_file as load
 
-    result = train(data, ["train=full", "train.max_steps=2", "logging.report_to=none"], tmp_path)
-    before = load(data["tiny"] / "transformer" / "diffusion_pytorch_model.safetensors")
+    result = train(cached_data, ["train=full", "train.max_steps=2"], tmp_path)
+    before = load(tiny_path / "transformer" / "diffusion_pytorch_model.safetensors")
     after = load(Path(result["transformer"]) / "diffusion_pytorch_model.safetensors")
     assert before.keys() == after.keys()
     frozen = {k for k in before if torch.equal(before[k], after[k])}
@@ -237,14 +226,16 @@ def test_full_mode_trains_every_weight_but_the_dead_ones(data: dict, tmp_path: P
     assert f"{last}txt_mlp.net.2.weight" in frozen and "img_in.weight" not in frozen
 
 
-def test_validation_samples_with_the_cached_inputs_and_builds_only_the_vae(data: dict, tmp_path: Path) -> None:
+def test_validation_samples_with_the_cached_inputs_and_builds_only_the_vae(
+    cached_data: CachedData, tmp_path: Path
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     overrides = ["train.max_steps=2", "validation.every=2", "validation.num_inference_steps=2"]
     with pytest.MonkeyPatch.context() as mp:
-        counts = count_constructions(mp)
-        train(data, overrides + ["logging.log_images_count=2"], tmp_path)
-    assert counts == {"text_encoder": 0, "vae": 1}  # the decoder's VAE; inputs came from the cache
+        counts = count_constructions(mp, ENCODERS)
+        train(cached_data, overrides + ["logging.log_images_count=2", "logging.report_to=tensorboard"], tmp_path)
+    assert counts == Counter({"vae": 1})  # the decoder's VAE; inputs came from the cache
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     (image,) = events.Images("validation")
