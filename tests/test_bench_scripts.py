@@ -3,6 +3,7 @@ led to (mapped cache reads, the loader's prefetch thread, the folder scan) keep 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
 import threading
@@ -52,6 +53,35 @@ def test_target_line_format(capsys: pytest.CaptureFixture) -> None:
         "cache read: ssd vs .pt = 4.1x (target >= 3x) PASS",
         "data wait share = 2.5% (target <= 2%) FAIL",
     ]
+
+
+# Entry points: `python -m` targets, which nothing imports.
+ENTRY_POINTS = {"qie.precompute", "qie.train", "qie.infer", "qie.cli", "qie.cache.__main__", "qie.demo.__main__"}
+
+
+def test_scripts_import_no_entry_point_and_patch_nothing_of_qie() -> None:
+    for path in sorted(SCRIPTS.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        from_qie: set[str] = set()  # local names bound to qie modules or to names taken from them
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name not in ENTRY_POINTS, f"{path.name} imports {alias.name}"
+                    if alias.name.split(".")[0] == "qie":
+                        from_qie.add(alias.asname or "qie")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "qie":
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    assert node.module not in ENTRY_POINTS and name not in ENTRY_POINTS, f"{path.name} imports {name}"
+                    from_qie.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                while isinstance(target, (ast.Attribute, ast.Subscript)):
+                    target = target.value
+                    assert not (isinstance(target, ast.Name) and target.id in from_qie), (
+                        f"{path.name}:{node.lineno} assigns into {target.id}, which it took from qie"
+                    )
 
 
 # --- ssd backend: large entries are mapped, not read ------------------------------------------------------
