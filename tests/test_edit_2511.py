@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImageEditPlusPipeline, QwenImagePipeline
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+from helpers import tiny_pipeline, write_noise_image
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -31,32 +31,14 @@ TRAINING = ["train.max_steps=3", "train.learning_rate=1e-3", "data.batch_size=2"
 SAMPLING = dict(negative_prompt="", true_cfg_scale=2.5, num_inference_steps=2, seed=4)
 
 
-def _write_image(path: Path, width: int, height: int, seed: int) -> Path:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels).save(path)
-    return path
-
-
-@pytest.fixture
-def small_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the Edit-Plus pipeline resize condition images at the tiny model's 64x64 area."""
-    full = pipeline_qwenimage_edit_plus.calculate_dimensions
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "calculate_dimensions", lambda area, ratio: full(AREA, ratio))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", AREA)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", AREA)
-
-
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     root = tmp_path_factory.mktemp("images")
-    return [_write_image(root / "square.png", 64, 64, 1), _write_image(root / "wide.png", 128, 64, 2)]
+    return [write_noise_image(root / "square.png", 1, (64, 64)), write_noise_image(root / "wide.png", 2, (128, 64))]
 
 
 def _pipeline(path: Path) -> QwenImageEditPlusPipeline:
-    pipe = QwenImageEditPlusPipeline.from_pretrained(path, processor=load_processor(path))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny_pipeline(QwenImageEditPlusPipeline, path)
 
 
 def _reference(pipe, images: list[Path], output_type: str = "np"):
@@ -69,8 +51,10 @@ def mixed_manifest(root: Path) -> Path:
     """Six rows, two each with two control images, one control image and none: three buckets of two."""
     rows = []
     for i in range(6):
-        target = _write_image(root / "img" / f"t{i}.png", 64, 64, 10 + i)
-        controls = [_write_image(root / "img" / f"c{i}_{k}.png", 64, 64, 20 + 3 * i + k) for k in range(2 - i // 2)]
+        target = write_noise_image(root / "img" / f"t{i}.png", 10 + i, (64, 64))
+        controls = [
+            write_noise_image(root / "img" / f"c{i}_{k}.png", 20 + 3 * i + k, (64, 64)) for k in range(2 - i // 2)
+        ]
         rows.append({"id": f"s{i}", "target": f"img/{target.name}",
                      "controls": [f"img/{c.name}" for c in controls], "prompt": f"edit number {i}"})  # fmt: skip
     del rows[4]["controls"], rows[5]["controls"]  # rows without the key at all

@@ -3,12 +3,12 @@ built, naming both and the `model=` that fits; `model.check=false` lets it throu
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+from helpers import count_constructions
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qie.components import check, model_source
@@ -22,19 +22,9 @@ from qie.stages.infer import build_predictor
 @pytest.fixture
 def constructions(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Counts constructions of the classes that hold weights."""
-    counts: Counter = Counter()
-    for cls in (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel):
-        monkeypatch.setattr(cls, "__init__", _counted(cls.__init__, cls.__name__, counts))
-    return counts
-
-
-def _counted(original, name: str, counts: Counter):
-    @functools.wraps(original)  # keeps the signature, which diffusers and transformers read
-    def counting(self, *args, **kwargs):
-        counts[name] += 1
-        original(self, *args, **kwargs)
-
-    return counting
+    return count_constructions(
+        monkeypatch, (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel)
+    )
 
 
 def _infer(model: str, path: Path, *more: str):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline
+from helpers import write_noise_image
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
@@ -31,17 +32,10 @@ TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2"
 SAMPLING = ["predict.num_inference_steps=2", "predict.true_cfg_scale=4.0", f"predict.negative_prompt={NEGATIVE}"]
 
 
-def _write_image(path: Path, width: int, height: int, seed: int) -> Path:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels).save(path)
-    return path
-
-
 def t2i_folder(root: Path) -> Path:
     """training_images/ only: two 64x64 targets and two wide ones (two buckets of two)."""
     for i, prompt in enumerate(PROMPTS):
-        _write_image(root / "training_images" / f"s{i}.png", 64 if i < 2 else 128, 64, seed=i)
+        write_noise_image(root / "training_images" / f"s{i}.png", i, (64 if i < 2 else 128, 64))
         (root / "training_images" / f"s{i}.txt").write_text(prompt, encoding="utf-8")
     return root
 
@@ -171,7 +165,7 @@ def test_infer_run_equals_the_pipeline_with_cfg_and_a_negative_prompt(data: dict
     assert np.abs(mine - _reference(pipe, PROMPTS[1], 3, height=64, width=96)).max() <= 1e-5
     other_negative = _reference(pipe, PROMPTS[1], 3, height=64, width=96, negative_prompt="")
     assert np.abs(mine - other_negative).max() > 1e-3  # the negative prompt is used
-    image = _write_image(tmp_path / "in.png", 64, 64, 9)
+    image = write_noise_image(tmp_path / "in.png", 9, (64, 64))
     with pytest.raises(ConfigError, match="text-to-image and takes none"):
         infer.run(compose("infer", [*overrides, f"predict.image={image}"]), tmp_path)
 
