@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,49 @@ def test_bucket_keys_are_the_latent_shapes_and_collate_refuses_a_mix(two_shapes:
             assert latent.shape[-2:] == (h // SCALE, w // SCALE)
     with pytest.raises(ValueError, match="mixes latent shapes"):
         collate(embeds)
+
+
+def test_no_sample_is_dropped_and_the_stream_stays_a_function_of_seed_and_n() -> None:
+    # Buckets of 5, 1 and 7 samples; batches of 2 (x 2 processes): a 1-sample bucket, odd remainders.
+    keys = ["a"] * 5 + ["b"] + ["c"] * 7
+    for replicas in (1, 2):
+        streams = [BucketBatchSampler(keys, [1] * 13, 2, 3, True, replicas, rank) for rank in range(replicas)]
+        first = [[b for _, b in zip(range(60), s)] for s in streams]
+        for rank, sampler in enumerate(streams):
+            epochs = [sampler.epoch_batches(e) for e in range(6)]
+            seen = [i for batches in epochs for batch in batches for i in batch]
+            counts = {i: seen.count(i) for i in range(13)}
+            # The lone sample trains each epoch, as a batch of its own (one copy per process).
+            assert counts[5] == 6 * replicas and all(
+                batch == [5] * replicas for b in epochs for batch in b if 5 in batch
+            )
+            # Leftovers carry over: after 6 epochs every other sample trained 5 or 6 times, none fewer.
+            assert all(counts[i] in (5, 6) for i in range(13) if i != 5), counts
+            assert all(len({keys[i] for i in batch}) == 1 for batches in epochs for batch in batches)
+            # Resuming at batch k gives exactly batch k onwards, and a fresh sampler computes the same epochs.
+            resumed = BucketBatchSampler(keys, [1] * 13, 2, 3, True, replicas, rank, start=37)
+            assert [b for _, b in zip(range(23), resumed)] == first[rank][37:]
+        if replicas == 2:  # both processes take disjoint halves of each full global batch
+            for (_, x), (_, y) in zip(first[0], first[1]):
+                assert x == y == [5] or not set(x) & set(y)
+
+
+def test_the_start_up_summary_and_a_one_sample_bucket_is_trained_on(
+    two_shapes: Path, tiny_path: Path, tmp_path: Path, capsys
+) -> None:
+    from qie.stages import train as train_stage
+
+    data = tmp_path / "data"
+    shutil.copytree(two_shapes, data)
+    for stem in ("02", "04", "06", "08", "10"):  # one wide sample (00) is left, and the six square ones
+        for gone in data.rglob(f"{stem}.*"):
+            gone.unlink()
+    overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={data}", "cache=none",
+                 "data.batch_size=2", "train.max_steps=4", "logging.report_to=none", "data.num_workers=0"]  # fmt: skip
+    seen: list[str] = []
+    train_stage.run(compose("train", overrides), tmp_path / "run", on_step_end=lambda info: seen.extend(info.batch.ids))
+    out = capsys.readouterr().out
+    assert "qie: data: 7 samples in 2 bucket(s) (128x32+128x32: 1, 64x64+64x64: 6)" in out
+    assert "1 bucket(s) smaller than a batch of 2: each trains as one smaller batch" in out
+    # One epoch is four steps: three batches of two square samples, and the wide sample alone.
+    assert sorted(seen) == ["00", "01", "03", "05", "07", "09", "11"]

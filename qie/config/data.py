@@ -1,13 +1,15 @@
 """Schema of the `data` group: where samples come from and how images are prepared."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
 class DataFormat(str, Enum):
-    auto = "auto"  # a folder is the folder layout, a .jsonl/.csv file a manifest
+    # A folder in the folder layout, a .jsonl/.csv manifest, or else a Hugging Face data set.
+    auto = "auto"
     folder = "folder"
     manifest = "manifest"
+    hf = "hf"  # `save_to_disk` folder, parquet file(s) or glob, or an `imagefolder` folder (qie[hf])
 
 
 class ResizeMode(str, Enum):
@@ -18,10 +20,26 @@ class ResizeMode(str, Enum):
 
 
 @dataclass
+class DataColumns:
+    """Column names of a Hugging Face data set: image columns hold images (bytes or paths)."""
+
+    target: str | None = "target"
+    # Several columns of one image each, or one column holding a list of images.
+    controls: list[str] = field(default_factory=lambda: ["controls"])
+    prompt: str = "prompt"
+    # A column of unique sample ids; without it a row's id is its number (row000000, ...).
+    id: str | None = None
+
+
+@dataclass
 class DataConfig:
-    # A data set folder (training_images/, control_images/) or a manifest file (.jsonl or .csv).
+    # A data set folder (training_images/, control_images/), a manifest file (.jsonl or .csv), or a Hugging
+    # Face data set (a `save_to_disk` folder, parquet files or a glob of them, an `imagefolder` folder).
     path: str | None = None
     format: DataFormat = DataFormat.auto
+    # Hugging Face data sets: which split and which columns.
+    split: str = "train"
+    columns: DataColumns = field(default_factory=DataColumns)
     # Area in pixels the target image is resized to (aspect kept, sides rounded to `multiple_of`).
     target_pixels: int = 1024 * 1024
     resize_mode: ResizeMode = ResizeMode.resize

@@ -2,10 +2,16 @@
 
 Batch n of the stream is a pure function of (seed, n): resuming at batch k needs only k, and every
 process of a distributed run sees the same stream and takes its own slice of each global batch.
+
+No sample is dropped: a bucket smaller than a global batch is trained as one smaller batch per epoch, and
+the samples left over when a bigger bucket is cut into full batches are carried into the next epoch's first
+batch of that bucket. Epoch e thus depends on epoch e-1's leftovers; the stream is still a function of
+(seed, n), computed epoch by epoch from the start (a shuffle of the data set's indices per epoch).
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import os
@@ -29,6 +35,8 @@ class BucketBatchSampler:
             runs of similar length to limit padding.
         batch_size: samples per batch and process.
         num_replicas, rank: distributed slicing; each global batch holds batch_size * num_replicas samples.
+            A smaller batch (of a small bucket) is split evenly between the processes, repeating samples of
+            its bucket where it does not divide (as torch's DistributedSampler pads).
     """
 
     def __init__(
@@ -42,72 +50,119 @@ class BucketBatchSampler:
         rank: int = 0,
         start: int = 0,
     ) -> None:
-        """Raises DataError when no bucket holds one full global batch."""
+        """Raises DataError when there is no sample."""
         self.keys, self.lengths = list(bucket_keys), list(lengths)
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.num_replicas, self.rank, self.start = num_replicas, rank, start
-        global_size = batch_size * num_replicas
+        if not self.keys:
+            raise DataError("no samples to make batches of")
         buckets: dict[Hashable, list[int]] = {}
         for i, key in enumerate(self.keys):
             buckets.setdefault(key, []).append(i)
         # Grouped once, in the order every epoch visits them (each epoch shuffles its own copies).
-        self._buckets = [buckets[key] for key in sorted(buckets, key=repr)]
-        self._per_epoch = sum(len(idx) // global_size for idx in self._buckets)
+        self.bucket_order = sorted(buckets, key=repr)
+        self._buckets = [buckets[key] for key in self.bucket_order]
+        # Per epoch computed so far: its first batch number and the leftovers it starts with (bucket -> indices).
+        self._starts: list[int] = [0]
+        self._carried: list[dict[int, list[int]]] = [{}]
         # The last epoch's batches: one epoch is computed once, however many iterators read it.
         self._epoch: tuple[int, list[list[int]]] | None = None
-        if not self._per_epoch:
-            raise DataError(
-                f"no full batch: {len(self.keys)} samples cannot fill a batch of {batch_size} x {num_replicas} "
-                "processes within one bucket; lower data.batch_size"
-            )
+
+    @property
+    def global_size(self) -> int:
+        return self.batch_size * self.num_replicas
+
+    def bucket_sizes(self) -> list[tuple[Hashable, int]]:
+        """(bucket key, number of samples) per bucket, in the stream's bucket order."""
+        return [(key, len(idx)) for key, idx in zip(self.bucket_order, self._buckets)]
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """Global batches of one epoch (each batch_size * num_replicas indices); do not modify the list."""
+        """Global batches of one epoch (full ones hold batch_size * num_replicas indices); do not modify."""
         if self._epoch is not None and self._epoch[0] == epoch:
             return self._epoch[1]
+        while len(self._carried) <= epoch:  # the epochs before: their leftovers start this one
+            self.epoch_batches(len(self._carried) - 1)
+        batches, carry = self._no_gc(epoch, self._carried[epoch])
+        if len(self._carried) == epoch + 1:
+            self._carried.append(carry)
+            self._starts.append(self._starts[epoch] + len(batches))
+        self._epoch = (epoch, batches)
+        return batches
+
+    def _no_gc(self, epoch: int, carried: dict[int, list[int]]) -> tuple[list[list[int]], dict[int, list[int]]]:
         # No garbage collection passes while one small list per batch is made (100k of them: a GC pass
         # each few hundred would walk every object of the process); none of them is cyclic.
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            batches = self._make_epoch(epoch)
+            return self._make_epoch(epoch, carried)
         finally:
             if gc_was_on:
                 gc.enable()
-        self._epoch = (epoch, batches)
-        return batches
 
-    def _make_epoch(self, epoch: int) -> list[list[int]]:
+    def _make_epoch(self, epoch: int, carried: dict[int, list[int]]) -> tuple[list[list[int]], dict[int, list[int]]]:
         rng = random.Random(self.seed * 1_000_003 + epoch)
-        global_size = self.batch_size * self.num_replicas
-        batches = []
-        for bucket in self._buckets:
+        size = self.global_size
+        batches, leftovers = [], {}
+        for b, bucket in enumerate(self._buckets):
             idx = list(bucket)
             if self.shuffle:
                 rng.shuffle(idx)
-            if global_size > 1:
+            if len(idx) < size:  # one smaller batch, split evenly between the processes
+                per_process = -(-len(idx) // self.num_replicas)
+                batches.append((idx * self.num_replicas)[: per_process * self.num_replicas])
+                continue
+            first = []
+            held = carried.get(b, [])
+            if held:  # last epoch's leftovers, filled up with samples that are not among them
+                held_set = set(held)
+                fill = [i for i in idx if i not in held_set][: size - len(held)]
+                first, taken = held + fill, set(fill)
+                idx = [i for i in idx if i not in taken]
+            if size > 1:
                 # Similar lengths next to each other, in chunks, so batches still vary between epochs.
-                chunk = global_size * 8
+                chunk = size * 8
                 idx = [
                     i
                     for c in range(0, len(idx), chunk)
                     for i in sorted(idx[c : c + chunk], key=self.lengths.__getitem__)
                 ]
-            batches += [idx[b : b + global_size] for b in range(0, len(idx) - global_size + 1, global_size)]
+            run = first + idx
+            full = len(run) - len(run) % size
+            batches += [run[k : k + size] for k in range(0, full, size)]
+            if full < len(run):
+                leftovers[b] = run[full:]
         if self.shuffle:
             rng.shuffle(batches)
-        return batches
+        return batches, leftovers
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         n = self.start
+        while self._starts[-1] <= n:  # the epochs before n: where n's epoch starts
+            self.epoch_batches(len(self._starts) - 1)
+        epoch = bisect.bisect_right(self._starts, n) - 1
         while True:
-            epoch, pos = divmod(n, self._per_epoch)
-            batch = self.epoch_batches(epoch)[pos]
-            yield n, batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            batches = self.epoch_batches(epoch)
+            pos = n - self._starts[epoch]
+            if pos >= len(batches):
+                epoch += 1
+                continue
+            batch = batches[pos]
+            per_process = len(batch) // self.num_replicas
+            yield n, batch[self.rank * per_process : (self.rank + 1) * per_process]
             n += 1
 
-    def batches_per_epoch(self) -> int:
-        return self._per_epoch
+    def summary(self, describe=repr) -> str:
+        """Bucket sizes and how batches are cut, for the start-up log; `describe` names a bucket key."""
+        size = self.global_size
+        sizes = ", ".join(f"{describe(key)}: {count}" for key, count in self.bucket_sizes())
+        small = [count for _, count in self.bucket_sizes() if count < size]
+        lines = [f"{len(self.keys)} samples in {len(self._buckets)} bucket(s) ({sizes})"]
+        if small:
+            lines.append(f"{len(small)} bucket(s) smaller than a batch of {size}: each trains as one smaller batch")
+        if any(count >= size and count % size for _, count in self.bucket_sizes()):
+            lines.append("samples left over by a bucket's full batches start its next epoch")
+        return "; ".join(lines)
 
 
 def bucket_keys(

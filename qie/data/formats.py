@@ -1,0 +1,96 @@
+"""Which kind of data set `data.path` names, and reading any kind into samples.
+
+Three kinds: qie's folder layout, a .jsonl/.csv manifest (both in `qie.data.samples`), and a Hugging Face
+data set (`qie.data.hf`: a `save_to_disk` folder, parquet files or a glob of them, an `imagefolder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qie.data.samples import Dataset, scan_dataset
+from qie.errors import DataError
+
+MANIFEST_SUFFIXES = (".jsonl", ".json", ".csv")
+HF_FILE_SUFFIXES = (".parquet", ".arrow")
+GLOB_CHARACTERS = "*?["
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Column names of a Hugging Face data set (`data.columns`)."""
+
+    target: str | None = "target"
+    controls: tuple[str, ...] = ("controls",)
+    prompt: str = "prompt"
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where samples come from: `path`, its `format`, and for Hugging Face data sets the split, the columns
+    and the folder in-data-set images are written to (content-addressed, so cache keys hash their bytes)."""
+
+    path: str
+    format: str = "auto"
+    split: str = "train"
+    columns: Columns = field(default_factory=Columns)
+    images_dir: Path | None = None
+
+
+def is_hf_save_folder(path: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def detect_format(path: str | Path) -> str:
+    """ "folder", "manifest" or "hf" for `path`.
+
+    A folder with training_images/ or control_images/ is the folder layout; a .jsonl/.json/.csv file a
+    manifest; a `save_to_disk` folder, a .parquet/.arrow file, a glob, or any other folder a Hugging Face
+    data set (`datasets.load_dataset` finds parquet, csv or image files in it).
+
+    Raises:
+        DataError: the path does not exist, or is a file of another kind.
+    """
+    text = str(path)
+    if any(c in text for c in GLOB_CHARACTERS) and not Path(text).expanduser().exists():
+        return "hf"
+    root = Path(text).expanduser()
+    if not root.exists():
+        raise DataError(
+            f"data.path {text!r} does not exist: point data.path at a data set folder, a .jsonl/.csv manifest "
+            "or a Hugging Face data set (save_to_disk folder, parquet files)"
+        )
+    if root.is_dir():
+        if (root / "training_images").is_dir() or (root / "control_images").is_dir():
+            return "folder"
+        return "hf"
+    suffix = root.suffix.lower()
+    if suffix in MANIFEST_SUFFIXES:
+        return "manifest"
+    if suffix in HF_FILE_SUFFIXES:
+        return "hf"
+    raise DataError(
+        f"data.path {text!r} is a {suffix or 'suffix-less'} file: use a data set folder, a .jsonl/.csv manifest, "
+        "or .parquet files of a Hugging Face data set"
+    )
+
+
+def read_dataset(source: DataSource, require_target: bool = True) -> Dataset:
+    """The samples (and problems) of any kind of data set; see `scan_dataset` and `qie.data.hf.scan_hf`.
+
+    Raises:
+        DataError: the path does not exist, is no data set, or holds no usable sample.
+    """
+    format = detect_format(source.path) if source.format == "auto" else source.format
+    if format != "hf":
+        return scan_dataset(source.path, format, require_target)
+    from qie.data.hf import scan_hf
+
+    if source.images_dir is None:
+        raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
+    return scan_hf(source.path, source.split, source.columns, source.images_dir, require_target)
