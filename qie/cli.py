@@ -1,12 +1,15 @@
-"""What the stage entry points share: the Hydra run directory and turning user errors into messages."""
+"""What the stage entry points share: the Hydra run directory, turning user errors into messages, and the
+end-of-sweep summary."""
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from qie.config import register, validate
@@ -14,6 +17,9 @@ from qie.errors import QieError
 
 # The stage schemas must be known to Hydra before an entry point's @hydra.main composes its config.
 register()
+
+# Where a sweep job's user error is written, in that job's run directory.
+ERROR_FILE = "error.txt"
 
 
 def run_dir() -> Path:
@@ -23,11 +29,56 @@ def run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
-    """Validate `cfg`, run the stage in the Hydra run directory; a QieError exits 2 with its message."""
+    """Validate `cfg`, run the stage in the Hydra run directory; a QieError exits 2 with its message.
+
+    In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
+    on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
+    """
+    from qie.progress import quiet_library_bars
+
+    quiet_library_bars()
     try:
         validate(cfg)
         return run(cfg, run_dir())
     except QieError as e:
-        print(f"qie: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if not _in_sweep():
+            print(f"qie: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        folder = run_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ERROR_FILE).write_text(f"{e}\n", encoding="utf-8")
+        print(f"qie: error in job {folder}: {e}\nqie: the sweep goes on with the next job", file=sys.stderr)
+        return None
+
+
+class SweepSummary(Callback):
+    """A Hydra callback (configured in the stage roots): after a sweep, name the jobs that failed with a
+    user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
+    launchers that run the jobs elsewhere (Slurm) too."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.time() - 1  # a second of slack for file systems with coarse times
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        jobs = [p.parent.parent for p in sweep.rglob(".hydra/overrides.yaml") if p.stat().st_mtime >= self.started]
+        failed = sorted(p.parent for p in sweep.rglob(ERROR_FILE) if p.stat().st_mtime >= self.started)
+        if not failed:
+            return
+        lines = [f"qie: sweep {sweep}: {len(failed)} of {max(len(jobs), len(failed))} job(s) failed"]
+        for job in failed:
+            message = (job / ERROR_FILE).read_text(encoding="utf-8").strip().splitlines()
+            lines.append(f"  {job}: {message[0] if message else '(no message)'}")
+        print("\n".join(lines), file=sys.stderr)
+        sys.exit(1)

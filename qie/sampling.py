@@ -25,8 +25,8 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
     retrieve_timesteps,
 )
 from diffusers.utils.torch_utils import randn_tensor
-from tqdm.auto import tqdm
 
+from qie.progress import progress as progress_bar
 from qie.types import pad_prompt_embeds
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,8 @@ def sample_latents(
     timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
 
-    for t in tqdm(timesteps, desc="denoise", disable=not progress):
+    bar = progress_bar(len(timesteps), "denoise", disable=not progress)
+    for t in timesteps:
         model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=1)
         timestep = t.expand(batch).to(latents.dtype)
         pred = _predict(transformer, latents, model_input, embeds, mask, timestep, img_shapes, "cond")
@@ -186,6 +187,8 @@ def sample_latents(
             # Rescale to the conditional prediction's norm, token by token, as Qwen-Image does.
             pred = combined * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        bar.update(1)
+    bar.close()
     return _unpack_latents(latents, height, width, vae_scale_factor)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from qie.errors import ConfigError
 from qie.training.lora import load_lora_state, lora_state_dict, save_lora
+from qie.training.quiet import quiet_loggers
 
 STATE_FILE = "trainer_state.json"
 LORA_STATE_FILE = "lora_state.safetensors"
@@ -137,7 +138,8 @@ def save_checkpoint(
     if accelerator.is_main_process:
         begin(folder)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "accelerate"))  # every process writes its own RNG state
+    with quiet_loggers():  # accelerate's line per file; one qie line below says it all
+        accelerator.save_state(str(tmp / "accelerate"))  # every process writes its own RNG state
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if lora:
@@ -145,6 +147,7 @@ def save_checkpoint(
         write_state(tmp, state)
         commit(tmp, folder)
         prune(run_dir, keep)
+        print(f"qie: checkpoint at step {state['step']}: {folder}", flush=True)
     accelerator.wait_for_everyone()
     return folder
 
@@ -158,5 +161,6 @@ def load_checkpoint(accelerator: Any, folder: Path) -> dict:
             f"qie: warning: {folder} was saved by {saved_procs} processes, resuming with "
             f"{accelerator.num_processes}: the data order from here on differs from the original run's"
         )
-    accelerator.load_state(str(folder / "accelerate"))
+    with quiet_loggers():
+        accelerator.load_state(str(folder / "accelerate"))
     return state

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
+from qie.progress import progress
 from qie.training.logging import MetricsLogger
 from qie.training.step import flow_matching_loss
 from qie.training.timesteps import SigmaSampling
@@ -130,7 +130,7 @@ def fit(
     losses: list[float] = []
     stream = iter(batches)
     stopping = False
-    bar = tqdm(total=settings.max_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
+    bar = progress(settings.max_steps, "train", initial=step, disable=not accelerator.is_main_process)
     with StopSignal() as stop, bar:
         while step < settings.max_steps and not stopping:
             t0 = time.perf_counter()
@@ -153,8 +153,8 @@ def fit(
             mean_loss = totals[0].item() / accelerator.num_processes
             stopping = totals[1].item() > 0
             losses.append(mean_loss)
-            bar.update(1)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
+            bar.update(1)
             seconds = time.perf_counter() - t0
             if step % settings.log_every == 0 or step == settings.max_steps:
                 metrics = {

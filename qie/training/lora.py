@@ -262,6 +262,11 @@ def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_na
     check_lora_fits(transformer, state, file)
     if adapter_name in getattr(transformer, "peft_config", {}):
         transformer.delete_adapters(adapter_name)
+    if metadata and f"{PREFIX}target_modules" in metadata:
+        # The saved targets are short names ("to_q"); modules they match that the file has no weights for
+        # (the last block's text side, left out in training) would get an idle adapter and a peft warning.
+        modules = {k[len(PREFIX) :].partition(".lora_")[0] for k in state if k.startswith(PREFIX)}
+        metadata = {**metadata, f"{PREFIX}target_modules": sorted(modules)}
     try:
         transformer.load_lora_adapter(state, prefix="transformer", adapter_name=adapter_name, metadata=metadata)
     except (ValueError, RuntimeError, TypeError, KeyError) as e:
