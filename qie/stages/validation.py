@@ -24,13 +24,14 @@ from qie.types import SampleEmbeddings
 def validation_samples(v: DictConfig, training: list[Sample], count: int, spec: ModelSpec) -> list[Sample]:
     """`validation.images` with `validation.prompts` (an Edit-Plus entry joins its images with '|'; no
     images for text to image), or, when none are given, the first `count` training samples. Those keep
-    their target only when they have no control image: its size is then the output size.
+    their targets: for the metrics, and, without a control image, for the output size (`validation_inputs`
+    encodes the others without theirs).
 
     Raises:
         ConfigError: images given, but not one entry per prompt, or a number of images the model does not take.
     """
     if not v.prompts:
-        return [Sample(s.id, None if s.controls else s.target, s.controls, s.prompt) for s in training[:count]]
+        return list(training[:count])
     images = list(v.images) or [""] * len(v.prompts)
     if len(images) != len(v.prompts):
         raise ConfigError(
@@ -55,6 +56,8 @@ def validation_inputs(
     cached) as a prompt with the sample's control images; None gives None (no CFG).
     """
     encoding = source.with_encoding()
+    # Sampling starts from the controls and the prompt; a target stays only where no control gives the size.
+    samples = [replace(s, target=None) if s.controls else s for s in samples]
     inputs = encoding.get(samples)
     if negative_prompt is None or negative_prompt == "":
         negatives = [s.empty_prompt_embed if negative_prompt == "" else None for s in inputs]

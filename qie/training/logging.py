@@ -83,6 +83,16 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """Send scalars (full tags, e.g. "validation/psnr_keep") to the tracker only, not to metrics.jsonl."""
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(dict(scalars), step=step)
+
     def log_image(self, tag: str, image: Image.Image, step: int) -> None:
         if not self.enabled:
             return

@@ -1,23 +1,44 @@
-"""Validation images during training: fixed inputs, fixed seeds, the sampling code inference uses.
+"""Validation during training: fixed inputs, fixed seeds, the sampling code inference uses.
 
 Inputs arrive encoded (SampleEmbeddings; a target latent only where it sets the output size), so
-validation in cached mode needs only the transformer, the scheduler and the VAE decoder.
+validation in cached mode needs only the transformer, the scheduler and the VAE decoder. Each
+validation step writes its images to `<run>/validation/step-NNNNNN/<id>.png` (whatever the tracker),
+and, for inputs whose target image is known, edit-aware metrics (`qie.training.image_metrics`) to
+`validation/metrics.jsonl` and the tracker.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+from PIL import Image
 
+from qie.data.images import open_image
 from qie.models import ModelSpec
 from qie.sampling import SamplingOptions, decode_latents, latent_sizes, sample_edit, vae_scale_factor
+from qie.training.image_metrics import edit_metrics
 from qie.training.logging import MetricsLogger
 from qie.types import SampleEmbeddings
 
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What an output is measured against: the input's control image (the one the output's size follows)
+    and, when known, its target."""
+
+    control: Path | None = None
+    target: Path | None = None
+
 
 class Validator:
-    """Samples each input with the current transformer and logs the images as one grid.
+    """Samples each input with the current transformer; saves, measures and logs the images.
 
     Args:
         inputs: encoded validation inputs; `negatives[i]` is input i's negative prompt embedding (or None).
@@ -25,6 +46,8 @@ class Validator:
         options: sampling options; input i is sampled with seed `options.seed + i`.
         spec: the model description, whose `output_size` rule sizes each output (from the options, the
             input's control images, or its target's size when it has no control image).
+        out_dir: where `step-NNNNNN/<id>.png` and metrics.jsonl go (None: nowhere).
+        references: per input, the images its metrics compare with (no metrics without a target).
     """
 
     def __init__(
@@ -36,12 +59,17 @@ class Validator:
         logger: MetricsLogger | None,
         options: SamplingOptions,
         spec: ModelSpec,
+        out_dir: Path | None = None,
+        references: list[Reference] | None = None,
     ) -> None:
         self.inputs, self.negatives, self.scheduler, self.vae = inputs, negatives, scheduler, vae
         self.logger, self.options, self.spec = logger, options, spec
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.references = references or [Reference() for _ in inputs]
 
     @torch.no_grad()
-    def images(self, transformer: torch.nn.Module) -> list:
+    def sample(self, transformer: torch.nn.Module) -> list[list[Image.Image]]:
+        """Per input, its `options.num_images` images."""
         f = vae_scale_factor(self.vae)
         out = []
         was_training = transformer.training
@@ -55,12 +83,53 @@ class Validator:
             latents = sample_edit(
                 transformer, self.scheduler, f, item.prompt_embed, negative, item.control_latents, size, options
             )
-            out += decode_latents(self.vae, latents)
+            out.append(decode_latents(self.vae, latents))
         transformer.train(was_training)
         return out
 
-    def __call__(self, step: int, transformer: torch.nn.Module) -> list:
-        images = self.images(transformer)
+    def __call__(self, step: int, transformer: torch.nn.Module) -> list[Image.Image]:
+        per_input = self.sample(transformer)
+        images = [image for group in per_input for image in group]
+        if self.out_dir is not None:
+            self.save(step, per_input)
+        metrics = self.measure(per_input)
+        if metrics is not None and self.out_dir is not None:
+            with open(self.out_dir / METRICS_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.logger is not None:
             self.logger.log_images("validation", images, step)
+            if metrics is not None:
+                self.logger.log_scalars({f"validation/{k}": v for k, v in metrics["mean"].items()}, step)
         return images
+
+    def save(self, step: int, per_input: list[list[Image.Image]]) -> Path:
+        """Write `step-NNNNNN/<id>.png` (`<id>_<k>.png` for several images per input)."""
+        folder = self.out_dir / f"step-{step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for item, images in zip(self.inputs, per_input):
+            name = file_name(item.id)
+            for k, image in enumerate(images):
+                image.save(folder / (f"{name}.png" if len(images) == 1 else f"{name}_{k}.png"))
+        return folder
+
+    def measure(self, per_input: list[list[Image.Image]]) -> dict | None:
+        """Edit metrics per input that has a target (first image of each), and their means; None if none has."""
+        samples = {}
+        for item, images, ref in zip(self.inputs, per_input, self.references):
+            if ref.target is None or ref.control is None or not images:
+                continue
+            samples[item.id] = edit_metrics(images[0], open_image(ref.control), open_image(ref.target))
+        if not samples:
+            return None
+        names = next(iter(samples.values())).keys()
+        mean = {}
+        for name in names:
+            values = [m[name] for m in samples.values() if not math.isnan(m[name])]
+            if values:
+                mean[name] = sum(values) / len(values)
+        return {"mean": mean, "samples": samples}
+
+
+def file_name(sample_id: str) -> str:
+    """A sample id as a plain file name (manifest ids may be paths)."""
+    return re.sub(r"[^\w.-]+", "_", sample_id).strip("._") or "sample"
