@@ -16,15 +16,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from qie.cache.api import EmbeddingCacheManager
 from qie.config import for_stage
-from qie.data.samples import scan_dataset
 from qie.errors import ConfigError
-from qie.stages.common import value
+
+# What `predict` and the encoding helpers take as an image.
+ImageInput = Image.Image | np.ndarray | str | Path
 
 
 def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
@@ -42,9 +44,9 @@ class EditDataset:
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        from qie.stages.common import build_source
+        from qie.stages.common import build_source, read_data
 
-        self.samples = scan_dataset(cfg.data.path, str(value(cfg.data.format))).samples
+        self.samples = read_data(cfg).samples
         self.source = build_source(cfg)
         self.hits = self.misses = 0
 
@@ -147,13 +149,15 @@ class Trainer:
 
     def predict(
         self,
-        image: Image.Image | str | Path | Sequence[Image.Image | str | Path] | None,
+        image: ImageInput | Sequence[ImageInput] | None,
         prompt: str,
         **options: Any,
     ) -> Image.Image | list[Image.Image]:
         """Edit `image` (a list of images for Edit-Plus; None for text to image) as `python -m qie.infer` would.
 
         Args:
+            image: a PIL image, a numpy array (H, W, 3) of uint8 or of floats in [0, 1], or a path; or a list
+                of them.
             options: SamplingOptions fields (negative_prompt, true_cfg_scale, num_inference_steps, seed,
                 height, width, num_images); the rest come from the config's `predict` group, so the
                 defaults are those of `python -m qie.infer`.
@@ -161,8 +165,9 @@ class Trainer:
         Returns one PIL image, or a list when several input images were given.
         """
         from qie.stages.common import sampling_options
+        from qie.stages.infer import open_images
 
-        images = list(image) if isinstance(image, (list, tuple)) else ([] if image is None else [image])
+        images = open_images(list(image) if isinstance(image, (list, tuple)) else image)
         out = self.setup_predict().predict(images, prompt, sampling_options(self.cfg.predict, **options))
         return out if len(images) > 1 else out[0]
 
@@ -174,19 +179,19 @@ class Trainer:
             self._encoder = build_encoder(self.cfg)
         return self._encoder
 
-    def encode_image(self, image: Image.Image | str | Path) -> torch.Tensor:
+    def encode_image(self, image: ImageInput) -> torch.Tensor:
         """Normalised VAE latent (1, C, 1, h, w) of an image at the model's condition size."""
-        from qie.data.images import condition_images, open_image
+        from qie.data.images import as_image, condition_images
 
-        pil = image.convert("RGB") if isinstance(image, Image.Image) else open_image(image)
+        pil = as_image(image)
         pixels, _ = condition_images(pil, int(self.cfg.model.vae_image_pixels), int(self.cfg.model.vl_image_pixels))
         return self._encoder_only().encode_latents([pixels])[0].unsqueeze(0)
 
-    def encode_prompt(self, prompt: str, images: Sequence[Image.Image | str | Path]) -> torch.Tensor:
+    def encode_prompt(self, prompt: str, images: Sequence[ImageInput]) -> torch.Tensor:
         """Prompt embedding (tokens, dim) of `prompt` seen with `images`, unpadded."""
-        from qie.data.images import condition_images, open_image
+        from qie.data.images import as_image, condition_images
 
-        pil = [im.convert("RGB") if isinstance(im, Image.Image) else open_image(im) for im in images]
+        pil = [as_image(im) for im in images]
         m = self.cfg.model
         vl = [condition_images(im, int(m.vae_image_pixels), int(m.vl_image_pixels))[1] for im in pil]
         return self._encoder_only().encode_prompts([prompt], [vl])[0]

@@ -45,6 +45,11 @@ def test_predict_equals_the_infer_stage(data: Path, tmp_path: Path, tiny_path: P
         image, "make the circle red", negative_prompt="blurry", true_cfg_scale=2.0, num_inference_steps=3, seed=5
     )
     second = trainer.predict(image, "make the square blue", num_inference_steps=3, seed=5)
+    # The same picture as a numpy array (uint8 or float in [0, 1]) or a PIL image gives the same edit.
+    pixels = np.asarray(Image.open(image).convert("RGB"))
+    for same in (pixels, pixels / 255.0, Image.open(image)):
+        again = trainer.predict(same, "make the square blue", num_inference_steps=3, seed=5)
+        assert np.array_equal(np.asarray(again), np.asarray(second))
     assert constructions == Counter(
         {n: 1 for n in ("Qwen2_5_VLForConditionalGeneration", "AutoencoderKLQwenImage", "QwenImageTransformer2DModel")}
     )

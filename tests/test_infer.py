@@ -314,3 +314,73 @@ def test_cli_writes_png(tiny_path: Path, images: dict[str, Path], tmp_path: Path
     bad = subprocess.run([*cmd[:3], f"predict.image={tmp_path / 'nope.png'}", *cmd[4:]], env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and "nope.png" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --- everyday use --------------------------------------------------------------------------------------
+
+
+def test_transformer_path_uses_a_merged_transformer_everywhere(
+    lora: Path, images: dict[str, Path], tmp_path: Path
+) -> None:
+    from qie.components import load_parts
+    from qie.stages.common import model_key_context
+
+    kw = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=3, output_type="np")
+    with_lora = build_predictor(_cfg(f"predict.lora={lora}")).predict([images["square"]], PROMPT, **kw)
+    (out,) = infer.run(_cfg(f"predict.lora={lora}", "predict.merge_to=merged"), tmp_path)
+    # The folder merge_to wrote, or the transformer folder in it: the base model's other parts around it.
+    for path in (tmp_path / "merged", out):
+        merged = build_predictor(_cfg(f"model.transformer_path={path}")).predict([images["square"]], PROMPT, **kw)
+        assert np.abs(merged - with_lora).max() <= 1e-4
+    base = build_predictor(_cfg()).predict([images["square"]], PROMPT, **kw)
+    assert np.abs(base - with_lora).max() > 1e-3  # so the equality above is the merged weights' doing
+    # Training and validation load it the same way; the cache keys do not depend on the transformer.
+    cfg = compose("train", [f"model.transformer_path={out}"])
+    parts = load_parts(cfg.model, ["transformer"])
+    saved = QwenImageTransformer2DModel.from_pretrained(out).state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in parts.transformer.state_dict().items())
+    assert model_key_context(cfg) == model_key_context(compose("train", []))
+    with pytest.raises(ModelLoadError, match="model.transformer_path=.*no diffusers transformer"):
+        build_predictor(_cfg(f"model.transformer_path={tmp_path}"))
+
+
+def test_predict_takes_numpy_arrays_and_paths(predictor: Predictor, images: dict[str, Path]) -> None:
+    kw = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=3, output_type="np")
+    pixels = np.asarray(Image.open(images["square"]).convert("RGB"))
+    from_path = predictor.predict(images["square"], PROMPT, **kw)
+    assert np.array_equal(predictor.predict(pixels, PROMPT, **kw), from_path)
+    assert np.array_equal(predictor.predict([pixels / 255.0], PROMPT, **kw), from_path)
+    with pytest.raises(DataError, match=r"spans \[0.0, 255.0\]: float images must lie in \[0, 1\]"):
+        predictor.predict(pixels.astype(np.float32), PROMPT, **kw)
+    with pytest.raises(DataError, match=r"shape \(3, 64, 64\).*channels last"):
+        predictor.predict(pixels.transpose(2, 0, 1).copy(), PROMPT, **kw)
+
+
+def test_meta_and_other_non_compute_devices_are_refused(images: dict[str, Path], tmp_path: Path) -> None:
+    from qie.components import resolve_device
+
+    for device, message in (("meta", "holds no data"), (torch.device("meta"), "holds no data"),
+                            ("ipu", "not supported: use cpu, cuda")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            resolve_device(device)
+    with pytest.raises(ConfigError, match="'meta' holds no data"):
+        infer.run(_cfg(f"predict.image={images['square']}", f"predict.prompt={PROMPT}",
+                       "predict.devices.transformer=meta"), tmp_path)  # fmt: skip
+
+
+def test_a_lora_trained_here_loads_without_peft_warnings(tiny_path: Path, tmp_path: Path) -> None:
+    import warnings
+
+    from qie.training.lora import add_lora, dead_modules, save_lora
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
+    assert dead_modules(transformer)  # the last block's text side: left out of the adapter
+    add_lora(transformer, 4, 4, ["to_q", "to_add_out", "add_q_proj"])
+    saved = save_lora(transformer, tmp_path)
+    fresh = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_lora(fresh, saved)
+    assert [str(w.message)[:80] for w in caught] == []
+    adapters = {n for n, m in fresh.named_modules() if hasattr(m, "lora_A")}
+    assert adapters == {n for n, m in transformer.named_modules() if hasattr(m, "lora_A")}

@@ -41,14 +41,39 @@ def load_parts(model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] 
         devices: device name per part ("auto", "cpu", "cuda:1"); missing parts use "auto".
     """
     devices = devices or {}
+    names = list(names)
     dtype = resolve_dtype(str(_value(model_cfg.dtype)))
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
+    own = model_cfg.get("transformer_path")
+    folders = {"transformer": transformer_folder(own)} if own and "transformer" in names else {}
     return build_parts(
         model_source(model_cfg),
         names,
         placements=placements,
         revision=model_cfg.revision,
         quantize=str(_value(model_cfg.quantize)),
+        folders=folders,
+    )
+
+
+def transformer_folder(path: str) -> str:
+    """The diffusers transformer folder `model.transformer_path` names: the folder itself (with config.json)
+    or one holding `transformer/` (what `predict.merge_to` and `train.mode=full` write).
+
+    Raises:
+        ModelLoadError: neither is there.
+    """
+    from pathlib import Path
+
+    from qie.errors import ModelLoadError
+
+    root = Path(path).expanduser()
+    for folder in (root, root / "transformer"):
+        if (folder / "config.json").is_file():
+            return str(folder)
+    raise ModelLoadError(
+        f"model.transformer_path={path!r} holds no diffusers transformer (no config.json in it or in its "
+        "transformer/): give the folder that predict.merge_to or train.mode=full wrote"
     )
 
 
@@ -66,4 +91,5 @@ __all__ = [
     "model_source",
     "resolve_device",
     "resolve_dtype",
+    "transformer_folder",
 ]

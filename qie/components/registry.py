@@ -8,7 +8,7 @@ the part's name in the record's `part` attribute), so a tool can see what a stag
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -45,26 +45,42 @@ class Placement:
     dtype: torch.dtype
 
 
+# Devices that compute, and how to tell whether this machine has one.
+COMPUTE_DEVICES = {
+    "cpu": lambda: True,
+    "cuda": lambda: torch.cuda.is_available(),
+    "mps": lambda: torch.backends.mps.is_available(),
+    "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+}
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """`auto` is the first CUDA device when there is one, else the CPU; a device that is not there fails.
+
+    Only devices that compute are taken: `meta` (shapes without data) and the like are refused here, before
+    a model is built on them.
 
     Raises:
         ConfigError: naming the device and the devices this machine has.
     """
-    if isinstance(name, torch.device):
-        return name
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
+        device = name if isinstance(name, torch.device) else torch.device(name)
     except RuntimeError as e:
         raise ConfigError(f"device {name!r} is not a device name (try cpu, cuda, cuda:1): {e}") from None
+    if device.type == "meta":
+        raise ConfigError(
+            f"device {str(name)!r} holds no data (tensor shapes only), so nothing can run on it: use cpu or cuda[:N]"
+        )
+    if device.type not in COMPUTE_DEVICES:
+        raise ConfigError(f"device {str(name)!r} is not supported: use cpu, cuda[:N], mps or xpu")
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if count == 0 or (device.index or 0) >= count:
-            raise ConfigError(f"device {name!r} does not exist here: this machine has {count} CUDA device(s)")
-    elif device.type not in ("cpu", "mps", "xpu", "meta"):
-        raise ConfigError(f"device {name!r} is not supported: use cpu or cuda[:N]")
+            raise ConfigError(f"device {str(name)!r} does not exist here: this machine has {count} CUDA device(s)")
+    elif not COMPUTE_DEVICES[device.type]():
+        raise ConfigError(f"device {str(name)!r} is not available on this machine: use cpu")
     return device
 
 
@@ -77,47 +93,51 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
 
 
-def _load_vae(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+def _load_vae(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "vae") -> Any:
     from diffusers import AutoencoderKLQwenImage
 
-    return AutoencoderKLQwenImage.from_pretrained(source, subfolder="vae", revision=revision, torch_dtype=dtype)
+    return AutoencoderKLQwenImage.from_pretrained(source, subfolder=subfolder, revision=revision, torch_dtype=dtype)
 
 
-def _load_text_encoder(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+def _load_text_encoder(
+    source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "text_encoder"
+) -> Any:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        source, subfolder="text_encoder", revision=revision, dtype=dtype
+        source, subfolder=subfolder, revision=revision, dtype=dtype
     )
 
 
-def _load_tokenizer(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+def _load_tokenizer(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "tokenizer") -> Any:
     from transformers import Qwen2Tokenizer
 
-    return Qwen2Tokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+    return Qwen2Tokenizer.from_pretrained(source, subfolder=subfolder, revision=revision)
 
 
-def _load_processor(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+def _load_processor(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "processor") -> Any:
     from qie.components.processor import load_processor
 
-    return load_processor(source, revision=revision)
+    return load_processor(source, subfolder=subfolder or "", revision=revision)
 
 
-def _load_transformer(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+def _load_transformer(
+    source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "transformer"
+) -> Any:
     from diffusers import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel.from_pretrained(
-        source, subfolder="transformer", revision=revision, torch_dtype=dtype
+        source, subfolder=subfolder, revision=revision, torch_dtype=dtype
     )
 
 
-def _load_scheduler(source: str, revision: str | None, dtype: torch.dtype) -> Any:
+def _load_scheduler(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "scheduler") -> Any:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
+    return FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder=subfolder, revision=revision)
 
 
-LOADERS: dict[str, Callable[[str, str | None, torch.dtype], Any]] = {
+LOADERS: dict[str, Callable[..., Any]] = {
     "vae": _load_vae,
     "text_encoder": _load_text_encoder,
     "tokenizer": _load_tokenizer,
@@ -133,6 +153,7 @@ def build_parts(
     placements: dict[str, Placement] | None = None,
     revision: str | None = None,
     quantize: str = "none",
+    folders: Mapping[str, str] | None = None,
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
 
@@ -142,6 +163,7 @@ def build_parts(
         placements: device and dtype per weight-holding part; missing ones go to the CPU in float32.
         revision: hub revision (branch, tag or commit).
         quantize: "none", "fp8" or "int8": weight quantization of the transformer.
+        folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer).
 
     Returns:
         Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
@@ -154,17 +176,22 @@ def build_parts(
     unknown = [n for n in names if n not in LOADERS]
     if unknown:
         raise ConfigError(f"unknown model part(s) {unknown}: parts are {', '.join(PART_NAMES)}")
-    placements = placements or {}
+    placements, folders = placements or {}, folders or {}
     parts = Parts()
     for name in names:
         place = placements.get(name, Placement(torch.device("cpu"), torch.float32))
+        own = folders.get(name)
         try:
-            part = LOADERS[name](source, revision, place.dtype)
+            if own:
+                part = LOADERS[name](own, None, place.dtype, subfolder=None)
+            else:
+                part = LOADERS[name](source, revision, place.dtype)
         except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(
-                f"cannot load the {name} of {source!r}: {e}\n"
-                f"Expected a hub id or a diffusers-format folder with {name}/ inside."
-            ) from None
+            where = f"folder {own!r}" if own else repr(source)
+            expected = (
+                f"a diffusers {name} folder" if own else f"a hub id or a diffusers-format folder with {name}/ inside"
+            )
+            raise ModelLoadError(f"cannot load the {name} of {where}: {e}\nExpected {expected}.") from None
         if name in MODULE_PARTS:
             part.requires_grad_(False)
             part.eval()

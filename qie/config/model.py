@@ -38,6 +38,9 @@ class ModelConfig:
     variant: Variant = Variant.edit
     # Hub id or local diffusers-format folder.
     pretrained_model_name_or_path: str = MISSING
+    # A transformer to use instead of the base model's (a merged or fully fine-tuned one): its diffusers
+    # folder, or the folder holding it as transformer/. The other parts come from the base model.
+    transformer_path: str | None = None
     revision: str | None = None
     # A tiny preset (edit, edit_plus, edit_2511, t2i): qie builds that tiny random model at
     # `pretrained_model_name_or_path` when it is not there yet. null for real checkpoints.

@@ -46,6 +46,42 @@ def open_image(path: str | Path) -> Image.Image:
         raise ImageError(path, f"image {str(path)!r} cannot be read ({e}): replace or remove it") from None
 
 
+def as_image(image: Image.Image | np.ndarray | str | Path) -> Image.Image:
+    """An input image as 8-bit RGB: a PIL image, a file path, or a numpy array of shape (H, W), (H, W, 3)
+    or (H, W, 4), either uint8 (0..255) or float in [0, 1] (alpha, as for files, is composited on white).
+
+    Raises:
+        ImageError: a missing or unreadable file, or an array of another shape, type or range.
+    """
+    if isinstance(image, Image.Image):
+        return to_rgb(image)
+    if isinstance(image, np.ndarray):
+        return _array_image(image)
+    if isinstance(image, (str, Path)):
+        return open_image(image)
+    raise ImageError(
+        str(type(image)), f"an image must be a PIL image, a numpy array or a path, got {type(image).__name__}"
+    )
+
+
+def _array_image(array: np.ndarray) -> Image.Image:
+    where = f"array of shape {array.shape} and dtype {array.dtype}"
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (1, 3, 4)) or 0 in array.shape:
+        raise ImageError("array", f"image {where}: expected (H, W), (H, W, 3) or (H, W, 4), channels last")
+    if array.dtype == np.uint8:
+        pixels = array
+    elif np.issubdtype(array.dtype, np.floating):
+        low, high = float(np.nanmin(array)), float(np.nanmax(array))
+        if not (np.isfinite(array).all() and low >= 0.0 and high <= 1.0):
+            raise ImageError("array", f"image {where} spans [{low}, {high}]: float images must lie in [0, 1]")
+        pixels = np.round(array * 255.0).astype(np.uint8)
+    else:
+        raise ImageError("array", f"image {where}: use uint8 (0..255) or float in [0, 1]")
+    if pixels.ndim == 3 and pixels.shape[2] == 1:
+        pixels = pixels[:, :, 0]
+    return to_rgb(Image.fromarray(np.ascontiguousarray(pixels)))  # L, RGB or RGBA by shape
+
+
 def to_rgb(img: Image.Image) -> Image.Image:
     """8-bit RGB of any PIL mode: alpha over white, 16/32-bit and float scaled to 0..255."""
     if img.mode.startswith("I") or img.mode == "F":

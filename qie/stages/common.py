@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,9 @@ from omegaconf import DictConfig
 from qie.cache import build_backend
 from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
+from qie.data.formats import Columns, DataSource, read_dataset
 from qie.data.keys import KeyContext
+from qie.data.samples import Dataset
 from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND, CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
 from qie.models import model_spec
@@ -37,6 +42,24 @@ def file_hasher(cfg: DictConfig) -> FileHasher:
     """The image-hash index, kept in the cache folder when there is one."""
     index = Path(cfg.cache.dir) / "file_hashes.json" if cfg.cache.get("dir") else None
     return FileHasher(index)
+
+
+def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
+    """Where `cfg.data` (or `path`, read with the same settings) takes its samples from. Images stored
+    inside a Hugging Face data set are written under `cache.dir/images` (or `$QIE_HOME/images`)."""
+    from qie.config import qie_home
+
+    d = cfg.data
+    c = d.columns
+    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id)
+    images = Path(cfg.cache.dir) if cfg.get("cache") is not None and cfg.cache.get("dir") else qie_home()
+    return DataSource(str(path or d.path), str(value(d.format)) if path is None else "auto", str(d.split), columns,
+                      images / "images")  # fmt: skip
+
+
+def read_data(cfg: DictConfig, require_target: bool = True, path: str | None = None) -> Dataset:
+    """The samples of `data.path` (or of `path`): a folder, a manifest or a Hugging Face data set."""
+    return read_dataset(data_source(cfg, path), require_target)
 
 
 def build_encoder(cfg: DictConfig) -> Encoder:
@@ -105,3 +128,32 @@ def precompute_command(cfg: DictConfig) -> str:
     groups = ("model", "data", "cache", "experiment")
     keep = [o for o in given if o.lstrip("+~").split("=")[0].split(".")[0] in groups and "cache.mode" not in o]
     return " ".join(["python -m qie.precompute", *(shlex.quote(o) for o in keep)])
+
+
+def launch_problem(num_processes: int, env: Mapping[str, str] | None = None) -> str | None:
+    """Why this run has fewer processes than its launcher was asked for, or None.
+
+    `accelerate launch --num_processes N` on a machine without GPUs runs the script once, as one process
+    (its simple launcher sets MASTER_ADDR for N > 1, but starts no others and sets no WORLD_SIZE).
+    """
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE") or 0)
+    if world > num_processes:
+        return f"the launcher started {world} processes, but this run joined {num_processes}"
+    if num_processes == 1 and "MASTER_ADDR" in env and "ACCELERATE_MIXED_PRECISION" in env and not world:
+        return "accelerate launch was asked for several processes but started one (it does so without GPUs)"
+    return None
+
+
+def warn_single_process(num_processes: int, module: str) -> None:
+    """Print how to run several CPU processes when the launcher silently started fewer (see `launch_problem`)."""
+    problem = launch_problem(num_processes)
+    if problem:
+        print(
+            f"qie: warning: {problem}. For N processes on CPUs use\n"
+            f"  torchrun --standalone --nproc_per_node N -m {module} ...\n"
+            "or  accelerate launch --multi_gpu --num_processes N --num_machines 1 --mixed_precision no "
+            f"--dynamo_backend no -m {module} ...",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -13,18 +13,18 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 from PIL import Image
 
 from qie.components import Parts, load_parts
-from qie.data.images import condition_images, open_image
-from qie.data.samples import scan_dataset
+from qie.data.images import as_image, condition_images
 from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions, decode_latents, latent_sizes, sample_edit, vae_scale_factor
-from qie.stages.common import sampling_options, value
+from qie.stages.common import read_data, sampling_options, value
 from qie.training.lora import load_lora, merge_lora, save_transformer
 
 
@@ -59,7 +59,8 @@ class Predictor:
         """Edit `images` (one for Edit; none to three for Edit-Plus; none for text to image) following `prompt`.
 
         Args:
-            images: control images (PIL or paths), in the order the prompt refers to them; None or [] for none.
+            images: control images (PIL images, numpy arrays (H, W, 3) uint8 or float in [0, 1], or paths), in
+                the order the prompt refers to them; None or [] for none.
             prompt: the instruction (the image description for text to image).
             options: sampling options (default: `SamplingOptions()`); `overrides` replace single fields
                 (e.g. `num_inference_steps=20, seed=3`). Without height and width the output size follows the
@@ -71,7 +72,7 @@ class Predictor:
             DataError: an image that is missing or unreadable.
         """
         options = replace(options or SamplingOptions(), **overrides)
-        pil = _open_all(images)
+        pil = open_images(images)
         if prompt is None:
             raise ConfigError("no prompt given: set predict.prompt to the instruction")
         if not pil and self.spec.needs_controls:
@@ -98,12 +99,14 @@ class Predictor:
         return decode_latents(self.parts.vae, latents, output_type=output_type)
 
 
-def _open_all(images: Any) -> list[Image.Image]:
+def open_images(images: Any) -> list[Image.Image]:
+    """Input images as RGB: one image or a list of PIL images, numpy arrays (H, W, 3) and paths, or an
+    array (N, H, W, 3) of N images."""
     if images is None:
         return []
-    if isinstance(images, (str, Path, Image.Image)):
+    if isinstance(images, (str, Path, Image.Image)) or (isinstance(images, np.ndarray) and images.ndim < 4):
         images = [images]
-    return [im.convert("RGB") if isinstance(im, Image.Image) else open_image(im) for im in images]
+    return [as_image(im) for im in images]
 
 
 def build_predictor(cfg: DictConfig) -> Predictor:
@@ -165,7 +168,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
-    images = _open_all(sources)  # fail on a bad image before spending time on building the model
+    images = open_images(sources)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(cfg)
     written = _save(
         predictor.predict(images, p.prompt, sampling_options(p), progress=True), resolve_output(p.output, run_dir)
@@ -177,7 +180,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def run_batch(cfg: DictConfig, run_dir: Path) -> list[Path]:
     """One output per row of the data set `predict.input`, at `<output_dir>/<id>.png`; bad rows are reported."""
-    data = scan_dataset(cfg.predict.input, "auto", require_target=False)
+    data = read_data(cfg, require_target=False, path=cfg.predict.input)
     out_dir = resolve_output(cfg.predict.output_dir, run_dir)
     predictor = build_predictor(cfg)
     written: list[Path] = []

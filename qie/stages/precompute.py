@@ -20,17 +20,18 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from qie.cache import SCHEMA_VERSION, build_backend
 from qie.config.cache import CACHE_TYPES
 from qie.data.images import ImageError
 from qie.data.keys import sample_keys
-from qie.data.samples import DataProblem, Sample, scan_dataset
+from qie.data.samples import DataProblem, Sample
 from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample
 from qie.errors import ConfigError, DataError
 from qie.models import model_spec
-from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, value
+from qie.progress import progress
+from qie.stages import common
+from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, read_data, value
 
 Keyed = tuple[Sample, dict[str, str]]
 
@@ -85,7 +86,9 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
     # the CPU; otherwise each would think it is alone and encode everything.
     state = PartialState(cpu=not torch.cuda.is_available())
-    data = scan_dataset(cfg.data.path, str(value(cfg.data.format)))
+    if state.is_main_process:
+        common.warn_single_process(state.num_processes, "qie.precompute")
+    data = read_data(cfg)
     # The range slices the data set in id order, broken samples included, so fixing one shifts nothing.
     items = sorted([*data.samples, *data.problems], key=lambda x: x.id)[cfg.precompute.start : cfg.precompute.end]
     problems = [x for x in items if isinstance(x, DataProblem)]
@@ -119,7 +122,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     todo = sum(len(g) for g in groups.values())
     encoder: Encoder | None = build_encoder(cfg) if todo else None
     desc = f"precompute[{state.process_index}]" if state.num_processes > 1 else "precompute"
-    with tqdm(total=todo, desc=desc, unit="sample", disable=not todo) as bar:
+    with progress(todo, desc, unit="sample", disable=not todo) as bar:
         for missing, group in groups.items():
             for start in range(0, len(group), batch_size):
                 batch = group[start : start + batch_size]

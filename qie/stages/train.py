@@ -22,11 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.components import load_parts, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
-from qie.data.samples import DataProblem, Sample, scan_dataset
+from qie.data.samples import DataProblem, Sample
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec, model_spec
-from qie.stages.common import build_source, precompute_command, value
+from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
@@ -53,7 +53,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
-    samples = load_samples(cfg.data, model_spec(cfg.model), accelerator.is_main_process)
+    samples = load_samples(cfg, model_spec(cfg.model), accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
@@ -74,7 +74,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
                            OmegaConf.to_container(cfg, resolve=True))  # fmt: skip
-    hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end)
+    hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir)
     save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train)
     try:
         result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler), logger,
@@ -99,6 +99,8 @@ def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
         project_dir=str(run_dir),
     )
     set_seed(int(train.seed))
+    if accelerator.is_main_process:
+        warn_single_process(accelerator.num_processes, "qie.train")
     return accelerator
 
 
@@ -109,13 +111,13 @@ def mixed_precision(setting: str, model_dtype: str) -> str:
     return setting
 
 
-def load_samples(data: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]:
+def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]:
     """The samples of `data.path` the model can take; the first problems found are printed when `report`.
 
     Raises:
         DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
     """
-    dataset = scan_dataset(data.path, str(value(data.format)))
+    data, dataset = cfg.data, read_data(cfg)
     problems = [
         DataProblem(s.id, str(s.target), why) for s in dataset.samples if (why := spec.control_problem(len(s.controls)))
     ]
@@ -205,7 +207,7 @@ def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start
         index = Path(cfg.cache.dir) / "image_sizes.json" if cfg.cache.get("dir") else None
         areas = (int(cfg.data.target_pixels), int(cfg.model.vae_image_pixels), int(cfg.data.multiple_of))
         keys = bucket_keys(samples, *areas, index=index)
-    return BucketBatchSampler(
+    sampler = BucketBatchSampler(
         keys,
         [len(s.prompt) for s in samples],
         batch_size,
@@ -215,9 +217,19 @@ def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start
         accelerator.process_index,
         start=start,
     )
+    accelerator.print(f"qie: data: {sampler.summary(describe_bucket)}")
+    return sampler
 
 
-def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger, extra) -> list:
+def describe_bucket(key: Any) -> str:
+    """A bucket key as its latent-image sizes in pixels, target first: `64x64+64x64`."""
+    if not isinstance(key, tuple):
+        return "any shape (batches of one)" if key == 0 else str(key)
+    return "+".join(f"{w}x{h}" for w, h in key)
+
+
+def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger, extra,
+               run_dir: Path) -> list:  # fmt: skip
     """What runs after each optimizer step: image logging, validation sampling, and `extra`."""
     hooks = []
     if cfg.logging.log_images:
@@ -226,20 +238,22 @@ def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, s
         images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
         hooks.append(lambda info: images(info.step, info.batch))
     if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
-        hooks.append(_validation_hook(cfg, state, source, samples, scheduler, logger))
+        hooks.append(_validation_hook(cfg, state, source, samples, scheduler, logger, run_dir))
     if extra is not None:
         hooks.append(extra)
     return hooks
 
 
-def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger):
-    """Every `validation.every` steps, sample the validation inputs as inference does and log them.
+def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger,
+                     run_dir: Path):  # fmt: skip
+    """Every `validation.every` steps, sample the validation inputs as inference does; save them under
+    `run_dir/validation`, measure them against their targets and log both.
 
     Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
     """
     from qie.stages.common import sampling_options
     from qie.stages.validation import validation_inputs, validation_samples
-    from qie.training.validation import Validator
+    from qie.training.validation import Reference, Validator
 
     v, accelerator = cfg.validation, state.accelerator
     options = sampling_options(
@@ -249,7 +263,11 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
     vae = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}).vae
     chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), model_spec(cfg.model))
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
-    validator = Validator(inputs, negatives, scheduler, vae, logger, options, model_spec(cfg.model))
+    spec = model_spec(cfg.model)
+    # The control image a metric compares with: the one the output's size follows (any, for the metric).
+    references = [Reference(s.controls[spec.output_image or 0] if s.controls else None, s.target) for s in chosen]
+    validator = Validator(inputs, negatives, scheduler, vae, logger, options, spec, run_dir / "validation",
+                          references)  # fmt: skip
     every = int(v.every)
 
     def hook(info: StepInfo) -> None:
