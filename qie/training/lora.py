@@ -131,7 +131,9 @@ def adapter_metadata(transformer: torch.nn.Module) -> dict | None:
         "r": int(config.r),
         "lora_alpha": float(config.lora_alpha),
         "lora_dropout": float(config.lora_dropout),
-        "target_modules": sorted(config.target_modules),
+        # Module names, not the short patterns: a loader then adds the adapter exactly where weights exist
+        # (not to the last block's excluded text side, which would make peft warn).
+        "target_modules": sorted(n for n, m in transformer.named_modules() if hasattr(m, "lora_A")),
         "rank_pattern": dict(config.rank_pattern or {}),
         "alpha_pattern": dict(config.alpha_pattern or {}),
     }
