@@ -152,9 +152,9 @@ class BucketBatchSampler:
             yield n, batch[self.rank * per_process : (self.rank + 1) * per_process]
             n += 1
 
-    def summary(self, describe=repr) -> str:
+    def summary(self, describe=None) -> str:
         """Bucket sizes and how batches are cut, for the start-up log; `describe` names a bucket key."""
-        size = self.global_size
+        size, describe = self.global_size, describe or describe_key
         sizes = ", ".join(f"{describe(key)}: {count}" for key, count in self.bucket_sizes())
         small = [count for _, count in self.bucket_sizes() if count < size]
         lines = [f"{len(self.keys)} samples in {len(self._buckets)} bucket(s) ({sizes})"]
@@ -163,6 +163,13 @@ class BucketBatchSampler:
         if any(count >= size and count % size for _, count in self.bucket_sizes()):
             lines.append("samples left over by a bucket's full batches start its next epoch")
         return "; ".join(lines)
+
+
+def describe_key(key: Hashable) -> str:
+    """A `bucket_keys` key as its image sizes in pixels, target first (`64x64+64x64`); 0 is one bucket for all."""
+    if not isinstance(key, tuple):
+        return "any shape (batches of one)" if key == 0 else str(key)
+    return "+".join(f"{w}x{h}" for w, h in key)
 
 
 def bucket_keys(

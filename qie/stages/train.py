@@ -217,15 +217,8 @@ def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start
         accelerator.process_index,
         start=start,
     )
-    accelerator.print(f"qie: data: {sampler.summary(describe_bucket)}")
+    accelerator.print(f"qie: data: {sampler.summary()}")
     return sampler
-
-
-def describe_bucket(key: Any) -> str:
-    """A bucket key as its latent-image sizes in pixels, target first: `64x64+64x64`."""
-    if not isinstance(key, tuple):
-        return "any shape (batches of one)" if key == 0 else str(key)
-    return "+".join(f"{w}x{h}" for w, h in key)
 
 
 def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger, extra,
