@@ -335,11 +335,11 @@ def test_transformer_path_uses_a_merged_transformer_everywhere(
     base = build_predictor(_cfg()).predict([images["square"]], PROMPT, **kw)
     assert np.abs(base - with_lora).max() > 1e-3  # so the equality above is the merged weights' doing
     # Training and validation load it the same way; the cache keys do not depend on the transformer.
-    cfg = compose("train", [f"model.transformer_path={out}"])
+    cfg = small_config("train", f"model.transformer_path={out}")
     parts = load_parts(cfg.model, ["transformer"])
     saved = QwenImageTransformer2DModel.from_pretrained(out).state_dict()
     assert all(torch.equal(v, saved[k]) for k, v in parts.transformer.state_dict().items())
-    assert model_key_context(cfg) == model_key_context(compose("train", []))
+    assert model_key_context(cfg) == model_key_context(small_config("train"))
     with pytest.raises(ModelLoadError, match="model.transformer_path=.*no diffusers transformer"):
         build_predictor(_cfg(f"model.transformer_path={tmp_path}"))
 

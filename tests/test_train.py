@@ -242,7 +242,7 @@ def test_validation_samples_with_the_cached_inputs_and_builds_only_the_vae(
     assert image.step == 2 and image.width == 2 * 64  # two validation samples side by side
     # Edit-aware metrics, plotted: the first two training samples keep their targets for them.
     (row,) = [json.loads(line) for line in (tmp_path / "validation" / "metrics.jsonl").read_text().splitlines()]
-    first = [s.id for s in scan_dataset(data["root"] / "train").samples[:2]]
+    first = [s.id for s in scan_dataset(cached_data.data).samples[:2]]
     assert row["step"] == 2 and sorted(row["samples"]) == first
     for name in ("psnr_keep", "ssim_keep", "psnr_edit", "ssim_edit"):
         (scalar,) = events.Scalars(f"validation/{name}")
@@ -251,10 +251,10 @@ def test_validation_samples_with_the_cached_inputs_and_builds_only_the_vae(
     assert all(0 < m["edit_fraction"] < 1 for m in row["samples"].values())
 
 
-def test_validation_images_are_saved_under_the_run_without_a_tracker(data: dict, tmp_path: Path) -> None:
+def test_validation_images_are_saved_under_the_run_without_a_tracker(cached_data: CachedData, tmp_path: Path) -> None:
     overrides = ["train.max_steps=4", "validation.every=2", "validation.num_inference_steps=2"]
-    train(data, overrides + ["logging.log_images_count=2", "logging.report_to=none"], tmp_path)
-    first = [s.id for s in scan_dataset(data["root"] / "train").samples[:2]]
+    train(cached_data, overrides + ["logging.log_images_count=2", "logging.report_to=none"], tmp_path)
+    first = [s.id for s in scan_dataset(cached_data.data).samples[:2]]
     for step in (2, 4):
         folder = tmp_path / "validation" / f"step-{step:06d}"
         assert sorted(p.name for p in folder.iterdir()) == [f"{i}.png" for i in first]

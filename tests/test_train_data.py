@@ -157,7 +157,9 @@ def test_the_start_up_summary_and_a_one_sample_bucket_is_trained_on(
     overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={data}", "cache=none",
                  "data.batch_size=2", "train.max_steps=4", "logging.report_to=none", "data.num_workers=0"]  # fmt: skip
     seen: list[str] = []
-    train_stage.run(compose("train", overrides), tmp_path / "run", on_step_end=lambda info: seen.extend(info.batch.ids))
+    train_stage.run(
+        small_config("train", *overrides), tmp_path / "run", on_step_end=lambda info: seen.extend(info.batch.ids)
+    )
     out = capsys.readouterr().out
     assert "qie: data: 7 samples in 2 bucket(s) (128x32+128x32: 1, 64x64+64x64: 6)" in out
     assert "1 bucket(s) smaller than a batch of 2: each trains as one smaller batch" in out

@@ -86,8 +86,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
     # the CPU; otherwise each would think it is alone and encode everything.
     state = PartialState(cpu=not torch.cuda.is_available())
-    if state.is_main_process:
-        common.warn_single_process(state.num_processes, "qie.precompute")
+    common.warn_single_process(state.num_processes, "qie.precompute")
     data = read_data(cfg)
     # The range slices the data set in id order, broken samples included, so fixing one shifts nothing.
     items = sorted([*data.samples, *data.problems], key=lambda x: x.id)[cfg.precompute.start : cfg.precompute.end]

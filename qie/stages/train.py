@@ -99,8 +99,7 @@ def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
         project_dir=str(run_dir),
     )
     set_seed(int(train.seed))
-    if accelerator.is_main_process:
-        warn_single_process(accelerator.num_processes, "qie.train")
+    warn_single_process(accelerator.num_processes, "qie.train")
     return accelerator
 
 
@@ -207,16 +206,9 @@ def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start
         index = Path(cfg.cache.dir) / "image_sizes.json" if cfg.cache.get("dir") else None
         areas = (int(cfg.data.target_pixels), int(cfg.model.vae_image_pixels), int(cfg.data.multiple_of))
         keys = bucket_keys(samples, *areas, index=index)
-    sampler = BucketBatchSampler(
-        keys,
-        [len(s.prompt) for s in samples],
-        batch_size,
-        int(cfg.train.seed),
-        bool(cfg.data.shuffle),
-        accelerator.num_processes,
-        accelerator.process_index,
-        start=start,
-    )
+    sampler = BucketBatchSampler(keys, [len(s.prompt) for s in samples], batch_size, int(cfg.train.seed),
+                                 bool(cfg.data.shuffle), accelerator.num_processes, accelerator.process_index,
+                                 start=start)  # fmt: skip
     accelerator.print(f"qie: data: {sampler.summary()}")
     return sampler
 
@@ -239,14 +231,14 @@ def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, s
 
 def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger,
                      run_dir: Path):  # fmt: skip
-    """Every `validation.every` steps, sample the validation inputs as inference does; save them under
-    `run_dir/validation`, measure them against their targets and log both.
+    """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`),
+    measure and log them.
 
     Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
     """
     from qie.stages.common import sampling_options
-    from qie.stages.validation import validation_inputs, validation_samples
-    from qie.training.validation import Reference, Validator
+    from qie.stages.validation import validation_inputs, validation_references, validation_samples
+    from qie.training.validation import Validator
 
     v, accelerator = cfg.validation, state.accelerator
     options = sampling_options(
@@ -254,13 +246,11 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
         num_inference_steps=v.num_inference_steps, seed=v.seed,
     )  # fmt: skip
     vae = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}).vae
-    chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), model_spec(cfg.model))
-    inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
     spec = model_spec(cfg.model)
-    # The control image a metric compares with: the one the output's size follows (any, for the metric).
-    references = [Reference(s.controls[spec.output_image or 0] if s.controls else None, s.target) for s in chosen]
+    chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), spec)
+    inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
     validator = Validator(inputs, negatives, scheduler, vae, logger, options, spec, run_dir / "validation",
-                          references)  # fmt: skip
+                          validation_references(chosen, spec))  # fmt: skip
     every = int(v.every)
 
     def hook(info: StepInfo) -> None:

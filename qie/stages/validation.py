@@ -18,6 +18,7 @@ from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError
 from qie.models import ModelSpec
+from qie.training.validation import Reference
 from qie.types import SampleEmbeddings
 
 
@@ -69,3 +70,9 @@ def validation_inputs(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return inputs, negatives
+
+
+def validation_references(samples: list[Sample], spec: ModelSpec) -> list[Reference]:
+    """Per validation sample, what its edit metrics compare with: the control image the output's size follows
+    (`ModelSpec.output_image`) and the target, where the sample has them."""
+    return [Reference(s.controls[spec.output_image or 0] if s.controls else None, s.target) for s in samples]
