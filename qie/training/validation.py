@@ -87,6 +87,10 @@ class Validator:
         transformer.train(was_training)
         return out
 
+    def images(self, transformer: torch.nn.Module) -> list[Image.Image]:
+        """Every input's images, in one list."""
+        return [image for images in self.sample(transformer) for image in images]
+
     def __call__(self, step: int, transformer: torch.nn.Module) -> list[Image.Image]:
         per_input = self.sample(transformer)
         images = [image for group in per_input for image in group]
