@@ -27,3 +27,10 @@ def tiny_plus_path(qie_home: Path) -> Path:
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
 
     return ensure_tiny_model(default_tiny_path("edit_plus"), "edit_plus")
+
+
+@pytest.fixture(scope="session")
+def tiny_demo_path(qie_home: Path) -> Path:
+    from qie.components.tiny import default_tiny_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_path("edit", "demo"), "edit", preset="demo")

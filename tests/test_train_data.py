@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qie.components.tiny import VAE_CONFIG
+from qie.components.tiny_presets import VAE_CONFIG
 from qie.config import compose
 from qie.data.buckets import BucketBatchSampler
 from qie.data.collate import collate, pad_embeds

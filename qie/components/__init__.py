@@ -23,7 +23,8 @@ def model_source(model_cfg: Any) -> str:
     if model_cfg.tiny:
         from qie.components.tiny import ensure_tiny_model
 
-        ensure_tiny_model(source, variant=str(_value(model_cfg.variant)))
+        preset = str(_value(getattr(model_cfg, "tiny_preset", "default")))
+        ensure_tiny_model(source, variant=str(_value(model_cfg.variant)), preset=preset)
     return source
 
 

@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised Qwen-Image-Edit checkpoints made of the real classes, for tests.
+"""Tiny Qwen-Image-Edit checkpoints made of the real classes, for tests and the demo.
 
 `build_tiny_model` writes a normal diffusers folder (model_index.json, transformer/, vae/,
 text_encoder/, tokenizer/, processor/, scheduler/) that `QwenImageEditPipeline.from_pretrained`
@@ -22,7 +22,6 @@ from typing import Any
 import diffusers
 import torch
 from diffusers import (
-    AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
@@ -32,6 +31,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from qie.components.tiny_presets import build_vae, get_preset
 from qie.errors import ModelLoadError
 
 PIPELINES: dict[str, type] = {"edit": QwenImageEditPipeline, "edit_plus": QwenImageEditPlusPipeline}
@@ -62,19 +62,6 @@ SCHEDULER_CONFIG: dict[str, Any] = {
     "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
     "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
     "use_dynamic_shifting": True, "use_exponential_sigmas": False, "use_karras_sigmas": False,
-}  # fmt: skip
-TRANSFORMER_CONFIG: dict[str, Any] = {
-    "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-    "num_attention_heads": 3, "joint_attention_dim": 16, "guidance_embeds": False,
-    "axes_dims_rope": (8, 4, 4),
-}  # fmt: skip
-Z_DIM = 4
-# Fixed, deliberately non-trivial latent statistics so normalisation bugs change results.
-LATENTS_MEAN = [-0.35, 0.2, 0.45, -0.1]
-LATENTS_STD = [0.6, 1.35, 0.85, 1.2]
-VAE_CONFIG: dict[str, Any] = {
-    "base_dim": 24, "z_dim": Z_DIM, "dim_mult": [1, 2, 4], "num_res_blocks": 1,
-    "temperal_downsample": [False, True], "latents_mean": LATENTS_MEAN, "latents_std": LATENTS_STD,
 }  # fmt: skip
 TEXT_HIDDEN = 16  # == transformer joint_attention_dim
 # Qwen's CLIP normalisation; pixel bounds sized for 64 px test images (56x56 -> 4 image tokens).
@@ -191,16 +178,21 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
-    """Build a tiny random Qwen-Image-Edit(-Plus) checkpoint into `path` and return it."""
+def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0, preset: str = "default") -> Path:
+    """Build a tiny Qwen-Image-Edit(-Plus) checkpoint of the sizes `preset` names into `path`; returns it.
+
+    Every preset shares the tokenizer and text encoder; presets differ in the transformer and the VAE
+    (random, or trained weights shipped with qie): see `qie.components.tiny_presets`.
+    """
     pipeline_cls = _check_variant(variant)
+    sizes = get_preset(preset)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     with _seeded(seed):
-        transformer = QwenImageTransformer2DModel(**TRANSFORMER_CONFIG)
+        transformer = QwenImageTransformer2DModel(**sizes.transformer)
     with _seeded(seed + 1):
-        vae = AutoencoderKLQwenImage(**VAE_CONFIG)
+        vae = build_vae(sizes)
     with _seeded(seed + 2):
         text_encoder = Qwen2_5_VLForConditionalGeneration(_text_encoder_config(tokenizer)).eval()
     transformer.save_pretrained(out / "transformer")
@@ -256,13 +248,14 @@ def _build_lock(lock_path: Path) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def ensure_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
+def ensure_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0, preset: str = "default") -> Path:
     """Return `path`, building the tiny model there first if it holds no model_index.json.
 
     The build goes to a temporary sibling folder that is renamed into place at the end, so a
     killed build leaves no half-written model; concurrent callers serialise on a lock file.
     """
     _check_variant(variant)
+    get_preset(preset)
     final = Path(path)
     if (final / "model_index.json").is_file():
         return _check_existing(final, variant)
@@ -280,7 +273,7 @@ def ensure_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int 
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=final.parent))
         try:
-            build_tiny_model(tmp, variant=variant, seed=seed)
+            build_tiny_model(tmp, variant=variant, seed=seed, preset=preset)
             tmp.chmod(0o755)  # mkdtemp makes it private; the model is a shared cache
             try:
                 os.rename(tmp, final)
@@ -292,9 +285,11 @@ def ensure_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int 
     return _check_existing(final, variant)
 
 
-def default_tiny_path(variant: str = "edit") -> Path:
-    """Where the shared tiny model lives: `$QIE_HOME/tiny/<variant>-v1` (QIE_HOME: ~/.cache/qie)."""
+def default_tiny_path(variant: str = "edit", preset: str = "default") -> Path:
+    """Where the shared tiny model lives: `$QIE_HOME/tiny/<variant>[-<preset>]-v1` (QIE_HOME: ~/.cache/qie)."""
     from qie.config import qie_home
 
     _check_variant(variant)
-    return qie_home() / "tiny" / f"{variant}-{TINY_VERSION}"
+    get_preset(preset)
+    name = variant if preset == "default" else f"{variant}-{preset}"
+    return qie_home() / "tiny" / f"{name}-{TINY_VERSION}"

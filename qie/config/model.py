@@ -13,6 +13,13 @@ class Variant(str, Enum):
     edit_plus = "edit_plus"
 
 
+class TinyPreset(str, Enum):
+    """Sizes of qie's tiny model (`qie.components.tiny_presets`): random weights, or the demo's trained VAE."""
+
+    default = "default"
+    demo = "demo"
+
+
 class Dtype(str, Enum):
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -36,6 +43,7 @@ class ModelConfig:
     revision: str | None = None
     # Build qie's tiny random model at `pretrained_model_name_or_path` when it is not there yet.
     tiny: bool = False
+    tiny_preset: TinyPreset = TinyPreset.default
     dtype: Dtype = Dtype.bfloat16
     quantize: Quantize = Quantize.none
     # Areas (pixels) the pipeline resizes condition images to, for the VAE and for Qwen2.5-VL.
