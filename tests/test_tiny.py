@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,8 @@ from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
 
 from qie.components.processor import QwenImageProcessorNoVideo, load_processor
-from qie.components.tiny import (
-    LATENTS_MEAN,
-    build_tiny_model,
-    default_tiny_path,
-    ensure_tiny_model,
-    system_prefix,
-)
+from qie.components.tiny import LATENTS_MEAN, build_tiny_model, default_tiny_path, ensure_tiny_model, system_prefix
+from qie.components.tiny_presets import DEMO_VAE_CONFIG, DEMO_VAE_FILE, DEMO_Z_DIM, read_vae_weights
 from qie.errors import ModelLoadError
 
 WEIGHT_FILES = (
@@ -186,3 +182,31 @@ def test_python_m_qie_tiny_writes_any_preset(tiny_t2i_path: Path, tmp_path: Path
 def test_ensure_refuses_a_folder_of_another_preset(tiny_plus_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="zero_cond_t"):
         ensure_tiny_model(tiny_plus_path, variant="edit_2511")
+
+
+def test_demo_preset_ships_a_trained_vae_and_a_matching_transformer(tiny_demo_path: Path) -> None:
+    tensors, meta = read_vae_weights(DEMO_VAE_FILE)
+    shipped = resources.files("qie.components") / DEMO_VAE_FILE
+    assert shipped.is_file() and shipped.stat().st_size < 2 * 2**20
+    assert json.loads(meta["config"]) == DEMO_VAE_CONFIG
+    vae_config = json.loads((tiny_demo_path / "vae" / "config.json").read_text())
+    assert vae_config["latents_mean"] == json.loads(meta["latents_mean"])
+    assert vae_config["latents_std"] == json.loads(meta["latents_std"])
+    assert vae_config["latents_mean"] != [0.0] * DEMO_Z_DIM  # the trained encoder's statistics, not defaults
+    built = load_file(tiny_demo_path / "vae" / "diffusion_pytorch_model.safetensors")
+    assert built.keys() == tensors.keys()
+    assert all(torch.equal(built[k], tensors[k].float()) for k in built)
+    transformer = json.loads((tiny_demo_path / "transformer" / "config.json").read_text())
+    assert (transformer["in_channels"], transformer["out_channels"]) == (4 * DEMO_Z_DIM, DEMO_Z_DIM)
+    assert sum(transformer["axes_dims_rope"]) == transformer["attention_head_dim"]
+    # The text side is the tiny model's own.
+    default = default_tiny_path("edit")
+    ensure_tiny_model(default)
+    for name in ("text_encoder/model.safetensors", "tokenizer/tokenizer.json"):
+        assert (tiny_demo_path / name).read_bytes() == (default / name).read_bytes()
+
+
+def test_unknown_preset_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown tiny model variant 'huge'"):
+        ensure_tiny_model(tmp_path / "m", "huge")
+    assert default_tiny_path("demo").name == "demo-v1"

@@ -31,6 +31,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from qie.components.tiny_presets import DEMO_TRANSFORMER, DEMO_VAE_CONFIG, DEMO_VAE_FILE, load_shipped_vae
 from qie.components.tiny_tokenizer import build_tokenizer, system_prefix
 from qie.errors import ModelLoadError
 from qie.models import pipeline_parts
@@ -47,6 +48,9 @@ class TinyPreset:
     pipeline: type
     tokenizer_pipelines: tuple[type, ...]
     transformer: tuple[tuple[str, Any], ...] = ()
+    # A VAE config and weights shipped with qie (`qie.components.tiny_presets`) instead of a random VAE.
+    vae: tuple[tuple[str, Any], ...] = ()
+    vae_weights: str | None = None
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -55,6 +59,11 @@ PRESETS: dict[str, TinyPreset] = {
     # The Edit-Plus weights (same seed), with control tokens at timestep 0 as in Qwen-Image-Edit-2511.
     "edit_2511": TinyPreset(QwenImageEditPlusPipeline, EDIT_PIPELINES, (("zero_cond_t", True),)),
     "t2i": TinyPreset(QwenImagePipeline, (QwenImagePipeline,)),
+    # The demo's Edit model: a larger transformer and a VAE trained on the demo's shapes.
+    "demo": TinyPreset(
+        QwenImageEditPipeline, EDIT_PIPELINES, tuple(DEMO_TRANSFORMER.items()), tuple(DEMO_VAE_CONFIG.items()),
+        DEMO_VAE_FILE,
+    ),  # fmt: skip
 }
 # Where each part comes from, as model_index.json names it; a pipeline lists the parts it takes.
 MODEL_INDEX: dict[str, list[str]] = {
@@ -152,7 +161,10 @@ def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int =
     with _seeded(seed):
         transformer = QwenImageTransformer2DModel(**{**TRANSFORMER_CONFIG, **dict(spec.transformer)})
     with _seeded(seed + 1):
-        vae = AutoencoderKLQwenImage(**VAE_CONFIG)
+        if spec.vae_weights:
+            vae = load_shipped_vae(dict(spec.vae), spec.vae_weights)
+        else:
+            vae = AutoencoderKLQwenImage(**VAE_CONFIG)
     with _seeded(seed + 2):
         text_encoder = Qwen2_5_VLForConditionalGeneration(_text_encoder_config(tokenizer)).eval()
     transformer.save_pretrained(out / "transformer")
@@ -179,7 +191,8 @@ def _check_existing(path: Path, variant: str) -> Path:
     spec = preset(variant)
     found = json.loads((path / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
-    differs = {k: config.get(k) for k, v in spec.transformer if config.get(k) != v}
+    # Compared as JSON stores them (tuples come back as lists).
+    differs = {k: config.get(k) for k, v in spec.transformer if config.get(k) != json.loads(json.dumps(v))}
     if found != spec.pipeline.__name__ or differs:
         raise ModelLoadError(
             f"{path} holds a tiny {found} model {differs or ''}, not the {variant} one asked for "

@@ -50,10 +50,14 @@ class TrainRoot:
 
 @dataclass
 class DemoConfig:
-    train_samples: int = 64
+    train_samples: int = 256
     heldout_samples: int = 8
     image_size: int = 64
     seed: int = 0
+    # torch's intra-op threads while the demo runs (0: torch's default). The tiny model's matrices are too
+    # small to gain from several; where other jobs share the cores, threads that wait on each other made a
+    # training step 10-20x slower than one thread alone.
+    threads: int = 1
 
 
 @dataclass

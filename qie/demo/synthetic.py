@@ -2,6 +2,7 @@
 
 Each sample's control image shows one shape; the target shows the same shape in another colour, and
 the caption says which ("make the circle red"). Written in the folder layout, with a held-out split.
+Shapes are large and the colours few and far apart, so that a tiny model's edit is plain to see.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ COLORS = {
     "green": (40, 180, 60),
     "blue": (40, 80, 220),
     "yellow": (235, 210, 40),
-    "purple": (150, 60, 190),
 }
 BACKGROUNDS = [(245, 245, 240), (200, 200, 205), (30, 30, 40)]
 SHAPES = ("circle", "square", "triangle")
+# The shape's side, as a fraction of the image side.
+SIDE_RANGE = (0.4, 0.7)
 
 
 def draw_shape(size: int, shape: str, color: tuple, background: tuple, box: tuple[int, int, int, int]) -> Image.Image:
@@ -35,20 +37,38 @@ def draw_shape(size: int, shape: str, color: tuple, background: tuple, box: tupl
     return img
 
 
+def random_scene(rng: random.Random, size: int) -> tuple[str, tuple, tuple[int, int, int, int]]:
+    """A shape, a background and a box for it, drawn from `rng`."""
+    shape = rng.choice(SHAPES)
+    background = rng.choice(BACKGROUNDS)
+    side = rng.randint(int(size * SIDE_RANGE[0]), int(size * SIDE_RANGE[1]))
+    x, y = rng.randint(2, size - side - 2), rng.randint(2, size - side - 2)
+    return shape, background, (x, y, x + side, y + side)
+
+
+def random_edit(rng: random.Random, size: int) -> tuple[Image.Image, Image.Image, str]:
+    """One sample: (control image, target image, instruction)."""
+    shape, background, box = random_scene(rng, size)
+    src, dst = rng.sample(sorted(COLORS), 2)
+    control = draw_shape(size, shape, COLORS[src], background, box)
+    return control, draw_shape(size, shape, COLORS[dst], background, box), f"make the {shape} {dst}"
+
+
+def random_image(rng: random.Random, size: int) -> Image.Image:
+    """One image as the data set's images are drawn (for training the demo's VAE)."""
+    shape, background, box = random_scene(rng, size)
+    return draw_shape(size, shape, COLORS[rng.choice(sorted(COLORS))], background, box)
+
+
 def write_split(root: Path, count: int, size: int, rng: random.Random) -> None:
     (root / "training_images").mkdir(parents=True, exist_ok=True)
     (root / "control_images").mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        shape = rng.choice(SHAPES)
-        src, dst = rng.sample(sorted(COLORS), 2)
-        background = rng.choice(BACKGROUNDS)
-        side = rng.randint(size // 3, size // 2)
-        x, y = rng.randint(2, size - side - 2), rng.randint(2, size - side - 2)
-        box = (x, y, x + side, y + side)
+        control, target, prompt = random_edit(rng, size)
         stem = f"{i:05d}"
-        draw_shape(size, shape, COLORS[src], background, box).save(root / "control_images" / f"{stem}.png")
-        draw_shape(size, shape, COLORS[dst], background, box).save(root / "training_images" / f"{stem}.png")
-        (root / "training_images" / f"{stem}.txt").write_text(f"make the {shape} {dst}\n", encoding="utf-8")
+        control.save(root / "control_images" / f"{stem}.png")
+        target.save(root / "training_images" / f"{stem}.png")
+        (root / "training_images" / f"{stem}.txt").write_text(prompt + "\n", encoding="utf-8")
 
 
 def make_dataset(root: str | Path, train: int = 32, heldout: int = 8, size: int = 64, seed: int = 0) -> Path:
