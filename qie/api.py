@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
-from qie.cache.api import EmbeddingCacheManager
+from qie.cache_manager import EmbeddingCacheManager
 from qie.config import for_stage
 from qie.errors import ConfigError
 

@@ -14,7 +14,7 @@ from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 import qie
-from qie.cache import EmbeddingCacheManager
+from qie.cache_manager import EmbeddingCacheManager
 from qie.demo.synthetic import make_dataset
 from qie.stages import infer
 

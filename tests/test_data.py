@@ -287,7 +287,9 @@ def test_keys_follow_file_bytes_and_prompt(tmp_path: Path) -> None:
     c2 = write_solid_image(tmp_path / "c2.png", (9, 9, 9))
     hasher, ctx = FileHasher(), _ctx()
     base = sample_keys(Sample("a", t, (c,), "p"), ctx, hasher)
-    assert set(base) == ALL and len(set(base.values())) == 6
+    assert set(base) == ALL and len(set(base.values())) == 4  # a mask shares its embedding's key
+    assert base["prompt_embeds_mask"] == base["prompt_embed"] != base["empty_prompt_embed"]
+    assert base["empty_prompt_embeds_mask"] == base["empty_prompt_embed"]
 
     def changed(sample: Sample) -> set:
         keys = sample_keys(sample, ctx, hasher)
