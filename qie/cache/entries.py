@@ -32,6 +32,12 @@ Pieces = tuple[torch.Tensor, ...]
 assert set(STORED_TYPES) == set(TRAINING_TYPES)
 
 
+# Rows are "equal within the dtype's rounding" when every element differs by at most this many units of the
+# dtype's epsilon, relative to the element (or to the row's RMS, for elements near zero): the rounding a
+# different summation order leaves. A different token differs by the order of the values themselves.
+ROUNDING_EPS = 8
+
+
 def shared_rows(embed: torch.Tensor, base: torch.Tensor) -> tuple[int, float]:
     """How many leading rows `embed` shares with `base` (equal within the dtype's rounding), and the largest
     absolute difference over those rows."""
@@ -40,7 +46,8 @@ def shared_rows(embed: torch.Tensor, base: torch.Tensor) -> tuple[int, float]:
         return 0, 0.0
     a, b = embed[:n].reshape(n, -1).double(), base[:n].reshape(n, -1).double()
     diff = (a - b).abs()
-    same = (diff <= torch.finfo(embed.dtype).eps * torch.maximum(a.abs(), b.abs())).all(dim=1)
+    scale = torch.maximum(torch.maximum(a.abs(), b.abs()), b.pow(2).mean(dim=1, keepdim=True).sqrt())
+    same = (diff <= ROUNDING_EPS * torch.finfo(embed.dtype).eps * scale).all(dim=1)
     rows = n if bool(same.all()) else int((~same).nonzero()[0, 0])
     return rows, float(diff[:rows].max()) if rows else 0.0
 

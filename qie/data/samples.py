@@ -51,13 +51,17 @@ class Dataset:
     problems: list[DataProblem] = field(default_factory=list)
 
 
-def scan_dataset(path: str | Path, format: str = "auto", require_target: bool = True) -> Dataset:
+def scan_dataset(
+    path: str | Path, format: str = "auto", require_target: bool = True, allow_outside: bool = False
+) -> Dataset:
     """Find the samples of a data set folder or manifest.
 
     Args:
         path: a folder in the folder layout, or a .jsonl / .csv manifest.
         format: "auto", "folder" or "manifest".
         require_target: whether a sample without a target image is a problem (training) or fine (infer).
+        allow_outside: accept manifest rows naming files outside the manifest's folder (`..`, absolute
+            paths); otherwise such a row is a problem (`data.allow_outside_paths`).
 
     Returns:
         The samples in a stable order (sorted by id) and the problems found.
@@ -75,7 +79,10 @@ def scan_dataset(path: str | Path, format: str = "auto", require_target: bool = 
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        data = _scan_folder(root, require_target) if format == "folder" else _scan_manifest(root, require_target)
+        if format == "folder":
+            data = _scan_folder(root, require_target)
+        else:
+            data = _scan_manifest(root, require_target, allow_outside)
     finally:
         if gc_was_on:
             gc.enable()
@@ -253,7 +260,14 @@ def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
     return controls, target, prompt
 
 
-def _scan_manifest(path: Path, require_target: bool) -> Dataset:
+def _outside(folder: Path, name: str) -> bool:
+    """Whether the manifest path `name` leaves `folder` (absolute, or climbing out with `..`)."""
+    if os.path.isabs(name):
+        return True
+    return os.path.normpath(name).split(os.sep)[0] == ".."
+
+
+def _scan_manifest(path: Path, require_target: bool, allow_outside: bool = False) -> Dataset:
     data = Dataset()
     seen: set[str] = set()
     for n, row in _manifest_rows(path):
@@ -269,6 +283,17 @@ def _scan_manifest(path: Path, require_target: bool) -> Dataset:
             missing.append("target")
         if missing:
             data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
+            continue
+        outside = [] if allow_outside else [c for c in [*controls, target] if c and _outside(path.parent, c)]
+        if outside:
+            data.problems.append(
+                DataProblem(
+                    rid,
+                    where,
+                    f"manifest row {n}: {outside[0]!r} lies outside the manifest's folder "
+                    f"{str(path.parent)!r}: move it inside, or set data.allow_outside_paths=true",
+                )
+            )
             continue
         paths = [path.parent / c for c in controls] + ([path.parent / target] if target else [])
         bad = [p for p in paths if not p.is_file()]
