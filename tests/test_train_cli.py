@@ -103,4 +103,4 @@ def test_two_processes_keep_the_lora_identical(data: dict, tmp_path: Path) -> No
     result = json.loads((tmp_path / "run" / "train_result.json").read_text())
     checksums = result["param_checksums"]  # gathered from every process after the last step
     assert len(checksums) == 2 and checksums[0] == checksums[1] and result["ranks_agree"]
-    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "accelerate" / "random_states_1.pkl").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()

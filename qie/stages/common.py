@@ -88,7 +88,7 @@ def build_source(
     sizes = image_sizes(cfg)
     if mode == "live" or cfg.cache.name == "none":
         return LiveSource(encoder or build_encoder(cfg), sizes)
-    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"))
+    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
     factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg))
     cached = CachedSource(
         backend,
