@@ -46,6 +46,7 @@ from qie.cache.base import decode  # noqa: E402
 from qie.cache.entries import STORED_TYPES, read_entries, write_entries  # noqa: E402
 from qie.cache.keys import entry_key  # noqa: E402
 from qie.cache.ssd import MMAP_MIN_BYTES, SsdBackend, read_file  # noqa: E402
+from qie.types import CACHE_TYPES  # noqa: E402
 
 
 def sample_tensors(i: int, group: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict]:
@@ -84,11 +85,14 @@ def sample_keys(i: int, group: int) -> dict[str, str]:
     return keys
 
 
-def write_sample(backend, pt_root: Path, i: int, group: int, args, g) -> tuple[dict[str, str], list[str]]:
-    """Write sample `i` in both formats; returns its ssd keys and its .pt files."""
+def write_sample(backend, pt_root: Path, i: int, group: int, args, g, whole=None) -> tuple[dict[str, str], list[str]]:
+    """Write sample `i` in both formats (and, to `whole`, as six whole entries: the layout before the shared
+    prefix); returns its ssd keys and its .pt files."""
     keys = sample_keys(i, group)
     entries = sample_tensors(i, group, args, g)
     write_entries(backend, keys, {t: entries[t] for t in STORED_TYPES})
+    for type, tensors in entries.items() if whole is not None else ():
+        whole.put(type, entry_key(type, {"sample": i}), tensors)
     folder = pt_root / f"{i:06d}"
     folder.mkdir(parents=True, exist_ok=True)
     pts = []
@@ -188,13 +192,14 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     backend = SsdBackend(work / "ssd")
     verified = SsdBackend(work / "ssd", verify_reads=True)
     reader = Reading(backend) if args.ssd_read == "read" else backend
+    whole = SsdBackend(work / "ssd_whole")
     pt_root = work / "pt"
     g = torch.Generator().manual_seed(0)
     ssd_keys: list[dict[str, str]] = []
     pt_files: list[list[str]] = []
     t0 = time.perf_counter()
     for i in range(args.samples):
-        keys, pts = write_sample(backend, pt_root, i, i, args, g)
+        keys, pts = write_sample(backend, pt_root, i, i, args, g, whole)
         ssd_keys.append(keys)
         pt_files.append(pts)
     print(f"wrote {args.samples} samples (4 stored types for ssd, 6 for .pt) in {time.perf_counter() - t0:.1f} s")
@@ -209,6 +214,13 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                     for x in entry.values():
                         for piece in x if isinstance(x, tuple) else (x,):
                             use(piece)
+
+    def read_whole(use) -> None:
+        for i in range(len(ssd_keys)):
+            for type in CACHE_TYPES:
+                for x in whole.get(type, entry_key(type, {"sample": i})).values():
+                    if use:
+                        use(x)
 
     def read_pt(use, mmap: bool = False) -> None:
         for paths in pt_files:
@@ -231,8 +243,9 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     ssd, pt, raw = "ssd (read_entries)", ".pt fp16 (torch.load)", "raw (open().read())"
     ssd_v = "ssd verify_reads=true"
     pt_mmap = ".pt fp16 (torch.load mmap=True) [info]"
-    methods = {ssd: read_ssd, ssd_v: lambda use: read_ssd(use, verified), pt: read_pt, raw: read_raw,
-               pt_mmap: lambda use: read_pt(use, mmap=True)}  # fmt: skip
+    before = "ssd, six whole entries (layout before schema 2)"
+    methods = {ssd: read_ssd, ssd_v: lambda use: read_ssd(use, verified), before: read_whole, pt: read_pt,
+               raw: read_raw, pt_mmap: lambda use: read_pt(use, mmap=True)}  # fmt: skip
     variants = [(name, use) for use in USES for name in methods]
     for name, use in variants:  # warm-up pass: every file in the page cache
         methods[name](USES[use])
@@ -286,6 +299,11 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
         target_line("cache read: ssd vs raw read", vs_raw, ">=", 0.8),
         target_line("bytes per sample: ssd / .pt fp16", disk, "<=", 0.55),
     ]
+    print(
+        "read per sample, shared prefix vs six whole entries: "
+        + ", ".join(f"{use} {per[(ssd, use)] / per[(before, use)]:.3g}x" for use in USES)
+        + " (below 1: faster)"
+    )
     cost = {use: per[(ssd_v, use)] / per[(ssd, use)] - 1 for use in USES}
     print(
         "verify_reads cost (each entry's checksum checked on read): "
