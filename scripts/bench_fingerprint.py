@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gb", type=float, default=4.0, help="file size in GiB (default 4)")
     p.add_argument("--work", default=None, help="work folder (default: a temp folder, removed)")
     args = p.parse_args(argv)
-    header("fingerprint of a weight file (whole file, xxh3_128)", ["scripts/bench_fingerprint.py", *(argv or [])])
+    command = ["scripts/bench_fingerprint.py", *(sys.argv[1:] if argv is None else argv)]
+    header("fingerprint of a weight file (whole file, xxh3_128)", command)
     return run_in_work_dir(lambda work: _run(args, work), args.work, "qie_bench_fp_")
 
 
