@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from qie.config import register, validate
 from qie.errors import QieError, StorageError
@@ -116,3 +116,22 @@ class SweepSummary(Callback):
             lines.append(f"  {job}: {message[0] if message else '(no message)'}")
         print("\n".join(lines), file=sys.stderr)
         sys.exit(1)
+
+
+class RunDirCheck(Callback):
+    """Hydra callback: check the run (or sweep) directory is writable before Hydra creates it, so a bad
+    `hydra.run.dir` ends in one `qie: error:` line instead of Hydra's traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_or_exit(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_or_exit(config, "hydra.sweep.dir")
+
+
+def _check_or_exit(config: DictConfig, key: str) -> None:
+    try:
+        check_writable(Path(str(OmegaConf.select(config, key))), key)
+    except StorageError as e:
+        print(f"qie: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -170,3 +170,18 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_keeps_what_was_written(tiny_pa
     report = SsdBackend(cache).verify()
     assert report.checked == 5 and report.corrupt == []  # what was written before is whole
     assert not list(cache.rglob("*.tmp"))
+
+
+@pytest.mark.subprocess
+def test_an_unwritable_run_directory_is_one_error_line(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    for stage in ("qie.precompute", "qie.train"):
+        cmd = [sys.executable, "-m", stage, f"data.path={tmp_path}", f"cache.dir={tmp_path / 'c'}",
+               f"hydra.run.dir={a_file / 'run'}"]  # fmt: skip
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines() == [
+            f"qie: error: hydra.run.dir '{a_file / 'run'}' is a file (or lies under one): choose a folder"
+        ]
