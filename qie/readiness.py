@@ -29,13 +29,16 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
     t0 = time.perf_counter()
     out: dict[str, list] = {"missing": [], "damaged": [], "unreadable": [], "precompute_failed": []}
     backend = source.backend
+    keyed = []
     for sample in samples:
         try:
-            keys = source.keys(sample)
+            keyed.append((sample, source.keys(sample)))
         except OSError as e:
             out["unreadable"].append({"id": sample.id, "reason": f"cannot read {e.filename!r} ({e.strerror})"})
-            continue
-        bad = [t for t in sample_types(sample) if not backend.intact(t, keys[t])]
+    items = [(t, keys[t]) for sample, keys in keyed for t in sample_types(sample)]
+    whole = dict(zip(items, backend.intact_all(items, remember=True)))
+    for sample, keys in keyed:
+        bad = [t for t in sample_types(sample) if not whole[t, keys[t]]]
         if not bad:
             continue
         known = [failures[f"{t}/{keys[t]}"]["reason"] for t in bad if f"{t}/{keys[t]}" in failures]

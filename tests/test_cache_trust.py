@@ -7,6 +7,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,29 @@ def test_the_cache_package_imports_no_model_library_config_or_data_code() -> Non
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "[]", out.stderr
     assert len(CACHE_TYPES) == 6
+
+
+def test_a_checked_set_is_rechecked_only_when_a_file_changed(tmp_path: Path, monkeypatch) -> None:
+    import qie.cache.ssd as ssd
+
+    monkeypatch.setattr(ssd, "CHECK_MARGIN_NS", 0)
+    b = SsdBackend(tmp_path)
+    keys = [keys_of(c, c) for c in range(3)]
+    for c, k in enumerate(keys):
+        write_entries(b, k, sample(c, torch.randn(4, 8)))
+    items = [(t, k[t]) for k in keys for t in ("pixel_latent", "control_latent", "empty_prompt_embed", "prompt_embed")]
+    time.sleep(0.05)  # past the kernel's coarse timestamp tick
+    assert b.intact_all(items, remember=True) == [True] * 12
+    assert len(list((tmp_path / ".checked").iterdir())) == 1
+    headers_read = []
+    monkeypatch.setattr(b, "_quick", lambda *a: headers_read.append(a) or ssd.SsdBackend._quick(b, *a))
+    b.path("pixel_latent", keys[2]["pixel_latent"]).unlink()
+    assert b.intact_all(items) == [True] * 8 + [False] + [True] * 3 and headers_read == []  # one stat each
+    path = b.path("empty_prompt_embed", keys[0]["empty_prompt_embed"])
+    st, data = path.stat(), bytearray(path.read_bytes())
+    data[-1] ^= 1  # a flipped bit: the header still holds, the checksum no longer
+    path.write_bytes(bytes(data[:-2]))  # and truncated in place, its mtime put back
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    got = b.intact_all(items)
+    assert headers_read  # the set changed: every header read again
+    assert got[2:4] == [False, False] and got.count(False) == 3  # the base, the prompt on it, the missing one

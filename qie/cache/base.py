@@ -6,7 +6,7 @@ An entry is stored as the bytes of one safetensors file (`qie.cache.codec`), wha
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -73,6 +73,11 @@ class CacheBackend(Protocol):
     def intact(self, type: str, key: str) -> bool:
         """Whether the entry is stored whole, judged by its header (schema, type, length) and, for an entry
         that extends another (`base_of`), that base's header and checksum; the tensor bytes are not read."""
+        ...
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of many (type, key) entries. With `remember`, a file backend records that this set of
+        entries was whole, so that while none of its files changes, the next check costs one stat per file."""
         ...
 
     def claim(self, type: str, key: str, wait: bool = False) -> Claim | None:

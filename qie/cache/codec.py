@@ -118,6 +118,25 @@ def parse_header(head: bytes | memoryview, size: int, type: str) -> Header:
     return Header(hlen, digest, spans, list(listing), meta)
 
 
+def quick_header(head: bytes, size: int, type: str) -> tuple[str, dict[str, str]] | None:
+    """(checksum, meta) when the header names this schema and type and the file is as long as it says; None
+    otherwise. The cheap check of `intact` (a tenth of `parse_header`'s work); reads check the rest."""
+    try:
+        hlen = int.from_bytes(head[:8], "little")
+        if size < 8 or hlen > size - 8 or hlen > len(head) - 8:
+            return None
+        header = _json(head[8 : 8 + hlen].decode("utf-8"))
+        own = header.pop("__metadata__")
+        if own["schema"] != str(SCHEMA_VERSION) or own["type"] != type or not header:
+            return None
+        end = max(int(info["data_offsets"][1]) for info in header.values())
+        if size != 8 + hlen + end or not own["checksum"].startswith(f"{CHECKSUM}:"):
+            return None
+        return own["checksum"], (_json(own["meta"]) if own["meta"] != "{}" else {})
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        return None
+
+
 def decode(buf: torch.Tensor, type: str, verify: bool = False) -> Entry:
     """Parse safetensors bytes (a uint8 tensor) into the entry; the tensors are views of `buf`, so
     reading costs one copy from the OS. With `verify`, the checksum of the tensor bytes is checked too.

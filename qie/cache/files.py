@@ -117,6 +117,23 @@ def write_atomic(path: str, data: bytes, key: str) -> None:
         raise
 
 
+def write_small(path: str, text: str) -> bool:
+    """Write a small file atomically, creating its folder; False (nothing raised) where that fails."""
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
 def storage_error(e: OSError, path: str | os.PathLike, doing: str) -> StorageError:
     """A StorageError for an OSError of a full or unwritable disk, naming the path and what to do."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):

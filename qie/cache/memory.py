@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -66,6 +66,10 @@ class MemoryBackend:
         if base is None:
             return True
         return base[1] in self._entries.get(base[0], {}) and self._checksums.get(base[:2]) == base[2]
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of each entry."""
+        return [self.intact(t, k) for t, k in items]
 
     def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
         """Always granted: no other process shares these entries."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -54,6 +54,10 @@ class NoneBackend:
         """Always False."""
         _check(type, key)
         return False
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of each entry."""
+        return [self.intact(t, k) for t, k in items]
 
     def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
         """Always granted: nothing is ever stored."""

@@ -6,9 +6,11 @@ shard folders under `dir`, so they never reach outside it, and never create `dir
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import safetensors
@@ -30,11 +32,13 @@ from qie.cache.base import (
     empty_stats,
     encode,
 )
-from qie.cache.codec import Header, parse_header
+from qie.cache.codec import Header, parse_header, quick_header
 from qie.cache.files import MMAP_MIN_BYTES, SUFFIX, load_file, read_file, temp_name
 from qie.errors import ConfigError, StorageError
+from qie.types import CACHE_TYPES
 
 log = logging.getLogger(__name__)
+CHECK_MARGIN_NS = 600 * 10**9
 
 __all__ = ["MMAP_MIN_BYTES", "SsdBackend", "load_file", "read_file", "temp_name"]
 
@@ -96,8 +100,46 @@ class SsdBackend:
 
     def intact(self, type: str, key: str) -> bool:
         """Whether the entry's header is whole and its base (if any) is stored with the recorded checksum."""
-        head = self._header(check_type(type), check_key(key))
-        return head is not None and self._base_problem(head) is None
+        return self._intact(check_type(type), check_key(key), {})
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of each entry. A stamp per set of entries (`.checked/<token>`) records a time before which
+        every file of the set that existed was whole: while no file of the set was changed or written since
+        (the kernel sets a file's ctime on every change, and no tool can set it back), the check is one stat
+        per file. With `remember`, a check that found every existing entry whole writes the stamp."""
+        items = [(check_type(t), check_key(k)) for t, k in items]
+        stamp = f"{self._root}/.checked/{checked_token(items)}"
+        start = time.time_ns() - CHECK_MARGIN_NS  # a margin for file systems whose clock is another machine's
+        since = _read_stamp(stamp)
+        ctimes = [_ctime(self._path(t, k)) for t, k in items]
+        if since is not None and all(c is None or c < since for c in ctimes):
+            return [c is not None for c in ctimes]
+        memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
+        out = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(items, ctimes)]
+        if remember and all(ok or c is None for ok, c in zip(out, ctimes)):
+            files.write_small(stamp, str(start))
+        return out
+
+    def _intact(self, type: str, key: str, memo: dict) -> bool:
+        if (type, key) not in memo:
+            memo[type, key] = self._quick(type, key)
+        found = memo[type, key]
+        if found is None:
+            return False
+        base = base_of(found[1])
+        if base is None:
+            return True
+        try:
+            return self._intact(check_type(base[0]), check_key(base[1]), memo) and memo[base[:2]][0] == base[2]
+        except ValueError:
+            return False
+
+    def _quick(self, type: str, key: str) -> tuple[str, dict] | None:
+        try:
+            head, size = files.read_head(self._path(type, key))
+        except OSError:
+            return None
+        return quick_header(head, size, type)
 
     def claim(self, type: str, key: str, wait: bool = False) -> files.FileClaim | None:
         """Lock (type, key) with a lock file beside its entry (`.<key>.lock`)."""
@@ -276,3 +318,34 @@ class SsdBackend:
                 os.rmdir(path)
             except OSError:
                 pass  # not empty, or a writer just used it
+
+
+_TYPE_SALT = {t: int(hashlib.sha256(t.encode()).hexdigest()[:16], 16) for t in CACHE_TYPES}
+
+
+def checked_token(items: Sequence[tuple[str, str]]) -> str:
+    """A name for a set of (type, key) entries, whatever their order (keys are hex digests: their first 64
+    bits are mixed with the type's; other keys are hashed first)."""
+    total = 0
+    for t, k in items:
+        try:
+            part = int(k[:16], 16)
+        except ValueError:
+            part = int(hashlib.blake2b(k.encode(), digest_size=8).hexdigest(), 16)
+        total = (total + (part ^ _TYPE_SALT[t])) % (1 << 64)
+    return f"{len(items)}-{total:016x}"
+
+
+def _read_stamp(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _ctime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ctime_ns
+    except OSError:
+        return None
