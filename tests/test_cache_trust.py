@@ -248,7 +248,7 @@ def test_the_cache_package_imports_no_model_library_config_or_data_code() -> Non
 def test_a_checked_set_is_rechecked_only_when_a_file_changed(tmp_path: Path, monkeypatch) -> None:
     import qie.cache.ssd as ssd
 
-    monkeypatch.setattr(ssd, "CHECK_MARGIN_NS", 0)
+    monkeypatch.setattr("qie.cache.folders.CHECK_MARGIN_NS", 0)
     b = SsdBackend(tmp_path)
     keys = [keys_of(c, c) for c in range(3)]
     for c, k in enumerate(keys):

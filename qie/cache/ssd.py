@@ -6,17 +6,16 @@ shard folders under `dir`, so they never reach outside it, and never create `dir
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import safetensors
 import torch
 
-from qie.cache import files
+from qie.cache import files, folders
 from qie.cache.base import (
     CorruptEntry,
     CorruptError,
@@ -35,10 +34,8 @@ from qie.cache.base import (
 from qie.cache.codec import Header, parse_header, quick_header
 from qie.cache.files import MMAP_MIN_BYTES, SUFFIX, load_file, read_file, temp_name
 from qie.errors import ConfigError, StorageError
-from qie.types import CACHE_TYPES
 
 log = logging.getLogger(__name__)
-CHECK_MARGIN_NS = 600 * 10**9
 
 __all__ = ["MMAP_MIN_BYTES", "SsdBackend", "load_file", "read_file", "temp_name"]
 
@@ -108,10 +105,10 @@ class SsdBackend:
         (the kernel sets a file's ctime on every change, and no tool can set it back), the check is one stat
         per file. With `remember`, a check that found every existing entry whole writes the stamp."""
         items = [(check_type(t), check_key(k)) for t, k in items]
-        stamp = f"{self._root}/.checked/{checked_token(items)}"
-        start = time.time_ns() - CHECK_MARGIN_NS  # a margin for file systems whose clock is another machine's
-        since = _read_stamp(stamp)
-        ctimes = [_ctime(self._path(t, k)) for t, k in items]
+        stamp = f"{self._root}/.checked/{folders.checked_token(items)}"
+        start = time.time_ns() - folders.CHECK_MARGIN_NS  # a margin for file systems whose clock is another machine's
+        since = folders.read_stamp(stamp)
+        ctimes = [folders.ctime(self._path(t, k)) for t, k in items]
         if since is not None and all(c is None or c < since for c in ctimes):
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
@@ -149,8 +146,8 @@ class SsdBackend:
     def sweep_temp(self) -> int:
         """Remove temp files of writers that died and lock files nobody holds; returns how many."""
         removed, now = 0, files.now()
-        for type in self._types(check_types(None)):
-            for entry in self._scan(type):
+        for type in folders.real_types(self._root, check_types(None)):
+            for entry in folders.scan(self._root, type):
                 if files.is_stale_temp(entry, now):
                     removed += files.unlink(entry.path)
                 elif files.sweep_lock(entry):
@@ -187,9 +184,9 @@ class SsdBackend:
         """{type: {"count", "bytes"}} of the entry files (temp and lock files excluded)."""
         out = empty_stats(types)
         self.check_access()
-        for type in self._types(out):
+        for type in folders.real_types(self._root, out):
             s = out[type]
-            for entry in self._entries(type):
+            for entry in (e for e in folders.scan(self._root, type) if folders.shard_key(e) is not None):
                 try:
                     s["bytes"] += entry.stat(follow_symlinks=False).st_size
                 except FileNotFoundError:
@@ -202,13 +199,13 @@ class SsdBackend:
         wanted = check_types(types)
         self.check_access()
         removed, now = 0, files.now()
-        for type in self._types(wanted):
-            for entry in self._scan(type):
-                if self._key(entry) is not None:
+        for type in folders.real_types(self._root, wanted):
+            for entry in folders.scan(self._root, type):
+                if folders.shard_key(entry) is not None:
                     removed += files.unlink(entry.path)
                 elif files.is_stale_temp(entry, now):
                     files.unlink(entry.path)
-            self._remove_empty_dirs(type)
+            folders.remove_empty_dirs(self._root, type)
         return removed
 
     def verify(self, types: Iterable[str] | None = None, fix: bool = False) -> VerifyReport:
@@ -217,8 +214,8 @@ class SsdBackend:
         wanted = check_types(types)
         self.check_access()
         report, now = VerifyReport(), files.now()
-        for type in self._types(wanted, report):
-            for entry in self._scan(type):
+        for type in folders.real_types(self._root, wanted, report):
+            for entry in folders.scan(self._root, type):
                 if files.is_stale_temp(entry, now):
                     report.stale_temp.append(entry.path)
                     if fix and files.unlink(entry.path):
@@ -227,7 +224,7 @@ class SsdBackend:
                 if key is None:
                     continue  # not an entry: never touched
                 report.checked += 1
-                if self._key(entry) is None:  # key-named, but not ours to delete: another folder's name
+                if folders.shard_key(entry) is None:  # key-named, but not ours to delete: another folder's name
                     reason = f"misplaced: belongs in folder {key[:2]}/ (left in place: move or delete it)"
                     report.corrupt.append(CorruptEntry(type, key, entry.path, reason))
                     continue
@@ -237,39 +234,6 @@ class SsdBackend:
                     if fix and files.unlink(entry.path):
                         report.removed += 1
         return report
-
-    def _types(self, types: Iterable[str], report: VerifyReport | None = None) -> Iterator[str]:
-        """The type folders that are real folders of `dir` (a symlinked one is skipped, with a warning)."""
-        for type in types:
-            folder = f"{self._root}/{type}"
-            if os.path.islink(folder):
-                log.warning("skipping %s: a symlink (admin actions never follow links out of cache.dir)", folder)
-                if report is not None:
-                    report.skipped.append(folder)
-                continue
-            yield type
-
-    def _scan(self, type: str) -> Iterator[os.DirEntry]:
-        """Files (not links) in the real shard folders of `type`, via os.scandir (no per-file stat)."""
-        try:
-            shards = [e for e in os.scandir(f"{self._root}/{type}") if e.is_dir(follow_symlinks=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        for shard in shards:
-            try:
-                with os.scandir(shard.path) as it:
-                    yield from (e for e in it if e.is_file(follow_symlinks=False))
-            except FileNotFoundError:
-                continue
-
-    def _entries(self, type: str) -> Iterator[os.DirEntry]:
-        return (e for e in self._scan(type) if self._key(e) is not None)
-
-    @staticmethod
-    def _key(entry: os.DirEntry) -> str | None:
-        """The key of an entry file: key-named and in its key's shard folder; None for any other file."""
-        key = files.entry_key(entry.name)
-        return key if key is not None and os.path.basename(os.path.dirname(entry.path)) == key[:2] else None
 
     def _header(self, type: str, key: str) -> Header | None:
         try:
@@ -306,46 +270,3 @@ class SsdBackend:
             return str(e)
         except Exception as e:  # any failure to read back makes it corrupt
             return f"{e.__class__.__name__}: {e}"
-
-    def _remove_empty_dirs(self, type: str) -> None:
-        folder = f"{self._root}/{type}"
-        try:
-            shards = [e.path for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        for path in [*shards, folder]:
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass  # not empty, or a writer just used it
-
-
-_TYPE_SALT = {t: int(hashlib.sha256(t.encode()).hexdigest()[:16], 16) for t in CACHE_TYPES}
-
-
-def checked_token(items: Sequence[tuple[str, str]]) -> str:
-    """A name for a set of (type, key) entries, whatever their order (keys are hex digests: their first 64
-    bits are mixed with the type's; other keys are hashed first)."""
-    total = 0
-    for t, k in items:
-        try:
-            part = int(k[:16], 16)
-        except ValueError:
-            part = int(hashlib.blake2b(k.encode(), digest_size=8).hexdigest(), 16)
-        total = (total + (part ^ _TYPE_SALT[t])) % (1 << 64)
-    return f"{len(items)}-{total:016x}"
-
-
-def _read_stamp(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _ctime(path: str) -> int | None:
-    try:
-        return os.stat(path).st_ctime_ns
-    except OSError:
-        return None
