@@ -19,9 +19,9 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name in ("EmbeddingCacheManager", "check_cache_exists"):
-        from qie import cache_manager
+        from qie import embedding_cache
 
-        return getattr(cache_manager, name)
+        return getattr(embedding_cache, name)
     raise AttributeError(f"module 'qie' has no attribute {name!r}")
 
 

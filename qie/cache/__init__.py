@@ -5,7 +5,7 @@ a class following `CacheBackend` and one yaml file naming it in `_target_`. `qie
 sample's six public types onto what is stored (the shared prompt prefix, masks derived).
 
 This package imports torch, safetensors and xxhash only: no model library, no Hydra, and nothing of
-qie but its leaf modules (`qie.types`, `qie.errors`). The notebook facade over it is `qie.cache_manager`.
+qie but its leaf modules (`qie.types`, `qie.errors`). The notebook facade over it is `qie.embedding_cache`.
 """
 
 from __future__ import annotations
