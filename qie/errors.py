@@ -23,3 +23,7 @@ class ModelLoadError(QieError):
 
 class StorageError(QieError):
     """A folder or file qie must read or write is not usable: missing, a file, not writable, disk full."""
+
+
+class CacheDirMissing(StorageError):
+    """The cache folder a reader needs does not exist (to training: every entry is missing)."""

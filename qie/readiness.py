@@ -18,7 +18,7 @@ from qie.cache.failures import read_failures
 from qie.cli import check_writable
 from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource, sample_types
-from qie.errors import CacheMissError
+from qie.errors import CacheDirMissing, CacheMissError
 
 REPORT_FILE = "cache_report.json"
 
@@ -69,7 +69,10 @@ def ready_samples(
     check_writable(run_dir, "the run directory (hydra.run.dir)")
     backend = getattr(source, "backend", None) or getattr(getattr(source, "cached", None), "backend", None)
     if backend is not None:
-        backend.check_access(write=source.encodes)
+        try:
+            backend.check_access(write=source.encodes)
+        except CacheDirMissing:  # every entry is missing: said below, with the count and the precompute command
+            pass
     if source.encodes:
         return samples
     found = check_entries(source, samples, read_failures(cache_dir) if cache_dir else {})

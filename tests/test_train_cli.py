@@ -62,7 +62,8 @@ def test_a_cache_miss_stops_with_the_sample_and_the_precompute_command(data: dic
         proc.wait(timeout=120)
     out, err = output(tmp_path / "logs")
     assert proc.returncode == 2, err
-    assert err.startswith("qie: error: sample '0000")
+    assert err.startswith("qie: error: 8 of 8 samples have missing or damaged cache entries")
+    assert "the first is '00000'" in err and not (tmp_path / "empty").exists()
     assert f"python -m qie.precompute {data['base'][0]} data.path=" in err and empty in err
     assert "Traceback" not in err
 

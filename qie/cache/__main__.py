@@ -1,17 +1,39 @@
 """`python -m qie.cache action=stats|clear|verify cache.dir=... [cache.types=[...]] [verify.fix=true]`."""
 
+from __future__ import annotations
+
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from qie.cache import build_backend, check_types
+from qie.cache.admin import run_admin
 from qie.cli import run_stage
-from qie.stages import cache_admin
+from qie.errors import ConfigError
+
+
+def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
+    """Run the admin action of a composed `cache` config, print its report, return the exit code.
+
+    Raises:
+        ConfigError: an unknown type or backend; StorageError: a cache folder that is missing or a file.
+    """
+    try:
+        types = check_types(list(cfg.cache.types))
+    except ValueError as e:
+        raise ConfigError(f"cache.types: {e}") from None
+    backend = build_backend(cfg.cache._target_, cfg.cache.dir)
+    action = getattr(cfg.action, "value", cfg.action)
+    report = run_admin(backend, action, types, fix=bool(cfg.verify.fix))
+    print(report)
+    return report.exit_code
 
 
 @hydra.main(config_path="../conf", config_name="cache", version_base=None)
 def main(cfg: DictConfig) -> None:
-    code = run_stage(cache_admin.run, cfg)
+    code = run_stage(run, cfg)
     if code:
         sys.exit(code)
 

@@ -33,7 +33,7 @@ from qie.cache.base import (
 )
 from qie.cache.codec import Header, parse_header, quick_header
 from qie.cache.files import MMAP_MIN_BYTES, SUFFIX, load_file, read_file, temp_name
-from qie.errors import ConfigError, StorageError
+from qie.errors import CacheDirMissing, ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class SsdBackend:
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
         out = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(items, ctimes)]
-        if remember and all(ok or c is None for ok, c in zip(out, ctimes)):
+        if remember and any(out) and all(ok or c is None for ok, c in zip(out, ctimes)):
             files.write_small(stamp, str(start))
         return out
 
@@ -162,7 +162,7 @@ class SsdBackend:
             raise StorageError(f"cache.dir {root!r} is a file, not a folder: point cache.dir at a folder")
         if not write:
             if not os.path.isdir(root):
-                raise StorageError(
+                raise CacheDirMissing(
                     f"cache.dir {root!r} does not exist (nothing was created): check the path, or fill it with "
                     "python -m qie.precompute"
                 )
