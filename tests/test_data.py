@@ -139,8 +139,8 @@ def test_jsonl_manifest_paths_relative_to_the_manifest(tmp_path: Path) -> None:
 
 def test_manifest_paths_outside_its_folder_are_refused_unless_allowed(tmp_path: Path) -> None:
     for name in ("t.png", "c.png"):
-        _png(tmp_path / "img" / name)
-        _png(tmp_path / "meta" / "in" / name)
+        write_solid_image(tmp_path / "img" / name)
+        write_solid_image(tmp_path / "meta" / "in" / name)
     rows = [
         {"id": "inside", "target": "in/t.png", "controls": ["./in/c.png"], "prompt": "ok"},
         {"id": "dotdot", "target": "in/t.png", "controls": ["../img/c.png"], "prompt": "climbs out"},

@@ -114,7 +114,8 @@ def test_claims_held_by_another_run_are_waited_for_not_encoded(tiny_path: Path, 
     summary = precompute_work.PrecomputeSummary()
     from qie.stages.common import file_hasher, model_key_context
 
-    keyed = [(s, precompute_work.keys_of(s, model_key_context(cfg), file_hasher(cfg), 1, "tiny"))
+    spec = precompute.model_spec(cfg.model)
+    keyed = [(s, precompute_work.keys_of(s, model_key_context(cfg), file_hasher(cfg), spec))
              for s in precompute.scan_dataset(ds).samples]  # fmt: skip
     groups = precompute_work.plan(keyed, backend, summary)
     precompute_work.encode_groups(lambda: precompute.build_encoder(cfg), groups, backend,
