@@ -18,7 +18,13 @@ def __getattr__(name: str) -> Any:
         from qie import api
 
         return getattr(api, name)
+    if name in ("EmbeddingCacheManager", "check_cache_exists"):
+        from qie import embedding_cache
+
+        return getattr(embedding_cache, name)
     raise AttributeError(f"module 'qie' has no attribute {name!r}")
 
 
-__all__ = ["compose", "Trainer", "EditDataset", "cache_manager", "__version__"]
+__all__ = [
+    "compose", "Trainer", "EditDataset", "cache_manager", "EmbeddingCacheManager", "check_cache_exists", "__version__"
+]  # fmt: skip

@@ -21,8 +21,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
-from qie.cache.api import EmbeddingCacheManager
 from qie.config import for_stage
+from qie.embedding_cache import EmbeddingCacheManager
 from qie.errors import ConfigError
 
 # What `predict` and the encoding helpers take as an image.

@@ -3,6 +3,9 @@ end-of-sweep summary."""
 
 from __future__ import annotations
 
+import errno
+import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -10,16 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from qie.config import register, validate
-from qie.errors import QieError
+from qie.errors import QieError, StorageError
 
 # The stage schemas must be known to Hydra before an entry point's @hydra.main composes its config.
 register()
 
 # Where a sweep job's user error is written, in that job's run directory.
 ERROR_FILE = "error.txt"
+# OSErrors that say the machine, not qie, is at fault: reported in one line naming the path.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 
 
 def run_dir() -> Path:
@@ -37,7 +42,8 @@ def _in_sweep() -> bool:
 
 
 def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
-    """Validate `cfg`, run the stage in the Hydra run directory; a QieError exits 2 with its message.
+    """Validate `cfg`, run the stage in the Hydra run directory; a QieError, or a full or unwritable disk,
+    exits 2 with one `qie: error:` line.
 
     In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
     on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
@@ -48,15 +54,43 @@ def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
     try:
         validate(cfg)
         return run(cfg, run_dir())
-    except QieError as e:
+    except (QieError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in _STORAGE_ERRNOS:
+            raise
+        message = str(e) if isinstance(e, QieError) else describe_os_error(e)
         if not _in_sweep():
-            print(f"qie: error: {e}", file=sys.stderr)
+            print(f"qie: error: {message}", file=sys.stderr)
             sys.exit(2)
         folder = run_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / ERROR_FILE).write_text(f"{e}\n", encoding="utf-8")
-        print(f"qie: error in job {folder}: {e}\nqie: the sweep goes on with the next job", file=sys.stderr)
+        (folder / ERROR_FILE).write_text(f"{message}\n", encoding="utf-8")
+        print(f"qie: error in job {folder}: {message}\nqie: the sweep goes on with the next job", file=sys.stderr)
         return None
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError of the disk: what happened, the path, and what to do."""
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{e.strerror}{where}: free space on that disk or point the output elsewhere; what was saved is kept"
+    return f"{e.strerror}{where}: fix the permissions of that path or point the setting at a writable folder"
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Create `folder` if needed and write a probe file in it.
+
+    Raises:
+        StorageError: naming `what` and the folder, when it is a file or cannot be created or written.
+    """
+    probe = folder / f".qie-write-check.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if isinstance(e, FileExistsError) or e.errno == errno.ENOTDIR:
+            raise StorageError(f"{what} {str(folder)!r} is a file (or lies under one): choose a folder") from None
+        raise StorageError(f"{what} {str(folder)!r} is not writable ({e.strerror}): {describe_os_error(e)}") from None
 
 
 class SweepSummary(Callback):
@@ -82,3 +116,22 @@ class SweepSummary(Callback):
             lines.append(f"  {job}: {message[0] if message else '(no message)'}")
         print("\n".join(lines), file=sys.stderr)
         sys.exit(1)
+
+
+class RunDirCheck(Callback):
+    """Hydra callback: check the run (or sweep) directory is writable before Hydra creates it, so a bad
+    `hydra.run.dir` ends in one `qie: error:` line instead of Hydra's traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_or_exit(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_or_exit(config, "hydra.sweep.dir")
+
+
+def _check_or_exit(config: DictConfig, key: str) -> None:
+    try:
+        check_writable(Path(str(OmegaConf.select(config, key))), key)
+    except StorageError as e:
+        print(f"qie: error: {e}", file=sys.stderr)
+        sys.exit(2)

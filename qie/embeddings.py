@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from qie.cache.base import CacheBackend
+from qie.cache.entries import read_entries, write_entries
 from qie.cache.keys import FileHasher
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
@@ -33,7 +34,8 @@ def sample_types(sample: Sample) -> tuple[str, ...]:
 
 
 def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbeddings:
-    """SampleEmbeddings from cache entries (type name -> dict of named tensors)."""
+    """SampleEmbeddings from cache entries (type name -> dict of named tensors; a prompt embedding may be
+    a tuple of pieces, as `read_entries` gives it)."""
     controls = entries.get("control_latent", {})
     pixel = entries.get("pixel_latent")
     return SampleEmbeddings(
@@ -117,15 +119,7 @@ class CachedSource:
 
     def read(self, sample: Sample) -> tuple[dict, list[str]]:
         """The sample's entries found in the cache, and the types that are missing."""
-        keys = self.keys(sample)
-        found, missing = {}, []
-        for kind in sample_types(sample):
-            entry = self.backend.get(kind, keys[kind])
-            if entry is None:
-                missing.append(kind)
-            else:
-                found[kind] = entry
-        return found, missing
+        return read_entries(self.backend, self.keys(sample), sample_types(sample))
 
     def check(self, samples: Sequence[Sample]) -> None:
         """Stop at the first sample with no entry of a type it needs, reading nothing but file metadata.
@@ -211,9 +205,7 @@ class LazySource:
             self._encoder = None
 
     def _write(self, sample: Sample, entry: dict) -> None:
-        keys = self.cached.keys(sample)
-        for kind, tensors in entry.items():
-            self.cached.backend.put(kind, keys[kind], tensors)
+        write_entries(self.cached.backend, self.cached.keys(sample), entry)
 
 
 def _encode(encoder: Encoder, samples: Sequence[Sample], sizes: ImageSizes) -> list[dict]:

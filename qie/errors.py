@@ -19,3 +19,11 @@ class CacheMissError(QieError):
 
 class ModelLoadError(QieError):
     """A model part, LoRA or checkpoint that cannot be loaded."""
+
+
+class StorageError(QieError):
+    """A folder or file qie must read or write is not usable: missing, a file, not writable, disk full."""
+
+
+class CacheDirMissing(StorageError):
+    """The cache folder a reader needs does not exist (to training: every entry is missing)."""

@@ -23,27 +23,59 @@ CACHE_TYPES = [
 ]
 
 # Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
-# so old entries become misses instead of being read wrongly.
-SCHEMA_VERSION = 1
+# so old entries become misses instead of being read wrongly. 2: checksums in the header, the image-token
+# prefix stored once per control-image set, masks derived instead of stored.
+SCHEMA_VERSION = 2
 
 # What a training step needs of a sample (the masks are implied: embeddings are stored unpadded).
 TRAINING_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
 
 
-@dataclass
+# A prompt embedding as one (tokens, dim) tensor, or as pieces along the tokens (a prefix shared with other
+# prompts of the same control images, then its own rows), joined only where one tensor is needed.
+Embed = torch.Tensor | tuple[torch.Tensor, ...]
+
+
 class SampleEmbeddings:
     """A sample's encoded inputs, on the CPU, unpadded.
 
     `pixel_latent` is None for a sample without a target (validation and inference inputs);
-    `control_latents` is empty for a sample without control images.
+    `control_latents` is empty for a sample without control images. The prompt embeddings may be given as
+    pieces (`Embed`): `prompt_embed` joins them on first use, collate copies the pieces into its batch.
     """
 
-    id: str
-    pixel_latent: torch.Tensor | None  # (C, 1, h, w), normalised
-    control_latents: tuple[torch.Tensor, ...]  # each (C, 1, h, w), normalised
-    prompt_embed: torch.Tensor  # (tokens, dim)
-    empty_prompt_embed: torch.Tensor  # (tokens, dim), the same control images with the empty prompt
-    cached: bool = False  # read from the cache (True) or encoded for this call (False)
+    def __init__(
+        self,
+        id: str,
+        pixel_latent: torch.Tensor | None,  # (C, 1, h, w), normalised
+        control_latents: tuple[torch.Tensor, ...],  # each (C, 1, h, w), normalised
+        prompt_embed: Embed,  # (tokens, dim)
+        empty_prompt_embed: Embed,  # (tokens, dim), the same control images with the empty prompt
+        cached: bool = False,  # read from the cache (True) or encoded for this call (False)
+    ) -> None:
+        self.id, self.pixel_latent, self.control_latents = id, pixel_latent, tuple(control_latents)
+        self.prompt_pieces = _pieces(prompt_embed)
+        self.empty_prompt_pieces = _pieces(empty_prompt_embed)
+        self.cached = cached
+
+    def __repr__(self) -> str:
+        return f"SampleEmbeddings(id={self.id!r}, cached={self.cached})"
+
+    @property
+    def prompt_embed(self) -> torch.Tensor:
+        if len(self.prompt_pieces) > 1:
+            self.prompt_pieces = (torch.cat(self.prompt_pieces),)
+        return self.prompt_pieces[0]
+
+    @property
+    def empty_prompt_embed(self) -> torch.Tensor:
+        if len(self.empty_prompt_pieces) > 1:
+            self.empty_prompt_pieces = (torch.cat(self.empty_prompt_pieces),)
+        return self.empty_prompt_pieces[0]
+
+
+def _pieces(embed: Embed) -> tuple[torch.Tensor, ...]:
+    return tuple(embed) if isinstance(embed, (tuple, list)) else (embed,)
 
 
 @dataclass
@@ -67,8 +99,9 @@ class Batch:
         )
 
 
-def pad_prompt_embeds(embeds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack unpadded (tokens, dim) prompt embeddings into (B, L, dim), zero-padded at the end.
+def pad_prompt_embeds(embeds: Sequence[Embed]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack unpadded (tokens, dim) prompt embeddings (each a tensor or its pieces) into (B, L, dim),
+    zero-padded at the end.
 
     Training batches and sampling inputs are padded by this one function, so the transformer sees the
     same inputs in both.
@@ -78,10 +111,15 @@ def pad_prompt_embeds(embeds: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tor
         `encode_prompt` drops an all-ones mask, and the transformer takes another attention path without
         one, so keeping it would change sampling results in the last bits.
     """
-    longest = max(e.shape[0] for e in embeds)
-    batch = embeds[0].new_zeros(len(embeds), longest, embeds[0].shape[1])
-    mask = torch.zeros(len(embeds), longest, dtype=torch.long)
-    for i, e in enumerate(embeds):
-        batch[i, : e.shape[0]] = e
-        mask[i, : e.shape[0]] = 1
+    pieces = [_pieces(e) for e in embeds]
+    lengths = [sum(p.shape[0] for p in ps) for ps in pieces]
+    first = pieces[0][0]
+    batch = first.new_zeros(len(embeds), max(lengths), first.shape[1])
+    mask = torch.zeros(len(embeds), max(lengths), dtype=torch.long)
+    for i, ps in enumerate(pieces):
+        row = 0
+        for p in ps:
+            batch[i, row : row + p.shape[0]] = p
+            row += p.shape[0]
+        mask[i, :row] = 1
     return batch, (None if bool(mask.all()) else mask)

@@ -2,12 +2,19 @@
 
 Per sample it writes the six cache types at the shapes of a 1024x1024 Edit sample (latents 16x1x128x128
 for the target and the control, prompt embeddings ~1,300x3,584 and empty-prompt embeddings ~1,290x3,584
-in bf16, their int64 masks) in two formats:
+in bf16 that share their first 1,285 rows (the image tokens before the instruction), their int64 masks) in
+two formats:
 
-- ssd:  `SsdBackend.put` (one safetensors file per entry, bf16, unpadded), read with `SsdBackend.get`;
+- ssd:  `qie.cache.entries.write_entries` over `SsdBackend` (one safetensors file per stored entry, bf16,
+        unpadded, the shared prefix stored once with the empty-prompt entry, masks derived), read with
+        `read_entries` (what training's cached source reads: the prompt comes back as prefix + suffix views);
+- ssd verified: the same with `verify_reads=True` (each entry's xxh3 checksum checked on read);
 - .pt:  one `torch.save` file per type in fp16 (the format common in existing fine-tuning tools), read
         with `torch.load(weights_only=True)`;
 - raw:  `open(path, "rb").read()` of the very safetensors files the ssd backend reads (bytes only).
+
+Bytes on disk are also compared with 3 instructions per control image (one control latent and one
+empty-prompt entry serve three samples in the ssd format; the .pt format stores every type per sample).
 
 All reads are warm (the files sit in the page cache: dropping it needs root): one untimed pass of each
 variant first, then `--rounds` timed passes in rotating order; per-sample time = median pass / samples.
@@ -36,27 +43,79 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import fmt_bytes, header, median, table, target_line  # noqa: E402
 
 from qie.cache.base import decode  # noqa: E402
+from qie.cache.entries import STORED_TYPES, read_entries, write_entries  # noqa: E402
 from qie.cache.keys import entry_key  # noqa: E402
 from qie.cache.ssd import MMAP_MIN_BYTES, SsdBackend, read_file  # noqa: E402
+from qie.types import CACHE_TYPES  # noqa: E402
 
 
-def sample_tensors(i: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict[str, torch.Tensor]]:
-    """The six entries of sample `i` as the Encoder produces them (bf16 values, int64 masks)."""
+def sample_tensors(i: int, group: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict]:
+    """The six entries of sample `i` (control-image set `group`) as the Encoder produces them (bf16 values,
+    int64 masks); the prompt and empty-prompt embeddings of one control-image set share their prefix."""
     c, h, w = args.latent_channels, args.latent_size, args.latent_size
 
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    def rnd(*shape: int, seed: int | None = None) -> torch.Tensor:
+        gen = g if seed is None else torch.Generator().manual_seed(seed)
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(torch.bfloat16)
 
-    # Lengths vary a little per sample, as real prompts do.
-    n_prompt, n_empty = args.prompt_tokens + i % 7, args.empty_tokens + i % 3
+    # Lengths vary a little per sample, as real prompts do; what depends on the control images only is
+    # drawn from the control-image set's own seed.
+    n_prefix = args.prefix_tokens + group % 3
+    prefix = rnd(n_prefix, args.dim, seed=group)
+    empty = torch.cat([prefix, rnd(args.empty_tokens - args.prefix_tokens, args.dim, seed=10**6 + group)])
+    prompt = torch.cat([prefix, rnd(args.prompt_tokens - args.prefix_tokens + i % 7, args.dim)])
     return {
         "pixel_latent": {"latent": rnd(c, 1, h, w)},
-        "control_latent": {"0": rnd(c, 1, h, w)},
-        "prompt_embed": {"embed": rnd(n_prompt, args.dim)},
-        "prompt_embeds_mask": {"mask": torch.ones(n_prompt, dtype=torch.long)},
-        "empty_prompt_embed": {"embed": rnd(n_empty, args.dim)},
-        "empty_prompt_embeds_mask": {"mask": torch.ones(n_empty, dtype=torch.long)},
+        "control_latent": {"0": rnd(c, 1, h, w, seed=2 * 10**6 + group)},
+        "prompt_embed": {"embed": prompt},
+        "prompt_embeds_mask": {"mask": torch.ones(len(prompt), dtype=torch.long)},
+        "empty_prompt_embed": {"embed": empty},
+        "empty_prompt_embeds_mask": {"mask": torch.ones(len(empty), dtype=torch.long)},
     }
+
+
+def sample_keys(i: int, group: int) -> dict[str, str]:
+    """Keys as training computes them: the control-image set decides the control and empty-prompt keys."""
+    keys = {
+        "pixel_latent": entry_key("pixel_latent", {"sample": i}),
+        "control_latent": entry_key("control_latent", {"controls": group}),
+        "prompt_embed": entry_key("prompt_embed", {"controls": group, "sample": i}),
+        "empty_prompt_embed": entry_key("empty_prompt_embed", {"controls": group}),
+    }
+    return keys
+
+
+def write_sample(backend, pt_root: Path, i: int, group: int, args, g, whole=None) -> tuple[dict[str, str], list[str]]:
+    """Write sample `i` in both formats (and, to `whole`, as six whole entries: the layout before the shared
+    prefix); returns its ssd keys and its .pt files."""
+    keys = sample_keys(i, group)
+    entries = sample_tensors(i, group, args, g)
+    write_entries(backend, keys, {t: entries[t] for t in STORED_TYPES})
+    for type, tensors in entries.items() if whole is not None else ():
+        whole.put(type, entry_key(type, {"sample": i}), tensors)
+    folder = pt_root / f"{i:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    pts = []
+    for type, tensors in entries.items():
+        path = str(folder / f"{type}.pt")
+        torch.save(to_pt(tensors), path)
+        pts.append(path)
+    return keys, pts
+
+
+class Reading:
+    """`backend`'s entries read whole into memory and decoded, as `get` did before it mapped files."""
+
+    def __init__(self, backend: SsdBackend) -> None:
+        self.backend = backend
+
+    def get(self, type: str, key: str):
+        return decode(read_file(self.backend.path(type, key)), type)
+
+
+def stored_files(backend, keys: list[dict[str, str]]) -> list[str]:
+    """The distinct entry files of these samples (a shared entry counted once)."""
+    return sorted({str(backend.path(t, k[t])) for k in keys for t in STORED_TYPES})
 
 
 def to_pt(entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--latent-channels", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=1300)
     p.add_argument("--empty-tokens", type=int, default=1290)
+    p.add_argument("--prefix-tokens", type=int, default=1285, help="rows a prompt shares with the empty prompt")
     p.add_argument("--dim", type=int, default=3584, help="prompt embedding width (Qwen2.5-VL-7B: 3584)")
     p.add_argument(
         "--ssd-read",
@@ -130,38 +190,36 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     else:
         print(f"ssd backend maps files of >= {fmt_bytes(MMAP_MIN_BYTES)}, reads smaller ones")
     backend = SsdBackend(work / "ssd")
+    verified = SsdBackend(work / "ssd", verify_reads=True)
+    reader = Reading(backend) if args.ssd_read == "read" else backend
+    whole = SsdBackend(work / "ssd_whole")
     pt_root = work / "pt"
     g = torch.Generator().manual_seed(0)
-    ssd_keys: list[list[tuple[str, str]]] = []  # per sample: (type, key)
+    ssd_keys: list[dict[str, str]] = []
     pt_files: list[list[str]] = []
     t0 = time.perf_counter()
     for i in range(args.samples):
-        keys, pts = [], []
-        folder = pt_root / f"{i:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for type, tensors in sample_tensors(i, args, g).items():
-            key = entry_key(type, {"sample": i})
-            backend.put(type, key, tensors)
-            keys.append((type, key))
-            path = str(folder / f"{type}.pt")
-            torch.save(to_pt(tensors), path)
-            pts.append(path)
+        keys, pts = write_sample(backend, pt_root, i, i, args, g, whole)
         ssd_keys.append(keys)
         pt_files.append(pts)
-    print(f"wrote {args.samples} samples x 6 types in each format in {time.perf_counter() - t0:.1f} s")
-    raw_files = [[str(backend.path(t, k)) for t, k in keys] for keys in ssd_keys]
+    print(f"wrote {args.samples} samples (4 stored types for ssd, 6 for .pt) in {time.perf_counter() - t0:.1f} s")
+    raw_files = [[str(backend.path(t, k[t])) for t in STORED_TYPES] for k in ssd_keys]
 
-    def get(t: str, k: str) -> dict[str, torch.Tensor]:
-        if args.ssd_read == "read":
-            return decode(read_file(backend.path(t, k)), t)
-        return backend.get(t, k)
-
-    def read_ssd(use) -> None:
+    def read_ssd(use, source=reader) -> None:
         for keys in ssd_keys:
-            for t, k in keys:
-                entry = get(t, k)
-                if use:
+            found, missing = read_entries(source, keys, STORED_TYPES)
+            assert not missing
+            if use:
+                for entry in found.values():
                     for x in entry.values():
+                        for piece in x if isinstance(x, tuple) else (x,):
+                            use(piece)
+
+    def read_whole(use) -> None:
+        for i in range(len(ssd_keys)):
+            for type in CACHE_TYPES:
+                for x in whole.get(type, entry_key(type, {"sample": i})).values():
+                    if use:
                         use(x)
 
     def read_pt(use, mmap: bool = False) -> None:
@@ -182,10 +240,12 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                         warnings.simplefilter("ignore")
                         use(torch.frombuffer(data, dtype=torch.uint8))
 
-    ssd = "ssd (SsdBackend.get)" if args.ssd_read == "auto" else "ssd (read() + decode)"
-    pt, raw = ".pt fp16 (torch.load)", "raw (open().read())"
+    ssd, pt, raw = "ssd (read_entries)", ".pt fp16 (torch.load)", "raw (open().read())"
+    ssd_v = "ssd verify_reads=true"
     pt_mmap = ".pt fp16 (torch.load mmap=True) [info]"
-    methods = {ssd: read_ssd, pt: read_pt, raw: read_raw, pt_mmap: lambda use: read_pt(use, mmap=True)}
+    before = "ssd, six whole entries (layout before schema 2)"
+    methods = {ssd: read_ssd, ssd_v: lambda use: read_ssd(use, verified), before: read_whole, pt: read_pt,
+               raw: read_raw, pt_mmap: lambda use: read_pt(use, mmap=True)}  # fmt: skip
     variants = [(name, use) for use in USES for name in methods]
     for name, use in variants:  # warm-up pass: every file in the page cache
         methods[name](USES[use])
@@ -201,7 +261,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     size_ssd, alloc_ssd = disk_bytes([p for paths in raw_files for p in paths])
     size_pt, alloc_pt = disk_bytes([p for paths in pt_files for p in paths])
     print(
-        f"\nwarm reads (page cache), {n} samples x 6 types ({fmt_bytes(size_ssd / n)} per sample), "
+        f"\nwarm reads (page cache), {n} samples ({fmt_bytes(size_ssd / n)} per sample on disk in ssd), "
         f"{args.rounds} passes per variant in rotating order; ms per sample (median pass / samples)"
     )
     rows = []
@@ -220,7 +280,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     print("read: the call alone (a mapped ssd read defers the page-cache copy to first use)")
     print("read + touch: then one byte of every 4 KiB page of each result made resident (targets judged here)")
     print("read + copy: then each tensor cloned, as collate's stack/pad does (the copy every format pays)")
-    print("\nbytes per sample on disk (6 types)")
+    print("\nbytes per sample on disk (ssd: 4 stored types, prefix shared, masks derived; .pt: 6 types)")
     print(
         table(
             ["format", "apparent", "allocated"],
@@ -237,7 +297,19 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     ok = [
         target_line("cache read: ssd vs .pt", vs_pt, ">=", 3),
         target_line("cache read: ssd vs raw read", vs_raw, ">=", 0.8),
+        target_line("bytes per sample: ssd / .pt fp16", disk, "<=", 0.55),
     ]
+    print(
+        "read per sample, shared prefix vs six whole entries: "
+        + ", ".join(f"{use} {per[(ssd, use)] / per[(before, use)]:.3g}x" for use in USES)
+        + " (below 1: faster)"
+    )
+    cost = {use: per[(ssd_v, use)] / per[(ssd, use)] - 1 for use in USES}
+    print(
+        "verify_reads cost (each entry's checksum checked on read): "
+        + ", ".join(f"{use} {100 * c:+.1f}%" for use, c in cost.items())
+        + f" ({(per[(ssd_v, 'read + copy')] - per[(ssd, 'read + copy')]) * 1e3:.3f} ms per sample)"
+    )
     for use in ("read", "read + copy"):
         print(
             f"{use} (info): ssd vs .pt = {per[(pt, use)] / per[(ssd, use)]:.3g}x, "
@@ -251,13 +323,36 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
         f"bytes on disk: ssd / .pt fp16 = {disk:.3f}x ({fmt_bytes(size_ssd / n)} vs {fmt_bytes(size_pt / n)} "
         "per sample; both 2 bytes per value)"
     )
+    three = three_instructions(args, work)
     return {
         "vs_pt": vs_pt,
         "vs_raw": vs_raw,
         "disk_ratio": disk,
+        "disk_ratio_3_instructions": three,
+        "verify_reads_cost": cost,
         "ms_per_sample": {f"{k[0]}: {k[1]}": v * 1e3 for k, v in per.items()},
         "passed": all(ok),
     }
+
+
+def three_instructions(args: argparse.Namespace, work: Path) -> float:
+    """Bytes on disk with 3 instructions per control image (3 samples share one control-image set)."""
+    backend = SsdBackend(work / "ssd3")
+    g = torch.Generator().manual_seed(1)
+    keys, pts = [], []
+    for i in range(max(3, args.samples // 3 * 3)):
+        k, p = write_sample(backend, work / "pt3", i, i // 3, args, g)
+        keys.append(k)
+        pts += p
+    ssd, _ = disk_bytes(stored_files(backend, keys))
+    pt, _ = disk_bytes(pts)
+    ratio = ssd / pt
+    n = len(keys)
+    print(
+        f"bytes on disk, 3 instructions per control image: ssd / .pt fp16 = {ratio:.3f}x "
+        f"({fmt_bytes(ssd / n)} vs {fmt_bytes(pt / n)} per sample)"
+    )
+    return ratio
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 import qie
-from qie.cache import EmbeddingCacheManager
 from qie.demo.synthetic import make_dataset
+from qie.embedding_cache import EmbeddingCacheManager
 from qie.stages import infer
 
 MODELS = (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel)

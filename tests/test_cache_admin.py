@@ -63,6 +63,26 @@ def test_file_hash_matches_hashlib_and_is_remembered_by_stat(tmp_path: Path, ope
     assert open_counter[str(f)] == 3 and h.files_read == 3
 
 
+def test_same_size_replacement_with_its_mtime_kept_is_hashed_again(tmp_path: Path) -> None:
+    f, new = tmp_path / "img.png", tmp_path / "new.png"
+    f.write_bytes(b"AAAA")
+    index = tmp_path / "file_hashes.json"
+    h = FileHasher(index)
+    assert h.hash(f) == hashlib.sha256(b"AAAA").hexdigest()
+    h.save()
+    st = f.stat()
+    new.write_bytes(b"BBBB")
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))  # `cp -p` / `rsync -t` / tar keep the mtime
+    os.replace(new, f)  # same path, same size, same mtime
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    warm = FileHasher(index)
+    assert warm.hash(f) == hashlib.sha256(b"BBBB").hexdigest() and warm.files_read == 1
+    time.sleep(0.05)  # past the kernel's coarse timestamp tick
+    f.write_bytes(b"CCCC")  # rewritten in place (same inode), mtime put back: the ctime still moves
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert warm.hash(f) == hashlib.sha256(b"CCCC").hexdigest() and warm.files_read == 2
+
+
 def test_file_hash_index_persists_and_merges_across_hashers(tmp_path: Path, open_counter) -> None:
     index = tmp_path / "idx" / "file_hashes.json"
     a, b = tmp_path / "a.png", tmp_path / "b.png"
@@ -97,8 +117,9 @@ def test_file_hash_index_unreadable_is_ignored(tmp_path: Path, caplog) -> None:
 
 def test_file_hash_index_of_100k_files_loads_fast(tmp_path: Path) -> None:
     index = tmp_path / "idx.json"
+    t = 1_700_000_000_000_000_000
     entries = {
-        f"/data/set/{i:06d}.png": (123456 + i, 1_700_000_000_000_000_000 + i, f"{i:064x}") for i in range(100_000)
+        f"/data/set/{i:06d}.png": ((123456 + i, t + i, t + 2 * i, 1000 + i), f"{i:064x}") for i in range(100_000)
     }
     keys._write_index(index, entries)
     t0 = time.perf_counter()
@@ -112,11 +133,11 @@ def test_file_hash_index_of_100k_files_loads_fast(tmp_path: Path) -> None:
 
 
 def test_entry_key_is_stable_and_depends_on_every_field() -> None:
-    want = "e888eb3af95dc297ec2581803f7707d89a9218a6ee250de7ee2d3769fadd0311"
+    want = "2be5f181c4c3a148595439cac9fbfeff63bf1aa3741a958288b7927f39d094b2"
     assert entry_key("prompt_embed", PROMPT_FIELDS) == want
     assert entry_key("prompt_embed", dict(reversed(PROMPT_FIELDS.items()))) == want
     canonical = json.dumps(
-        {"schema": 1, "type": "prompt_embed", **PROMPT_FIELDS}, sort_keys=True, separators=(",", ":")
+        {"schema": 2, "type": "prompt_embed", **PROMPT_FIELDS}, sort_keys=True, separators=(",", ":")
     )
     assert hashlib.sha256(canonical.encode()).hexdigest() == want
     changed = [

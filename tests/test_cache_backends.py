@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 
 from qie.cache import CACHE_TYPES, SCHEMA_VERSION, CacheBackend, build_backend
 from qie.cache.keys import entry_key
@@ -141,7 +142,7 @@ def test_none_backend_always_misses(tmp_path: Path) -> None:
 def test_ssd_layout_and_no_temp_files(tmp_path: Path) -> None:
     root = tmp_path / "c"
     b = SsdBackend(str(root))
-    assert root.is_dir() and list(root.iterdir()) == []  # nothing but the root until a put
+    assert not root.exists()  # nothing is created until a put
     keys = [entry_key("control_latent", {"n": i}) for i in range(20)]
     for k in keys:
         b.put("control_latent", k, make_entry("control_latent"))
@@ -151,6 +152,9 @@ def test_ssd_layout_and_no_temp_files(tmp_path: Path) -> None:
     header = safetensors.safe_open(str(want[0]), "pt").metadata()
     assert header["schema"] == str(SCHEMA_VERSION) and header["type"] == "control_latent"
     assert json.loads(header["tensors"]) == {"0": ["BF16", [1, 16, 1, 8, 8]], "1": ["F32", [1, 16, 1, 4, 6]]}
+    stored = safetensors.torch.load_file(str(want[0]))
+    want_sum = xxhash.xxh3_64(bits(stored["0"]) + bits(stored["1"]))
+    assert header["checksum"] == f"xxh3_64:{want_sum.hexdigest()}" and json.loads(header["meta"]) == {}
 
 
 def test_temp_files_of_killed_writers_are_ignored_then_swept(tmp_path: Path) -> None:
@@ -211,7 +215,7 @@ def corrupt_cache(b: SsdBackend) -> dict[str, str]:
     b.put("prompt_embed", k, good)
     meta = safetensors.safe_open(str(b.path("prompt_embed", k)), "pt").metadata() | {"schema": "999"}
     safetensors.torch.save_file(good, str(b.path("prompt_embed", k)), metadata=meta)
-    bad[k] = "schema '999', expected 1"
+    bad[k] = f"schema '999', expected {SCHEMA_VERSION}"
     k = key("plain")
     b.path("prompt_embed", k).parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(good, str(b.path("prompt_embed", k)))
@@ -260,7 +264,9 @@ def test_misplaced_and_foreign_files(tmp_path: Path) -> None:
     wrong.write_bytes(b.path("pixel_latent", k).read_bytes())
     (tmp_path / "pixel_latent" / "zz" / "notes.txt").write_text("ignored")
     report = b.verify()
-    assert [(c.path, c.reason) for c in report.corrupt] == [(str(wrong), f"misplaced: belongs in folder {k[:2]}/")]
+    reason = f"misplaced: belongs in folder {k[:2]}/ (left in place: move or delete it)"
+    assert [(c.path, c.reason) for c in report.corrupt] == [(str(wrong), reason)]
+    assert b.verify(fix=True).unfixed == 1 and wrong.is_file()  # fix deletes only files in their own folder
 
 
 def test_build_backend(tmp_path: Path) -> None:

@@ -122,7 +122,7 @@ def test_jsonl_manifest_paths_relative_to_the_manifest(tmp_path: Path) -> None:
     manifest.parent.mkdir()
     manifest.write_text("\n".join([json.dumps(r) for r in rows] + ["{not json", ""]), encoding="utf-8")
 
-    data = scan_dataset(manifest)
+    data = scan_dataset(manifest, allow_outside=True)
     img = manifest.parent / "../img"
     by_prompt = {s.prompt: s for s in data.samples}
     assert set(by_prompt) == {"two controls", "same target, string control"}
@@ -135,6 +135,32 @@ def test_jsonl_manifest_paths_relative_to_the_manifest(tmp_path: Path) -> None:
     assert bad.path == str(img / "missing.png")
     reasons = " | ".join(p.reason for p in data.problems)
     assert "has no 'prompt'" in reasons and "is a JSON list" in reasons and "not JSON" in reasons
+
+
+def test_manifest_paths_outside_its_folder_are_refused_unless_allowed(tmp_path: Path) -> None:
+    for name in ("t.png", "c.png"):
+        write_solid_image(tmp_path / "img" / name)
+        write_solid_image(tmp_path / "meta" / "in" / name)
+    rows = [
+        {"id": "inside", "target": "in/t.png", "controls": ["./in/c.png"], "prompt": "ok"},
+        {"id": "dotdot", "target": "in/t.png", "controls": ["../img/c.png"], "prompt": "climbs out"},
+        {"id": "sneaky", "target": "in/../../img/t.png", "controls": ["in/c.png"], "prompt": "climbs out"},
+        {"id": "absolute", "target": str(tmp_path / "img" / "t.png"), "controls": ["in/c.png"], "prompt": "abs"},
+    ]
+    manifest = tmp_path / "meta" / "m.jsonl"
+    manifest.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    data = scan_dataset(manifest)
+    assert [s.id for s in data.samples] == ["inside"]
+    assert {p.id: p.reason.split(": ", 1)[1] for p in data.problems} == {
+        "dotdot": f"'../img/c.png' lies outside the manifest's folder {str(manifest.parent)!r}: move it inside, "
+        "or set data.allow_outside_paths=true",
+        "sneaky": f"'in/../../img/t.png' lies outside the manifest's folder {str(manifest.parent)!r}: move it "
+        "inside, or set data.allow_outside_paths=true",
+        "absolute": f"{str(tmp_path / 'img' / 't.png')!r} lies outside the manifest's folder "
+        f"{str(manifest.parent)!r}: move it inside, or set data.allow_outside_paths=true",
+    }
+    allowed = scan_dataset(manifest, allow_outside=True)
+    assert sorted(s.id for s in allowed.samples) == ["absolute", "dotdot", "inside", "sneaky"]
 
 
 def test_csv_manifest_with_list_or_pipe_controls(tmp_path: Path) -> None:
@@ -287,7 +313,9 @@ def test_keys_follow_file_bytes_and_prompt(tmp_path: Path) -> None:
     c2 = write_solid_image(tmp_path / "c2.png", (9, 9, 9))
     hasher, ctx = FileHasher(), _ctx()
     base = sample_keys(Sample("a", t, (c,), "p"), ctx, hasher)
-    assert set(base) == ALL and len(set(base.values())) == 6
+    assert set(base) == ALL and len(set(base.values())) == 4  # a mask shares its embedding's key
+    assert base["prompt_embeds_mask"] == base["prompt_embed"] != base["empty_prompt_embed"]
+    assert base["empty_prompt_embeds_mask"] == base["empty_prompt_embed"]
 
     def changed(sample: Sample) -> set:
         keys = sample_keys(sample, ctx, hasher)

@@ -69,8 +69,14 @@ def test_the_default_config_detects_each_kind(data: dict, tmp_path: Path) -> Non
              root / "parquet" / "part-0.parquet": "hf", f"{root}/parquet/*.parquet": "hf"}  # fmt: skip
     for path, kind in kinds.items():
         assert detect_format(path) == kind, path
-    # data.path=edits.jsonl with the default data group: a manifest, no data=manifest needed.
-    (only,) = read_data(compose("train", data["base"] + [f"data.path={manifest}"])).samples
+    # data.path=edits.jsonl with the default data group: a manifest, no data=manifest needed. Its rows name
+    # absolute paths, outside its folder: refused unless allowed.
+    outside = compose("train", data["base"] + [f"data.path={manifest}"])
+    with pytest.raises(DataError, match="lies outside the manifest's folder"):
+        read_data(outside)
+    (only,) = read_data(
+        compose("train", data["base"] + [f"data.path={manifest}", "data.allow_outside_paths=true"])
+    ).samples
     assert only.target == sample.target and only.prompt == sample.prompt
     with pytest.raises(DataError, match="does not exist"):
         detect_format(tmp_path / "nope")

@@ -80,11 +80,7 @@ def test_packages_import_each_other_without_cycles() -> None:
         return False
 
     cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a, {b}))
-    assert sorted(set(cycles) - PENDING) == []
-
-
-# Being untangled on their own branches; emptied when those land.
-PENDING = {"cache <-> data", "data <-> cache", "demo <-> stages", "stages <-> demo"}
+    assert cycles == []
 
 
 def test_nothing_imports_an_entry_point() -> None:

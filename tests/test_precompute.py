@@ -20,10 +20,11 @@ from PIL import Image
 
 from qie.cache import build_backend
 from qie.cache.admin import run_admin
+from qie.cache.entries import STORED_TYPES, read_logical
 from qie.cache.ssd import SsdBackend, temp_name
 from qie.components.processor import load_processor
 from qie.components.tiny import build_tiny_model
-from qie.config import CACHE_TYPES, compose
+from qie.config import compose
 from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
 from qie.encode import prepare_sample
@@ -31,7 +32,9 @@ from qie.errors import DataError
 from qie.stages import precompute
 from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context
 
-TEXT = ["prompt_embed", "prompt_embeds_mask", "empty_prompt_embed", "empty_prompt_embeds_mask"]
+# What precompute stores: the mask types are derived from the embeddings, never written.
+CACHE_TYPES = list(STORED_TYPES)
+TEXT = ["prompt_embed", "empty_prompt_embed"]
 CONTROL_DEPENDENT = ["control_latent", *TEXT]
 
 
@@ -111,6 +114,16 @@ def _entries_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+def _logical(backend, type: str, key: str) -> dict:
+    """What the public type holds, whole, as an entry dict (the prompt joined from its stored pieces)."""
+    value = read_logical(backend, type, key)
+    if value is None:
+        return None
+    if type == "control_latent":
+        return {str(i): t for i, t in enumerate(value)}
+    return {"latent" if type == "pixel_latent" else "embed": value}
+
+
 @pytest.fixture(scope="module")
 def encoder(tiny_path: Path):
     return build_encoder(compose("precompute", ["model=tiny"]))
@@ -138,20 +151,37 @@ def test_cache_holds_exactly_what_the_encoder_computes(built, encoder, capsys) -
     assert written == summary.to_dict()
     assert (run_dir / "failures.jsonl").read_text() == ""
     backend = SsdBackend(cache)
-    for t, s in backend.stats().items():  # bytes reported are the bytes on disk
+    for t, s in backend.stats(CACHE_TYPES).items():  # bytes reported are the bytes on disk
         assert (s["count"], s["bytes"]) == (5, summary.types[t].bytes_written)
-
+    # A prompt entry keeps only the rows after the prefix it shares with its empty-prompt entry: the tiny
+    # model's template and image tokens before the instruction (the empty prompt's rows less the 5 of
+    # "<|im_end|>\n<|im_start|>assistant\n"); equal there within float32 rounding, not bit for bit.
     samples, keys, backend, cfg = _keyed(ds, cache)
+    for k in keys:
+        stored = backend.get("prompt_embed", k["prompt_embed"])
+        empty_rows = len(read_logical(backend, "empty_prompt_embed", k["empty_prompt_embed"]))
+        assert list(stored) == ["suffix"] and int(stored.meta["prefix_rows"]) == empty_rows - 5
+        assert stored.meta["base"] == f"empty_prompt_embed/{k['empty_prompt_embed']}"
+        assert 0 <= float(stored.meta["prefix_max_diff"]) < 1e-6
+
     sizes = image_sizes(cfg)
-    # Same batch composition as the run (one group, batches of 2): bit-for-bit the same tensors and dtypes.
+    # Same batch composition as the run (one group, batches of 2): bit-for-bit the same tensors and dtypes,
+    # but for a prompt's shared prefix rows, equal within the difference recorded when it was written.
     for batch in _chunks(list(zip(samples, keys)), 2):
         live = encoder.encode_entries([prepare_sample(s, sizes) for s, _ in batch], CACHE_TYPES)
         for (_, k), entry in zip(batch, live):
             for t in CACHE_TYPES:
-                stored = backend.get(t, k[t])
+                stored = _logical(backend, t, k[t])
+                if t == "prompt_embed":
+                    got, want = stored["embed"], entry[t]["embed"]
+                    meta = backend.get(t, k[t]).meta
+                    n = int(meta["prefix_rows"])
+                    assert torch.equal(got[n:], want[n:]) and got.shape == want.shape
+                    assert (got[:n] - want[:n]).abs().max() <= float(meta["prefix_max_diff"])
+                    continue
                 assert stored is not None and _entries_equal(stored, entry[t]), t
-    embed = backend.get("prompt_embed", keys[0]["prompt_embed"])["embed"]
-    mask = backend.get("prompt_embeds_mask", keys[0]["prompt_embeds_mask"])["mask"]
+    embed = read_logical(backend, "prompt_embed", keys[0]["prompt_embed"])
+    mask = read_logical(backend, "prompt_embeds_mask", keys[0]["prompt_embeds_mask"])
     assert torch.equal(mask, torch.ones(embed.shape[0], dtype=torch.long))  # stored unpadded
     assert backend.get("control_latent", keys[4]["control_latent"])["0"].shape == (4, 1, 16, 24)
 
@@ -187,7 +217,7 @@ def test_cache_matches_the_diffusers_pipeline(built, tiny_path: Path) -> None:
         got = backend.get("pixel_latent", k["pixel_latent"])["latent"]
         torch.testing.assert_close(got, latents["pixel_latent"], atol=1e-5, rtol=0)
         for kind, want in prompts.items():
-            got = backend.get(kind, k[kind])["embed"]
+            got = read_logical(backend, kind, k[kind])
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
@@ -204,8 +234,8 @@ def test_one_prompt_two_control_images_two_entries(tiny_path: Path, tmp_path: Pa
     for sample, k in zip(samples, keys):
         prepared = prepare_sample(sample, image_sizes(cfg))
         (live,) = encoder.encode_prompts([sample.prompt], [prepared.vl_images])
-        stored = backend.get("prompt_embed", k["prompt_embed"])["embed"]
-        assert torch.equal(stored, live)
+        stored = read_logical(backend, "prompt_embed", k["prompt_embed"])
+        assert torch.equal(stored[6:], live[6:]) and torch.allclose(stored, live, rtol=0, atol=1e-6)
         embeds.append(stored)
     assert not torch.allclose(embeds[0], embeds[1])
 
@@ -230,7 +260,7 @@ def test_changes_miss_exactly_the_dependent_types(tiny_path: Path, tmp_path: Pat
     _noise(ds / "control_images" / "s001.png", 998)  # new control bytes
     assert run() == _counts(dict.fromkeys(CONTROL_DEPENDENT, 1))
     (ds / "training_images" / "s002.txt").write_text("Turn the photo into a pencil sketch.", encoding="utf-8")
-    assert run() == _counts({"prompt_embed": 1, "prompt_embeds_mask": 1})
+    assert run() == _counts({"prompt_embed": 1})
     assert run("data.target_pixels=2048") == _counts({"pixel_latent": 3})
 
     other = build_tiny_model(tmp_path / "seed1", seed=1)  # same architecture, other weights
@@ -250,16 +280,14 @@ def test_damaged_entries_are_misses_and_get_rewritten(tiny_path: Path, tmp_path:
     ds, cache = _dataset(tmp_path / "ds", 3, seed=7), tmp_path / "cache"
     _run(ds, cache, tmp_path / "run0", "precompute.batch_size=1")
     samples, keys, backend, _ = _keyed(ds, cache)
-    before = {(t, k[t]): backend.get(t, k[t]) for k in keys for t in CACHE_TYPES}
+    before = {(t, k[t]): _logical(backend, t, k[t]) for k in keys for t in CACHE_TYPES}
 
     damaged = {
         ("prompt_embed", 0): lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),  # truncated
         ("control_latent", 1): lambda p: p.write_bytes(os.urandom(p.stat().st_size)),  # garbage
         ("pixel_latent", 2): lambda p: p.write_bytes(b""),  # empty
         # a whole, valid file of another type under this name
-        ("empty_prompt_embed", 0): lambda p: shutil.copyfile(
-            backend.path("empty_prompt_embeds_mask", keys[0]["empty_prompt_embeds_mask"]), p
-        ),
+        ("empty_prompt_embed", 0): lambda p: shutil.copyfile(backend.path("pixel_latent", keys[0]["pixel_latent"]), p),
         ("pixel_latent", 1): lambda p: p.write_bytes(p.read_bytes()[:-1]),  # one byte short
     }
     for (t, i), damage in damaged.items():
@@ -269,13 +297,14 @@ def test_damaged_entries_are_misses_and_get_rewritten(tiny_path: Path, tmp_path:
     expected = {}
     for t, _ in damaged:
         expected[t] = expected.get(t, 0) + 1
+    # sample 0's prompt entry was damaged itself; a prompt entry whose base was rewritten is redone too
     assert _new(summary) == _counts(expected)
     for t in CACHE_TYPES:
         assert summary.types[t].skipped == 3 - expected.get(t, 0)
     for (t, key), entry in before.items():  # rewritten with the same values
-        assert _entries_equal(backend.get(t, key), entry), t
+        assert _entries_equal(_logical(backend, t, key), entry), t
     report = backend.verify()
-    assert report.checked == 18 and report.corrupt == []
+    assert report.checked == 12 and report.corrupt == []
 
 
 def _subprocess_env() -> dict[str, str]:
@@ -316,7 +345,7 @@ def test_killed_run_resumes_to_a_complete_verified_cache(tiny_path: Path, tmp_pa
     assert sum(s.new for s in summary.types.values()) > 0 and summary.failures == []
     report = run_admin(SsdBackend(cache), "verify")  # what `python -m qie.cache action=verify` runs
     assert report.exit_code == 0
-    assert report.verify.checked == 6 * n and report.verify.corrupt == [] and report.verify.stale_temp == []
+    assert report.verify.checked == 4 * n and report.verify.corrupt == [] and report.verify.stale_temp == []
     assert list(cache.rglob("*.tmp")) == []
     again = _run(ds, cache, tmp_path / "r2", *small)
     assert _new(again) == _counts({}) and _skipped(again) == _counts(dict.fromkeys(CACHE_TYPES, n))
@@ -338,15 +367,8 @@ def test_two_processes_share_the_work(tiny_path: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "precompute_summary.json").read_text())
     new = {t: s["new"] for t, s in summary["types"].items()}
-    assert new == {
-        "pixel_latent": 10,
-        "control_latent": 9,
-        "prompt_embed": 10,
-        "prompt_embeds_mask": 10,
-        "empty_prompt_embed": 9,
-        "empty_prompt_embeds_mask": 9,
-    }
-    stats = SsdBackend(cache).stats()
+    assert new == {"pixel_latent": 10, "control_latent": 9, "empty_prompt_embed": 9, "prompt_embed": 10}
+    stats = SsdBackend(cache).stats(CACHE_TYPES)
     assert {t: s["count"] for t, s in stats.items()} == new  # each entry written by exactly one process
     procs = sorted(summary["processes"], key=lambda p: p["process"])
     assert [p["process"] for p in procs] == [0, 1]
@@ -383,7 +405,7 @@ def test_edit_plus_with_two_control_images(tiny_plus_path: Path, tmp_path: Path)
         with torch.no_grad():
             want, _ = pipe.encode_prompt(sample.prompt, image=[c[0] for c in conditions], device=torch.device("cpu"))
             latents = [pipe._encode_vae_image(c[1], generator=None)[0] for c in conditions]
-        got = backend.get("prompt_embed", k["prompt_embed"])["embed"]
+        got = read_logical(backend, "prompt_embed", k["prompt_embed"])
         assert got.shape == want[0].shape
         torch.testing.assert_close(got, want[0], atol=1e-5, rtol=0)
         stored = backend.get("control_latent", k["control_latent"])

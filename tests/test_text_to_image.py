@@ -99,7 +99,8 @@ def test_the_encoder_builds_no_processor_and_encodes_as_the_pipeline(data: dict)
 
 def test_precompute_writes_no_control_entries(data: dict) -> None:
     types = data["summary"].types
-    assert (types["pixel_latent"].new, types["prompt_embed"].new, types["prompt_embeds_mask"].new) == (4, 4, 4)
+    assert (types["pixel_latent"].new, types["prompt_embed"].new) == (4, 4)
+    assert "prompt_embeds_mask" not in types  # masks are derived from the embeddings, never stored
     # Without control images every sample's empty prompt is the same text: stored once.
     assert (types["empty_prompt_embed"].new, types["empty_prompt_embed"].skipped) == (1, 3)
     assert (types["control_latent"].new, types["control_latent"].skipped, types["control_latent"].failed) == (0, 0, 0)

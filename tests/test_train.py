@@ -114,8 +114,11 @@ def test_checkpoints_hold_the_lora_and_the_full_state(cached_run: dict) -> None:
     assert folders == ["step-000002", "step-000004"]
     last = cached_run["dir"] / "checkpoints" / "step-000004"
     assert json.loads((last / "trainer_state.json").read_text())["step"] == 4
-    for name in ("pytorch_lora_weights.safetensors", "comfyui_lora.safetensors", "accelerate/optimizer.bin"):
+    state = ["model.safetensors", "optimizer.safetensors", "optimizer.json", "lr_scheduler.json",
+             "lr_scheduler.safetensors", "rng_state_0.json", "rng_state_0.safetensors"]  # fmt: skip
+    for name in ("pytorch_lora_weights.safetensors", "comfyui_lora.safetensors", *(f"state/{n}" for n in state)):
         assert (last / name).is_file(), name
+    assert not [p for p in last.rglob("*") if p.suffix not in (".safetensors", ".json", "")]  # no pickles
     final = load_file(cached_run["dir"] / "lora" / "pytorch_lora_weights.safetensors")
     assert final.keys() == load_file(last / "pytorch_lora_weights.safetensors").keys()
     assert all(k.startswith("transformer.") for k in final)

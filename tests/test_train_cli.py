@@ -62,7 +62,8 @@ def test_a_cache_miss_stops_with_the_sample_and_the_precompute_command(data: dic
         proc.wait(timeout=120)
     out, err = output(tmp_path / "logs")
     assert proc.returncode == 2, err
-    assert err.startswith("qie: error: sample '0000")
+    assert err.startswith("qie: error: 8 of 8 samples have missing or damaged cache entries")
+    assert "the first is '00000'" in err and not (tmp_path / "empty").exists()
     assert f"python -m qie.precompute {data['base'][0]} data.path=" in err and empty in err
     assert "Traceback" not in err
 
@@ -103,4 +104,4 @@ def test_two_processes_keep_the_lora_identical(data: dict, tmp_path: Path) -> No
     result = json.loads((tmp_path / "run" / "train_result.json").read_text())
     checksums = result["param_checksums"]  # gathered from every process after the last step
     assert len(checksums) == 2 and checksums[0] == checksums[1] and result["ranks_agree"]
-    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "accelerate" / "random_states_1.pkl").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()

@@ -1,7 +1,11 @@
 """Embedding cache: entries (dicts of named tensors) stored under (type, key) by a pluggable backend.
 
 Backends: `ssd` (files), `memory` (in-process), `none` (always a miss). A new backend is one module with
-a class following `CacheBackend` and one yaml file naming it in `_target_`.
+a class following `CacheBackend` and one yaml file naming it in `_target_`. `qie.cache.entries` maps a
+sample's six public types onto what is stored (the shared prompt prefix, masks derived).
+
+This package imports torch, safetensors and xxhash only: no model library, no Hydra, and nothing of
+qie but its leaf modules (`qie.types`, `qie.errors`). The notebook facade over it is `qie.embedding_cache`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import importlib
 from qie.cache.base import (
     SCHEMA_VERSION,
     CacheBackend,
+    Claim,
     CorruptEntry,
     Entry,
     VerifyReport,
@@ -22,12 +27,13 @@ from qie.errors import ConfigError
 from qie.types import CACHE_TYPES
 
 
-def build_backend(target: str, dir: str | None) -> CacheBackend:
+def build_backend(target: str, dir: str | None, verify_reads: bool = False) -> CacheBackend:
     """Construct the backend class named by the dotted path `target` (`cache._target_`) with `dir`.
 
     Args:
         target: e.g. "qie.cache.ssd.SsdBackend".
         dir: `cache.dir`; the ssd backend needs it, the others ignore it.
+        verify_reads: `cache.verify_reads`: check each entry's checksum when it is read.
 
     Raises:
         ConfigError: when `target` names no importable backend class, or the backend rejects `dir`.
@@ -44,7 +50,7 @@ def build_backend(target: str, dir: str | None) -> CacheBackend:
             f"cache._target_={target!r} is not a class: expected a dotted path such as 'qie.cache.ssd.SsdBackend'"
         )
     try:
-        backend = cls(dir=dir)
+        backend = cls(dir=dir, verify_reads=True) if verify_reads else cls(dir=dir)
     except TypeError as e:
         raise ConfigError(f"cache._target_={target!r} cannot be built with dir={dir!r}: {e}") from None
     if not isinstance(backend, CacheBackend):
@@ -56,6 +62,7 @@ __all__ = [
     "CACHE_TYPES",
     "SCHEMA_VERSION",
     "CacheBackend",
+    "Claim",
     "CorruptEntry",
     "Entry",
     "VerifyReport",
@@ -64,12 +71,3 @@ __all__ = [
     "check_type",
     "check_types",
 ]
-
-
-def __getattr__(name: str):
-    # The notebook facade imports qie.data (sample keys); load it on first use only.
-    if name in ("EmbeddingCacheManager", "check_cache_exists"):
-        from qie.cache import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'qie.cache' has no attribute {name!r}")

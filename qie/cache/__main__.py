@@ -15,7 +15,11 @@ from qie.errors import ConfigError
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
-    """Run the admin action of a composed `cache` config, print its report, return the exit code."""
+    """Run the admin action of a composed `cache` config, print its report, return the exit code.
+
+    Raises:
+        ConfigError: an unknown type or backend; StorageError: a cache folder that is missing or a file.
+    """
     try:
         types = check_types(list(cfg.cache.types))
     except ValueError as e:

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from qie.cache.base import CacheBackend, VerifyReport, check_types
+from qie.cache.entries import MASK_OF
 
 ACTIONS = ("stats", "clear", "verify")
 
@@ -53,7 +54,11 @@ def cache_stats(backend: CacheBackend, types: Iterable[str] | None = None) -> Ad
     stats = backend.stats(check_types(types))
     rows = [(t, s["count"], s["bytes"]) for t, s in stats.items()]
     rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
-    return AdminReport("\n".join([f"cache: {backend!r}", *_table(rows)]))
+    lines = _table(rows)
+    for i, (t, _, _) in enumerate(rows):
+        if t in MASK_OF:  # nothing is stored for a mask: it is all ones over its embedding's rows
+            lines[i] += f"  (derived from {MASK_OF[t]}, not stored)"
+    return AdminReport("\n".join([f"cache: {backend!r}", *lines]))
 
 
 def clear_cache(backend: CacheBackend, types: Iterable[str] | None = None) -> AdminReport:
@@ -78,6 +83,8 @@ def verify_cache(backend: CacheBackend, types: Iterable[str] | None = None, fix:
             lines.append(f"removed {_count(report.removed)}; precompute (or lazy mode) writes them again")
         if report.unfixed:
             lines.append(f"{_count(report.unfixed)} left: run again with verify.fix=true to remove them")
+    for folder in report.skipped:
+        lines.append(f"skipped {folder}: a symlink (verify never follows links out of the cache folder)")
     if report.stale_temp:
         done = f"removed {report.temp_removed:,}" if fix else "verify.fix=true removes them"
         lines.append(f"{len(report.stale_temp):,} temp files left by interrupted writers ({done})")

@@ -1,37 +1,21 @@
-"""The cache backend protocol, its report types, the checks every backend shares, and the entry codec.
+"""The cache backend protocol, its report types and the checks every backend shares.
 
-An entry is stored as the bytes of one safetensors file (`encode`/`decode`), whatever holds the bytes.
+An entry is stored as the bytes of one safetensors file (`qie.cache.codec`), whatever holds the bytes.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import safetensors.torch
 import torch
 
+from qie.cache.codec import CorruptError, Entry, cpu_copy, decode, encode
 from qie.types import CACHE_TYPES, SCHEMA_VERSION
 
-Entry = dict[str, torch.Tensor]
-
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,128}")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
-    "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
-_json = json.JSONDecoder().decode
-
-
-class CorruptError(Exception):
-    """A cache file that does not hold a readable entry of the expected type."""
 
 
 @dataclass
@@ -54,6 +38,8 @@ class VerifyReport:
     # Temp files of writers that died mid-write; never entries, listed so `fix` can sweep them.
     stale_temp: list[str] = field(default_factory=list)
     temp_removed: int = 0
+    # Folders not looked into: type folders that are symlinks (admin actions never leave the cache folder).
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def unfixed(self) -> int:
@@ -61,19 +47,51 @@ class VerifyReport:
         return len(self.corrupt) - self.removed
 
 
+class Claim(Protocol):
+    """A lock on one entry while this process computes it; `release` when written (or given up)."""
+
+    def release(self) -> None: ...
+
+
 @runtime_checkable
 class CacheBackend(Protocol):
-    """Stores entries (dicts of named tensors) under (type, key).
+    """Stores entries (dicts of named tensors with a few str facts, `Entry.meta`) under (type, key).
 
     `get` returns None on a miss and on an entry it cannot read (after logging a warning naming it);
     it never raises for a bad entry. Types are the names in `CACHE_TYPES`; `types=None` means all.
+    Readers never create anything; `check_access(write=True)` prepares a backend for writing.
     """
 
     def get(self, type: str, key: str) -> Entry | None: ...
 
-    def put(self, type: str, key: str, tensors: Entry) -> int: ...
+    def put(self, type: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> int: ...
 
-    def exists(self, type: str, key: str) -> bool: ...
+    def exists(self, type: str, key: str) -> bool:
+        """Whether something is stored under (type, key); its content is not checked."""
+        ...
+
+    def intact(self, type: str, key: str) -> bool:
+        """Whether the entry is stored whole, judged by its header (schema, type, length) and, for an entry
+        that extends another (`base_of`), that base's header and checksum; the tensor bytes are not read."""
+        ...
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of many (type, key) entries. With `remember`, a file backend records that this set of
+        entries was whole, so that while none of its files changes, the next check costs one stat per file."""
+        ...
+
+    def claim(self, type: str, key: str, wait: bool = False) -> Claim | None:
+        """Lock (type, key) against other processes computing it: None when another holds it (`wait`
+        blocks until it is free). Released by the holder, or by the system when the holder dies."""
+        ...
+
+    def sweep_temp(self) -> int:
+        """Remove what writers that died left behind (temp files, lock files); returns how many."""
+        ...
+
+    def check_access(self, write: bool = False) -> None:
+        """Raise StorageError naming the place and what to do when it cannot be read (or written)."""
+        ...
 
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]: ...
 
@@ -106,7 +124,7 @@ def check_key(key: str) -> str:
     return key
 
 
-def check_entry(tensors: Entry) -> None:
+def check_entry(tensors: dict[str, torch.Tensor]) -> None:
     """Raise ValueError unless `tensors` is a non-empty dict of str -> torch.Tensor."""
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError("a cache entry is a non-empty dict of name -> tensor")
@@ -120,93 +138,37 @@ def empty_stats(types: Iterable[str] | None) -> dict[str, dict]:
     return {t: {"count": 0, "bytes": 0} for t in check_types(types)}
 
 
-def cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of `t` that shares no memory with it (dtype kept)."""
-    return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+def check_meta(meta: dict[str, str] | None) -> dict[str, str]:
+    """`meta` as a dict of str -> str; raise ValueError for anything else."""
+    meta = dict(meta or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise ValueError(f"cache entry meta must map str to str, got {meta!r}")
+    return meta
 
 
-def encode(tensors: Entry, type: str) -> bytes:
-    """Safetensors bytes of the entry; the header metadata records schema, type and each tensor's
-    dtype and shape (in insertion order) so a reader can check the file against what was written."""
-    check_entry(tensors)
-    # Clones: safetensors refuses tensors sharing memory, and views of big buffers would save the rest.
-    flat = {k: cpu_copy(t) for k, t in tensors.items()}
-    listing = {k: [_dtype_name(t.dtype), list(t.shape)] for k, t in flat.items()}
-    meta = {"schema": str(SCHEMA_VERSION), "type": type, "tensors": json.dumps(listing)}
-    return safetensors.torch.save(flat, metadata=meta)
+def base_of(meta: dict[str, str]) -> tuple[str, str, str] | None:
+    """(type, key, checksum) of the entry this one extends (`meta["base"]`), or None.
 
-
-def decode(buf: torch.Tensor, type: str) -> Entry:
-    """Parse safetensors bytes (a uint8 tensor) into the entry, checking the header against the data
-    and the metadata; the tensors are views of `buf`, so reading costs one copy from the OS.
-
-    Raises:
-        CorruptError: with the reason, for a truncated, garbage, wrong-schema or wrong-type file.
+    An entry may keep only what it adds to another entry (a prompt embedding keeps its suffix and reads its
+    image-token prefix from the empty-prompt embedding of the same images); it is whole only while that base
+    is stored with the checksum recorded here.
     """
-    raw = buf.numpy()
-    size = len(raw)
-    if size < 8:
-        raise CorruptError(f"file is {size} bytes, too short for a safetensors header")
-    hlen = int.from_bytes(raw[:8].tobytes(), "little")
-    if hlen > size - 8:
-        raise CorruptError(f"header length {hlen} exceeds the file size {size} (truncated?)")
-    try:
-        header = _json(raw[8 : 8 + hlen].tobytes().decode("utf-8"))
-        meta = header.pop("__metadata__")
-        schema, stored_type, listing = meta["schema"], meta["type"], _json(meta["tensors"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptError(f"unreadable header or metadata ({e.__class__.__name__}: {e})") from None
-    if schema != str(SCHEMA_VERSION):
-        raise CorruptError(f"schema {schema!r}, expected {SCHEMA_VERSION}")
-    if stored_type != type:
-        raise CorruptError(f"holds a {stored_type!r} entry, expected {type!r}")
-    if not isinstance(listing, dict) or set(listing) != set(header):
-        raise CorruptError("header tensors do not match the metadata's tensor list")
-    try:
-        spans = sorted(_span(name, spec, header[name]) for name, spec in listing.items())
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptError(f"bad tensor header ({e.__class__.__name__}: {e})") from None
-    base, data_size, pos = 8 + hlen, size - 8 - hlen, 0
-    for start, end, name, _, _ in spans:
-        if start != pos:
-            raise CorruptError(f"tensor {name!r} starts at {start}, expected {pos}")
-        pos = end
-    if data_size != pos:
-        raise CorruptError(f"data holds {data_size} bytes, the header describes {pos} (truncated?)")
-    if sys.byteorder != "little":
-        lib = safetensors.torch.load(raw.tobytes())
-        return {name: lib[name] for name in listing}
-    out = {}
-    for start, end, name, dtype, shape in spans:
-        if start == end:
-            out[name] = torch.empty(shape, dtype=dtype)  # frombuffer refuses empty ranges
-        elif (base + start) % dtype.itemsize:
-            out[name] = buf[base + start : base + end].clone().view(dtype).reshape(shape)
-        else:  # a view of `buf`: no copy
-            out[name] = torch.frombuffer(raw, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start)
-            out[name] = out[name].reshape(shape)
-    return {name: out[name] for name in listing}
+    ref = meta.get("base")
+    if not ref:
+        return None
+    type, _, key = ref.partition("/")
+    return type, key, meta.get("base_checksum", "")
 
 
-def _span(name: str, spec: list, info: dict) -> tuple[int, int, str, torch.dtype, list[int]]:
-    """(start, end, name, dtype, shape) of one tensor, checked against the metadata's [dtype, shape]."""
-    dtype_name, shape = spec
-    dtype = _DTYPES.get(info["dtype"])
-    if not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"tensor {name!r}: bad shape {shape}")
-    if dtype is None or info["dtype"] != dtype_name or info["shape"] != shape:
-        raise ValueError(f"tensor {name!r}: header {info} disagrees with metadata {spec}")
-    start, end = info["data_offsets"]
-    numel = 1
-    for d in shape:
-        numel *= d
-    if end - start != numel * dtype.itemsize:
-        raise ValueError(f"tensor {name!r}: offsets {start}..{end} do not fit {dtype_name}{shape}")
-    return start, end, name, dtype, shape
+class NoClaim:
+    """A claim that holds nothing: backends whose entries live in one process need no lock."""
+
+    def release(self) -> None:
+        pass
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    for name, d in _DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"dtype {dtype} cannot be stored in the cache")
+__all__ = [
+    "SCHEMA_VERSION", "CacheBackend", "Claim", "CorruptEntry", "CorruptError", "Entry", "NoClaim", "VerifyReport",
+    "base_of", "check_entry", "check_key", "check_meta", "check_type", "check_types", "cpu_copy", "decode",
+    "empty_stats", "encode",
+]  # fmt: skip

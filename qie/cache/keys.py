@@ -16,22 +16,32 @@ from qie.cache.base import SCHEMA_VERSION, check_type
 
 log = logging.getLogger(__name__)
 
-_INDEX_FORMAT = "qie-file-hashes/1"  # JSON columns: paths, sizes, mtimes (ns), hashes
+# JSON columns: paths, then per file its stat signature [size, mtime_ns, ctime_ns, inode] and its hash.
+_INDEX_FORMAT = "qie-file-hashes/2"
+Signature = tuple[int, int, int, int]
+
+
+def signature(st: os.stat_result) -> Signature:
+    """What says a file is unchanged: size, mtime_ns, ctime_ns and inode. Tools that keep the mtime of a
+    replaced file (`cp -p`, `rsync -t`, tar) cannot keep its ctime: the kernel sets it on every change."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 class FileHasher:
-    """sha256 of files' bytes, remembered against (absolute path, size, mtime_ns).
+    """Digests of files' bytes, remembered against (absolute path, size, mtime_ns, ctime_ns, inode).
 
-    A file whose size and mtime are unchanged is not read again, so a warm start costs one stat per file.
+    A file whose signature is unchanged is not read again, so a warm start costs one stat per file.
     With `index_path`, what is remembered persists across processes as JSON (see `save`).
 
     Args:
         index_path: JSON index file; None keeps the memory in this object only.
+        algorithm: "sha256" (images), or "xxh3_128" (model weights: ~10x faster, for change detection).
     """
 
-    def __init__(self, index_path: str | os.PathLike | None = None) -> None:
+    def __init__(self, index_path: str | os.PathLike | None = None, algorithm: str = "sha256") -> None:
         self.index_path = Path(index_path) if index_path is not None else None
-        self._entries: dict[str, tuple[int, int, str]] = _read_index(self.index_path) if self.index_path else {}
+        self.algorithm = algorithm
+        self._entries: dict[str, tuple[Signature, str]] = _read_index(self.index_path) if self.index_path else {}
         self._dirty: set[str] = set()
         self.files_read = 0  # files hashed from their bytes in this object's lifetime
 
@@ -39,23 +49,22 @@ class FileHasher:
         return len(self._entries)
 
     def hash(self, path: str | os.PathLike) -> str:
-        """The sha256 hex digest of the file's bytes.
+        """The hex digest of the file's bytes.
 
         Raises:
             OSError: when the file cannot be stat'ed or read.
         """
         p = os.path.abspath(path)
-        st = os.stat(p)
+        sig = signature(os.stat(p))
         known = self._entries.get(p)
-        if known is not None and known[0] == st.st_size and known[1] == st.st_mtime_ns:
-            return known[2]
+        if known is not None and known[0] == sig:
+            return known[1]
         with open(p, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            digest = _digest(f, self.algorithm)
         self.files_read += 1
-        after = os.stat(p)
         # A file rewritten while we read it keeps no memory: its next lookup reads it again.
-        if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
-            self._entries[p] = (st.st_size, st.st_mtime_ns, digest)
+        if signature(os.stat(p)) == sig:
+            self._entries[p] = (sig, digest)
             self._dirty.add(p)
         return digest
 
@@ -81,7 +90,21 @@ class FileHasher:
         self._dirty.clear()
 
 
-def _read_index(path: Path) -> dict[str, tuple[int, int, str]]:
+def _digest(f, algorithm: str) -> str:
+    if algorithm == "sha256":
+        return hashlib.file_digest(f, "sha256").hexdigest()
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        h, buf = xxhash.xxh3_128(), bytearray(1 << 24)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+        return h.hexdigest()
+    raise ValueError(f"unknown file hash algorithm {algorithm!r}: sha256 or xxh3_128")
+
+
+def _read_index(path: Path) -> dict[str, tuple[Signature, str]]:
     """The index's entries; an unreadable index is logged and treated as empty (it is only a speed-up)."""
     # Columns (not one list per file) and no GC passes while parsing: 100k entries load in ~0.1 s.
     gc_was_on = gc.isenabled()
@@ -91,10 +114,10 @@ def _read_index(path: Path) -> dict[str, tuple[int, int, str]]:
             doc = json.load(f)
         if doc["format"] != _INDEX_FORMAT:
             raise ValueError(f"unknown format {doc['format']!r}")
-        paths, sizes, mtimes, hashes = doc["paths"], doc["sizes"], doc["mtimes"], doc["hashes"]
-        if not len(paths) == len(sizes) == len(mtimes) == len(hashes):
+        paths, sigs, hashes = doc["paths"], doc["signatures"], doc["hashes"]
+        if not len(paths) == len(sigs) == len(hashes):
             raise ValueError("columns differ in length")
-        return dict(zip(paths, zip(sizes, mtimes, hashes)))
+        return dict(zip(paths, zip(map(tuple, sigs), hashes)))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -105,14 +128,13 @@ def _read_index(path: Path) -> dict[str, tuple[int, int, str]]:
             gc.enable()
 
 
-def _write_index(path: Path, entries: dict[str, tuple[int, int, str]]) -> None:
+def _write_index(path: Path, entries: dict[str, tuple[Signature, str]]) -> None:
     """Write the index atomically: a temp file in the same folder, then os.replace."""
     doc = {
         "format": _INDEX_FORMAT,
         "paths": list(entries),
-        "sizes": [e[0] for e in entries.values()],
-        "mtimes": [e[1] for e in entries.values()],
-        "hashes": [e[2] for e in entries.values()],
+        "signatures": [list(e[0]) for e in entries.values()],
+        "hashes": [e[1] for e in entries.values()],
     }
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:

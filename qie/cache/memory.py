@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import torch
 
 from qie.cache.base import (
     Entry,
+    NoClaim,
     VerifyReport,
+    base_of,
     check_entry,
     check_key,
+    check_meta,
     check_type,
     check_types,
     cpu_copy,
     empty_stats,
 )
+from qie.cache.codec import checksum
 
 
 class MemoryBackend:
     """In-process store; it keeps copies, and hands out copies, so callers cannot change what it holds.
 
     Args:
-        dir: accepted for a uniform constructor (the config passes `cache.dir`) and ignored.
+        dir, verify_reads: accepted for a uniform constructor (the config passes them) and ignored: an
+            in-process copy cannot rot.
     """
 
-    def __init__(self, dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
         self._entries: dict[str, dict[str, Entry]] = {}
+        self._checksums: dict[tuple[str, str], str] = {}  # what the ssd backend keeps in each file's header
 
     def __repr__(self) -> str:
         return "MemoryBackend()"
@@ -33,18 +41,46 @@ class MemoryBackend:
     def get(self, type: str, key: str) -> Entry | None:
         """A copy of the entry, or None on a miss."""
         entry = self._entries.get(check_type(type), {}).get(check_key(key))
-        return None if entry is None else {name: t.clone() for name, t in entry.items()}
+        if entry is None:
+            return None
+        return Entry({name: t.clone() for name, t in entry.items()}, entry.meta, self._checksums[type, key])
 
-    def put(self, type: str, key: str, tensors: Entry) -> int:
+    def put(self, type: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> int:
         """Store a CPU copy of the entry; returns its size in bytes."""
         check_entry(tensors)
-        entry = {name: cpu_copy(t) for name, t in tensors.items()}
+        entry = Entry({name: cpu_copy(t) for name, t in tensors.items()}, check_meta(meta))
         self._entries.setdefault(check_type(type), {})[check_key(key)] = entry
+        self._checksums[type, key] = checksum(entry)
         return _nbytes(entry)
 
     def exists(self, type: str, key: str) -> bool:
         """Whether (type, key) is stored."""
         return check_key(key) in self._entries.get(check_type(type), {})
+
+    def intact(self, type: str, key: str) -> bool:
+        """Stored, and its base (if any) stored with the recorded checksum."""
+        entry = self._entries.get(check_type(type), {}).get(check_key(key))
+        if entry is None:
+            return False
+        base = base_of(entry.meta)
+        if base is None:
+            return True
+        return base[1] in self._entries.get(base[0], {}) and self._checksums.get(base[:2]) == base[2]
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of each entry."""
+        return [self.intact(t, k) for t, k in items]
+
+    def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
+        """Always granted: no other process shares these entries."""
+        return NoClaim()
+
+    def sweep_temp(self) -> int:
+        """Nothing is left behind in memory: 0."""
+        return 0
+
+    def check_access(self, write: bool = False) -> None:
+        """Always usable."""
 
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
         """{type: {"count", "bytes"}}, bytes being the tensors' payload."""
@@ -64,5 +100,5 @@ class MemoryBackend:
         return VerifyReport(checked=sum(len(self._entries.get(t, {})) for t in check_types(types)))
 
 
-def _nbytes(entry: Entry) -> int:
+def _nbytes(entry: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in entry.values())

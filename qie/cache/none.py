@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from qie.cache.base import Entry, VerifyReport, check_entry, check_key, check_type, check_types, empty_stats
+import torch
+
+from qie.cache.base import (
+    Entry,
+    NoClaim,
+    VerifyReport,
+    check_entry,
+    check_key,
+    check_meta,
+    check_type,
+    check_types,
+    empty_stats,
+)
 
 
 class NoneBackend:
     """Always a miss; `put` accepts and drops the entry.
 
     Args:
-        dir: accepted for a uniform constructor (the config passes `cache.dir`) and ignored.
+        dir, verify_reads: accepted for a uniform constructor (the config passes them) and ignored.
     """
 
-    def __init__(self, dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -26,16 +38,38 @@ class NoneBackend:
         _check(type, key)
         return None
 
-    def put(self, type: str, key: str, tensors: Entry) -> int:
+    def put(self, type: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> int:
         """Drops the entry; 0 bytes written."""
         _check(type, key)
         check_entry(tensors)
+        check_meta(meta)
         return 0
 
     def exists(self, type: str, key: str) -> bool:
         """Always False."""
         _check(type, key)
         return False
+
+    def intact(self, type: str, key: str) -> bool:
+        """Always False."""
+        _check(type, key)
+        return False
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of each entry."""
+        return [self.intact(t, k) for t, k in items]
+
+    def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
+        """Always granted: nothing is ever stored."""
+        _check(type, key)
+        return NoClaim()
+
+    def sweep_temp(self) -> int:
+        """Nothing to sweep: 0."""
+        return 0
+
+    def check_access(self, write: bool = False) -> None:
+        """Always usable."""
 
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
         """Zero entries of every type."""

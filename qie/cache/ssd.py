@@ -1,64 +1,62 @@
-"""The `ssd` backend: one safetensors file per entry at `<dir>/<type>/<key[:2]>/<key>.safetensors`."""
+"""The `ssd` backend: one safetensors file per entry at `<dir>/<type>/<key[:2]>/<key>.safetensors`.
+
+Admin actions (stats, clear, verify) look only at key-named entry files in real (not symlinked) type and
+shard folders under `dir`, so they never reach outside it, and never create `dir`: only writers do.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import mmap
 import os
-import secrets
-import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import safetensors
 import torch
 
+from qie.cache import files, folders
 from qie.cache.base import (
     CorruptEntry,
     CorruptError,
     Entry,
     VerifyReport,
+    base_of,
+    check_entry,
     check_key,
+    check_meta,
     check_type,
     check_types,
     decode,
     empty_stats,
     encode,
 )
-from qie.errors import ConfigError
+from qie.cache.codec import Header, parse_header, quick_header
+from qie.cache.files import MMAP_MIN_BYTES, SUFFIX, load_file, read_file, temp_name
+from qie.errors import CacheDirMissing, ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".tmp"
-# A temp file this old belongs to a writer that died (a put takes well under a second).
-STALE_TEMP_SECONDS = 3600
-# Files at least this big are mapped (private, copy-on-write) instead of read: `get` then costs no copy,
-# the pages come straight from the page cache when first touched (usually by collate's own copy).
-# Smaller files are read: one read is cheaper than mapping and unmapping.
-MMAP_MIN_BYTES = 256 * 1024
-
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+__all__ = ["MMAP_MIN_BYTES", "SsdBackend", "load_file", "read_file", "temp_name"]
 
 
 class SsdBackend:
     """Entries as safetensors files, written atomically (temp file + `os.replace`).
 
     Args:
-        dir: the cache folder (`cache.dir`); created if missing, its subfolders on first put.
+        dir: the cache folder (`cache.dir`); writers create it (and its subfolders) on their first put.
+        verify_reads: check every entry's checksum when it is read (`cache.verify_reads`).
 
     Raises:
         ConfigError: when `dir` is not set.
     """
 
-    def __init__(self, dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
         if dir is None or str(dir) == "":
             raise ConfigError("cache.dir is not set: pass cache.dir=/path/to/cache for the ssd backend")
         self.root = Path(dir).expanduser().absolute()
-        self.root.mkdir(parents=True, exist_ok=True)
         self._root = str(self.root)
+        self.verify_reads = bool(verify_reads)
 
     def __repr__(self) -> str:
         return f"SsdBackend(dir={self._root!r})"
@@ -74,215 +72,201 @@ class SsdBackend:
         """The entry, or None on a miss or an unreadable file (logged as a warning)."""
         path = self._path(check_type(type), check_key(key))
         try:
-            return decode(load_file(path), type)
+            return decode(load_file(path), type, verify=self.verify_reads)
         except FileNotFoundError:
             return None
         except (OSError, CorruptError) as e:
             log.warning("cache entry %s is unreadable (%s); treating it as a miss", path, e)
             return None
 
-    def put(self, type: str, key: str, tensors: Entry) -> int:
-        """Write the entry atomically, in the tensors' own dtypes; returns the bytes written."""
+    def put(self, type: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> int:
+        """Write the entry atomically, in the tensors' own dtypes; returns the bytes written.
+
+        Raises:
+            StorageError: the disk is full or the folder cannot be written (entries already there are kept).
+        """
         path = self._path(check_type(type), check_key(key))
-        data = encode(tensors, type)
-        folder = os.path.dirname(path)
-        tmp = f"{folder}/{temp_name(key)}"
-        try:
-            try:
-                f = open(tmp, "wb")
-            except FileNotFoundError:
-                os.makedirs(folder, exist_ok=True)
-                f = open(tmp, "wb")
-            with f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        check_entry(tensors)
+        data = encode(tensors, type, check_meta(meta))
+        files.write_atomic(path, data, key)
         return len(data)
 
     def exists(self, type: str, key: str) -> bool:
         """Whether a file is stored for (type, key); its content is not checked."""
         return os.path.isfile(self._path(check_type(type), check_key(key)))
 
+    def intact(self, type: str, key: str) -> bool:
+        """Whether the entry's header is whole and its base (if any) is stored with the recorded checksum."""
+        return self._intact(check_type(type), check_key(key), {})
+
+    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
+        """`intact` of each entry. A stamp per set of entries (`.checked/<token>`) records a time before which
+        every file of the set that existed was whole: while no file of the set was changed or written since
+        (the kernel sets a file's ctime on every change, and no tool can set it back), the check is one stat
+        per file. With `remember`, a check that found every existing entry whole writes the stamp."""
+        items = [(check_type(t), check_key(k)) for t, k in items]
+        stamp = f"{self._root}/.checked/{folders.checked_token(items)}"
+        start = time.time_ns() - folders.CHECK_MARGIN_NS  # a margin for file systems whose clock is another machine's
+        since = folders.read_stamp(stamp)
+        ctimes = [folders.ctime(self._path(t, k)) for t, k in items]
+        if since is not None and all(c is None or c < since for c in ctimes):
+            return [c is not None for c in ctimes]
+        memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
+        out = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(items, ctimes)]
+        if remember and any(out) and all(ok or c is None for ok, c in zip(out, ctimes)):
+            files.write_small(stamp, str(start))
+        return out
+
+    def _intact(self, type: str, key: str, memo: dict) -> bool:
+        if (type, key) not in memo:
+            memo[type, key] = self._quick(type, key)
+        found = memo[type, key]
+        if found is None:
+            return False
+        base = base_of(found[1])
+        if base is None:
+            return True
+        try:
+            return self._intact(check_type(base[0]), check_key(base[1]), memo) and memo[base[:2]][0] == base[2]
+        except ValueError:
+            return False
+
+    def _quick(self, type: str, key: str) -> tuple[str, dict] | None:
+        try:
+            head, size = files.read_head(self._path(type, key))
+        except OSError:
+            return None
+        return quick_header(head, size, type)
+
+    def claim(self, type: str, key: str, wait: bool = False) -> files.FileClaim | None:
+        """Lock (type, key) with a lock file beside its entry (`.<key>.lock`)."""
+        path = self._path(check_type(type), check_key(key))
+        return files.claim_file(f"{os.path.dirname(path)}/.{key}{files.LOCK_SUFFIX}", wait)
+
+    def sweep_temp(self) -> int:
+        """Remove temp files of writers that died and lock files nobody holds; returns how many."""
+        removed, now = 0, files.now()
+        for type in folders.real_types(self._root, check_types(None)):
+            for entry in folders.scan(self._root, type):
+                if files.is_stale_temp(entry, now):
+                    removed += files.unlink(entry.path)
+                elif files.sweep_lock(entry):
+                    removed += 1
+        return removed
+
+    def check_access(self, write: bool = False) -> None:
+        """Raise StorageError when `dir` is a file, missing (readers) or not writable (writers); a writer's
+        check creates `dir`."""
+        root = self._root
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise StorageError(f"cache.dir {root!r} is a file, not a folder: point cache.dir at a folder")
+        if not write:
+            if not os.path.isdir(root):
+                raise CacheDirMissing(
+                    f"cache.dir {root!r} does not exist (nothing was created): check the path, or fill it with "
+                    "python -m qie.precompute"
+                )
+            return
+        probe = f"{root}/{temp_name('access-check')}"
+        try:
+            os.makedirs(root, exist_ok=True)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(probe)
+        except OSError as e:
+            if e.errno not in files.STORAGE_ERRNOS:
+                raise
+            raise StorageError(
+                f"cache.dir {root!r} is not writable ({e.strerror}): fix its permissions or point cache.dir at "
+                "a writable folder"
+            ) from None
+
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
-        """{type: {"count", "bytes"}} of the entry files (temp files excluded)."""
+        """{type: {"count", "bytes"}} of the entry files (temp and lock files excluded)."""
         out = empty_stats(types)
-        for type, s in out.items():
-            for entry in self._scan(type):
-                if _is_entry(entry.name):
-                    try:
-                        s["bytes"] += entry.stat().st_size
-                    except FileNotFoundError:
-                        continue
-                    s["count"] += 1
+        self.check_access()
+        for type in folders.real_types(self._root, out):
+            s = out[type]
+            for entry in (e for e in folders.scan(self._root, type) if folders.shard_key(e) is not None):
+                try:
+                    s["bytes"] += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+                s["count"] += 1
         return out
 
     def clear(self, types: Iterable[str] | None = None) -> int:
         """Remove every entry of `types` (and stale temp files); returns the entries removed."""
-        removed = 0
-        now = time.time()
-        for type in check_types(types):
-            for entry in self._scan(type):
-                if _is_entry(entry.name) or _is_stale_temp(entry, now):
-                    try:
-                        os.unlink(entry.path)
-                    except FileNotFoundError:
-                        continue
-                    removed += int(_is_entry(entry.name))
-            self._remove_empty_dirs(type)
+        wanted = check_types(types)
+        self.check_access()
+        removed, now = 0, files.now()
+        for type in folders.real_types(self._root, wanted):
+            for entry in folders.scan(self._root, type):
+                if folders.shard_key(entry) is not None:
+                    removed += files.unlink(entry.path)
+                elif files.is_stale_temp(entry, now):
+                    files.unlink(entry.path)
+            folders.remove_empty_dirs(self._root, type)
         return removed
 
     def verify(self, types: Iterable[str] | None = None, fix: bool = False) -> VerifyReport:
-        """Read every entry back and check it; with `fix`, delete the corrupt ones and stale temp files."""
-        report = VerifyReport()
-        now = time.time()
-        for type in check_types(types):
-            for entry in self._scan(type):
-                if _is_stale_temp(entry, now):
+        """Read every entry back and check it (checksum included); with `fix`, delete the corrupt ones and
+        stale temp files."""
+        wanted = check_types(types)
+        self.check_access()
+        report, now = VerifyReport(), files.now()
+        for type in folders.real_types(self._root, wanted, report):
+            for entry in folders.scan(self._root, type):
+                if files.is_stale_temp(entry, now):
                     report.stale_temp.append(entry.path)
-                    if fix and _unlink(entry.path):
+                    if fix and files.unlink(entry.path):
                         report.temp_removed += 1
-                if not _is_entry(entry.name):
-                    continue
+                key = files.entry_key(entry.name)
+                if key is None:
+                    continue  # not an entry: never touched
                 report.checked += 1
-                key = entry.name[: -len(SUFFIX)]
-                reason = _check_file(entry.path, type, key)
+                if folders.shard_key(entry) is None:  # key-named, but not ours to delete: another folder's name
+                    reason = f"misplaced: belongs in folder {key[:2]}/ (left in place: move or delete it)"
+                    report.corrupt.append(CorruptEntry(type, key, entry.path, reason))
+                    continue
+                reason = self._check_file(entry, type, key)
                 if reason is not None:
                     report.corrupt.append(CorruptEntry(type, key, entry.path, reason))
-                    if fix and _unlink(entry.path):
+                    if fix and files.unlink(entry.path):
                         report.removed += 1
         return report
 
-    def _scan(self, type: str) -> Iterator[os.DirEntry]:
-        """Files in the shard folders of `type`, via os.scandir (no per-file stat)."""
+    def _header(self, type: str, key: str) -> Header | None:
         try:
-            shards = [e for e in os.scandir(f"{self._root}/{type}") if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return
-        for shard in shards:
-            try:
-                with os.scandir(shard.path) as it:
-                    yield from (e for e in it if e.is_file(follow_symlinks=False))
-            except FileNotFoundError:
-                continue
+            head, size = files.read_head(self._path(type, key))
+            return parse_header(head, size, type)
+        except (OSError, CorruptError):
+            return None
 
-    def _remove_empty_dirs(self, type: str) -> None:
-        folder = f"{self._root}/{type}"
+    def _base_problem(self, head: Header) -> str | None:
+        """Why the base this entry extends is not usable, or None (also for an entry without a base)."""
+        base = base_of(head.meta)
+        if base is None:
+            return None
+        type, key, digest = base
         try:
-            shards = list(os.scandir(folder))
-        except FileNotFoundError:
-            return
-        for path in [d.path for d in shards] + [folder]:
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass  # not empty, or a writer just used it
+            found = self._header(check_type(type), check_key(key))
+        except ValueError:
+            return f"names a bad base entry {type}/{key}"
+        if found is None:
+            return f"its base entry {type}/{key} is missing or damaged"
+        if found.checksum != digest:
+            return f"its base entry {type}/{key} was rewritten (checksum {found.checksum}, recorded {digest})"
+        return None
 
-
-def load_file(path: str | os.PathLike, mmap_min_bytes: int | None = None) -> torch.Tensor:
-    """The whole file as a uint8 tensor: mapped privately when it has `mmap_min_bytes` (default
-    `MMAP_MIN_BYTES`) or more, else read.
-
-    A mapped file is copy-on-write (writing to the tensors never reaches the file) and stays valid when
-    the entry is replaced or removed meanwhile: writers replace files atomically, never in place.
-    """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size >= (MMAP_MIN_BYTES if mmap_min_bytes is None else mmap_min_bytes) and size > 0:
-            try:
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except (OSError, ValueError):  # a file system that cannot map: read instead
-                pass
-            else:
-                return torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
-        return _read_fd(fd, size)
-    finally:
-        os.close(fd)
-
-
-def read_file(path: str | os.PathLike) -> torch.Tensor:
-    """The whole file in one uint8 tensor, read straight into it (no intermediate `bytes`)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _read_fd(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
-def _read_fd(fd: int, size: int) -> torch.Tensor:
-    buf = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    pos = 0
-    while pos < size:
-        n = os.readv(fd, [view[pos:]])
-        if not n:
-            break
-        pos += n
-    return buf[:pos] if pos < size else buf
-
-
-def temp_name(key: str, pid: int | None = None) -> str:
-    """Name of a writer's temp file: host and pid tell `verify` whether its writer still runs."""
-    return f".{key}.{_HOST}.{pid or os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-
-
-def _check_file(path: str, type: str, key: str) -> str | None:
-    """Why the file at `path` is not a good entry of `type` under `key`, or None if it is."""
-    try:
-        check_key(key)
-    except ValueError:
-        return "file name is not a cache key"
-    if os.path.basename(os.path.dirname(path)) != key[:2]:
-        return f"misplaced: belongs in folder {key[:2]}/"
-    try:
-        buf = read_file(path)
-        decode(buf, type)
-        safetensors.deserialize(buf.numpy().tobytes())  # the library itself must accept it too
-    except CorruptError as e:
-        return str(e)
-    except Exception as e:  # any failure to read back makes it corrupt
-        return f"{e.__class__.__name__}: {e}"
-    return None
-
-
-def _is_entry(name: str) -> bool:
-    return name.endswith(SUFFIX) and not name.startswith(".")
-
-
-def _is_stale_temp(entry: os.DirEntry, now: float) -> bool:
-    """A temp file whose writer is gone: dead on this host, or older than STALE_TEMP_SECONDS."""
-    name = entry.name
-    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
-        return False
-    parts = name[1 : -len(TEMP_SUFFIX)].rsplit(".", 3)
-    if len(parts) == 4 and parts[1] == _HOST and parts[2].isdigit() and not _pid_alive(int(parts[2])):
-        return True
-    try:
-        return now - entry.stat().st_mtime > STALE_TEMP_SECONDS
-    except FileNotFoundError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
+    def _check_file(self, entry: os.DirEntry, type: str, key: str) -> str | None:
+        """Why the file is not a good entry of `type` under `key`, or None if it is."""
+        try:
+            buf = read_file(entry.path)
+            decode(buf, type, verify=True)
+            safetensors.deserialize(buf.numpy().tobytes())  # the library itself must accept it too
+            head, size = files.read_head(entry.path)
+            return self._base_problem(parse_header(head, size, type))
+        except CorruptError as e:
+            return str(e)
+        except Exception as e:  # any failure to read back makes it corrupt
+            return f"{e.__class__.__name__}: {e}"

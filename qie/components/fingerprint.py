@@ -1,7 +1,9 @@
 """Fingerprints of model parts: what a cache key needs to tell two VAEs or text encoders apart.
 
-Hashing a 16 GB text encoder would take minutes, so a fingerprint hashes the part's config, the names,
-sizes and safetensors headers (dtypes, shapes, offsets) of its weight files and a sample of their bytes.
+A fingerprint hashes the part's config files and every byte of its weight files. Hashing a 16 GB text
+encoder takes a while (see docs/benchmarks.md), so each file's digest is remembered in an index
+(`$QIE_HOME/weight_hashes.json`) against its path, size, mtime_ns, ctime_ns and inode: the cost is paid once
+per file change, and a warm start costs one stat per file.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-SAMPLE_BYTES = 1 << 20
+from qie.cache.keys import FileHasher
+
+INDEX_NAME = "weight_hashes.json"
 
 
 def part_folder(source: str, subfolder: str, revision: str | None = None) -> Path:
@@ -40,26 +44,32 @@ def _hub_snapshot(source: str, revision: str | None, pattern: str) -> Path:
     return Path(snapshot_download(source, revision=revision, allow_patterns=[pattern]))
 
 
+def weight_hasher(index: str | os.PathLike | None = None) -> FileHasher:
+    """The FileHasher of weight files (xxh3_128), its index in `$QIE_HOME` unless `index` is given."""
+    if index is None:
+        from qie.config import qie_home
+
+        index = qie_home() / INDEX_NAME
+    return FileHasher(index, algorithm="xxh3_128")
+
+
 @lru_cache(maxsize=32)
 def part_fingerprint(source: str, subfolder: str, revision: str | None = None) -> str:
-    """A hex digest that changes when the part's config or weights change."""
+    """A hex digest that changes when any byte of the part's config or weight files changes."""
     folder = part_folder(source, subfolder, revision)
-    digest = hashlib.sha256(folder.parent.name.encode() if not (Path(source) / subfolder).is_dir() else b"")
+    local = (Path(source) / subfolder).is_dir()
+    digest = hashlib.sha256(b"" if local else folder.parent.name.encode())  # a hub snapshot: its commit
+    hasher = weight_hasher()
     for path in sorted(folder.iterdir()):
         if not path.is_file():
             continue
-        digest.update(path.name.encode())
+        digest.update(path.name.encode() + b"\0")
         if path.suffix == ".json":
             digest.update(path.read_bytes())
-            continue
-        size = path.stat().st_size
-        digest.update(str(size).encode())
-        with open(path, "rb") as f:
-            if path.suffix == ".safetensors":
-                header_len = int.from_bytes(f.read(8), "little")
-                digest.update(f.read(header_len))
-            else:
-                digest.update(f.read(SAMPLE_BYTES))
-            f.seek(max(0, size - SAMPLE_BYTES), os.SEEK_SET)
-            digest.update(f.read(SAMPLE_BYTES))
+        else:
+            digest.update(hasher.hash(path).encode())
+    try:
+        hasher.save()
+    except OSError:  # only a speed-up: a read-only QIE_HOME costs a re-hash next time
+        pass
     return digest.hexdigest()

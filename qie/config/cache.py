@@ -25,6 +25,11 @@ class CacheAction(str, Enum):
     verify = "verify"
 
 
+class OnMissing(str, Enum):
+    """What cached training does when samples have no (or damaged) entries: stop, or train on the rest."""
+
+    stop = "stop"
+    skip = "skip"
 
 
 @dataclass
@@ -34,6 +39,12 @@ class CacheConfig:
     name: str = "ssd"
     dir: str | None = None
     mode: SourceMode = SourceMode.cached
+    # Check each entry's checksum when training reads it (a corrupt entry is then a miss, never data). Off by
+    # default: it costs more than 5% of the cached read time (docs/benchmarks.md, scripts/bench_cache_io.py).
+    verify_reads: bool = False
+    # Cached training with samples whose entries are missing or damaged: stop before building the model
+    # (listing them in cache_report.json with the precompute command), or train on the rest with a warning.
+    on_missing: OnMissing = OnMissing.stop
     types: list[str] = field(default_factory=lambda: list(CACHE_TYPES))
     vae_encoder_device: str = "auto"
     text_encoder_device: str = "auto"

@@ -31,6 +31,13 @@ class LossWeighting(str, Enum):
     cosmap = "cosmap"
 
 
+class OnNonfinite(str, Enum):
+    """What training does on a NaN or infinite loss: save the last good state and stop, or skip the batch."""
+
+    stop = "stop"
+    skip = "skip"
+
+
 class ReportTo(str, Enum):
     tensorboard = "tensorboard"
     wandb = "wandb"
@@ -72,6 +79,10 @@ class TrainConfig:
     checkpoints_total_limit: int | None = None
     # "latest" (newest checkpoint of this run directory) or a checkpoint folder.
     resume: str | None = None
+    # Resume even when the checkpoint's RNG state is missing or unreadable (the run is then not an exact
+    # continuation); by default that stops the resume.
+    resume_inexact: bool = False
+    on_nonfinite: OnNonfinite = OnNonfinite.stop
     export_comfyui: bool = False
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal
     logit_mean: float = 0.0

@@ -22,7 +22,7 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
     shapes = {(tuple(s.pixel_latent.shape), tuple(tuple(c.shape) for c in s.control_latents)) for s in items}
     if len(shapes) > 1:
         raise ValueError(f"a batch mixes latent shapes {sorted(shapes)}: batch by bucket (see qie.data.buckets)")
-    embeds, mask = pad_prompt_embeds([s.empty_prompt_embed if d else s.prompt_embed for s, d in zip(items, drop)])
+    embeds, mask = pad_prompt_embeds([s.empty_prompt_pieces if d else s.prompt_pieces for s, d in zip(items, drop)])
     n_controls = len(items[0].control_latents)
     return Batch(
         ids=[s.id for s in items],

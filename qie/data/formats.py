@@ -37,6 +37,8 @@ class DataSource:
     split: str = "train"
     columns: Columns = field(default_factory=Columns)
     images_dir: Path | None = None
+    # Manifest rows may name files outside the manifest's folder (`data.allow_outside_paths`).
+    allow_outside: bool = False
 
 
 def is_hf_save_folder(path: Path) -> bool:
@@ -88,7 +90,7 @@ def read_dataset(source: DataSource, require_target: bool = True) -> Dataset:
     """
     format = detect_format(source.path) if source.format == "auto" else source.format
     if format != "hf":
-        return scan_dataset(source.path, format, require_target)
+        return scan_dataset(source.path, format, require_target, source.allow_outside)
     from qie.data.hf import scan_hf
 
     if source.images_dir is None:

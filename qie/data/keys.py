@@ -5,7 +5,8 @@
 - prompt_embed (+mask): prompt text, every control image's bytes, VL condition area, text-encoder
   fingerprint, prompt template
 - empty_prompt_embed (+mask): the same with the empty prompt
-Image bytes are hashed once and remembered against (path, size, mtime_ns) by the FileHasher.
+Image bytes are hashed once and remembered against (path, size, mtime_ns, ctime_ns, inode) by the FileHasher.
+The mask types share their embedding's key: they are derived from it, never stored.
 """
 
 from __future__ import annotations
@@ -67,6 +68,6 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
             "dtype": ctx.dtype,
         }
         keys[kind] = entry_key(kind, fields)
-        mask_kind = kind.replace("embed", "embeds_mask")
-        keys[mask_kind] = entry_key(mask_kind, fields)
+        # A mask is derived from its embedding (nothing is stored for it): it shares the embedding's key.
+        keys[kind.replace("embed", "embeds_mask")] = keys[kind]
     return keys

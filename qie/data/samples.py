@@ -10,10 +10,7 @@ precompute can name them and go on; a data set with no usable sample at all is a
 
 from __future__ import annotations
 
-import csv
 import gc
-import io
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -51,13 +48,17 @@ class Dataset:
     problems: list[DataProblem] = field(default_factory=list)
 
 
-def scan_dataset(path: str | Path, format: str = "auto", require_target: bool = True) -> Dataset:
+def scan_dataset(
+    path: str | Path, format: str = "auto", require_target: bool = True, allow_outside: bool = False
+) -> Dataset:
     """Find the samples of a data set folder or manifest.
 
     Args:
         path: a folder in the folder layout, or a .jsonl / .csv manifest.
         format: "auto", "folder" or "manifest".
         require_target: whether a sample without a target image is a problem (training) or fine (infer).
+        allow_outside: accept manifest rows naming files outside the manifest's folder (`..`, absolute
+            paths); otherwise such a row is a problem (`data.allow_outside_paths`).
 
     Returns:
         The samples in a stable order (sorted by id) and the problems found.
@@ -75,7 +76,12 @@ def scan_dataset(path: str | Path, format: str = "auto", require_target: bool = 
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        data = _scan_folder(root, require_target) if format == "folder" else _scan_manifest(root, require_target)
+        if format == "folder":
+            data = _scan_folder(root, require_target)
+        else:
+            from qie.data.manifest import scan_manifest
+
+            data = scan_manifest(root, require_target, allow_outside)
     finally:
         if gc_was_on:
             gc.enable()
@@ -193,101 +199,4 @@ def _scan_folder(root: Path, require_target: bool) -> Dataset:
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue
         data.samples.append(Sample(stem, target, ctrl, prompt))
-    return data
-
-
-def _manifest_rows(path: Path) -> list[tuple[int, object]]:
-    """(line or row number, parsed row) of a .jsonl or .csv manifest; a row that cannot be parsed is a
-    string saying why, so it becomes a problem of that row alone."""
-    if path.is_dir():
-        raise DataError(f"{str(path)!r} is a folder: use data.format=folder (or auto) for the folder layout")
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json", ".csv"):
-        raise DataError(f"manifest {str(path)!r}: use a .jsonl or .csv file, or a data set folder")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(f"manifest {str(path)!r} is not UTF-8 ({e.reason} at byte {e.start}): re-save it") from None
-    if suffix == ".csv":
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        return [(n, _csv_row(row)) for n, row in enumerate(reader, 2)]  # row 1 is the header
-    rows: list[tuple[int, object]] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                rows.append((n, f"line {n} is not JSON ({e.msg})"))
-    return rows
-
-
-def _csv_row(row: dict) -> dict | str:
-    """A CSV row with `controls` parsed: a JSON list, or paths separated by `|`."""
-    raw = (row.get("controls") or "").strip()
-    if raw.startswith("["):
-        try:
-            row["controls"] = json.loads(raw)
-        except json.JSONDecodeError as e:
-            return f"'controls' is not a JSON list ({e.msg})"
-    else:
-        row["controls"] = [c.strip() for c in raw.split("|") if c.strip()]
-    return row
-
-
-def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
-    """(controls, target, prompt) of a manifest row, or why the row is not usable."""
-    if not isinstance(row, dict):
-        return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
-    controls = row.get("controls")
-    if controls is None:  # no control image: a text-to-image row, or an edit row for the text-only prompt
-        controls = [row["control"]] if row.get("control") else []
-    if isinstance(controls, str):
-        controls = [controls] if controls else []
-    if not isinstance(controls, list) or not all(isinstance(c, str) and c for c in controls):
-        return f"'controls' must be a list of paths, got {controls!r}"
-    target, prompt = row.get("target") or None, row.get("prompt")
-    if target is not None and not isinstance(target, str):
-        return f"'target' must be a path, got {target!r}"
-    if prompt is not None and not isinstance(prompt, str):
-        return f"'prompt' must be text, got {prompt!r}"
-    return controls, target, prompt
-
-
-def _scan_manifest(path: Path, require_target: bool) -> Dataset:
-    data = Dataset()
-    seen: set[str] = set()
-    for n, row in _manifest_rows(path):
-        rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
-        where = f"{path}:{n}"
-        fields = row if isinstance(row, str) else _row_fields(row)
-        if isinstance(fields, str):
-            data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
-            continue
-        controls, target, prompt = fields
-        missing = [] if prompt is not None else ["prompt"]
-        if require_target and not target:
-            missing.append("target")
-        if missing:
-            data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
-            continue
-        paths = [path.parent / c for c in controls] + ([path.parent / target] if target else [])
-        bad = [p for p in paths if not p.is_file()]
-        if bad:
-            data.problems.append(
-                DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
-            )
-            continue
-        first = target or (controls[0] if controls else None)
-        sample_id = str(row.get("id") or (Path(first).with_suffix("").as_posix() if first else f"row{n:06d}"))
-        if sample_id in seen:  # one target with several instructions: ids stay unique
-            sample_id = f"{sample_id}#{n}"
-        seen.add(sample_id)
-        data.samples.append(
-            Sample(
-                sample_id,
-                path.parent / target if target else None,
-                tuple(path.parent / c for c in controls),
-                prompt.strip(),
-            )
-        )
     return data

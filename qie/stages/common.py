@@ -54,7 +54,7 @@ def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
     columns = Columns(c.target, tuple(c.controls), c.prompt, c.id)
     images = Path(cfg.cache.dir) if cfg.get("cache") is not None and cfg.cache.get("dir") else qie_home()
     return DataSource(str(path or d.path), str(value(d.format)) if path is None else "auto", str(d.split), columns,
-                      images / "images")  # fmt: skip
+                      images / "images", bool(d.get("allow_outside_paths", False)))  # fmt: skip
 
 
 def read_data(cfg: DictConfig, require_target: bool = True, path: str | None = None) -> Dataset:
@@ -88,7 +88,7 @@ def build_source(
     sizes = image_sizes(cfg)
     if mode == "live" or cfg.cache.name == "none":
         return LiveSource(encoder or build_encoder(cfg), sizes)
-    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"))
+    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
     factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg))
     cached = CachedSource(
         backend,

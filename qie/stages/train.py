@@ -26,6 +26,7 @@ from qie.data.samples import DataProblem, Sample
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec, model_spec
+from qie.readiness import ready_samples
 from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
@@ -56,15 +57,16 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     samples = load_samples(cfg, model_spec(cfg.model), accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
-    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
     source = build_source(cfg, precompute_command=precompute_command(cfg))
-    # Fail on a wrong cache.dir in a second, before the model is built (later misses stop the run).
-    source.check([samples[i] for i in next(iter(sampler))[1]])
+    # Every sample's entries are checked before the model is built (later misses stop the run too).
+    samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
+                            accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
+    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
 
     mode = train_mode(cfg.train)
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
     if resume_from is not None:
-        state.start_step = int(ckpt.load_checkpoint(accelerator, resume_from)["step"])
+        state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
         accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
     elif cfg.train.resume == "latest":
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
@@ -73,7 +75,8 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     workers, prefetch = loader_settings(cfg.data, source)
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
-                           OmegaConf.to_container(cfg, resolve=True))  # fmt: skip
+                           OmegaConf.to_container(cfg, resolve=True),
+                           resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
     hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir)
     save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train)
     try:
@@ -163,6 +166,7 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any) -> Loo
         log_every=int(logging.log_every),
         sigmas=sigmas,
         loss_weighting=str(value(train.loss_weighting)),
+        on_nonfinite=str(value(train.on_nonfinite)),
     )
 
 
@@ -175,20 +179,16 @@ def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, acc
     params = mode.trainable(transformer)
     optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
     lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
+    # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
     prepared, optimizer = accelerator.prepare(transformer, optimizer)
-    # Not prepared: accelerate would step it once per process. Registered, so its state is checkpointed.
-    accelerator.register_for_checkpointing(lr_scheduler)
-    if mode.lora:
-        ckpt.register_lora_state(accelerator)
     dtype = resolve_dtype(str(value(model.dtype)))
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
 def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, step: int, consumed: int) -> Path:
-    accelerator = state.accelerator
-    info = {"step": step, "batches_consumed": consumed, "num_processes": accelerator.num_processes}
+    info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes}
     comfyui, keep = bool(train.export_comfyui), train.checkpoints_total_limit
-    return ckpt.save_checkpoint(accelerator, state.model, run_dir, info, lora, comfyui, keep)
+    return ckpt.save_checkpoint(state, run_dir, info, lora, comfyui, keep)
 
 
 def _instantiate(node: Any) -> Any:

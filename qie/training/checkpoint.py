@@ -1,9 +1,13 @@
-"""Checkpoints: the LoRA in diffusers format beside the full accelerate state, for exact resume.
+"""Checkpoints: the LoRA in diffusers format beside the full training state, for exact resume, with no pickle.
 
-A checkpoint folder `checkpoints/step-000100/` holds `pytorch_lora_weights.safetensors` (and the
-ComfyUI copy when asked), `accelerate/` (optimizer, LR scheduler, RNG states of every process, trainable
-weights) and `trainer_state.json` (step, batches consumed). It is written under a temporary name and
-renamed, so a kill while saving never leaves a checkpoint that looks complete but is not.
+A checkpoint folder `checkpoints/step-000100/` holds `pytorch_lora_weights.safetensors` (and the ComfyUI
+copy when asked), `trainer_state.json` (step, batches consumed) and `state/`: the trained weights
+(`model.safetensors`), the optimizer and LR scheduler state (`optimizer.*`, `lr_scheduler.*`, safetensors +
+JSON, see `state_io`), the mixed-precision scaler (`grad_scaler.json`) and each process's RNG state
+(`rng_state_<rank>.*`). Everything is read with `json` and `safetensors`; a checkpoint holding any file that
+would need unpickling (accelerate's `*.pkl`, `*.bin`, torch's `*.pt` ...) is refused, as unpickling runs
+whatever code the file names. It is written under a temporary name and renamed, so a kill while saving
+never leaves a checkpoint that looks complete but is not.
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
+import safetensors.torch
 
-from qie.errors import ConfigError
+from qie.errors import ConfigError, ModelLoadError
 from qie.training.lora import load_lora_state, lora_state_dict, save_lora
-from qie.training.quiet import quiet_loggers
+from qie.training.state_io import load_tree, rng_state, save_tree, set_rng_state
 
 STATE_FILE = "trainer_state.json"
-LORA_STATE_FILE = "lora_state.safetensors"
+STATE_DIR = "state"
+MODEL_FILE = "model.safetensors"
+# Files that only a pickle loader reads (and the magic bytes of pickles and torch's zip format).
+PICKLE_SUFFIXES = {".pkl", ".pickle", ".bin", ".pt", ".pth", ".ckpt", ".pyc", ".npy", ".npz", ".joblib"}
+_PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x04")
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -61,6 +69,8 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
         return None
     if resume == "latest":
         found = complete_checkpoints(run_dir)
+        if found:
+            refuse_pickles(found[-1])
         return found[-1] if found else None
     path = Path(resume).expanduser()
     if (path / "checkpoints").is_dir() and not (path / STATE_FILE).exists():
@@ -71,6 +81,7 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
             f"train.resume={resume!r} is not a complete checkpoint (no {STATE_FILE} in {path}): "
             "name a checkpoints/step-NNNNNN folder, a run directory, or 'latest'"
         )
+    refuse_pickles(path)  # before any model is built
     return path
 
 
@@ -78,7 +89,7 @@ def begin(folder: Path) -> Path:
     """A fresh temporary sibling to write the checkpoint into."""
     tmp = temp_dir(folder)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    (tmp / STATE_DIR).mkdir(parents=True)
     return tmp
 
 
@@ -97,53 +108,36 @@ def prune(root: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def register_lora_state(accelerator: Any) -> None:
-    """Make accelerate save only the LoRA weights of its models (not the frozen base), as safetensors."""
-    from safetensors.torch import load_file, save_file
-
-    def save_hook(models: list, weights: list, output_dir: str) -> None:
-        if accelerator.is_main_process:
-            for m in models:
-                save_file(lora_state_dict(accelerator.unwrap_model(m)), str(Path(output_dir) / LORA_STATE_FILE))
-        weights.clear()  # accelerate would otherwise write the whole base model
-
-    def load_hook(models: list, input_dir: str) -> None:
-        while models:
-            m = models.pop()
-            load_lora_state(accelerator.unwrap_model(m), load_file(str(Path(input_dir) / LORA_STATE_FILE)))
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-
-
-def save_checkpoint(
-    accelerator: Any,
-    model: torch.nn.Module,
-    run_dir: Path,
-    state: dict,
-    lora: bool,
-    comfyui: bool = False,
-    keep: int | None = None,
-) -> Path:
+def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui: bool = False, keep=None) -> Path:
     """Write `checkpoints/step-NNNNNN` for `state["step"]` from every process; returns the folder.
 
     Args:
+        train: the TrainState (accelerator, model, optimizer, lr_scheduler).
         state: what `read_state` gives back on resume (step, batches_consumed, ...).
-        lora: also export the LoRA in diffusers format (and ComfyUI's with `comfyui`).
+        lora: the model trains a LoRA: keep only its weights, and export it in diffusers format too (and
+            ComfyUI's with `comfyui`).
         keep: `train.checkpoints_total_limit`.
     """
+    accelerator = train.accelerator
     folder = checkpoint_dir(run_dir, int(state["step"]))
     tmp = temp_dir(folder)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         begin(folder)
     accelerator.wait_for_everyone()
-    with quiet_loggers():  # accelerate's line per file; one qie line below says it all
-        accelerator.save_state(str(tmp / "accelerate"))  # every process writes its own RNG state
+    save_tree(rng_state(), tmp / STATE_DIR, f"rng_state_{accelerator.process_index}")  # every process its own
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        model = accelerator.unwrap_model(train.model)
         if lora:
-            save_lora(accelerator.unwrap_model(model), tmp, comfyui=comfyui)
+            safetensors.torch.save_file(lora_state_dict(model), str(tmp / STATE_DIR / MODEL_FILE))
+            save_lora(model, tmp, comfyui=comfyui)
+        else:
+            safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
+        save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
+        save_tree(train.lr_scheduler.state_dict(), tmp / STATE_DIR, "lr_scheduler")
+        if getattr(accelerator, "scaler", None) is not None:
+            (tmp / STATE_DIR / "grad_scaler.json").write_text(json.dumps(accelerator.scaler.state_dict()))
         write_state(tmp, state)
         commit(tmp, folder)
         prune(run_dir, keep)
@@ -152,8 +146,30 @@ def save_checkpoint(
     return folder
 
 
-def load_checkpoint(accelerator: Any, folder: Path) -> dict:
-    """Restore weights, optimizer, LR scheduler and RNG from `folder`; returns its trainer state."""
+def refuse_pickles(folder: Path) -> None:
+    """Raise ModelLoadError if any file under `folder` would need unpickling to be read."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() or p.is_symlink()):
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if path.suffix.lower() in PICKLE_SUFFIXES or head.startswith(_PICKLE_MAGIC):
+            raise ModelLoadError(
+                f"checkpoint {folder} holds {path.relative_to(folder)}, a file only a pickle loader reads (which "
+                "runs any code the file names): qie checkpoints hold safetensors and JSON only, so this one was "
+                "not written by this qie. Resume from a checkpoint qie wrote, or start without train.resume."
+            )
+
+
+def load_checkpoint(train: Any, folder: Path, inexact: bool = False) -> dict:
+    """Restore weights, optimizer, LR scheduler and RNG from `folder`; returns its trainer state.
+
+    Args:
+        inexact: resume even when this process's RNG state is missing or unreadable (`train.resume_inexact`).
+
+    Raises:
+        ModelLoadError: a file that needs unpickling, or missing or damaged state (naming the file).
+    """
+    accelerator, state_dir = train.accelerator, folder / STATE_DIR
+    refuse_pickles(folder)
     state = read_state(folder)
     saved_procs = int(state.get("num_processes", accelerator.num_processes))
     if saved_procs != accelerator.num_processes:
@@ -161,6 +177,43 @@ def load_checkpoint(accelerator: Any, folder: Path) -> dict:
             f"qie: warning: {folder} was saved by {saved_procs} processes, resuming with "
             f"{accelerator.num_processes}: the data order from here on differs from the original run's"
         )
-    with quiet_loggers():
-        accelerator.load_state(str(folder / "accelerate"))
+    model = accelerator.unwrap_model(train.model)
+    _load(state_dir / MODEL_FILE, lambda: _load_model(model, state_dir / MODEL_FILE))
+    _load(state_dir / "optimizer.json", lambda: train.optimizer.load_state_dict(load_tree(state_dir, "optimizer")))
+    _load(
+        state_dir / "lr_scheduler.json",
+        lambda: train.lr_scheduler.load_state_dict(load_tree(state_dir, "lr_scheduler")),
+    )
+    if getattr(accelerator, "scaler", None) is not None and (state_dir / "grad_scaler.json").is_file():
+        accelerator.scaler.load_state_dict(json.loads((state_dir / "grad_scaler.json").read_text()))
+    rng = f"rng_state_{accelerator.process_index}"
+    try:
+        set_rng_state(load_tree(state_dir, rng))
+    except Exception as e:
+        detail = f"{state_dir / rng}.{{json,safetensors}} is missing or unreadable ({e.__class__.__name__}: {e})"
+        if not inexact:
+            raise ModelLoadError(
+                f"cannot resume exactly: {detail}. Without it the random numbers (LoRA dropout and others) differ "
+                "from the original run; set train.resume_inexact=true to resume anyway."
+            ) from None
+        accelerator.print(f"qie: warning: {detail}; resuming without it (train.resume_inexact=true): not exact")
     return state
+
+
+def _load_model(model: Any, path: Path) -> None:
+    if path.stat().st_size and _is_lora(path):
+        load_lora_state(model, safetensors.torch.load_file(str(path)))
+    else:
+        safetensors.torch.load_model(model, str(path))
+
+
+def _is_lora(path: Path) -> bool:
+    with safetensors.safe_open(str(path), "pt") as f:
+        return any("lora_" in k for k in f.keys())
+
+
+def _load(path: Path, load) -> None:
+    try:
+        load()
+    except Exception as e:
+        raise ModelLoadError(f"cannot resume from {path}: {e.__class__.__name__}: {e}") from None

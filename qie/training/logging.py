@@ -8,6 +8,8 @@ read from the original files when logged and dropped right after, so cached trai
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 from collections import deque
 from collections.abc import Mapping
@@ -41,13 +43,20 @@ class MetricsLogger:
         report_to: "tensorboard", "wandb" or "none" (metrics.jsonl is written in every case).
         enabled: False on non-main processes (they log nothing).
         config: the run's config, for wandb.
+        resume_step: the step a resumed run continues after: what was logged past it (steps the run made
+            after its last checkpoint) is dropped from metrics.jsonl and TensorBoard, so each step appears once.
 
     Raises:
         ConfigError: report_to=wandb without wandb installed.
     """
 
     def __init__(
-        self, run_dir: Path, report_to: str = "tensorboard", enabled: bool = True, config: dict | None = None
+        self,
+        run_dir: Path,
+        report_to: str = "tensorboard",
+        enabled: bool = True,
+        config: dict | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
@@ -56,10 +65,13 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            drop_steps_after(self.path, resume_step)
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
         elif report_to == "wandb":
             try:
                 import wandb
@@ -113,6 +125,25 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def drop_steps_after(path: Path, step: int) -> None:
+    """Rewrite the metrics file `path` without the lines of steps after `step` (atomically)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line of a killed run: dropped too
 
 
 class ImageLogger:

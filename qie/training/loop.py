@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from qie.errors import QieError
 from qie.progress import progress
+from qie.training.guards import NonFiniteLoss, all_ids, nonfinite_message, save_before_stopping, window_is_finite
 from qie.training.logging import MetricsLogger
 from qie.training.step import flow_matching_loss
 from qie.training.timesteps import SigmaSampling
@@ -32,6 +34,7 @@ class LoopSettings:
     log_every: int = 1
     sigmas: SigmaSampling = field(default_factory=SigmaSampling)
     loss_weighting: str = "none"
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" (save the last good state) or "skip"
 
 
 @dataclass
@@ -123,11 +126,16 @@ def fit(
         on_step_end: hook after each optimizer step, on every process (image logging, validation, timing).
 
     Returns:
-        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal"}.
+        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "skipped_nonfinite"}.
+
+    Raises:
+        NonFiniteLoss: a NaN or infinite loss or gradient with `on_nonfinite="stop"` (after saving the last
+            good state); a QieError of the batch stream (after saving, in a single-process run).
     """
     accelerator = state.accelerator
     step, consumed, saved_at = state.start_step, None, None
     losses: list[float] = []
+    skipped: list[list[str]] = []
     stream = iter(batches)
     stopping = False
     bar = progress(settings.max_steps, "train", initial=step, disable=not accelerator.is_main_process)
@@ -135,15 +143,29 @@ def fit(
         while step < settings.max_steps and not stopping:
             t0 = time.perf_counter()
             try:
-                loss, grad_norm, batch, consumed, waited = _optimizer_step(state, stream, settings)
+                loss, grad_norm, batch, window = _optimizer_step(state, stream, settings)
             except Exception as e:
                 if stop.received is None:
+                    if isinstance(e, QieError) and save_before_stopping(
+                        save_checkpoint, accelerator, step, consumed, saved_at
+                    ):
+                        print(f"qie: saved the state after step {step} before stopping")
                     raise
                 # A scheduler signals every process, loader workers included: a step that lost its data
                 # is dropped and the last finished one is saved.
                 print(f"qie: stopping; step {step + 1} not finished: {e}")
                 stopping = True
                 break
+            if not window["finite"]:
+                ids = all_ids(accelerator, window["ids"])
+                if settings.on_nonfinite == "skip":
+                    accelerator.print(f"qie: warning: {nonfinite_message(step + 1, ids, None)} Skipped.")
+                    skipped.append(ids)
+                    consumed = window["consumed"]
+                    continue
+                saved = save_before_stopping(save_checkpoint, accelerator, step, consumed, saved_at)
+                raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved))
+            consumed = window["consumed"]
             step += 1
             # One collective for both: every process must stop after the same step, or the checkpoint's
             # collectives would pair with another process's training step.
@@ -165,27 +187,30 @@ def fit(
                 }
                 logger.log(step, metrics)
             if on_step_end is not None:
-                on_step_end(StepInfo(step, batch, mean_loss, seconds, waited))
+                on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
             if save_checkpoint and settings.checkpoint_every and step % settings.checkpoint_every == 0:
                 save_checkpoint(step, consumed)
                 saved_at = step
         if save_checkpoint and consumed is not None and saved_at != step:
             save_checkpoint(step, consumed)
-    return {"step": step, "loss": losses[-1] if losses else math.nan, "losses": losses, "stopped_by_signal": stopping}
+    last = losses[-1] if losses else math.nan
+    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "skipped_nonfinite": skipped}
 
 
 def _optimizer_step(
     state: TrainState, stream: Iterator[tuple[int, Batch]], settings: LoopSettings
-) -> tuple[float, torch.Tensor | None, Batch, int, float]:
-    """One optimizer step over `gradient_accumulation_steps` batches.
+) -> tuple[float, torch.Tensor | None, Batch, dict]:
+    """One optimizer step over `gradient_accumulation_steps` batches; none when a loss or the gradient is not
+    finite on any process (the gradients are dropped).
 
     Returns:
-        (mean loss of the window on this process, grad norm before clipping, last batch, batches consumed,
-        seconds spent waiting for the batches).
+        (mean loss of the window on this process, grad norm before clipping, last batch,
+        {"consumed": batches consumed, "finite": whether the step was taken, "ids": the window's samples,
+        "waited": seconds spent waiting for the batches}).
     """
     accelerator, model = state.accelerator, state.model
     model.train()
-    window_loss, grad_norm, waited = 0.0, None, 0.0
+    window_loss, grad_norm, waited, finite, ids, window_losses = 0.0, None, 0.0, True, [], []
     micro_steps = accelerator.gradient_accumulation_steps
     for _ in range(micro_steps):
         t0 = time.perf_counter()
@@ -197,14 +222,18 @@ def _optimizer_step(
             noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g)
             loss = flow_matching_loss(model, batch, noise, sigmas, settings.loss_weighting)
             accelerator.backward(loss)
+            ids += batch.ids
+            window_losses.append(loss.detach())
             if accelerator.sync_gradients:
                 # An infinite bound measures the norm without clipping, so grad_norm is always logged.
                 max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
                 grad_norm = accelerator.clip_grad_norm_(state.params, max_norm)
+                finite = window_is_finite(accelerator, window_losses, grad_norm)
             # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
-            state.optimizer.step()
-            if accelerator.sync_gradients:
-                state.lr_scheduler.step()
+            if finite:
+                state.optimizer.step()
+                if accelerator.sync_gradients:
+                    state.lr_scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
         window_loss += loss.detach().float().item() / micro_steps
-    return window_loss, grad_norm, batch, number + 1, waited
+    return window_loss, grad_norm, batch, {"consumed": number + 1, "finite": finite, "ids": ids, "waited": waited}

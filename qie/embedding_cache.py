@@ -3,6 +3,8 @@
 A thin facade: entries are stored by the ssd backend exactly as precompute stores them, so what one
 writes the other reads. A manager made with a KeyContext (see `qie.api.cache_manager(cfg)`) computes the
 same keys as precompute and training; without one, prompt keys cover the prompt and image content only.
+The six public type names all work: the mask types are derived from their embeddings (never stored), and a
+prompt embedding that shares its image-token prefix with its empty-prompt embedding is joined on load.
 """
 
 from __future__ import annotations
@@ -12,20 +14,15 @@ from pathlib import Path
 
 import torch
 
+from qie.cache.entries import MASK_OF, read_logical
 from qie.cache.keys import FileHasher, entry_key
 from qie.cache.ssd import SsdBackend
-from qie.config.cache import CACHE_TYPES
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
+from qie.types import TRAINING_TYPES
 
 # The tensor name each type's single tensor is stored under (control_latent: one per control image).
-TENSOR_NAMES = {
-    "pixel_latent": "latent",
-    "prompt_embed": "embed",
-    "empty_prompt_embed": "embed",
-    "prompt_embeds_mask": "mask",
-    "empty_prompt_embeds_mask": "mask",
-}
+TENSOR_NAMES = {"pixel_latent": "latent", "prompt_embed": "embed", "empty_prompt_embed": "embed"}
 
 
 class EmbeddingCacheManager:
@@ -43,7 +40,12 @@ class EmbeddingCacheManager:
         self.context = context
 
     def save_cache(self, cache_type: str, key: str, tensor: torch.Tensor | list[torch.Tensor]) -> int:
-        """Store `tensor` (a list of tensors for several control latents); returns bytes written."""
+        """Store `tensor` (a list of tensors for several control latents); returns bytes written.
+
+        A mask is not stored (0 bytes): it is derived from its embedding's length on load.
+        """
+        if cache_type in MASK_OF:
+            return 0
         if cache_type == "control_latent":
             tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
             return self.backend.put(cache_type, key, {str(i): t for i, t in enumerate(tensors)})
@@ -51,26 +53,27 @@ class EmbeddingCacheManager:
 
     def load_cache(self, cache_type: str, key: str) -> torch.Tensor | list[torch.Tensor] | None:
         """The stored tensor (a list for control_latent), or None on a miss or an unreadable entry."""
-        entry = self.backend.get(cache_type, key)
-        if entry is None:
-            return None
-        if cache_type == "control_latent":
-            return [entry[str(i)] for i in range(len(entry))]
-        return entry[TENSOR_NAMES[cache_type]]
+        return read_logical(self.backend, cache_type, key)
 
     def cache_exists(self, cache_type: str, key: str) -> bool:
-        return self.backend.exists(cache_type, key)
+        return self.backend.exists(MASK_OF.get(cache_type, cache_type), key)
 
     def get_cache_stats(self) -> dict[str, int]:
-        """Entry count per type, e.g. {'pixel_latent': 100, 'control_latent': 100, ...}."""
-        return {t: s["count"] for t, s in self.backend.stats().items()}
+        """Entry count per type, e.g. {'pixel_latent': 100, 'control_latent': 100, ...}; a mask type counts
+        the embeddings it is derived from."""
+        if not self.cache_dir.is_dir():
+            return {t: 0 for t in [*TRAINING_TYPES, *MASK_OF]}
+        counts = {t: s["count"] for t, s in self.backend.stats().items()}
+        return {t: counts[MASK_OF.get(t, t)] for t in counts}
 
     def clear_cache(self, cache_type: str | None = None) -> int:
         """Remove all entries, or those of one type; returns how many were removed."""
+        if not self.cache_dir.is_dir():
+            return 0
         return self.backend.clear([cache_type] if cache_type else None)
 
     def get_file_hash_for_image(self, image_path: str | os.PathLike) -> str:
-        """sha256 of the file's bytes (remembered against path, size and mtime)."""
+        """sha256 of the file's bytes (remembered against path, size, mtime and ctime)."""
         return self.hasher.hash(image_path)
 
     def get_file_hash_for_prompt(self, image_path: str | os.PathLike | list, prompt: str) -> str:
@@ -94,6 +97,5 @@ def check_cache_exists(cache_dir: str | os.PathLike) -> bool:
     path = Path(cache_dir)
     if not path.is_dir():
         return False
-    stats = SsdBackend(dir=path).stats()
-    needed = [t for t in CACHE_TYPES if "mask" not in t]
-    return all(stats[t]["count"] > 0 for t in needed)
+    stats = SsdBackend(dir=path).stats(TRAINING_TYPES)
+    return all(stats[t]["count"] > 0 for t in TRAINING_TYPES)

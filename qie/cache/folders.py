@@ -1,0 +1,92 @@
+"""The ssd backend's folders: which type and shard folders admin actions may look into, which files in
+them are entries, and the stamps that let a repeat whole-set check cost one stat per entry."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+
+from qie.cache.base import VerifyReport
+from qie.cache.files import entry_key
+from qie.types import CACHE_TYPES
+
+log = logging.getLogger("qie.cache.ssd")
+
+# Kept off a stamp's time, for file systems whose clock (which sets ctime) is another machine's.
+CHECK_MARGIN_NS = 600 * 10**9
+_TYPE_SALT = {t: int(hashlib.sha256(t.encode()).hexdigest()[:16], 16) for t in CACHE_TYPES}
+
+
+def real_types(root: str, types: Iterable[str], report: VerifyReport | None = None) -> Iterator[str]:
+    """The types whose folders are real folders of `root` (a symlinked one is skipped, with a warning)."""
+    for type in types:
+        folder = f"{root}/{type}"
+        if os.path.islink(folder):
+            log.warning("skipping %s: a symlink (admin actions never follow links out of cache.dir)", folder)
+            if report is not None:
+                report.skipped.append(folder)
+            continue
+        yield type
+
+
+def scan(root: str, type: str) -> Iterator[os.DirEntry]:
+    """Files (not links) in the real shard folders of `type`, via os.scandir (no per-file stat)."""
+    try:
+        shards = [e for e in os.scandir(f"{root}/{type}") if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for shard in shards:
+        try:
+            with os.scandir(shard.path) as it:
+                yield from (e for e in it if e.is_file(follow_symlinks=False))
+        except FileNotFoundError:
+            continue
+
+
+def shard_key(entry: os.DirEntry) -> str | None:
+    """The key of an entry file: key-named and in its key's shard folder; None for any other file."""
+    key = entry_key(entry.name)
+    return key if key is not None and os.path.basename(os.path.dirname(entry.path)) == key[:2] else None
+
+
+def remove_empty_dirs(root: str, type: str) -> None:
+    folder = f"{root}/{type}"
+    try:
+        shards = [e.path for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for path in [*shards, folder]:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass  # not empty, or a writer just used it
+
+
+def checked_token(items: Sequence[tuple[str, str]]) -> str:
+    """A name for a set of (type, key) entries, whatever their order (keys are hex digests: their first 64
+    bits are mixed with the type's; other keys are hashed first)."""
+    total = 0
+    for t, k in items:
+        try:
+            part = int(k[:16], 16)
+        except ValueError:
+            part = int(hashlib.blake2b(k.encode(), digest_size=8).hexdigest(), 16)
+        total = (total + (part ^ _TYPE_SALT[t])) % (1 << 64)
+    return f"{len(items)}-{total:016x}"
+
+
+def read_stamp(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def ctime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ctime_ns
+    except OSError:
+        return None

@@ -1,0 +1,130 @@
+"""Manifests: a .jsonl or .csv file with `target`, `controls`, `prompt` per row, paths relative to the
+manifest's folder (and inside it, unless `data.allow_outside_paths`); a row without `controls` has none.
+A row that cannot be used is a problem of that row alone."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
+from qie.data.samples import DataProblem, Dataset, Sample
+from qie.errors import DataError
+
+
+def _manifest_rows(path: Path) -> list[tuple[int, object]]:
+    """(line or row number, parsed row) of a .jsonl or .csv manifest; a row that cannot be parsed is a
+    string saying why, so it becomes a problem of that row alone."""
+    if path.is_dir():
+        raise DataError(f"{str(path)!r} is a folder: use data.format=folder (or auto) for the folder layout")
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".csv"):
+        raise DataError(f"manifest {str(path)!r}: use a .jsonl or .csv file, or a data set folder")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"manifest {str(path)!r} is not UTF-8 ({e.reason} at byte {e.start}): re-save it") from None
+    if suffix == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        return [(n, _csv_row(row)) for n, row in enumerate(reader, 2)]  # row 1 is the header
+    rows: list[tuple[int, object]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                rows.append((n, f"line {n} is not JSON ({e.msg})"))
+    return rows
+
+
+def _csv_row(row: dict) -> dict | str:
+    """A CSV row with `controls` parsed: a JSON list, or paths separated by `|`."""
+    raw = (row.get("controls") or "").strip()
+    if raw.startswith("["):
+        try:
+            row["controls"] = json.loads(raw)
+        except json.JSONDecodeError as e:
+            return f"'controls' is not a JSON list ({e.msg})"
+    else:
+        row["controls"] = [c.strip() for c in raw.split("|") if c.strip()]
+    return row
+
+
+def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
+    """(controls, target, prompt) of a manifest row, or why the row is not usable."""
+    if not isinstance(row, dict):
+        return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
+    controls = row.get("controls")
+    if controls is None:  # no control image: a text-to-image row, or an edit row for the text-only prompt
+        controls = [row["control"]] if row.get("control") else []
+    if isinstance(controls, str):
+        controls = [controls] if controls else []
+    if not isinstance(controls, list) or not all(isinstance(c, str) and c for c in controls):
+        return f"'controls' must be a list of paths, got {controls!r}"
+    target, prompt = row.get("target") or None, row.get("prompt")
+    if target is not None and not isinstance(target, str):
+        return f"'target' must be a path, got {target!r}"
+    if prompt is not None and not isinstance(prompt, str):
+        return f"'prompt' must be text, got {prompt!r}"
+    return controls, target, prompt
+
+
+def _outside(folder: Path, name: str) -> bool:
+    """Whether the manifest path `name` leaves `folder` (absolute, or climbing out with `..`)."""
+    if os.path.isabs(name):
+        return True
+    return os.path.normpath(name).split(os.sep)[0] == ".."
+
+
+def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False) -> Dataset:
+    """The samples and problems of a .jsonl or .csv manifest (paths relative to its folder)."""
+    data = Dataset()
+    seen: set[str] = set()
+    for n, row in _manifest_rows(path):
+        rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
+        where = f"{path}:{n}"
+        fields = row if isinstance(row, str) else _row_fields(row)
+        if isinstance(fields, str):
+            data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
+            continue
+        controls, target, prompt = fields
+        missing = [] if prompt is not None else ["prompt"]
+        if require_target and not target:
+            missing.append("target")
+        if missing:
+            data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
+            continue
+        outside = [] if allow_outside else [c for c in [*controls, target] if c and _outside(path.parent, c)]
+        if outside:
+            data.problems.append(
+                DataProblem(
+                    rid,
+                    where,
+                    f"manifest row {n}: {outside[0]!r} lies outside the manifest's folder "
+                    f"{str(path.parent)!r}: move it inside, or set data.allow_outside_paths=true",
+                )
+            )
+            continue
+        paths = [path.parent / c for c in controls] + ([path.parent / target] if target else [])
+        bad = [p for p in paths if not p.is_file()]
+        if bad:
+            data.problems.append(
+                DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
+            )
+            continue
+        first = target or (controls[0] if controls else None)
+        sample_id = str(row.get("id") or (Path(first).with_suffix("").as_posix() if first else f"row{n:06d}"))
+        if sample_id in seen:  # one target with several instructions: ids stay unique
+            sample_id = f"{sample_id}#{n}"
+        seen.add(sample_id)
+        data.samples.append(
+            Sample(
+                sample_id,
+                path.parent / target if target else None,
+                tuple(path.parent / c for c in controls),
+                prompt.strip(),
+            )
+        )
+    return data

@@ -1,0 +1,103 @@
+"""Whole-set readiness: before cached training builds its model, every sample's entries are checked.
+
+The check reads each entry's header (schema, type, length, and for a prompt entry its base's checksum), not
+its tensors, and writes `cache_report.json` in the run directory listing every sample with missing or damaged
+entries. Samples precompute could not encode (recorded in the cache's `precompute_failures.json`) are skipped
+with a warning; the others stop the run with their count and the precompute command, or, with
+`cache.on_missing=skip`, are left out with a warning. Sources that encode (live, lazy) need no check.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from qie.cache.failures import read_failures
+from qie.cli import check_writable
+from qie.data.samples import Sample
+from qie.embeddings import EmbeddingSource, sample_types
+from qie.errors import CacheDirMissing, CacheMissError
+
+REPORT_FILE = "cache_report.json"
+
+
+def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) -> dict:
+    """{"missing": [...], "damaged": [...], "unreadable": [...], "precompute_failed": [...]}: one row per
+    sample with a problem, {"id", "types" or "reason"}; and "seconds"."""
+    t0 = time.perf_counter()
+    out: dict[str, list] = {"missing": [], "damaged": [], "unreadable": [], "precompute_failed": []}
+    backend = source.backend
+    keyed = []
+    for sample in samples:
+        try:
+            keyed.append((sample, source.keys(sample)))
+        except OSError as e:
+            out["unreadable"].append({"id": sample.id, "reason": f"cannot read {e.filename!r} ({e.strerror})"})
+    items = [(t, keys[t]) for sample, keys in keyed for t in sample_types(sample)]
+    whole = dict(zip(items, backend.intact_all(items, remember=True)))
+    for sample, keys in keyed:
+        bad = [t for t in sample_types(sample) if not whole[t, keys[t]]]
+        if not bad:
+            continue
+        known = [failures[f"{t}/{keys[t]}"]["reason"] for t in bad if f"{t}/{keys[t]}" in failures]
+        if known:
+            out["precompute_failed"].append({"id": sample.id, "types": bad, "reason": known[0]})
+            continue
+        kind = "damaged" if any(backend.exists(t, keys[t]) for t in bad) else "missing"
+        out[kind].append({"id": sample.id, "types": bad})
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def ready_samples(
+    source: EmbeddingSource,
+    samples: list[Sample],
+    run_dir: Path,
+    on_missing: str,
+    cache_dir: str | None,
+    report: bool = True,
+    precompute_command: str = "python -m qie.precompute ...",
+) -> list[Sample]:
+    """The samples to train on, after checking the run and cache folders and (cached mode) every entry.
+
+    Raises:
+        StorageError: the run directory cannot be written, or the cache folder is missing or a file.
+        CacheMissError: samples without their entries (on_missing="stop"), or no sample left.
+    """
+    check_writable(run_dir, "the run directory (hydra.run.dir)")
+    backend = getattr(source, "backend", None) or getattr(getattr(source, "cached", None), "backend", None)
+    if backend is not None:
+        try:
+            backend.check_access(write=source.encodes)
+        except CacheDirMissing:  # every entry is missing: said below, with the count and the precompute command
+            pass
+    if source.encodes:
+        return samples
+    found = check_entries(source, samples, read_failures(cache_dir) if cache_dir else {})
+    path = run_dir / REPORT_FILE
+    if report:
+        doc = {"samples": len(samples), **found, "precompute_command": precompute_command}
+        path.write_text(json.dumps(doc, indent=1))
+        print(f"qie: cache checked for {len(samples):,} samples in {found['seconds']:.2f} s ({path})")
+    skip = {row["id"] for row in found["precompute_failed"]}
+    for row in found["precompute_failed"][:5] if report else []:
+        print(f"qie: warning: skipping sample {row['id']!r}: precompute could not encode it: {row['reason']}")
+    missing = found["missing"] + found["damaged"] + found["unreadable"]
+    if missing and on_missing != "skip":
+        first = missing[0]
+        raise CacheMissError(
+            f"{len(missing):,} of {len(samples):,} samples have missing or damaged cache entries in {backend!r} "
+            f"(all listed in {path}); the first is {first['id']!r} ({', '.join(first.get('types', []))}"
+            f"{first.get('reason', '')}).\nFill the cache first with the same model, data and cache settings:\n"
+            f"  {precompute_command}\nor train on the other samples with cache.on_missing=skip."
+        )
+    if missing and report:
+        print(f"qie: warning: training without {len(missing):,} samples whose cache entries are missing or damaged "
+              f"(cache.on_missing=skip; listed in {path})")  # fmt: skip
+    skip |= {row["id"] for row in missing}
+    kept = [s for s in samples if s.id not in skip]
+    if not kept:
+        raise CacheMissError(f"no sample has all its cache entries (see {path}): run\n  {precompute_command}")
+    return kept

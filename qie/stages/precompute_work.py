@@ -1,0 +1,237 @@
+"""The work of the precompute stage, as functions of explicit arguments: keys, the split between processes,
+the plan of what is missing, claims against other runs, encoding, and the summary.
+
+Everything here reaches the cache through the backend protocol and `qie.cache.entries` only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+from qie.cache.base import CacheBackend
+from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, write_entries
+from qie.data.images import ImageError
+from qie.data.keys import KeyContext, sample_keys
+from qie.data.samples import DataProblem, Sample
+from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample
+from qie.errors import DataError
+
+Keyed = tuple[Sample, dict[str, str]]
+
+
+@dataclass
+class TypeSummary:
+    new: int = 0
+    skipped: int = 0
+    failed: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
+class PrecomputeSummary:
+    samples: int = 0
+    types: dict[str, TypeSummary] = field(default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES})
+    failures: list[DataProblem] = field(default_factory=list)
+    # One row per process: {"process", "samples", "new", "bytes_written"}.
+    processes: list[dict] = field(default_factory=list)
+    temp_files_removed: int = 0
+    # Entries another precompute run (sharing this cache) was writing: waited for, not encoded twice.
+    claimed_by_others: int = 0
+    # (type, key, sample id, reason) of every entry that could not be written: training skips them.
+    failed_entries: list[tuple[str, str, str, str]] = field(default_factory=list)
+    written: list[tuple[str, str]] = field(default_factory=list)
+
+    def merge(self, other: PrecomputeSummary) -> None:
+        self.samples += other.samples
+        for t, s in other.types.items():
+            for name in ("new", "skipped", "failed", "bytes_written"):
+                setattr(self.types[t], name, getattr(self.types[t], name) + getattr(s, name))
+        for name in ("failures", "processes", "failed_entries", "written"):
+            getattr(self, name).extend(getattr(other, name))
+        self.temp_files_removed += other.temp_files_removed
+        self.claimed_by_others += other.claimed_by_others
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        del out["written"]  # the keys written: for the failure log, not for people
+        return out
+
+
+def keys_of(sample: Sample, ctx: KeyContext, hasher, spec) -> dict[str, str]:
+    """The sample's entry keys; DataError for a sample the model (`spec`, a ModelSpec) cannot take or a file
+    that cannot be read."""
+    problem = spec.control_problem(len(sample.controls))
+    if problem:
+        path = sample.controls[spec.max_control_images] if sample.controls else sample.target
+        raise ImageError(path, f"sample {sample.id!r} has {problem}")
+    try:
+        return sample_keys(sample, ctx, hasher)
+    except OSError as e:
+        raise ImageError(e.filename, f"sample {sample.id!r}: cannot read {e.filename!r} ({e.strerror})") from None
+
+
+def share(keyed: list[Keyed], num_processes: int, index: int) -> list[Keyed]:
+    """The samples process `index` of `num_processes` encodes.
+
+    Samples sharing any entry key form one group that goes to one process, so no entry is encoded twice;
+    groups are dealt largest first to the least-loaded process. Every process computes the same split.
+    """
+    if num_processes <= 1:
+        return list(keyed)
+    parent = list(range(len(keyed)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple[str, str], int] = {}
+    for i, (_, keys) in enumerate(keyed):
+        for entry in keys.items():
+            parent[root(i)] = root(first.setdefault(entry, i))
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i in range(len(keyed)):
+        groups[root(i)].append(i)
+    load = [0] * num_processes
+    chosen: list[int] = []
+    for members in sorted(groups.values(), key=lambda m: (-len(m), m[0])):
+        target = min(range(num_processes), key=lambda p: (load[p], p))
+        load[target] += len(members)
+        if target == index:
+            chosen += members
+    return [keyed[i] for i in sorted(chosen)]
+
+
+def plan(mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary) -> dict[tuple, list[Keyed]]:
+    """Group samples by the tuple of stored types they miss; an intact entry or one planned already is
+    skipped. Groups that write empty-prompt entries come first: prompt entries then share their prefix."""
+    planned: set[tuple[str, str]] = set()
+    groups: dict[tuple[str, ...], list[Keyed]] = defaultdict(list)
+    for sample, keys in mine:
+        missing = []
+        for t in (t for t in STORED_TYPES if t in keys):
+            if (t, keys[t]) in planned or backend.intact(t, keys[t]):
+                summary.types[t].skipped += 1
+            else:
+                planned.add((t, keys[t]))
+                missing.append(t)
+        if missing:
+            groups[tuple(missing)].append((sample, keys))
+    return dict(sorted(groups.items(), key=lambda g: BASE_TYPE not in g[0]))
+
+
+def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: PrecomputeSummary):
+    """Claim the batch's missing entries against other runs on this cache.
+
+    Returns:
+        ([(sample, keys, types to encode)], [samples another run holds, to retry], [claims to release]).
+        An entry another run finished meanwhile is counted as skipped.
+    """
+    todo, busy, held = [], [], []
+    for sample, keys in batch:
+        got = [(t, backend.claim(t, keys[t])) for t in types]
+        if any(c is None for _, c in got):
+            for _, c in got:
+                if c is not None:
+                    c.release()
+            busy.append((sample, keys))
+            continue
+        held += [c for _, c in got]
+        left = tuple(t for t in types if not backend.intact(t, keys[t]))
+        for t in set(types) - set(left):
+            summary.types[t].skipped += 1
+            summary.claimed_by_others += 1
+        if left:
+            todo.append((sample, keys, left))
+    return todo, busy, held
+
+
+def encode_groups(
+    encoder: Callable[[], Encoder],
+    groups: dict[tuple, list[Keyed]],
+    backend: CacheBackend,
+    sizes: ImageSizes,
+    summary: PrecomputeSummary,
+    batch_size: int,
+    raise_errors: bool,
+    progress: Callable[[int], object],
+) -> None:
+    """Encode and write every group in batches; samples another run holds are retried after waiting for
+    that run's claims, holding none (its entries are then skipped, what it failed to write is encoded)."""
+    pending = list(groups.items())
+    while pending:
+        later: list[tuple[tuple, list[Keyed]]] = []
+        for types, group in pending:
+            for start in range(0, len(group), batch_size):
+                batch = group[start : start + batch_size]
+                todo, busy, held = claim(backend, batch, types, summary)
+                try:
+                    if todo:
+                        _encode_batch(encoder(), todo, sizes, backend, summary, raise_errors)
+                finally:
+                    for c in held:
+                        c.release()
+                if busy:
+                    later.append((types, busy))
+                progress(len(batch) - len(busy))
+        for types, group in later:
+            for _, keys in group:
+                for t in types:
+                    backend.claim(t, keys[t], wait=True).release()
+        pending = later
+
+
+def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summary, raise_errors: bool) -> None:
+    """Read the batch's images, encode what each sample misses and can be read, and write what is finite."""
+    by_types: dict[tuple[str, ...], list[tuple[Sample, dict, PreparedSample]]] = defaultdict(list)
+    for sample, keys, missing in todo:
+        types = list(missing)
+        prepared = PreparedSample(sample, None, [], [])
+        control_types = [t for t in missing if t != "pixel_latent"]
+        if "pixel_latent" in missing:
+            try:
+                prepared.target = prepare_sample(sample, sizes, with_controls=False).target
+            except DataError as e:
+                record_failure(summary, sample, e, ["pixel_latent"], keys, raise_errors)
+                types.remove("pixel_latent")
+        if control_types:
+            try:
+                read = prepare_sample(sample, sizes, with_target=False)
+                prepared.control_pixels, prepared.vl_images = read.control_pixels, read.vl_images
+            except DataError as e:
+                record_failure(summary, sample, e, control_types, keys, raise_errors)
+                types = [t for t in types if t not in control_types]
+        if types:
+            by_types[tuple(types)].append((sample, keys, prepared))
+    for types, items in by_types.items():
+        entries = encoder.encode_entries([p for _, _, p in items], types)
+        for (sample, keys, _), entry in zip(items, entries):
+            entry = {t: entry[t] for t in types}
+            bad = nonfinite(entry)
+            if bad:
+                bad_types = sorted({b.split("/")[0] for b in bad}, key=STORED_TYPES.index)
+                error = DataError(f"sample {sample.id!r}: {', '.join(bad)} hold NaN or infinite values: not written")
+                record_failure(summary, sample, error, bad_types, keys, raise_errors)
+                entry = {t: v for t, v in entry.items() if t not in bad_types}
+            for t, n in write_entries(backend, keys, entry).items():
+                summary.types[t].bytes_written += n
+                summary.types[t].new += 1
+                summary.written.append((t, keys[t]))
+
+
+def record_failure(summary, sample, error, types: Iterable[str], keys=None, raise_errors=False, problem=None) -> None:
+    """Count a sample's `types` as failed and name the file at fault; re-raise with on_error=raise."""
+    if raise_errors:
+        raise error
+    if problem is None:
+        path = getattr(error, "path", None) or str(sample.target or sample.controls[0])
+        problem = DataProblem(sample.id, str(path), str(error))
+    summary.failures.append(problem)
+    for t in types:
+        if t in summary.types:
+            summary.types[t].failed += 1
+            if keys is not None and t in keys:
+                summary.failed_entries.append((t, keys[t], problem.id, problem.reason))
