@@ -34,6 +34,8 @@ class ImageSizes:
     vl_image_pixels: int
     resize_mode: str = "resize"
     multiple_of: int = 32
+    # Keep the images' alpha channel (an RGBA VAE: Qwen-Image-2.1); else alpha is composited on white.
+    alpha: bool = False
 
 
 @dataclass
@@ -41,8 +43,8 @@ class PreparedSample:
     """A sample's images, resized and normalised, ready for the encoders."""
 
     sample: Sample
-    target: torch.Tensor | None  # (3, H, W) in [-1, 1]
-    control_pixels: list[torch.Tensor]  # each (3, H, W) in [-1, 1]
+    target: torch.Tensor | None  # (3, H, W) in [-1, 1]; (4, H, W) with ImageSizes.alpha
+    control_pixels: list[torch.Tensor]  # each (3 or 4, H, W) in [-1, 1]
     vl_images: list[Image.Image]
 
 
@@ -56,10 +58,11 @@ def prepare_sample(
     """
     target = None
     if with_target and sample.target is not None:
-        target = prepare_target(open_image(sample.target), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
+        image = open_image(sample.target, sizes.alpha)
+        target = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
     pixels, vl = [], []
     for path in sample.controls if with_controls else ():
-        vae_in, vl_in = condition_images(open_image(path), sizes.vae_image_pixels, sizes.vl_image_pixels)
+        vae_in, vl_in = condition_images(open_image(path, sizes.alpha), sizes.vae_image_pixels, sizes.vl_image_pixels)
         pixels.append(vae_in)
         vl.append(vl_in)
     return PreparedSample(sample, target, pixels, vl)

@@ -120,3 +120,10 @@ def small_conditions(monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", area)
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", area)
     return area
+
+
+@pytest.fixture(scope="session")
+def tiny21_path(qie_home: Path) -> Path:
+    from qie.components.tiny import default_tiny_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_path("qwen_image_21"), "qwen_image_21")

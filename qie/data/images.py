@@ -25,11 +25,12 @@ class ImageError(DataError):
         self.path = str(path)
 
 
-def open_image(path: str | Path) -> Image.Image:
-    """Read an image as 8-bit RGB, upright (EXIF orientation applied).
+def open_image(path: str | Path, alpha: bool = False) -> Image.Image:
+    """Read an image as 8-bit RGB (or RGBA with `alpha`), upright (EXIF orientation applied).
 
-    Alpha (RGBA, LA, palette or grey with a transparent colour) is composited on white; palette, grey,
-    CMYK, 16-bit and 32-bit images are converted, never rejected.
+    Without `alpha`, alpha (RGBA, LA, palette or grey with a transparent colour) is composited on white;
+    with it, alpha is kept and an image without one is opaque. Palette, grey, CMYK, 16-bit and 32-bit
+    images are converted, never rejected.
 
     Raises:
         ImageError: naming the file when it is missing or not a readable image.
@@ -37,7 +38,8 @@ def open_image(path: str | Path) -> Image.Image:
     try:
         with Image.open(path) as img:
             img.load()
-            return to_rgb(ImageOps.exif_transpose(img))
+            upright = ImageOps.exif_transpose(img)
+            return to_rgba(upright) if alpha else to_rgb(upright)
     except FileNotFoundError:
         raise ImageError(path, f"image {str(path)!r} does not exist") from None
     except IsADirectoryError:
@@ -94,6 +96,18 @@ def to_rgb(img: Image.Image) -> Image.Image:
         background.paste(rgba, mask=rgba.getchannel("A"))
         return background
     return img.convert("RGB")
+
+
+def to_rgba(img: Image.Image) -> Image.Image:
+    """8-bit RGBA of any PIL mode: alpha kept (a transparent palette or grey colour becomes alpha 0),
+    opaque where the image has none; 16/32-bit and float scaled to 0..255."""
+    if img.mode.startswith("I") or img.mode == "F":
+        img = _high_depth_to_l(img)
+    if img.mode in ("CMYK", "YCbCr", "LAB", "HSV"):
+        img = img.convert("RGB")
+    if img.mode == "La":
+        img = img.convert("LA")
+    return img if img.mode == "RGBA" else img.convert("RGBA")
 
 
 def _high_depth_to_l(img: Image.Image) -> Image.Image:

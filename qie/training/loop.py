@@ -18,7 +18,7 @@ import torch
 
 from qie.progress import progress
 from qie.training.logging import MetricsLogger
-from qie.training.step import flow_matching_loss
+from qie.training.step import flow_matching_loss, image_seq_len
 from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
 
@@ -32,6 +32,9 @@ class LoopSettings:
     log_every: int = 1
     sigmas: SigmaSampling = field(default_factory=SigmaSampling)
     loss_weighting: str = "none"
+    # The model family's flow-matching loss and the token count of a target latent (see ModelSpec).
+    loss: Callable[..., torch.Tensor] = flow_matching_loss
+    image_seq_len: Callable[[torch.Tensor], int] = image_seq_len
 
 
 @dataclass
@@ -74,11 +77,12 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
     return g
 
 
-def noise_and_sigmas(batch: Batch, sigmas: SigmaSampling, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def noise_and_sigmas(
+    batch: Batch, sigmas: SigmaSampling, g: torch.Generator, tokens: Callable[[torch.Tensor], int] = image_seq_len
+) -> tuple[torch.Tensor, torch.Tensor]:
     latents = batch.latents
     noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
-    tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
-    return noise, sigmas.sample(latents.shape[0], g, tokens)
+    return noise, sigmas.sample(latents.shape[0], g, tokens(latents))
 
 
 class StopSignal:
@@ -194,8 +198,8 @@ def _optimizer_step(
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
-            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g)
-            loss = flow_matching_loss(model, batch, noise, sigmas, settings.loss_weighting)
+            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g, settings.image_seq_len)
+            loss = settings.loss(model, batch, noise, sigmas, settings.loss_weighting)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 # An infinite bound measures the norm without clipping, so grad_norm is always logged.
