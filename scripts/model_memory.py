@@ -15,14 +15,21 @@ from peft import LoraConfig
 
 from qie.components import real_size
 from qie.components.quantize import KEEP_FULL_PRECISION
-from qie.config.train import LoraConfig as QieLora
 
 GIB = 2**30
-# LoRA targets of the model yamls (qwen_image_21.yaml adds the SwiGLU projections).
-LORA_TARGETS = {
-    "qwen_image_edit": QieLora().target_modules,
-    "qwen_image_21": ["to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"],
-}
+MODELS = ("qwen_image_edit", "qwen_image_21")
+
+
+def lora_targets(model: str) -> list[str]:
+    """`model.lora_target_modules` of the model yaml (the schema's default where the yaml sets none)."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    from qie.config.model import ModelConfig
+
+    node = OmegaConf.load(str(files("qie.conf").joinpath("model", f"{model}.yaml")))
+    return list(node.get("lora_target_modules") or ModelConfig().lora_target_modules)
 
 
 def build(model: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module | None]:
@@ -48,7 +55,7 @@ def count(module: torch.nn.Module) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(LORA_TARGETS), default="qwen_image_edit")
+    parser.add_argument("--model", choices=MODELS, default="qwen_image_edit")
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
     transformer, vae, text_encoder = build(args.model)
@@ -59,7 +66,7 @@ def main() -> None:
         for name, m in transformer.named_modules()
         if isinstance(m, torch.nn.Linear) and not any(name.startswith(k) for k in kept)
     )
-    targets = LORA_TARGETS[args.model]
+    targets = lora_targets(args.model)
     transformer.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=targets))
     lora = sum(p.numel() for n, p in transformer.named_parameters() if "lora_" in n)
     enc, dec = count(vae.encoder), count(vae.decoder)

@@ -48,12 +48,12 @@ def test_tiny_model_is_the_real_pipeline(pipe: QwenImage21Pipeline) -> None:
     # The drop index comes from the chat template: the system turn, exactly.
     system = "<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n"
     assert pipe._drop_idx == len(pipe.processor.tokenizer(system)["input_ids"]) > 0
-    embed, image_mask = q21.encode_prompt(pipe, "A red cat.", [], torch.device("cpu"))
-    assert embed.shape[1] == 16 and not image_mask.any()
+    entry = q21.encode_prompt(pipe, "A red cat.", [], torch.device("cpu"))
+    assert entry["embed"].shape[1] == 16 and not entry["image_mask"].any()
     # One 64x64 reference: (64/32)^2 = 4 merged vision tokens, each standing for 2x2 latent tokens.
     vl = condition_images(rgba(0, 64, 64), RES * RES, RES * RES)[1]
-    embed, image_mask = q21.encode_prompt(pipe, "A red cat.", [vl], torch.device("cpu"))
-    assert int(image_mask.sum()) == 4 and embed.shape[0] == image_mask.shape[0]
+    entry = q21.encode_prompt(pipe, "A red cat.", [vl], torch.device("cpu"))
+    assert int(entry["image_mask"].sum()) == 4 and entry["embed"].shape[0] == entry["image_mask"].shape[0]
 
 
 @pytest.mark.parametrize("count", [0, 1, 3])
@@ -66,13 +66,14 @@ def test_sampling_matches_pipeline(pipe: QwenImage21Pipeline, count: int) -> Non
     prepared = [condition_images(im.convert("RGBA"), RES * RES, RES * RES) for im in images]
     vl = [v for _, v in prepared]
     latents = [pipe._encode_vae_image(px[None, :, None], None)[0] for px, _ in prepared]
-    prompt = q21.encode_prompt(pipe, "A red cat.", vl, torch.device("cpu"))
-    negative = q21.encode_prompt(pipe, "blurry", vl, torch.device("cpu"))
+    prompt, negative = (
+        tuple(q21.encode_prompt(pipe, text, vl, torch.device("cpu")).values()) for text in ("A red cat.", "blurry")
+    )
     width, height = fit_area(*images[-1].size, RES * RES) if images else (RES, RES)
     out = q21.sample_latents(
         pipe, prompt, negative, latents, height, width, torch.Generator().manual_seed(3), true_cfg_scale=3.0
     )
-    mine = q21.decode_latents(pipe, out, "np")
+    mine = q21.decode_latents(pipe.vae, out, "np")
     assert mine.shape == expected.shape and mine.shape[-1] == 4  # RGBA out
     assert np.abs(mine - expected).max() <= 1e-5
 

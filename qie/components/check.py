@@ -57,6 +57,11 @@ def check_checkpoint(model_cfg: Any, source: str) -> None:
     )
 
 
+def pipeline_config(source: str, revision: str | None = None) -> dict:
+    """The checkpoint's model_index.json (the pipeline's settings, e.g. 2.1's `sample_sigmas`); {} without one."""
+    return _read_json(source, "model_index.json", revision)
+
+
 def _read_json(source: str, relative: str, revision: str | None) -> dict:
     # A local folder is read each time (it may change within a process); a hub snapshot is fetched once.
     text = _read_text(source, relative, revision) if Path(source).is_dir() else _hub_text(source, relative, revision)

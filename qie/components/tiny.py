@@ -4,11 +4,13 @@
 tokenizer/, scheduler/, and processor/ for the Edit pipelines) that the preset's pipeline loads with
 `from_pretrained` (Edit pipelines with `processor=load_processor(path)`). One generic builder takes the
 sizes; the presets (`PRESETS`: edit, edit_plus, edit_2511, t2i) fill in the pipeline and the numbers that
-differ. The same seed gives bitwise identical weights. `python -m qie.tiny PRESET DIR` writes one.
+differ; qwen_image_21, made of other classes, names its own builder. The same seed gives bitwise identical
+weights. `python -m qie.tiny PRESET DIR` writes one.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
+    QwenImage21Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -42,11 +45,13 @@ EDIT_PIPELINES = (QwenImageEditPipeline, QwenImageEditPlusPipeline)
 @dataclass(frozen=True)
 class TinyPreset:
     """What one tiny model is: its pipeline, the pipelines whose templates its tokenizer learns, and
-    the transformer config entries that differ from `TRANSFORMER_CONFIG`."""
+    the transformer config entries that differ from `TRANSFORMER_CONFIG`; or, for a family built of
+    other classes, its own builder ("module:function" taking (path, seed))."""
 
     pipeline: type
     tokenizer_pipelines: tuple[type, ...]
     transformer: tuple[tuple[str, Any], ...] = ()
+    builder: str | None = None
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -55,6 +60,9 @@ PRESETS: dict[str, TinyPreset] = {
     # The Edit-Plus weights (same seed), with control tokens at timestep 0 as in Qwen-Image-Edit-2511.
     "edit_2511": TinyPreset(QwenImageEditPlusPipeline, EDIT_PIPELINES, (("zero_cond_t", True),)),
     "t2i": TinyPreset(QwenImagePipeline, (QwenImagePipeline,)),
+    "qwen_image_21": TinyPreset(
+        QwenImage21Pipeline, (), builder="qie.components.tiny_qwen_image_21:build_tiny_qwen_image_21"
+    ),
 }
 # Where each part comes from, as model_index.json names it; a pipeline lists the parts it takes.
 MODEL_INDEX: dict[str, list[str]] = {
@@ -145,6 +153,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
     """Build the tiny random checkpoint of preset `variant` into `path` and return it."""
     spec = preset(variant)
+    if spec.builder is not None:
+        module, _, function = spec.builder.partition(":")
+        return getattr(importlib.import_module(module), function)(path, seed)
     parts = pipeline_parts(spec.pipeline.__name__)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

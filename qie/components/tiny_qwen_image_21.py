@@ -26,7 +26,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from qie.components.tiny import EDIT_INSTRUCTIONS, SCHEDULER_CONFIG, SPECIAL_TOKENS, _seeded, _write_json
+from qie.components.tiny import SCHEDULER_CONFIG, _seeded, _write_json
+from qie.components.tiny_tokenizer import EDIT_INSTRUCTIONS, SPECIAL_TOKENS
 
 # Qwen-VL's chat template, reduced to what a prompt of text and images needs.
 CHAT_TEMPLATE = (

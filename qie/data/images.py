@@ -48,19 +48,21 @@ def open_image(path: str | Path, alpha: bool = False) -> Image.Image:
         raise ImageError(path, f"image {str(path)!r} cannot be read ({e}): replace or remove it") from None
 
 
-def as_image(image: Image.Image | np.ndarray | str | Path) -> Image.Image:
+def as_image(image: Image.Image | np.ndarray | str | Path, alpha: bool = False) -> Image.Image:
     """An input image as 8-bit RGB: a PIL image, a file path, or a numpy array of shape (H, W), (H, W, 3)
-    or (H, W, 4), either uint8 (0..255) or float in [0, 1] (alpha, as for files, is composited on white).
+    or (H, W, 4), either uint8 (0..255) or float in [0, 1] (alpha, as for files, is composited on white;
+    with `alpha` the image is RGBA instead, its alpha kept).
 
     Raises:
         ImageError: a missing or unreadable file, or an array of another shape, type or range.
     """
+    convert = to_rgba if alpha else to_rgb
     if isinstance(image, Image.Image):
-        return to_rgb(image)
+        return convert(image)
     if isinstance(image, np.ndarray):
-        return _array_image(image)
+        return convert(_array_image(image))
     if isinstance(image, (str, Path)):
-        return open_image(image)
+        return open_image(image, alpha)
     raise ImageError(
         str(type(image)), f"an image must be a PIL image, a numpy array or a path, got {type(image).__name__}"
     )
@@ -81,7 +83,7 @@ def _array_image(array: np.ndarray) -> Image.Image:
         raise ImageError("array", f"image {where}: use uint8 (0..255) or float in [0, 1]")
     if pixels.ndim == 3 and pixels.shape[2] == 1:
         pixels = pixels[:, :, 0]
-    return to_rgb(Image.fromarray(np.ascontiguousarray(pixels)))  # L, RGB or RGBA by shape
+    return Image.fromarray(np.ascontiguousarray(pixels))  # L, RGB or RGBA by shape
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

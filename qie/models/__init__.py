@@ -2,17 +2,21 @@
 
 `model_spec(model_cfg)` joins a model yaml (checkpoint, condition sizes, control counts, what the
 transformer config must say) with its pipeline family (`FAMILIES`: the diffusers pipeline, how prompts see
-their images, which image sets the output size). The prompt template, drop index, default output size and
-the parts a pipeline takes are read off the diffusers class itself. Stages, encoding, keys, sampling and
-validation read these fields instead of comparing model names; adding a model is one yaml file.
+their images, which image sets the output size). The prompt template, drop index, default output size,
+sampling defaults and the parts a pipeline takes are read off the diffusers class itself. Stages, encoding,
+keys, sampling and validation read these fields instead of comparing model names; adding a model is one
+yaml file. A family whose pipeline works differently (Qwen-Image-2.1) names its own module (`Family.code`,
+e.g. `qie.models.qwen_image_21`), which provides the pieces that differ; the spec hands them out.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
+from types import ModuleType
 from typing import Any
 
 from qie.errors import ConfigError
@@ -32,6 +36,8 @@ class Family:
         max_prompt_tokens: where `__call__` cuts prompt embeddings (its `max_sequence_length`), if it does.
         patch_size: the transformer packs patch_size x patch_size latent pixels into one token, so its
             in_channels are patch_size² times its out_channels (the VAE's latent channels).
+        code: the module of a family whose pipeline works unlike Qwen-Image's (see `FamilyCode`); None for
+            the Qwen-Image pipelines, whose pieces are qie's defaults.
     """
 
     pipeline_class: str
@@ -39,12 +45,30 @@ class Family:
     output_image: int | None
     max_prompt_tokens: int | None = None
     patch_size: int = 2
+    code: str | None = None
+
+
+# What a family module (`Family.code`) provides, each where it differs from the Qwen-Image pipelines:
+#   PART_CLASSES: dict part name -> "module:Class" of its parts (the others: the registry's defaults)
+#   ALPHA: bool, whether images keep their alpha channel (an RGBA VAE)
+#   pipeline(parts) -> the diffusers pipeline over the built parts
+#   prompt_template() -> str, the prompt template(s) as one string (part of prompt cache keys)
+#   default_size(spec) -> (height, width) made without a size and without an image
+#   encode_prompt(pipeline, prompt, images, device) -> dict of tensors ("embed", "image_mask")
+#   flow_matching_loss(transformer, batch, noise, sigmas, weighting) -> loss
+#   sample(parts, prompt, negative, controls, size, options, progress) -> latents
+#   decode_latents(vae, latents, output_type) -> images
+FamilyCode = ModuleType
 
 
 FAMILIES: dict[str, Family] = {
     "edit": Family("QwenImageEditPipeline", "one", output_image=0),
     "edit_plus": Family("QwenImageEditPlusPipeline", "all", output_image=-1),
     "text_to_image": Family("QwenImagePipeline", "none", output_image=None, max_prompt_tokens=512),
+    # Text to image and editing with up to 10 references, which the prompt sees all at once.
+    "qwen_image_21": Family(
+        "QwenImage21Pipeline", "all", output_image=-1, patch_size=1, code="qie.models.qwen_image_21"
+    ),
 }
 
 
@@ -106,20 +130,73 @@ class ModelSpec:
     def needs_controls(self) -> bool:
         return self.min_control_images > 0
 
+    @property
+    def code(self) -> FamilyCode | None:
+        """The family's own module, or None for the Qwen-Image pipelines."""
+        return importlib.import_module(self.family.code) if self.family.code else None
+
+    def piece(self, name: str, default: str) -> Any:
+        """The family module's `name`, else the Qwen-Image default ("module:attribute")."""
+        code = self.code
+        if code is not None and hasattr(code, name):
+            return getattr(code, name)
+        module, _, attr = default.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    @property
+    def part_classes(self) -> dict[str, str]:
+        """The parts whose class is not the registry's default: part name -> "module:Class"."""
+        return dict(getattr(self.code, "PART_CLASSES", {}))
+
+    @property
+    def alpha(self) -> bool:
+        """Whether images keep their alpha channel (else it is composited on white)."""
+        return bool(getattr(self.code, "ALPHA", False))
+
+    @property
+    def prompt_encoder(self) -> Callable[..., dict] | None:
+        """The family's own prompt encoding, (pipeline, prompt, images, device) -> entry; None: qie's."""
+        return getattr(self.code, "encode_prompt", None)
+
+    @property
+    def loss(self) -> Callable[..., Any]:
+        """The flow-matching loss of one batch: (transformer, batch, noise, sigmas, weighting) -> loss."""
+        return self.piece("flow_matching_loss", "qie.training.step:flow_matching_loss")
+
+    @property
+    def sampler(self) -> Callable[..., Any]:
+        """The denoising loop: (parts, prompt, negative, controls, size, options, progress) -> latents."""
+        return self.piece("sample", "qie.sampling:sample_edit")
+
+    @property
+    def decoder(self) -> Callable[..., Any]:
+        """Latents to images: (vae, latents, output_type) -> images."""
+        return self.piece("decode_latents", "qie.sampling:decode_latents")
+
     def pipeline(self, parts: Any) -> Any:
         """The diffusers pipeline over the built parts (parts not built stay None)."""
+        if self.code is not None:
+            return self.code.pipeline(parts)
         return self.pipeline_cls()(**{name: getattr(parts, name, None) for name in self.part_names})
 
     def prompt_template(self) -> str:
         """The pipeline's prompt template, drop index and prompt cut, as one string (part of prompt keys)."""
+        if self.code is not None:
+            return self.code.prompt_template()
         template, drop_idx, _ = _pipeline_facts(self.pipeline_class)
         cut = f"|{self.family.max_prompt_tokens}" if self.family.max_prompt_tokens else ""
         return f"{template}|{drop_idx}{cut}"
 
     def default_size(self, vae_scale: int) -> tuple[int, int]:
         """(height, width) the pipeline makes when given no size and no image: its default sample size."""
+        if self.code is not None:
+            return self.code.default_size(self)
         side = _pipeline_facts(self.pipeline_class)[2] * vae_scale
         return side, side
+
+    def call_defaults(self) -> dict[str, Any]:
+        """The pipeline's own defaults for the sampling options qie leaves to the model (its `__call__`'s)."""
+        return _call_defaults(self.pipeline_class)
 
     def output_size(
         self,
@@ -232,8 +309,17 @@ def _pipeline_facts(pipeline_class: str) -> tuple[str, int, int]:
 
 @cache
 def pipeline_parts(pipeline_class: str) -> tuple[str, ...]:
-    """The parts a diffusers pipeline takes: its `__init__` arguments, in their order."""
+    """The parts a diffusers pipeline takes: its required `__init__` arguments, in their order (settings
+    with a default, such as 2.1's `sample_sigmas`, are not parts)."""
     import diffusers
 
     params = inspect.signature(getattr(diffusers, pipeline_class).__init__).parameters
-    return tuple(name for name in params if name != "self")
+    return tuple(n for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty)
+
+
+@cache
+def _call_defaults(pipeline_class: str) -> dict[str, Any]:
+    import diffusers
+
+    params = inspect.signature(getattr(diffusers, pipeline_class).__call__).parameters
+    return {name: params[name].default for name in ("true_cfg_scale", "num_inference_steps")}

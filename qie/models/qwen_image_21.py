@@ -17,6 +17,7 @@ t / 1000), and its prediction is regressed onto noise - x0 (the Euler step is x 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import cache
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import QwenImage21Pipeline
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift, retrieve_timesteps
 from diffusers.training_utils import compute_loss_weighting_for_sd3
@@ -34,8 +36,18 @@ from qie.types import Batch
 
 _pack = QwenImage21Pipeline._pack_latents
 _unpack = QwenImage21Pipeline._unpack_latents
-# One image slot of the prompt stands for 2x2 latent tokens.
+# One image slot of the prompt stands for 2x2 latent tokens; one latent token is 16x16 pixels.
 TOKENS_PER_SLOT = 4
+VAE_SCALE = 16
+
+# The classes of the parts (qie.models.FamilyCode), and images keep their alpha channel.
+PART_CLASSES = {
+    "vae": "diffusers:AutoencoderKLQwenImage21",
+    "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
+    "processor": "qie.components.processor:Qwen3VLProcessorNoVideo",
+    "transformer": "diffusers:QwenImage21Transformer2DModel",
+}
+ALPHA = True
 
 
 class _NoProcessor:
@@ -48,14 +60,11 @@ class _NoProcessor:
         return [[]]
 
 
-def pipeline(parts: Any, sample_sigmas: Sequence[float] | None = None) -> QwenImage21Pipeline:
-    """`QwenImage21Pipeline` over the built parts (a part not built stays None).
-
-    Args:
-        sample_sigmas: the model's default sampling sigmas (its model_index.json's `sample_sigmas`).
-    """
+def pipeline(parts: Any) -> QwenImage21Pipeline:
+    """`QwenImage21Pipeline` over the built parts (a part not built stays None), with the checkpoint's
+    `sample_sigmas` (its model_index.json, `parts.pipeline_config`) as `from_pretrained` would set them."""
     processor = parts.processor if parts.processor is not None else _NoProcessor()
-    sigmas = list(sample_sigmas) if sample_sigmas is not None else None
+    sigmas = getattr(parts, "pipeline_config", {}).get("sample_sigmas")
     return QwenImage21Pipeline(parts.scheduler, parts.vae, parts.text_encoder, processor, parts.transformer, sigmas)
 
 
@@ -67,16 +76,23 @@ def prompt_template() -> str:
     return f"{pipe.prompt_template_t2i}|{pipe.prompt_template_ti2i}"
 
 
+def default_size(spec: Any) -> tuple[int, int]:
+    """(height, width) of a text-to-image output: the pipeline's `output_resolution` square, which is the
+    side of the condition area (`model.vae_image_pixels`)."""
+    side = math.isqrt(int(spec.vae_image_pixels))
+    return side, side
+
+
 def encode_prompt(
     pipe: QwenImage21Pipeline, prompt: str, images: Sequence[Any], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> dict[str, torch.Tensor]:
     """One prompt seen with its reference images (resized, RGBA or RGB), as the pipeline encodes it.
 
     Returns:
-        The embedding (tokens, dim) and its image-pad mask (tokens,) bool, unpadded, on the CPU.
+        {"embed": (tokens, dim), "image_mask": (tokens,) bool, True at the image slots}, unpadded, on the CPU.
     """
     embeds, _, image_mask = pipe.encode_prompt(prompt=[prompt], image=list(images) or None, device=device)
-    return embeds[0].cpu().clone(), image_mask[0].cpu().clone()
+    return {"embed": embeds[0].cpu().clone(), "image_mask": image_mask[0].cpu().clone()}
 
 
 def packed(latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -126,11 +142,6 @@ def flow_matching_loss(
     return per_sample.mean()
 
 
-def image_seq_len(latents: torch.Tensor) -> int:
-    """Tokens of one target latent (B, C, 1, h, w): one per latent pixel."""
-    return latents.shape[-2] * latents.shape[-1]
-
-
 def _prompt_inputs(pipe, embed, image_mask, copies: int, device) -> tuple:
     """The pipeline's `encode_prompt` over an already-encoded prompt: repeated per image, mask dropped."""
     return pipe.encode_prompt(
@@ -140,6 +151,34 @@ def _prompt_inputs(pipe, embed, image_mask, copies: int, device) -> tuple:
         prompt_embeds=embed.unsqueeze(0).to(device),
         prompt_embeds_mask=None,
         image_pad_mask=image_mask.unsqueeze(0).to(device),
+    )
+
+
+def sample(
+    parts: Any,
+    prompt: tuple[torch.Tensor, torch.Tensor],
+    negative: tuple[torch.Tensor, torch.Tensor] | None,
+    references: Sequence[torch.Tensor],
+    size: tuple[int, int],
+    options: Any,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Latents of `options.num_images` images from one sample's encoded inputs (qie's sampler interface,
+    see `qie.sampling.sample_edit`): `sample_latents` with the options' seed, CFG and steps."""
+    multiple = 2 * VAE_SCALE
+    height, width = (int(side) // multiple * multiple for side in size)
+    return sample_latents(
+        pipeline(parts),
+        prompt,
+        negative if options.guidance else None,
+        references,
+        height,
+        width,
+        torch.Generator("cpu").manual_seed(int(options.seed)),
+        num_images=options.num_images,
+        true_cfg_scale=options.true_cfg_scale,
+        num_inference_steps=options.num_inference_steps,
+        progress=progress,
     )
 
 
@@ -242,12 +281,12 @@ def _predict(transformer, model_input, timestep, img_shapes, kv_mode, target_tok
 
 
 @torch.no_grad()
-def decode_latents(pipe: QwenImage21Pipeline, latents: torch.Tensor, output_type: str = "pil") -> Any:
+def decode_latents(vae: Any, latents: torch.Tensor, output_type: str = "pil") -> Any:
     """RGBA images from normalised latents (B, C, 1, h, w), as the pipeline decodes them."""
-    vae = pipe.vae
     latents = latents.to(vae.device, vae.dtype)
     shape = (1, vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
     std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
     images = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
-    return pipe.image_processor.postprocess(images, output_type=output_type)
+    processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE, vae_latent_channels=vae.config.z_dim)
+    return processor.postprocess(images, output_type=output_type)

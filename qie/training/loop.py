@@ -18,7 +18,7 @@ import torch
 
 from qie.progress import progress
 from qie.training.logging import MetricsLogger
-from qie.training.step import flow_matching_loss, image_seq_len
+from qie.training.step import flow_matching_loss
 from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
 
@@ -32,9 +32,10 @@ class LoopSettings:
     log_every: int = 1
     sigmas: SigmaSampling = field(default_factory=SigmaSampling)
     loss_weighting: str = "none"
-    # The model family's flow-matching loss and the token count of a target latent (see ModelSpec).
+    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
+    # transformer token covers (`Family.patch_size`: the target's token count decides dynamic shifting).
     loss: Callable[..., torch.Tensor] = flow_matching_loss
-    image_seq_len: Callable[[torch.Tensor], int] = image_seq_len
+    patch_size: int = 2
 
 
 @dataclass
@@ -78,11 +79,12 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
 
 
 def noise_and_sigmas(
-    batch: Batch, sigmas: SigmaSampling, g: torch.Generator, tokens: Callable[[torch.Tensor], int] = image_seq_len
+    batch: Batch, sigmas: SigmaSampling, g: torch.Generator, patch_size: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor]:
     latents = batch.latents
     noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
-    return noise, sigmas.sample(latents.shape[0], g, tokens(latents))
+    tokens = (latents.shape[-2] // patch_size) * (latents.shape[-1] // patch_size)
+    return noise, sigmas.sample(latents.shape[0], g, tokens)
 
 
 class StopSignal:
@@ -198,7 +200,7 @@ def _optimizer_step(
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
-            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g, settings.image_seq_len)
+            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g, settings.patch_size)
             loss = settings.loss(model, batch, noise, sigmas, settings.loss_weighting)
             accelerator.backward(loss)
             if accelerator.sync_gradients:

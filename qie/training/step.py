@@ -25,11 +25,6 @@ def packed(latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return pack_latents(latents[:, :, 0], b, c, h, w), (1, h // 2, w // 2)
 
 
-def image_seq_len(latents: torch.Tensor) -> int:
-    """Packed tokens of one target latent (B, C, 1, h, w): one per 2x2 latent pixels."""
-    return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
-
-
 def flow_matching_loss(
     transformer: torch.nn.Module,
     batch: Batch,
