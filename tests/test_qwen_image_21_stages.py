@@ -14,15 +14,20 @@ from diffusers import QwenImage21Pipeline
 from PIL import Image
 
 from qie.cache import build_backend
+from qie.components import load_parts
 from qie.components.processor import Qwen3VLProcessorNoVideo, load_processor
 from qie.config import CACHE_TYPES, compose
 from qie.data.collate import collate
 from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
+from qie.models import model_spec
+from qie.stages import infer as infer_stage
 from qie.stages import precompute
 from qie.stages import train as train_stage
 from qie.stages.common import build_source, file_hasher, model_key_context, sampling_options
 from qie.stages.infer import build_predictor
+from qie.stages.validation import validation_inputs, validation_samples
+from qie.training.validation import Validator
 
 MODEL = "model=tiny_qwen_image_21"
 RES = 64  # the tiny model's condition area is 64², its text-to-image size 64x64
@@ -219,3 +224,28 @@ def test_batch_of_equal_prompt_lengths_equals_single_samples(data: dict, pipe) -
     shorter.prompt_image_mask = shorter.prompt_image_mask[:-1]
     joint, alone = per_sample([items[0], shorter])
     assert joint != alone and joint == pytest.approx(alone, rel=1e-3)
+
+
+def test_validation_samples_the_cached_inputs_as_the_pipeline_does(data: dict, pipe) -> None:
+    """Validation during training (defaults: no CFG, the checkpoint's sigmas) from cached inputs."""
+    cfg = compose("train", data["base"] + ["predict.seed=4"])
+    sample = next(s for s in scan_dataset(data["manifest"]).samples if s.id == "s6")  # three references
+    chosen = validation_samples(cfg.validation, [sample], 1)
+    inputs, negatives = validation_inputs(build_source(cfg, mode="cached"), chosen, "")
+    parts = load_parts(cfg.model, ["vae", "transformer", "scheduler"])
+    options = sampling_options(cfg.predict)
+    validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, model_spec(cfg.model),
+                          parts.pipeline_config)  # fmt: skip
+    (image,) = validator.images(parts.transformer)
+    refs = [Image.open(p) for p in sample.controls]
+    expected = pipe(sample.prompt, image=refs, output_resolution=RES, generator=torch.Generator().manual_seed(4)).images
+    assert image.mode == expected[0].mode == "RGBA"
+    assert np.abs(np.asarray(image, dtype=int) - np.asarray(expected[0], dtype=int)).max() <= 1  # uint8 rounding
+
+
+def test_infer_cli_writes_an_rgba_png(tmp_path: Path) -> None:
+    refs = [str(write_rgba(tmp_path / f"r{i}.png", i, (64 * (i + 1), 32 * (i + 1)))) for i in range(2)]
+    cfg = compose("infer", [MODEL, "predict.prompt=A red cat.", f"predict.images=[{','.join(refs)}]"])
+    (path,) = infer_stage.run(cfg, tmp_path / "run")
+    with Image.open(path) as out:
+        assert out.mode == "RGBA" and out.size == (96, 32)  # calculate_dimensions(64², 2:1), from the last reference

@@ -36,8 +36,8 @@ class Family:
         max_prompt_tokens: where `__call__` cuts prompt embeddings (its `max_sequence_length`), if it does.
         patch_size: the transformer packs patch_size x patch_size latent pixels into one token, so its
             in_channels are patch_size² times its out_channels (the VAE's latent channels).
-        code: the module of a family whose pipeline works unlike Qwen-Image's (see `FamilyCode`); None for
-            the Qwen-Image pipelines, whose pieces are qie's defaults.
+        code: the module of a family whose pipeline works unlike Qwen-Image's (see `DEFAULT_PIECES`); None
+            for the Qwen-Image pipelines, whose pieces are qie's defaults.
     """
 
     pipeline_class: str
@@ -48,17 +48,17 @@ class Family:
     code: str | None = None
 
 
-# What a family module (`Family.code`) provides, each where it differs from the Qwen-Image pipelines:
-#   PART_CLASSES: dict part name -> "module:Class" of its parts (the others: the registry's defaults)
-#   ALPHA: bool, whether images keep their alpha channel (an RGBA VAE)
-#   pipeline(parts) -> the diffusers pipeline over the built parts
-#   prompt_template() -> str, the prompt template(s) as one string (part of prompt cache keys)
-#   default_size(spec) -> (height, width) made without a size and without an image
-#   encode_prompt(pipeline, prompt, images, device) -> dict of tensors ("embed", "image_mask")
-#   flow_matching_loss(transformer, batch, noise, sigmas, weighting) -> loss
-#   sample(parts, prompt, negative, controls, size, options, progress) -> latents
-#   decode_latents(vae, latents, output_type) -> images
-FamilyCode = ModuleType
+# What a family module (`Family.code`) may provide, where the family differs from the Qwen-Image pipelines:
+# PART_CLASSES (part -> "module:Class"), ALPHA (images keep alpha), pipeline(parts), prompt_template(),
+# default_size(spec), encode_prompt(pipeline, prompt, images, device) -> {"embed", "image_mask"}, and the
+# pieces of DEFAULT_PIECES with their names and signatures: flow_matching_loss(transformer, batch, noise,
+# sigmas, weighting) -> loss; sample(parts, prompt, negative, controls, size, options, progress) -> latents;
+# decode_latents(vae, latents, output_type) -> images.
+DEFAULT_PIECES = {
+    "flow_matching_loss": "qie.training.step:flow_matching_loss",
+    "sample": "qie.sampling:sample_edit",
+    "decode_latents": "qie.sampling:decode_latents",
+}
 
 
 FAMILIES: dict[str, Family] = {
@@ -66,9 +66,7 @@ FAMILIES: dict[str, Family] = {
     "edit_plus": Family("QwenImageEditPlusPipeline", "all", output_image=-1),
     "text_to_image": Family("QwenImagePipeline", "none", output_image=None, max_prompt_tokens=512),
     # Text to image and editing with up to 10 references, which the prompt sees all at once.
-    "qwen_image_21": Family(
-        "QwenImage21Pipeline", "all", output_image=-1, patch_size=1, code="qie.models.qwen_image_21"
-    ),
+    "qwen_image_21": Family("QwenImage21Pipeline", "all", -1, patch_size=1, code="qie.models.qwen_image_21"),
 }
 
 
@@ -131,16 +129,15 @@ class ModelSpec:
         return self.min_control_images > 0
 
     @property
-    def code(self) -> FamilyCode | None:
+    def code(self) -> ModuleType | None:
         """The family's own module, or None for the Qwen-Image pipelines."""
         return importlib.import_module(self.family.code) if self.family.code else None
 
-    def piece(self, name: str, default: str) -> Any:
-        """The family module's `name`, else the Qwen-Image default ("module:attribute")."""
-        code = self.code
-        if code is not None and hasattr(code, name):
-            return getattr(code, name)
-        module, _, attr = default.partition(":")
+    def piece(self, name: str) -> Any:
+        """The family module's `name`, else the Qwen-Image one (`DEFAULT_PIECES`)."""
+        if hasattr(self.code, name):
+            return getattr(self.code, name)
+        module, _, attr = DEFAULT_PIECES[name].partition(":")
         return getattr(importlib.import_module(module), attr)
 
     @property
@@ -155,23 +152,20 @@ class ModelSpec:
 
     @property
     def prompt_encoder(self) -> Callable[..., dict] | None:
-        """The family's own prompt encoding, (pipeline, prompt, images, device) -> entry; None: qie's."""
+        """The family's own prompt encoding (one prompt per call); None: `Encoder`'s batched one."""
         return getattr(self.code, "encode_prompt", None)
 
     @property
     def loss(self) -> Callable[..., Any]:
-        """The flow-matching loss of one batch: (transformer, batch, noise, sigmas, weighting) -> loss."""
-        return self.piece("flow_matching_loss", "qie.training.step:flow_matching_loss")
+        return self.piece("flow_matching_loss")
 
     @property
     def sampler(self) -> Callable[..., Any]:
-        """The denoising loop: (parts, prompt, negative, controls, size, options, progress) -> latents."""
-        return self.piece("sample", "qie.sampling:sample_edit")
+        return self.piece("sample")
 
     @property
     def decoder(self) -> Callable[..., Any]:
-        """Latents to images: (vae, latents, output_type) -> images."""
-        return self.piece("decode_latents", "qie.sampling:decode_latents")
+        return self.piece("decode_latents")
 
     def pipeline(self, parts: Any) -> Any:
         """The diffusers pipeline over the built parts (parts not built stay None)."""
@@ -196,7 +190,8 @@ class ModelSpec:
 
     def call_defaults(self) -> dict[str, Any]:
         """The pipeline's own defaults for the sampling options qie leaves to the model (its `__call__`'s)."""
-        return _call_defaults(self.pipeline_class)
+        params = inspect.signature(self.pipeline_cls().__call__).parameters
+        return {name: params[name].default for name in ("true_cfg_scale", "num_inference_steps")}
 
     def output_size(
         self,
@@ -281,22 +276,6 @@ def model_spec(model: Any) -> ModelSpec:
     )
 
 
-def fitting_models(found: CheckpointFacts) -> list[str]:
-    """The `model=` names of qie's model yamls that describe a checkpoint like `found` (real models first,
-    then the tiny ones), for the hint of a mismatch."""
-    from importlib.resources import files
-
-    from omegaconf import OmegaConf
-
-    fits = []
-    for path in files("qie.conf").joinpath("model").iterdir():
-        if path.name.endswith(".yaml"):
-            node = OmegaConf.create(path.read_text(encoding="utf-8"))
-            if not model_spec(node).mismatches(found):
-                fits.append((bool(node.get("tiny")), str(node.name)))
-    return [name for _, name in sorted(fits)]
-
-
 @cache
 def _pipeline_facts(pipeline_class: str) -> tuple[str, int, int]:
     """(prompt template, drop index, default sample size) of a component-less pipeline instance."""
@@ -315,11 +294,3 @@ def pipeline_parts(pipeline_class: str) -> tuple[str, ...]:
 
     params = inspect.signature(getattr(diffusers, pipeline_class).__init__).parameters
     return tuple(n for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty)
-
-
-@cache
-def _call_defaults(pipeline_class: str) -> dict[str, Any]:
-    import diffusers
-
-    params = inspect.signature(getattr(diffusers, pipeline_class).__call__).parameters
-    return {name: params[name].default for name in ("true_cfg_scale", "num_inference_steps")}
