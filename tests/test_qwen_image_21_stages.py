@@ -20,11 +20,12 @@ from qie.config import CACHE_TYPES, compose
 from qie.data.collate import collate
 from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
+from qie.encode import prepare_sample
 from qie.models import model_spec
 from qie.stages import infer as infer_stage
 from qie.stages import precompute
 from qie.stages import train as train_stage
-from qie.stages.common import build_source, file_hasher, model_key_context, sampling_options
+from qie.stages.common import build_source, file_hasher, image_sizes, model_key_context, sampling_options
 from qie.stages.infer import build_predictor
 from qie.stages.validation import validation_inputs, validation_samples
 from qie.training.validation import Validator
@@ -118,8 +119,12 @@ def test_cache_holds_the_pipeline_values_and_the_rgba_target_keeps_its_alpha(dat
     source = build_source(cfg, mode="cached")
     (three,) = source.get([samples["s6"]])
     assert len(three.control_latents) == 3 and three.prompt_image_mask.sum() == 3 * 4  # 4 slots per 64² image
-    # The target went through the VAE with its alpha channel: equal to encoding the RGBA pixels, not the opaque ones.
+    # qie reads the target with its alpha channel, exactly...
     image = Image.open(samples["s6"].target)
+    target = prepare_sample(samples["s6"], image_sizes(cfg)).target
+    alpha = torch.from_numpy(np.asarray(image)[..., 3].astype(np.float32))
+    assert target.shape == (4, RES, RES) and torch.equal(target[3], alpha / 127.5 - 1)
+    # ...and the VAE encoded all four channels: equal to encoding the RGBA pixels, not the opaque ones.
     rgba = pipe.image_processor.preprocess(image, RES, RES).unsqueeze(2)
     assert rgba.shape[1] == 4 and not torch.all(rgba[:, 3] == 1)
     # (precompute encodes the targets in one VAE batch: equal up to the batch's float rounding)
@@ -173,9 +178,11 @@ def test_live_training_gives_the_cached_losses(data: dict, cached_run: dict, tmp
 def test_trained_lora_loads_into_the_pipeline_and_reproduces_qie(pipe, cached_run: dict, tmp_path: Path) -> None:
     lora = Path(cached_run["result"]["lora"])
     image = write_rgba(tmp_path / "ref.png", 3)
-    cfg = compose("infer", [MODEL, "predict.seed=2", f"predict.lora={lora}"])
+    guidance = ["predict.negative_prompt=blurry", "predict.true_cfg_scale=2.5"]
+    cfg = compose("infer", [MODEL, "predict.seed=2", f"predict.lora={lora}", *guidance])
     mine = build_predictor(cfg).predict([image], "A red cat.", sampling_options(cfg.predict), output_type="np")
-    kwargs = dict(image=[Image.open(image)], output_resolution=RES, output_type="np")
+    kwargs = dict(image=[Image.open(image)], output_resolution=RES, output_type="np", negative_prompt="blurry",
+                  true_cfg_scale=2.5)  # fmt: skip
     before = pipe("A red cat.", generator=torch.Generator().manual_seed(2), **kwargs).images
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="trained")
     try:
