@@ -121,3 +121,19 @@ def test_training_step_predicts_what_the_sampling_loop_predicts(pipe: QwenImage2
     torch.testing.assert_close(step_output[:, -h * w :], pred, rtol=0, atol=1e-5)
     velocity = q21.packed(noise - x0)[0]
     assert loss.item() == pytest.approx(((pred - velocity) ** 2).mean().item(), rel=1e-5)
+
+
+def test_tiny_cli_is_deterministic_and_the_check_tells_the_families_apart(tiny21_path: Path, tmp_path: Path) -> None:
+    from qie.components.check import read_facts
+    from qie.config import compose
+    from qie.models import model_spec
+    from qie.tiny import main
+
+    main(["qwen_image_21", str(tmp_path / "a")])
+    for part in ("transformer", "vae", "text_encoder"):
+        for file in (tiny21_path / part).glob("*.safetensors"):
+            assert file.read_bytes() == (tmp_path / "a" / part / file.name).read_bytes()
+    facts = read_facts(str(tiny21_path))
+    assert model_spec(compose("infer", ["model=tiny_qwen_image_21"]).model).mismatches(facts) == []
+    problems = model_spec(compose("infer", ["model=tiny_plus"]).model).mismatches(facts)
+    assert any("QwenImage21Pipeline" in p for p in problems) and any("patch 1" in p for p in problems)
