@@ -40,7 +40,8 @@ _unpack = QwenImage21Pipeline._unpack_latents
 TOKENS_PER_SLOT = 4
 VAE_SCALE = 16
 
-# The classes of the parts (qie.models.FamilyCode), and images keep their alpha channel.
+# What differs from the Qwen-Image pipelines (see qie.models.DEFAULT_PIECES): the parts' classes, and images
+# keep their alpha channel.
 PART_CLASSES = {
     "vae": "diffusers:AutoencoderKLQwenImage21",
     "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
