@@ -137,3 +137,20 @@ def test_tiny_cli_is_deterministic_and_the_check_tells_the_families_apart(tiny21
     assert model_spec(compose("infer", ["model=tiny_qwen_image_21"]).model).mismatches(facts) == []
     problems = model_spec(compose("infer", ["model=tiny_plus"]).model).mismatches(facts)
     assert any("QwenImage21Pipeline" in p for p in problems) and any("patch 1" in p for p in problems)
+
+
+def test_every_model_yaml_samples_with_its_pipelines_defaults() -> None:
+    """The `predict` group defaults to the model's CFG scale and step count: each yaml's are its pipeline's."""
+    import inspect
+    from importlib.resources import files
+
+    from qie.config import compose
+    from qie.models import model_spec
+
+    names = [p.name[:-5] for p in files("qie.conf").joinpath("model").iterdir() if p.name.endswith(".yaml")]
+    assert "qwen_image_21" in names
+    for name in names:
+        cfg = compose("infer", [f"model={name}"])
+        params = inspect.signature(model_spec(cfg.model).pipeline_cls().__call__).parameters
+        assert cfg.predict.true_cfg_scale == params["true_cfg_scale"].default, name
+        assert cfg.predict.num_inference_steps == params["num_inference_steps"].default, name

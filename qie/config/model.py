@@ -64,5 +64,9 @@ class ModelConfig:
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
                                  "to_add_out"]
     )  # fmt: skip
+    # The pipeline's own sampling defaults (its `__call__`'s: Qwen-Image and Edit 4.0 and 50, 2.1 1.0 and 40),
+    # which the `predict` group takes unless set there.
+    true_cfg_scale: float = 4.0
+    num_inference_steps: int = 50
     # Compare the checkpoint's model_index.json and transformer config with this description at start-up.
     check: bool = True

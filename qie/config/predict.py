@@ -21,9 +21,9 @@ class PredictConfig:
     output: str = "output.png"
     output_dir: str = "predictions"
     # Sampling options (qie.sampling.SamplingOptions); the empty negative prompt is the one the cache
-    # stores, so CFG runs where the scale is above 1; set negative_prompt=null to turn CFG off. A scale or
-    # step count left null is the model's pipeline's default (Qwen-Image and Edit: 4.0 and 50; 2.1: 1.0,
-    # no CFG, and its checkpoint's `sample_sigmas`, else 40 steps).
+    # stores, so CFG runs where the scale is above 1; set negative_prompt=null to turn CFG off. The scale and
+    # the step count default to the model's (`model.true_cfg_scale`, `model.num_inference_steps`: its
+    # pipeline's own; 2.1 samples its checkpoint's `sample_sigmas` where it has them).
     negative_prompt: str | None = ""
     true_cfg_scale: float | None = None
     num_inference_steps: int | None = None

@@ -94,6 +94,9 @@ class ModelSpec:
     vae_image_pixels: int
     vl_image_pixels: int
     zero_cond_t: bool = False
+    # The pipeline's own sampling defaults (its `__call__`'s), the `predict` group's defaults.
+    true_cfg_scale: float = 4.0
+    num_inference_steps: int = 50
 
     @property
     def pipeline_class(self) -> str:
@@ -189,9 +192,8 @@ class ModelSpec:
         return side, side
 
     def call_defaults(self) -> dict[str, Any]:
-        """The pipeline's own defaults for the sampling options qie leaves to the model (its `__call__`'s)."""
-        params = inspect.signature(self.pipeline_cls().__call__).parameters
-        return {name: params[name].default for name in ("true_cfg_scale", "num_inference_steps")}
+        """The model's defaults for the sampling options left unset (`SamplingOptions.resolved`)."""
+        return {"true_cfg_scale": self.true_cfg_scale, "num_inference_steps": self.num_inference_steps}
 
     def output_size(
         self,
@@ -273,6 +275,8 @@ def model_spec(model: Any) -> ModelSpec:
         vae_image_pixels=int(model.vae_image_pixels),
         vl_image_pixels=int(model.vl_image_pixels),
         zero_cond_t=bool(model.get("zero_cond_t", False)),
+        true_cfg_scale=float(model.get("true_cfg_scale", 4.0)),
+        num_inference_steps=int(model.get("num_inference_steps", 50)),
     )
 
 
