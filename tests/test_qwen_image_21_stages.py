@@ -242,7 +242,7 @@ def test_validation_samples_the_cached_inputs_as_the_pipeline_does(data: dict, p
     parts = load_parts(cfg.model, ["vae", "transformer", "scheduler"])
     options = sampling_options(cfg.predict)
     validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, model_spec(cfg.model),
-                          parts.pipeline_config)  # fmt: skip
+                          pipeline_config=parts.pipeline_config)  # fmt: skip
     (image,) = validator.images(parts.transformer)
     refs = [Image.open(p) for p in sample.controls]
     expected = pipe(sample.prompt, image=refs, output_resolution=RES, generator=torch.Generator().manual_seed(4)).images
