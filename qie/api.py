@@ -164,10 +164,12 @@ class Trainer:
 
         Returns one PIL image, or a list when several input images were given.
         """
+        from qie.models import model_spec
         from qie.stages.common import sampling_options
         from qie.stages.infer import open_images
 
-        images = open_images(list(image) if isinstance(image, (list, tuple)) else image)
+        alpha = model_spec(self.cfg.model).alpha
+        images = open_images(list(image) if isinstance(image, (list, tuple)) else image, alpha)
         out = self.setup_predict().predict(images, prompt, sampling_options(self.cfg.predict, **options))
         return out if len(images) > 1 else out[0]
 
@@ -182,23 +184,26 @@ class Trainer:
     def encode_image(self, image: ImageInput) -> torch.Tensor:
         """Normalised VAE latent (1, C, 1, h, w) of an image at the model's condition size."""
         from qie.data.images import as_image, condition_images
+        from qie.models import model_spec
 
-        pil = as_image(image)
+        pil = as_image(image, model_spec(self.cfg.model).alpha)
         pixels, _ = condition_images(pil, int(self.cfg.model.vae_image_pixels), int(self.cfg.model.vl_image_pixels))
         return self._encoder_only().encode_latents([pixels])[0].unsqueeze(0)
 
     def encode_prompt(self, prompt: str, images: Sequence[ImageInput]) -> torch.Tensor:
         """Prompt embedding (tokens, dim) of `prompt` seen with `images`, unpadded."""
         from qie.data.images import as_image, condition_images
+        from qie.models import model_spec
 
-        pil = [as_image(im) for im in images]
+        alpha = model_spec(self.cfg.model).alpha
+        pil = [as_image(im, alpha) for im in images]
         m = self.cfg.model
         vl = [condition_images(im, int(m.vae_image_pixels), int(m.vl_image_pixels))[1] for im in pil]
         return self._encoder_only().encode_prompts([prompt], [vl])[0]
 
     def decode_latents(self, latents: torch.Tensor) -> list[Image.Image]:
         """PIL images of normalised latents (B, C, 1, h, w)."""
-        from qie.sampling import decode_latents
+        from qie.models import model_spec
 
         parts = self._predictor.parts if self._predictor is not None else self._encoder_only().parts
-        return decode_latents(parts.vae, latents)
+        return model_spec(self.cfg.model).decoder(parts.vae, latents)

@@ -45,6 +45,8 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
         prompt_embed=entries["prompt_embed"]["embed"],
         empty_prompt_embed=entries["empty_prompt_embed"]["embed"],
         cached=cached,
+        prompt_image_mask=entries["prompt_embed"].get("image_mask"),
+        empty_prompt_image_mask=entries["empty_prompt_embed"].get("image_mask"),
     )
 
 

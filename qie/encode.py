@@ -34,6 +34,8 @@ class ImageSizes:
     vl_image_pixels: int
     resize_mode: str = "resize"
     multiple_of: int = 32
+    # Keep the images' alpha channel (an RGBA VAE: Qwen-Image-2.1); else alpha is composited on white.
+    alpha: bool = False
 
 
 @dataclass
@@ -41,8 +43,8 @@ class PreparedSample:
     """A sample's images, resized and normalised, ready for the encoders."""
 
     sample: Sample
-    target: torch.Tensor | None  # (3, H, W) in [-1, 1]
-    control_pixels: list[torch.Tensor]  # each (3, H, W) in [-1, 1]
+    target: torch.Tensor | None  # (3, H, W) in [-1, 1]; (4, H, W) with ImageSizes.alpha
+    control_pixels: list[torch.Tensor]  # each (3 or 4, H, W) in [-1, 1]
     vl_images: list[Image.Image]
 
 
@@ -56,17 +58,18 @@ def prepare_sample(
     """
     target = None
     if with_target and sample.target is not None:
-        target = prepare_target(open_image(sample.target), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
+        image = open_image(sample.target, sizes.alpha)
+        target = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
     pixels, vl = [], []
     for path in sample.controls if with_controls else ():
-        vae_in, vl_in = condition_images(open_image(path), sizes.vae_image_pixels, sizes.vl_image_pixels)
+        vae_in, vl_in = condition_images(open_image(path, sizes.alpha), sizes.vae_image_pixels, sizes.vl_image_pixels)
         pixels.append(vae_in)
         vl.append(vl_in)
     return PreparedSample(sample, target, pixels, vl)
 
 
 class Encoder:
-    """Computes latents and prompt embeddings with the VAE encoder and Qwen2.5-VL of `parts`.
+    """Computes latents and prompt embeddings with the VAE encoder and the vision-language model of `parts`.
 
     Results are returned on the CPU, whatever device the encoders run on.
 
@@ -91,10 +94,19 @@ class Encoder:
         latents = self.vae_pipeline._encode_vae_image(batch, generator=None)
         return [latent.cpu() for latent in latents.unbind(0)]
 
-    @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], images: Sequence[Sequence[Image.Image]]) -> list[torch.Tensor]:
-        """Prompt embeddings, each (tokens, dim) without padding, of prompts seen with their control images.
+        """Prompt embeddings, each (tokens, dim) without padding (see `encode_prompt_entries`)."""
+        return [entry["embed"] for entry in self.encode_prompt_entries(prompts, images)]
 
+    @torch.no_grad()
+    def encode_prompt_entries(
+        self, prompts: Sequence[str], images: Sequence[Sequence[Image.Image]]
+    ) -> list[dict[str, torch.Tensor]]:
+        """Prompts seen with their control images, as cache entries: "embed" (tokens, dim) without padding,
+        and for a family whose transformer places the control latents in the prompt (2.1) "image_mask"
+        (tokens,) bool, True at the image slots.
+
+        A family with its own prompt encoder (`ModelSpec.prompt_encoder`) encodes one prompt per call.
         Prompts without images (text-to-image, or an Edit-Plus sample without a control image: the
         pipeline's text-only prompt) and Edit prompts (one image each) are encoded in batches; Edit-Plus
         prompts with images one at a time, as diffusers' multi-image prompt applies one image list to
@@ -112,8 +124,11 @@ class Encoder:
                 f"{next((b for b in bad if b), '')}"
             )
         device = self.parts.text_encoder.device
+        encode_one = self.spec.prompt_encoder
+        if encode_one is not None:
+            return [encode_one(self.pipeline, p, list(imgs), device) for p, imgs in zip(prompts, images)]
         if self.spec.family.prompt_images == "one":  # Edit: one image per prompt, one batch
-            return self._encode(list(prompts), [imgs[0] for imgs in images], device)
+            return [{"embed": e} for e in self._encode(list(prompts), [imgs[0] for imgs in images], device)]
         out: list[torch.Tensor | None] = [None] * len(prompts)
         text_only = [i for i, n in enumerate(counts) if n == 0]
         if text_only:
@@ -121,7 +136,7 @@ class Encoder:
                 out[i] = embed
         for i in (i for i, n in enumerate(counts) if n):
             (out[i],) = self._encode([prompts[i]], list(images[i]), device)
-        return out  # type: ignore[return-value]
+        return [{"embed": embed} for embed in out]
 
     def _encode(self, prompts: list[str], images: list[Image.Image] | None, device: torch.device) -> list[torch.Tensor]:
         # The text-to-image pipeline takes no `image`; an Edit-Plus prompt without one is its text-only prompt.
@@ -150,9 +165,9 @@ class Encoder:
             if kind not in types and mask_kind not in types:
                 continue
             prompts = [prompt_of(p) if prompt_of else EMPTY_PROMPT for p in prepared]
-            for i, embed in enumerate(self.encode_prompts(prompts, [p.vl_images for p in prepared])):
-                out[i][kind] = {"embed": embed}
-                out[i][mask_kind] = {"mask": torch.ones(embed.shape[0], dtype=torch.long)}
+            for i, entry in enumerate(self.encode_prompt_entries(prompts, [p.vl_images for p in prepared])):
+                out[i][kind] = entry
+                out[i][mask_kind] = {"mask": torch.ones(entry["embed"].shape[0], dtype=torch.long)}
         return out
 
     def _latents_by_shape(self, items: list[tuple[int, int, torch.Tensor]]):

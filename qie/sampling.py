@@ -11,9 +11,9 @@ image runs it too: diffusers' own `__call__(image=None)` fails in 0.42.1).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,11 +39,12 @@ class SamplingOptions:
 
     The default negative prompt is the empty prompt: its embedding is what the cache stores for every
     sample, so validation runs classifier-free guidance from cached inputs. `None` turns CFG off.
+    The CFG scale and the step count left None are the model's pipeline's own defaults (`resolved`).
     """
 
     negative_prompt: str | None = ""
-    true_cfg_scale: float = 4.0
-    num_inference_steps: int = 50
+    true_cfg_scale: float | None = None
+    num_inference_steps: int | None = None
     seed: int = 0
     # Output size; None: the model's rule (the condition size of its output image, see ModelSpec.output_size).
     height: int | None = None
@@ -53,7 +54,13 @@ class SamplingOptions:
     @property
     def guidance(self) -> bool:
         """Whether true CFG runs with these options (diffusers' rule: a scale above 1 and a negative prompt)."""
+        if self.true_cfg_scale is None:
+            raise ValueError("SamplingOptions.true_cfg_scale is not resolved: call resolved(spec.call_defaults())")
         return true_cfg_enabled(self.true_cfg_scale, self.negative_prompt is not None, bool(self.negative_prompt))
+
+    def resolved(self, defaults: Mapping[str, Any]) -> SamplingOptions:
+        """These options, the fields left None taken from `defaults` (`ModelSpec.call_defaults()`)."""
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k, 0) is None})
 
 
 _pack_latents = QwenImageEditPipeline._pack_latents
@@ -216,11 +223,9 @@ def decode_latents(vae: Any, latents: torch.Tensor, output_type: str = "pil") ->
 
 
 def sample_edit(
-    transformer: Any,
-    scheduler: Any,
-    vae_scale: int,
-    prompt_embed: torch.Tensor,
-    negative_embed: torch.Tensor | None,
+    parts: Any,
+    prompt: tuple[torch.Tensor, torch.Tensor | None],
+    negative: tuple[torch.Tensor, torch.Tensor | None] | None,
     control_latents: Sequence[torch.Tensor],
     size: tuple[int, int],
     options: SamplingOptions,
@@ -229,22 +234,25 @@ def sample_edit(
     """Latents of `options.num_images` images from one sample's encoded inputs, as the pipelines make them.
 
     Args:
-        prompt_embed, negative_embed: unpadded (tokens, dim) embeddings; the negative one is used only
-            when `options.guidance`.
+        parts: the built parts; their transformer, scheduler and VAE (for its scale factor) are used.
+        prompt, negative: (unpadded (tokens, dim) embedding, image mask (unused here)); the negative one
+            is used only when `options.guidance`.
         control_latents: normalised latents, each (C, 1, h, w), in the order of the images (may be none).
         size: (height, width) of the output in pixels (`ModelSpec.output_size`), rounded down to whole
             latent patches as the pipelines round it.
+        options: resolved sampling options (`SamplingOptions.resolved`).
     """
     copies, guidance = options.num_images, options.guidance
+    vae_scale = vae_scale_factor(parts.vae)
     multiple = vae_scale * 2
     height, width = int(size[0]) // multiple * multiple, int(size[1]) // multiple * multiple
-    embeds, mask = pad_prompt_embeds([prompt_embed] * copies)
+    embeds, mask = pad_prompt_embeds([prompt[0]] * copies)
     neg = neg_mask = None
     if guidance:
-        neg, neg_mask = pad_prompt_embeds([negative_embed] * copies)
+        neg, neg_mask = pad_prompt_embeds([negative[0]] * copies)
     return sample_latents(
-        transformer,
-        scheduler,
+        parts.transformer,
+        parts.scheduler,
         embeds,
         mask,
         [c.unsqueeze(0) for c in control_latents],

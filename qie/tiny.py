@@ -1,5 +1,6 @@
-"""python -m qie.tiny PRESET OUT_DIR: write qie's tiny random model (edit, edit_plus, edit_2511, t2i) as a
-diffusers folder, e.g. to try a command offline with `model.pretrained_model_name_or_path=OUT_DIR`."""
+"""python -m qie.tiny PRESET OUT_DIR: write qie's tiny random model (edit, edit_plus, edit_2511, t2i,
+qwen_image_21) as a diffusers folder, e.g. to try a command offline with
+`model.pretrained_model_name_or_path=OUT_DIR`."""
 
 from __future__ import annotations
 

@@ -52,11 +52,16 @@ class SampleEmbeddings:
         prompt_embed: Embed,  # (tokens, dim)
         empty_prompt_embed: Embed,  # (tokens, dim), the same control images with the empty prompt
         cached: bool = False,  # read from the cache (True) or encoded for this call (False)
+        # (tokens,) bool, True at the prompt's image slots: for models whose transformer places the control
+        # latents there (Qwen-Image-2.1); None for the others.
+        prompt_image_mask: torch.Tensor | None = None,
+        empty_prompt_image_mask: torch.Tensor | None = None,
     ) -> None:
         self.id, self.pixel_latent, self.control_latents = id, pixel_latent, tuple(control_latents)
         self.prompt_pieces = _pieces(prompt_embed)
         self.empty_prompt_pieces = _pieces(empty_prompt_embed)
         self.cached = cached
+        self.prompt_image_mask, self.empty_prompt_image_mask = prompt_image_mask, empty_prompt_image_mask
 
     def __repr__(self) -> str:
         return f"SampleEmbeddings(id={self.id!r}, cached={self.cached})"
@@ -87,15 +92,18 @@ class Batch:
     control_latents: list[torch.Tensor]  # each (B, C, 1, h, w)
     prompt_embeds: torch.Tensor  # (B, L, D), zero-padded
     prompt_embeds_mask: torch.Tensor | None  # (B, L) 1/0, or None when nothing is padded
+    prompt_image_mask: torch.Tensor | None = None  # (B, L) bool, False at padding (see SampleEmbeddings)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         mask = None if self.prompt_embeds_mask is None else self.prompt_embeds_mask.to(device)
+        image_mask = None if self.prompt_image_mask is None else self.prompt_image_mask.to(device)
         return Batch(
             self.ids,
             self.latents.to(device, dtype),
             [c.to(device, dtype) for c in self.control_latents],
             self.prompt_embeds.to(device, dtype),
             mask,
+            image_mask,
         )
 
 
@@ -123,3 +131,16 @@ def pad_prompt_embeds(embeds: Sequence[Embed]) -> tuple[torch.Tensor, torch.Tens
             row += p.shape[0]
         mask[i, :row] = 1
     return batch, (None if bool(mask.all()) else mask)
+
+
+def pad_image_masks(masks: Sequence[torch.Tensor | None], length: int) -> torch.Tensor | None:
+    """Stack (tokens,) bool image-slot masks into (B, length), False at the padding `pad_prompt_embeds` adds;
+    None when the samples have none."""
+    if all(m is None for m in masks):
+        return None
+    if any(m is None for m in masks):
+        raise ValueError("a batch mixes samples with and without a prompt image mask")
+    out = torch.zeros(len(masks), length, dtype=torch.bool)
+    for i, m in enumerate(masks):
+        out[i, : m.shape[0]] = m
+    return out

@@ -89,7 +89,8 @@ def join(pieces: Pieces) -> torch.Tensor:
 
 def write_entries(backend: CacheBackend, keys: dict[str, str], entries: dict[str, dict]) -> dict[str, int]:
     """Store a sample's entries (type -> dict of tensors) under `keys`, the prompt embedding sharing its
-    prefix with the empty-prompt entry (the one given here, or the one stored); masks are not stored.
+    prefix with the empty-prompt entry (the one given here, or the one stored); the padding masks are not
+    stored, a prompt entry's other tensors (`image_mask`) are stored as given.
 
     Returns:
         Bytes written per type.
@@ -103,14 +104,16 @@ def write_entries(backend: CacheBackend, keys: dict[str, str], entries: dict[str
         elif type == "prompt_embed":
             if base is None and BASE_TYPE in keys:
                 base = backend.get(BASE_TYPE, keys[BASE_TYPE])
-            tensors, meta = prompt_entry(tensors["embed"], base, keys.get(BASE_TYPE, ""))
+            stored, meta = prompt_entry(tensors["embed"], base, keys.get(BASE_TYPE, ""))
+            tensors = {**stored, **_extras(tensors)}
         written[type] = backend.put(type, keys[type], tensors, meta)
     return written
 
 
 def read_entries(backend: CacheBackend, keys: dict[str, str], types: Iterable[str]) -> tuple[dict, list[str]]:
     """A sample's stored entries of `types` and the types missing; a prompt entry comes back as
-    {"embed": pieces} (a tuple of tensors: the base's prefix rows and the suffix, not copied)."""
+    {"embed": pieces} (a tuple of tensors: the base's prefix rows and the suffix, not copied) with the
+    entry's other tensors (`image_mask`) as stored."""
     found: dict[str, dict] = {}
     missing = []
     types = list(types)
@@ -118,12 +121,17 @@ def read_entries(backend: CacheBackend, keys: dict[str, str], types: Iterable[st
         entry = backend.get(type, keys[type])
         if entry is not None and type == "prompt_embed":
             pieces = prompt_pieces(entry, _lookup(backend, keys, found))
-            entry = None if pieces is None else {"embed": pieces}
+            entry = None if pieces is None else {"embed": pieces, **_extras(entry)}
         if entry is None:
             missing.append(type)
         else:
             found[type] = entry
     return found, [t for t in types if t in missing]
+
+
+def _extras(tensors: dict) -> dict:
+    """A prompt entry's tensors besides its embedding (2.1's `image_mask`): stored and read back verbatim."""
+    return {name: t for name, t in tensors.items() if name not in ("embed", "suffix")}
 
 
 def _lookup(backend: CacheBackend, keys: dict[str, str], found: dict) -> Callable[[str, str], Entry | None]:

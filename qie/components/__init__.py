@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from qie.components.check import check_checkpoint
+from qie.components.check import check_checkpoint, pipeline_config
 from qie.components.registry import (
     MODULE_PARTS,
     PART_NAMES,
@@ -15,6 +15,7 @@ from qie.components.registry import (
     resolve_device,
     resolve_dtype,
 )
+from qie.models import model_spec
 
 
 def model_source(model_cfg: Any) -> str:
@@ -46,14 +47,18 @@ def load_parts(model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] 
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
     own = model_cfg.get("transformer_path")
     folders = {"transformer": transformer_folder(own)} if own and "transformer" in names else {}
-    return build_parts(
-        model_source(model_cfg),
+    source = model_source(model_cfg)
+    parts = build_parts(
+        source,
         names,
         placements=placements,
         revision=model_cfg.revision,
         quantize=str(_value(model_cfg.quantize)),
         folders=folders,
+        classes=model_spec(model_cfg).part_classes,
     )
+    parts.pipeline_config = pipeline_config(source, model_cfg.revision)
+    return parts
 
 
 def transformer_folder(path: str) -> str:

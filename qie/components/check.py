@@ -14,7 +14,7 @@ from typing import Any
 
 from qie.components.fingerprint import config_file
 from qie.errors import ConfigError
-from qie.models import CheckpointFacts, fitting_models, model_spec
+from qie.models import CheckpointFacts, model_spec
 
 
 def read_facts(source: str, revision: str | None = None) -> CheckpointFacts:
@@ -55,6 +55,27 @@ def check_checkpoint(model_cfg: Any, source: str) -> None:
         f"model={spec.name} does not match the checkpoint {source}: {'; '.join(problems)}.\n"
         f"{hint}, or set model.check=false to use it anyway"
     )
+
+
+def pipeline_config(source: str, revision: str | None = None) -> dict:
+    """The checkpoint's model_index.json (the pipeline's settings, e.g. 2.1's `sample_sigmas`); {} without one."""
+    return _read_json(source, "model_index.json", revision)
+
+
+def fitting_models(found: CheckpointFacts) -> list[str]:
+    """The `model=` names of qie's model yamls that describe a checkpoint like `found` (real models first,
+    then the tiny ones), for the hint of a mismatch."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    fits = []
+    for path in files("qie.conf").joinpath("model").iterdir():
+        if path.name.endswith(".yaml"):
+            node = OmegaConf.create(path.read_text(encoding="utf-8"))
+            if not model_spec(node).mismatches(found):
+                fits.append((bool(node.get("tiny")), str(node.name)))
+    return [name for _, name in sorted(fits)]
 
 
 def _read_json(source: str, relative: str, revision: str | None) -> dict:

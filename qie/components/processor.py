@@ -1,8 +1,8 @@
-"""A Qwen2-VL processor that needs no video processor, hence no torchvision.
+"""Qwen2-VL and Qwen3-VL processors that need no video processor, hence no torchvision.
 
-transformers' `Qwen2VLProcessor` insists on a video processor, and the Qwen2-VL video processor
-imports torchvision. The Qwen-Image-Edit pipelines only ever pass images, so this subclass drops
-the video part and uses the PIL image processor.
+transformers' `Qwen2VLProcessor` and `Qwen3VLProcessor` insist on a video processor, and their video
+processors import torchvision. The Qwen-Image pipelines only ever pass images, so these subclasses drop
+the video part and use the PIL image processor (Qwen3-VL uses Qwen2-VL's image processor too).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from qie.errors import ModelLoadError
@@ -43,6 +43,23 @@ class QwenImageProcessorNoVideo(Qwen2VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
 
+class Qwen3VLProcessorNoVideo(Qwen3VLProcessor):
+    """`Qwen3VLProcessor` made of an image processor and a tokenizer only (no video processor)."""
+
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        QwenImageProcessorNoVideo.__init__(self, image_processor, tokenizer, chat_template, **kwargs)
+        self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+        self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
+
+
 def _nests_image_processor(path: Path) -> bool:
     try:
         return "image_processor" in json.loads(path.read_text(encoding="utf-8"))
@@ -62,12 +79,26 @@ def _missing_local_files(folder: Path) -> list[str]:
     return missing
 
 
+def _processor_chat_template(source: str, kwargs: dict[str, Any]) -> str | None:
+    """The chat template a processor folder keeps beside the tokenizer (`chat_template.json`), if any."""
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(source, "chat_template.json", _raise_exceptions_for_missing_entries=False, **kwargs)
+    except (OSError, ValueError):
+        return None
+    return json.loads(Path(path).read_text(encoding="utf-8"))["chat_template"] if path else None
+
+
 def load_processor(
     pretrained_model_name_or_path: str | os.PathLike,
     subfolder: str = "processor",
     revision: str | None = None,
-) -> QwenImageProcessorNoVideo:
+    processor_class: type = QwenImageProcessorNoVideo,
+) -> Any:
     """Load the tokenizer and PIL image processor of `<path>/<subfolder>` into a video-free processor.
+
+    `processor_class` is `QwenImageProcessorNoVideo` (Qwen2.5-VL) or `Qwen3VLProcessorNoVideo`.
 
     `pretrained_model_name_or_path` is a hub id or a local diffusers-format folder. A video
     processor config there, if any, is ignored. Raises `ModelLoadError` naming the path and
@@ -93,5 +124,5 @@ def load_processor(
         raise ModelLoadError(
             f"cannot load the processor's image processor ({IMAGE_PROCESSOR_FILE}) from {where}: {e}"
         ) from e
-    chat_template = getattr(tokenizer, "chat_template", None)
-    return QwenImageProcessorNoVideo(image_processor, tokenizer, chat_template=chat_template)
+    chat_template = getattr(tokenizer, "chat_template", None) or _processor_chat_template(source, kwargs)
+    return processor_class(image_processor, tokenizer, chat_template=chat_template)

@@ -7,7 +7,7 @@ import torch
 from qie.errors import ConfigError
 
 # Input and output projections stay in full precision: they are small and quantizing them costs quality.
-KEEP_FULL_PRECISION = ["img_in", "txt_in", "proj_out", "norm_out*", "time_text_embed*"]
+KEEP_FULL_PRECISION = ["img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"]
 
 
 def quantize_transformer(model: torch.nn.Module, kind: str) -> torch.nn.Module:

@@ -12,3 +12,60 @@ TRANSFORMER = dict(
     axes_dims_rope=(16, 56, 56),
 )
 VAE = dict(base_dim=96, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True], z_dim=16)
+
+# Qwen-Image-2.1 (`Qwen/Qwen-Image-2.1`): its transformer and VAE are diffusers 0.42.1's defaults for these
+# classes (QwenImage21Transformer2DModel, AutoencoderKLQwenImage21). The text encoder is Qwen3-VL-8B's
+# published config: the transformer reads 4096-wide embeddings (context_in_dim), Qwen3-VL-8B's hidden size.
+TRANSFORMER_21 = dict(
+    patch_size=1,
+    in_channels=64,
+    out_channels=64,
+    num_layers=32,
+    attention_head_dim=128,
+    num_attention_heads=32,
+    context_in_dim=4096,
+    mlp_ratio=3,
+    axes_dims_rope=(16, 56, 56),
+    causal_condition=True,
+)
+VAE_21 = dict(
+    base_dim=96,
+    decoder_base_dim=144,
+    z_dim=64,
+    dim_mult=[1, 2, 4, 8, 8],
+    num_res_blocks=2,
+    temperal_downsample=[False, True, True, True],
+    in_channels=4,
+    out_channels=4,
+)
+TEXT_ENCODER_21 = dict(
+    text_config=dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    ),
+    vision_config=dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=4096,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+    tie_word_embeddings=False,
+)

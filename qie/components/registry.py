@@ -7,9 +7,10 @@ the part's name in the record's `part` attribute), so a tool can see what a stag
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -34,9 +35,11 @@ class Parts:
     processor: Any = None
     transformer: Any = None
     scheduler: Any = None
+    # The checkpoint's model_index.json: settings the pipeline takes besides its parts (2.1's sample_sigmas).
+    pipeline_config: dict = field(default_factory=dict)
 
     def built(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        return [f.name for f in fields(self) if f.name in PART_NAMES and getattr(self, f.name) is not None]
 
 
 @dataclass(frozen=True)
@@ -93,57 +96,48 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
 
 
-def _load_vae(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "vae") -> Any:
-    from diffusers import AutoencoderKLQwenImage
-
-    return AutoencoderKLQwenImage.from_pretrained(source, subfolder=subfolder, revision=revision, torch_dtype=dtype)
-
-
-def _load_text_encoder(
-    source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "text_encoder"
-) -> Any:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        source, subfolder=subfolder, revision=revision, dtype=dtype
-    )
+# The class of each part ("module:Class"); a model family may name others (`ModelSpec.part_classes`).
+DEFAULT_CLASSES: dict[str, str] = {
+    "vae": "diffusers:AutoencoderKLQwenImage",
+    "text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
+    "tokenizer": "transformers:Qwen2Tokenizer",
+    "processor": "qie.components.processor:QwenImageProcessorNoVideo",
+    "transformer": "diffusers:QwenImageTransformer2DModel",
+    "scheduler": "diffusers:FlowMatchEulerDiscreteScheduler",
+}
 
 
-def _load_tokenizer(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "tokenizer") -> Any:
-    from transformers import Qwen2Tokenizer
+def _class(name: str) -> type:
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
-    return Qwen2Tokenizer.from_pretrained(source, subfolder=subfolder, revision=revision)
+
+def _load_diffusers_model(cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype):
+    return cls.from_pretrained(source, subfolder=subfolder, revision=revision, torch_dtype=dtype)
 
 
-def _load_processor(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "processor") -> Any:
+def _load_text_encoder(cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype):
+    return cls.from_pretrained(source, subfolder=subfolder, revision=revision, dtype=dtype)
+
+
+def _load_plain(cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype) -> Any:
+    return cls.from_pretrained(source, subfolder=subfolder, revision=revision)
+
+
+def _load_processor(cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype):
     from qie.components.processor import load_processor
 
-    return load_processor(source, subfolder=subfolder or "", revision=revision)
+    return load_processor(source, subfolder=subfolder or "", revision=revision, processor_class=cls)
 
 
-def _load_transformer(
-    source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "transformer"
-) -> Any:
-    from diffusers import QwenImageTransformer2DModel
-
-    return QwenImageTransformer2DModel.from_pretrained(
-        source, subfolder=subfolder, revision=revision, torch_dtype=dtype
-    )
-
-
-def _load_scheduler(source: str, revision: str | None, dtype: torch.dtype, subfolder: str | None = "scheduler") -> Any:
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder=subfolder, revision=revision)
-
-
+# Each loader takes (class, source, subfolder or None, revision, dtype).
 LOADERS: dict[str, Callable[..., Any]] = {
-    "vae": _load_vae,
+    "vae": _load_diffusers_model,
     "text_encoder": _load_text_encoder,
-    "tokenizer": _load_tokenizer,
+    "tokenizer": _load_plain,
     "processor": _load_processor,
-    "transformer": _load_transformer,
-    "scheduler": _load_scheduler,
+    "transformer": _load_diffusers_model,
+    "scheduler": _load_plain,
 }
 
 
@@ -154,6 +148,7 @@ def build_parts(
     revision: str | None = None,
     quantize: str = "none",
     folders: Mapping[str, str] | None = None,
+    classes: Mapping[str, str] | None = None,
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
 
@@ -164,6 +159,7 @@ def build_parts(
         revision: hub revision (branch, tag or commit).
         quantize: "none", "fp8" or "int8": weight quantization of the transformer.
         folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer).
+        classes: "module:Class" per part where it is not `DEFAULT_CLASSES`'.
 
     Returns:
         Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
@@ -181,11 +177,12 @@ def build_parts(
     for name in names:
         place = placements.get(name, Placement(torch.device("cpu"), torch.float32))
         own = folders.get(name)
+        cls = _class({**DEFAULT_CLASSES, **(classes or {})}[name])
         try:
             if own:
-                part = LOADERS[name](own, None, place.dtype, subfolder=None)
+                part = LOADERS[name](cls, own, None, None, place.dtype)
             else:
-                part = LOADERS[name](source, revision, place.dtype)
+                part = LOADERS[name](cls, source, name, revision, place.dtype)
         except (OSError, ValueError, KeyError) as e:
             where = f"folder {own!r}" if own else repr(source)
             expected = (

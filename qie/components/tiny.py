@@ -3,12 +3,14 @@
 `build_tiny_model` writes a normal diffusers folder (model_index.json, transformer/, vae/, text_encoder/,
 tokenizer/, scheduler/, and processor/ for the Edit pipelines) that the preset's pipeline loads with
 `from_pretrained` (Edit pipelines with `processor=load_processor(path)`). One generic builder takes the
-sizes; the presets (`PRESETS`: edit, edit_plus, edit_2511, t2i) fill in the pipeline and the numbers that
-differ. The same seed gives bitwise identical weights. `python -m qie.tiny PRESET DIR` writes one.
+sizes; the presets (`PRESETS`: edit, edit_plus, edit_2511, t2i, demo) fill in the pipeline and the numbers that
+differ; qwen_image_21, made of other classes, names its own builder. The same seed gives bitwise identical
+weights. `python -m qie.tiny PRESET DIR` writes one.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
+    QwenImage21Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -43,7 +46,8 @@ EDIT_PIPELINES = (QwenImageEditPipeline, QwenImageEditPlusPipeline)
 @dataclass(frozen=True)
 class TinyPreset:
     """What one tiny model is: its pipeline, the pipelines whose templates its tokenizer learns, and
-    the transformer config entries that differ from `TRANSFORMER_CONFIG`."""
+    the transformer config entries that differ from `TRANSFORMER_CONFIG`; or, for a family built of
+    other classes, its own builder ("module:function" taking (path, seed))."""
 
     pipeline: type
     tokenizer_pipelines: tuple[type, ...]
@@ -51,6 +55,7 @@ class TinyPreset:
     # A VAE config and weights shipped with qie (`qie.components.tiny_presets`) instead of a random VAE.
     vae: tuple[tuple[str, Any], ...] = ()
     vae_weights: str | None = None
+    builder: str | None = None
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -64,6 +69,9 @@ PRESETS: dict[str, TinyPreset] = {
         QwenImageEditPipeline, EDIT_PIPELINES, tuple(DEMO_TRANSFORMER.items()), tuple(DEMO_VAE_CONFIG.items()),
         DEMO_VAE_FILE,
     ),  # fmt: skip
+    "qwen_image_21": TinyPreset(
+        QwenImage21Pipeline, (), builder="qie.components.tiny_qwen_image_21:build_tiny_qwen_image_21"
+    ),
 }
 # Where each part comes from, as model_index.json names it; a pipeline lists the parts it takes.
 MODEL_INDEX: dict[str, list[str]] = {
@@ -154,6 +162,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
     """Build the tiny random checkpoint of preset `variant` into `path` and return it."""
     spec = preset(variant)
+    if spec.builder is not None:
+        module, _, function = spec.builder.partition(":")
+        return getattr(importlib.import_module(module), function)(path, seed)
     parts = pipeline_parts(spec.pipeline.__name__)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,18 +4,20 @@ One yaml per model (`model=NAME`) fills it; `qie.models.model_spec` turns it int
 every stage reads (pipeline class, prompt template, control counts, output size, parts to build).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from omegaconf import MISSING
 
 
 class Variant(str, Enum):
-    """Pipeline family: Edit takes one control image, Edit-Plus several, text-to-image none."""
+    """Pipeline family: Edit takes one control image, Edit-Plus several, text-to-image none; Qwen-Image-2.1
+    makes images from text alone or from up to 10 references."""
 
     edit = "edit"
     edit_plus = "edit_plus"
     text_to_image = "text_to_image"
+    qwen_image_21 = "qwen_image_21"
 
 
 class Dtype(str, Enum):
@@ -42,12 +44,13 @@ class ModelConfig:
     # folder, or the folder holding it as transformer/. The other parts come from the base model.
     transformer_path: str | None = None
     revision: str | None = None
-    # A tiny preset (edit, edit_plus, edit_2511, t2i): qie builds that tiny random model at
+    # A tiny preset (edit, edit_plus, edit_2511, t2i, qwen_image_21): qie builds that tiny random model at
     # `pretrained_model_name_or_path` when it is not there yet. null for real checkpoints.
     tiny: str | None = None
     dtype: Dtype = Dtype.bfloat16
     quantize: Quantize = Quantize.none
-    # Areas (pixels) the pipeline resizes condition images to, for the VAE and for Qwen2.5-VL.
+    # Areas (pixels) the pipeline resizes condition images to, for the VAE and for the vision-language
+    # encoder (Qwen-Image-2.1: both its `output_resolution`², and its text-to-image size is that square).
     vae_image_pixels: int = 1024 * 1024
     vl_image_pixels: int = 1024 * 1024
     # Control images one sample may have; 0 as the minimum lets a sample without one train through the
@@ -56,5 +59,14 @@ class ModelConfig:
     max_control_images: int = 1
     # Whether the checkpoint's transformer gives control tokens timestep 0 (Edit-2511): its config must agree.
     zero_cond_t: bool = False
+    # The LoRA targets `train.lora.target_modules` defaults to: the transformer's projection layers.
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                                 "to_add_out"]
+    )  # fmt: skip
+    # The pipeline's own sampling defaults (its `__call__`'s: Qwen-Image and Edit 4.0 and 50, 2.1 1.0 and 40),
+    # which the `predict` group takes unless set there.
+    true_cfg_scale: float = 4.0
+    num_inference_steps: int = 50
     # Compare the checkpoint's model_index.json and transformer config with this description at start-up.
     check: bool = True

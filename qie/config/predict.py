@@ -21,10 +21,12 @@ class PredictConfig:
     output: str = "output.png"
     output_dir: str = "predictions"
     # Sampling options (qie.sampling.SamplingOptions); the empty negative prompt is the one the cache
-    # stores, so CFG runs by default; set negative_prompt=null to turn CFG off.
+    # stores, so CFG runs where the scale is above 1; set negative_prompt=null to turn CFG off. The scale and
+    # the step count default to the model's (`model.true_cfg_scale`, `model.num_inference_steps`: its
+    # pipeline's own; 2.1 samples its checkpoint's `sample_sigmas` where it has them).
     negative_prompt: str | None = ""
-    true_cfg_scale: float = 4.0
-    num_inference_steps: int = 50
+    true_cfg_scale: float | None = None
+    num_inference_steps: int | None = None
     seed: int = 0
     height: int | None = None
     width: int | None = None

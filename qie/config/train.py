@@ -51,18 +51,8 @@ class LoraConfig:
     dropout: float = 0.0
     # peft's `init_lora_weights`: "true" (B=0), "gaussian", "pissa", ...
     init: str = "true"
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "to_q",
-            "to_k",
-            "to_v",
-            "to_out.0",
-            "add_q_proj",
-            "add_k_proj",
-            "add_v_proj",
-            "to_add_out",
-        ]
-    )
+    # Default: the model's (`model.lora_target_modules`).
+    target_modules: list[str] = "${model.lora_target_modules}"  # type: ignore[assignment]
 
 
 @dataclass

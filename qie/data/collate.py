@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from qie.types import Batch, SampleEmbeddings, pad_prompt_embeds
+from qie.types import Batch, SampleEmbeddings, pad_image_masks, pad_prompt_embeds
 
 
 def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | None = None) -> Batch:
@@ -23,6 +23,7 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
     if len(shapes) > 1:
         raise ValueError(f"a batch mixes latent shapes {sorted(shapes)}: batch by bucket (see qie.data.buckets)")
     embeds, mask = pad_prompt_embeds([s.empty_prompt_pieces if d else s.prompt_pieces for s, d in zip(items, drop)])
+    image_masks = [s.empty_prompt_image_mask if d else s.prompt_image_mask for s, d in zip(items, drop)]
     n_controls = len(items[0].control_latents)
     return Batch(
         ids=[s.id for s in items],
@@ -30,4 +31,5 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
         control_latents=[torch.stack([s.control_latents[k] for s in items]) for k in range(n_controls)],
         prompt_embeds=embeds,
         prompt_embeds_mask=mask,
+        prompt_image_mask=pad_image_masks(image_masks, embeds.shape[1]),
     )

@@ -25,11 +25,12 @@ class ImageError(DataError):
         self.path = str(path)
 
 
-def open_image(path: str | Path) -> Image.Image:
-    """Read an image as 8-bit RGB, upright (EXIF orientation applied).
+def open_image(path: str | Path, alpha: bool = False) -> Image.Image:
+    """Read an image as 8-bit RGB (or RGBA with `alpha`), upright (EXIF orientation applied).
 
-    Alpha (RGBA, LA, palette or grey with a transparent colour) is composited on white; palette, grey,
-    CMYK, 16-bit and 32-bit images are converted, never rejected.
+    Without `alpha`, alpha (RGBA, LA, palette or grey with a transparent colour) is composited on white;
+    with it, alpha is kept and an image without one is opaque. Palette, grey, CMYK, 16-bit and 32-bit
+    images are converted, never rejected.
 
     Raises:
         ImageError: naming the file when it is missing or not a readable image.
@@ -37,7 +38,8 @@ def open_image(path: str | Path) -> Image.Image:
     try:
         with Image.open(path) as img:
             img.load()
-            return to_rgb(ImageOps.exif_transpose(img))
+            upright = ImageOps.exif_transpose(img)
+            return to_rgba(upright) if alpha else to_rgb(upright)
     except FileNotFoundError:
         raise ImageError(path, f"image {str(path)!r} does not exist") from None
     except IsADirectoryError:
@@ -46,19 +48,21 @@ def open_image(path: str | Path) -> Image.Image:
         raise ImageError(path, f"image {str(path)!r} cannot be read ({e}): replace or remove it") from None
 
 
-def as_image(image: Image.Image | np.ndarray | str | Path) -> Image.Image:
+def as_image(image: Image.Image | np.ndarray | str | Path, alpha: bool = False) -> Image.Image:
     """An input image as 8-bit RGB: a PIL image, a file path, or a numpy array of shape (H, W), (H, W, 3)
-    or (H, W, 4), either uint8 (0..255) or float in [0, 1] (alpha, as for files, is composited on white).
+    or (H, W, 4), either uint8 (0..255) or float in [0, 1] (alpha, as for files, is composited on white;
+    with `alpha` the image is RGBA instead, its alpha kept).
 
     Raises:
         ImageError: a missing or unreadable file, or an array of another shape, type or range.
     """
+    convert = to_rgba if alpha else to_rgb
     if isinstance(image, Image.Image):
-        return to_rgb(image)
+        return convert(image)
     if isinstance(image, np.ndarray):
-        return _array_image(image)
+        return convert(_array_image(image))
     if isinstance(image, (str, Path)):
-        return open_image(image)
+        return open_image(image, alpha)
     raise ImageError(
         str(type(image)), f"an image must be a PIL image, a numpy array or a path, got {type(image).__name__}"
     )
@@ -79,7 +83,7 @@ def _array_image(array: np.ndarray) -> Image.Image:
         raise ImageError("array", f"image {where}: use uint8 (0..255) or float in [0, 1]")
     if pixels.ndim == 3 and pixels.shape[2] == 1:
         pixels = pixels[:, :, 0]
-    return to_rgb(Image.fromarray(np.ascontiguousarray(pixels)))  # L, RGB or RGBA by shape
+    return Image.fromarray(np.ascontiguousarray(pixels))  # L, RGB or RGBA by shape
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -94,6 +98,18 @@ def to_rgb(img: Image.Image) -> Image.Image:
         background.paste(rgba, mask=rgba.getchannel("A"))
         return background
     return img.convert("RGB")
+
+
+def to_rgba(img: Image.Image) -> Image.Image:
+    """8-bit RGBA of any PIL mode: alpha kept (a transparent palette or grey colour becomes alpha 0),
+    opaque where the image has none; 16/32-bit and float scaled to 0..255."""
+    if img.mode.startswith("I") or img.mode == "F":
+        img = _high_depth_to_l(img)
+    if img.mode in ("CMYK", "YCbCr", "LAB", "HSV"):
+        img = img.convert("RGB")
+    if img.mode == "La":
+        img = img.convert("LA")
+    return img if img.mode == "RGBA" else img.convert("RGBA")
 
 
 def _high_depth_to_l(img: Image.Image) -> Image.Image:

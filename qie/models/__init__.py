@@ -2,17 +2,21 @@
 
 `model_spec(model_cfg)` joins a model yaml (checkpoint, condition sizes, control counts, what the
 transformer config must say) with its pipeline family (`FAMILIES`: the diffusers pipeline, how prompts see
-their images, which image sets the output size). The prompt template, drop index, default output size and
-the parts a pipeline takes are read off the diffusers class itself. Stages, encoding, keys, sampling and
-validation read these fields instead of comparing model names; adding a model is one yaml file.
+their images, which image sets the output size). The prompt template, drop index, default output size,
+sampling defaults and the parts a pipeline takes are read off the diffusers class itself. Stages, encoding,
+keys, sampling and validation read these fields instead of comparing model names; adding a model is one
+yaml file. A family whose pipeline works differently (Qwen-Image-2.1) names its own module (`Family.code`,
+e.g. `qie.models.qwen_image_21`), which provides the pieces that differ; the spec hands them out.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
+from types import ModuleType
 from typing import Any
 
 from qie.errors import ConfigError
@@ -32,6 +36,8 @@ class Family:
         max_prompt_tokens: where `__call__` cuts prompt embeddings (its `max_sequence_length`), if it does.
         patch_size: the transformer packs patch_size x patch_size latent pixels into one token, so its
             in_channels are patch_size² times its out_channels (the VAE's latent channels).
+        code: the module of a family whose pipeline works unlike Qwen-Image's (see `DEFAULT_PIECES`); None
+            for the Qwen-Image pipelines, whose pieces are qie's defaults.
     """
 
     pipeline_class: str
@@ -39,12 +45,28 @@ class Family:
     output_image: int | None
     max_prompt_tokens: int | None = None
     patch_size: int = 2
+    code: str | None = None
+
+
+# What a family module (`Family.code`) may provide, where the family differs from the Qwen-Image pipelines:
+# PART_CLASSES (part -> "module:Class"), ALPHA (images keep alpha), pipeline(parts), prompt_template(),
+# default_size(spec), encode_prompt(pipeline, prompt, images, device) -> {"embed", "image_mask"}, and the
+# pieces of DEFAULT_PIECES with their names and signatures: flow_matching_loss(transformer, batch, noise,
+# sigmas, weighting) -> loss; sample(parts, prompt, negative, controls, size, options, progress) -> latents;
+# decode_latents(vae, latents, output_type) -> images.
+DEFAULT_PIECES = {
+    "flow_matching_loss": "qie.training.step:flow_matching_loss",
+    "sample": "qie.sampling:sample_edit",
+    "decode_latents": "qie.sampling:decode_latents",
+}
 
 
 FAMILIES: dict[str, Family] = {
     "edit": Family("QwenImageEditPipeline", "one", output_image=0),
     "edit_plus": Family("QwenImageEditPlusPipeline", "all", output_image=-1),
     "text_to_image": Family("QwenImagePipeline", "none", output_image=None, max_prompt_tokens=512),
+    # Text to image and editing with up to 10 references, which the prompt sees all at once.
+    "qwen_image_21": Family("QwenImage21Pipeline", "all", -1, patch_size=1, code="qie.models.qwen_image_21"),
 }
 
 
@@ -72,6 +94,9 @@ class ModelSpec:
     vae_image_pixels: int
     vl_image_pixels: int
     zero_cond_t: bool = False
+    # The pipeline's own sampling defaults (its `__call__`'s), the `predict` group's defaults.
+    true_cfg_scale: float = 4.0
+    num_inference_steps: int = 50
 
     @property
     def pipeline_class(self) -> str:
@@ -106,20 +131,69 @@ class ModelSpec:
     def needs_controls(self) -> bool:
         return self.min_control_images > 0
 
+    @property
+    def code(self) -> ModuleType | None:
+        """The family's own module, or None for the Qwen-Image pipelines."""
+        return importlib.import_module(self.family.code) if self.family.code else None
+
+    def piece(self, name: str) -> Any:
+        """The family module's `name`, else the Qwen-Image one (`DEFAULT_PIECES`)."""
+        if hasattr(self.code, name):
+            return getattr(self.code, name)
+        module, _, attr = DEFAULT_PIECES[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    @property
+    def part_classes(self) -> dict[str, str]:
+        """The parts whose class is not the registry's default: part name -> "module:Class"."""
+        return dict(getattr(self.code, "PART_CLASSES", {}))
+
+    @property
+    def alpha(self) -> bool:
+        """Whether images keep their alpha channel (else it is composited on white)."""
+        return bool(getattr(self.code, "ALPHA", False))
+
+    @property
+    def prompt_encoder(self) -> Callable[..., dict] | None:
+        """The family's own prompt encoding (one prompt per call); None: `Encoder`'s batched one."""
+        return getattr(self.code, "encode_prompt", None)
+
+    @property
+    def loss(self) -> Callable[..., Any]:
+        return self.piece("flow_matching_loss")
+
+    @property
+    def sampler(self) -> Callable[..., Any]:
+        return self.piece("sample")
+
+    @property
+    def decoder(self) -> Callable[..., Any]:
+        return self.piece("decode_latents")
+
     def pipeline(self, parts: Any) -> Any:
         """The diffusers pipeline over the built parts (parts not built stay None)."""
+        if self.code is not None:
+            return self.code.pipeline(parts)
         return self.pipeline_cls()(**{name: getattr(parts, name, None) for name in self.part_names})
 
     def prompt_template(self) -> str:
         """The pipeline's prompt template, drop index and prompt cut, as one string (part of prompt keys)."""
+        if self.code is not None:
+            return self.code.prompt_template()
         template, drop_idx, _ = _pipeline_facts(self.pipeline_class)
         cut = f"|{self.family.max_prompt_tokens}" if self.family.max_prompt_tokens else ""
         return f"{template}|{drop_idx}{cut}"
 
     def default_size(self, vae_scale: int) -> tuple[int, int]:
         """(height, width) the pipeline makes when given no size and no image: its default sample size."""
+        if self.code is not None:
+            return self.code.default_size(self)
         side = _pipeline_facts(self.pipeline_class)[2] * vae_scale
         return side, side
+
+    def call_defaults(self) -> dict[str, Any]:
+        """The model's defaults for the sampling options left unset (`SamplingOptions.resolved`)."""
+        return {"true_cfg_scale": self.true_cfg_scale, "num_inference_steps": self.num_inference_steps}
 
     def output_size(
         self,
@@ -201,23 +275,9 @@ def model_spec(model: Any) -> ModelSpec:
         vae_image_pixels=int(model.vae_image_pixels),
         vl_image_pixels=int(model.vl_image_pixels),
         zero_cond_t=bool(model.get("zero_cond_t", False)),
+        true_cfg_scale=float(model.get("true_cfg_scale", 4.0)),
+        num_inference_steps=int(model.get("num_inference_steps", 50)),
     )
-
-
-def fitting_models(found: CheckpointFacts) -> list[str]:
-    """The `model=` names of qie's model yamls that describe a checkpoint like `found` (real models first,
-    then the tiny ones), for the hint of a mismatch."""
-    from importlib.resources import files
-
-    from omegaconf import OmegaConf
-
-    fits = []
-    for path in files("qie.conf").joinpath("model").iterdir():
-        if path.name.endswith(".yaml"):
-            node = OmegaConf.create(path.read_text(encoding="utf-8"))
-            if not model_spec(node).mismatches(found):
-                fits.append((bool(node.get("tiny")), str(node.name)))
-    return [name for _, name in sorted(fits)]
 
 
 @cache
@@ -232,8 +292,9 @@ def _pipeline_facts(pipeline_class: str) -> tuple[str, int, int]:
 
 @cache
 def pipeline_parts(pipeline_class: str) -> tuple[str, ...]:
-    """The parts a diffusers pipeline takes: its `__init__` arguments, in their order."""
+    """The parts a diffusers pipeline takes: its required `__init__` arguments, in their order (settings
+    with a default, such as 2.1's `sample_sigmas`, are not parts)."""
     import diffusers
 
     params = inspect.signature(getattr(diffusers, pipeline_class).__init__).parameters
-    return tuple(name for name in params if name != "self")
+    return tuple(n for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty)

@@ -30,6 +30,7 @@ def value(x: Any) -> Any:
 
 def image_sizes(cfg: DictConfig) -> ImageSizes:
     return ImageSizes(
+        alpha=model_spec(cfg.model).alpha,
         target_pixels=int(cfg.data.target_pixels),
         vae_image_pixels=int(cfg.model.vae_image_pixels),
         vl_image_pixels=int(cfg.model.vl_image_pixels),
@@ -105,8 +106,8 @@ def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:
     """SamplingOptions from the `predict` group; `overrides` whose value is None keep predict's value."""
     base = {
         "negative_prompt": predict.negative_prompt,
-        "true_cfg_scale": float(predict.true_cfg_scale),
-        "num_inference_steps": int(predict.num_inference_steps),
+        "true_cfg_scale": None if predict.true_cfg_scale is None else float(predict.true_cfg_scale),
+        "num_inference_steps": None if predict.num_inference_steps is None else int(predict.num_inference_steps),
         "seed": int(predict.seed),
         "height": predict.height,
         "width": predict.width,

@@ -23,7 +23,7 @@ from qie.data.images import as_image, condition_images
 from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
 from qie.models import ModelSpec, model_spec
-from qie.sampling import SamplingOptions, decode_latents, latent_sizes, sample_edit, vae_scale_factor
+from qie.sampling import SamplingOptions, latent_sizes, vae_scale_factor
 from qie.stages.common import read_data, sampling_options, value
 from qie.training.lora import load_lora, merge_lora, save_transformer
 
@@ -65,14 +65,16 @@ class Predictor:
             options: sampling options (default: `SamplingOptions()`); `overrides` replace single fields
                 (e.g. `num_inference_steps=20, seed=3`). Without height and width the output size follows the
                 model's rule (`ModelSpec.output_size`).
-            output_type: "pil" (list of images) or "np" (float array (N, H, W, 3) in [0, 1]).
+            output_type: "pil" (list of images) or "np" (float array (N, H, W, C) in [0, 1]; C = 4 for an RGBA
+                model such as Qwen-Image-2.1, whose outputs keep their alpha).
 
         Raises:
             ConfigError: no prompt, or a number of images the model does not take.
             DataError: an image that is missing or unreadable.
         """
-        options = replace(options or SamplingOptions(), **overrides)
-        pil = open_images(images)
+        spec = self.spec
+        options = replace(options or SamplingOptions(), **overrides).resolved(spec.call_defaults())
+        pil = open_images(images, spec.alpha)
         if prompt is None:
             raise ConfigError("no prompt given: set predict.prompt to the instruction")
         if not pil and self.spec.needs_controls:
@@ -80,33 +82,32 @@ class Predictor:
         problem = self.spec.control_problem(len(pil))
         if problem:
             raise ConfigError(f"{len(pil)} input images given: {problem}")
-        spec = self.spec
         pixels, vl_images = [], []
         for im in pil:
             vae_in, vl_in = condition_images(im, spec.vae_image_pixels, spec.vl_image_pixels)
             pixels.append(vae_in)
             vl_images.append(vl_in)
-        (embed,) = self.encoder.encode_prompts([prompt], [vl_images])
+        (entry,) = self.encoder.encode_prompt_entries([prompt], [vl_images])
         negative = None
         if options.negative_prompt is not None and options.true_cfg_scale > 1:
-            (negative,) = self.encoder.encode_prompts([options.negative_prompt], [vl_images])
+            (neg,) = self.encoder.encode_prompt_entries([options.negative_prompt], [vl_images])
+            negative = (neg["embed"], neg.get("image_mask"))
         controls = [self.encoder.encode_latents([p])[0] for p in pixels]
         f = self.vae_scale_factor
         size = spec.output_size(options.height, options.width, latent_sizes(controls, f), None, f)
-        latents = sample_edit(
-            self.parts.transformer, self.parts.scheduler, f, embed, negative, controls, size, options, progress=progress
-        )
-        return decode_latents(self.parts.vae, latents, output_type=output_type)
+        prompt_in = (entry["embed"], entry.get("image_mask"))
+        latents = spec.sampler(self.parts, prompt_in, negative, controls, size, options, progress=progress)
+        return spec.decoder(self.parts.vae, latents, output_type=output_type)
 
 
-def open_images(images: Any) -> list[Image.Image]:
-    """Input images as RGB: one image or a list of PIL images, numpy arrays (H, W, 3) and paths, or an
-    array (N, H, W, 3) of N images."""
+def open_images(images: Any, alpha: bool = False) -> list[Image.Image]:
+    """Input images as RGB (RGBA with `alpha`, for a model that reads it): one image or a list of PIL images,
+    numpy arrays (H, W, 3) and paths, or an array (N, H, W, 3) of N images."""
     if images is None:
         return []
     if isinstance(images, (str, Path, Image.Image)) or (isinstance(images, np.ndarray) and images.ndim < 4):
         images = [images]
-    return [as_image(im) for im in images]
+    return [as_image(im, alpha) for im in images]
 
 
 def build_predictor(cfg: DictConfig) -> Predictor:
@@ -168,7 +169,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
-    images = open_images(sources)  # fail on a bad image before spending time on building the model
+    images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(cfg)
     written = _save(
         predictor.predict(images, p.prompt, sampling_options(p), progress=True), resolve_output(p.output, run_dir)

@@ -54,7 +54,8 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
-    samples = load_samples(cfg, model_spec(cfg.model), accelerator.is_main_process)
+    spec = model_spec(cfg.model)
+    samples = load_samples(cfg, spec, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     source = build_source(cfg, precompute_command=precompute_command(cfg))
@@ -80,7 +81,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir)
     save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train)
     try:
-        result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler), logger,
+        result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler, spec), logger,
                      save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
     finally:
         logger.close()
@@ -148,7 +149,7 @@ def train_mode(train: DictConfig) -> TrainMode:
     return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init))
 
 
-def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any) -> LoopSettings:
+def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: ModelSpec) -> LoopSettings:
     sigmas = SigmaSampling(
         method=str(value(train.timestep_sampling)),
         logit_mean=float(train.logit_mean),
@@ -167,6 +168,8 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any) -> Loo
         sigmas=sigmas,
         loss_weighting=str(value(train.loss_weighting)),
         on_nonfinite=str(value(train.on_nonfinite)),
+        loss=spec.loss,
+        patch_size=spec.family.patch_size,
     )
 
 
@@ -245,12 +248,12 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
         cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
         num_inference_steps=v.num_inference_steps, seed=v.seed,
     )  # fmt: skip
-    vae = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}).vae
+    vae_parts = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)})
     spec = model_spec(cfg.model)
     chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), spec)
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
-    validator = Validator(inputs, negatives, scheduler, vae, logger, options, spec, run_dir / "validation",
-                          validation_references(chosen, spec))  # fmt: skip
+    validator = Validator(inputs, negatives, scheduler, vae_parts.vae, logger, options, spec, run_dir / "validation",
+                          validation_references(chosen, spec), vae_parts.pipeline_config)  # fmt: skip
     every = int(v.every)
 
     def hook(info: StepInfo) -> None:

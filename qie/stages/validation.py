@@ -50,8 +50,8 @@ def validation_samples(v: DictConfig, training: list[Sample], count: int, spec: 
 
 def validation_inputs(
     source: EmbeddingSource, samples: list[Sample], negative_prompt: str | None
-) -> tuple[list[SampleEmbeddings], list[torch.Tensor | None]]:
-    """The encoded inputs of `samples` and, per sample, the embedding of the negative prompt.
+) -> tuple[list[SampleEmbeddings], list[tuple[torch.Tensor, torch.Tensor | None] | None]]:
+    """The encoded inputs of `samples` and, per sample, the negative prompt as (embedding, image mask).
 
     The empty negative prompt is the sample's own empty-prompt embedding; another one is encoded (and
     cached) as a prompt with the sample's control images; None gives None (no CFG).
@@ -60,10 +60,13 @@ def validation_inputs(
     # Sampling starts from the controls and the prompt; a target stays only where no control gives the size.
     samples = [replace(s, target=None) if s.controls else s for s in samples]
     inputs = encoding.get(samples)
-    if negative_prompt is None or negative_prompt == "":
-        negatives = [s.empty_prompt_embed if negative_prompt == "" else None for s in inputs]
+    if negative_prompt is None:
+        negatives = [None] * len(inputs)
+    elif negative_prompt == "":
+        negatives = [(s.empty_prompt_embed, s.empty_prompt_image_mask) for s in inputs]
     else:
-        negatives = [e.prompt_embed for e in encoding.get([replace(s, prompt=negative_prompt) for s in samples])]
+        encoded = encoding.get([replace(s, prompt=negative_prompt) for s in samples])
+        negatives = [(e.prompt_embed, e.prompt_image_mask) for e in encoded]
     if encoding is not source:  # encoders built only for validation: free them before training
         encoding.release()
         gc.collect()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,10 +21,11 @@ def heldout_loss(
     samples: Sequence[Sample],
     seed: int = 0,
     sigmas: Sequence[float] = DEFAULT_SIGMAS,
+    loss: Callable[..., torch.Tensor] = flow_matching_loss,
 ) -> float:
     """Mean flow-matching loss over samples x sigmas, each sample with its own fixed noise.
 
-    The transformer's device and dtype are used for the computation.
+    The transformer's device and dtype are used for the computation; `loss` is the model family's.
     """
     param = next(transformer.parameters())
     device, dtype = param.device, param.dtype
@@ -37,7 +38,7 @@ def heldout_loss(
         noise = torch.randn(batch.latents.shape, generator=g).to(device, dtype)
         for sigma in sigmas:
             s = torch.full((1,), float(sigma))
-            total += flow_matching_loss(transformer, batch, noise, s).item()
+            total += loss(transformer, batch, noise, s).item()
             count += 1
     transformer.train(was_training)
     return total / max(count, 1)

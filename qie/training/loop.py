@@ -35,6 +35,10 @@ class LoopSettings:
     sigmas: SigmaSampling = field(default_factory=SigmaSampling)
     loss_weighting: str = "none"
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" (save the last good state) or "skip"
+    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
+    # transformer token covers (`Family.patch_size`: the target's token count decides dynamic shifting).
+    loss: Callable[..., torch.Tensor] = flow_matching_loss
+    patch_size: int = 2
 
 
 @dataclass
@@ -77,10 +81,12 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
     return g
 
 
-def noise_and_sigmas(batch: Batch, sigmas: SigmaSampling, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def noise_and_sigmas(
+    batch: Batch, sigmas: SigmaSampling, g: torch.Generator, patch_size: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
     latents = batch.latents
     noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
-    tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+    tokens = (latents.shape[-2] // patch_size) * (latents.shape[-1] // patch_size)
     return noise, sigmas.sample(latents.shape[0], g, tokens)
 
 
@@ -219,8 +225,8 @@ def _optimizer_step(
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
-            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g)
-            loss = flow_matching_loss(model, batch, noise, sigmas, settings.loss_weighting)
+            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g, settings.patch_size)
+            loss = settings.loss(model, batch, noise, sigmas, settings.loss_weighting)
             accelerator.backward(loss)
             ids += batch.ids
             window_losses.append(loss.detach())

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from qie.components.registry import Parts
 from qie.data.images import open_image
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions, decode_latents, latent_sizes, sample_edit, vae_scale_factor
+from qie.sampling import SamplingOptions, latent_sizes, vae_scale_factor
 from qie.training.image_metrics import edit_metrics
 from qie.training.logging import MetricsLogger
 from qie.types import SampleEmbeddings
@@ -41,19 +42,23 @@ class Validator:
     """Samples each input with the current transformer; saves, measures and logs the images.
 
     Args:
-        inputs: encoded validation inputs; `negatives[i]` is input i's negative prompt embedding (or None).
+        inputs: encoded validation inputs; `negatives[i]` is input i's negative prompt as (embedding, image
+            mask or None), or None.
         scheduler, vae: the model's scheduler and VAE (only its decoder is used).
-        options: sampling options; input i is sampled with seed `options.seed + i`.
+        options: sampling options (fields left None take the model's defaults); input i is sampled with
+            seed `options.seed + i`.
         spec: the model description, whose `output_size` rule sizes each output (from the options, the
-            input's control images, or its target's size when it has no control image).
+            input's control images, or its target's size when it has no control image), and whose sampler
+            and decoder make the images.
         out_dir: where `step-NNNNNN/<id>.png` and metrics.jsonl go (None: nowhere).
         references: per input, the images its metrics compare with (no metrics without a target).
+        pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`).
     """
 
     def __init__(
         self,
         inputs: list[SampleEmbeddings],
-        negatives: list[torch.Tensor | None],
+        negatives: list[tuple[torch.Tensor, torch.Tensor | None] | None],
         scheduler,
         vae,
         logger: MetricsLogger | None,
@@ -61,9 +66,11 @@ class Validator:
         spec: ModelSpec,
         out_dir: Path | None = None,
         references: list[Reference] | None = None,
+        pipeline_config: dict | None = None,
     ) -> None:
         self.inputs, self.negatives, self.scheduler, self.vae = inputs, negatives, scheduler, vae
-        self.logger, self.options, self.spec = logger, options, spec
+        self.logger, self.options, self.spec = logger, options.resolved(spec.call_defaults()), spec
+        self.pipeline_config = pipeline_config or {}
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.references = references or [Reference() for _ in inputs]
 
@@ -80,10 +87,11 @@ class Validator:
             size = self.spec.output_size(
                 options.height, options.width, latent_sizes(item.control_latents, f), target, f
             )
-            latents = sample_edit(
-                transformer, self.scheduler, f, item.prompt_embed, negative, item.control_latents, size, options
-            )
-            out.append(decode_latents(self.vae, latents))
+            parts = Parts(vae=self.vae, transformer=transformer, scheduler=self.scheduler)
+            parts.pipeline_config = self.pipeline_config
+            prompt = (item.prompt_embed, item.prompt_image_mask)
+            latents = self.spec.sampler(parts, prompt, negative, item.control_latents, size, options)
+            out.append(self.spec.decoder(self.vae, latents))
         transformer.train(was_training)
         return out
 
