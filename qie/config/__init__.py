@@ -8,6 +8,7 @@ loads no Hydra.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,34 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "model.vl_image_pixels", 28 * 28, None)
     _check_range(cfg, "model.min_control_images", 0, None)
     _check_range(cfg, "model.max_control_images", OmegaConf.select(cfg, "model.min_control_images", default=0), None)
+    _check_range(cfg, "train.blocks_to_swap", 0, None)
+    _check_range(cfg, "predict.blocks_to_swap", 0, None)
+    _check_installed(cfg, "train.optimizer")
+
+
+# Optional packages that a `_target_` may need, and the qie extra that installs each.
+EXTRAS = {"bitsandbytes": ("bnb", "its 8-bit optimizers need a CUDA GPU")}
+
+
+def _check_installed(cfg: DictConfig, key: str) -> None:
+    """Fail at once, not after the model is built, when the package of a `_target_` is not installed."""
+    node = OmegaConf.select(cfg, key, default=None)
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if not target:
+        return
+    package = str(target).split(".")[0]
+    try:
+        installed = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, a broken parent package
+        installed = False
+    if installed:
+        return
+    extra, note = EXTRAS.get(package, (None, None))
+    how = f'pip install "qie[{extra}]" ({note})' if extra else f"pip install {package}"
+    raise ConfigError(
+        f"{key} ({target}) needs the package {package!r}, which is not installed: {how}; "
+        f"or choose another optimizer, e.g. {key}=adamw"
+    )
 
 
 def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | None) -> None:
