@@ -140,10 +140,11 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     with quiet_loggers():  # accelerate's line per file; one qie line below says it all
         accelerator.save_state(str(tmp / "accelerate"))  # every process writes its own RNG state
+    weights = lora_state_dict(accelerator.unwrap_model(model)) if lora else None  # every process: FSDP gathers
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if lora:
-            save_lora(accelerator.unwrap_model(model), tmp, comfyui=comfyui)
+            save_lora(accelerator.unwrap_model(model), tmp, comfyui=comfyui, state=weights)
         write_state(tmp, state)
         commit(tmp, folder)
         prune(run_dir, keep)
