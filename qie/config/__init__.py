@@ -168,6 +168,11 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "train.blocks_to_swap", 0, None)
     _check_range(cfg, "predict.blocks_to_swap", 0, None)
     _check_installed(cfg, "train.optimizer")
+    if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
+        raise ConfigError(
+            "validation.every needs an unsharded model (validation samples on the main process only): "
+            "set validation.every=0 with train.fsdp=true"
+        )
 
 
 # Optional packages that a `_target_` may need, and the qie extra that installs each.

@@ -75,7 +75,12 @@ class MemorySettings:
 def enable_fsdp_on_cpu(accelerator: Any, settings: MemorySettings) -> None:
     """accelerate 1.15 turns its FSDP plugin on for GPUs only (on the CPU it silently runs DDP); torch's FSDP2
     runs on the CPU over gloo, so without CUDA qie switches accelerate's shared state to FSDP itself."""
-    if not settings.fsdp or accelerator.device.type != "cpu" or accelerator.num_processes < 2:
+    if not settings.fsdp:
+        return
+    if accelerator.num_processes < 2:
+        accelerator.print("qie: warning: train.fsdp=true in one process: nothing to shard over, training unsharded")
+        return
+    if accelerator.device.type != "cpu":
         return
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType

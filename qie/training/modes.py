@@ -3,6 +3,7 @@ stage picks once from `train.mode`; nothing else compares mode names."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,10 @@ class FullMode:
             from huggingface_hub import save_torch_state_dict
 
             transformer.save_config(folder)
+            # FSDP2 made the model's class a subclass named FSDP<name>: loaders need the model's own name.
+            config = json.loads((folder / "config.json").read_text())
+            config["_class_name"] = config["_class_name"].removeprefix("FSDP")
+            (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             save_torch_state_dict(state, folder, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
         return "transformer", folder
 
