@@ -147,6 +147,11 @@ def test_quantized_text_encoder_entries_key_apart(data: dict, tmp_path: Path) ->
 
 
 def test_optimizer_presets_compose_and_adafactor_trains(data: dict, plain: dict, tmp_path: Path) -> None:
+    from hydra.utils import instantiate
+
+    for preset, cls in (("adamw", "AdamW"), ("adafactor", "Adafactor"), ("sgd", "SGD")):
+        optimizer = instantiate(compose("train", [f"train.optimizer={preset}"]).train.optimizer)
+        assert type(optimizer([torch.nn.Parameter(torch.ones(2))], lr=1e-3)).__name__ == cls
     cfg = compose("train", ["train.optimizer=adafactor", "train.optimizer.weight_decay=0.1"])
     assert cfg.train.optimizer._target_ == "transformers.optimization.Adafactor"
     assert cfg.train.optimizer.weight_decay == 0.1 and cfg.train.optimizer.relative_step is False

@@ -22,7 +22,7 @@ from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache", "demo")
+STAGES = ("precompute", "train", "infer", "cache", "demo", "plan")
 
 
 def qie_home() -> Path:
@@ -70,6 +70,16 @@ class InferRoot:
 
 
 @dataclass
+class PlanRoot:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    gpu_memory_gb: float = 24.0
+    # Left for the CUDA context, cuBLAS workspaces and the caching allocator's slack.
+    reserve_gb: float = 1.5
+
+
+@dataclass
 class CacheAdminRoot:
     cache: CacheConfig = field(default_factory=CacheConfig)
     action: CacheAction = CacheAction.stats
@@ -88,13 +98,14 @@ def register() -> None:
     cs.store(name="infer_schema", node=InferRoot)
     cs.store(name="cache_schema", node=CacheAdminRoot)
     cs.store(name="demo_schema", node=DemoRoot)
+    cs.store(name="plan_schema", node=PlanRoot)
 
 
 def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     """Build the config the CLI of `stage` would build, with the same overrides syntax.
 
     Args:
-        stage: one of "precompute", "train", "infer", "cache", "demo".
+        stage: one of "precompute", "train", "infer", "cache", "demo", "plan".
         overrides: Hydra overrides such as ["model=tiny", "train.max_steps=10"].
 
     Returns:
@@ -130,6 +141,7 @@ ROOTS = {
     "infer": InferRoot,
     "cache": CacheAdminRoot,
     "demo": DemoRoot,
+    "plan": PlanRoot,
 }
 
 
