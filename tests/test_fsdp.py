@@ -11,12 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import CachedData
 from safetensors import safe_open
 from safetensors.torch import load_file
-
-from qie.config import compose
-from qie.demo.synthetic import make_dataset
-from qie.stages import precompute
 
 pytestmark = pytest.mark.subprocess
 
@@ -24,16 +21,11 @@ STEPS = ["train.max_steps=3", "train.checkpoint_every=2", "train.learning_rate=1
 
 
 @pytest.fixture(scope="module")
-def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("fsdp_data")
-    make_dataset(root, train=8, heldout=0, size=64)
-    base = [
-        f"model.pretrained_model_name_or_path={tiny_path}",
-        f"data.path={root / 'train'}",
-        f"cache.dir={root / 'cache'}",
-    ]
-    precompute.run(compose("precompute", base), root / "precompute_run")
-    return {"base": base + ["data.num_workers=0", "logging.report_to=none"], "runs": tmp_path_factory.mktemp("runs")}
+def data(tiny_path: Path, cached_data: CachedData, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The shared cached data set (read only), the model named by its folder; run directories."""
+    model = f"model.pretrained_model_name_or_path={tiny_path}"
+    base = [model, *cached_data.overrides, "data.num_workers=0", "logging.report_to=none"]
+    return {"base": base, "runs": tmp_path_factory.mktemp("runs")}
 
 
 def torchrun(data: dict, name: str, overrides: list[str]) -> dict:

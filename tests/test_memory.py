@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import CachedData
 
 from qie.config import compose
 from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
-from qie.demo.synthetic import make_dataset
 from qie.errors import CacheMissError, ConfigError
 from qie.stages import precompute
 from qie.stages import train as train_stage
@@ -28,13 +28,10 @@ TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2"
 
 
 @pytest.fixture(scope="module")
-def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("memory_data")
-    make_dataset(root, train=8, heldout=0, size=64)
+def data(tiny_path: Path, cached_data: CachedData) -> dict:
+    """The shared cached data set (read only), the model named by its folder."""
     model = f"model.pretrained_model_name_or_path={tiny_path}"
-    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
-    precompute.run(compose("precompute", base[:3]), root / "precompute_run")
-    return {"root": root, "base": base}
+    return {"root": cached_data.root, "base": [model, *cached_data.overrides, "data.num_workers=0"]}
 
 
 def train(data: dict, overrides: list[str], run_dir: Path) -> dict:

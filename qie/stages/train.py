@@ -91,7 +91,7 @@ def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    memory = memory_settings(train)
+    memory = MemorySettings.of(train)
     accelerator = Accelerator(
         # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
         # is on the CPU; otherwise each process would train alone.
@@ -170,18 +170,9 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any) -> Loo
     )
 
 
-def memory_settings(train: DictConfig) -> MemorySettings:
-    return MemorySettings(
-        gradient_checkpointing=bool(train.gradient_checkpointing),
-        blocks_to_swap=int(train.blocks_to_swap),
-        activation_offload=bool(train.activation_offload),
-        fsdp=bool(train.fsdp),
-    )
-
-
 def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any) -> tuple:
     """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler."""
-    memory = memory_settings(train)
+    memory = MemorySettings.of(train)
     memory.check(mode.lora, str(value(model.quantize)))
     parts = load_parts(model, ["transformer", "scheduler"], {"transformer": memory.build_device(accelerator.device)})
     transformer = parts.transformer

@@ -6,7 +6,7 @@ None of them changes the training step: swap and offload hook the model, FSDP is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -26,6 +26,11 @@ class MemorySettings:
     blocks_to_swap: int = 0
     activation_offload: bool = False
     fsdp: bool = False
+
+    @classmethod
+    def of(cls, train: Any) -> MemorySettings:
+        """From the `train` config node (any object with these names as attributes)."""
+        return cls(**{f.name: type(f.default)(getattr(train, f.name)) for f in fields(cls)})
 
     def check(self, lora: bool, quantize: str) -> None:
         """Refuse combinations that cannot work, naming the keys to change.
