@@ -271,7 +271,6 @@ def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, comf
     accelerator = state.accelerator
     result["param_checksums"] = _gather_checksums(accelerator, state.params)
     result["ranks_agree"] = all(c == result["param_checksums"][0] for c in result["param_checksums"])
-    # Every process takes part: sharded (FSDP) weights are gathered; the main process writes them.
     key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, comfyui, write=accelerator.is_main_process)
     if accelerator.is_main_process:
         result[key] = str(path)

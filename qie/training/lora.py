@@ -87,11 +87,11 @@ def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's weights with peft's keys (`transformer_blocks.0.attn.to_q.lora_A.weight`, ...)."""
     from peft.utils import get_peft_model_state_dict
 
-    from qie.training.memory import full_tensor
+    from qie.training.memory import full_tensor  # FSDP2 shards: gathered, so every process must call this
 
-    state = get_peft_model_state_dict(transformer)
-    # FSDP2 shards each weight over the processes: gathered here, so every process must call this.
-    return {k: full_tensor(v.detach()).cpu().clone().contiguous() for k, v in state.items()}
+    return {
+        k: full_tensor(v.detach()).cpu().clone().contiguous() for k, v in get_peft_model_state_dict(transformer).items()
+    }
 
 
 def load_lora_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -105,17 +105,10 @@ def load_lora_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]
 
 
 def save_lora(
-    transformer: torch.nn.Module,
-    folder: Path,
-    comfyui: bool = False,
-    dtype: torch.dtype | None = None,
-    state: dict[str, torch.Tensor] | None = None,
+    transformer: torch.nn.Module, folder: Path, comfyui: bool = False, dtype: torch.dtype | None = None, state=None
 ) -> Path:
-    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`).
-
-    Args:
-        state: the adapter's weights when already gathered (`lora_state_dict`), else read from `transformer`.
-    """
+    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`); `state`: its
+    weights when already gathered (`lora_state_dict`), else read from `transformer`."""
     from diffusers import QwenImageEditPipeline
 
     state = lora_state_dict(transformer) if state is None else state
