@@ -53,6 +53,7 @@ def load_parts(model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] 
         revision=model_cfg.revision,
         quantize=str(_value(model_cfg.quantize)),
         folders=folders,
+        text_encoder_quantize=str(_value(getattr(model_cfg, "text_encoder_quantize", "none"))),
     )
 
 
