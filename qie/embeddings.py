@@ -224,9 +224,15 @@ def _encode(encoder: Encoder, samples: Sequence[Sample], sizes: ImageSizes) -> l
 
 
 def key_context(
-    source: str, revision: str | None, spec: ModelSpec, sizes: ImageSizes, dtype: str = "float32"
+    source: str,
+    revision: str | None,
+    spec: ModelSpec,
+    sizes: ImageSizes,
+    dtype: str = "float32",
+    text_encoder_quantize: str = "none",
 ) -> KeyContext:
-    """The KeyContext of a model, its dtype and image sizes: fingerprints read from configs and weight headers.
+    """The KeyContext of a model, its dtype, text-encoder quantization and image sizes: fingerprints read from
+    configs and weight headers.
 
     The prompt part's fingerprint is the processor's for the Edit pipelines and the tokenizer's for the
     text-to-image one (which has no processor).
@@ -244,4 +250,5 @@ def key_context(
         vl_image_pixels=sizes.vl_image_pixels,
         dtype=dtype,
         processor_fingerprint=part_fingerprint(source, spec.prompt_parts[0], revision),
+        text_encoder_quantize=text_encoder_quantize,
     )

@@ -47,6 +47,15 @@ def test_gpu_step_bench_shows_help_without_a_gpu(capsys: pytest.CaptureFixture) 
     assert "--num-layers" in out and "QwenImageTransformer2DModel" in out
 
 
+def test_swap_bench_runs_its_configurations_on_the_cpu(capsys: pytest.CaptureFixture) -> None:
+    args = "--device cpu --weights bf16 --no-plain --num-layers 2 --heads 1 --joint-dim 32 --swaps 2"
+    args = [*args.split(), *"--resolution 64 --prompt-tokens 16 --steps 1 --warmup 0".split()]
+    result = script("bench_swap").main(args)
+    assert list(result["results"]) == ["bf16+gc+swap2", "bf16+gc+swap0"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result["results"].values())
+    assert "vs unswapped" in capsys.readouterr().out
+
+
 def test_target_line_format(capsys: pytest.CaptureFixture) -> None:
     common = script("_bench_common")
     assert common.target_line("cache read: ssd vs .pt", 4.1, ">=", 3)

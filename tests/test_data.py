@@ -297,6 +297,8 @@ ALL = {"pixel_latent", "control_latent"} | TEXT_TYPES
         ({"vl_image_pixels": 8192}, TEXT_TYPES),
         ({"processor_fingerprint": "proc1"}, TEXT_TYPES),
         ({"dtype": "bfloat16"}, ALL),
+        ({"text_encoder_quantize": "int8"}, TEXT_TYPES),
+        ({"text_encoder_quantize": "fp8"}, TEXT_TYPES),
     ],
 )
 def test_keys_change_exactly_with_what_they_depend_on(tmp_path: Path, change: dict, expected: set) -> None:

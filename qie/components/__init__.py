@@ -56,6 +56,7 @@ def load_parts(model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] 
         quantize=str(_value(model_cfg.quantize)),
         folders=folders,
         classes=model_spec(model_cfg).part_classes,
+        text_encoder_quantize=str(_value(getattr(model_cfg, "text_encoder_quantize", "none"))),
     )
     parts.pipeline_config = pipeline_config(source, model_cfg.revision)
     return parts

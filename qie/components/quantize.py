@@ -1,4 +1,4 @@
-"""Weight quantization of the frozen transformer with optimum-quanto."""
+"""Weight quantization of frozen parts (the transformer, the text encoder) with optimum-quanto."""
 
 from __future__ import annotations
 
@@ -8,10 +8,17 @@ from qie.errors import ConfigError
 
 # Input and output projections stay in full precision: they are small and quantizing them costs quality.
 KEEP_FULL_PRECISION = ["img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"]
+KINDS = ("fp8", "int8")
 
 
-def quantize_transformer(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+def quantize_weights(
+    model: torch.nn.Module, kind: str, exclude: list[str] | None = None, key: str = ""
+) -> torch.nn.Module:
     """Quantize the weights of `model`'s linear layers in place ("fp8" or "int8") and freeze them.
+
+    Args:
+        exclude: module name patterns left in full precision.
+        key: the config key that asked for it, for the error message.
 
     Raises:
         ConfigError: for a kind other than fp8 or int8.
@@ -20,10 +27,23 @@ def quantize_transformer(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
     weights = {"fp8": qfloat8, "int8": qint8}.get(kind)
     if weights is None:
-        raise ConfigError(f"model.quantize={kind!r}: choose none, fp8 or int8")
-    quantize(model, weights=weights, exclude=KEEP_FULL_PRECISION)
+        raise ConfigError(f"{key or 'quantize'}={kind!r}: choose none, fp8 or int8")
+    quantize(model, weights=weights, exclude=exclude)
     freeze(model)
     return model
+
+
+def quantize_transformer(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """`model.quantize`: the transformer's linear layers but its input and output projections."""
+    return quantize_weights(model, kind, KEEP_FULL_PRECISION, "model.quantize")
+
+
+def quantize_text_encoder(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """`model.text_encoder_quantize`: every linear layer of Qwen2.5-VL (language model, vision tower, head).
+
+    The embeddings qie caches are hidden states, so the vocabulary head's output is never used.
+    """
+    return quantize_weights(model, kind, None, "model.text_encoder_quantize")
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

@@ -149,6 +149,7 @@ def build_parts(
     quantize: str = "none",
     folders: Mapping[str, str] | None = None,
     classes: Mapping[str, str] | None = None,
+    text_encoder_quantize: str = "none",
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
 
@@ -160,6 +161,7 @@ def build_parts(
         quantize: "none", "fp8" or "int8": weight quantization of the transformer.
         folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer).
         classes: "module:Class" per part where it is not `DEFAULT_CLASSES`'.
+        text_encoder_quantize: "none", "fp8" or "int8": weight quantization of the text encoder.
 
     Returns:
         Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
@@ -192,11 +194,18 @@ def build_parts(
         if name in MODULE_PARTS:
             part.requires_grad_(False)
             part.eval()
-            if name == "transformer" and quantize != "none":
-                from qie.components.quantize import quantize_transformer
-
-                quantize_transformer(part, quantize)
+            _quantize(name, part, quantize, text_encoder_quantize)
             part.to(place.device)
         setattr(parts, name, part)
         log.debug("built the %s of %s", name, source, extra={"part": name})
     return parts
+
+
+def _quantize(name: str, part: Any, transformer: str, text_encoder: str) -> None:
+    """Quantize a part on the CPU before it moves to its device, so the device never holds its full weights."""
+    from qie.components import quantize
+
+    if name == "transformer" and transformer != "none":
+        quantize.quantize_transformer(part, transformer)
+    elif name == "text_encoder" and text_encoder != "none":
+        quantize.quantize_text_encoder(part, text_encoder)

@@ -8,6 +8,7 @@ loads no Hydra.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache", "demo")
+STAGES = ("precompute", "train", "infer", "cache", "demo", "plan")
 
 
 def qie_home() -> Path:
@@ -73,6 +74,16 @@ class InferRoot:
 
 
 @dataclass
+class PlanRoot:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    gpu_memory_gb: float = 24.0
+    # Left for the CUDA context, cuBLAS workspaces and the caching allocator's slack.
+    reserve_gb: float = 1.5
+
+
+@dataclass
 class CacheAdminRoot:
     cache: CacheConfig = field(default_factory=CacheConfig)
     action: CacheAction = CacheAction.stats
@@ -91,13 +102,14 @@ def register() -> None:
     cs.store(name="infer_schema", node=InferRoot)
     cs.store(name="cache_schema", node=CacheAdminRoot)
     cs.store(name="demo_schema", node=DemoRoot)
+    cs.store(name="plan_schema", node=PlanRoot)
 
 
 def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     """Build the config the CLI of `stage` would build, with the same overrides syntax.
 
     Args:
-        stage: one of "precompute", "train", "infer", "cache", "demo".
+        stage: one of "precompute", "train", "infer", "cache", "demo", "plan".
         overrides: Hydra overrides such as ["model=tiny", "train.max_steps=10"].
 
     Returns:
@@ -133,6 +145,7 @@ ROOTS = {
     "infer": InferRoot,
     "cache": CacheAdminRoot,
     "demo": DemoRoot,
+    "plan": PlanRoot,
 }
 
 
@@ -168,6 +181,39 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "model.vl_image_pixels", 28 * 28, None)
     _check_range(cfg, "model.min_control_images", 0, None)
     _check_range(cfg, "model.max_control_images", OmegaConf.select(cfg, "model.min_control_images", default=0), None)
+    _check_range(cfg, "train.blocks_to_swap", 0, None)
+    _check_range(cfg, "predict.blocks_to_swap", 0, None)
+    _check_installed(cfg, "train.optimizer")
+    if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
+        raise ConfigError(
+            "validation.every needs an unsharded model (validation samples on the main process only): "
+            "set validation.every=0 with train.fsdp=true"
+        )
+
+
+# Optional packages that a `_target_` may need, and the qie extra that installs each.
+EXTRAS = {"bitsandbytes": ("bnb", "its 8-bit optimizers need a CUDA GPU")}
+
+
+def _check_installed(cfg: DictConfig, key: str) -> None:
+    """Fail at once, not after the model is built, when the package of a `_target_` is not installed."""
+    node = OmegaConf.select(cfg, key, default=None)
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if not target:
+        return
+    package = str(target).split(".")[0]
+    try:
+        installed = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, a broken parent package
+        installed = False
+    if installed:
+        return
+    extra, note = EXTRAS.get(package, (None, None))
+    how = f'pip install "qie[{extra}]" ({note})' if extra else f"pip install {package}"
+    raise ConfigError(
+        f"{key} ({target}) needs the package {package!r}, which is not installed: {how}; "
+        f"or choose another optimizer, e.g. {key}=adamw"
+    )
 
 
 def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | None) -> None:

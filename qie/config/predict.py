@@ -35,3 +35,5 @@ class PredictConfig:
     lora_scale: float = 1.0
     merge_to: str | None = None
     devices: PredictDevices = field(default_factory=PredictDevices)
+    # Keep N transformer blocks in pinned CPU memory, copied to the GPU just before they run.
+    blocks_to_swap: int = 0

@@ -63,6 +63,14 @@ class TrainConfig:
     learning_rate: float = 1e-4
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = False
+    # Memory levers (docs/guide.md, "Memory"; `python -m qie.plan` picks them for a GPU size):
+    # keep N transformer blocks in pinned CPU memory, copied to the GPU just before they run (LoRA; needs
+    # gradient_checkpointing) ...
+    blocks_to_swap: int = 0
+    # ... keep the activations saved for the backward pass (with checkpointing: the block inputs) in CPU memory ...
+    activation_offload: bool = False
+    # ... shard the transformer by block over the processes of torchrun / accelerate launch (FSDP2).
+    fsdp: bool = False
     mixed_precision: MixedPrecision = MixedPrecision.auto
     max_grad_norm: float = 1.0
     checkpoint_every: int = 500
@@ -82,6 +90,7 @@ class TrainConfig:
     dynamic_shift: bool = False
     loss_weighting: LossWeighting = LossWeighting.none
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # A preset of the `train.optimizer` group (adamw, adamw8bit, adafactor, sgd) or any `_target_`.
     optimizer: Any = field(
         default_factory=lambda: {"_target_": "torch.optim.AdamW", "_partial_": True, "weight_decay": 1e-2}
     )

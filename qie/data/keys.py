@@ -3,7 +3,7 @@
 - pixel_latent: target image bytes, target area / resize mode / rounding, VAE fingerprint
 - control_latent: every control image's bytes, VAE condition area, VAE fingerprint
 - prompt_embed (+mask): prompt text, every control image's bytes, VL condition area, text-encoder
-  fingerprint, prompt template
+  fingerprint, prompt template, the text encoder's weight quantization when it has one
 - empty_prompt_embed (+mask): the same with the empty prompt
 Image bytes are hashed once and remembered against (path, size, mtime_ns, ctime_ns, inode) by the FileHasher.
 The mask types share their embedding's key: they are derived from it, never stored.
@@ -33,6 +33,8 @@ class KeyContext:
     dtype: str = "float32"
     # The processor's settings decide how many image tokens Qwen2.5-VL sees.
     processor_fingerprint: str = ""
+    # Quantized text-encoder weights ("fp8", "int8") give other embeddings than the stored ones.
+    text_encoder_quantize: str = "none"
 
 
 def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str, str]:
@@ -67,6 +69,8 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
             "processor": ctx.processor_fingerprint,
             "dtype": ctx.dtype,
         }
+        if ctx.text_encoder_quantize != "none":  # absent otherwise: unquantized entries keep their keys
+            fields["text_encoder_quantize"] = ctx.text_encoder_quantize
         keys[kind] = entry_key(kind, fields)
         # A mask is derived from its embedding (nothing is stored for it): it shares the embedding's key.
         keys[kind.replace("embed", "embeds_mask")] = keys[kind]

@@ -72,9 +72,10 @@ def build_encoder(cfg: DictConfig) -> Encoder:
 
 
 def model_key_context(cfg: DictConfig) -> KeyContext:
-    """The cache-key context of `cfg`'s model (fingerprints, template, dtype) and image sizes."""
+    """The cache-key context of `cfg`'s model (fingerprints, template, dtype, quantization) and image sizes."""
     m = cfg.model
-    return key_context(model_source(m), m.revision, model_spec(m), image_sizes(cfg), str(value(m.dtype)))
+    quantize = str(value(m.get("text_encoder_quantize", "none")))
+    return key_context(model_source(m), m.revision, model_spec(m), image_sizes(cfg), str(value(m.dtype)), quantize)
 
 
 def build_source(

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 from PIL import Image
 
-from qie.components import Parts, load_parts
+from qie.components import Parts, load_parts, resolve_device
 from qie.data.images import as_image, condition_images
 from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
@@ -41,10 +41,30 @@ class Predictor:
         self.spec = spec
         self.encoder = Encoder(parts, spec)
         self.vae_scale_factor = vae_scale_factor(parts.vae)
+        self.swap: tuple[int, torch.device] | None = None
+        self._swapper = None
 
     def load_lora(self, path: str | Path, scale: float = 1.0) -> Path:
         """Load (or replace) the LoRA on the transformer. Raises ModelLoadError when it does not fit."""
-        return load_lora(self.parts.transformer, path, scale)
+        swap = self.swap
+        if swap is not None:  # the LoRA of the swapped blocks is swapped with them
+            self.swap_blocks(0, swap[1])
+        try:
+            return load_lora(self.parts.transformer, path, scale)
+        finally:
+            if swap is not None:
+                self.swap_blocks(*swap)
+
+    def swap_blocks(self, count: int, device: torch.device) -> None:
+        """Keep the first `count` transformer blocks in CPU memory, each copied to `device` just before it runs
+        (`predict.blocks_to_swap`; 0 stops swapping and leaves those blocks in CPU memory)."""
+        from qie.training.offload import BlockSwapper
+
+        if self._swapper is not None:
+            self._swapper.remove()
+        transformer = self.parts.transformer
+        self._swapper = BlockSwapper(transformer, transformer.transformer_blocks, count, device) if count else None
+        self.swap = (count, device) if count else None
 
     @torch.no_grad()
     def predict(
@@ -118,9 +138,15 @@ def build_predictor(cfg: DictConfig) -> Predictor:
         ModelLoadError: a part or LoRA that cannot be loaded.
     """
     spec = model_spec(cfg.model)
-    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices=dict(cfg.predict.devices)), spec)
+    devices, swap = dict(cfg.predict.devices), int(cfg.predict.blocks_to_swap)
+    device = resolve_device(devices["transformer"])
+    if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
+        devices["transformer"] = "cpu"
+    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices=devices), spec)
     if cfg.predict.lora:
         predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale))
+    if swap:
+        predictor.swap_blocks(swap, device)
     return predictor
 
 

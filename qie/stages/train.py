@@ -32,6 +32,7 @@ from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
+from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
 from qie.training.timesteps import SigmaSampling
 
@@ -94,6 +95,7 @@ def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    memory = MemorySettings.of(train)
     accelerator = Accelerator(
         # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
         # is on the CPU; otherwise each process would train alone.
@@ -101,7 +103,9 @@ def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
         mixed_precision=mixed_precision(str(value(train.mixed_precision)), model_dtype),
         gradient_accumulation_steps=int(train.gradient_accumulation_steps),
         project_dir=str(run_dir),
+        **memory.accelerator_kwargs(),
     )
+    enable_fsdp_on_cpu(accelerator, memory)
     set_seed(int(train.seed))
     warn_single_process(accelerator.num_processes, "qie.train")
     return accelerator
@@ -175,15 +179,17 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
 
 def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any) -> tuple:
     """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler."""
-    parts = load_parts(model, ["transformer", "scheduler"], {"transformer": str(accelerator.device)})
+    memory = MemorySettings.of(train)
+    memory.check(mode.lora, str(value(model.quantize)))
+    parts = load_parts(model, ["transformer", "scheduler"], {"transformer": memory.build_device(accelerator.device)})
     transformer = parts.transformer
-    if train.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
     params = mode.trainable(transformer)
+    place = apply_memory(transformer, memory, accelerator.device)
     optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
     lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
     # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
-    prepared, optimizer = accelerator.prepare(transformer, optimizer)
+    prepared, optimizer = accelerator.prepare(transformer, optimizer, device_placement=[place, True])
+    params = [p for p in prepared.parameters() if p.requires_grad]  # FSDP replaces them by their shards
     dtype = resolve_dtype(str(value(model.dtype)))
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
@@ -268,8 +274,8 @@ def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, comf
     accelerator = state.accelerator
     result["param_checksums"] = _gather_checksums(accelerator, state.params)
     result["ranks_agree"] = all(c == result["param_checksums"][0] for c in result["param_checksums"])
+    key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, comfyui, write=accelerator.is_main_process)
     if accelerator.is_main_process:
-        key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, comfyui)
         result[key] = str(path)
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
         if not result["ranks_agree"]:
@@ -288,9 +294,8 @@ def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, comf
 
 def _gather_checksums(accelerator: Any, params: list[torch.nn.Parameter]) -> list[list[float]]:
     """Per process, the sum and the sum of squares of the trained weights: equal when replicas agree."""
-    local = torch.stack(
-        [torch.stack([p.detach().double().sum(), p.detach().double().pow(2).sum()]) for p in params if p.requires_grad]
-    ).sum(0)
+    trained = [full_tensor(p.detach()).double() for p in params if p.requires_grad]
+    local = torch.stack([torch.stack([p.sum(), p.pow(2).sum()]) for p in trained]).sum(0)
     gathered = accelerator.gather(local.to(accelerator.device).unsqueeze(0))
     return gathered.cpu().tolist()
 

@@ -4,10 +4,11 @@ A checkpoint folder `checkpoints/step-000100/` holds `pytorch_lora_weights.safet
 copy when asked), `trainer_state.json` (step, batches consumed) and `state/`: the trained weights
 (`model.safetensors`), the optimizer and LR scheduler state (`optimizer.*`, `lr_scheduler.*`, safetensors +
 JSON, see `state_io`), the mixed-precision scaler (`grad_scaler.json`) and each process's RNG state
-(`rng_state_<rank>.*`). Everything is read with `json` and `safetensors`; a checkpoint holding any file that
-would need unpickling (accelerate's `*.pkl`, `*.bin`, torch's `*.pt` ...) is refused, as unpickling runs
-whatever code the file names. It is written under a temporary name and renamed, so a kill while saving
-never leaves a checkpoint that looks complete but is not.
+(`rng_state_<rank>.*`). An FSDP-sharded model's weights and optimizer state are gathered whole into the same
+files. Everything is read with `json` and `safetensors`; a checkpoint holding any file that would need
+unpickling (accelerate's `*.pkl`, `*.bin`, torch's `*.pt` ...) is refused, as unpickling runs whatever code
+the file names. It is written under a temporary name and renamed, so a kill while saving never leaves a
+checkpoint that looks complete but is not.
 """
 
 from __future__ import annotations
@@ -126,15 +127,23 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui:
         begin(folder)
     accelerator.wait_for_everyone()
     save_tree(rng_state(), tmp / STATE_DIR, f"rng_state_{accelerator.process_index}")  # every process its own
+    sharded = is_sharded(accelerator)
+    lora_weights = lora_state_dict(accelerator.unwrap_model(train.model)) if lora else None  # FSDP: every process
+    gathered = gather_state(train, lora) if sharded else None  # collectives: every process
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(train.model)
         if lora:
-            safetensors.torch.save_file(lora_state_dict(model), str(tmp / STATE_DIR / MODEL_FILE))
-            save_lora(model, tmp, comfyui=comfyui)
+            save_lora(model, tmp, comfyui=comfyui, state=lora_weights)
+        if gathered is not None:
+            safetensors.torch.save_file(gathered[0], str(tmp / STATE_DIR / MODEL_FILE))
+            save_tree(gathered[1], tmp / STATE_DIR, "optimizer")
         else:
-            safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
-        save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
+            if lora:
+                safetensors.torch.save_file(lora_weights, str(tmp / STATE_DIR / MODEL_FILE))
+            else:
+                safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
+            save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
         save_tree(train.lr_scheduler.state_dict(), tmp / STATE_DIR, "lr_scheduler")
         if getattr(accelerator, "scaler", None) is not None:
             (tmp / STATE_DIR / "grad_scaler.json").write_text(json.dumps(accelerator.scaler.state_dict()))
@@ -177,9 +186,12 @@ def load_checkpoint(train: Any, folder: Path, inexact: bool = False) -> dict:
             f"qie: warning: {folder} was saved by {saved_procs} processes, resuming with "
             f"{accelerator.num_processes}: the data order from here on differs from the original run's"
         )
-    model = accelerator.unwrap_model(train.model)
-    _load(state_dir / MODEL_FILE, lambda: _load_model(model, state_dir / MODEL_FILE))
-    _load(state_dir / "optimizer.json", lambda: train.optimizer.load_state_dict(load_tree(state_dir, "optimizer")))
+    if is_sharded(accelerator):  # every process reads the whole state and keeps its shards
+        _load(state_dir / MODEL_FILE, lambda: set_sharded_state(train, state_dir))
+    else:
+        model = accelerator.unwrap_model(train.model)
+        _load(state_dir / MODEL_FILE, lambda: _load_model(model, state_dir / MODEL_FILE))
+        _load(state_dir / "optimizer.json", lambda: train.optimizer.load_state_dict(load_tree(state_dir, "optimizer")))
     _load(
         state_dir / "lr_scheduler.json",
         lambda: train.lr_scheduler.load_state_dict(load_tree(state_dir, "lr_scheduler")),
@@ -198,6 +210,45 @@ def load_checkpoint(train: Any, folder: Path, inexact: bool = False) -> dict:
             ) from None
         accelerator.print(f"qie: warning: {detail}; resuming without it (train.resume_inexact=true): not exact")
     return state
+
+
+def is_sharded(accelerator: Any) -> bool:
+    """The model is FSDP-sharded (`train.fsdp=true` over several processes)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1
+
+
+def _options(**kw: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def _raw_optimizer(train: Any) -> Any:
+    return getattr(train.optimizer, "optimizer", train.optimizer)  # accelerate's wrapper holds torch's
+
+
+def gather_state(train: Any, lora: bool) -> tuple[dict, dict]:
+    """The whole trained weights (only the LoRA's with `lora`) and optimizer state of an FSDP-sharded model, on
+    the CPU of process 0 (a collective: every process calls it; the others get empty dicts)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    options = _options(cpu_offload=True, ignore_frozen_params=lora)
+    weights = get_model_state_dict(train.model, options=options)
+    optimizer = get_optimizer_state_dict(train.model, _raw_optimizer(train), options=options)
+    return {k: v.contiguous() for k, v in weights.items()}, optimizer
+
+
+def set_sharded_state(train: Any, state_dir: Path) -> None:
+    """Load what `gather_state` saved into the FSDP-sharded model and its optimizer (every process)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    weights = safetensors.torch.load_file(str(state_dir / MODEL_FILE))
+    lora = not all(p.requires_grad for p in train.model.parameters())
+    set_model_state_dict(train.model, weights, options=_options(strict=not lora))
+    optimizer = load_tree(state_dir, "optimizer")
+    set_optimizer_state_dict(train.model, _raw_optimizer(train), optimizer, options=_options())
 
 
 def _load_model(model: Any, path: Path) -> None:

@@ -87,7 +87,11 @@ def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's weights with peft's keys (`transformer_blocks.0.attn.to_q.lora_A.weight`, ...)."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().clone().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    from qie.training.memory import full_tensor  # FSDP2 shards: gathered, so every process must call this
+
+    return {
+        k: full_tensor(v.detach()).cpu().clone().contiguous() for k, v in get_peft_model_state_dict(transformer).items()
+    }
 
 
 def load_lora_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -101,12 +105,13 @@ def load_lora_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]
 
 
 def save_lora(
-    transformer: torch.nn.Module, folder: Path, comfyui: bool = False, dtype: torch.dtype | None = None
+    transformer: torch.nn.Module, folder: Path, comfyui: bool = False, dtype: torch.dtype | None = None, state=None
 ) -> Path:
-    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`)."""
+    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`); `state`: its
+    weights when already gathered (`lora_state_dict`), else read from `transformer`."""
     from diffusers import QwenImageEditPipeline
 
-    state = lora_state_dict(transformer)
+    state = lora_state_dict(transformer) if state is None else state
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     folder.mkdir(parents=True, exist_ok=True)

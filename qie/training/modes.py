@@ -3,6 +3,7 @@ stage picks once from `train.mode`; nothing else compares mode names."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import torch
 
 from qie.components.quantize import is_quantized
 from qie.errors import ConfigError
-from qie.training.lora import add_lora, dead_modules, save_lora
+from qie.training.lora import LORA_FILE, add_lora, dead_modules, lora_state_dict, save_lora
+from qie.training.memory import full_state_dict
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,13 @@ class LoraMode:
         """Add the adapter; returns its parameters (what the optimizer trains)."""
         return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init)
 
-    def export(self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False) -> tuple[str, Path]:
-        """Write the trained weights; returns (result key, path)."""
-        return "lora", save_lora(transformer, run_dir / "lora", comfyui=comfyui)
+    def export(
+        self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False, write: bool = True
+    ) -> tuple[str, Path]:
+        """Write the trained weights (when `write`; every process calls it); returns (result key, path)."""
+        state = lora_state_dict(transformer)  # gathers sharded weights: a collective under FSDP
+        folder = run_dir / "lora"
+        return "lora", save_lora(transformer, folder, comfyui=comfyui, state=state) if write else folder / LORA_FILE
 
 
 @dataclass(frozen=True)
@@ -52,9 +58,23 @@ class FullMode:
             transformer.get_submodule(name).requires_grad_(False)
         return [p for p in transformer.parameters() if p.requires_grad]
 
-    def export(self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False) -> tuple[str, Path]:
-        transformer.save_pretrained(run_dir / "transformer")
-        return "transformer", run_dir / "transformer"
+    def export(
+        self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False, write: bool = True
+    ) -> tuple[str, Path]:
+        state = full_state_dict(transformer)  # gathers sharded weights: a collective under FSDP
+        folder = run_dir / "transformer"
+        if write and state is None:
+            transformer.save_pretrained(folder)
+        elif write:  # the same files as save_pretrained's, from the gathered weights
+            from huggingface_hub import save_torch_state_dict
+
+            transformer.save_config(folder)
+            # FSDP2 made the model's class a subclass named FSDP<name>: loaders need the model's own name.
+            config = json.loads((folder / "config.json").read_text())
+            config["_class_name"] = config["_class_name"].removeprefix("FSDP")
+            (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            save_torch_state_dict(state, folder, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+        return "transformer", folder
 
 
 TrainMode = LoraMode | FullMode

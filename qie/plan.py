@@ -1,0 +1,16 @@
+"""python -m qie.plan model=... data.target_pixels=... gpu_memory_gb=24"""
+
+import hydra
+from omegaconf import DictConfig
+
+from qie.cli import run_stage
+from qie.stages import plan
+
+
+@hydra.main(config_path="conf", config_name="plan", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_stage(plan.run, cfg)
+
+
+if __name__ == "__main__":
+    main()

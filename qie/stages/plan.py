@@ -1,0 +1,109 @@
+"""The plan stage: which memory levers let LoRA training fit a GPU of `gpu_memory_gb`, and what each part needs.
+
+    python -m qie.plan model=qwen_image_edit data.target_pixels=1048576 gpu_memory_gb=24
+
+Weights are counted from the model's transformer config (its folder or hub config; the published Qwen-Image
+config when neither can be read), the step's memory is simulated on fake tensors (`qie.memory_plan`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from qie.components import model_source, real_size, resolve_dtype
+from qie.memory_plan import (
+    GIB,
+    OPTIMIZER_STATE_BYTES,
+    Estimate,
+    Workload,
+    plan,
+    step_memory,
+    text_encoder_bytes,
+    weight_bytes,
+)
+from qie.stages.common import value
+
+# The VL sees each control image in 28x28-pixel tokens (14 px patches, 2x2 merged); the template adds ~64.
+VL_PIXELS_PER_TOKEN = 28 * 28
+TEMPLATE_TOKENS = 64
+
+
+def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
+    """Print the plan; returns one Estimate per combination of levers tried."""
+    config, where = transformer_config(cfg.model)
+    work = workload(cfg)
+    lora = cfg.train.lora
+    rank, targets = int(lora.rank), list(lora.target_modules)
+    state = OPTIMIZER_STATE_BYTES.get(str(cfg.train.optimizer.get("_target_")), 8)
+    weights = {q: weight_bytes(config, work.dtype, q, rank, targets) for q in ("none", "fp8")}
+    step = {
+        (gc, off): step_memory(config, work, rank, targets, gc, off)
+        for gc, off in ((False, False), (True, False), (True, True))
+    }
+    budget, reserve = int(float(cfg.gpu_memory_gb) * GIB), int(float(cfg.reserve_gb) * GIB)
+    rows = plan(weights, step, budget, state, reserve)
+    print(f"qie plan: LoRA training of {where}, {config['num_layers']} blocks, batch {work.batch}: "
+          f"{work.target_tokens} target + {sum(work.control_tokens)} control + {work.prompt_tokens} prompt tokens; "
+          f"GPU {cfg.gpu_memory_gb} GiB")  # fmt: skip
+    print(report(rows, budget))
+    te = {q: text_encoder_bytes(real_size.TEXT_ENCODER, q) / GIB for q in ("none", "fp8")}
+    print(f"precompute / lazy / live also hold Qwen2.5-VL-7B: {te['none']:.1f} GiB in bf16, {te['fp8']:.1f} GiB "
+          "with model.text_encoder_quantize=fp8 or int8")  # fmt: skip
+    return rows
+
+
+def transformer_config(model: DictConfig) -> tuple[dict, str]:
+    """The transformer's config (sizes only) and where it was read."""
+    from qie.components.fingerprint import part_folder
+
+    try:
+        folder = part_folder(model_source(model), "transformer", model.revision)
+        raw = json.loads((folder / "config.json").read_text())
+    except Exception:  # offline, no such repository: the published sizes
+        return dict(real_size.TRANSFORMER), f"{model.name} (published Qwen-Image sizes)"
+    from diffusers import QwenImageTransformer2DModel
+
+    keys = QwenImageTransformer2DModel.extract_init_dict(raw)[0]
+    return dict(keys), str(model.name)
+
+
+def workload(cfg: DictConfig) -> Workload:
+    m, d = cfg.model, cfg.data
+    controls = int(m.max_control_images)
+    return Workload(
+        batch=int(d.batch_size),
+        target_tokens=int(d.target_pixels) // 256,  # 8x VAE, 2x2 patches
+        control_tokens=(int(m.vae_image_pixels) // 256,) * controls,
+        prompt_tokens=controls * int(m.vl_image_pixels) // VL_PIXELS_PER_TOKEN + TEMPLATE_TOKENS,
+        dtype=resolve_dtype(str(value(m.dtype))),
+    )
+
+
+def report(rows: list[Estimate], budget: int) -> str:
+    """The table, the parts of the recommended row, and its overrides."""
+    lines = ["quantize  checkpointing  offload  blocks_to_swap  GiB      fits"]
+    for r in rows:
+        lv = r.levers
+        fits = "yes" if r.total <= budget else "no"
+        lines.append(f"{lv.quantize:<8}  {str(lv.gradient_checkpointing):<13}  {str(lv.activation_offload):<7}  "
+                     f"{lv.blocks_to_swap:>14}  {r.total / GIB:>6.1f}   {fits}")  # fmt: skip
+    fitting = [r for r in rows if r.total <= budget]
+    if not fitting:
+        return "\n".join([*lines, "nothing fits: use a larger GPU, or shard over several (train.fsdp=true)"])
+    best = min(fitting, key=lambda r: r.levers.blocks_to_swap)  # the first tried among the least swapped
+    lines.append("recommended: " + " ".join(overrides(best)))
+    lines += [f"  {name:<44} {size / GIB:6.2f} GiB" for name, size in best.parts.items()]
+    lines.append(f"  {'pinned CPU memory (swapped blocks, offload)':<44} {best.host / GIB:6.2f} GiB")
+    return "\n".join(lines)
+
+
+def overrides(estimate: Estimate) -> list[str]:
+    lv = estimate.levers
+    out = [f"model.quantize={lv.quantize}"]
+    out += ["train.gradient_checkpointing=true"] if lv.gradient_checkpointing else []
+    out += ["train.activation_offload=true"] if lv.activation_offload else []
+    out += [f"train.blocks_to_swap={lv.blocks_to_swap}"] if lv.blocks_to_swap else []
+    return out

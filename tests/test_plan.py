@@ -1,0 +1,97 @@
+"""The memory planner: its simulated step memory against a real CPU step's peak RSS, and the real-size plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qie.config import compose
+from qie.config.train import LoraConfig
+from qie.memory_plan import GIB, Workload, build_fake, simulate_step, weight_bytes
+from qie.stages import plan
+
+# A tiny model's classes at a size where a step's memory (100-300 MiB) dwarfs the allocator's noise.
+CONFIG = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 4, "attention_head_dim": 64,
+          "num_attention_heads": 8, "joint_attention_dim": 256, "axes_dims_rope": (8, 28, 28)}  # fmt: skip
+WORK = Workload(batch=1, target_tokens=1024, control_tokens=(1024,), prompt_tokens=300, dtype=torch.float32)
+TARGETS = LoraConfig().target_modules
+
+# One warm-up step (optimizer states, thread pools), then the peak RSS above the settled RSS of a second step.
+MEASURE = """
+import gc, json, sys, torch
+from diffusers import QwenImageTransformer2DModel
+from qie.memory_plan import Workload, step_inputs
+from qie.training.lora import add_lora
+from qie.training.step import flow_matching_loss
+config, work, targets, checkpointing = json.loads(sys.argv[1])
+work = Workload(work[0], work[1], tuple(work[2]), work[3], torch.float32)
+torch.manual_seed(0)
+model = QwenImageTransformer2DModel(**config).requires_grad_(False)
+params = add_lora(model, 16, 16, targets)
+if checkpointing:
+    model.enable_gradient_checkpointing()
+optimizer = torch.optim.AdamW(params, lr=1e-4)
+batch, noise, sigmas = step_inputs(config, work, torch.randn)
+
+def step():
+    flow_matching_loss(model, batch, noise, sigmas).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+step()
+gc.collect()
+base = status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+step()
+print(status("VmHWM:") - base)
+"""
+
+
+def measured_step_bytes(checkpointing: bool) -> int:
+    work = [WORK.batch, WORK.target_tokens, list(WORK.control_tokens), WORK.prompt_tokens]
+    arg = json.dumps([CONFIG, work, TARGETS, checkpointing])
+    # Large blocks straight from mmap and back: RSS then follows the live tensors instead of malloc's heap.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run([sys.executable, "-c", MEASURE, arg], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_simulated_step_memory_is_within_20_percent_of_the_measured_peak(checkpointing: bool) -> None:
+    model, fake = build_fake(CONFIG, torch.float32, 16, TARGETS, checkpointing)
+    estimate, _ = simulate_step(model, fake, WORK)
+    measured = measured_step_bytes(checkpointing)
+    assert measured > 50 * 2**20  # the step is large enough for the comparison to mean something
+    assert abs(estimate - measured) <= 0.2 * measured, (estimate / 2**20, measured / 2**20)
+
+
+def test_real_size_plan_for_a_24_gib_gpu(capsys: pytest.CaptureFixture) -> None:
+    rows = plan.run(compose("plan", ["model=qwen_image_edit", "data.target_pixels=1048576", "gpu_memory_gb=24"]))
+    out = capsys.readouterr().out
+    by = {(r.levers.quantize, r.levers.gradient_checkpointing, r.levers.activation_offload): r for r in rows}
+    weights = {q: by[(q, False, False)].parts["transformer weights"] / GIB for q in ("none", "fp8")}
+    assert weights == pytest.approx({"none": 38.05, "fp8": 19.08}, abs=0.01)  # the 20.4 B parameters
+    assert by[("none", False, False)].total > 24 * GIB  # bf16 without checkpointing fits no 24 GiB card
+    step = [by[("fp8", *k)].parts["step: activations, gradients, temporaries"] for k in ((0, 0), (1, 0), (1, 1))]
+    assert step[0] > 10 * step[1] and step[1] > step[2]  # checkpointing, then offload, shrink the step
+    swapped = by[("none", True, False)]
+    assert 0 < swapped.levers.blocks_to_swap < 60 and swapped.total <= 24 * GIB
+    assert "recommended: model.quantize=" in out and "Qwen2.5-VL-7B: 15.4 GiB in bf16" in out
+
+
+def test_weights_counted_on_meta_match_the_built_model() -> None:
+    from diffusers import QwenImageTransformer2DModel
+
+    counted = weight_bytes(CONFIG, torch.float32, "none", 16, TARGETS)
+    model = QwenImageTransformer2DModel(**CONFIG)
+    assert counted.other + counted.blocks * counted.block == sum(p.numel() * 4 for p in model.parameters())
