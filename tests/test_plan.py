@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qie.config import compose
-from qie.config.train import LoraConfig
+from qie.config.model import ModelConfig
 from qie.memory_plan import GIB, Workload, build_fake, simulate_step, weight_bytes
 from qie.stages import plan
 
@@ -19,7 +19,7 @@ from qie.stages import plan
 CONFIG = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 4, "attention_head_dim": 64,
           "num_attention_heads": 8, "joint_attention_dim": 256, "axes_dims_rope": (8, 28, 28)}  # fmt: skip
 WORK = Workload(batch=1, target_tokens=1024, control_tokens=(1024,), prompt_tokens=300, dtype=torch.float32)
-TARGETS = LoraConfig().target_modules
+TARGETS = ModelConfig().lora_target_modules  # the LoRA default: the model's targets
 
 # One warm-up step (optimizer states, thread pools), then the peak RSS above the settled RSS of a second step.
 MEASURE = """
