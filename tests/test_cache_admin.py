@@ -115,19 +115,16 @@ def test_file_hash_index_unreadable_is_ignored(tmp_path: Path, caplog) -> None:
     assert len(FileHasher(index)) == 1
 
 
-def test_file_hash_index_of_100k_files_loads_fast(tmp_path: Path) -> None:
+def test_file_hash_index_of_100k_files_loads_whole(tmp_path: Path) -> None:
+    # How fast it loads is measured by scripts/bench_startup.py, not asserted here.
     index = tmp_path / "idx.json"
     t = 1_700_000_000_000_000_000
     entries = {
         f"/data/set/{i:06d}.png": ((123456 + i, t + i, t + 2 * i, 1000 + i), f"{i:064x}") for i in range(100_000)
     }
     keys._write_index(index, entries)
-    t0 = time.perf_counter()
     h = FileHasher(index)
-    elapsed = time.perf_counter() - t0
     assert len(h) == 100_000
-    # ~0.1 s when the machine is idle; the bound leaves room for a busy CI box.
-    assert elapsed < 1.0, f"loading 100k remembered hashes took {elapsed:.2f}s"
     p = "/data/set/000042.png"
     assert h._entries[p] == entries[p]
 
