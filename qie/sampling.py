@@ -21,11 +21,11 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
     QwenImageEditPipeline,
-    calculate_shift,
     retrieve_timesteps,
 )
 from diffusers.utils.torch_utils import randn_tensor
 
+from qie.models.flow import shift_mu
 from qie.progress import progress as progress_bar
 from qie.types import pad_prompt_embeds
 
@@ -173,13 +173,7 @@ def sample_latents(
 
     scheduler = type(scheduler).from_config(scheduler.config)
     sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-    mu = calculate_shift(
-        latents.shape[1],
-        scheduler.config.get("base_image_seq_len", 256),
-        scheduler.config.get("max_image_seq_len", 4096),
-        scheduler.config.get("base_shift", 0.5),
-        scheduler.config.get("max_shift", 1.15),
-    )
+    mu = shift_mu(latents.shape[1], scheduler.config)
     timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
 

@@ -93,10 +93,13 @@ class Batch:
     prompt_embeds: torch.Tensor  # (B, L, D), zero-padded
     prompt_embeds_mask: torch.Tensor | None  # (B, L) 1/0, or None when nothing is padded
     prompt_image_mask: torch.Tensor | None = None  # (B, L) bool, False at padding (see SampleEmbeddings)
+    # (B, 1, 1, h, w) float: a loss weight per latent pixel of the target (a loss mask), None: every pixel 1.
+    loss_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         mask = None if self.prompt_embeds_mask is None else self.prompt_embeds_mask.to(device)
         image_mask = None if self.prompt_image_mask is None else self.prompt_image_mask.to(device)
+        loss_mask = None if self.loss_mask is None else self.loss_mask.to(device, torch.float32)
         return Batch(
             self.ids,
             self.latents.to(device, dtype),
@@ -104,6 +107,7 @@ class Batch:
             self.prompt_embeds.to(device, dtype),
             mask,
             image_mask,
+            loss_mask,
         )
 
 

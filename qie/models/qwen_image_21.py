@@ -28,10 +28,10 @@ import torch
 from diffusers import QwenImage21Pipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift, retrieve_timesteps
-from diffusers.training_utils import compute_loss_weighting_for_sd3
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timesteps
 from tqdm.auto import tqdm
 
+from qie.models.flow import noisy_latents, shift_mu, velocity_loss
 from qie.types import Batch
 
 _pack = QwenImage21Pipeline._pack_latents
@@ -125,8 +125,7 @@ def flow_matching_loss(
     if batch.prompt_image_mask is None:
         raise ValueError("a Qwen-Image-2.1 batch needs the prompt's image-pad mask (prompt_image_mask)")
     x0 = batch.latents
-    s = sigmas.to(x0.device, x0.dtype).view(-1, 1, 1, 1, 1)
-    noisy, target_shape = packed((1.0 - s) * x0 + s * noise)
+    noisy, target_shape = packed(noisy_latents(x0, noise, sigmas))
     references = [packed(c) for c in batch.control_latents]
     pred = transformer(
         hidden_states=torch.cat([tokens for tokens, _ in references] + [noisy], dim=1),
@@ -138,9 +137,8 @@ def flow_matching_loss(
         return_dict=False,
     )[0][:, -noisy.shape[1] :]
     target, _ = packed(noise - x0)
-    weights = compute_loss_weighting_for_sd3(weighting, sigmas).to(pred.device).view(-1, 1, 1)
-    per_sample = (weights * (pred.float() - target.float()) ** 2).reshape(x0.shape[0], -1).mean(dim=1)
-    return per_sample.mean()
+    mask = None if batch.loss_mask is None else packed(batch.loss_mask.expand_as(x0))[0]
+    return velocity_loss(pred, target, sigmas, weighting, mask)
 
 
 def _prompt_inputs(pipe, embed, image_mask, copies: int, device) -> tuple:
@@ -231,14 +229,7 @@ def sample_latents(
         sigmas = pipe.config.sample_sigmas
         if sigmas is None:
             sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-    c = scheduler.config
-    mu = calculate_shift(
-        latents.shape[1],
-        c.get("base_image_seq_len", 256),
-        c.get("max_image_seq_len", 4096),
-        c.get("base_shift", 0.5),
-        c.get("max_shift", 1.15),
-    )
+    mu = shift_mu(latents.shape[1], scheduler.config)
     timesteps, _ = retrieve_timesteps(scheduler, None, device, sigmas=sigmas, mu=mu)
     image_mask = with_target_slots(image_mask, latents.shape[1])
     if do_cfg:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from diffusers import QwenImageEditPipeline
 
-from qie.training.timesteps import loss_weights
+from qie.models.flow import noisy_latents, velocity_loss
 from qie.types import Batch
 
 pack_latents = QwenImageEditPipeline._pack_latents
@@ -41,8 +41,7 @@ def flow_matching_loss(
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
     """
     x0 = batch.latents
-    s = sigmas.to(x0.device, x0.dtype).view(-1, 1, 1, 1, 1)
-    noisy, target_shape = packed((1.0 - s) * x0 + s * noise)
+    noisy, target_shape = packed(noisy_latents(x0, noise, sigmas))
     controls = [packed(c) for c in batch.control_latents]
     hidden = torch.cat([noisy] + [tokens for tokens, _ in controls], dim=1)
     img_shapes = [[target_shape] + [shape for _, shape in controls]] * x0.shape[0]
@@ -55,6 +54,5 @@ def flow_matching_loss(
         return_dict=False,
     )[0][:, : noisy.shape[1]]
     target, _ = packed(noise - x0)
-    weights = loss_weights(weighting, sigmas).to(pred.device).view(-1, 1, 1)
-    per_sample = (weights * (pred.float() - target.float()) ** 2).reshape(x0.shape[0], -1).mean(dim=1)
-    return per_sample.mean()
+    mask = None if batch.loss_mask is None else packed(batch.loss_mask.expand_as(x0))[0]
+    return velocity_loss(pred, target, sigmas, weighting, mask)

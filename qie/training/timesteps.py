@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+from diffusers.training_utils import compute_density_for_timestep_sampling
+
+from qie.models.flow import loss_weights, shift_mu
 
 
 def sample_sigmas(
@@ -46,14 +47,7 @@ def sample_sigmas(
     if method == "shift":
         s = torch.tensor(shift, dtype=u.dtype)
         if dynamic_shift:
-            c = scheduler_config or {}
-            mu = calculate_shift(
-                image_seq_len,
-                c.get("base_image_seq_len", 256),
-                c.get("max_image_seq_len", 4096),
-                c.get("base_shift", 0.5),
-                c.get("max_shift", 1.15),
-            )
+            mu = shift_mu(image_seq_len, scheduler_config or {})
             s = torch.tensor(mu, dtype=u.dtype).exp()
         u = s * u / (1 + (s - 1) * u)
     # σ=0 would be a clean input with no noise to predict; keep away from both ends.
@@ -89,6 +83,4 @@ class SigmaSampling:
         )
 
 
-def loss_weights(method: str, sigmas: torch.Tensor) -> torch.Tensor:
-    """Per-sample loss weights: "none", "sigma_sqrt" or "cosmap" (SD3)."""
-    return compute_loss_weighting_for_sd3(method, sigmas)
+__all__ = ["SigmaSampling", "loss_weights", "sample_sigmas"]
