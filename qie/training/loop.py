@@ -20,7 +20,6 @@ from qie.errors import QieError
 from qie.progress import progress
 from qie.training.guards import NonFiniteLoss, all_ids, nonfinite_message, save_before_stopping, window_is_finite
 from qie.training.logging import MetricsLogger
-from qie.training.step import flow_matching_loss
 from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
 
@@ -29,16 +28,16 @@ from qie.types import Batch
 class LoopSettings:
     max_steps: int
     seed: int
+    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
+    # transformer token covers (`ModelFamily.patch_size`: the target's token count decides dynamic shifting).
+    loss: Callable[..., torch.Tensor]
+    patch_size: int
     max_grad_norm: float = 1.0
     checkpoint_every: int = 0
     log_every: int = 1
     sigmas: SigmaSampling = field(default_factory=SigmaSampling)
     loss_weighting: str = "none"
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" (save the last good state) or "skip"
-    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
-    # transformer token covers (`Family.patch_size`: the target's token count decides dynamic shifting).
-    loss: Callable[..., torch.Tensor] = flow_matching_loss
-    patch_size: int = 2
 
 
 @dataclass
