@@ -1,6 +1,6 @@
 """The plan stage: which memory levers let LoRA training fit a GPU of `gpu_memory_gb`, and what each part needs.
 
-    python -m qie.plan model=qwen_image_edit data.target_pixels=1048576 gpu_memory_gb=24
+    python -m qie.plan model=NAME data.target_pixels=1048576 gpu_memory_gb=24
 
 Weights are counted from the model's transformer config (its folder or hub config; the family's published
 sizes when neither can be read), the step's memory is simulated on fake tensors (`qie.memory_plan`), with the
