@@ -85,7 +85,7 @@ class ManifestOutput:
         return bool(sample.prompt)
 
     def done(self) -> set[str]:
-        return {i for i, row in self.rows.items() if row.get("prompt") and row.get("caption")}
+        return {i for i, row in self.rows.items() if row.get("prompt") and "caption" in row}
 
     def where(self, sample: Sample) -> str:
         return f"{self.path} (id {sample.id})"
