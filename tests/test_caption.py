@@ -230,15 +230,39 @@ def test_caption_then_precompute_then_train(family, tmp_path) -> None:
     assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
 
 
+def test_quantized_text_encoder_captions_and_the_sidecar_says_so(tmp_path) -> None:
+    data = folder(tmp_path / "data", 1, 1)
+    cfg = config("edit", data, "model.text_encoder_quantize=int8", "cache.text_encoder_device=cpu")
+    assert caption_stage.run(cfg, tmp_path / "run").captioned == 1
+    info = json.loads((data / "training_images" / "s0.caption.json").read_text(encoding="utf-8"))
+    assert info["caption"] and info["model"]["text_encoder_quantize"] == "int8"
+
+
+def test_bad_settings_are_one_clear_error(tmp_path) -> None:
+    from qie.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data.path is not set"):
+        caption_stage.run(small_config("caption"), tmp_path)
+    with pytest.raises(ConfigError, match="caption.batch_size=0 is out of range"):
+        caption_stage.run(config("edit", tmp_path, "caption.batch_size=0"), tmp_path)
+
+
 @pytest.mark.subprocess
-def test_cli_captions_a_manifest(tmp_path) -> None:
+def test_two_processes_write_the_captions_of_one(tmp_path) -> None:
+    """`torchrun -m qie.caption` in two CPU processes: each captions its share into its part file, the main one
+    merges them into the manifest one process would write."""
     path = manifest(tmp_path)
+    single = caption_stage.run(config("edit", path, f"caption.output={tmp_path / 'one.jsonl'}"), tmp_path / "one_run")
+    assert single.captioned == 2
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    args = ["model=tiny", f"data.path={path}", *SHORT, f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["model=tiny", f"data.path={path}", "caption.max_new_tokens=4", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run([sys.executable, "-m", "qie.caption", *args], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = subprocess.run([*launcher, "qie.caption", *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "caption: 2 captioned, 1 kept" in done.stdout
-    assert len((tmp_path / "data.captioned.jsonl").read_text(encoding="utf-8").splitlines()) == 3
-    assert (tmp_path / "run" / "caption_summary.json").is_file() and (tmp_path / "run" / "failures.jsonl").is_file()
-    bad = subprocess.run([sys.executable, "-m", "qie.caption", "model=tiny"], env=env, capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("qie: error: data.path is not set")
+    summary = json.loads((tmp_path / "run" / "caption_summary.json").read_text(encoding="utf-8"))
+    assert sorted((p["process"], p["captioned"]) for p in summary["processes"]) == [(0, 1), (1, 1)]
+    assert (tmp_path / "run" / "failures.jsonl").read_text() == "" and not list(tmp_path.glob("*.part-*"))
+    rows = [json.loads(line) for line in (tmp_path / "data.captioned.jsonl").read_text(encoding="utf-8").splitlines()]
+    want = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in want]
