@@ -266,3 +266,22 @@ def test_two_processes_write_the_captions_of_one(tmp_path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "data.captioned.jsonl").read_text(encoding="utf-8").splitlines()]
     want = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in want]
+
+
+def test_a_hugging_face_data_set_without_a_prompt_column_gets_a_manifest(tmp_path, monkeypatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    images = [write_noise_image(tmp_path / "src" / f"{n}.png", i).read_bytes() for i, n in enumerate("tc")]
+    features = datasets.Features({"target": datasets.Image(), "controls": datasets.List(datasets.Image())})
+    rows = {"target": [images[0]], "controls": [[images[1]]]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+    cache = tmp_path / "cache"
+    summary = caption_stage.run(config("edit", tmp_path / "ds", f"cache.dir={cache}"), tmp_path / "run")
+    assert summary.captioned == 1
+    out = tmp_path / "ds.captioned.jsonl"
+    (row,) = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    # The images qie extracted from the data set (under cache.dir/images), relative to the manifest's folder.
+    target = out.parent / row["target"]
+    assert target.read_bytes() == images[0] and target.is_relative_to(cache / "images")
+    (sample,) = scan_dataset(out).samples
+    assert sample.prompt == row["prompt"] and sample.controls[0].read_bytes() == images[1]

@@ -36,8 +36,8 @@ class CaptionConfig:
     start: int = 0
     end: int | None = None
     on_error: OnError = OnError.skip
-    # Manifest / Hugging Face input: the manifest written (null: beside a manifest as <name>.captioned.jsonl,
-    # in the run directory as captions.jsonl for a Hugging Face data set).
+    # Manifest / Hugging Face input: the manifest written (null: <name>.captioned.jsonl beside the input,
+    # captions.jsonl beside a glob of parquet files).
     output: str | None = None
 
 

@@ -109,7 +109,9 @@ def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
     items = common.sample_range(
         cfg, settings.start, settings.end, settings.raise_errors, "caption.on_error", everything
     )
-    output = make_output(cfg, settings, state.process_index, run_dir)
+    output = make_output(cfg, settings, state.process_index)
+    if not settings.dry_run:
+        check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
     main = state.is_main_process
     summary = CaptionSummary()
     todo = pick(items, output, settings, summary, report=main)
@@ -124,17 +126,17 @@ def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
     return finish(state, summary, output, everything.samples, settings, Path(run_dir))
 
 
-def make_output(cfg: DictConfig, settings: Settings, process: int, run_dir: Path) -> FolderOutput | ManifestOutput:
-    """Where captions go: the data set folder, or a manifest (`caption.output`, else beside the input
-    manifest as <name>.captioned.jsonl, else the run directory's captions.jsonl); checked writable unless a
-    dry run."""
+def make_output(cfg: DictConfig, settings: Settings, process: int) -> FolderOutput | ManifestOutput:
+    """Where captions go: the data set folder, or a manifest (`caption.output`, else `<name>.captioned.jsonl`
+    beside the input manifest or Hugging Face data set, `captions.jsonl` beside a glob of parquet files); checked
+    writable unless a dry run."""
     path = Path(str(cfg.data.path)).expanduser()
     kind = detect_format(path) if str(value(cfg.data.format)) == "auto" else str(value(cfg.data.format))
     if kind == "folder":
         out: FolderOutput | ManifestOutput = FolderOutput(path)
         folder = path / "training_images"
     else:
-        default = path.with_name(f"{path.stem}.captioned.jsonl") if kind == "manifest" else run_dir / "captions.jsonl"
+        default = path.with_name(f"{path.stem}.captioned.jsonl") if path.exists() else path.parent / "captions.jsonl"
         target = Path(settings.output).expanduser() if settings.output else default
         out = ManifestOutput(target, process)
         folder = target.parent
@@ -250,7 +252,7 @@ def finish(state, summary: CaptionSummary, output, samples: list[Sample], settin
     if not state.is_main_process:
         return summary
     if settings.dry_run:
-        print(format_summary(summary, None, "dry run: nothing written"))
+        print(format_summary(summary, None, "dry run: nothing written", "previewed"))
         return summary
     where = output.finish(samples)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -260,8 +262,9 @@ def finish(state, summary: CaptionSummary, output, samples: list[Sample], settin
     return summary
 
 
-def format_summary(summary: CaptionSummary, run_dir: Path | None, where: str) -> str:
-    lines = [f"caption: {summary.captioned} captioned, {summary.skipped_existing} kept (had a caption; "
+def format_summary(summary: CaptionSummary, run_dir: Path | None, where: str, done: str = "captioned") -> str:
+    """The end-of-run report: counts, a dry run's captions, the first failures, where the output is."""
+    lines = [f"caption: {summary.captioned} {done}, {summary.skipped_existing} kept (had a caption; "
              f"caption.overwrite=true replaces them), {summary.skipped_done} done earlier, "
              f"{len(summary.failures)} failed"]  # fmt: skip
     lines += [f"  {sid}: {text}" for sid, text in summary.preview]
