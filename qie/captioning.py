@@ -163,6 +163,12 @@ class Captioner:
         self.chat_template = self.chat_template or QWEN_VL_CHAT_TEMPLATE
         tokenizer.padding_side = "left"  # generation continues every row from its last token
 
+    def checkpoint_generation(self) -> dict[str, Any]:
+        """The checkpoint's own generation settings (its generation_config.json, e.g. a repetition penalty), which
+        `generate` applies where `settings` leave them: recorded with each caption so it can be redone."""
+        config = self.text_encoder.generation_config.to_diff_dict()
+        return {k: v for k, v in config.items() if k != "transformers_version"}
+
     def shown(self, controls: Sequence[Any], target: Any) -> list[Any]:
         """The images the VL model sees, in order: the controls (if the prompt shows them), then the target."""
         return [*controls, target] if self.prompt.show_controls and self.raw is None else [target]

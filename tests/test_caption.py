@@ -154,6 +154,7 @@ def test_folder_resume_never_overwrites_without_the_flag(tmp_path, monkeypatch) 
     assert sorted(captions) == ["s0", "s1", "s2"] and all(captions.values())
     info = json.loads((images / "s0.caption.json").read_text(encoding="utf-8"))
     assert info["caption"] == captions["s0"].strip() and info["generation"]["do_sample"] is False
+    assert info["checkpoint_generation"]["eos_token_id"] == 2  # the tiny checkpoint's generation_config.json
     assert info["images"] == [str(data / "control_images" / "s0.png"), str(images / "s0.png")]
     assert "Picture 2: <|vision_start|>" in info["prompt"] and info["model"]["name"] == "tiny"
     (images / "s1.txt").write_text("My own caption.", encoding="utf-8")

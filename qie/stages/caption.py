@@ -206,6 +206,7 @@ def caption_all(captioner: Captioner, samples: list[Sample], spec: ModelSpec, cf
                 settings: Settings, output, summary: CaptionSummary, info: dict) -> None:  # fmt: skip
     """Caption `samples` in batches; write each caption (or keep it for the dry run's preview)."""
     vl_pixels = int(cfg.model.vl_image_pixels)
+    info = {**info, "checkpoint_generation": captioner.checkpoint_generation()}
     with progress(len(samples), "caption", unit="sample") as bar:
         for start in range(0, len(samples), settings.batch_size):
             batch, images = [], []
