@@ -175,6 +175,7 @@ def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) 
     target_names, control_names = _listing(targets_dir), _listing(controls_dir)
     target_set, control_set = set(target_names), set(control_names)
     targets_str, controls_str = str(targets_dir), str(controls_dir)
+    captions = set() if require_prompt else target_set | control_set  # a sample without one has the prompt ""
     targets = _images_by_stem(targets_dir, target_names)
     controls: dict[str, list[tuple[int, Path]]] = {}
     for stem, p in _images_by_stem(controls_dir, control_names).items():
@@ -198,7 +199,7 @@ def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) 
             data.problems.append(DataProblem(stem, str(controls_dir / f"{stem}.<ext>"), "control image is missing"))
             continue
         try:
-            prompt = read_caption(caption_path) if require_prompt or caption in target_set | control_set else ""
+            prompt = read_caption(caption_path) if require_prompt or caption in captions else ""
         except DataError as e:
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue
