@@ -1,6 +1,6 @@
 """Weight memory of the real-size model parts, counted from their configs on the meta device.
 
-    python scripts/model_memory.py [--model qwen_image_edit|qwen_image_21] [--rank 16]
+    python scripts/model_memory.py [--model qwen_image_edit|qwen_image_21] [--rank 16] [--caption-tokens 5000]
 
 Counts parameters without allocating them, then multiplies by bytes per parameter for each precision.
 Activations come on top and depend on resolution, batch and gradient checkpointing.
@@ -31,8 +31,8 @@ def lora_targets(model: str) -> list[str]:
     return list(node.get("lora_target_modules") or ModelConfig().lora_target_modules)
 
 
-def build(model: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module | None]:
-    """(transformer, VAE, text encoder or None) of `model` at real size, on the meta device."""
+def build(model: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """(transformer, VAE, text encoder) of `model` at real size, on the meta device."""
     with torch.device("meta"):
         if model == "qwen_image_21":
             from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
@@ -44,18 +44,39 @@ def build(model: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module
                 Qwen3VLForConditionalGeneration(Qwen3VLConfig(**real_size.TEXT_ENCODER_21)),
             )
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        return QwenImageTransformer2DModel(**real_size.TRANSFORMER), AutoencoderKLQwenImage(**real_size.VAE), None
+        return (
+            QwenImageTransformer2DModel(**real_size.TRANSFORMER),
+            AutoencoderKLQwenImage(**real_size.VAE),
+            Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**real_size.TEXT_ENCODER)),
+        )
 
 
 def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def linear_weights(module: torch.nn.Module) -> int:
+    """Parameters in the weights of linear layers: what `model.text_encoder_quantize` stores in 8 bits."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def kv_cache_bytes(text_encoder: torch.nn.Module, tokens: int) -> int:
+    """Bytes of the bf16 key/value cache generation keeps for `tokens` tokens (prompt, images and answer)."""
+    c = text_encoder.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="qwen_image_edit")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--caption-tokens", type=int, default=5000,
+        help="tokens per generate call for the caption row (images + prompt + answer, times caption.batch_size)",
+    )  # fmt: skip
     args = parser.parse_args()
     transformer, vae, text_encoder = build(args.model)
     total = count(transformer)
@@ -82,12 +103,16 @@ def main() -> None:
         ("VAE encoder / decoder parameters", f"{enc / 1e6:.0f} M / {dec / 1e6:.0f} M"),
         ("VAE encoder / decoder weights, bf16", f"{enc * 2 / GIB:.2f} GiB / {dec * 2 / GIB:.2f} GiB"),
     ]
-    if text_encoder is not None:
-        te, head = count(text_encoder), count(text_encoder.lm_head)
-        rows += [
-            ("text encoder parameters (of which lm_head)", f"{te / 1e9:.2f} B ({head / 1e9:.2f} B)"),
-            ("text encoder weights, bf16", f"{te * 2 / GIB:.1f} GiB"),
-        ]
+    te, head, linear = count(text_encoder), count(text_encoder.lm_head), linear_weights(text_encoder)
+    kv = kv_cache_bytes(text_encoder, args.caption_tokens)
+    rows += [
+        ("text encoder parameters (of which lm_head)", f"{te / 1e9:.2f} B ({head / 1e9:.2f} B)"),
+        ("text encoder weights, bf16", f"{te * 2 / GIB:.1f} GiB"),
+        ("text encoder weights, fp8/int8 (linear layers quantized)", f"{((te - linear) * 2 + linear) / GIB:.1f} GiB"),
+        (f"caption: KV cache of {args.caption_tokens} tokens, bf16", f"{kv / GIB:.2f} GiB"),
+        ("caption: weights + KV cache, bf16 / int8", f"{(te * 2 + kv) / GIB:.1f} GiB / "
+                                                    f"{((te - linear) * 2 + linear + kv) / GIB:.1f} GiB"),
+    ]  # fmt: skip
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

@@ -30,6 +30,7 @@ ROOT_SECTIONS = {
     "demo": ("model", "data", "train", "logging", "predict"),
     "infer": ("model", "data", "predict"),
     "cache": (),
+    "caption": ("model", "data"),
 }
 
 

@@ -112,11 +112,11 @@ def test_claims_held_by_another_run_are_waited_for_not_encoded(tiny_path: Path, 
 
     backend.claim = claim
     summary = precompute_work.PrecomputeSummary()
-    from qie.stages.common import file_hasher, model_key_context
+    from qie.stages.common import file_hasher, model_key_context, read_data
 
     spec = precompute.model_spec(cfg.model)
     keyed = [(s, precompute_work.keys_of(s, model_key_context(cfg), file_hasher(cfg), spec))
-             for s in precompute.read_data(cfg).samples]  # fmt: skip
+             for s in read_data(cfg).samples]  # fmt: skip
     groups = precompute_work.plan(keyed, backend, summary)
     precompute_work.encode_groups(lambda: precompute.build_encoder(cfg), groups, backend,
                                   precompute.image_sizes(cfg), summary, 1, False, lambda n: None)  # fmt: skip

@@ -16,13 +16,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from qie.config.cache import CACHE_TYPES, CacheAction, CacheConfig, PrecomputeConfig, VerifyConfig
+from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache", "demo", "plan")
+STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption")
 
 
 def qie_home() -> Path:
@@ -103,6 +104,7 @@ def register() -> None:
     cs.store(name="cache_schema", node=CacheAdminRoot)
     cs.store(name="demo_schema", node=DemoRoot)
     cs.store(name="plan_schema", node=PlanRoot)
+    cs.store(name="caption_schema", node=CaptionRoot)
 
 
 def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
@@ -146,6 +148,7 @@ ROOTS = {
     "cache": CacheAdminRoot,
     "demo": DemoRoot,
     "plan": PlanRoot,
+    "caption": CaptionRoot,
 }
 
 

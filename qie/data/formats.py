@@ -82,7 +82,7 @@ def detect_format(path: str | Path) -> str:
     )
 
 
-def read_dataset(source: DataSource, require_target: bool = True) -> Dataset:
+def read_dataset(source: DataSource, require_target: bool = True, require_prompt: bool = True) -> Dataset:
     """The samples (and problems) of any kind of data set; see `scan_dataset` and `qie.data.hf.scan_hf`.
 
     Raises:
@@ -90,9 +90,9 @@ def read_dataset(source: DataSource, require_target: bool = True) -> Dataset:
     """
     format = detect_format(source.path) if source.format == "auto" else source.format
     if format != "hf":
-        return scan_dataset(source.path, format, require_target, source.allow_outside)
+        return scan_dataset(source.path, format, require_target, source.allow_outside, require_prompt)
     from qie.data.hf import scan_hf
 
     if source.images_dir is None:
         raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
-    return scan_hf(source.path, source.split, source.columns, source.images_dir, require_target)
+    return scan_hf(source.path, source.split, source.columns, source.images_dir, require_target, require_prompt)

@@ -66,8 +66,11 @@ def load_hf(path: str, split: str) -> Any:
     return data
 
 
-def scan_hf(path: str, split: str, columns: Columns, images_dir: Path, require_target: bool = True) -> Dataset:
+def scan_hf(
+    path: str, split: str, columns: Columns, images_dir: Path, require_target: bool = True, require_prompt: bool = True
+) -> Dataset:
     """The samples of a Hugging Face data set, in a stable order (by id); rows that cannot be used are problems.
+    Without `require_prompt`, a row with no prompt (or no prompt column) has the prompt "".
 
     Raises:
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
@@ -75,7 +78,8 @@ def scan_hf(path: str, split: str, columns: Columns, images_dir: Path, require_t
     data = load_hf(path, split)
     names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id) if c]
     missing = [c for c in names if c not in data.column_names]
-    if missing and not (missing == [columns.target] and not require_target):
+    optional = ([] if require_target else [columns.target]) + ([] if require_prompt else [columns.prompt])
+    if any(c not in optional for c in missing):
         raise DataError(
             f"{path!r} has no column {missing[0]!r} (columns: {', '.join(data.column_names)}): set "
             "data.columns.target, data.columns.controls (a list) and data.columns.prompt to its columns"
@@ -97,6 +101,8 @@ def scan_hf(path: str, split: str, columns: Columns, images_dir: Path, require_t
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", str(e)))
             continue
         prompt = row.get(columns.prompt)
+        if prompt is None and not require_prompt:
+            prompt = ""
         why = (
             "has no control image" if not controls
             else "has no target image" if require_target and target_path is None

@@ -78,8 +78,11 @@ def _outside(folder: Path, name: str) -> bool:
     return os.path.normpath(name).split(os.sep)[0] == ".."
 
 
-def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False) -> Dataset:
-    """The samples and problems of a .jsonl or .csv manifest (paths relative to its folder)."""
+def scan_manifest(
+    path: Path, require_target: bool, allow_outside: bool = False, require_prompt: bool = True
+) -> Dataset:
+    """The samples and problems of a .jsonl or .csv manifest (paths relative to its folder); without
+    `require_prompt`, a row with no prompt has the prompt ""."""
     data = Dataset()
     seen: set[str] = set()
     for n, row in _manifest_rows(path):
@@ -90,7 +93,7 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
             data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
             continue
         controls, target, prompt = fields
-        missing = [] if prompt is not None else ["prompt"]
+        missing = [] if prompt is not None or not require_prompt else ["prompt"]
         if require_target and not target:
             missing.append("target")
         if missing:
@@ -124,7 +127,7 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
                 sample_id,
                 path.parent / target if target else None,
                 tuple(path.parent / c for c in controls),
-                prompt.strip(),
+                (prompt or "").strip(),
             )
         )
     return data

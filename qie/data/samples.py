@@ -49,7 +49,11 @@ class Dataset:
 
 
 def scan_dataset(
-    path: str | Path, format: str = "auto", require_target: bool = True, allow_outside: bool = False
+    path: str | Path,
+    format: str = "auto",
+    require_target: bool = True,
+    allow_outside: bool = False,
+    require_prompt: bool = True,
 ) -> Dataset:
     """Find the samples of a data set folder or manifest.
 
@@ -77,11 +81,11 @@ def scan_dataset(
     gc.disable()
     try:
         if format == "folder":
-            data = _scan_folder(root, require_target)
+            data = _scan_folder(root, require_target, require_prompt)
         else:
             from qie.data.manifest import scan_manifest
 
-            data = scan_manifest(root, require_target, allow_outside)
+            data = scan_manifest(root, require_target, allow_outside, require_prompt)
     finally:
         if gc_was_on:
             gc.enable()
@@ -159,7 +163,7 @@ def _child_path(folder: Path):
     return folder.joinpath
 
 
-def _scan_folder(root: Path, require_target: bool) -> Dataset:
+def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -> Dataset:
     targets_dir, controls_dir = root / "training_images", root / "control_images"
     if not targets_dir.is_dir() and not controls_dir.is_dir():
         raise DataError(
@@ -171,6 +175,7 @@ def _scan_folder(root: Path, require_target: bool) -> Dataset:
     target_names, control_names = _listing(targets_dir), _listing(controls_dir)
     target_set, control_set = set(target_names), set(control_names)
     targets_str, controls_str = str(targets_dir), str(controls_dir)
+    captions = set() if require_prompt else target_set | control_set  # a sample without one has the prompt ""
     targets = _images_by_stem(targets_dir, target_names)
     controls: dict[str, list[tuple[int, Path]]] = {}
     for stem, p in _images_by_stem(controls_dir, control_names).items():
@@ -194,7 +199,7 @@ def _scan_folder(root: Path, require_target: bool) -> Dataset:
             data.problems.append(DataProblem(stem, str(controls_dir / f"{stem}.<ext>"), "control image is missing"))
             continue
         try:
-            prompt = read_caption(caption_path)
+            prompt = read_caption(caption_path) if require_prompt or caption in captions else ""
         except DataError as e:
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,10 @@ from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
 from qie.data.formats import Columns, DataSource, read_dataset
 from qie.data.keys import KeyContext
-from qie.data.samples import Dataset
+from qie.data.samples import DataProblem, Dataset, Sample
 from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND, CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
+from qie.errors import DataError
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
 
@@ -58,9 +61,40 @@ def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
                       images / "images", bool(d.get("allow_outside_paths", False)))  # fmt: skip
 
 
-def read_data(cfg: DictConfig, require_target: bool = True, path: str | None = None) -> Dataset:
-    """The samples of `data.path` (or of `path`): a folder, a manifest or a Hugging Face data set."""
-    return read_dataset(data_source(cfg, path), require_target)
+def read_data(
+    cfg: DictConfig, require_target: bool = True, path: str | None = None, require_prompt: bool = True
+) -> Dataset:
+    """The samples of `data.path` (or of `path`): a folder, a manifest or a Hugging Face data set; without
+    `require_prompt`, samples without a caption have the prompt "" (the caption stage)."""
+    return read_dataset(data_source(cfg, path), require_target, require_prompt)
+
+
+def sample_range(
+    cfg: DictConfig, start: int, end: int | None, raise_errors: bool, on_error_key: str, data: Dataset | None = None
+) -> list[Sample | DataProblem]:
+    """The samples and scan problems of `start`..`end` of `data` (else of `read_data(cfg)`), in id order
+    (broken samples included, so fixing one shifts nothing).
+
+    Raises:
+        DataError: the first problem when `raise_errors` (naming `on_error_key`, the setting that goes on).
+    """
+    data = read_data(cfg) if data is None else data
+    items = sorted([*data.samples, *data.problems], key=lambda x: x.id)[start:end]
+    problems = [x for x in items if isinstance(x, DataProblem)]
+    if raise_errors and problems:
+        p = problems[0]
+        raise DataError(f"sample {p.id!r}: {p.path}: {p.reason} ({on_error_key}=skip goes on)")
+    return items
+
+
+def write_failures(run_dir: Path, problems: list[DataProblem]) -> Path:
+    """Write `failures.jsonl` (one DataProblem a line) in `run_dir`; returns its path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "failures.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for p in problems:
+            f.write(json.dumps(asdict(p)) + "\n")
+    return path
 
 
 def build_encoder(cfg: DictConfig, spec: ModelSpec | None = None) -> Encoder:

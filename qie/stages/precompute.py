@@ -14,7 +14,7 @@ order; problems found while scanning the data set are reported by every run.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from qie.data.samples import DataProblem, Sample
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages import common
-from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, read_data, value
+from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, value
 from qie.stages.precompute_work import (
     Keyed,
     PrecomputeSummary,
@@ -106,15 +106,8 @@ def read_settings(cfg: DictConfig) -> Settings:
 
 
 def dataset_range(cfg: DictConfig, settings: Settings) -> list[Sample | DataProblem]:
-    """The samples and scan problems of `precompute.start`..`end`, in id order (broken samples included,
-    so fixing one shifts nothing). DataError for the first problem with on_error=raise."""
-    data = read_data(cfg)
-    items = sorted([*data.samples, *data.problems], key=lambda x: x.id)[settings.start : settings.end]
-    problems = [x for x in items if isinstance(x, DataProblem)]
-    if settings.raise_errors and problems:
-        p = problems[0]
-        raise DataError(f"sample {p.id!r}: {p.path}: {p.reason} (precompute.on_error=skip goes on)")
-    return items
+    """The samples and scan problems of `precompute.start`..`end`, in id order (see `common.sample_range`)."""
+    return common.sample_range(cfg, settings.start, settings.end, settings.raise_errors, "precompute.on_error")
 
 
 def key_samples(items: list, ctx, hasher, settings: Settings, summary: PrecomputeSummary, report: bool) -> list[Keyed]:
@@ -166,9 +159,7 @@ def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path)
         update_failures(cache_dir, summary.failed_entries, summary.written)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "precompute_summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-        with open(run_dir / "failures.jsonl", "w", encoding="utf-8") as f:
-            for p in summary.failures:
-                f.write(json.dumps(asdict(p)) + "\n")
+        common.write_failures(run_dir, summary.failures)
         print(format_summary(summary, run_dir))
     return summary
 

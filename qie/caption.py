@@ -1,0 +1,16 @@
+"""python -m qie.caption model=... data.path=... [caption=edit_instruction|describe|layered]"""
+
+import hydra
+from omegaconf import DictConfig
+
+from qie.cli import run_stage
+from qie.stages import caption
+
+
+@hydra.main(config_path="conf", config_name="caption", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_stage(caption.run, cfg)
+
+
+if __name__ == "__main__":
+    main()

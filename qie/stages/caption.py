@@ -1,0 +1,277 @@
+"""The caption stage: write one caption per sample with the model's own VL text encoder.
+
+Edit data gets the instruction that turns the control images into the target, text-to-image data a
+description (`caption=describe`), and `caption=layered` the Layered pipeline's own caption prompt. The text
+encoder and processor are built as precompute builds them (`cache.text_encoder_device`,
+`model.text_encoder_quantize`), only when something is left to caption. Like precompute, the stage slices
+the data set (`caption.start`/`end`), splits it across the processes of `torchrun` / `accelerate launch`,
+skips what is done (resume) and what has a caption (unless `caption.overwrite`), records unreadable samples
+(summary, failures.jsonl) and goes on unless `caption.on_error=raise`. `caption.dry_run` prints the first
+captions and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from qie.captioning import Captioner, CaptionPrompt, GenerationSettings, caption_processor
+from qie.cli import check_writable
+from qie.components import load_parts, model_source, prepare_model
+from qie.data.formats import detect_format
+from qie.data.images import fit_area, open_image, resize
+from qie.data.samples import DataProblem, Sample
+from qie.errors import ConfigError, DataError
+from qie.models import ModelSpec
+from qie.progress import progress
+from qie.stages import common
+from qie.stages.caption_output import FolderOutput, ManifestOutput
+from qie.stages.common import value
+from qie.stages.precompute_work import share
+
+
+@dataclass
+class CaptionSummary:
+    samples: int = 0
+    captioned: int = 0
+    skipped_existing: int = 0  # had a caption (kept: caption.overwrite=false)
+    skipped_done: int = 0  # captioned by an earlier run (resume)
+    failures: list[DataProblem] = field(default_factory=list)
+    processes: list[dict] = field(default_factory=list)
+    # The first captions of a dry run: (sample id, caption).
+    preview: list[tuple[str, str]] = field(default_factory=list)
+
+    def merge(self, other: CaptionSummary) -> None:
+        for name in ("samples", "captioned", "skipped_existing", "skipped_done"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("failures", "processes", "preview"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The caption stage's own settings, read from the config once."""
+
+    prompt: CaptionPrompt
+    generation: GenerationSettings
+    batch_size: int
+    overwrite: bool
+    dry_run: int  # samples to preview; 0: not a dry run
+    raise_errors: bool
+    start: int
+    end: int | None
+    output: str | None
+
+
+def read_settings(cfg: DictConfig) -> Settings:
+    """The stage's settings, checked.
+
+    Raises:
+        ConfigError: no data.path, a batch size or token count below 1, a prompt with nothing to ask.
+    """
+    if not cfg.data.path:
+        raise ConfigError("data.path is not set: point it at the data set folder or manifest to caption")
+    c = cfg.caption
+    for key in ("batch_size", "max_new_tokens", "dry_run_samples"):
+        if int(c[key]) < 1:
+            raise ConfigError(f"caption.{key}={c[key]} is out of range: it must be at least 1")
+    if not c.instruction and not c.pipeline_prompt:
+        raise ConfigError("caption.instruction is empty: choose caption=edit_instruction|describe|layered or set it")
+    prompt = CaptionPrompt(str(c.name), c.instruction, c.no_controls, bool(c.show_controls), c.pipeline_prompt)
+    generation = GenerationSettings(int(c.max_new_tokens), bool(c.do_sample), float(c.temperature), float(c.top_p),
+                                    int(c.seed))  # fmt: skip
+    dry = int(c.dry_run_samples) if c.dry_run else 0
+    raise_errors = str(value(c.on_error)) == "raise"
+    return Settings(prompt, generation, int(c.batch_size), bool(c.overwrite), dry, raise_errors, int(c.start), c.end,
+                    c.output)  # fmt: skip
+
+
+def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
+    """Caption `cfg.data` with `cfg.model`'s text encoder; returns (and, unless a dry run, writes) the summary.
+
+    Raises:
+        ConfigError: bad settings. DataError: no usable sample; with on_error=raise, the first bad sample.
+        StorageError: an output or run folder that cannot be written (found before any model is built).
+    """
+    from accelerate import PartialState
+
+    settings = read_settings(cfg)
+    spec = prepare_model(cfg.model)
+    state = PartialState(cpu=not torch.cuda.is_available())  # see qie.stages.precompute.run
+    common.warn_single_process(state.num_processes, "qie.caption")
+    everything = common.read_data(cfg, require_prompt=False)
+    items = common.sample_range(
+        cfg, settings.start, settings.end, settings.raise_errors, "caption.on_error", everything
+    )
+    output = make_output(cfg, settings, state.process_index)
+    if not settings.dry_run:
+        check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
+    main = state.is_main_process
+    summary = CaptionSummary()
+    todo = pick(items, output, settings, summary, report=main)
+    mine = [s for s, _ in share([(s, {"id": s.id}) for s in todo], state.num_processes, state.process_index)]
+    if settings.dry_run:
+        mine = mine[: settings.dry_run] if main else []
+    summary.samples = len(mine)
+    if mine:
+        captioner = build_captioner(cfg, spec, settings)
+        caption_all(captioner, mine, spec, cfg, settings, output, summary, run_info(cfg, settings))
+    summary.processes = [{"process": state.process_index, "captioned": summary.captioned}]
+    return finish(state, summary, output, everything.samples, settings, Path(run_dir))
+
+
+def make_output(cfg: DictConfig, settings: Settings, process: int) -> FolderOutput | ManifestOutput:
+    """Where captions go: the data set folder, or a manifest (`caption.output`, else `<name>.captioned.jsonl`
+    beside the input manifest or Hugging Face data set, `captions.jsonl` beside a glob of parquet files); checked
+    writable unless a dry run."""
+    path = Path(str(cfg.data.path)).expanduser()
+    kind = detect_format(path) if str(value(cfg.data.format)) == "auto" else str(value(cfg.data.format))
+    if kind == "folder":
+        out: FolderOutput | ManifestOutput = FolderOutput(path)
+        folder = path / "training_images"
+    else:
+        default = path.with_name(f"{path.stem}.captioned.jsonl") if path.exists() else path.parent / "captions.jsonl"
+        target = Path(settings.output).expanduser() if settings.output else default
+        out = ManifestOutput(target, process)
+        folder = target.parent
+    if not settings.dry_run:
+        check_writable(folder, "the caption output folder")
+    return out
+
+
+def pick(items: list, output, settings: Settings, summary: CaptionSummary, report: bool) -> list[Sample]:
+    """The samples to caption: not captioned by an earlier run, and without a caption unless overwriting.
+    Scan problems are recorded (by the `report`ing process)."""
+    done = output.done()
+    todo = []
+    for item in items:
+        if isinstance(item, DataProblem):
+            if report:
+                summary.failures.append(item)
+        elif item.id in done and not settings.overwrite:
+            summary.skipped_done += report
+        elif output.has_caption(item) and not settings.overwrite:
+            summary.skipped_existing += report
+        else:
+            todo.append(item)
+    return todo
+
+
+def build_captioner(cfg: DictConfig, spec: ModelSpec, settings: Settings) -> Captioner:
+    """The text encoder and processor, built through the registry as precompute builds them."""
+    names = ["text_encoder", *spec.prompt_parts]
+    parts = load_parts(cfg.model, names, {"text_encoder": cfg.cache.text_encoder_device}, spec)
+    processor_class = spec.part_classes["processor"]
+    return Captioner(parts.text_encoder, caption_processor(parts, processor_class), settings.prompt,
+                     settings.generation)  # fmt: skip
+
+
+def run_info(cfg: DictConfig, settings: Settings) -> dict[str, Any]:
+    """What a caption's sidecar records besides the prompt text: enough to redo it."""
+    m = cfg.model
+    return {
+        "prompt_name": settings.prompt.name,
+        "generation": settings.generation.to_dict(),
+        "batch_size": 1 if settings.generation.do_sample else settings.batch_size,
+        "model": {"name": str(m.name), "source": model_source(m), "revision": m.revision, "dtype": str(value(m.dtype)),
+                  "text_encoder_quantize": str(value(m.text_encoder_quantize))},
+    }  # fmt: skip
+
+
+def shown_images(sample: Sample, captioner: Captioner, spec: ModelSpec, vl_pixels: int) -> list:
+    """The sample's images as the VL model sees them, resized to the model's VL area (alpha on white).
+
+    Raises:
+        DataError: an image that cannot be read, or a control count the model cannot take.
+    """
+    problem = spec.control_problem(len(sample.controls))
+    if problem:
+        raise DataError(f"sample {sample.id!r} has {problem}")
+    if sample.target is None:
+        raise DataError(f"sample {sample.id!r} has no target image: captions describe the target")
+    images = []
+    for path in captioner.shown(sample.controls, sample.target):
+        img = open_image(path)
+        images.append(resize(img, *fit_area(img.width, img.height, vl_pixels)))
+    return images
+
+
+def caption_all(captioner: Captioner, samples: list[Sample], spec: ModelSpec, cfg: DictConfig,
+                settings: Settings, output, summary: CaptionSummary, info: dict) -> None:  # fmt: skip
+    """Caption `samples` in batches; write each caption (or keep it for the dry run's preview)."""
+    vl_pixels = int(cfg.model.vl_image_pixels)
+    info = {**info, "checkpoint_generation": captioner.checkpoint_generation()}
+    with progress(len(samples), "caption", unit="sample") as bar:
+        for start in range(0, len(samples), settings.batch_size):
+            batch, images = [], []
+            for sample in samples[start : start + settings.batch_size]:
+                try:
+                    images.append(shown_images(sample, captioner, spec, vl_pixels))
+                    batch.append(sample)
+                except DataError as e:
+                    fail(summary, sample, e, settings)
+            captions = captioner.caption(images) if batch else []
+            for sample, imgs, text in zip(batch, images, captions):
+                if not text:
+                    fail(
+                        summary, sample, DataError(f"sample {sample.id!r}: the model wrote an empty caption"), settings
+                    )
+                elif settings.dry_run:
+                    summary.preview.append((sample.id, text))
+                    summary.captioned += 1
+                else:
+                    shown = [str(p) for p in captioner.shown(sample.controls, sample.target)]
+                    output.write(sample, text, {**info, "prompt": captioner.text(len(imgs) - 1), "images": shown})
+                    summary.captioned += 1
+            bar.update(len(batch))
+
+
+def fail(summary: CaptionSummary, sample: Sample, error: DataError, settings: Settings) -> None:
+    """Record a sample that could not be captioned; re-raise with on_error=raise."""
+    if settings.raise_errors:
+        raise error
+    path = getattr(error, "path", None) or sample.target or (sample.controls[0] if sample.controls else "")
+    summary.failures.append(DataProblem(sample.id, str(path), str(error)))
+
+
+def finish(state, summary: CaptionSummary, output, samples: list[Sample], settings: Settings, run_dir: Path):
+    """Gather the processes' summaries; the main process merges the output and writes the report."""
+    from accelerate.utils import gather_object
+
+    if state.num_processes > 1:
+        state.wait_for_everyone()
+        total = CaptionSummary()
+        for part in gather_object([summary]):
+            total.merge(part)
+        summary = total
+    if not state.is_main_process:
+        return summary
+    if settings.dry_run:
+        print(format_summary(summary, None, "dry run: nothing written", "previewed"))
+        return summary
+    where = output.finish(samples)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "caption_summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    common.write_failures(run_dir, summary.failures)
+    print(format_summary(summary, run_dir, where))
+    return summary
+
+
+def format_summary(summary: CaptionSummary, run_dir: Path | None, where: str, done: str = "captioned") -> str:
+    """The end-of-run report: counts, a dry run's captions, the first failures, where the output is."""
+    lines = [f"caption: {summary.captioned} {done}, {summary.skipped_existing} kept (had a caption; "
+             f"caption.overwrite=true replaces them), {summary.skipped_done} done earlier, "
+             f"{len(summary.failures)} failed"]  # fmt: skip
+    lines += [f"  {sid}: {text}" for sid, text in summary.preview]
+    lines += [f"  failed: {p.id}: {p.path}: {p.reason}" for p in summary.failures[:10]]
+    if len(summary.failures) > 10:
+        lines.append(f"  ... {len(summary.failures) - 10} more in failures.jsonl")
+    lines.append(f"  {where}")
+    if run_dir is not None:
+        lines.append(f"  summary: {run_dir / 'caption_summary.json'}, failures: {run_dir / 'failures.jsonl'}")
+    return "\n".join(lines)
