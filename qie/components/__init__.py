@@ -28,13 +28,19 @@ def prepare_model(model_cfg: Any) -> ModelSpec:
         ConfigError: the checkpoint is not the model `model_cfg` describes.
     """
     spec = model_spec(model_cfg)
+    check_checkpoint(spec, model_cfg, ensure_model(model_cfg))
+    return spec
+
+
+def ensure_model(model_cfg: Any) -> str:
+    """The model's source, after building qie's tiny model there when `model.tiny` names a preset and it is
+    not there yet (what loading parts needs; nothing is read or checked)."""
     source = model_source(model_cfg)
     if model_cfg.get("tiny"):
         from qie.components.tiny import ensure_tiny_model
 
         ensure_tiny_model(source, variant=str(model_cfg.tiny))
-    check_checkpoint(spec, model_cfg, source)
-    return spec
+    return source
 
 
 def model_source(model_cfg: Any) -> str:
@@ -60,7 +66,7 @@ def load_parts(
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
     own = model_cfg.get("transformer_path")
     folders = {"transformer": transformer_folder(own)} if own and "transformer" in names else {}
-    source = model_source(model_cfg)
+    source = ensure_model(model_cfg)
     parts = build_parts(
         source,
         names,
