@@ -258,3 +258,60 @@ def test_infer_cli_writes_an_rgba_png(tmp_path: Path) -> None:
     (path,) = infer_stage.run(cfg, tmp_path / "run")
     with Image.open(path) as out:
         assert out.mode == "RGBA" and out.size == (96, 32)  # calculate_dimensions(64², 2:1), from the last reference
+
+
+# ---------------------------------------------------------------- a folder qie did not build
+
+
+def test_a_qwen_image_21_folder_qie_did_not_build(data: dict, pipe: QwenImage21Pipeline, tmp_path: Path) -> None:
+    """A QwenImage21Pipeline of other sizes than qie's tiny preset (one wider block, another VAE, a one-layer
+    Qwen3-VL), built and saved by diffusers and transformers alone: the same stages, equal to the pipeline."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = pipe.processor.tokenizer
+    ids = tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    text = Qwen3VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 12, "pad_token_id":
+                     tokenizer.pad_token_id, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                     "mrope_section": [2, 2, 2], "mrope_interleaved": True}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 24,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2], vision_end_token_id=ids[3],
+    )  # fmt: skip
+    torch.manual_seed(21)
+    foreign = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config),
+        vae=AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=64, dim_mult=[1, 1, 2, 2, 2],
+                                     num_res_blocks=1, temperal_downsample=[False, True, True, True], in_channels=4,
+                                     out_channels=4),
+        text_encoder=Qwen3VLForConditionalGeneration(text).eval(),
+        processor=pipe.processor,
+        transformer=QwenImage21Transformer2DModel(patch_size=1, in_channels=64, out_channels=64, num_layers=1,
+                                                  attention_head_dim=16, num_attention_heads=3, context_in_dim=24,
+                                                  mlp_ratio=2, axes_dims_rope=(8, 4, 4), causal_condition=True),
+    )  # fmt: skip
+    folder = tmp_path / "foreign"
+    foreign.save_pretrained(folder)
+    model = ["model=qwen_image_21", f"model.pretrained_model_name_or_path={folder}", "model.dtype=float32",
+             f"model.vae_image_pixels={RES * RES}", f"model.vl_image_pixels={RES * RES}"]  # fmt: skip
+    image = write_rgba(tmp_path / "ref.png", 3, (64, 64))
+    cfg = compose("infer", [*model, "predict.negative_prompt=blurry", "predict.true_cfg_scale=3.0", "predict.seed=5"])
+    mine = build_predictor(cfg).predict([image], "A red cat.", sampling_options(cfg.predict), output_type="np")
+    reloaded = QwenImage21Pipeline.from_pretrained(
+        folder, processor=load_processor(folder, processor_class=Qwen3VLProcessorNoVideo)
+    )
+    reloaded.set_progress_bar_config(disable=True)
+    expected = reloaded("A red cat.", image=[Image.open(image)], negative_prompt="blurry", true_cfg_scale=3.0,
+                        output_resolution=RES, generator=torch.Generator().manual_seed(5), output_type="np").images
+    assert np.abs(mine - expected).max() <= 1e-5  # fmt: skip
+    base = [*model, "data=manifest", f"data.path={data['manifest']}", f"cache.dir={tmp_path / 'cache'}",
+            "data.num_workers=0"]  # fmt: skip
+    summary = precompute.run(compose("precompute", base[:-1]), tmp_path / "pre")
+    assert summary.types["prompt_embed"].new == 8
+    short = ["train.max_steps=2", "logging.report_to=none", "train.seed=3"]
+    cached = train_stage.run(compose("train", base + short), tmp_path / "cached")
+    live = train_stage.run(compose("train", base + short + ["cache=none"]), tmp_path / "live")
+    np.testing.assert_allclose(live["losses"], cached["losses"], rtol=0, atol=1e-6)
