@@ -63,8 +63,9 @@ def read_state(folder: Path) -> dict:
         if not isinstance(state, dict):
             raise ValueError("not a JSON object")
         for key in ("step", "batches_consumed", "num_processes"):
-            if key in state and (isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0):
-                raise ValueError(f"{key} is {state[key]!r}, not a whole number >= 0")
+            number = state.get(key, 1 if key == "num_processes" else None)
+            if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 2**53:
+                raise ValueError(f"{key} is {number!r}, not a whole number >= 0")
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ModelLoadError(
             f"checkpoint state {path} is damaged ({e.__class__.__name__}: {e}): resume from another checkpoint "
@@ -151,7 +152,7 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui:
             begin(folder)
         accelerator.wait_for_everyone()
         save_tree(rng_state(), tmp / STATE_DIR, f"rng_state_{accelerator.process_index}")  # every process its own
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise save_error(e, folder) from None
     sharded = is_sharded(accelerator)
