@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
+from qie.cli import check_writable
 from qie.components import load_parts, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.samples import DataProblem, Sample
@@ -60,6 +61,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
     writer = accelerator.is_main_process
     if writer:
+        check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
         return _train(cfg, run_dir, accelerator, on_step_end)
