@@ -19,9 +19,7 @@ import random
 from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 
-from PIL import Image
-
-from qie.data.images import fit_area
+from qie.data.images import fit_area, upright_size
 from qie.data.samples import Sample
 from qie.errors import DataError
 
@@ -210,8 +208,7 @@ class ImageSizeIndex:
         known = self.entries.get(key)
         if known is not None and known[:2] == [st.st_size, st.st_mtime_ns]:
             return known[2], known[3]
-        with Image.open(key) as im:
-            width, height = im.width, im.height
+        width, height = upright_size(key)  # as the encoder sees it: EXIF orientation applied
         self.entries[key] = [st.st_size, st.st_mtime_ns, width, height]
         self.dirty = True
         return width, height
