@@ -99,7 +99,6 @@ class MemoryBackend:
         """Counts the entries; an in-process copy cannot be corrupt."""
         return VerifyReport(checked=sum(len(self._entries.get(t, {})) for t in check_types(types)))
 
-
     def unused(
         self, keep: Mapping[str, set[str]], types: Iterable[str] | None = None, remove: bool = False
     ) -> dict[str, dict]:
