@@ -42,7 +42,9 @@ def state_is_finite(accelerator: Any, params: Sequence[torch.Tensor], optimizer:
     tensors = [p.detach() for p in params]
     for entry in getattr(optimizer, "state", {}).values():
         tensors += [v for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    ok = all(bool(torch.isfinite(_local(t)).all()) for t in tensors)
+    # Every check is queued before the first is read: one wait for the device, not one per tensor.
+    flags = [torch.isfinite(_local(t)).all() for t in tensors]
+    ok = all(bool(f) for f in flags)
     flag = torch.tensor([0.0 if ok else 1.0], device=accelerator.device)
     return accelerator.reduce(flag, "sum").item() == 0
 
