@@ -31,9 +31,10 @@ ImageInput = Image.Image | np.ndarray | str | Path
 
 def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
     """An EmbeddingCacheManager on `cfg.cache.dir` whose keys equal precompute's for `cfg.model`."""
+    from qie.components import prepare_model
     from qie.stages.common import model_key_context
 
-    return EmbeddingCacheManager(cfg.cache.dir, model_key_context(cfg))
+    return EmbeddingCacheManager(cfg.cache.dir, model_key_context(cfg, prepare_model(cfg.model)))
 
 
 class EditDataset:
@@ -44,10 +45,11 @@ class EditDataset:
     """
 
     def __init__(self, cfg: DictConfig) -> None:
+        from qie.components import prepare_model
         from qie.stages.common import build_source, read_data
 
         self.samples = read_data(cfg).samples
-        self.source = build_source(cfg)
+        self.source = build_source(cfg, spec=prepare_model(cfg.model))
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -89,6 +91,16 @@ class Trainer:
         self.lora_path: Path | None = None
         self._predictor = None
         self._encoder = None
+        self._spec = None
+
+    @property
+    def spec(self):
+        """The model's description (`qie.models.ModelSpec`), its checkpoint built (tiny models) and checked once."""
+        if self._spec is None:
+            from qie.components import prepare_model
+
+            self._spec = prepare_model(self.cfg.model)
+        return self._spec
 
     # Training ------------------------------------------------------------------------------------
     def cache_embeddings(self):
@@ -143,7 +155,7 @@ class Trainer:
 
             cfg = self.cfg.copy()
             OmegaConf.update(cfg, "predict.lora", str(self.lora_path) if self.lora_path else None, merge=False)
-            self._predictor = build_predictor(cfg)
+            self._predictor = build_predictor(cfg, self.spec)
             self._encoder = self._predictor.encoder
         return self._predictor
 
@@ -164,12 +176,10 @@ class Trainer:
 
         Returns one PIL image, or a list when several input images were given.
         """
-        from qie.models import model_spec
         from qie.stages.common import sampling_options
         from qie.stages.infer import open_images
 
-        alpha = model_spec(self.cfg.model).alpha
-        images = open_images(list(image) if isinstance(image, (list, tuple)) else image, alpha)
+        images = open_images(list(image) if isinstance(image, (list, tuple)) else image, self.spec.alpha)
         out = self.setup_predict().predict(images, prompt, sampling_options(self.cfg.predict, **options))
         return out if len(images) > 1 else out[0]
 
@@ -178,32 +188,27 @@ class Trainer:
         if self._encoder is None:
             from qie.stages.common import build_encoder
 
-            self._encoder = build_encoder(self.cfg)
+            self._encoder = build_encoder(self.cfg, self.spec)
         return self._encoder
 
     def encode_image(self, image: ImageInput) -> torch.Tensor:
         """Normalised VAE latent (1, C, 1, h, w) of an image at the model's condition size."""
         from qie.data.images import as_image, condition_images
-        from qie.models import model_spec
 
-        pil = as_image(image, model_spec(self.cfg.model).alpha)
+        pil = as_image(image, self.spec.alpha)
         pixels, _ = condition_images(pil, int(self.cfg.model.vae_image_pixels), int(self.cfg.model.vl_image_pixels))
         return self._encoder_only().encode_latents([pixels])[0].unsqueeze(0)
 
     def encode_prompt(self, prompt: str, images: Sequence[ImageInput]) -> torch.Tensor:
         """Prompt embedding (tokens, dim) of `prompt` seen with `images`, unpadded."""
         from qie.data.images import as_image, condition_images
-        from qie.models import model_spec
 
-        alpha = model_spec(self.cfg.model).alpha
-        pil = [as_image(im, alpha) for im in images]
+        pil = [as_image(im, self.spec.alpha) for im in images]
         m = self.cfg.model
         vl = [condition_images(im, int(m.vae_image_pixels), int(m.vl_image_pixels))[1] for im in pil]
         return self._encoder_only().encode_prompts([prompt], [vl])[0]
 
     def decode_latents(self, latents: torch.Tensor) -> list[Image.Image]:
         """PIL images of normalised latents (B, C, 1, h, w)."""
-        from qie.models import model_spec
-
         parts = self._predictor.parts if self._predictor is not None else self._encoder_only().parts
-        return model_spec(self.cfg.model).decoder(parts.vae, latents)
+        return self.spec.decoder(parts.vae, latents)

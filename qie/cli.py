@@ -4,8 +4,6 @@ end-of-sweep summary."""
 from __future__ import annotations
 
 import errno
-import os
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from qie.config import register, validate
-from qie.errors import QieError, StorageError
+from qie.errors import QieError, StorageError, check_writable, describe_os_error
 
 # The stage schemas must be known to Hydra before an entry point's @hydra.main composes its config.
 register()
@@ -66,31 +64,6 @@ def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
         (folder / ERROR_FILE).write_text(f"{message}\n", encoding="utf-8")
         print(f"qie: error in job {folder}: {message}\nqie: the sweep goes on with the next job", file=sys.stderr)
         return None
-
-
-def describe_os_error(e: OSError) -> str:
-    """One line for an OSError of the disk: what happened, the path, and what to do."""
-    where = f" ({e.filename})" if e.filename else ""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{e.strerror}{where}: free space on that disk or point the output elsewhere; what was saved is kept"
-    return f"{e.strerror}{where}: fix the permissions of that path or point the setting at a writable folder"
-
-
-def check_writable(folder: Path, what: str) -> None:
-    """Create `folder` if needed and write a probe file in it.
-
-    Raises:
-        StorageError: naming `what` and the folder, when it is a file or cannot be created or written.
-    """
-    probe = folder / f".qie-write-check.{os.getpid()}.{secrets.token_hex(4)}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        if isinstance(e, FileExistsError) or e.errno == errno.ENOTDIR:
-            raise StorageError(f"{what} {str(folder)!r} is a file (or lies under one): choose a folder") from None
-        raise StorageError(f"{what} {str(folder)!r} is not writable ({e.strerror}): {describe_os_error(e)}") from None
 
 
 class SweepSummary(Callback):

@@ -1,10 +1,9 @@
-"""Encoder: images and prompts to the tensors the transformer consumes, through diffusers' own code.
+"""Encoder: images and prompts to the tensors the transformer consumes, through the model family's pieces.
 
-The Encoder holds the model's diffusers pipeline object (Edit, Edit-Plus or text-to-image) over whichever
-parts were built, and calls its `_get_qwen_prompt_embeds` and `_encode_vae_image`, so cached values are the
-values the pipeline computes (images are VAE-encoded as the Edit pipelines do: the text-to-image pipeline
-encodes none, and every Qwen-Image model shares the VAE). Latents come out normalised with the VAE's
-latents_mean / latents_std; prompt embeddings come out unpadded, one (tokens, dim) tensor per prompt.
+The Encoder holds the model's diffusers pipeline object over whichever parts were built and hands it to the
+family's `encode_prompts` and `encode_latents` (`qie.models.family`), so cached values are the values the
+pipeline computes. Latents come out normalised with the VAE's latents_mean / latents_std; prompt embeddings
+come out unpadded, one (tokens, dim) tensor per prompt.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from diffusers import QwenImageEditPipeline
 from PIL import Image
 
 from qie.components import Parts
@@ -27,7 +25,7 @@ EMPTY_PROMPT = ""
 
 @dataclass(frozen=True)
 class ImageSizes:
-    """The areas images are resized to: target, and control images for the VAE and for Qwen2.5-VL."""
+    """The areas images are resized to: target, and control images for the VAE and for the VL encoder."""
 
     target_pixels: int
     vae_image_pixels: int
@@ -82,16 +80,11 @@ class Encoder:
         self.parts = parts
         self.spec = spec
         self.pipeline = spec.pipeline(parts)
-        self.vae_pipeline = QwenImageEditPipeline(
-            scheduler=None, vae=parts.vae, text_encoder=None, tokenizer=None, processor=None, transformer=None
-        )
 
     @torch.no_grad()
     def encode_latents(self, pixels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """VAE latents of same-size images (3, H, W) in [-1, 1]: one normalised (C, 1, h, w) each."""
-        vae = self.parts.vae
-        batch = torch.stack(list(pixels)).unsqueeze(2).to(vae.device, vae.dtype)
-        latents = self.vae_pipeline._encode_vae_image(batch, generator=None)
+        """VAE latents of same-size images (C, H, W) in [-1, 1]: one normalised (C', 1, h, w) each."""
+        latents = self.spec.family.encode_latents(self.parts.vae, torch.stack(list(pixels)).unsqueeze(2))
         return [latent.cpu() for latent in latents.unbind(0)]
 
     def encode_prompts(self, prompts: Sequence[str], images: Sequence[Sequence[Image.Image]]) -> list[torch.Tensor]:
@@ -104,13 +97,8 @@ class Encoder:
     ) -> list[dict[str, torch.Tensor]]:
         """Prompts seen with their control images, as cache entries: "embed" (tokens, dim) without padding,
         and for a family whose transformer places the control latents in the prompt (2.1) "image_mask"
-        (tokens,) bool, True at the image slots.
-
-        A family with its own prompt encoder (`ModelSpec.prompt_encoder`) encodes one prompt per call.
-        Prompts without images (text-to-image, or an Edit-Plus sample without a control image: the
-        pipeline's text-only prompt) and Edit prompts (one image each) are encoded in batches; Edit-Plus
-        prompts with images one at a time, as diffusers' multi-image prompt applies one image list to
-        every prompt of a call.
+        (tokens,) bool, True at the image slots. How prompts are batched is the family's
+        (`ModelFamily.encode_prompts`).
 
         Raises:
             ValueError: a prompt with a number of images the model's prompt cannot take.
@@ -119,31 +107,11 @@ class Encoder:
         bad = [self.spec.control_problem(n) for n in counts]
         if len(counts) != len(prompts) or any(bad):
             raise ValueError(
-                f"{len(prompts)} prompts with {counts} control images each: every prompt needs its images, "
-                f"and the Edit pipeline's prompt takes one image (Edit-Plus takes several): "
-                f"{next((b for b in bad if b), '')}"
+                f"{len(prompts)} prompts with {counts} control images each: every prompt needs its images "
+                f"({next((b for b in bad if b), 'one list of images per prompt')})"
             )
         device = self.parts.text_encoder.device
-        encode_one = self.spec.prompt_encoder
-        if encode_one is not None:
-            return [encode_one(self.pipeline, p, list(imgs), device) for p, imgs in zip(prompts, images)]
-        if self.spec.family.prompt_images == "one":  # Edit: one image per prompt, one batch
-            return [{"embed": e} for e in self._encode(list(prompts), [imgs[0] for imgs in images], device)]
-        out: list[torch.Tensor | None] = [None] * len(prompts)
-        text_only = [i for i, n in enumerate(counts) if n == 0]
-        if text_only:
-            for i, embed in zip(text_only, self._encode([prompts[i] for i in text_only], None, device)):
-                out[i] = embed
-        for i in (i for i, n in enumerate(counts) if n):
-            (out[i],) = self._encode([prompts[i]], list(images[i]), device)
-        return [{"embed": embed} for embed in out]
-
-    def _encode(self, prompts: list[str], images: list[Image.Image] | None, device: torch.device) -> list[torch.Tensor]:
-        # The text-to-image pipeline takes no `image`; an Edit-Plus prompt without one is its text-only prompt.
-        kwargs = {} if images is None else {"image": images}
-        embeds, mask = self.pipeline._get_qwen_prompt_embeds(prompt=prompts, device=device, **kwargs)
-        cut = self.spec.family.max_prompt_tokens  # where the pipeline's __call__ cuts prompt embeddings
-        return [e[: min(int(n), cut or int(n))].cpu().clone() for e, n in zip(embeds, mask.sum(dim=1).tolist())]
+        return self.spec.family.encode_prompts(self.pipeline, self.spec, list(prompts), list(images), device)
 
     def encode_entries(self, prepared: Sequence[PreparedSample], types: Sequence[str]) -> list[dict]:
         """Cache entries of the given types for each prepared sample, computed in batches.
@@ -161,13 +129,11 @@ class Encoder:
             for (i, k), latent in self._latents_by_shape(items):
                 out[i].setdefault("control_latent", {})[str(k)] = latent
         for kind, prompt_of in (("prompt_embed", lambda p: p.sample.prompt), ("empty_prompt_embed", None)):
-            mask_kind = kind.replace("embed", "embeds_mask")
-            if kind not in types and mask_kind not in types:
+            if kind not in types:
                 continue
             prompts = [prompt_of(p) if prompt_of else EMPTY_PROMPT for p in prepared]
             for i, entry in enumerate(self.encode_prompt_entries(prompts, [p.vl_images for p in prepared])):
                 out[i][kind] = entry
-                out[i][mask_kind] = {"mask": torch.ones(entry["embed"].shape[0], dtype=torch.long)}
         return out
 
     def _latents_by_shape(self, items: list[tuple[int, int, torch.Tensor]]):

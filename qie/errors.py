@@ -1,5 +1,12 @@
 """Errors a user can act on. The CLI prints their message, without a traceback, and exits 2."""
 
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+
 
 class QieError(Exception):
     """Base class: the message names the file or key at fault and says what to do."""
@@ -27,3 +34,28 @@ class StorageError(QieError):
 
 class CacheDirMissing(StorageError):
     """The cache folder a reader needs does not exist (to training: every entry is missing)."""
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError of the disk: what happened, the path, and what to do."""
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{e.strerror}{where}: free space on that disk or point the output elsewhere; what was saved is kept"
+    return f"{e.strerror}{where}: fix the permissions of that path or point the setting at a writable folder"
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Create `folder` if needed and write a probe file in it.
+
+    Raises:
+        StorageError: naming `what` and the folder, when it is a file or cannot be created or written.
+    """
+    probe = folder / f".qie-write-check.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if isinstance(e, FileExistsError) or e.errno == errno.ENOTDIR:
+            raise StorageError(f"{what} {str(folder)!r} is a file (or lies under one): choose a folder") from None
+        raise StorageError(f"{what} {str(folder)!r} is not writable ({e.strerror}): {describe_os_error(e)}") from None

@@ -2,7 +2,7 @@
 
 Weights are counted on the meta device from the transformer's config. The step's own memory (activations
 kept for the backward pass, their gradients, temporaries, the LoRA's gradients) is measured by running qie's
-real training step (`flow_matching_loss` + backward) on fake tensors, which have shapes but no storage:
+real training step (the family's loss + backward) on fake tensors, which have shapes but no storage:
 a dispatch mode adds up the bytes of every tensor an operation creates and subtracts them when the tensor is
 freed, and keeps the peak. The fake tensors are CPU tensors, so attention takes the fused (flash) kernel
 that saves only its output and log-sum-exp, as the GPU kernels do; autocast is on for bf16 models, as
@@ -15,9 +15,11 @@ workspaces. `python -m qie.plan` prints the table; docs/guide.md ("Memory") expl
 from __future__ import annotations
 
 import contextlib
+import importlib
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +33,7 @@ OPTIMIZER_STATE_BYTES = {"torch.optim.AdamW": 8, "torch.optim.Adam": 8, "bitsand
 
 @dataclass(frozen=True)
 class Workload:
-    """One training step's inputs: batch size and token counts (packed latents: 2x2 patches of 8x latents)."""
+    """One training step's inputs: batch size and token counts (transformer tokens: the family's patches of latents)."""
 
     batch: int = 1
     target_tokens: int = 4096
@@ -110,58 +112,95 @@ class _OffloadedPlaceholder(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, lambda p: p if isinstance(p, torch.Tensor) else torch.empty(p[0], dtype=p[1]))
 
 
-def build_fake(config: dict, dtype: torch.dtype, rank: int, targets: Sequence[str], checkpointing: bool):
-    """The transformer (+ LoRA) with fake CPU weights, and the fake mode it lives in."""
-    from diffusers import QwenImageTransformer2DModel
+class RealWhereKnown(TorchDispatchMode):
+    """Runs an operation on real tensors when every tensor it takes is real (not fake), below the fake mode.
+
+    A family's step may index with a mask whose values decide shapes (Qwen-Image-2.1 spreads the prompt's image
+    slots with `repeat_interleave`); fake tensors have no values, so those masks stay real: what is computed
+    from them alone stays real, the rest is fake as usual.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # A Python number taken by an operation (`torch.where(mask, 4, 1)`) is known too.
+        known = not any(isinstance(t, FakeTensor) for t in tensors)
+        if (tensors and known) or func is torch.ops.aten.scalar_tensor.default:
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def transformer_class(family: Any) -> type:
+    """The family's transformer class."""
+    module, _, name = family.part_classes["transformer"].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_fake(family: Any, config: dict, dtype: torch.dtype, rank: int, targets: Sequence[str], checkpointing: bool):
+    """The family's transformer (+ LoRA) with fake CPU weights, and the fake mode it lives in."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from qie.training.lora import add_lora
 
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**config)
-    model.to(dtype).requires_grad_(False)
+        model = transformer_class(family)(**config)
+    with _quiet_diffusers():  # it warns about modules to keep in float32 even when it names none
+        model.to(dtype)
+    model.requires_grad_(False)
     add_lora(model, rank, rank, list(targets))
     if checkpointing:
         model.enable_gradient_checkpointing()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model.to_empty(device="cpu")
-        pos = model.pos_embed  # its rotary tables are plain attributes, made on the meta device: rebuild them
-        model.pos_embed = type(pos)(theta=pos.theta, axes_dim=list(pos.axes_dim), scale_rope=pos.scale_rope)
+        # Tensors kept as plain attributes (rotary tables, alone or in a list) were made on the meta device: fake
+        # ones of their shape.
+        for module in model.modules():
+            for name, value in list(vars(module).items()):
+                if _on_meta(value):
+                    setattr(module, name, torch.empty_like(value, device="cpu"))
+                elif isinstance(value, (list, tuple)) and value and all(_on_meta(v) for v in value):
+                    setattr(module, name, type(value)(torch.empty_like(v, device="cpu") for v in value))
     model.train()
     return model, fake
 
 
-def step_inputs(config: dict, work: Workload, make=torch.empty):
-    """(batch, noise, sigmas) of `work` for a transformer of `config`; `make(*shape, dtype=)` makes each tensor.
-    Latents are squares of the token counts: the step's memory depends on the counts only."""
-    from qie.types import Batch
+@contextlib.contextmanager
+def _quiet_diffusers():
+    import logging
 
-    def latents(tokens: int) -> torch.Tensor:
-        side = round(tokens**0.5)
-        return make(work.batch, config["out_channels"], 1, 2 * side, 2 * side, dtype=work.dtype)
-
-    batch = Batch(
-        ids=["x"] * work.batch,
-        latents=latents(work.target_tokens),
-        control_latents=[latents(t) for t in work.control_tokens],
-        prompt_embeds=make(work.batch, work.prompt_tokens, config["joint_attention_dim"], dtype=work.dtype),
-        prompt_embeds_mask=None,
-    )
-    return batch, latents(work.target_tokens), torch.full((work.batch,), 0.5)
+    log = logging.getLogger("diffusers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
-def simulate_step(model, fake, work: Workload, offload: bool = False) -> tuple[int, int]:
-    """Peak bytes the training step creates (forward + backward), and the bytes activation offload moves out."""
-    from qie.training.step import flow_matching_loss
+def _on_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "meta"
+
+
+def simulate_step(family: Any, model, fake, work: Workload, offload: bool = False) -> tuple[int, int]:
+    """Peak bytes the family's training step creates (forward + backward), and the bytes activation offload
+    moves out. The step's inputs are fake, but for the family's masks (see `RealWhereKnown`)."""
+
+    def make(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        with fake:
+            return torch.empty(*shape, dtype=dtype)
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=work.dtype == torch.bfloat16)
     hooks = _OffloadedPlaceholder()
-    with fake, autocast:
-        batch, noise, sigmas = step_inputs(dict(model.config), work)
+    batch, noise, sigmas = family.planner.step_inputs(dict(model.config), work, make)
+    with fake, RealWhereKnown(), autocast:
         with LiveBytes() as tracker:
             with hooks if offload else contextlib.nullcontext():
-                loss = flow_matching_loss(model, batch, noise, sigmas)
+                loss = family.loss(model, batch, noise, sigmas, "none")
             loss.backward()
             del loss
     return tracker.peak, hooks.bytes
@@ -177,16 +216,16 @@ class WeightBytes:
     lora_params: int
 
 
-def weight_bytes(config: dict, dtype: torch.dtype, quantize: str, rank: int, targets: Sequence[str]) -> WeightBytes:
-    """Counted on the meta device; fp8/int8 store the linear layers quantized (1 byte + a scale per row)."""
-    from diffusers import QwenImageTransformer2DModel
+def weight_bytes(
+    family: Any, config: dict, dtype: torch.dtype, quantize: str, rank: int, targets: Sequence[str]
+) -> WeightBytes:
+    """Counted on the meta device; fp8/int8 store the linear layers quantized (1 byte + a scale per row) but those
+    the family keeps in full precision."""
     from peft import LoraConfig
 
-    from qie.components.quantize import KEEP_FULL_PRECISION
-
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**config)
-    kept = tuple(n.rstrip("*") for n in KEEP_FULL_PRECISION)
+        model = transformer_class(family)(**config)
+    kept = tuple(n.rstrip("*") for n in family.keep_full_precision)
     size = torch.tensor([], dtype=dtype).element_size()
 
     def nbytes(module: torch.nn.Module, prefix: str) -> int:
@@ -197,22 +236,24 @@ def weight_bytes(config: dict, dtype: torch.dtype, quantize: str, rank: int, tar
             total += p.numel() + p.shape[0] * size if quantize != "none" and linear else p.numel() * size
         return total
 
-    blocks = model.transformer_blocks
-    block = nbytes(blocks[0], "transformer_blocks.0")
-    other = sum(nbytes(m, n) for n, m in model.named_children() if n != "transformer_blocks")
+    blocks = getattr(model, family.blocks)
+    block = nbytes(blocks[0], f"{family.blocks}.0")
+    other = sum(nbytes(m, n) for n, m in model.named_children() if n != family.blocks)
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     return WeightBytes(other, block, len(blocks), lora)
 
 
-def step_memory(config: dict, work: Workload, rank: int, targets: Sequence[str], checkpointing: bool, offload: bool):
+def step_memory(
+    family: Any, config: dict, work: Workload, rank: int, targets: Sequence[str], checkpointing: bool, offload: bool
+):
     """(peak bytes of the step, bytes offloaded) for the whole transformer: simulated with up to 4 blocks and
     extrapolated linearly in the block count beyond (each block adds the same activations)."""
     layers = int(config["num_layers"])
 
     def simulate(n: int) -> tuple[int, int]:
-        model, fake = build_fake({**config, "num_layers": n}, work.dtype, rank, targets, checkpointing)
-        return simulate_step(model, fake, work, offload)
+        model, fake = build_fake(family, {**config, "num_layers": n}, work.dtype, rank, targets, checkpointing)
+        return simulate_step(family, model, fake, work, offload)
 
     if layers <= 4:
         return simulate(layers)
@@ -220,12 +261,13 @@ def step_memory(config: dict, work: Workload, rank: int, targets: Sequence[str],
     return p4 + (layers - 4) * (p4 - p2) // 2, o4 + (layers - 4) * (o4 - o2) // 2
 
 
-def text_encoder_bytes(config: dict, quantize: str) -> int:
-    """Weight bytes of Qwen2.5-VL built from `config` on the meta device, in bf16 or with 8-bit linear layers."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+def text_encoder_bytes(family: Any, config: dict, quantize: str) -> int:
+    """Weight bytes of the family's text encoder built from `config` on the meta device, in bf16 or with 8-bit
+    linear layers."""
+    module, _, name = family.part_classes["text_encoder"].partition(":")
+    cls = getattr(importlib.import_module(module), name)
     with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
+        model = cls(cls.config_class(**config))
     total = sum(p.numel() for p in model.parameters()) * 2
     if quantize == "none":
         return total

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qie.cache.failures import read_failures
-from qie.cli import check_writable
 from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource, sample_types
-from qie.errors import CacheDirMissing, CacheMissError
+from qie.errors import CacheDirMissing, CacheMissError, check_writable
 
 REPORT_FILE = "cache_report.json"
 

@@ -10,7 +10,7 @@ cannot hold it.
 
 Each configuration (bf16 or fp8 weights via optimum-quanto, as `model.quantize=fp8`; gradient
 checkpointing off or on) trains the LoRA qie trains (rank 16 on the attention projections) with qie's
-own flow-matching loss (`qie.training.step.flow_matching_loss`) on one 1024x1024 Edit sample: target and
+own flow-matching loss (`qie.models.qwen_image.flow_matching_loss`) on one 1024x1024 Edit sample: target and
 control latents 16x128x128 (4,096 packed tokens each) and ~1,300 prompt tokens, under bf16 autocast as
 accelerate's mixed_precision=bf16 does. Reported: median s/step after warm-up, peak allocated GPU memory,
 and MFU = model FLOPs per step / s per step / the GPU's dense bf16 peak. Model FLOPs are counted once with
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from qie.components import real_size
+from qie.models import real_size
 
 REAL_CONFIG = real_size.TRANSFORMER
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), matched against torch.cuda.get_device_name().
@@ -66,6 +66,7 @@ def build(args: argparse.Namespace, fp8: bool):
     from diffusers import QwenImageTransformer2DModel
 
     from qie.components.quantize import quantize_transformer
+    from qie.models import families
     from qie.training.lora import add_lora
 
     config = {**REAL_CONFIG, "num_layers": args.num_layers}
@@ -89,7 +90,7 @@ def build(args: argparse.Namespace, fp8: bool):
     model.requires_grad_(False)
     model.train()
     if fp8:
-        quantize_transformer(model, "fp8")
+        quantize_transformer(model, "fp8", families()["qwen_image"].keep_full_precision)
     params = add_lora(model, args.lora_rank, args.lora_rank, LORA_TARGETS)
     for p in params:
         p.data = p.data.to(args.device)
@@ -123,7 +124,7 @@ def make_batch(args: argparse.Namespace):
 def train_step(model, params, optimizer, batch, noise, sigmas, device_type: str) -> float:
     import torch
 
-    from qie.training.step import flow_matching_loss
+    from qie.models.qwen_image import flow_matching_loss
 
     with torch.autocast(device_type, dtype=torch.bfloat16):
         loss = flow_matching_loss(model, batch, noise, sigmas)

@@ -113,14 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
-    from qie.components import model_source
+    from qie.components import prepare_model
     from qie.config import compose
     from qie.demo.synthetic import make_dataset
 
     data = work / "ds" / "train"
     if not data.is_dir():
         make_dataset(work / "ds", args.samples, 0, size=args.image_size)
-    model_source(compose("precompute").model)  # build the tiny model once, outside the timed runs
+    prepare_model(compose("precompute").model)  # build the tiny model once, outside the timed runs
     runs = {
         "1 process, batch 1": (1, 1),
         f"1 process, batch {args.batch_size}": (args.batch_size, 1),

@@ -63,7 +63,8 @@ def make_batch(args: argparse.Namespace):
     """One Edit sample at `--resolution` (target and control) with `--prompt-tokens`, random, on the device."""
     import torch
 
-    from qie.memory_plan import Workload, step_inputs
+    from qie.memory_plan import Workload
+    from qie.models.qwen_image import step_inputs
 
     tokens = (args.resolution // 16) ** 2
     work = Workload(1, tokens, (tokens,), args.prompt_tokens, torch.bfloat16)
@@ -81,6 +82,7 @@ def build_on_cpu(args: argparse.Namespace, fp8: bool):
     from diffusers import QwenImageTransformer2DModel
 
     from qie.components.quantize import quantize_transformer
+    from qie.models import families
     from qie.training.lora import add_lora
 
     with torch.device("meta"):
@@ -97,7 +99,7 @@ def build_on_cpu(args: argparse.Namespace, fp8: bool):
     model.pos_embed = type(pos)(theta=pos.theta, axes_dim=list(pos.axes_dim), scale_rope=pos.scale_rope)
     model.requires_grad_(False).train()
     if fp8:
-        quantize_transformer(model, "fp8")
+        quantize_transformer(model, "fp8", families()["qwen_image"].keep_full_precision)
     params = add_lora(model, args.lora_rank, args.lora_rank, LORA_TARGETS)
     return model, params
 

@@ -13,8 +13,7 @@ import argparse
 import torch
 from peft import LoraConfig
 
-from qie.components import real_size
-from qie.components.quantize import KEEP_FULL_PRECISION
+from qie.models import families, real_size
 
 GIB = 2**30
 MODELS = ("qwen_image_edit", "qwen_image_21")
@@ -60,7 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     transformer, vae, text_encoder = build(args.model)
     total = count(transformer)
-    kept = [n.rstrip("*") for n in KEEP_FULL_PRECISION]
+    family = families()["qwen_image_21" if args.model == "qwen_image_21" else "qwen_image"]
+    kept = [n.rstrip("*") for n in family.keep_full_precision]
     quantizable = sum(
         m.weight.numel()
         for name, m in transformer.named_modules()

@@ -28,17 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def encode_all(source: str, variant: str, quantize: str, samples: list, sizes) -> list[torch.Tensor]:
     from qie.components import build_parts, resolve_device
     from qie.components.registry import Placement
+    from qie.config import compose
     from qie.encode import Encoder, prepare_sample
+    from qie.models import model_spec
+
+    spec = model_spec(compose("precompute", [{"edit": "model=tiny", "edit_plus": "model=tiny_plus"}[variant]]).model)
 
     device = resolve_device("auto")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     parts = build_parts(
         source,
         ["text_encoder", "tokenizer", "processor", "vae"],
+        spec.part_classes,
         {"text_encoder": Placement(device, dtype), "vae": Placement(device, dtype)},
         text_encoder_quantize=quantize,
     )
-    encoder = Encoder(parts, variant)
+    encoder = Encoder(parts, spec)
     prepared = [prepare_sample(s, sizes) for s in samples]
     return encoder.encode_prompts([p.sample.prompt for p in prepared], [p.vl_images for p in prepared])
 

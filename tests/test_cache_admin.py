@@ -19,7 +19,7 @@ import qie
 from qie.cache import CACHE_TYPES, keys
 from qie.cache.__main__ import run
 from qie.cache.admin import cache_stats, clear_cache, format_bytes, run_admin, verify_cache
-from qie.cache.keys import FileHasher, entry_key, text_hash
+from qie.cache.keys import FileHasher, entry_key
 from qie.cache.memory import MemoryBackend
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
@@ -153,7 +153,6 @@ def test_entry_key_is_stable_and_depends_on_every_field() -> None:
         entry_key("prompt_embed", {"type": "x"})
     with pytest.raises(TypeError, match="not a JSON value"):
         entry_key("prompt_embed", {"path": Path("a.png")})
-    assert text_hash("make it blue") == "8a49734fc65d42b64e91b1e3277e0ef56b5c676d4bf64656e25d1d4619057070"
 
 
 def filled_ssd(root: Path) -> SsdBackend:

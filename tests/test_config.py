@@ -70,7 +70,7 @@ def test_bad_config_fails_naming_key_and_choices(override: str, expected: str) -
 def test_tiny_paths_follow_qie_home(qie_home: Path) -> None:
     cfg = compose("train", ["model=tiny_plus"])
     assert cfg.model.pretrained_model_name_or_path == str(qie_home / "tiny" / "edit_plus-v1")
-    assert cfg.model.variant.value == "edit_plus"
+    assert cfg.model.variant == "edit_plus"
     assert cfg.data.target_pixels == cfg.model.vae_image_pixels == 4096
 
 

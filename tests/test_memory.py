@@ -92,8 +92,9 @@ def test_block_swap_and_activation_offload_give_the_plain_losses(
 
 def test_a_block_the_schedule_did_not_bring_in_cannot_be_used(tiny_path: Path) -> None:
     from qie.components import build_parts
+    from qie.models import families
 
-    transformer = build_parts(str(tiny_path), ["transformer"]).transformer
+    transformer = build_parts(str(tiny_path), ["transformer"], families()["qwen_image"].part_classes).transformer
     swapper = offload.BlockSwapper(transformer, transformer.transformer_blocks, 2, torch.device("cpu"))
     inputs = {
         "hidden_states": torch.randn(1, 16, 16),

@@ -11,7 +11,7 @@ from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from helpers import count_constructions
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qie.components import check, model_source
+from qie.components import check, prepare_model
 from qie.config import compose
 from qie.errors import ConfigError
 from qie.models import model_spec
@@ -52,7 +52,7 @@ def test_edit_config_with_a_text_to_image_checkpoint(tiny_t2i_path: Path, tmp_pa
     assert constructions == Counter()  # failed before any part was built
     # A real-model config gets the real models' names; the train stage stops as early.
     with pytest.raises(ConfigError, match="model=qwen_image_edit_plus does not match"):
-        model_source(_infer("qwen_image_edit_plus", tiny_t2i_path).model)
+        prepare_model(_infer("qwen_image_edit_plus", tiny_t2i_path).model)
     model = ["model=tiny", "model.tiny=null", f"model.pretrained_model_name_or_path={tiny_t2i_path}"]
     cfg = compose("train", [*model, f"data.path={_edit_folder(tmp_path / 'data')}", f"cache.dir={tmp_path / 'c'}"])
     with pytest.raises(ConfigError, match="QwenImagePipeline"):
@@ -77,8 +77,8 @@ def test_the_reverse_pairing_and_a_fitting_pair(tiny_plus_path: Path, tiny_2511_
     with pytest.raises(
         ConfigError, match="(?s)zero_cond_t=False.*expects True.*use model=qwen_image_edit_plus or model=tiny_plus"
     ):
-        model_source(_infer("tiny_edit_2511", tiny_plus_path).model)
-    assert model_source(_infer("qwen_image_edit_2511", tiny_2511_path).model) == str(tiny_2511_path)
+        prepare_model(_infer("tiny_edit_2511", tiny_plus_path).model)
+    assert prepare_model(_infer("qwen_image_edit_2511", tiny_2511_path).model).name == "qwen_image_edit_2511"
 
 
 def test_a_hub_id_is_checked_from_its_json_files_alone(monkeypatch: pytest.MonkeyPatch, tiny_t2i_path: Path) -> None:
@@ -94,7 +94,7 @@ def test_a_hub_id_is_checked_from_its_json_files_alone(monkeypatch: pytest.Monke
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     check._hub_text.cache_clear()  # hub files are read once per process
     with pytest.raises(ConfigError, match="Qwen/Qwen-Image-Edit-2511.*QwenImagePipeline"):
-        model_source(compose("infer", ["model=qwen_image_edit_2511"]).model)
+        prepare_model(compose("infer", ["model=qwen_image_edit_2511"]).model)
     assert asked and all(p.endswith(".json") for patterns in asked for p in patterns)
     check._hub_text.cache_clear()
 

@@ -13,33 +13,39 @@ import torch
 from qie.config import compose
 from qie.config.model import ModelConfig
 from qie.memory_plan import GIB, Workload, build_fake, simulate_step, weight_bytes
+from qie.models import families
 from qie.stages import plan
 
 # A tiny model's classes at a size where a step's memory (100-300 MiB) dwarfs the allocator's noise.
 CONFIG = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 4, "attention_head_dim": 64,
           "num_attention_heads": 8, "joint_attention_dim": 256, "axes_dims_rope": (8, 28, 28)}  # fmt: skip
+# Qwen-Image-2.1 at the same width: one token per latent pixel, the references in the prompt's image slots.
+CONFIG_21 = {"patch_size": 1, "in_channels": 64, "out_channels": 64, "num_layers": 4, "attention_head_dim": 64,
+             "num_attention_heads": 8, "context_in_dim": 256, "mlp_ratio": 3, "axes_dims_rope": (8, 28, 28),
+             "causal_condition": True}  # fmt: skip
+CONFIGS = {"qwen_image": CONFIG, "qwen_image_21": CONFIG_21}
 WORK = Workload(batch=1, target_tokens=1024, control_tokens=(1024,), prompt_tokens=300, dtype=torch.float32)
 TARGETS = ModelConfig().lora_target_modules  # the LoRA default: the model's targets
 
 # One warm-up step (optimizer states, thread pools), then the peak RSS above the settled RSS of a second step.
 MEASURE = """
 import gc, json, sys, torch
-from diffusers import QwenImageTransformer2DModel
-from qie.memory_plan import Workload, step_inputs
+from qie.memory_plan import Workload, transformer_class
+from qie.models import families
 from qie.training.lora import add_lora
-from qie.training.step import flow_matching_loss
-config, work, targets, checkpointing = json.loads(sys.argv[1])
+name, config, work, targets, checkpointing = json.loads(sys.argv[1])
+family = families()[name]
 work = Workload(work[0], work[1], tuple(work[2]), work[3], torch.float32)
 torch.manual_seed(0)
-model = QwenImageTransformer2DModel(**config).requires_grad_(False)
+model = transformer_class(family)(**config).requires_grad_(False)
 params = add_lora(model, 16, 16, targets)
 if checkpointing:
     model.enable_gradient_checkpointing()
 optimizer = torch.optim.AdamW(params, lr=1e-4)
-batch, noise, sigmas = step_inputs(config, work, torch.randn)
+batch, noise, sigmas = family.planner.step_inputs(config, work, torch.randn)
 
 def step():
-    flow_matching_loss(model, batch, noise, sigmas).backward()
+    family.loss(model, batch, noise, sigmas, "none").backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -55,9 +61,9 @@ print(status("VmHWM:") - base)
 """
 
 
-def measured_step_bytes(checkpointing: bool) -> int:
+def measured_step_bytes(family: str, targets: list[str], checkpointing: bool) -> int:
     work = [WORK.batch, WORK.target_tokens, list(WORK.control_tokens), WORK.prompt_tokens]
-    arg = json.dumps([CONFIG, work, TARGETS, checkpointing])
+    arg = json.dumps([family, CONFIGS[family], work, targets, checkpointing])
     # Large blocks straight from mmap and back: RSS then follows the live tensors instead of malloc's heap.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run([sys.executable, "-c", MEASURE, arg], env=env, capture_output=True, text=True, timeout=600)
@@ -66,11 +72,17 @@ def measured_step_bytes(checkpointing: bool) -> int:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_simulated_step_memory_is_within_20_percent_of_the_measured_peak(checkpointing: bool) -> None:
-    model, fake = build_fake(CONFIG, torch.float32, 16, TARGETS, checkpointing)
-    estimate, _ = simulate_step(model, fake, WORK)
-    measured = measured_step_bytes(checkpointing)
+@pytest.mark.parametrize(
+    ("name", "checkpointing"), [("qwen_image", False), ("qwen_image", True), ("qwen_image_21", False)]
+)
+def test_simulated_step_memory_is_within_20_percent_of_the_measured_peak(name: str, checkpointing: bool) -> None:
+    """The simulation runs each family's own step: 2.1's masks stay real on the fake tensors (their values decide
+    shapes), and its estimate holds as well as Qwen-Image's."""
+    family = families()[name]
+    targets = TARGETS if name == "qwen_image" else compose("plan", ["model=qwen_image_21"]).model.lora_target_modules
+    model, fake = build_fake(family, CONFIGS[name], torch.float32, 16, list(targets), checkpointing)
+    estimate, _ = simulate_step(family, model, fake, WORK)
+    measured = measured_step_bytes(name, list(targets), checkpointing)
     assert measured > 50 * 2**20  # the step is large enough for the comparison to mean something
     assert abs(estimate - measured) <= 0.2 * measured, (estimate / 2**20, measured / 2**20)
 
@@ -89,9 +101,17 @@ def test_real_size_plan_for_a_24_gib_gpu(capsys: pytest.CaptureFixture) -> None:
     assert "recommended: model.quantize=" in out and "Qwen2.5-VL-7B: 15.4 GiB in bf16" in out
 
 
+def test_real_size_plan_of_qwen_image_21(capsys: pytest.CaptureFixture) -> None:
+    rows = plan.run(compose("plan", ["model=qwen_image_21", "model.max_control_images=1", "gpu_memory_gb=24"]))
+    out = capsys.readouterr().out
+    weights = rows[0].parts["transformer weights"] / GIB
+    assert 12 < weights < 16  # ~7 B parameters in bf16
+    assert "published qwen_image_21 sizes" in out and "Qwen3-VL-8B" in out and "recommended:" in out
+
+
 def test_weights_counted_on_meta_match_the_built_model() -> None:
     from diffusers import QwenImageTransformer2DModel
 
-    counted = weight_bytes(CONFIG, torch.float32, "none", 16, TARGETS)
+    counted = weight_bytes(families()["qwen_image"], CONFIG, torch.float32, "none", 16, TARGETS)
     model = QwenImageTransformer2DModel(**CONFIG)
     assert counted.other + counted.blocks * counted.block == sum(p.numel() * 4 for p in model.parameters())

@@ -48,11 +48,11 @@ def test_tiny_model_is_the_real_pipeline(pipe: QwenImage21Pipeline) -> None:
     # The drop index comes from the chat template: the system turn, exactly.
     system = "<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n"
     assert pipe._drop_idx == len(pipe.processor.tokenizer(system)["input_ids"]) > 0
-    entry = q21.encode_prompt(pipe, "A red cat.", [], torch.device("cpu"))
+    entry = q21.encode_prompts(pipe, None, ["A red cat."], [[]], torch.device("cpu"))[0]
     assert entry["embed"].shape[1] == 16 and not entry["image_mask"].any()
     # One 64x64 reference: (64/32)^2 = 4 merged vision tokens, each standing for 2x2 latent tokens.
     vl = condition_images(rgba(0, 64, 64), RES * RES, RES * RES)[1]
-    entry = q21.encode_prompt(pipe, "A red cat.", [vl], torch.device("cpu"))
+    entry = q21.encode_prompts(pipe, None, ["A red cat."], [[vl]], torch.device("cpu"))[0]
     assert int(entry["image_mask"].sum()) == 4 and entry["embed"].shape[0] == entry["image_mask"].shape[0]
 
 
@@ -67,7 +67,8 @@ def test_sampling_matches_pipeline(pipe: QwenImage21Pipeline, count: int) -> Non
     vl = [v for _, v in prepared]
     latents = [pipe._encode_vae_image(px[None, :, None], None)[0] for px, _ in prepared]
     prompt, negative = (
-        tuple(q21.encode_prompt(pipe, text, vl, torch.device("cpu")).values()) for text in ("A red cat.", "blurry")
+        tuple(q21.encode_prompts(pipe, None, [text], [vl], torch.device("cpu"))[0].values())
+        for text in ("A red cat.", "blurry")
     )
     width, height = fit_area(*images[-1].size, RES * RES) if images else (RES, RES)
     out = q21.sample_latents(
@@ -136,7 +137,8 @@ def test_tiny_cli_is_deterministic_and_the_check_tells_the_families_apart(tiny21
     facts = read_facts(str(tiny21_path))
     assert model_spec(compose("infer", ["model=tiny_qwen_image_21"]).model).mismatches(facts) == []
     problems = model_spec(compose("infer", ["model=tiny_plus"]).model).mismatches(facts)
-    assert any("QwenImage21Pipeline" in p for p in problems) and any("patch 1" in p for p in problems)
+    # Another pipeline is named as such, alone: its transformer's details would only confuse.
+    assert len(problems) == 1 and "the checkpoint is a QwenImage21Pipeline" in problems[0]
 
 
 def test_every_model_yaml_samples_with_its_pipelines_defaults() -> None:

@@ -15,6 +15,9 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from qie.components import PART_NAMES, build_parts, load_parts, resolve_device
 from qie.components.quantize import is_quantized
 from qie.errors import ConfigError, ModelLoadError
+from qie.models import families
+
+QWEN_IMAGE = families()["qwen_image"].part_classes
 
 
 @pytest.fixture
@@ -29,7 +32,7 @@ def test_transformer_and_scheduler_build_nothing_else(
     tiny_path: Path, constructions: Counter, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.DEBUG, logger="qie.components.registry"):
-        parts = build_parts(str(tiny_path), ["transformer", "scheduler"])
+        parts = build_parts(str(tiny_path), ["transformer", "scheduler"], QWEN_IMAGE)
     assert parts.built() == ["transformer", "scheduler"]
     assert [r.part for r in caplog.records] == ["transformer", "scheduler"]  # what tools watch to see builds
     assert constructions == Counter({"QwenImageTransformer2DModel": 1})
@@ -75,12 +78,12 @@ def test_any_diffusers_folder_loads(tiny_path: Path, small_cfg, tmp_path: Path) 
 def test_missing_folder_part_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "model_index.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="cannot load the vae of"):
-        build_parts(str(tmp_path), ["vae"])
+        build_parts(str(tmp_path), ["vae"], QWEN_IMAGE)
 
 
 def test_unknown_part_and_device() -> None:
     with pytest.raises(ConfigError, match="unknown model part"):
-        build_parts("x", ["unet"])
+        build_parts("x", ["unet"], QWEN_IMAGE)
     with pytest.raises(ConfigError, match="does not exist here"):
         resolve_device("cuda:7")
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""qie.sampling reproduces the diffusers Edit pipelines' denoising loop from already-encoded inputs."""
+"""The Qwen-Image family's sampler reproduces the diffusers Edit pipelines' loop from already-encoded inputs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import torch
 from diffusers import QwenImageEditPipeline
 from helpers import noise_image, tiny_pipeline
 
-from qie.sampling import decode_latents, pad_prompt_embeds, sample_latents, true_cfg_enabled, vae_scale_factor
+from qie.models.qwen_image import decode_latents, sample_latents
+from qie.models.qwen_image import vae_scale as vae_scale_factor
+from qie.sampling import true_cfg_enabled
+from qie.types import pad_prompt_embeds
 
 SIZE = 64
 

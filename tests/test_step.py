@@ -10,8 +10,8 @@ import torch
 
 from qie.components import load_parts
 from qie.data.collate import collate
+from qie.models.qwen_image import flow_matching_loss, pack_latents, packed
 from qie.training.lora import add_lora
-from qie.training.step import flow_matching_loss, pack_latents, packed
 from qie.training.timesteps import loss_weights, sample_sigmas
 from qie.types import Batch, SampleEmbeddings, pad_prompt_embeds
 

@@ -147,11 +147,6 @@ def _write_index(path: Path, entries: dict[str, tuple[Signature, str]]) -> None:
         raise
 
 
-def text_hash(s: str) -> str:
-    """sha256 hex digest of the UTF-8 text."""
-    return hashlib.sha256(s.encode("utf-8")).hexdigest()
-
-
 def entry_key(type: str, fields: dict[str, Any]) -> str:
     """The key of a cache entry: sha256 of canonical JSON of the schema version, the type and `fields`.
 

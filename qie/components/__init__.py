@@ -15,32 +15,45 @@ from qie.components.registry import (
     resolve_device,
     resolve_dtype,
 )
-from qie.models import model_spec
+from qie.models import ModelSpec, model_spec
 
 
-def model_source(model_cfg: Any) -> str:
-    """Hub id or folder of the model; builds qie's tiny model there first when `model.tiny` names a preset.
+def prepare_model(model_cfg: Any) -> ModelSpec:
+    """The model's description, once its checkpoint is there and checked: what a stage calls first, once.
+
+    Builds qie's tiny model at `model.pretrained_model_name_or_path` when `model.tiny` names a preset and it is
+    not there yet, then compares the checkpoint with the config (`check_checkpoint`, reading JSON files only).
 
     Raises:
-        ConfigError: the checkpoint is not the model `model_cfg` describes (see `check_checkpoint`).
+        ConfigError: the checkpoint is not the model `model_cfg` describes.
     """
-    source = str(model_cfg.pretrained_model_name_or_path)
-    if model_cfg.tiny:
+    spec = model_spec(model_cfg)
+    source = model_source(model_cfg)
+    if model_cfg.get("tiny"):
         from qie.components.tiny import ensure_tiny_model
 
         ensure_tiny_model(source, variant=str(model_cfg.tiny))
-    check_checkpoint(model_cfg, source)
-    return source
+    check_checkpoint(spec, model_cfg, source)
+    return spec
 
 
-def load_parts(model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] | None = None) -> Parts:
+def model_source(model_cfg: Any) -> str:
+    """Hub id or folder of the model (nothing is built or read: see `prepare_model`)."""
+    return str(model_cfg.pretrained_model_name_or_path)
+
+
+def load_parts(
+    model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] | None = None, spec: ModelSpec | None = None
+) -> Parts:
     """Build the named parts from a `model` config, each weight-holding part on `devices[name]`.
 
     Args:
         model_cfg: the `model` config node (pretrained_model_name_or_path, dtype, quantize, ...).
         names: parts to build.
         devices: device name per part ("auto", "cpu", "cuda:1"); missing parts use "auto".
+        spec: the model's description (`prepare_model`); made from `model_cfg` when not given.
     """
+    spec = spec or model_spec(model_cfg)
     devices = devices or {}
     names = list(names)
     dtype = resolve_dtype(str(_value(model_cfg.dtype)))
@@ -51,11 +64,12 @@ def load_parts(model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] 
     parts = build_parts(
         source,
         names,
+        classes=spec.part_classes,
         placements=placements,
         revision=model_cfg.revision,
         quantize=str(_value(model_cfg.quantize)),
         folders=folders,
-        classes=model_spec(model_cfg).part_classes,
+        keep_full_precision=spec.family.keep_full_precision,
         text_encoder_quantize=str(_value(getattr(model_cfg, "text_encoder_quantize", "none"))),
     )
     parts.pipeline_config = pipeline_config(source, model_cfg.revision)
@@ -95,6 +109,7 @@ __all__ = [
     "build_parts",
     "load_parts",
     "model_source",
+    "prepare_model",
     "resolve_device",
     "resolve_dtype",
     "transformer_folder",

@@ -14,7 +14,7 @@ from typing import Any
 
 from qie.components.fingerprint import config_file
 from qie.errors import ConfigError
-from qie.models import CheckpointFacts, model_spec
+from qie.models import CheckpointFacts, ModelSpec, model_spec
 
 
 def read_facts(source: str, revision: str | None = None) -> CheckpointFacts:
@@ -32,18 +32,26 @@ def read_facts(source: str, revision: str | None = None) -> CheckpointFacts:
     )
 
 
-def check_checkpoint(model_cfg: Any, source: str) -> None:
-    """Compare the checkpoint at `source` with `model_cfg` (skipped when `model.check=false`).
+def check_checkpoint(spec: ModelSpec, model_cfg: Any, source: str) -> None:
+    """Compare the checkpoint at `source` with the model `spec` describes (skipped when `model.check=false`):
+    first whether it is that pipeline at all, then the transformer's facts, then the family's own rules on the
+    checkpoint's files (`ModelFamily.checkpoint_problems`).
 
     Raises:
         ConfigError: naming the config, what the checkpoint is, the `model=` that fits it, and the override.
     """
     if not model_cfg.get("check", True):
         return
-    spec = model_spec(model_cfg)
-    found = read_facts(source, model_cfg.get("revision"))
+    revision = model_cfg.get("revision")
+    found = read_facts(source, revision)
     problems = spec.mismatches(found)
     if not problems:
+        problems = spec.family.checkpoint_problems(spec, lambda relative: _read_json(source, relative, revision))
+        if problems:
+            raise ConfigError(
+                f"model={spec.name} cannot use the checkpoint {source}: {'; '.join(problems)}.\n"
+                "Or set model.check=false to use it anyway"
+            )
         return
     fits = fitting_models(found)
     hint = (

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from qie.errors import ConfigError
 
-# Input and output projections stay in full precision: they are small and quantizing them costs quality.
-KEEP_FULL_PRECISION = ["img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"]
 KINDS = ("fp8", "int8")
 
 
@@ -33,9 +33,10 @@ def quantize_weights(
     return model
 
 
-def quantize_transformer(model: torch.nn.Module, kind: str) -> torch.nn.Module:
-    """`model.quantize`: the transformer's linear layers but its input and output projections."""
-    return quantize_weights(model, kind, KEEP_FULL_PRECISION, "model.quantize")
+def quantize_transformer(model: torch.nn.Module, kind: str, keep: Sequence[str]) -> torch.nn.Module:
+    """`model.quantize`: the transformer's linear layers but those `keep` names (the family's
+    `keep_full_precision`: its input and output projections)."""
+    return quantize_weights(model, kind, list(keep), "model.quantize")
 
 
 def quantize_text_encoder(model: torch.nn.Module, kind: str) -> torch.nn.Module:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -96,17 +96,6 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
 
 
-# The class of each part ("module:Class"); a model family may name others (`ModelSpec.part_classes`).
-DEFAULT_CLASSES: dict[str, str] = {
-    "vae": "diffusers:AutoencoderKLQwenImage",
-    "text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
-    "tokenizer": "transformers:Qwen2Tokenizer",
-    "processor": "qie.components.processor:QwenImageProcessorNoVideo",
-    "transformer": "diffusers:QwenImageTransformer2DModel",
-    "scheduler": "diffusers:FlowMatchEulerDiscreteScheduler",
-}
-
-
 def _class(name: str) -> type:
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -144,11 +133,12 @@ LOADERS: dict[str, Callable[..., Any]] = {
 def build_parts(
     source: str,
     names: Iterable[str],
+    classes: Mapping[str, str],
     placements: dict[str, Placement] | None = None,
     revision: str | None = None,
     quantize: str = "none",
     folders: Mapping[str, str] | None = None,
-    classes: Mapping[str, str] | None = None,
+    keep_full_precision: Sequence[str] = (),
     text_encoder_quantize: str = "none",
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
@@ -156,11 +146,12 @@ def build_parts(
     Args:
         source: hub id or local folder with model_index.json and one subfolder per part.
         names: parts to build, a subset of PART_NAMES.
+        classes: "module:Class" of each part (the model family's `part_classes`).
         placements: device and dtype per weight-holding part; missing ones go to the CPU in float32.
         revision: hub revision (branch, tag or commit).
         quantize: "none", "fp8" or "int8": weight quantization of the transformer.
         folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer).
-        classes: "module:Class" per part where it is not `DEFAULT_CLASSES`'.
+        keep_full_precision: transformer module patterns `quantize` leaves alone (the family's).
         text_encoder_quantize: "none", "fp8" or "int8": weight quantization of the text encoder.
 
     Returns:
@@ -179,7 +170,7 @@ def build_parts(
     for name in names:
         place = placements.get(name, Placement(torch.device("cpu"), torch.float32))
         own = folders.get(name)
-        cls = _class({**DEFAULT_CLASSES, **(classes or {})}[name])
+        cls = _class(classes[name])
         try:
             if own:
                 part = LOADERS[name](cls, own, None, None, place.dtype)
@@ -194,18 +185,18 @@ def build_parts(
         if name in MODULE_PARTS:
             part.requires_grad_(False)
             part.eval()
-            _quantize(name, part, quantize, text_encoder_quantize)
+            _quantize(name, part, quantize, text_encoder_quantize, keep_full_precision)
             part.to(place.device)
         setattr(parts, name, part)
         log.debug("built the %s of %s", name, source, extra={"part": name})
     return parts
 
 
-def _quantize(name: str, part: Any, transformer: str, text_encoder: str) -> None:
+def _quantize(name: str, part: Any, transformer: str, text_encoder: str, keep: Sequence[str]) -> None:
     """Quantize a part on the CPU before it moves to its device, so the device never holds its full weights."""
     from qie.components import quantize
 
     if name == "transformer" and transformer != "none":
-        quantize.quantize_transformer(part, transformer)
+        quantize.quantize_transformer(part, transformer, keep)
     elif name == "text_encoder" and text_encoder != "none":
         quantize.quantize_text_encoder(part, text_encoder)

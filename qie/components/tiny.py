@@ -1,11 +1,15 @@
-"""Tiny, randomly initialised Qwen-Image checkpoints made of the real classes, for tests.
+"""Tiny, randomly initialised checkpoints made of the real classes, for tests, the demo and dry runs.
 
-`build_tiny_model` writes a normal diffusers folder (model_index.json, transformer/, vae/, text_encoder/,
-tokenizer/, scheduler/, and processor/ for the Edit pipelines) that the preset's pipeline loads with
-`from_pretrained` (Edit pipelines with `processor=load_processor(path)`). One generic builder takes the
-sizes; the presets (`PRESETS`: edit, edit_plus, edit_2511, t2i, demo) fill in the pipeline and the numbers that
-differ; qwen_image_21, made of other classes, names its own builder. The same seed gives bitwise identical
-weights. `python -m qie.tiny PRESET DIR` writes one.
+Each model family names its tiny presets and their builders (`ModelFamily.tiny_presets`, read through
+`qie.models.tiny_presets()`); `build_tiny_model(path, preset)` runs the preset's builder and `ensure_tiny_model`
+builds one in place once, atomically. The same seed gives bitwise identical weights. `python -m qie.tiny
+PRESET DIR` writes one.
+
+This module also holds the Qwen-Image family's builder (`build_qwen_image_tiny`): a normal diffusers folder
+(model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/, and processor/ for the Edit
+pipelines) that the preset's pipeline loads with `from_pretrained` (Edit pipelines with
+`processor=load_processor(path)`). One generic builder takes the sizes; its presets (`PRESETS`: edit, edit_plus,
+edit_2511, t2i, demo) fill in the pipeline and the numbers that differ.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
-    QwenImage21Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -37,7 +40,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 from qie.components.tiny_presets import DEMO_TRANSFORMER, DEMO_VAE_CONFIG, DEMO_VAE_FILE, load_shipped_vae
 from qie.components.tiny_tokenizer import build_tokenizer, system_prefix
 from qie.errors import ModelLoadError
-from qie.models import pipeline_parts
+from qie.models import pipeline_parts, tiny_presets
 
 TINY_VERSION = "v1"
 EDIT_PIPELINES = (QwenImageEditPipeline, QwenImageEditPlusPipeline)
@@ -45,9 +48,8 @@ EDIT_PIPELINES = (QwenImageEditPipeline, QwenImageEditPlusPipeline)
 
 @dataclass(frozen=True)
 class TinyPreset:
-    """What one tiny model is: its pipeline, the pipelines whose templates its tokenizer learns, and
-    the transformer config entries that differ from `TRANSFORMER_CONFIG`; or, for a family built of
-    other classes, its own builder ("module:function" taking (path, seed))."""
+    """What one tiny Qwen-Image model is: its pipeline, the pipelines whose templates its tokenizer learns, and
+    the transformer config entries that differ from `TRANSFORMER_CONFIG`."""
 
     pipeline: type
     tokenizer_pipelines: tuple[type, ...]
@@ -55,7 +57,6 @@ class TinyPreset:
     # A VAE config and weights shipped with qie (`qie.components.tiny_presets`) instead of a random VAE.
     vae: tuple[tuple[str, Any], ...] = ()
     vae_weights: str | None = None
-    builder: str | None = None
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -69,9 +70,6 @@ PRESETS: dict[str, TinyPreset] = {
         QwenImageEditPipeline, EDIT_PIPELINES, tuple(DEMO_TRANSFORMER.items()), tuple(DEMO_VAE_CONFIG.items()),
         DEMO_VAE_FILE,
     ),  # fmt: skip
-    "qwen_image_21": TinyPreset(
-        QwenImage21Pipeline, (), builder="qie.components.tiny_qwen_image_21:build_tiny_qwen_image_21"
-    ),
 }
 # Where each part comes from, as model_index.json names it; a pipeline lists the parts it takes.
 MODEL_INDEX: dict[str, list[str]] = {
@@ -114,11 +112,12 @@ IMAGE_PROCESSOR_CONFIG: dict[str, Any] = {
 }  # fmt: skip
 
 
-def preset(variant: str) -> TinyPreset:
-    """The tiny preset named `variant`. Raises ValueError naming the presets for an unknown one."""
-    if variant not in PRESETS:
-        raise ValueError(f"unknown tiny model variant {variant!r}; expected one of {sorted(PRESETS)}")
-    return PRESETS[variant]
+def preset(variant: str) -> tuple[Any, str]:
+    """(family, builder) of the tiny preset named `variant`. Raises ValueError naming the presets for an unknown one."""
+    presets = tiny_presets()
+    if variant not in presets:
+        raise ValueError(f"unknown tiny model variant {variant!r}; expected one of {sorted(presets)}")
+    return presets[variant]
 
 
 def _text_encoder_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
@@ -160,11 +159,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
-    """Build the tiny random checkpoint of preset `variant` into `path` and return it."""
-    spec = preset(variant)
-    if spec.builder is not None:
-        module, _, function = spec.builder.partition(":")
-        return getattr(importlib.import_module(module), function)(path, seed)
+    """Build the tiny random checkpoint of preset `variant` into `path` and return it (the builder its family
+    names: "module:function" taking (path, preset, seed))."""
+    module, _, function = preset(variant)[1].partition(":")
+    return getattr(importlib.import_module(module), function)(path, variant, seed)
+
+
+def build_qwen_image_tiny(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
+    """The Qwen-Image family's builder: the tiny checkpoint of `PRESETS[variant]` in `path`."""
+    spec = PRESETS[variant]
     parts = pipeline_parts(spec.pipeline.__name__)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,16 +201,22 @@ def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int =
 
 
 def _check_existing(path: Path, variant: str) -> Path:
-    """`path`, when the model there is the tiny `variant` (its pipeline class and transformer settings)."""
-    spec = preset(variant)
+    """`path`, when the model there is the tiny `variant`: one of its family's pipelines (a Qwen-Image preset:
+    its own pipeline class and transformer settings)."""
+    family, _ = preset(variant)
     found = json.loads((path / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
+    spec = PRESETS.get(variant)
+    if spec is None:
+        wanted, overrides = {v.pipeline_class for v in family.variants.values()}, {}
+    else:
+        wanted, overrides = {spec.pipeline.__name__}, dict(spec.transformer)
     # Compared as JSON stores them (tuples come back as lists).
-    differs = {k: config.get(k) for k, v in spec.transformer if config.get(k) != json.loads(json.dumps(v))}
-    if found != spec.pipeline.__name__ or differs:
+    differs = {k: config.get(k) for k, v in overrides.items() if config.get(k) != json.loads(json.dumps(v))}
+    if found not in wanted or differs:
         raise ModelLoadError(
             f"{path} holds a tiny {found} model {differs or ''}, not the {variant} one asked for "
-            f"({spec.pipeline.__name__} {dict(spec.transformer) or ''}): remove it to rebuild"
+            f"({' or '.join(sorted(wanted))} {overrides or ''}): remove it to rebuild"
         )
     return path
 
@@ -275,6 +284,7 @@ def default_tiny_path(variant: str = "edit") -> Path:
 __all__ = [
     "PRESETS",
     "TinyPreset",
+    "build_qwen_image_tiny",
     "build_tiny_model",
     "build_tokenizer",
     "default_tiny_path",

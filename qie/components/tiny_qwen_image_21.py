@@ -10,8 +10,6 @@ tokens and a Qwen-VL chat template (the pipeline derives its drop index from tha
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +20,10 @@ from diffusers import (
     QwenImage21Pipeline,
     QwenImage21Transformer2DModel,
 )
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from qie.components.tiny import SCHEDULER_CONFIG, _seeded, _write_json
-from qie.components.tiny_tokenizer import EDIT_INSTRUCTIONS, SPECIAL_TOKENS
+from qie.components.tiny_tokenizer import EDIT_INSTRUCTIONS, train_bpe, without_special_tokens
 
 # Qwen-VL's chat template, reduced to what a prompt of text and images needs.
 CHAT_TEMPLATE = (
@@ -74,35 +70,7 @@ def _templates() -> list[str]:
 
 def build_tokenizer() -> Qwen2Tokenizer:
     """A byte-level BPE (Qwen2 pre-tokenizer, Qwen special tokens) trained on 2.1's templates and some prompts."""
-    special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
-    corpus = [part for text in _templates() + EDIT_INSTRUCTIONS for part in special.split(text) if part]
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=768,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(corpus, trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(
-        vocab=model["vocab"],
-        merges=merges,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        extra_special_tokens=SPECIAL_TOKENS[1:],
-        model_max_length=32768,
-    )
+    tokenizer = train_bpe(without_special_tokens(_templates() + EDIT_INSTRUCTIONS), vocab_size=768)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -134,7 +102,7 @@ def text_encoder_config(tokenizer: Qwen2Tokenizer) -> Qwen3VLConfig:
     )
 
 
-def build_tiny_qwen_image_21(path: str | Path, seed: int = 0) -> Path:
+def build_tiny_qwen_image_21(path: str | Path, preset: str = "qwen_image_21", seed: int = 0) -> Path:
     """Build the tiny Qwen-Image-2.1 checkpoint into `path` (same seed, bitwise the same weights)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -53,18 +53,12 @@ def system_prefix(pipeline_cls: type) -> tuple[str, int]:
 
 def _training_corpus(pipelines: Sequence[type]) -> list[str]:
     """The templates and some edit instructions, cut at the special tokens (those are not learned)."""
-    special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
     texts = [_template(pipeline_cls)[0] for pipeline_cls in pipelines]
-    texts += [f"Picture {i}: " for i in range(1, 4)] + EDIT_INSTRUCTIONS
-    return [part for text in texts for part in special.split(text) if part]
+    return without_special_tokens(texts + [f"Picture {i}: " for i in range(1, 4)] + EDIT_INSTRUCTIONS)
 
 
-def build_tokenizer(pipelines: Sequence[type]) -> Qwen2Tokenizer:
-    """Train the tiny byte-level BPE (Qwen2 pre-tokenizer) on `pipelines`' templates, as a `Qwen2Tokenizer`.
-
-    Raises:
-        RuntimeError: a pipeline's system prefix does not tokenise to exactly its drop index.
-    """
+def train_bpe(corpus: Sequence[str], vocab_size: int = TOKENIZER_VOCAB_CAP) -> Qwen2Tokenizer:
+    """A byte-level BPE (Qwen2 pre-tokenizer, Qwen special tokens) trained on `corpus`, as a `Qwen2Tokenizer`."""
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -75,15 +69,15 @@ def build_tokenizer(pipelines: Sequence[type]) -> Qwen2Tokenizer:
     )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_CAP,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_training_corpus(pipelines), trainer)
+    bpe.train_from_iterator(corpus, trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(
+    return Qwen2Tokenizer(
         vocab=model["vocab"],
         merges=merges,
         eos_token="<|im_end|>",
@@ -92,6 +86,21 @@ def build_tokenizer(pipelines: Sequence[type]) -> Qwen2Tokenizer:
         extra_special_tokens=SPECIAL_TOKENS[1:],
         model_max_length=32768,
     )
+
+
+def without_special_tokens(texts: Sequence[str]) -> list[str]:
+    """`texts` cut at the special tokens (those are not learned)."""
+    special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+    return [part for text in texts for part in special.split(text) if part]
+
+
+def build_tokenizer(pipelines: Sequence[type]) -> Qwen2Tokenizer:
+    """Train the tiny byte-level BPE on `pipelines`' templates and some edit instructions.
+
+    Raises:
+        RuntimeError: a pipeline's system prefix does not tokenise to exactly its drop index.
+    """
+    tokenizer = train_bpe(_training_corpus(pipelines))
     for pipeline_cls in pipelines:  # the pipelines' prefix dropping must cut exactly here
         prefix, drop_idx = system_prefix(pipeline_cls)
         if (n := len(tokenizer(prefix)["input_ids"])) != drop_idx:

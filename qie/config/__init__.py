@@ -167,13 +167,8 @@ def validate(cfg: DictConfig) -> None:
         ConfigError: naming the key, the bad value and what is allowed.
     """
     for name, node in cfg.items():
-        if name == "hydra" or not isinstance(node, DictConfig):
-            continue
-        schema = OmegaConf.get_type(node)
-        allowed = set(getattr(schema, "__dataclass_fields__", {}))
-        extra = sorted(set(node.keys()) - allowed) if allowed else []
-        if extra:
-            raise ConfigError(f"unknown key {name}.{extra[0]}: valid keys of {name!r} are {', '.join(sorted(allowed))}")
+        if name != "hydra" and isinstance(node, DictConfig):
+            _check_keys(node, name)
     _check_range(cfg, "data.caption_dropout_rate", 0.0, 1.0)
     _check_range(cfg, "data.batch_size", 1, None)
     _check_range(cfg, "data.num_workers", 0, None)
@@ -188,11 +183,43 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "train.blocks_to_swap", 0, None)
     _check_range(cfg, "predict.blocks_to_swap", 0, None)
     _check_installed(cfg, "train.optimizer")
+    if isinstance(cfg.get("model"), DictConfig):
+        _check_model(cfg.model)
     if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
         raise ConfigError(
             "validation.every needs an unsharded model (validation samples on the main process only): "
             "set validation.every=0 with train.fsdp=true"
         )
+
+
+def _check_keys(node: DictConfig, path: str) -> None:
+    """Refuse keys a schema does not have, at any depth (a `+train.lora.use_dora=true` must not pass unused).
+    Nodes typed `Any` (an optimizer's `_target_` and its arguments) take any key."""
+    schema = OmegaConf.get_type(node)
+    allowed = set(getattr(schema, "__dataclass_fields__", {}))
+    if not allowed:
+        return
+    extra = sorted(set(node.keys()) - allowed)
+    if extra:
+        raise ConfigError(f"unknown key {path}.{extra[0]}: valid keys of {path!r} are {', '.join(sorted(allowed))}")
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            _check_keys(child, f"{path}.{key}")
+
+
+def _check_model(model: DictConfig) -> None:
+    """The model's variant and tiny preset exist, and its family's rules hold (`ModelFamily.config_problems`),
+    before anything is built."""
+    from qie.models import model_spec, tiny_presets
+
+    spec = model_spec(model)
+    tiny = model.get("tiny")
+    if tiny and str(tiny) not in tiny_presets():
+        raise ConfigError(f"model.tiny={tiny!r} is not a tiny preset: choose one of {', '.join(tiny_presets())}")
+    problems = spec.family.config_problems(spec)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 # Optional packages that a `_target_` may need, and the qie extra that installs each.

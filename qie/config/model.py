@@ -10,16 +10,6 @@ from enum import Enum
 from omegaconf import MISSING
 
 
-class Variant(str, Enum):
-    """Pipeline family: Edit takes one control image, Edit-Plus several, text-to-image none; Qwen-Image-2.1
-    makes images from text alone or from up to 10 references."""
-
-    edit = "edit"
-    edit_plus = "edit_plus"
-    text_to_image = "text_to_image"
-    qwen_image_21 = "qwen_image_21"
-
-
 class Dtype(str, Enum):
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -37,14 +27,17 @@ class Quantize(str, Enum):
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    variant: Variant = Variant.edit
+    # The pipeline: a variant of a model family (`qie.models`): edit (one control image), edit_plus (several),
+    # text_to_image (none), qwen_image_21 (text to image and up to 10 references). Checked when composed.
+    variant: str = "edit"
     # Hub id or local diffusers-format folder.
     pretrained_model_name_or_path: str = MISSING
     # A transformer to use instead of the base model's (a merged or fully fine-tuned one): its diffusers
     # folder, or the folder holding it as transformer/. The other parts come from the base model.
     transformer_path: str | None = None
     revision: str | None = None
-    # A tiny preset (edit, edit_plus, edit_2511, t2i, qwen_image_21): qie builds that tiny random model at
+    # A tiny preset (edit, edit_plus, edit_2511, t2i, demo, qwen_image_21: each family names its own): qie builds
+    # that tiny random model at
     # `pretrained_model_name_or_path` when it is not there yet. null for real checkpoints.
     tiny: str | None = None
     dtype: Dtype = Dtype.bfloat16

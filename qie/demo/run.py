@@ -21,12 +21,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
+from qie.components import prepare_model
 from qie.config import for_stage
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample, scan_dataset
 from qie.demo.grid import captioned_grid
 from qie.demo.synthetic import make_dataset
-from qie.sampling import decode_latents
+from qie.models import ModelSpec
 from qie.stages import infer, precompute, train
 from qie.stages.common import build_source, sampling_options, value
 from qie.training.evaluate import heldout_loss
@@ -66,7 +67,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
     d = cfg.demo
-    data_root = make_dataset(run_dir / "data", d.train_samples, d.heldout_samples, d.image_size, d.seed)
+    spec = prepare_model(cfg.model)
+    edits = spec.max_control_images > 0  # else a text-to-image model: shapes from their descriptions
+    data_root = make_dataset(run_dir / "data", d.train_samples, d.heldout_samples, d.image_size, d.seed, edits)
     cache_dir = str(run_dir / "cache")
     train_cfg = _with(cfg, **{"data.path": str(data_root / "train"), "cache.dir": cache_dir, "cache.mode": "cached"})
     heldout_cfg = _with(train_cfg, **{"data.path": str(data_root / "heldout")})
@@ -77,28 +80,29 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     result = train.run(train_cfg, run_dir / "train")
 
     heldout = scan_dataset(data_root / "heldout").samples
-    source = build_source(heldout_cfg, mode="cached")
-    predictor = infer.build_predictor(_with(heldout_cfg, **{"predict.lora": None}))
+    source = build_source(heldout_cfg, mode="cached", spec=spec)
+    predictor = infer.build_predictor(_with(heldout_cfg, **{"predict.lora": None}), spec)
     options = sampling_options(cfg.predict)
-    targets = [_target(sample, int(cfg.model.vae_image_pixels)) for sample in heldout]
+    targets = [_target(sample, int(cfg.model.vae_image_pixels), spec) for sample in heldout]
 
     def evaluate(tag: str) -> tuple[float, list[Image.Image], float]:
-        loss = heldout_loss(predictor.parts.transformer, source, heldout, seed=int(d.seed))
+        loss = heldout_loss(predictor.parts.transformer, source, heldout, spec.loss, seed=int(d.seed))
         images = []
         out_dir = run_dir / "predictions" / tag
         out_dir.mkdir(parents=True, exist_ok=True)
         for i, sample in enumerate(heldout):
-            image = predictor.predict(sample.controls[0], sample.prompt, options, seed=i)[0]
+            image = predictor.predict(list(sample.controls), sample.prompt, options, seed=i)[0]
             image.save(out_dir / f"{sample.id}.png")
             images.append(image)
         return loss, images, pixel_error(images, targets)
 
-    psnr = vae_psnr(predictor, targets)
+    psnr = vae_psnr(predictor, targets, spec)
     loss_before, base_images, error_before = evaluate("base")
     predictor.load_lora(result["lora"])
     loss_after, lora_images, error_after = evaluate("lora")
 
-    controls = [open_image(sample.controls[0]) for sample in heldout]
+    blank = Image.new("RGB", (int(d.image_size),) * 2, "white")  # a text-to-image sample has no control image
+    controls = [open_image(sample.controls[0]) if sample.controls else blank for sample in heldout]
     rows = [[c, _to_pil(t), b, lo] for c, t, b, lo in zip(controls, targets, base_images, lora_images)]
     picture = _picture(cfg, run_dir, rows, [sample.prompt for sample in heldout], int(result["step"]))
 
@@ -137,9 +141,9 @@ def _picture(cfg: DictConfig, run_dir: Path, rows: list, prompts: list[str], ste
     return path
 
 
-def _target(sample: Sample, pixels: int) -> np.ndarray:
-    """The sample's target as the model sees it: resized to `pixels`, (H, W, 3) in [0, 1]."""
-    return (prepare_target(open_image(sample.target), pixels).permute(1, 2, 0).numpy() + 1) / 2
+def _target(sample: Sample, pixels: int, spec: ModelSpec) -> np.ndarray:
+    """The sample's target as the model sees it: resized to `pixels`, (H, W, 3 or 4 with alpha) in [0, 1]."""
+    return (prepare_target(open_image(sample.target, spec.alpha), pixels).permute(1, 2, 0).numpy() + 1) / 2
 
 
 def _to_pil(array: np.ndarray) -> Image.Image:
@@ -151,17 +155,17 @@ def pixel_error(images: list[Image.Image], targets: list[np.ndarray]) -> float:
     errors = []
     for image, target in zip(images, targets):
         pred = np.asarray(image.convert("RGB").resize(target.shape[1::-1]), dtype=np.float32) / 255.0
-        errors.append(float(np.abs(pred - target).mean()))
+        errors.append(float(np.abs(pred - target[..., :3]).mean()))
     return float(np.mean(errors))
 
 
-def vae_psnr(predictor: infer.Predictor, targets: list[np.ndarray]) -> float:
+def vae_psnr(predictor: infer.Predictor, targets: list[np.ndarray], spec: ModelSpec) -> float:
     """PSNR (dB) of the targets encoded and decoded by the model's VAE, as the pipelines encode and decode."""
     squared = []
     for target in targets:
         pixels = torch.from_numpy(target * 2 - 1).permute(2, 0, 1).float()
         latent = predictor.encoder.encode_latents([pixels])[0].unsqueeze(0)
-        decoded = decode_latents(predictor.parts.vae, latent, output_type="np")[0]
+        decoded = spec.decoder(predictor.parts.vae, latent, output_type="np")[0]
         squared.append(float(((decoded - target) ** 2).mean()))
     return 10 * math.log10(1.0 / max(float(np.mean(squared)), 1e-12))
 

@@ -1,7 +1,8 @@
-"""A synthetic edit data set: coloured shapes on plain backgrounds, with recolour instructions.
+"""A synthetic data set: coloured shapes on plain backgrounds, with recolour instructions.
 
 Each sample's control image shows one shape; the target shows the same shape in another colour, and
-the caption says which ("make the circle red"). Written in the folder layout, with a held-out split.
+the caption says which ("make the circle red"). For a text-to-image model there is no control image and the
+caption describes the target ("a red circle"). Written in the folder layout, with a held-out split.
 Shapes are large and the colours few and far apart, so that a tiny model's edit is plain to see.
 """
 
@@ -60,21 +61,29 @@ def random_image(rng: random.Random, size: int) -> Image.Image:
     return draw_shape(size, shape, COLORS[rng.choice(sorted(COLORS))], background, box)
 
 
-def write_split(root: Path, count: int, size: int, rng: random.Random) -> None:
+def write_split(root: Path, count: int, size: int, rng: random.Random, controls: bool = True) -> None:
     (root / "training_images").mkdir(parents=True, exist_ok=True)
-    (root / "control_images").mkdir(parents=True, exist_ok=True)
+    if controls:
+        (root / "control_images").mkdir(parents=True, exist_ok=True)
     for i in range(count):
         control, target, prompt = random_edit(rng, size)
         stem = f"{i:05d}"
-        control.save(root / "control_images" / f"{stem}.png")
+        if controls:
+            control.save(root / "control_images" / f"{stem}.png")
+        else:  # "make the circle red" -> "a red circle"
+            shape, color = prompt.split()[-2:]
+            prompt = f"a {color} {shape}"
         target.save(root / "training_images" / f"{stem}.png")
         (root / "training_images" / f"{stem}.txt").write_text(prompt + "\n", encoding="utf-8")
 
 
-def make_dataset(root: str | Path, train: int = 32, heldout: int = 8, size: int = 64, seed: int = 0) -> Path:
-    """Write `root/train` and `root/heldout` in the folder layout; returns `root`. Same seed, same files."""
+def make_dataset(
+    root: str | Path, train: int = 32, heldout: int = 8, size: int = 64, seed: int = 0, controls: bool = True
+) -> Path:
+    """Write `root/train` and `root/heldout` in the folder layout (without control images when not `controls`);
+    returns `root`. Same seed, same files."""
     root = Path(root)
     rng = random.Random(seed)
-    write_split(root / "train", train, size, rng)
-    write_split(root / "heldout", heldout, size, rng)
+    write_split(root / "train", train, size, rng, controls)
+    write_split(root / "heldout", heldout, size, rng, controls)
     return root

@@ -1,73 +1,53 @@
-"""Model descriptions: what differs between the models qie trains, as data.
+"""Model families and model descriptions.
 
-`model_spec(model_cfg)` joins a model yaml (checkpoint, condition sizes, control counts, what the
-transformer config must say) with its pipeline family (`FAMILIES`: the diffusers pipeline, how prompts see
-their images, which image sets the output size). The prompt template, drop index, default output size,
-sampling defaults and the parts a pipeline takes are read off the diffusers class itself. Stages, encoding,
-keys, sampling and validation read these fields instead of comparing model names; adding a model is one
-yaml file. A family whose pipeline works differently (Qwen-Image-2.1) names its own module (`Family.code`,
-e.g. `qie.models.qwen_image_21`), which provides the pieces that differ; the spec hands them out.
+`FAMILY_MODULES` is the one list of model families: each module builds a `ModelFamily` (`qie.models.family`)
+named `FAMILY`, with every piece qie needs of it. `model_spec(model_cfg)` joins a model yaml (checkpoint,
+condition sizes, control counts, what the transformer config must say) with its family and variant into the
+`ModelSpec` every stage reads. A stage builds the spec once, at its edge, and passes it down.
+
+Adding a family: one module here (its `FAMILY`), its name in `FAMILY_MODULES`, one model yaml per variant in
+`qie/conf/model/`, one tiny preset, and its tiny model's name in the test battery.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from types import ModuleType
 from typing import Any
 
 from qie.errors import ConfigError
+from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
+
+# The model families qie knows, by module. The only list of family names: variants and tiny presets are
+# read off the families.
+FAMILY_MODULES = ("qie.models.qwen_image", "qie.models.qwen_image_21")
 
 
-@dataclass(frozen=True)
-class Family:
-    """What one diffusers pipeline does with prompts and images.
-
-    Args:
-        pipeline_class: the pipeline's class name in `diffusers`.
-        prompt_images: how a prompt sees the sample's control images: "none" (text only, tokenizer),
-            "one" (one image, prompts batched), "all" (every image as "Picture N: ...", one prompt per call,
-            since diffusers applies one image list to every prompt of a call; no image: text only).
-        output_image: the control image (0 first, -1 last) whose condition size is the output size, as the
-            pipeline's `__call__` picks it; None for a pipeline without control images.
-        max_prompt_tokens: where `__call__` cuts prompt embeddings (its `max_sequence_length`), if it does.
-        patch_size: the transformer packs patch_size x patch_size latent pixels into one token, so its
-            in_channels are patch_size² times its out_channels (the VAE's latent channels).
-        code: the module of a family whose pipeline works unlike Qwen-Image's (see `DEFAULT_PIECES`); None
-            for the Qwen-Image pipelines, whose pieces are qie's defaults.
-    """
-
-    pipeline_class: str
-    prompt_images: str
-    output_image: int | None
-    max_prompt_tokens: int | None = None
-    patch_size: int = 2
-    code: str | None = None
+@cache
+def families() -> dict[str, ModelFamily]:
+    """name -> family, each checked as it registers (`ModelFamily` requires every piece)."""
+    out = {}
+    for path in FAMILY_MODULES:
+        family = getattr(importlib.import_module(path), "FAMILY", None)
+        if not isinstance(family, ModelFamily):
+            raise FamilyError(f"{path} defines no FAMILY (a qie.models.family.ModelFamily)")
+        out[family.name] = family
+    return out
 
 
-# What a family module (`Family.code`) may provide, where the family differs from the Qwen-Image pipelines:
-# PART_CLASSES (part -> "module:Class"), ALPHA (images keep alpha), pipeline(parts), prompt_template(),
-# default_size(spec), encode_prompt(pipeline, prompt, images, device) -> {"embed", "image_mask"}, and the
-# pieces of DEFAULT_PIECES with their names and signatures: flow_matching_loss(transformer, batch, noise,
-# sigmas, weighting) -> loss; sample(parts, prompt, negative, controls, size, options, progress) -> latents;
-# decode_latents(vae, latents, output_type) -> images.
-DEFAULT_PIECES = {
-    "flow_matching_loss": "qie.training.step:flow_matching_loss",
-    "sample": "qie.sampling:sample_edit",
-    "decode_latents": "qie.sampling:decode_latents",
-}
+@cache
+def variants() -> dict[str, tuple[ModelFamily, Variant]]:
+    """variant name (a model yaml's `variant`) -> (its family, the variant)."""
+    return {name: (f, v) for f in families().values() for name, v in f.variants.items()}
 
 
-FAMILIES: dict[str, Family] = {
-    "edit": Family("QwenImageEditPipeline", "one", output_image=0),
-    "edit_plus": Family("QwenImageEditPlusPipeline", "all", output_image=-1),
-    "text_to_image": Family("QwenImagePipeline", "none", output_image=None, max_prompt_tokens=512),
-    # Text to image and editing with up to 10 references, which the prompt sees all at once.
-    "qwen_image_21": Family("QwenImage21Pipeline", "all", -1, patch_size=1, code="qie.models.qwen_image_21"),
-}
+@cache
+def tiny_presets() -> dict[str, tuple[ModelFamily, str]]:
+    """tiny preset name (a model yaml's `tiny`, `python -m qie.tiny PRESET`) -> (its family, its builder)."""
+    return {name: (f, builder) for f in families().values() for name, builder in f.tiny_presets.items()}
 
 
 @dataclass(frozen=True)
@@ -88,7 +68,8 @@ class ModelSpec:
 
     name: str
     variant: str
-    family: Family
+    family: ModelFamily
+    pipe: Variant
     min_control_images: int
     max_control_images: int
     vae_image_pixels: int
@@ -100,11 +81,11 @@ class ModelSpec:
 
     @property
     def pipeline_class(self) -> str:
-        return self.family.pipeline_class
+        return self.pipe.pipeline_class
 
     @property
     def output_image(self) -> int | None:
-        return self.family.output_image
+        return self.pipe.output_image
 
     def pipeline_cls(self) -> type:
         import diffusers
@@ -118,7 +99,7 @@ class ModelSpec:
 
     @property
     def prompt_parts(self) -> tuple[str, ...]:
-        """What encodes a prompt besides Qwen2.5-VL: the processor where the pipeline has one, else the
+        """What encodes a prompt besides the text encoder: the processor where the pipeline has one, else the
         tokenizer (text-to-image builds no processor)."""
         return ("processor",) if "processor" in self.part_names else ("tokenizer",)
 
@@ -132,64 +113,36 @@ class ModelSpec:
         return self.min_control_images > 0
 
     @property
-    def code(self) -> ModuleType | None:
-        """The family's own module, or None for the Qwen-Image pipelines."""
-        return importlib.import_module(self.family.code) if self.family.code else None
-
-    def piece(self, name: str) -> Any:
-        """The family module's `name`, else the Qwen-Image one (`DEFAULT_PIECES`)."""
-        if hasattr(self.code, name):
-            return getattr(self.code, name)
-        module, _, attr = DEFAULT_PIECES[name].partition(":")
-        return getattr(importlib.import_module(module), attr)
-
-    @property
     def part_classes(self) -> dict[str, str]:
-        """The parts whose class is not the registry's default: part name -> "module:Class"."""
-        return dict(getattr(self.code, "PART_CLASSES", {}))
+        return dict(self.family.part_classes)
 
     @property
     def alpha(self) -> bool:
-        """Whether images keep their alpha channel (else it is composited on white)."""
-        return bool(getattr(self.code, "ALPHA", False))
+        return self.family.alpha
 
     @property
-    def prompt_encoder(self) -> Callable[..., dict] | None:
-        """The family's own prompt encoding (one prompt per call); None: `Encoder`'s batched one."""
-        return getattr(self.code, "encode_prompt", None)
+    def loss(self) -> Any:
+        return self.family.loss
 
     @property
-    def loss(self) -> Callable[..., Any]:
-        return self.piece("flow_matching_loss")
+    def sampler(self) -> Any:
+        return self.family.sample
 
     @property
-    def sampler(self) -> Callable[..., Any]:
-        return self.piece("sample")
-
-    @property
-    def decoder(self) -> Callable[..., Any]:
-        return self.piece("decode_latents")
+    def decoder(self) -> Any:
+        return self.family.decode
 
     def pipeline(self, parts: Any) -> Any:
         """The diffusers pipeline over the built parts (parts not built stay None)."""
-        if self.code is not None:
-            return self.code.pipeline(parts)
-        return self.pipeline_cls()(**{name: getattr(parts, name, None) for name in self.part_names})
+        return self.family.pipeline(self, parts)
 
     def prompt_template(self) -> str:
         """The pipeline's prompt template, drop index and prompt cut, as one string (part of prompt keys)."""
-        if self.code is not None:
-            return self.code.prompt_template()
-        template, drop_idx, _ = _pipeline_facts(self.pipeline_class)
-        cut = f"|{self.family.max_prompt_tokens}" if self.family.max_prompt_tokens else ""
-        return f"{template}|{drop_idx}{cut}"
+        return self.family.prompt_template(self)
 
     def default_size(self, vae_scale: int) -> tuple[int, int]:
-        """(height, width) the pipeline makes when given no size and no image: its default sample size."""
-        if self.code is not None:
-            return self.code.default_size(self)
-        side = _pipeline_facts(self.pipeline_class)[2] * vae_scale
-        return side, side
+        """(height, width) the pipeline makes when given no size and no image (`vae_scale`: the VAE's)."""
+        return self.family.default_size(self, vae_scale)
 
     def call_defaults(self) -> dict[str, Any]:
         """The model's defaults for the sampling options left unset (`SamplingOptions.resolved`)."""
@@ -237,10 +190,11 @@ class ModelSpec:
         return None
 
     def mismatches(self, found: CheckpointFacts) -> list[str]:
-        """How a checkpoint differs from this description (empty: it fits)."""
-        problems = []
+        """How a checkpoint differs from this description (empty: it fits). A checkpoint of another pipeline
+        is named as such first; the transformer's details are compared only for the right pipeline."""
         if found.pipeline_class is not None and found.pipeline_class != self.pipeline_class:
-            problems.append(f"the checkpoint is a {found.pipeline_class}, model={self.name} a {self.pipeline_class}")
+            return [f"the checkpoint is a {found.pipeline_class}, model={self.name} a {self.pipeline_class}"]
+        problems = []
         if found.zero_cond_t != self.zero_cond_t:
             problems.append(
                 f"its transformer has zero_cond_t={found.zero_cond_t}, model={self.name} expects {self.zero_cond_t}"
@@ -264,12 +218,15 @@ def model_spec(model: Any) -> ModelSpec:
         ConfigError: for a variant qie does not know, naming the ones it does.
     """
     variant = str(getattr(model.variant, "value", model.variant))
-    if variant not in FAMILIES:
-        raise ConfigError(f"model.variant={variant!r} is not known: choose one of {', '.join(FAMILIES)}")
+    known = variants()
+    if variant not in known:
+        raise ConfigError(f"model.variant={variant!r} is not known: choose one of {', '.join(known)}")
+    family, pipe = known[variant]
     return ModelSpec(
         name=str(model.name),
         variant=variant,
-        family=FAMILIES[variant],
+        family=family,
+        pipe=pipe,
         min_control_images=int(model.min_control_images),
         max_control_images=int(model.max_control_images),
         vae_image_pixels=int(model.vae_image_pixels),
@@ -281,16 +238,6 @@ def model_spec(model: Any) -> ModelSpec:
 
 
 @cache
-def _pipeline_facts(pipeline_class: str) -> tuple[str, int, int]:
-    """(prompt template, drop index, default sample size) of a component-less pipeline instance."""
-    import diffusers
-
-    cls = getattr(diffusers, pipeline_class)
-    pipe = cls(**{name: None for name in pipeline_parts(pipeline_class)})
-    return pipe.prompt_template_encode, int(pipe.prompt_template_encode_start_idx), int(pipe.default_sample_size)
-
-
-@cache
 def pipeline_parts(pipeline_class: str) -> tuple[str, ...]:
     """The parts a diffusers pipeline takes: its required `__init__` arguments, in their order (settings
     with a default, such as 2.1's `sample_sigmas`, are not parts)."""
@@ -298,3 +245,19 @@ def pipeline_parts(pipeline_class: str) -> tuple[str, ...]:
 
     params = inspect.signature(getattr(diffusers, pipeline_class).__init__).parameters
     return tuple(n for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty)
+
+
+__all__ = [
+    "FAMILY_MODULES",
+    "CheckpointFacts",
+    "FamilyError",
+    "ModelFamily",
+    "ModelSpec",
+    "PlannerFacts",
+    "Variant",
+    "families",
+    "model_spec",
+    "pipeline_parts",
+    "tiny_presets",
+    "variants",
+]

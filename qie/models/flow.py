@@ -7,6 +7,9 @@ the mean (optionally weighted) squared error, and the resolution-dependent shift
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import torch
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -65,3 +68,11 @@ def shift_mu(image_seq_len: int, scheduler_config: dict) -> float:
         c.get("base_shift", 0.5),
         c.get("max_shift", 1.15),
     )
+
+
+def predict(transformer: Any, name: str, **inputs: Any) -> torch.Tensor:
+    """One transformer call of a sampling loop, named as the pipelines name it for diffusers' cache hooks
+    ("cond", "uncond"); a wrapped model without `cache_context` is called as it is. Returns its output tensor."""
+    context = getattr(transformer, "cache_context", None)
+    with context(name) if context is not None else nullcontext():
+        return transformer(**inputs, return_dict=False)[0]

@@ -29,9 +29,11 @@ from diffusers import QwenImage21Pipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timesteps
-from tqdm.auto import tqdm
 
-from qie.models.flow import noisy_latents, shift_mu, velocity_loss
+from qie.models import real_size
+from qie.models.family import ModelFamily, PlannerFacts, Variant
+from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
+from qie.progress import progress as progress_bar
 from qie.types import Batch
 
 _pack = QwenImage21Pipeline._pack_latents
@@ -40,15 +42,7 @@ _unpack = QwenImage21Pipeline._unpack_latents
 TOKENS_PER_SLOT = 4
 VAE_SCALE = 16
 
-# What differs from the Qwen-Image pipelines (see qie.models.DEFAULT_PIECES): the parts' classes, and images
-# keep their alpha channel.
-PART_CLASSES = {
-    "vae": "diffusers:AutoencoderKLQwenImage21",
-    "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
-    "processor": "qie.components.processor:Qwen3VLProcessorNoVideo",
-    "transformer": "diffusers:QwenImage21Transformer2DModel",
-}
-ALPHA = True
+VARIANTS = {"qwen_image_21": Variant("QwenImage21Pipeline", "all", output_image=-1)}
 
 
 class _NoProcessor:
@@ -61,7 +55,7 @@ class _NoProcessor:
         return [[]]
 
 
-def pipeline(parts: Any) -> QwenImage21Pipeline:
+def pipeline(spec: Any, parts: Any) -> QwenImage21Pipeline:
     """`QwenImage21Pipeline` over the built parts (a part not built stays None), with the checkpoint's
     `sample_sigmas` (its model_index.json, `parts.pipeline_config`) as `from_pretrained` would set them."""
     processor = parts.processor if parts.processor is not None else _NoProcessor()
@@ -69,31 +63,52 @@ def pipeline(parts: Any) -> QwenImage21Pipeline:
     return QwenImage21Pipeline(parts.scheduler, parts.vae, parts.text_encoder, processor, parts.transformer, sigmas)
 
 
-@cache
-def prompt_template() -> str:
+def prompt_template(spec: Any) -> str:
     """The pipeline's two prompt templates as one string (part of prompt cache keys; the drop index follows
     from the processor, whose fingerprint is in the keys too)."""
-    pipe = pipeline(SimpleNamespace(scheduler=None, vae=None, text_encoder=None, processor=None, transformer=None))
+    return _prompt_templates()
+
+
+@cache
+def _prompt_templates() -> str:
+    parts = SimpleNamespace(scheduler=None, vae=None, text_encoder=None, processor=None, transformer=None)
+    pipe = pipeline(None, parts)
     return f"{pipe.prompt_template_t2i}|{pipe.prompt_template_ti2i}"
 
 
-def default_size(spec: Any) -> tuple[int, int]:
+def default_size(spec: Any, vae_scale: int) -> tuple[int, int]:
     """(height, width) of a text-to-image output: the pipeline's `output_resolution` square, which is the
     side of the condition area (`model.vae_image_pixels`)."""
     side = math.isqrt(int(spec.vae_image_pixels))
     return side, side
 
 
-def encode_prompt(
-    pipe: QwenImage21Pipeline, prompt: str, images: Sequence[Any], device: torch.device
-) -> dict[str, torch.Tensor]:
-    """One prompt seen with its reference images (resized, RGBA or RGB), as the pipeline encodes it.
+def encode_prompts(
+    pipeline: QwenImage21Pipeline, spec: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]], device
+) -> list[dict[str, torch.Tensor]]:
+    """Each prompt seen with its reference images (resized, RGBA or RGB), as the pipeline encodes it, one prompt
+    per call (prompts of different lengths batched together would move the rope positions).
 
     Returns:
-        {"embed": (tokens, dim), "image_mask": (tokens,) bool, True at the image slots}, unpadded, on the CPU.
+        One {"embed": (tokens, dim), "image_mask": (tokens,) bool, True at the image slots} per prompt,
+        unpadded, on the CPU.
     """
-    embeds, _, image_mask = pipe.encode_prompt(prompt=[prompt], image=list(images) or None, device=device)
-    return {"embed": embeds[0].cpu().clone(), "image_mask": image_mask[0].cpu().clone()}
+    out = []
+    for prompt, imgs in zip(prompts, images):
+        embeds, _, image_mask = pipeline.encode_prompt(prompt=[prompt], image=list(imgs) or None, device=device)
+        out.append({"embed": embeds[0].cpu().clone(), "image_mask": image_mask[0].cpu().clone()})
+    return out
+
+
+def encode_latents(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalised latents (B, 64, 1, h, w) of RGBA pixels (B, 4, 1, H, W) in [-1, 1], as the pipeline encodes."""
+    parts = SimpleNamespace(scheduler=None, vae=vae, text_encoder=None, processor=None, transformer=None)
+    return pipeline(None, parts)._encode_vae_image(pixels.to(vae.device, vae.dtype), generator=None)
+
+
+def vae_scale(vae: Any) -> int:
+    """Pixels per latent along a side: 16 (the pipeline's own constant)."""
+    return VAE_SCALE
 
 
 def packed(latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -157,20 +172,20 @@ def sample(
     parts: Any,
     prompt: tuple[torch.Tensor, torch.Tensor],
     negative: tuple[torch.Tensor, torch.Tensor] | None,
-    references: Sequence[torch.Tensor],
+    controls: Sequence[torch.Tensor],
     size: tuple[int, int],
     options: Any,
     progress: bool = False,
 ) -> torch.Tensor:
     """Latents of `options.num_images` images from one sample's encoded inputs (qie's sampler interface,
-    see `qie.sampling.sample_edit`): `sample_latents` with the options' seed, CFG and steps."""
+    see `qie.models.family`): `sample_latents` with the options' seed, CFG and steps."""
     multiple = 2 * VAE_SCALE
     height, width = (int(side) // multiple * multiple for side in size)
     return sample_latents(
-        pipeline(parts),
+        pipeline(None, parts),
         prompt,
         negative if options.guidance else None,
-        references,
+        controls,
         height,
         width,
         torch.Generator("cpu").manual_seed(int(options.seed)),
@@ -240,7 +255,8 @@ def sample_latents(
 
     scheduler.set_begin_index(0)
     cond = (embeds, mask, image_mask, cond_cache, "cond")
-    for i, t in enumerate(tqdm(timesteps, desc="denoise", disable=not progress)):
+    bar = progress_bar(len(timesteps), "denoise", disable=not progress)
+    for i, t in enumerate(timesteps):
         kv_mode = ("extract" if i == 0 else "cached") if cached else None
         model_input = latents if ref_tokens is None else torch.cat([ref_tokens, latents], dim=1)
         timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
@@ -250,25 +266,17 @@ def sample_latents(
             neg = _predict(*step, neg_embeds, neg_mask, neg_image_mask, neg_cache, "uncond")
             pred = neg + true_cfg_scale * (pred - neg)
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        bar.update(1)
+    bar.close()
     return _unpack(latents, height, width, f)
 
 
 def _predict(transformer, model_input, timestep, img_shapes, kv_mode, target_tokens, embeds, mask, image_mask,
              kv_cache, name) -> torch.Tensor:  # fmt: skip
     """One transformer call of the loop (named for diffusers' cache hooks); the target's tokens of its output."""
-    with transformer.cache_context(name):
-        out = transformer(
-            hidden_states=model_input,
-            timestep=timestep,
-            encoder_hidden_states=embeds,
-            encoder_hidden_states_mask=mask,
-            img_shapes=img_shapes,
-            img_mask=image_mask,
-            attention_kwargs={},
-            kv_cache=kv_cache,
-            kv_cache_mode=kv_mode,
-            return_dict=False,
-        )[0]
+    out = predict(transformer, name, hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds,
+                  encoder_hidden_states_mask=mask, img_shapes=img_shapes, img_mask=image_mask, attention_kwargs={},
+                  kv_cache=kv_cache, kv_cache_mode=kv_mode)  # fmt: skip
     return out[:, -target_tokens:]
 
 
@@ -282,3 +290,106 @@ def decode_latents(vae: Any, latents: torch.Tensor, output_type: str = "pil") ->
     images = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
     processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE, vae_latent_channels=vae.config.z_dim)
     return processor.postprocess(images, output_type=output_type)
+
+
+# --- rules and planner facts ----------------------------------------------------------------------------
+
+
+def config_problems(spec: Any) -> list[str]:
+    """The pipeline resizes a reference once, to its `output_resolution`², for Qwen3-VL and the VAE alike: one
+    vision token then covers the 2x2 latent tokens of its image slot. Different areas cannot line up."""
+    if spec.vl_image_pixels != spec.vae_image_pixels:
+        return [
+            f"model.vl_image_pixels={spec.vl_image_pixels} and model.vae_image_pixels={spec.vae_image_pixels} differ, "
+            f"but model={spec.name} (Qwen-Image-2.1) resizes each reference once for Qwen3-VL and the VAE: set both "
+            "to the same area (the pipeline's output_resolution², e.g. 1048576)"
+        ]
+    return []
+
+
+def checkpoint_problems(spec: Any, read_json: Any) -> list[str]:
+    """A processor that would resize the (already resized) references again gives image slots that do not match
+    the latent tokens, a shape error deep in the transformer after both encoders ran: refuse it up front."""
+    config = read_json("processor/preprocessor_config.json")
+    limit = config.get("max_pixels") or (config.get("size") or {}).get("longest_edge")
+    if limit is not None and int(limit) < spec.vae_image_pixels:
+        return [
+            f"its processor resizes images above max_pixels={limit} pixels, below the condition area "
+            f"model.vae_image_pixels={spec.vae_image_pixels}: the references would be resized twice and no longer "
+            "match their latents; raise max_pixels in processor/preprocessor_config.json or lower "
+            "model.vae_image_pixels and model.vl_image_pixels"
+        ]
+    return []
+
+
+def sampling_notes(spec: Any, pipeline_config: dict, options: Any) -> list[str]:
+    """The checkpoint's `sample_sigmas` fix the steps the pipeline takes: a step count asked for is not used."""
+    sigmas = pipeline_config.get("sample_sigmas")
+    steps = getattr(options, "num_inference_steps", None)
+    if sigmas and steps is not None and int(steps) != len(sigmas):
+        return [
+            f"num_inference_steps={steps} is not used: the checkpoint's model_index.json fixes {len(sigmas)} "
+            "sampling steps (sample_sigmas), as QwenImage21Pipeline samples them"
+        ]
+    return []
+
+
+def step_inputs(config: dict, work: Any, make: Any = torch.empty) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """(batch, noise, sigmas) of the planner's `work` (token counts of 16x latents, one token per latent pixel)
+    for a transformer of `config`: references fill the prompt's first image slots, one slot per 2x2 tokens."""
+
+    def latents(tokens: int) -> torch.Tensor:
+        side = 2 * round((tokens / 4) ** 0.5)
+        return make(work.batch, config["out_channels"], 1, side, side, dtype=work.dtype)
+
+    controls = [latents(t) for t in work.control_tokens]
+    slots = sum(c.shape[-1] * c.shape[-2] for c in controls) // TOKENS_PER_SLOT
+    length = max(work.prompt_tokens, slots + 1)
+    image_mask = torch.zeros(work.batch, length, dtype=torch.bool)
+    image_mask[:, :slots] = True
+    batch = Batch(
+        ids=["x"] * work.batch,
+        latents=latents(work.target_tokens),
+        control_latents=controls,
+        prompt_embeds=make(work.batch, length, config["context_in_dim"], dtype=work.dtype),
+        prompt_embeds_mask=None,
+        prompt_image_mask=image_mask,
+    )
+    return batch, latents(work.target_tokens), torch.full((work.batch,), 0.5)
+
+
+FAMILY = ModelFamily(
+    name="qwen_image_21",
+    variants=VARIANTS,
+    part_classes={
+        "vae": "diffusers:AutoencoderKLQwenImage21",
+        "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
+        "tokenizer": "transformers:Qwen2Tokenizer",
+        "processor": "qie.components.processor:Qwen3VLProcessorNoVideo",
+        "transformer": "diffusers:QwenImage21Transformer2DModel",
+        "scheduler": "diffusers:FlowMatchEulerDiscreteScheduler",
+    },
+    alpha=True,
+    patch_size=1,
+    blocks="transformer_blocks",
+    # The input, text and output projections and the timestep embedding stay in full precision: small, and
+    # quantizing them costs quality.
+    keep_full_precision=("img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"),
+    tiny_presets={"qwen_image_21": "qie.components.tiny_qwen_image_21:build_tiny_qwen_image_21"},
+    real_size={"transformer": real_size.TRANSFORMER_21, "vae": real_size.VAE_21,
+               "text_encoder": real_size.TEXT_ENCODER_21},  # fmt: skip
+    # 16x VAE, one token per latent pixel; Qwen3-VL sees 32x32-pixel tokens (16 px patches merged 2x2).
+    planner=PlannerFacts(16, 32 * 32, 32, "Qwen3-VL-8B", step_inputs),
+    pipeline=pipeline,
+    prompt_template=prompt_template,
+    default_size=default_size,
+    encode_prompts=encode_prompts,
+    encode_latents=encode_latents,
+    loss=flow_matching_loss,
+    sample=sample,
+    decode=decode_latents,
+    vae_scale=vae_scale,
+    config_problems=config_problems,
+    checkpoint_problems=checkpoint_problems,
+    sampling_notes=sampling_notes,
+)

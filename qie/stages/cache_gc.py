@@ -11,13 +11,14 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from qie.cache.admin import AdminReport, format_bytes
+from qie.components import prepare_model
 from qie.errors import ConfigError
 from qie.stages.common import build_source, read_data
 
 
 def used_keys(cfg: DictConfig) -> tuple[dict[str, set[str]], int]:
     """The keys (per type) of every sample of `data.path` and `gc.keep_data`, and how many samples that is."""
-    source = build_source(cfg, mode="cached")
+    source = build_source(cfg, mode="cached", spec=prepare_model(cfg.model))
     keep: dict[str, set[str]] = {}
     count = 0
     for path in [cfg.data.path, *cfg.gc.keep_data]:

@@ -19,7 +19,7 @@ from qie.data.keys import KeyContext
 from qie.data.samples import Dataset
 from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND, CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
-from qie.models import model_spec
+from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
 
 
@@ -28,9 +28,9 @@ def value(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
-def image_sizes(cfg: DictConfig) -> ImageSizes:
+def image_sizes(cfg: DictConfig, spec: ModelSpec | None = None) -> ImageSizes:
     return ImageSizes(
-        alpha=model_spec(cfg.model).alpha,
+        alpha=(spec or model_spec(cfg.model)).alpha,
         target_pixels=int(cfg.data.target_pixels),
         vae_image_pixels=int(cfg.model.vae_image_pixels),
         vl_image_pixels=int(cfg.model.vl_image_pixels),
@@ -63,23 +63,28 @@ def read_data(cfg: DictConfig, require_target: bool = True, path: str | None = N
     return read_dataset(data_source(cfg, path), require_target)
 
 
-def build_encoder(cfg: DictConfig) -> Encoder:
-    """Encoder with the VAE on cache.vae_encoder_device and Qwen2.5-VL on cache.text_encoder_device; it
+def build_encoder(cfg: DictConfig, spec: ModelSpec | None = None) -> Encoder:
+    """Encoder with the VAE on cache.vae_encoder_device and the VL model on cache.text_encoder_device; it
     builds the encoder parts of the model's spec (no processor for text-to-image)."""
     devices = {"vae": cfg.cache.vae_encoder_device, "text_encoder": cfg.cache.text_encoder_device}
-    spec = model_spec(cfg.model)
-    return Encoder(load_parts(cfg.model, spec.encoder_parts, devices), spec)
+    spec = spec or model_spec(cfg.model)
+    return Encoder(load_parts(cfg.model, spec.encoder_parts, devices, spec), spec)
 
 
-def model_key_context(cfg: DictConfig) -> KeyContext:
-    """The cache-key context of `cfg`'s model (fingerprints, template, dtype, quantization) and image sizes."""
-    m = cfg.model
+def model_key_context(cfg: DictConfig, spec: ModelSpec | None = None) -> KeyContext:
+    """The cache-key context of `cfg`'s model (fingerprints, template, dtype, quantization) and image sizes.
+    Reads the checkpoint's configs and weight headers; builds and writes nothing."""
+    m, spec = cfg.model, spec or model_spec(cfg.model)
     quantize = str(value(m.get("text_encoder_quantize", "none")))
-    return key_context(model_source(m), m.revision, model_spec(m), image_sizes(cfg), str(value(m.dtype)), quantize)
+    return key_context(model_source(m), m.revision, spec, image_sizes(cfg, spec), str(value(m.dtype)), quantize)
 
 
 def build_source(
-    cfg: DictConfig, mode: str | None = None, encoder: Encoder | None = None, precompute_command: str | None = None
+    cfg: DictConfig,
+    mode: str | None = None,
+    encoder: Encoder | None = None,
+    precompute_command: str | None = None,
+    spec: ModelSpec | None = None,
 ) -> EmbeddingSource:
     """The EmbeddingSource that `cache.mode` (or `mode`) names; `cache=none` is always live.
 
@@ -87,14 +92,15 @@ def build_source(
     a lazy variant (`with_encoding()`) that does.
     """
     mode = mode or str(value(cfg.cache.mode))
-    sizes = image_sizes(cfg)
+    spec = spec or model_spec(cfg.model)
+    sizes = image_sizes(cfg, spec)
     if mode == "live" or cfg.cache.name == "none":
-        return LiveSource(encoder or build_encoder(cfg), sizes)
+        return LiveSource(encoder or build_encoder(cfg, spec), sizes)
     backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
-    factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg))
+    factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg, spec))
     cached = CachedSource(
         backend,
-        model_key_context(cfg),
+        model_key_context(cfg, spec),
         file_hasher(cfg),
         factory,
         sizes,

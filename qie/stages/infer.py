@@ -18,13 +18,13 @@ import torch
 from omegaconf import DictConfig
 from PIL import Image
 
-from qie.components import Parts, load_parts, resolve_device
+from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
 from qie.data.images import as_image, condition_images
 from qie.data.samples import prompt_problem
 from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
-from qie.models import ModelSpec, model_spec
-from qie.sampling import SamplingOptions, latent_sizes, vae_scale_factor
+from qie.models import ModelSpec
+from qie.sampling import SamplingOptions, latent_sizes
 from qie.stages.common import read_data, sampling_options, value
 from qie.training.lora import load_lora, merge_lora, save_transformer
 
@@ -41,7 +41,7 @@ class Predictor:
         self.parts = parts
         self.spec = spec
         self.encoder = Encoder(parts, spec)
-        self.vae_scale_factor = vae_scale_factor(parts.vae)
+        self.vae_scale_factor = spec.family.vae_scale(parts.vae)
         self.swap: tuple[int, torch.device] | None = None
         self._swapper = None
 
@@ -64,7 +64,8 @@ class Predictor:
         if self._swapper is not None:
             self._swapper.remove()
         transformer = self.parts.transformer
-        self._swapper = BlockSwapper(transformer, transformer.transformer_blocks, count, device) if count else None
+        blocks = getattr(transformer, self.spec.family.blocks)
+        self._swapper = BlockSwapper(transformer, blocks, count, device) if count else None
         self.swap = (count, device) if count else None
 
     @torch.no_grad()
@@ -133,19 +134,22 @@ def open_images(images: Any, alpha: bool = False) -> list[Image.Image]:
     return [as_image(im, alpha) for im in images]
 
 
-def build_predictor(cfg: DictConfig) -> Predictor:
+def build_predictor(cfg: DictConfig, spec: ModelSpec | None = None) -> Predictor:
     """Build the parts of the model's pipeline on `predict.devices` and the Predictor; loads `predict.lora`.
+
+    Args:
+        spec: the model's description, its checkpoint checked (`prepare_model`, which runs when not given).
 
     Raises:
         ConfigError: a device that does not exist, a checkpoint that is not the configured model;
         ModelLoadError: a part or LoRA that cannot be loaded.
     """
-    spec = model_spec(cfg.model)
+    spec = spec or prepare_model(cfg.model)
     devices, swap = dict(cfg.predict.devices), int(cfg.predict.blocks_to_swap)
     device = resolve_device(devices["transformer"])
     if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
         devices["transformer"] = "cpu"
-    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices=devices), spec)
+    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices, spec), spec)
     if cfg.predict.lora:
         predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale))
     if swap:
@@ -184,12 +188,15 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         QieError subclasses naming the key, file or device at fault.
     """
     p = cfg.predict
+    spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
     if p.merge_to:
-        return [merge(cfg, run_dir)]
+        return [merge(cfg, run_dir, spec)]
+    for note in spec.family.sampling_notes(spec, pipeline_config(str(cfg.model.pretrained_model_name_or_path),
+                                                                  cfg.model.revision), sampling_options(p)):
+        print(f"infer: warning: {note}")
     if p.input:
-        return run_batch(cfg, run_dir)
+        return run_batch(cfg, run_dir, spec)
     sources = list(p.images) if p.images else ([p.image] if p.image else [])
-    spec = model_spec(cfg.model)
     if not sources and spec.needs_controls:
         raise ConfigError(
             "no input image: set predict.image=FILE (predict.images=[A,B] for Edit-Plus, or predict.input=DATASET)"
@@ -199,7 +206,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
     images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
-    predictor = build_predictor(cfg)
+    predictor = build_predictor(cfg, spec)
     written = _save(
         predictor.predict(images, p.prompt, sampling_options(p), progress=True), resolve_output(p.output, run_dir)
     )
@@ -208,11 +215,11 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     return written
 
 
-def run_batch(cfg: DictConfig, run_dir: Path) -> list[Path]:
+def run_batch(cfg: DictConfig, run_dir: Path, spec: ModelSpec) -> list[Path]:
     """One output per row of the data set `predict.input`, at `<output_dir>/<id>.png`; bad rows are reported."""
     data = read_data(cfg, require_target=False, path=cfg.predict.input)
     out_dir = resolve_output(cfg.predict.output_dir, run_dir)
-    predictor = build_predictor(cfg)
+    predictor = build_predictor(cfg, spec)
     written: list[Path] = []
     failures = [f"{d.id}: {d.path}: {d.reason}" for d in data.problems]
     for sample in data.samples:
@@ -236,14 +243,14 @@ def _safe_relative(sample_id: str) -> Path:
     return Path(*parts) if parts else Path("sample")
 
 
-def merge(cfg: DictConfig, run_dir: Path) -> Path:
+def merge(cfg: DictConfig, run_dir: Path, spec: ModelSpec) -> Path:
     """Fuse `predict.lora` into the transformer and save it to `<merge_to>/transformer`."""
     p = cfg.predict
     if not p.lora:
         raise ConfigError("predict.merge_to needs predict.lora: the LoRA to merge")
     if str(value(cfg.model.quantize)) != "none":
         raise ConfigError("predict.merge_to needs the full-precision transformer: set model.quantize=none")
-    parts = load_parts(cfg.model, ["transformer"], devices={"transformer": p.devices.transformer})
+    parts = load_parts(cfg.model, ["transformer"], {"transformer": p.devices.transformer}, spec)
     load_lora(parts.transformer, p.lora, float(p.lora_scale))
     out = save_transformer(merge_lora(parts.transformer), resolve_output(p.merge_to, run_dir))
     print(f"infer: merged {p.lora} (scale {p.lora_scale}) into the transformer, saved to {out}")

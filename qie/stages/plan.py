@@ -1,9 +1,10 @@
 """The plan stage: which memory levers let LoRA training fit a GPU of `gpu_memory_gb`, and what each part needs.
 
-    python -m qie.plan model=qwen_image_edit data.target_pixels=1048576 gpu_memory_gb=24
+    python -m qie.plan model=NAME data.target_pixels=1048576 gpu_memory_gb=24
 
-Weights are counted from the model's transformer config (its folder or hub config; the published Qwen-Image
-config when neither can be read), the step's memory is simulated on fake tensors (`qie.memory_plan`).
+Weights are counted from the model's transformer config (its folder or hub config; the family's published
+sizes when neither can be read), the step's memory is simulated on fake tensors (`qie.memory_plan`), with the
+family's own loss, transformer and text encoder.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from qie.components import model_source, real_size, resolve_dtype
+from qie.components import model_source, resolve_dtype
 from qie.memory_plan import (
     GIB,
     OPTIMIZER_STATE_BYTES,
@@ -22,25 +23,25 @@ from qie.memory_plan import (
     plan,
     step_memory,
     text_encoder_bytes,
+    transformer_class,
     weight_bytes,
 )
+from qie.models import ModelSpec, model_spec
 from qie.stages.common import value
-
-# The VL sees each control image in 28x28-pixel tokens (14 px patches, 2x2 merged); the template adds ~64.
-VL_PIXELS_PER_TOKEN = 28 * 28
-TEMPLATE_TOKENS = 64
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
     """Print the plan; returns one Estimate per combination of levers tried."""
-    config, where = transformer_config(cfg.model)
-    work = workload(cfg)
+    spec = model_spec(cfg.model)
+    family = spec.family
+    config, where = transformer_config(cfg.model, spec)
+    work = workload(cfg, spec)
     lora = cfg.train.lora
     rank, targets = int(lora.rank), list(lora.target_modules)
     state = OPTIMIZER_STATE_BYTES.get(str(cfg.train.optimizer.get("_target_")), 8)
-    weights = {q: weight_bytes(config, work.dtype, q, rank, targets) for q in ("none", "fp8")}
+    weights = {q: weight_bytes(family, config, work.dtype, q, rank, targets) for q in ("none", "fp8")}
     step = {
-        (gc, off): step_memory(config, work, rank, targets, gc, off)
+        (gc, off): step_memory(family, config, work, rank, targets, gc, off)
         for gc, off in ((False, False), (True, False), (True, True))
     }
     budget, reserve = int(float(cfg.gpu_memory_gb) * GIB), int(float(cfg.reserve_gb) * GIB)
@@ -49,35 +50,37 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
           f"{work.target_tokens} target + {sum(work.control_tokens)} control + {work.prompt_tokens} prompt tokens; "
           f"GPU {cfg.gpu_memory_gb} GiB")  # fmt: skip
     print(report(rows, budget))
-    te = {q: text_encoder_bytes(real_size.TEXT_ENCODER, q) / GIB for q in ("none", "fp8")}
-    print(f"precompute / lazy / live also hold Qwen2.5-VL-7B: {te['none']:.1f} GiB in bf16, {te['fp8']:.1f} GiB "
-          "with model.text_encoder_quantize=fp8 or int8")  # fmt: skip
+    text_config = family.real_size["text_encoder"]
+    te = {q: text_encoder_bytes(family, text_config, q) / GIB for q in ("none", "fp8")}
+    print(f"precompute / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB in bf16, "
+          f"{te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8")  # fmt: skip
     return rows
 
 
-def transformer_config(model: DictConfig) -> tuple[dict, str]:
-    """The transformer's config (sizes only) and where it was read."""
+def transformer_config(model: DictConfig, spec: ModelSpec) -> tuple[dict, str]:
+    """The transformer's config (sizes only) and where it was read: the checkpoint's, else the family's
+    published sizes (offline, or no such repository)."""
     from qie.components.fingerprint import part_folder
 
     try:
         folder = part_folder(model_source(model), "transformer", model.revision)
         raw = json.loads((folder / "config.json").read_text())
-    except Exception:  # offline, no such repository: the published sizes
-        return dict(real_size.TRANSFORMER), f"{model.name} (published Qwen-Image sizes)"
-    from diffusers import QwenImageTransformer2DModel
-
-    keys = QwenImageTransformer2DModel.extract_init_dict(raw)[0]
+    except Exception:  # offline, no such repository, no tiny model built yet: the published sizes
+        return dict(spec.family.real_size["transformer"]), f"{model.name} (published {spec.family.name} sizes)"
+    keys = transformer_class(spec.family).extract_init_dict(raw)[0]
     return dict(keys), str(model.name)
 
 
-def workload(cfg: DictConfig) -> Workload:
-    m, d = cfg.model, cfg.data
+def workload(cfg: DictConfig, spec: ModelSpec) -> Workload:
+    """The step's token counts: the target and each control image in the family's latent tokens, the prompt in
+    the text encoder's vision tokens of each control image plus the template."""
+    m, d, facts = cfg.model, cfg.data, spec.family.planner
     controls = int(m.max_control_images)
     return Workload(
         batch=int(d.batch_size),
-        target_tokens=int(d.target_pixels) // 256,  # 8x VAE, 2x2 patches
-        control_tokens=(int(m.vae_image_pixels) // 256,) * controls,
-        prompt_tokens=controls * int(m.vl_image_pixels) // VL_PIXELS_PER_TOKEN + TEMPLATE_TOKENS,
+        target_tokens=int(d.target_pixels) // facts.latent_pixels**2,
+        control_tokens=(int(m.vae_image_pixels) // facts.latent_pixels**2,) * controls,
+        prompt_tokens=controls * int(m.vl_image_pixels) // facts.vl_pixels_per_token + facts.template_tokens,
         dtype=resolve_dtype(str(value(m.dtype))),
     )
 

@@ -25,10 +25,9 @@ from omegaconf import DictConfig
 from qie.cache import build_backend
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
-from qie.cli import check_writable
+from qie.components import prepare_model
 from qie.data.samples import DataProblem, Sample
-from qie.errors import ConfigError, DataError
-from qie.models import model_spec
+from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages import common
 from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, read_data, value
@@ -82,7 +81,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     if main:  # what every process finds alike, the main one reports
         summary.temp_files_removed = backend.sweep_temp()
     hasher = file_hasher(cfg)
-    keyed = key_samples(items, model_key_context(cfg), hasher, settings, summary, report=main)
+    keyed = key_samples(items, model_key_context(cfg, settings.model), hasher, settings, summary, report=main)
     mine = share(keyed, state.num_processes, state.process_index)
     # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
     summary.samples = len(mine) + (len(items) - len(keyed) if main else 0)
@@ -120,7 +119,7 @@ def read_settings(cfg: DictConfig) -> Settings:
     if int(p.batch_size) < 1:
         raise ConfigError(f"precompute.batch_size={p.batch_size} is out of range: it must be at least 1")
     raise_errors = str(value(p.on_error)) == "raise"
-    return Settings(int(p.batch_size), raise_errors, p.start, p.end, model_spec(cfg.model))
+    return Settings(int(p.batch_size), raise_errors, p.start, p.end, prepare_model(cfg.model))
 
 
 def dataset_range(cfg: DictConfig, settings: Settings) -> list[Sample | DataProblem]:
@@ -160,14 +159,14 @@ def encode(cfg: DictConfig, groups: dict, backend: CacheBackend, summary, settin
 
     def get_encoder():
         if not encoder:
-            encoder.append(build_encoder(cfg))
+            encoder.append(build_encoder(cfg, settings.model))
         return encoder[0]
 
     todo = sum(len(g) for g in groups.values())
     with progress(todo, desc or "precompute", unit="sample", disable=not todo) as bar:
+        sizes = image_sizes(cfg, settings.model)
         encode_groups(
-            get_encoder, groups, backend, image_sizes(cfg), summary, settings.batch_size, settings.raise_errors,
-            bar.update,
+            get_encoder, groups, backend, sizes, summary, settings.batch_size, settings.raise_errors, bar.update
         )  # fmt: skip
 
 

@@ -22,12 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
 from qie.cli import check_writable
-from qie.components import load_parts, resolve_dtype
+from qie.components import load_parts, prepare_model, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.samples import DataProblem, Sample
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
-from qie.models import ModelSpec, model_spec
+from qie.models import ModelSpec
 from qie.readiness import ready_samples
 from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
 from qie.training import checkpoint as ckpt
@@ -58,20 +58,21 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
-    accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
+    spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
+    accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
     writer = accelerator.is_main_process
     if writer:
         check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
-        return _train(cfg, run_dir, accelerator, on_step_end)
+        return _train(cfg, run_dir, accelerator, spec, on_step_end)
     finally:
         if writer:
             run_lock.release(run_dir)
 
 
-def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, on_step_end: Callable[[StepInfo], None] | None) -> dict:
-    spec = model_spec(cfg.model)
+def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec,
+           on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
     samples = load_samples(cfg, spec, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
@@ -80,14 +81,14 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, on_step_end: Callab
         warning = check_resume(resumed, resume_from, *records, bool(cfg.train.resume_inexact))
         if warning:
             accelerator.print(f"qie: warning: {warning}")
-    source = build_source(cfg, precompute_command=precompute_command(cfg))
+    source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec)
     # Every sample's entries are checked before the model is built (later misses stop the run too).
     samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
                             accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
 
     mode = train_mode(cfg.train)
-    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
+    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec)
     if resume_from is not None:
         state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
         accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
@@ -100,7 +101,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, on_step_end: Callab
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
                            OmegaConf.to_container(cfg, resolve=True),
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
-    hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir)
+    hooks = step_hooks(cfg, spec, state, source, samples, scheduler, logger, on_step_end, run_dir)
     save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, records)
     try:
         result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler, spec), logger,
@@ -112,12 +113,12 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, on_step_end: Callab
     return result
 
 
-def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
-    """The run's Accelerator, seeded with `train.seed`."""
+def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path, spec: ModelSpec) -> Any:
+    """The run's Accelerator, seeded with `train.seed` (FSDP shards the family's transformer blocks)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    memory = MemorySettings.of(train)
+    memory = MemorySettings.of(train, spec.family)
     accelerator = Accelerator(
         # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
         # is on the CPU; otherwise each process would train alone.
@@ -199,11 +200,14 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
     )
 
 
-def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any) -> tuple:
+def build_train_state(
+    model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any, spec: ModelSpec
+) -> tuple:
     """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler."""
-    memory = MemorySettings.of(train)
+    memory = MemorySettings.of(train, spec.family)
     memory.check(mode.lora, str(value(model.quantize)))
-    parts = load_parts(model, ["transformer", "scheduler"], {"transformer": memory.build_device(accelerator.device)})
+    devices = {"transformer": memory.build_device(accelerator.device)}
+    parts = load_parts(model, ["transformer", "scheduler"], devices, spec)
     transformer = parts.transformer
     params = mode.trainable(transformer)
     place = apply_memory(transformer, memory, accelerator.device)
@@ -257,8 +261,8 @@ def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start
     return sampler
 
 
-def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger, extra,
-               run_dir: Path) -> list:  # fmt: skip
+def step_hooks(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list, scheduler: Any,
+               logger, extra, run_dir: Path) -> list:  # fmt: skip
     """What runs after each optimizer step: image logging, validation sampling, and `extra`."""
     hooks = []
     if cfg.logging.log_images:
@@ -267,14 +271,14 @@ def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, s
         images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
         hooks.append(lambda info: images(info.step, info.batch))
     if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
-        hooks.append(_validation_hook(cfg, state, source, samples, scheduler, logger, run_dir))
+        hooks.append(_validation_hook(cfg, spec, state, source, samples, scheduler, logger, run_dir))
     if extra is not None:
         hooks.append(extra)
     return hooks
 
 
-def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger,
-                     run_dir: Path):  # fmt: skip
+def _validation_hook(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list,
+                     scheduler: Any, logger, run_dir: Path):  # fmt: skip
     """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`),
     measure and log them.
 
@@ -289,8 +293,7 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
         cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
         num_inference_steps=v.num_inference_steps, seed=v.seed,
     )  # fmt: skip
-    vae_parts = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)})
-    spec = model_spec(cfg.model)
+    vae_parts = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}, spec)
     chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), spec)
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
     validator = Validator(inputs, negatives, scheduler, vae_parts.vae, logger, options, spec, run_dir / "validation",

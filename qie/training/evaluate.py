@@ -9,7 +9,6 @@ import torch
 from qie.data.collate import collate
 from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource
-from qie.training.step import flow_matching_loss
 
 DEFAULT_SIGMAS = (0.2, 0.4, 0.6, 0.8)
 
@@ -19,9 +18,9 @@ def heldout_loss(
     transformer: torch.nn.Module,
     source: EmbeddingSource,
     samples: Sequence[Sample],
+    loss: Callable[..., torch.Tensor],
     seed: int = 0,
     sigmas: Sequence[float] = DEFAULT_SIGMAS,
-    loss: Callable[..., torch.Tensor] = flow_matching_loss,
 ) -> float:
     """Mean flow-matching loss over samples x sigmas, each sample with its own fixed noise.
 
@@ -38,7 +37,7 @@ def heldout_loss(
         noise = torch.randn(batch.latents.shape, generator=g).to(device, dtype)
         for sigma in sigmas:
             s = torch.full((1,), float(sigma))
-            total += loss(transformer, batch, noise, s).item()
+            total += loss(transformer, batch, noise, s, "none").item()
             count += 1
     transformer.train(was_training)
     return total / max(count, 1)

@@ -28,7 +28,6 @@ from qie.training.guards import (
     window_is_finite,
 )
 from qie.training.logging import MetricsLogger
-from qie.training.step import flow_matching_loss
 from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
 
@@ -37,6 +36,10 @@ from qie.types import Batch
 class LoopSettings:
     max_steps: int
     seed: int
+    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
+    # transformer token covers (`ModelFamily.patch_size`: the target's token count decides dynamic shifting).
+    loss: Callable[..., torch.Tensor]
+    patch_size: int
     max_grad_norm: float = 1.0
     checkpoint_every: int = 0
     log_every: int = 1
@@ -45,10 +48,6 @@ class LoopSettings:
     # A NaN/inf loss or gradient: "stop" (save the last good state) or "skip". Non-finite weights or optimizer
     # state after an update (checked on logged steps and before every save) always stop: the update is applied.
     on_nonfinite: str = "stop"
-    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
-    # transformer token covers (`Family.patch_size`: the target's token count decides dynamic shifting).
-    loss: Callable[..., torch.Tensor] = flow_matching_loss
-    patch_size: int = 2
 
 
 @dataclass

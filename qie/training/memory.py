@@ -14,23 +14,24 @@ import torch
 from qie.errors import ConfigError
 from qie.training.offload import BlockSwapper, offload_activations
 
-BLOCKS = "transformer_blocks"
-BLOCK_CLASS = "QwenImageTransformerBlock"
-
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """`train.gradient_checkpointing`, `train.blocks_to_swap`, `train.activation_offload`, `train.fsdp`."""
+    """`train.gradient_checkpointing`, `train.blocks_to_swap`, `train.activation_offload`, `train.fsdp`, and
+    where the model family keeps its repeated blocks (the attribute, their class names)."""
 
     gradient_checkpointing: bool = False
     blocks_to_swap: int = 0
     activation_offload: bool = False
     fsdp: bool = False
+    blocks: str = ""
+    block_classes: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, train: Any) -> MemorySettings:
-        """From the `train` config node (any object with these names as attributes)."""
-        return cls(**{f.name: type(f.default)(getattr(train, f.name)) for f in fields(cls)})
+    def of(cls, train: Any, family: Any) -> MemorySettings:
+        """From the `train` config node (any object with the lever names as attributes) and the model family."""
+        levers = {f.name: type(f.default)(getattr(train, f.name)) for f in fields(cls) if hasattr(train, f.name)}
+        return cls(**levers, blocks=family.blocks, block_classes=tuple(family.block_classes()))
 
     def check(self, lora: bool, quantize: str) -> None:
         """Refuse combinations that cannot work, naming the keys to change.
@@ -69,7 +70,7 @@ class MemorySettings:
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2,
             auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=[BLOCK_CLASS],
+            transformer_cls_names_to_wrap=list(self.block_classes),
             reshard_after_forward=True,
             state_dict_type="SHARDED_STATE_DICT",
             cpu_ram_efficient_loading=False,
@@ -107,11 +108,11 @@ def apply_memory(transformer: torch.nn.Module, settings: MemorySettings, device:
         transformer.enable_gradient_checkpointing()
     place = True
     if settings.blocks_to_swap:
-        blocks = getattr(transformer, BLOCKS)
+        blocks = getattr(transformer, settings.blocks)
         BlockSwapper(transformer, blocks, settings.blocks_to_swap, device)
         # DDP would broadcast the swapped weights from process 0 (they are on the CPU, or empty on CPU runs):
         # they are frozen and loaded alike everywhere.
-        prefixes = tuple(f"{BLOCKS}.{i}." for i in range(settings.blocks_to_swap))
+        prefixes = tuple(f"{settings.blocks}.{i}." for i in range(settings.blocks_to_swap))
         frozen = [n for n, p in transformer.named_parameters() if n.startswith(prefixes) and not p.requires_grad]
         frozen += [n for n, _ in transformer.named_buffers() if n.startswith(prefixes)]
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(transformer, frozen)

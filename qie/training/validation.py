@@ -21,7 +21,7 @@ from PIL import Image
 from qie.components.registry import Parts
 from qie.data.images import open_image
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions, latent_sizes, vae_scale_factor
+from qie.sampling import SamplingOptions, latent_sizes
 from qie.training.image_metrics import edit_metrics
 from qie.training.logging import MetricsLogger
 from qie.types import SampleEmbeddings
@@ -77,7 +77,7 @@ class Validator:
     @torch.no_grad()
     def sample(self, transformer: torch.nn.Module) -> list[list[Image.Image]]:
         """Per input, its `options.num_images` images."""
-        f = vae_scale_factor(self.vae)
+        f = self.spec.family.vae_scale(self.vae)
         out = []
         was_training = transformer.training
         transformer.eval()
