@@ -57,7 +57,7 @@ def test_gc_lists_then_removes_only_what_no_named_data_set_uses(copy: CachedData
     before = entry_files(copy.cache)
     assert len(before) == 32
 
-    with pytest.raises(ConfigError, match="action=gc needs the model and data set"):
+    with pytest.raises(ConfigError, match="action=gc needs the data set"):
         cache_cli(compose("cache", ["action=gc", f"cache.dir={copy.cache}"]))
     args = ["action=gc", *model, f"data.path={copy.data}", f"gc.keep_data=[{other}]"]
     assert cache_cli(compose("cache", args)) == 0

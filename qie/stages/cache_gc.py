@@ -8,7 +8,7 @@ Only entry files inside `cache.dir`'s type folders are ever removed (see `CacheB
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qie.cache.admin import AdminReport, format_bytes
 from qie.components import prepare_model
@@ -33,13 +33,13 @@ def collect_garbage(cfg: DictConfig, backend) -> AdminReport:
     """List (and unless `gc.dry_run`, remove) the entries no sample of the named data sets uses.
 
     Raises:
-        ConfigError: no model or data set named; or, when removing, none of the data sets' entries is in the
+        ConfigError: no data set named; or, when removing, none of the data sets' entries is in the
             cache (another model or other sizes were named: nothing is removed).
     """
-    if OmegaConf.is_missing(cfg.model, "name") or not cfg.data.path:
+    if not cfg.data.path:
         raise ConfigError(
-            "action=gc needs the model and data set(s) whose entries to keep: add model=NAME (as given to "
-            "precompute) and data.path=... (more data sets: gc.keep_data=[...])"
+            "action=gc needs the data set(s) whose entries to keep: add data.path=... (more: gc.keep_data=[...]) "
+            "and the model=NAME precompute was given"
         )
     keep, samples = used_keys(cfg)
     remove = not bool(cfg.gc.dry_run)
