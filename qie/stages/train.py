@@ -21,12 +21,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
-from qie.cli import check_writable
 from qie.components import load_parts, prepare_model, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.samples import DataProblem, Sample
 from qie.embeddings import EmbeddingSource
-from qie.errors import ConfigError, DataError
+from qie.errors import ConfigError, DataError, check_writable
 from qie.models import ModelSpec
 from qie.readiness import ready_samples
 from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
