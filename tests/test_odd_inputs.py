@@ -58,7 +58,11 @@ def test_odd_samples_encode_as_expected(tiny_path: Path, tmp_path: Path) -> None
     for stem, text in captions.items():
         (root / "training_images" / f"{stem}.txt").write_text(text, encoding="utf-8")
     assert open_image(root / "training_images" / "rotated.jpg").size == (32, 64)
-    assert ImageSizeIndex().size(root / "training_images" / "rotated.jpg") == (32, 64)  # buckets see it upright
+    rotated = root / "training_images" / "rotated.jpg"
+    assert ImageSizeIndex().size(rotated) == (32, 64)  # buckets see it upright
+    index, st = ImageSizeIndex(), rotated.stat()
+    index.entries[str(rotated)] = [st.st_size, st.st_mtime_ns, 64, 32]  # remembered by an older qie, as stored
+    assert index.size(rotated) == (32, 64)
 
     base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={root}", f"cache.dir={tmp_path / 'c'}",
             "data.target_pixels=2048", "model.vae_image_pixels=2048", "model.vl_image_pixels=2048"]  # fmt: skip

@@ -206,10 +206,11 @@ class ImageSizeIndex:
         key = os.path.abspath(image)
         st = os.stat(key)
         known = self.entries.get(key)
-        if known is not None and known[:2] == [st.st_size, st.st_mtime_ns]:
+        # A fifth item marks sizes taken upright (EXIF orientation applied); older entries are measured again.
+        if known is not None and len(known) == 5 and known[:2] == [st.st_size, st.st_mtime_ns]:
             return known[2], known[3]
-        width, height = upright_size(key)  # as the encoder sees it: EXIF orientation applied
-        self.entries[key] = [st.st_size, st.st_mtime_ns, width, height]
+        width, height = upright_size(key)  # as the encoder sees it
+        self.entries[key] = [st.st_size, st.st_mtime_ns, width, height, 1]
         self.dirty = True
         return width, height
 
