@@ -39,14 +39,18 @@ def state_is_finite(accelerator: Any, params: Sequence[torch.Tensor], optimizer:
     A NaN in the optimizer state (a poisoned checkpoint, an overflow in its moments) reaches the weights
     through an update whose loss is still finite, so the loss and gradient checks alone miss it.
     """
+    flag = torch.tensor([0.0 if local_state_finite(params, optimizer) else 1.0], device=accelerator.device)
+    return accelerator.reduce(flag, "sum").item() == 0
+
+
+def local_state_finite(params: Sequence[torch.Tensor], optimizer: Any) -> bool:
+    """Whether this process's trained weights (its shards) and optimizer state tensors are all finite."""
     tensors = [p.detach() for p in params]
     for entry in getattr(optimizer, "state", {}).values():
         tensors += [v for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     # Every check is queued before the first is read: one wait for the device, not one per tensor.
     flags = [torch.isfinite(_local(t)).all() for t in tensors]
-    ok = all(bool(f) for f in flags)
-    flag = torch.tensor([0.0 if ok else 1.0], device=accelerator.device)
-    return accelerator.reduce(flag, "sum").item() == 0
+    return all(bool(f) for f in flags)
 
 
 def nonfinite_state_message(step: int, saved: Path | None) -> str:

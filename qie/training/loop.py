@@ -21,6 +21,7 @@ from qie.progress import progress
 from qie.training.guards import (
     NonFiniteLoss,
     all_ids,
+    local_state_finite,
     nonfinite_message,
     nonfinite_state_message,
     save_before_stopping,
@@ -202,20 +203,22 @@ def fit(
                 raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or last_good[0]))
             consumed = window["consumed"]
             step += 1
-            # One collective for both: every process must stop after the same step, or the checkpoint's
-            # collectives would pair with another process's training step.
+            # One collective for all three: every process must stop after the same step, or the checkpoint's
+            # collectives would pair with another process's training step. The weights are checked on the
+            # steps that report (and before every save), to keep the check off the other steps.
+            report = step % settings.log_every == 0 or step == settings.max_steps
+            bad = float(report and not local_state_finite(state.params, state.optimizer))
             totals = accelerator.reduce(
-                torch.tensor([loss, float(stop.received is not None)], device=accelerator.device), "sum"
+                torch.tensor([loss, float(stop.received is not None), bad], device=accelerator.device), "sum"
             )
+            if totals[2].item() > 0:
+                raise NonFiniteLoss(nonfinite_state_message(step, last_good[0]))
             mean_loss = totals[0].item() / accelerator.num_processes
             stopping = totals[1].item() > 0
             losses.append(mean_loss)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             bar.update(1)
             seconds = time.perf_counter() - t0
-            report = step % settings.log_every == 0 or step == settings.max_steps
-            if report and not state_is_finite(accelerator, state.params, state.optimizer):
-                raise NonFiniteLoss(nonfinite_state_message(step, last_good[0]))
             if report:
                 metrics = {
                     "loss": mean_loss,
