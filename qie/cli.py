@@ -102,6 +102,23 @@ class RunDirCheck(Callback):
         _check_or_exit(config, "hydra.sweep.dir")
 
 
+class RunFolderLock(Callback):
+    """Hydra callback of the train stage: hold the run folder (`qie.run_lock`) before Hydra writes its
+    `.hydra/` record there, so a second training on the same folder is refused without touching it. Only the
+    writing process (rank 0) takes it. A sweep job's folder is locked by the stage itself."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from qie import run_lock
+
+        if not run_lock.is_writer():
+            return
+        try:
+            run_lock.acquire(Path(str(OmegaConf.select(config, "hydra.run.dir"))))
+        except StorageError as e:
+            print(f"qie: error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+
 def _check_or_exit(config: DictConfig, key: str) -> None:
     try:
         check_writable(Path(str(OmegaConf.select(config, key))), key)

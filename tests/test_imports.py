@@ -53,6 +53,8 @@ def _imports() -> dict[str, set[str]]:
         module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         if len(rel.parts) == 2 and rel.name != "__init__":  # qie/x.py: its own node
             here = rel.name
+        elif rel.name == "__main__":  # `python -m qie.cache`: an entry point, which nothing imports
+            here = module
         else:
             here = _package(module)
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

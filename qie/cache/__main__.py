@@ -1,4 +1,5 @@
-"""`python -m qie.cache action=stats|clear|verify cache.dir=... [cache.types=[...]] [verify.fix=true]`."""
+"""`python -m qie.cache action=stats|clear|verify cache.dir=... [cache.types=[...]] [verify.fix=true]`, and
+`python -m qie.cache action=gc cache.dir=... model=NAME data.path=... [gc.dry_run=false]`."""
 
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
         raise ConfigError(f"cache.types: {e}") from None
     backend = build_backend(cfg.cache._target_, cfg.cache.dir)
     action = getattr(cfg.action, "value", cfg.action)
-    report = run_admin(backend, action, types, fix=bool(cfg.verify.fix))
+    if action == "gc":
+        from qie.stages.cache_gc import collect_garbage
+
+        report = collect_garbage(cfg, backend)
+    else:
+        report = run_admin(backend, action, types, fix=bool(cfg.verify.fix))
     print(report)
     return report.exit_code
 

@@ -83,6 +83,7 @@ def verify_cache(backend: CacheBackend, types: Iterable[str] | None = None, fix:
             lines.append(f"removed {_count(report.removed)}; precompute (or lazy mode) writes them again")
         if report.unfixed:
             lines.append(f"{_count(report.unfixed)} left: run again with verify.fix=true to remove them")
+        lines.append("precompute with cache.repair=true re-encodes corrupt entries (it reads every entry once)")
     for folder in report.skipped:
         lines.append(f"skipped {folder}: a symlink (verify never follows links out of the cache folder)")
     if report.stale_temp:

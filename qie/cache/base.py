@@ -6,7 +6,7 @@ An entry is stored as the bytes of one safetensors file (`qie.cache.codec`), wha
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -98,6 +98,13 @@ class CacheBackend(Protocol):
     def clear(self, types: Iterable[str] | None = None) -> int: ...
 
     def verify(self, types: Iterable[str] | None = None, fix: bool = False) -> VerifyReport: ...
+
+    def unused(
+        self, keep: Mapping[str, set[str]], types: Iterable[str] | None = None, remove: bool = False
+    ) -> dict[str, dict]:
+        """{type: {"count", "bytes"}} of the entries whose key is neither in `keep[type]` nor the base of a kept
+        entry (`base_of`); with `remove`, they are deleted. Nothing but entries is ever touched."""
+        ...
 
 
 def check_type(type: str) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -98,6 +98,24 @@ class MemoryBackend:
     def verify(self, types: Iterable[str] | None = None, fix: bool = False) -> VerifyReport:
         """Counts the entries; an in-process copy cannot be corrupt."""
         return VerifyReport(checked=sum(len(self._entries.get(t, {})) for t in check_types(types)))
+
+    def unused(
+        self, keep: Mapping[str, set[str]], types: Iterable[str] | None = None, remove: bool = False
+    ) -> dict[str, dict]:
+        """The entries no kept entry needs (see the protocol); dropped with `remove`."""
+        kept = {t: set(keep.get(t, ())) for t in self._entries}
+        for type, key in [(t, k) for t, ks in kept.items() for k in ks]:
+            entry = self._entries[type].get(key)
+            base = base_of(entry.meta) if entry is not None else None
+            if base is not None:
+                kept.setdefault(base[0], set()).add(base[1])
+        out = empty_stats(types)
+        for type, s in out.items():
+            entries = self._entries.get(type, {})
+            for key in [k for k in entries if k not in kept.get(type, set())]:
+                s["count"] += 1
+                s["bytes"] += _nbytes(entries.pop(key) if remove else entries[key])
+        return out
 
 
 def _nbytes(entry: dict[str, torch.Tensor]) -> int:

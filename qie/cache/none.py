@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -84,6 +84,10 @@ class NoneBackend:
         """Nothing to check."""
         check_types(types)
         return VerifyReport()
+
+    def unused(self, keep: Mapping[str, set[str]], types: Iterable[str] | None = None, remove: bool = False) -> dict:
+        """Nothing stored, nothing unused."""
+        return empty_stats(types)
 
 
 def _check(type: str, key: str) -> None:

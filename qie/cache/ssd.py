@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import safetensors
@@ -234,6 +234,37 @@ class SsdBackend:
                     if fix and files.unlink(entry.path):
                         report.removed += 1
         return report
+
+    def unused(
+        self, keep: Mapping[str, set[str]], types: Iterable[str] | None = None, remove: bool = False
+    ) -> dict[str, dict]:
+        """The entries of `types` no kept entry needs (see the protocol); deleted with `remove`. Only key-named
+        entry files in real type and shard folders of `dir` are looked at."""
+        wanted = check_types(types)
+        self.check_access()
+        kept = {t: set(keep.get(t, ())) for t in check_types(None)}
+        for type, key in [(t, k) for t, ks in kept.items() for k in ks]:  # a prompt entry keeps its base
+            head = self._header(type, key) if files.entry_key(key + SUFFIX) else None
+            base = base_of(head.meta) if head is not None else None
+            if base is not None and base[0] in kept:
+                kept[base[0]].add(base[1])
+        out = empty_stats(wanted)
+        for type in folders.real_types(self._root, wanted):
+            for entry in folders.scan(self._root, type):
+                key = folders.shard_key(entry)
+                if key is None or key in kept[type]:
+                    continue
+                try:
+                    size = entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+                if remove and not files.unlink(entry.path):
+                    continue
+                out[type]["count"] += 1
+                out[type]["bytes"] += size
+            if remove:
+                folders.remove_empty_dirs(self._root, type)
+        return out
 
     def _header(self, type: str, key: str) -> Header | None:
         try:

@@ -3,7 +3,9 @@
 A fingerprint hashes the part's config files and every byte of its weight files. Hashing a 16 GB text
 encoder takes a while (see docs/benchmarks.md), so each file's digest is remembered in an index
 (`$QIE_HOME/weight_hashes.json`) against its path, size, mtime_ns, ctime_ns and inode: the cost is paid once
-per file change, and a warm start costs one stat per file.
+per file change, and a warm start costs one stat per file. Within a process, a part's fingerprint is remembered
+against the signatures (name, size, mtime_ns, ctime_ns, inode) of the files in its folder, so a notebook that
+swaps a weight file gets the new fingerprint.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from qie.cache.keys import FileHasher
 
 INDEX_NAME = "weight_hashes.json"
+# (source, subfolder, revision) -> (the folder's file signatures, the fingerprint computed from them)
+_REMEMBERED: dict[tuple, tuple[tuple, str]] = {}
 
 
 def part_folder(source: str, subfolder: str, revision: str | None = None) -> Path:
@@ -38,6 +42,7 @@ def config_file(source: str, relative: str, revision: str | None = None) -> Path
     return _hub_snapshot(source, revision, relative) / relative
 
 
+@lru_cache(maxsize=64)  # one hub lookup per part and revision in a process; the files are then stat-checked
 def _hub_snapshot(source: str, revision: str | None, pattern: str) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -53,10 +58,24 @@ def weight_hasher(index: str | os.PathLike | None = None) -> FileHasher:
     return FileHasher(index, algorithm="xxh3_128")
 
 
-@lru_cache(maxsize=32)
+def folder_signature(folder: Path) -> tuple:
+    """(name, size, mtime_ns, ctime_ns, inode) of each file in `folder`: changes when any file is rewritten."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for p in files if (st := p.stat()))
+
+
 def part_fingerprint(source: str, subfolder: str, revision: str | None = None) -> str:
     """A hex digest that changes when any byte of the part's config or weight files changes."""
     folder = part_folder(source, subfolder, revision)
+    signature = folder_signature(folder)
+    remembered = _REMEMBERED.get((source, subfolder, revision))
+    if remembered is not None and remembered[0] == signature:
+        return remembered[1]
+    _REMEMBERED[(source, subfolder, revision)] = (signature, value := _fingerprint(source, subfolder, folder))
+    return value
+
+
+def _fingerprint(source: str, subfolder: str, folder: Path) -> str:
     local = (Path(source) / subfolder).is_dir()
     digest = hashlib.sha256(b"" if local else folder.parent.name.encode())  # a hub snapshot: its commit
     hasher = weight_hasher()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from qie.config.cache import CACHE_TYPES, CacheAction, CacheConfig, PrecomputeConfig, VerifyConfig
+from qie.config.cache import CACHE_TYPES, CacheAction, CacheConfig, GcConfig, PrecomputeConfig, VerifyConfig
 from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
@@ -89,6 +89,10 @@ class CacheAdminRoot:
     cache: CacheConfig = field(default_factory=CacheConfig)
     action: CacheAction = CacheAction.stats
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    # action=gc only: the model and data set(s) whose entries are kept.
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    gc: GcConfig = field(default_factory=GcConfig)
 
 
 def register() -> None:

@@ -23,6 +23,7 @@ class CacheAction(str, Enum):
     stats = "stats"
     clear = "clear"
     verify = "verify"
+    gc = "gc"
 
 
 class OnMissing(str, Enum):
@@ -42,6 +43,9 @@ class CacheConfig:
     # Check each entry's checksum when training reads it (a corrupt entry is then a miss, never data). Off by
     # default: it costs more than 5% of the cached read time (docs/benchmarks.md, scripts/bench_cache_io.py).
     verify_reads: bool = False
+    # Precompute: read every existing entry once and re-encode those whose checksum fails (without it, only
+    # missing and truncated entries are written again).
+    repair: bool = False
     # Cached training with samples whose entries are missing or damaged: stop before building the model
     # (listing them in cache_report.json with the precompute command), or train on the rest with a warning.
     on_missing: OnMissing = OnMissing.stop
@@ -61,3 +65,13 @@ class PrecomputeConfig:
 @dataclass
 class VerifyConfig:
     fix: bool = False
+
+
+@dataclass
+class GcConfig:
+    """`action=gc`: remove the entries no sample of `data.path` (and of `keep_data`) uses under `model=`."""
+
+    # List what would go, remove nothing; gc.dry_run=false removes it.
+    dry_run: bool = True
+    # More data sets (folders or manifests, read with the same data settings) whose entries are kept too.
+    keep_data: list[str] = field(default_factory=list)

@@ -19,9 +19,7 @@ import random
 from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 
-from PIL import Image
-
-from qie.data.images import fit_area
+from qie.data.images import fit_area, upright_size
 from qie.data.samples import Sample
 from qie.errors import DataError
 
@@ -208,11 +206,11 @@ class ImageSizeIndex:
         key = os.path.abspath(image)
         st = os.stat(key)
         known = self.entries.get(key)
-        if known is not None and known[:2] == [st.st_size, st.st_mtime_ns]:
+        # A fifth item marks sizes taken upright (EXIF orientation applied); older entries are measured again.
+        if known is not None and len(known) == 5 and known[:2] == [st.st_size, st.st_mtime_ns]:
             return known[2], known[3]
-        with Image.open(key) as im:
-            width, height = im.width, im.height
-        self.entries[key] = [st.st_size, st.st_mtime_ns, width, height]
+        width, height = upright_size(key)  # as the encoder sees it
+        self.entries[key] = [st.st_size, st.st_mtime_ns, width, height, 1]
         self.dirty = True
         return width, height
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qie.data.samples import Dataset, scan_dataset
+from qie.data.samples import DataProblem, Dataset, prompt_problem, scan_dataset
 from qie.errors import DataError
 
 MANIFEST_SUFFIXES = (".jsonl", ".json", ".csv")
@@ -90,9 +90,26 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
     """
     format = detect_format(source.path) if source.format == "auto" else source.format
     if format != "hf":
-        return scan_dataset(source.path, format, require_target, source.allow_outside, require_prompt)
+        return without_long_prompts(
+            scan_dataset(source.path, format, require_target, source.allow_outside, require_prompt)
+        )
     from qie.data.hf import scan_hf
 
     if source.images_dir is None:
         raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
-    return scan_hf(source.path, source.split, source.columns, source.images_dir, require_target, require_prompt)
+    return without_long_prompts(
+        scan_hf(source.path, source.split, source.columns, source.images_dir, require_target, require_prompt)
+    )
+
+
+def without_long_prompts(data: Dataset) -> Dataset:
+    """`data` with the samples whose prompt is too long to encode (`prompt_problem`) turned into problems."""
+    long = {s.id: why for s in data.samples if (why := prompt_problem(s.prompt))}
+    if not long:
+        return data
+    kept = [s for s in data.samples if s.id not in long]
+    problems = [DataProblem(s.id, str(s.target or (s.controls or ("",))[0]), long[s.id]) for s in data.samples
+                if s.id in long]  # fmt: skip
+    if not kept:
+        raise DataError(f"no usable sample: the first, {problems[0].id!r}: {problems[0].reason}")
+    return Dataset(kept, data.problems + problems)

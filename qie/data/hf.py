@@ -43,6 +43,7 @@ def load_hf(path: str, split: str) -> Any:
 
     quiet_library_bars()
     root = Path(path).expanduser()
+    check_parquet_files(root)
     try:
         if root.is_dir() and is_hf_save_folder(root):
             data = datasets.load_from_disk(str(root))
@@ -53,7 +54,7 @@ def load_hf(path: str, split: str) -> Any:
             data = datasets.load_dataset(builder, data_files=str(root))
     except Exception as e:  # datasets raises many types for "not a data set"; the message says which
         raise DataError(
-            f"cannot read {path!r} as a Hugging Face data set ({type(e).__name__}: {e}).\n"
+            f"cannot read {path!r} as a Hugging Face data set ({_root_cause(e)}); "
             "data.path takes a qie folder (training_images/, control_images/), a .jsonl/.csv manifest, a "
             "save_to_disk folder, parquet files or a glob of them, or an imagefolder folder."
         ) from None
@@ -64,6 +65,39 @@ def load_hf(path: str, split: str) -> Any:
             split = next(iter(data))
         data = data[split]
     return data
+
+
+def check_parquet_files(root: Path) -> None:
+    """Read the footer of each parquet file `root` names (a file, a glob, or a folder holding them).
+
+    Raises:
+        DataError: naming the first damaged file (datasets' own error names none of them).
+    """
+    if root.is_dir():
+        files = sorted(root.rglob("*.parquet"))
+    elif any(c in str(root) for c in GLOB_CHARACTERS):
+        files = sorted(Path(root.anchor or ".").glob(str(root.relative_to(root.anchor)) if root.anchor else str(root)))
+    else:
+        files = [root] if root.suffix.lower() == ".parquet" else []
+    if not files:
+        return
+    import pyarrow.parquet as pq
+
+    for file in files:
+        try:
+            pq.read_metadata(str(file))
+        except Exception as e:  # pyarrow's ArrowInvalid, OSError, ...
+            raise DataError(
+                f"parquet file {str(file)!r} of data set {str(root)!r} is damaged ({type(e).__name__}: "
+                f"{' '.join(str(e).split())}): download it again, or remove it from the data set"
+            ) from None
+
+
+def _root_cause(e: BaseException) -> str:
+    """`Type: message` of the innermost cause of `e`, on one line."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def scan_hf(

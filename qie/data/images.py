@@ -48,6 +48,26 @@ def open_image(path: str | Path, alpha: bool = False) -> Image.Image:
         raise ImageError(path, f"image {str(path)!r} cannot be read ({e}): replace or remove it") from None
 
 
+# EXIF orientations (tag 0x0112) that turn the image a quarter: its upright width is the stored height.
+_QUARTER_TURNS = {5, 6, 7, 8}
+
+
+def upright_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) of the image as `open_image` gives it (EXIF orientation applied), from its header only.
+
+    Raises:
+        ImageError: naming the file when it is missing or not a readable image.
+    """
+    try:
+        with Image.open(path) as img:
+            turned = img.getexif().get(0x0112) in _QUARTER_TURNS
+            return (img.height, img.width) if turned else (img.width, img.height)
+    except FileNotFoundError:
+        raise ImageError(path, f"image {str(path)!r} does not exist") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(path, f"image {str(path)!r} cannot be read ({e}): replace or remove it") from None
+
+
 def as_image(image: Image.Image | np.ndarray | str | Path, alpha: bool = False) -> Image.Image:
     """An input image as 8-bit RGB: a PIL image, a file path, or a numpy array of shape (H, W), (H, W, 3)
     or (H, W, 4), either uint8 (0..255) or float in [0, 1] (alpha, as for files, is composited on white;

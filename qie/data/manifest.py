@@ -85,6 +85,7 @@ def scan_manifest(
     `require_prompt`, a row with no prompt has the prompt ""."""
     data = Dataset()
     seen: set[str] = set()
+    rows_seen: dict[tuple, int] = {}  # (target, controls, prompt) -> the row that first gave them
     for n, row in _manifest_rows(path):
         rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
         where = f"{path}:{n}"
@@ -115,6 +116,12 @@ def scan_manifest(
         if bad:
             data.problems.append(
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
+            )
+            continue
+        same = rows_seen.setdefault((target, tuple(controls), prompt.strip()), n)
+        if same != n:  # the same example twice would be trained twice as often: keep the first
+            data.problems.append(
+                DataProblem(rid, where, f"manifest row {n} repeats row {same} (same images and prompt): used once")
             )
             continue
         first = target or (controls[0] if controls else None)

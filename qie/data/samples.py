@@ -33,6 +33,21 @@ class Sample:
     prompt: str
 
 
+# Longer prompts are refused: the pipelines keep at most ~1,024 prompt tokens (~4,000 characters of English)
+# of the encoding, and the text encoder's attention over ~40,000 tokens would exhaust the memory first.
+MAX_PROMPT_CHARS = 20_000
+
+
+def prompt_problem(prompt: str) -> str | None:
+    """Why `prompt` cannot be encoded (too long), or None."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        return (
+            f"the prompt is {len(prompt):,} characters, more than the {MAX_PROMPT_CHARS:,} a prompt may have "
+            "(the model reads ~1,024 tokens of it): shorten it"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class DataProblem:
     """A sample that cannot be used: the file at fault and why."""

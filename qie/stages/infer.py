@@ -20,6 +20,7 @@ from PIL import Image
 
 from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
 from qie.data.images import as_image, condition_images
+from qie.data.samples import prompt_problem
 from qie.encode import Encoder
 from qie.errors import ConfigError, QieError
 from qie.models import ModelSpec
@@ -98,6 +99,8 @@ class Predictor:
         pil = open_images(images, spec.alpha)
         if prompt is None:
             raise ConfigError("no prompt given: set predict.prompt to the instruction")
+        if too_long := prompt_problem(prompt):
+            raise ConfigError(f"predict.prompt: {too_long}")
         if not pil and self.spec.needs_controls:
             raise ConfigError("no input image given: set predict.image (or predict.images for Edit-Plus)")
         problem = self.spec.control_problem(len(pil))

@@ -4,7 +4,8 @@ Each process of an `accelerate launch` / `torchrun` takes a disjoint share. Samp
 (one control image with several instructions, one target with several controls) land on one process, so
 no entry is encoded twice; the shares are balanced by sample count. Independent runs on one cache claim
 each entry (a lock file) before encoding it, so they do not encode anything twice either. Entries already
-present and intact are skipped, as are duplicates within the run; samples are grouped by which types they
+present and intact (judged by the header; with `cache.repair=true` the checksum of every entry's bytes is
+read too) are skipped, as are duplicates within the run; samples are grouped by which types they
 miss, so exactly the missing entries are computed. A sample that cannot be read, or whose values are not
 finite, is recorded (summary, failures.jsonl, and the cache's failure list that training reads) and the
 run goes on, unless `precompute.on_error=raise`. `precompute.start`/`end` slice the usable samples in id
@@ -66,7 +67,8 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     from accelerate import PartialState
 
     settings = read_settings(cfg)
-    backend = build_backend(cfg.cache._target_, cfg.cache.dir)
+    repair = bool(cfg.cache.get("repair", False))
+    backend = build_backend(cfg.cache._target_, cfg.cache.dir, verify_reads=repair)
     backend.check_access(write=True)
     check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
     # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
@@ -83,12 +85,27 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     mine = share(keyed, state.num_processes, state.process_index)
     # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
     summary.samples = len(mine) + (len(items) - len(keyed) if main else 0)
-    groups = plan(mine, backend, summary)
-    encode(cfg, groups, backend, summary, settings, f"precompute[{state.process_index}]" * (state.num_processes > 1))
+    checked = Repairing(backend) if repair else backend
+    groups = plan(mine, checked, summary)
+    encode(cfg, groups, checked, summary, settings, f"precompute[{state.process_index}]" * (state.num_processes > 1))
     hasher.save()
     totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
     summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
     return finish(state, summary, backend, cfg.cache.dir, Path(run_dir))
+
+
+class Repairing:
+    """A backend whose `intact` also reads the entry and checks its checksum (`cache.repair=true`): precompute
+    then re-encodes entries whose bytes changed, not only those that are missing or cut short."""
+
+    def __init__(self, backend: CacheBackend) -> None:
+        self.backend = backend
+
+    def intact(self, type: str, key: str) -> bool:
+        return self.backend.intact(type, key) and self.backend.get(type, key) is not None
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
 
 
 def read_settings(cfg: DictConfig) -> Settings:

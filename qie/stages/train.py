@@ -20,11 +20,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from qie import run_lock
 from qie.components import load_parts, prepare_model, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.samples import DataProblem, Sample
 from qie.embeddings import EmbeddingSource
-from qie.errors import ConfigError, DataError
+from qie.errors import ConfigError, DataError, check_writable
 from qie.models import ModelSpec
 from qie.readiness import ready_samples
 from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
@@ -34,6 +35,7 @@ from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
+from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 
 RESULT_FILE = "train_result.json"
@@ -49,16 +51,35 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         The result also written to train_result.json: step, loss, losses, stopped_by_signal, lora, ...
 
     Raises:
-        QieError subclasses for what a user can fix (config, data, cache misses, models).
+        QieError subclasses for what a user can fix (config, data, cache misses, models), and StorageError
+        when another process trains in `run_dir` (one writer per run folder, see `qie.run_lock`).
     """
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
     spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
+    writer = accelerator.is_main_process
+    if writer:
+        check_writable(run_dir, "the run directory (hydra.run.dir)")
+        run_lock.acquire(run_dir)
+    try:
+        return _train(cfg, run_dir, accelerator, spec, on_step_end)
+    finally:
+        if writer:
+            run_lock.release(run_dir)
+
+
+def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec,
+           on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
     samples = load_samples(cfg, spec, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
+    records = run_records(cfg, spec, samples)
+    if resume_from is not None:
+        warning = check_resume(resumed, resume_from, *records, bool(cfg.train.resume_inexact))
+        if warning:
+            accelerator.print(f"qie: warning: {warning}")
     source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec)
     # Every sample's entries are checked before the model is built (later misses stop the run too).
     samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
@@ -80,10 +101,11 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
                            OmegaConf.to_container(cfg, resolve=True),
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
     hooks = step_hooks(cfg, spec, state, source, samples, scheduler, logger, on_step_end, run_dir)
-    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train)
+    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, records)
     try:
         result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler, spec), logger,
-                     save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
+                     save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks],
+                     last_saved=resume_from)  # fmt: skip
     finally:
         logger.close()
     finish(state, mode, run_dir, result, bool(cfg.train.export_comfyui))
@@ -197,8 +219,21 @@ def build_train_state(
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
-def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, step: int, consumed: int) -> Path:
-    info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes}
+def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample]) -> tuple[dict, dict]:
+    """The model and data records checkpoints keep, and resume compares (see `qie.training.run_record`)."""
+    m, train = cfg.model, cfg.train
+    fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.get("transformer_path"), m.revision)
+    lora = None
+    if str(value(train.mode)) != "full":
+        keys = ("rank", "alpha", "target_modules", "dropout", "init")
+        lora = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v := train.lora[k]) else value(v) for k in keys}
+    return model_record(spec, fingerprint, str(value(train.mode)), lora), data_record([s.id for s in samples])
+
+
+def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, records: tuple[dict, dict],
+                     step: int, consumed: int) -> Path:  # fmt: skip
+    info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes,
+            "model": records[0], "data": records[1]}  # fmt: skip
     comfyui, keep = bool(train.export_comfyui), train.checkpoints_total_limit
     return ckpt.save_checkpoint(state, run_dir, info, lora, comfyui, keep)
 

@@ -8,11 +8,14 @@ JSON, see `state_io`), the mixed-precision scaler (`grad_scaler.json`) and each 
 files. Everything is read with `json` and `safetensors`; a checkpoint holding any file that would need
 unpickling (accelerate's `*.pkl`, `*.bin`, torch's `*.pt` ...) is refused, as unpickling runs whatever code
 the file names. It is written under a temporary name and renamed, so a kill while saving never leaves a
-checkpoint that looks complete but is not.
+checkpoint that looks complete but is not; a failed write (a full disk, an I/O or permission error) removes
+the temporary folder and stops the run with one line, leaving every earlier checkpoint as it was.
+`trainer_state.json` also records the model and data set it was trained on (`run_record`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+from safetensors import SafetensorError
 
-from qie.errors import ConfigError, ModelLoadError
+from qie.errors import ConfigError, ModelLoadError, StorageError
+from qie.training.guards import state_is_finite
 from qie.training.lora import load_lora_state, lora_state_dict, save_lora
 from qie.training.state_io import load_tree, rng_state, save_tree, set_rng_state
 
@@ -47,7 +52,26 @@ def write_state(folder: Path, state: dict) -> None:
 
 
 def read_state(folder: Path) -> dict:
-    return json.loads((folder / STATE_FILE).read_text())
+    """The trainer state of checkpoint `folder`.
+
+    Raises:
+        ModelLoadError: the file is unreadable or not a JSON object of whole-number step counts (naming it).
+    """
+    path = folder / STATE_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        for key in ("step", "batches_consumed", "num_processes"):
+            number = state.get(key, 1 if key == "num_processes" else None)
+            if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 2**53:
+                raise ValueError(f"{key} is {number!r}, not a whole number >= 0")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ModelLoadError(
+            f"checkpoint state {path} is damaged ({e.__class__.__name__}: {e}): resume from another checkpoint "
+            "of checkpoints/, or start without train.resume"
+        ) from None
+    return state
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -123,36 +147,66 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui:
     folder = checkpoint_dir(run_dir, int(state["step"]))
     tmp = temp_dir(folder)
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        begin(folder)
-    accelerator.wait_for_everyone()
-    save_tree(rng_state(), tmp / STATE_DIR, f"rng_state_{accelerator.process_index}")  # every process its own
+    try:
+        if accelerator.is_main_process:
+            begin(folder)
+        accelerator.wait_for_everyone()
+        save_tree(rng_state(), tmp / STATE_DIR, f"rng_state_{accelerator.process_index}")  # every process its own
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise save_error(e, folder) from None
     sharded = is_sharded(accelerator)
     lora_weights = lora_state_dict(accelerator.unwrap_model(train.model)) if lora else None  # FSDP: every process
     gathered = gather_state(train, lora) if sharded else None  # collectives: every process
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(train.model)
-        if lora:
-            save_lora(model, tmp, comfyui=comfyui, state=lora_weights)
-        if gathered is not None:
-            safetensors.torch.save_file(gathered[0], str(tmp / STATE_DIR / MODEL_FILE))
-            save_tree(gathered[1], tmp / STATE_DIR, "optimizer")
-        else:
-            if lora:
-                safetensors.torch.save_file(lora_weights, str(tmp / STATE_DIR / MODEL_FILE))
-            else:
-                safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
-            save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
-        save_tree(train.lr_scheduler.state_dict(), tmp / STATE_DIR, "lr_scheduler")
-        if getattr(accelerator, "scaler", None) is not None:
-            (tmp / STATE_DIR / "grad_scaler.json").write_text(json.dumps(accelerator.scaler.state_dict()))
-        write_state(tmp, state)
-        commit(tmp, folder)
+        try:
+            _write(train, tmp, folder, state, lora, comfyui, lora_weights, gathered)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # the earlier checkpoints are untouched
+            if isinstance(e, (OSError, SafetensorError)):
+                raise save_error(e, folder) from None
+            raise
         prune(run_dir, keep)
         print(f"qie: checkpoint at step {state['step']}: {folder}", flush=True)
     accelerator.wait_for_everyone()
     return folder
+
+
+def _write(train: Any, tmp: Path, folder: Path, state: dict, lora: bool, comfyui: bool, lora_weights, gathered) -> None:
+    """Write the checkpoint's files into `tmp` and rename it to `folder` (main process)."""
+    accelerator = train.accelerator
+    model = accelerator.unwrap_model(train.model)
+    if lora:
+        save_lora(model, tmp, comfyui=comfyui, state=lora_weights)
+    if gathered is not None:
+        safetensors.torch.save_file(gathered[0], str(tmp / STATE_DIR / MODEL_FILE))
+        save_tree(gathered[1], tmp / STATE_DIR, "optimizer")
+    else:
+        if lora:
+            safetensors.torch.save_file(lora_weights, str(tmp / STATE_DIR / MODEL_FILE))
+        else:
+            safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
+        save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
+    save_tree(train.lr_scheduler.state_dict(), tmp / STATE_DIR, "lr_scheduler")
+    if getattr(accelerator, "scaler", None) is not None:
+        (tmp / STATE_DIR / "grad_scaler.json").write_text(json.dumps(accelerator.scaler.state_dict()))
+    write_state(tmp, state)
+    commit(tmp, folder)
+
+
+def save_error(e: Exception, folder: Path) -> StorageError:
+    """One line for a checkpoint that could not be written: what failed, and that nothing earlier was lost."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
+        why, fix = "the disk is full", "free space on that disk (or set train.checkpoints_total_limit)"
+    elif isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why, fix = "permission denied", "make the run folder writable"
+    else:
+        why, fix = f"{e.__class__.__name__}: {e}", "check the disk of the run folder"
+    return StorageError(
+        f"cannot write checkpoint {folder} ({why}): {fix}, then resume with train.resume=latest; "
+        "the earlier checkpoints are kept"
+    )
 
 
 def refuse_pickles(folder: Path) -> None:
@@ -198,6 +252,11 @@ def load_checkpoint(train: Any, folder: Path, inexact: bool = False) -> dict:
     )
     if getattr(accelerator, "scaler", None) is not None and (state_dir / "grad_scaler.json").is_file():
         accelerator.scaler.load_state_dict(json.loads((state_dir / "grad_scaler.json").read_text()))
+    if not state_is_finite(accelerator, train.params, train.optimizer):  # one collective: all refuse alike
+        raise ModelLoadError(
+            f"checkpoint {folder} holds NaN or infinite trained weights or optimizer state: training from it "
+            "would write NaN into the weights. Resume from an earlier checkpoint of checkpoints/"
+        )
     rng = f"rng_state_{accelerator.process_index}"
     try:
         set_rng_state(load_tree(state_dir, rng))

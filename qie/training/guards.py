@@ -1,5 +1,7 @@
-"""What the training loop does when a step goes wrong: a NaN or infinite loss (or gradient), or a batch that
-cannot be read mid-run. Either way the last good state is saved before the run stops."""
+"""What the training loop does when a step goes wrong: a NaN or infinite loss (or gradient), non-finite trained
+weights or optimizer state after an update, or a batch that cannot be read mid-run. The last good state is
+saved before the run stops, and no state is saved (or called good) unless its weights and optimizer state are
+finite."""
 
 from __future__ import annotations
 
@@ -25,6 +27,39 @@ def window_is_finite(accelerator: Any, losses: Sequence[torch.Tensor], grad_norm
     ok = ok and (grad_norm is None or math.isfinite(float(grad_norm)))
     flag = torch.tensor([0.0 if ok else 1.0], device=accelerator.device)
     return accelerator.reduce(flag, "sum").item() == 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP shard: this process's part only
+
+
+def state_is_finite(accelerator: Any, params: Sequence[torch.Tensor], optimizer: Any) -> bool:
+    """Whether every process's trained weights and optimizer state tensors are finite (one collective).
+
+    A NaN in the optimizer state (a poisoned checkpoint, an overflow in its moments) reaches the weights
+    through an update whose loss is still finite, so the loss and gradient checks alone miss it.
+    """
+    flag = torch.tensor([0.0 if local_state_finite(params, optimizer) else 1.0], device=accelerator.device)
+    return accelerator.reduce(flag, "sum").item() == 0
+
+
+def local_state_finite(params: Sequence[torch.Tensor], optimizer: Any) -> bool:
+    """Whether this process's trained weights (its shards) and optimizer state tensors are all finite."""
+    tensors = [p.detach() for p in params]
+    for entry in getattr(optimizer, "state", {}).values():
+        tensors += [v for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    # Every check is queued before the first is read: one wait for the device, not one per tensor.
+    flags = [torch.isfinite(_local(t)).all() for t in tensors]
+    return all(bool(f) for f in flags)
+
+
+def nonfinite_state_message(step: int, saved: Path | None) -> str:
+    where = f"the last good state is saved in {saved}" if saved else "no earlier state of this run was saved"
+    return (
+        f"step {step} left NaN or infinite values in the trained weights or the optimizer state (a finite loss "
+        f"can still give a NaN update, e.g. from a damaged optimizer state); nothing was saved after it: {where}. "
+        "Lower the learning rate or resume from an earlier checkpoint."
+    )
 
 
 def all_ids(accelerator: Any, ids: list[str]) -> list[str]:

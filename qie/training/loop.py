@@ -18,7 +18,16 @@ import torch
 
 from qie.errors import QieError
 from qie.progress import progress
-from qie.training.guards import NonFiniteLoss, all_ids, nonfinite_message, save_before_stopping, window_is_finite
+from qie.training.guards import (
+    NonFiniteLoss,
+    all_ids,
+    local_state_finite,
+    nonfinite_message,
+    nonfinite_state_message,
+    save_before_stopping,
+    state_is_finite,
+    window_is_finite,
+)
 from qie.training.logging import MetricsLogger
 from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
@@ -37,7 +46,9 @@ class LoopSettings:
     log_every: int = 1
     sigmas: SigmaSampling = field(default_factory=SigmaSampling)
     loss_weighting: str = "none"
-    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" (save the last good state) or "skip"
+    # A NaN/inf loss or gradient: "stop" (save the last good state) or "skip". Non-finite weights or optimizer
+    # state after an update (checked on logged steps and before every save) always stop: the update is applied.
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -121,6 +132,7 @@ def fit(
     logger: MetricsLogger,
     save_checkpoint: Callable[[int, int], Path] | None = None,
     on_step_end: Callable[[StepInfo], None] | None = None,
+    last_saved: Path | None = None,
 ) -> dict:
     """Train until `settings.max_steps` optimizer steps (or a stop signal), from `state.start_step`.
 
@@ -129,15 +141,34 @@ def fit(
         save_checkpoint: called as save_checkpoint(step, batches_consumed) every `checkpoint_every` steps,
             at the end and on a stop signal, on every process.
         on_step_end: hook after each optimizer step, on every process (image logging, validation, timing).
+        last_saved: the checkpoint this run resumed from (the last good state until this run saves one).
 
     Returns:
         {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "skipped_nonfinite"}.
 
     Raises:
         NonFiniteLoss: a NaN or infinite loss or gradient with `on_nonfinite="stop"` (after saving the last
-            good state); a QieError of the batch stream (after saving, in a single-process run).
+            good state), or non-finite weights or optimizer state after an update (nothing saved after it);
+            a QieError of the batch stream (after saving, in a single-process run).
     """
     accelerator = state.accelerator
+    last_good = [last_saved]
+
+    def save(at: int, batches: int, strict: bool = True) -> Path | None:
+        """Save the state after step `at` if its weights and optimizer state are finite (every process).
+        Otherwise raise NonFiniteLoss (`strict`) or save nothing."""
+        if save_checkpoint is None:
+            return None
+        if not state_is_finite(accelerator, state.params, state.optimizer):
+            if strict:
+                raise NonFiniteLoss(nonfinite_state_message(at, last_good[0]))
+            return None
+        last_good[0] = save_checkpoint(at, batches)
+        return last_good[0]
+
+    def save_if_good(at: int, batches: int) -> Path | None:
+        return save(at, batches, strict=False)
+
     step, consumed, saved_at = state.start_step, None, None
     losses: list[float] = []
     skipped: list[list[str]] = []
@@ -152,7 +183,7 @@ def fit(
             except Exception as e:
                 if stop.received is None:
                     if isinstance(e, QieError) and save_before_stopping(
-                        save_checkpoint, accelerator, step, consumed, saved_at
+                        save_if_good, accelerator, step, consumed, saved_at
                     ):
                         print(f"qie: saved the state after step {step} before stopping")
                     raise
@@ -168,22 +199,27 @@ def fit(
                     skipped.append(ids)
                     consumed = window["consumed"]
                     continue
-                saved = save_before_stopping(save_checkpoint, accelerator, step, consumed, saved_at)
-                raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved))
+                saved = save_before_stopping(save_if_good, accelerator, step, consumed, saved_at)
+                raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or last_good[0]))
             consumed = window["consumed"]
             step += 1
-            # One collective for both: every process must stop after the same step, or the checkpoint's
-            # collectives would pair with another process's training step.
+            # One collective for all three: every process must stop after the same step, or the checkpoint's
+            # collectives would pair with another process's training step. The weights are checked on the
+            # steps that report (and before every save), to keep the check off the other steps.
+            report = step % settings.log_every == 0 or step == settings.max_steps
+            bad = float(report and not local_state_finite(state.params, state.optimizer))
             totals = accelerator.reduce(
-                torch.tensor([loss, float(stop.received is not None)], device=accelerator.device), "sum"
+                torch.tensor([loss, float(stop.received is not None), bad], device=accelerator.device), "sum"
             )
+            if totals[2].item() > 0:
+                raise NonFiniteLoss(nonfinite_state_message(step, last_good[0]))
             mean_loss = totals[0].item() / accelerator.num_processes
             stopping = totals[1].item() > 0
             losses.append(mean_loss)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             bar.update(1)
             seconds = time.perf_counter() - t0
-            if step % settings.log_every == 0 or step == settings.max_steps:
+            if report:
                 metrics = {
                     "loss": mean_loss,
                     "lr": state.lr_scheduler.get_last_lr()[0],
@@ -194,10 +230,10 @@ def fit(
             if on_step_end is not None:
                 on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
             if save_checkpoint and settings.checkpoint_every and step % settings.checkpoint_every == 0:
-                save_checkpoint(step, consumed)
+                save(step, consumed)
                 saved_at = step
         if save_checkpoint and consumed is not None and saved_at != step:
-            save_checkpoint(step, consumed)
+            save(step, consumed)
     last = losses[-1] if losses else math.nan
     return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "skipped_nonfinite": skipped}
 

@@ -180,7 +180,7 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, P
     """The LoRA state dict in diffusers format (keys `transformer.<module>.lora_A.weight`), its metadata, file.
 
     Raises:
-        ModelLoadError: a missing or unreadable file.
+        ModelLoadError: a missing or unreadable file, or one holding NaN or infinite values.
     """
     from diffusers import QwenImageEditPipeline
 
@@ -191,6 +191,13 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, P
         )
     except Exception as e:  # safetensors, json and conversion errors all mean "cannot read this LoRA"
         raise ModelLoadError(f"cannot read LoRA {str(file)!r}: {e}") from None
+    # A NaN adapter would turn every output black without an error: refuse it here, where every loader reads.
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise ModelLoadError(
+            f"LoRA {str(file)!r} holds NaN or infinite values (first in {bad!r}): it was saved from a diverged "
+            "run; use an earlier checkpoint's LoRA"
+        )
     return state, metadata, file
 
 

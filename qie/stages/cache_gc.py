@@ -1,0 +1,63 @@
+"""`python -m qie.cache action=gc`: remove the cache entries that no sample of the named data set(s) uses.
+
+An entry's key is a hash of what its value depends on (image bytes, sizes, model fingerprints, prompt), so the
+entries a data set uses are the keys of its samples under the model and data settings given; the rest are
+left by deleted or edited samples, other sizes, or other models. A dry run (the default) lists what would go.
+Only entry files inside `cache.dir`'s type folders are ever removed (see `CacheBackend.unused`).
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from qie.cache.admin import AdminReport, format_bytes
+from qie.components import prepare_model
+from qie.errors import ConfigError
+from qie.stages.common import build_source, read_data
+
+
+def used_keys(cfg: DictConfig) -> tuple[dict[str, set[str]], int]:
+    """The keys (per type) of every sample of `data.path` and `gc.keep_data`, and how many samples that is."""
+    source = build_source(cfg, mode="cached", spec=prepare_model(cfg.model))
+    keep: dict[str, set[str]] = {}
+    count = 0
+    for path in [cfg.data.path, *cfg.gc.keep_data]:
+        for sample in read_data(cfg, path=str(path)).samples:
+            count += 1
+            for type, key in source.keys(sample).items():
+                keep.setdefault(type, set()).add(key)
+    return keep, count
+
+
+def collect_garbage(cfg: DictConfig, backend) -> AdminReport:
+    """List (and unless `gc.dry_run`, remove) the entries no sample of the named data sets uses.
+
+    Raises:
+        ConfigError: no data set named; or, when removing, none of the data sets' entries is in the
+            cache (another model or other sizes were named: nothing is removed).
+    """
+    if not cfg.data.path:
+        raise ConfigError(
+            "action=gc needs the data set(s) whose entries to keep: add data.path=... (more: gc.keep_data=[...]) "
+            "and the model=NAME precompute was given"
+        )
+    keep, samples = used_keys(cfg)
+    remove = not bool(cfg.gc.dry_run)
+    unused = backend.unused(keep, remove=False)
+    total = backend.stats()
+    kept = sum(s["count"] for s in total.values()) - sum(s["count"] for s in unused.values())
+    if remove and kept == 0 and any(s["count"] for s in total.values()):
+        raise ConfigError(
+            f"none of the {samples} samples' entries is in {backend!r}: were they encoded with another model or "
+            "other sizes? Nothing was removed; give the model= and data settings precompute was run with"
+        )
+    if remove:
+        unused = backend.unused(keep, remove=True)
+    count, size = sum(s["count"] for s in unused.values()), sum(s["bytes"] for s in unused.values())
+    verb = "removed" if remove else "would remove"
+    lines = [f"cache: {backend!r}", f"{samples} samples of model={cfg.model.name} use {kept:,} entries"]
+    lines += [f"  {t:<20} {verb} {s['count']:,} ({format_bytes(s['bytes'])})" for t, s in unused.items() if s["count"]]
+    lines.append(f"{verb} {count:,} unused entries, {format_bytes(size)}")
+    if not remove and count:
+        lines.append("dry run: nothing removed; add gc.dry_run=false to remove them")
+    return AdminReport("\n".join(lines))
