@@ -112,10 +112,11 @@ def test_claims_held_by_another_run_are_waited_for_not_encoded(tiny_path: Path, 
 
     backend.claim = claim
     summary = precompute_work.PrecomputeSummary()
+    from qie.components import prepare_model
     from qie.stages.common import file_hasher, model_key_context, read_data
 
-    spec = precompute.model_spec(cfg.model)
-    keyed = [(s, precompute_work.keys_of(s, model_key_context(cfg), file_hasher(cfg), spec))
+    spec = prepare_model(cfg.model)
+    keyed = [(s, precompute_work.keys_of(s, model_key_context(cfg, spec), file_hasher(cfg), spec))
              for s in read_data(cfg).samples]  # fmt: skip
     groups = precompute_work.plan(keyed, backend, summary)
     precompute_work.encode_groups(lambda: precompute.build_encoder(cfg), groups, backend,
