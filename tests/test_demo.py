@@ -98,3 +98,19 @@ def test_vae_script_writes_the_same_file_twice(tmp_path: Path) -> None:
 def _weights(path: Path) -> tuple[dict, dict]:
     with safe_open(str(path), framework="pt") as f:  # the header's key order is not fixed; its content is
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+@pytest.mark.parametrize("model", ["tiny_t2i", "tiny_qwen_image_21"])
+def test_the_demo_runs_for_the_other_families(model: str, tmp_path: Path) -> None:
+    """Text to image draws the shapes from their descriptions (no control image); 2.1 edits RGBA images. Tiny random
+    VAEs: no learning is asserted, only that every part of the demo runs and writes what it says."""
+    cfg = compose("demo", [f"model={model}", "demo.train_samples=4", "demo.heldout_samples=2", "train.max_steps=2",
+                           "train.checkpoint_every=0", "predict.num_inference_steps=2", "data.num_workers=0",
+                           "logging.report_to=none"])  # fmt: skip
+    report = run(cfg, tmp_path)
+    assert report["train_steps"] == 2 and Path(report["lora"]).is_file()
+    assert (tmp_path / "data" / "train" / "control_images").is_dir() == (model != "tiny_t2i")
+    if model == "tiny_t2i":
+        assert (tmp_path / "data" / "train" / "training_images" / "00000.txt").read_text().startswith("a ")
+    assert len(list((tmp_path / "predictions" / "lora").glob("*.png"))) == 2
+    assert Image.open(tmp_path / "demo.png").size == grid.grid_size(2, len(COLUMNS), TILE)
