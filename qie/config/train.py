@@ -81,7 +81,10 @@ class TrainConfig:
     # continuation); by default that stops the resume.
     resume_inexact: bool = False
     on_nonfinite: OnNonfinite = OnNonfinite.stop
+    # Beside the diffusers file, write `comfyui_lora.safetensors` (ComfyUI, DiffSynth-Studio) and
+    # `kohya_lora.safetensors` (musubi-tuner, kohya-style loaders); every file is at the trained strength.
     export_comfyui: bool = False
+    export_kohya: bool = False
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal
     logit_mean: float = 0.0
     logit_std: float = 1.0

@@ -86,7 +86,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
                      save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
     finally:
         logger.close()
-    finish(state, mode, run_dir, result, bool(cfg.train.export_comfyui))
+    finish(state, mode, run_dir, result, lora_exports(cfg.train))
     return result
 
 
@@ -196,8 +196,12 @@ def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, acc
 
 def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, step: int, consumed: int) -> Path:
     info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes}
-    comfyui, keep = bool(train.export_comfyui), train.checkpoints_total_limit
-    return ckpt.save_checkpoint(state, run_dir, info, lora, comfyui, keep)
+    return ckpt.save_checkpoint(state, run_dir, info, lora, lora_exports(train), train.checkpoints_total_limit)
+
+
+def lora_exports(train: DictConfig) -> tuple[str, ...]:
+    """The LoRA files for other tools written beside the diffusers one: `train.export_comfyui`, `export_kohya`."""
+    return tuple(name for name in ("comfyui", "kohya") if bool(train.get(f"export_{name}", False)))
 
 
 def _instantiate(node: Any) -> Any:
@@ -269,12 +273,12 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
     return hook
 
 
-def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, comfyui: bool) -> None:
+def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, exports: tuple[str, ...]) -> None:
     """Check the replicas agree, export the trained weights and write train_result.json (main process)."""
     accelerator = state.accelerator
     result["param_checksums"] = _gather_checksums(accelerator, state.params)
     result["ranks_agree"] = all(c == result["param_checksums"][0] for c in result["param_checksums"])
-    key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, comfyui, write=accelerator.is_main_process)
+    key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, exports, write=accelerator.is_main_process)
     if accelerator.is_main_process:
         result[key] = str(path)
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))

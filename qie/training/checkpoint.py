@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +110,14 @@ def prune(root: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui: bool = False, keep=None) -> Path:
+def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, exports: Sequence[str] = (), keep=None) -> Path:
     """Write `checkpoints/step-NNNNNN` for `state["step"]` from every process; returns the folder.
 
     Args:
         train: the TrainState (accelerator, model, optimizer, lr_scheduler).
         state: what `read_state` gives back on resume (step, batches_consumed, ...).
         lora: the model trains a LoRA: keep only its weights, and export it in diffusers format too (and
-            ComfyUI's with `comfyui`).
+            the other tools' files `exports` names: "comfyui", "kohya").
         keep: `train.checkpoints_total_limit`.
     """
     accelerator = train.accelerator
@@ -134,7 +135,7 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui:
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(train.model)
         if lora:
-            save_lora(model, tmp, comfyui=comfyui, state=lora_weights)
+            save_lora(model, tmp, exports, state=lora_weights)
         if gathered is not None:
             safetensors.torch.save_file(gathered[0], str(tmp / STATE_DIR / MODEL_FILE))
             save_tree(gathered[1], tmp / STATE_DIR, "optimizer")

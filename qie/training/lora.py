@@ -1,5 +1,5 @@
-"""LoRA adapters on the transformer (peft): adding, saving (diffusers and ComfyUI key formats), loading,
-fusing.
+"""LoRA adapters on the transformer (peft): adding, saving (diffusers format; the ComfyUI and kohya files are
+in `qie.training.lora_files`), loading, fusing.
 
 Loading goes through diffusers' own `lora_state_dict` (which also converts ComfyUI / kohya key formats)
 and the transformer's `load_lora_adapter`, so a LoRA behaves here exactly as in a diffusers pipeline.
@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from qie.errors import ModelLoadError
+from qie.training.lora_files import fold_scales, folded_metadata, lora_scales, write_exports
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
-COMFYUI_FILE = "comfyui_lora.safetensors"
 PREFIX = "transformer."
 
 
@@ -105,25 +104,33 @@ def load_lora_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]
 
 
 def save_lora(
-    transformer: torch.nn.Module, folder: Path, comfyui: bool = False, dtype: torch.dtype | None = None, state=None
+    transformer: torch.nn.Module,
+    folder: Path,
+    exports: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`); `state`: its
-    weights when already gathered (`lora_state_dict`), else read from `transformer`."""
+    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`), and the files
+    `exports` names ("comfyui", "kohya"; `qie.training.lora_files`), all with alpha / rank folded into the
+    weights so that every tool applies the trained strength.
+
+    Args:
+        state: the adapter's weights when already gathered (`lora_state_dict`), else read from `transformer`.
+    """
     from diffusers import QwenImageEditPipeline
 
     state = lora_state_dict(transformer) if state is None else state
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
+    folded = fold_scales(state, lora_scales(transformer))
     folder.mkdir(parents=True, exist_ok=True)
     QwenImageEditPipeline.save_lora_weights(
         folder,
-        transformer_lora_layers=state,
+        transformer_lora_layers=folded,
         safe_serialization=True,
-        transformer_lora_adapter_metadata=adapter_metadata(transformer),
+        transformer_lora_adapter_metadata=folded_metadata(adapter_metadata(transformer)),
     )
-    if comfyui:
-        meta = adapter_metadata(transformer)
-        save_file(comfyui_state(state, meta["lora_alpha"] if meta else None), str(folder / COMFYUI_FILE))
+    write_exports(folder, folded, exports)
     return folder / LORA_FILE
 
 
@@ -142,18 +149,6 @@ def adapter_metadata(transformer: torch.nn.Module) -> dict | None:
         "rank_pattern": dict(config.rank_pattern or {}),
         "alpha_pattern": dict(config.alpha_pattern or {}),
     }
-
-
-def comfyui_state(state: dict[str, torch.Tensor], alpha: float | None) -> dict[str, torch.Tensor]:
-    """ComfyUI's LoRA keys: `diffusion_model.<module>.lora_down/lora_up.weight` and `.alpha` per module."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        module, _, rest = key.partition(".lora_")
-        kind = "lora_down" if rest.startswith("A") else "lora_up"
-        out[f"diffusion_model.{module}.{kind}.weight"] = value
-        if alpha is not None and kind == "lora_down":
-            out[f"diffusion_model.{module}.alpha"] = torch.tensor(alpha)
-    return out
 
 
 def lora_file(path: str | Path) -> Path:
@@ -192,6 +187,27 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, P
     except Exception as e:  # safetensors, json and conversion errors all mean "cannot read this LoRA"
         raise ModelLoadError(f"cannot read LoRA {str(file)!r}: {e}") from None
     return state, metadata, file
+
+
+def match_flattened_names(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with module names guessed from kohya keys put right by the model's own names.
+
+    A kohya key (`lora_unet_transformer_blocks_0_img_mlp_gate_layer`) flattens dots to underscores; diffusers
+    turns them back with a list of known names and guesses wrong for others (`img_mlp.gate.layer`). The name
+    whose flattened form is the same, and unique, in this transformer is the one meant.
+    """
+    modules = {n for n, _ in transformer.named_modules()}
+    flat: dict[str, list[str]] = {}
+    for name in modules:
+        flat.setdefault(name.replace(".", "_"), []).append(name)
+    out = {}
+    for key, value in state.items():
+        module, sep, rest = key[len(PREFIX) :].partition(".lora_")
+        candidates = flat.get(module.replace(".", "_"), [])
+        if key.startswith(PREFIX) and sep and module not in modules and len(candidates) == 1:
+            key = f"{PREFIX}{candidates[0]}.lora_{rest}"
+        out[key] = value
+    return out
 
 
 def check_lora_fits(transformer: torch.nn.Module, state: dict[str, torch.Tensor], file: str | Path) -> None:
@@ -266,6 +282,7 @@ def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_na
         ModelLoadError: a missing or unreadable file, or a LoRA that does not fit the transformer.
     """
     state, metadata, file = read_lora(path)
+    state = match_flattened_names(transformer, state)
     check_lora_fits(transformer, state, file)
     if adapter_name in getattr(transformer, "peft_config", {}):
         transformer.delete_adapters(adapter_name)

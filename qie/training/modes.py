@@ -4,6 +4,7 @@ stage picks once from `train.mode`; nothing else compares mode names."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,12 +32,13 @@ class LoraMode:
         return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init)
 
     def export(
-        self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False, write: bool = True
+        self, transformer: torch.nn.Module, run_dir: Path, exports: Sequence[str] = (), write: bool = True
     ) -> tuple[str, Path]:
-        """Write the trained weights (when `write`; every process calls it); returns (result key, path)."""
+        """Write the trained weights (when `write`; every process calls it), with the other tools' files
+        `exports` names; returns (result key, path)."""
         state = lora_state_dict(transformer)  # gathers sharded weights: a collective under FSDP
         folder = run_dir / "lora"
-        return "lora", save_lora(transformer, folder, comfyui=comfyui, state=state) if write else folder / LORA_FILE
+        return "lora", save_lora(transformer, folder, exports, state=state) if write else folder / LORA_FILE
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class FullMode:
         return [p for p in transformer.parameters() if p.requires_grad]
 
     def export(
-        self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False, write: bool = True
+        self, transformer: torch.nn.Module, run_dir: Path, exports: Sequence[str] = (), write: bool = True
     ) -> tuple[str, Path]:
         state = full_state_dict(transformer)  # gathers sharded weights: a collective under FSDP
         folder = run_dir / "transformer"
