@@ -32,6 +32,7 @@ from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
+from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
 from qie.training.timesteps import SigmaSampling
@@ -56,6 +57,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     run_dir = Path(run_dir)
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
     spec = model_spec(cfg.model)
+    mode = train_mode(cfg.train)  # checks train.lora.init and reads train.init_lora before anything is built
     samples = load_samples(cfg, spec, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
@@ -65,7 +67,6 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
                             accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
 
-    mode = train_mode(cfg.train)
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
     if resume_from is not None:
         state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
@@ -146,11 +147,21 @@ def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int
 
 
 def train_mode(train: DictConfig) -> TrainMode:
-    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA."""
+    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA (or `train.init_lora`'s file).
+
+    Raises:
+        ConfigError, ModelLoadError: a `train.lora.init` peft does not know; an unreadable `train.init_lora`.
+    """
     if str(value(train.mode)) == "full":
+        if train.get("init_lora"):
+            raise ConfigError("train.init_lora needs train.mode=lora (it names a LoRA to go on training)")
         return FullMode()
-    lora = train.lora
-    return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init))
+    lora, init_lora = train.lora, train.get("init_lora")
+    check_init_name(str(lora.init))
+    if init_lora:
+        check_lora_file(init_lora)  # before any model is built
+    return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init),
+                    str(init_lora) if init_lora else None)  # fmt: skip
 
 
 def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: ModelSpec) -> LoopSettings:

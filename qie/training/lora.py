@@ -22,8 +22,49 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 PREFIX = "transformer."
 
 
+# peft's `init_lora_weights` names (peft/tuners/lora/config.py); "pissa_niter_N" too.
+INIT_NAMES = ("true", "false", "gaussian", "eva", "olora", "pissa", "corda", "loftq", "orthogonal", "mica")
+
+
 def _init_value(init: str) -> bool | str:
     return {"true": True, "false": False}.get(init.lower(), init)
+
+
+def check_init_name(init: str) -> None:
+    """Raise ConfigError unless `init` (`train.lora.init`) is one of peft's initialisations."""
+    from qie.errors import ConfigError
+
+    if init.lower() in INIT_NAMES or init.lower().startswith("pissa_niter_"):
+        return
+    hint = " (to start from a LoRA file, use train.init_lora=PATH)" if "/" in init or "." in init else ""
+    raise ConfigError(f"train.lora.init={init!r} is not one of peft's initialisations {list(INIT_NAMES)}{hint}")
+
+
+def check_lora_file(path: str | Path) -> Path:
+    """Read the LoRA file `path` names (any format `load_lora` reads) and check it holds transformer weights.
+
+    Raises:
+        ModelLoadError: a missing or unreadable file, or one without transformer weights.
+    """
+    state, _, file = read_lora(path)
+    if not any(k.startswith(PREFIX) for k in state):
+        first = next(iter(state), None)
+        raise ModelLoadError(f"LoRA {str(file)!r} holds no transformer weights (first key {first!r}): is it a "
+                             "Qwen-Image LoRA?")  # fmt: skip
+    return file
+
+
+def lora_parameters(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The adapter's parameters made trainable in float32 (an optimizer needs full precision); those of modules
+    whose output never reaches the loss (`dead_modules`) stay frozen."""
+    dead = tuple(f"{d}." for d in dead_modules(transformer))
+    params = []
+    for name, p in transformer.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(not name.startswith(dead))
+            params += [p] if p.requires_grad else []
+    return params
 
 
 def add_lora(
@@ -58,11 +99,18 @@ def add_lora(
         exclude_modules=exclude or None,
     )
     transformer.add_adapter(config)
-    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
-    for p in params:
-        p.data = p.data.float()
-        p.requires_grad_(True)
-    return params
+    return lora_parameters(transformer)
+
+
+def continue_lora(transformer: torch.nn.Module, path: str | Path) -> list[torch.nn.Parameter]:
+    """Load the LoRA file `path` (any format `load_lora` reads) as the adapter to train on: its rank, alpha and
+    modules are the file's. Returns its parameters, as `add_lora` does.
+
+    Raises:
+        ModelLoadError: the file does not fit the transformer.
+    """
+    load_lora(transformer, path)
+    return lora_parameters(transformer)
 
 
 def dead_modules(transformer: torch.nn.Module) -> list[str]:

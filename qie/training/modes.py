@@ -12,7 +12,7 @@ import torch
 
 from qie.components.quantize import is_quantized
 from qie.errors import ConfigError
-from qie.training.lora import LORA_FILE, add_lora, dead_modules, lora_state_dict, save_lora
+from qie.training.lora import LORA_FILE, add_lora, continue_lora, dead_modules, lora_state_dict, save_lora
 from qie.training.memory import full_state_dict
 
 
@@ -25,10 +25,14 @@ class LoraMode:
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     dropout: float = 0.0
     init: str = "true"
+    # A LoRA file to go on training (`train.init_lora`): it sets the rank, alpha and modules.
+    init_lora: str | None = None
     lora = True
 
     def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
-        """Add the adapter; returns its parameters (what the optimizer trains)."""
+        """Add the adapter (or load `init_lora`); returns its parameters (what the optimizer trains)."""
+        if self.init_lora:
+            return continue_lora(transformer, self.init_lora)
         return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init)
 
     def export(
