@@ -3,14 +3,18 @@ kohya) gives the trained weight change in qie, in diffusers and under ComfyUI's 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import AutoModel
 from helpers import small_config
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
+from qie.errors import ModelLoadError
+from qie.training.adapters import is_adapter_param
 from qie.training.lora import LORA_FILE, add_lora, load_lora, save_lora
 from qie.training.lora_files import COMFYUI_FILE, KOHYA_FILE
 
@@ -35,6 +39,7 @@ UP_DOWN = [
     (".lora.up.weight", ".lora.down.weight"),
     (".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),
 ]
+KINDS = {"lora": {}, "dora": {"use_dora": True}, "loha": {"adapter": "loha"}, "lokr": {"adapter": "lokr"}}
 
 
 def comfyui_names(model: torch.nn.Module) -> dict[str, str]:
@@ -49,69 +54,123 @@ def comfyui_names(model: torch.nn.Module) -> dict[str, str]:
     return names
 
 
-def comfyui_deltas(lora: dict[str, torch.Tensor], names: dict[str, str]) -> tuple[dict[str, torch.Tensor], set]:
-    """(module -> weight change ComfyUI applies at strength 1, the file's keys it leaves unused)."""
-    deltas, used = {}, set()
-    for name, module in names.items():
-        alpha = lora.get(f"{name}.alpha")
-        for up_key, down_key in UP_DOWN:
-            up, down = lora.get(name + up_key), lora.get(name + down_key)
-            if up is None or down is None:
-                continue
-            scale = alpha.item() / down.shape[0] if alpha is not None else 1.0
-            deltas[module] = scale * (up.float() @ down.float())
-            used |= {name + up_key, name + down_key} | ({f"{name}.alpha"} if alpha is not None else set())
+def comfyui_patch(lora: dict[str, torch.Tensor], name: str, weight: torch.Tensor) -> tuple[torch.Tensor, set] | None:
+    """The weight ComfyUI makes of `weight` from the tensors under `name` at strength 1, and the keys it read;
+    None when the file holds none. LoRA: up @ down; LoHa: (w1_a @ w1_b) * (w2_a @ w2_b); LoKr: kron(w1, w2) with
+    w1 / w2 given whole or as a product; times alpha / (rank or last decomposed inner size) when `.alpha` is there;
+    DoRA (`.dora_scale` d per output row): (W + change) * d / ||W|| per row."""
+    used: set[str] = set()
+
+    def get(suffix: str) -> torch.Tensor | None:
+        key = name + suffix
+        if key in lora:
+            used.add(key)
+            return lora[key].float()
+        return None
+
+    alpha, change, inner = get(".alpha"), None, None
+    for up_key, down_key in UP_DOWN:
+        if name + up_key in lora:
+            up, down = get(up_key), get(down_key)
+            change, inner = up @ down, down.shape[0]
             break
-    return deltas, set(lora) - used
+    if name + ".hada_w1_a" in lora:
+        w1_b, w2_b = get(".hada_w1_b"), get(".hada_w2_b")
+        change, inner = (get(".hada_w1_a") @ w1_b) * (get(".hada_w2_a") @ w2_b), w1_b.shape[0]
+    if any(name + f".lokr_{p}" in lora for p in ("w1", "w2", "w1_a", "w2_a")):
+        w1, w2 = get(".lokr_w1"), get(".lokr_w2")
+        if w1 is None:
+            w1_b = get(".lokr_w1_b")
+            w1, inner = get(".lokr_w1_a") @ w1_b, w1_b.shape[0]
+        if w2 is None:
+            w2_b = get(".lokr_w2_b")
+            w2, inner = get(".lokr_w2_a") @ w2_b, w2_b.shape[0]
+        change = torch.kron(w1, w2)
+    if change is None:
+        return None
+    scale = alpha.item() / inner if alpha is not None and inner is not None else 1.0
+    patched = weight + scale * change.reshape(weight.shape)
+    dora_scale = get(".dora_scale")
+    if dora_scale is not None:
+        patched = patched * dora_scale / (weight.norm(dim=1, keepdim=True) + torch.finfo(weight.dtype).eps)
+    return patched, used
 
 
-def trained_transformer(path: Path, targets: list[str]) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A tiny transformer with a rank-4 / alpha-8 LoRA of random up and down weights; its weight changes."""
+def comfyui_weights(lora: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set]:
+    """(module -> patched weight, the file's keys ComfyUI leaves unused ("lora key not loaded"))."""
+    modules, weights, used = dict(model.named_modules()), {}, set()
+    for name, module in comfyui_names(model).items():
+        found = comfyui_patch(lora, name, modules[module].weight.detach().float())
+        if found is not None:
+            weights[module], keys = found
+            used |= keys
+    return weights, set(lora) - used
+
+
+def trained_transformer(path: Path, targets: list[str], kind: str = "lora") -> tuple[torch.nn.Module, dict]:
+    """A tiny transformer with a rank-4 / alpha-8 adapter of random weights; its merged weights per module."""
     transformer = AutoModel.from_pretrained(str(path), subfolder="transformer")
-    add_lora(transformer, RANK, ALPHA, targets)
+    add_lora(transformer, RANK, ALPHA, targets, **KINDS[kind])
     generator = torch.Generator().manual_seed(0)
     for name, p in transformer.named_parameters():
-        if "lora_" in name:
-            p.data = torch.randn(p.shape, generator=generator) * 0.1
-    deltas = {n: m.get_delta_weight("default") for n, m in transformer.named_modules() if hasattr(m, "lora_A")}
-    return transformer, deltas
+        if is_adapter_param(name):
+            noise = torch.randn(p.shape, generator=generator) * 0.1
+            p.data = p.data * (1 + noise) if "magnitude" in name else noise
+    return transformer, merged_weights(transformer)
 
 
-def loaded_deltas(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: m.get_delta_weight(m.active_adapters[0]) for n, m in transformer.named_modules() if hasattr(m, "lora_A")}
+def merged_weights(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Per adapted module, its weight with the adapter merged in (peft's own merge)."""
+    out = {}
+    for name, m in transformer.named_modules():
+        if isinstance(m, BaseTunerLayer):
+            merged = copy.deepcopy(m)
+            merged.merge()
+            out[name] = merged.get_base_layer().weight.detach().float()
+    return out
 
 
 def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(expected)
-    for name, delta in expected.items():
-        torch.testing.assert_close(got[name], delta, rtol=1e-5, atol=1e-7, msg=name)
+    for name, weight in expected.items():
+        torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=2e-6, msg=name)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("preset", list(FAMILIES))
-def test_every_file_gives_the_trained_weight_change(
-    preset: str, request: pytest.FixtureRequest, tmp_path: Path
+def test_every_file_gives_the_trained_weights(
+    preset: str, kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     path = request.getfixturevalue(FAMILIES[preset])
     targets = list(small_config("train", f"model={preset}").model.lora_target_modules)
-    transformer, expected = trained_transformer(path, targets)
-    assert {m.scaling["default"] for m in transformer.modules() if hasattr(m, "lora_A")} == {ALPHA / RANK}
+    transformer, expected = trained_transformer(path, targets, kind)
+    assert {m.scaling["default"] for m in transformer.modules() if isinstance(m, BaseTunerLayer)} == {ALPHA / RANK}
     save_lora(transformer, tmp_path, ("comfyui", "kohya"))
 
-    comfy_names = comfyui_names(AutoModel.from_pretrained(str(path), subfolder="transformer"))
+    base = AutoModel.from_pretrained(str(path), subfolder="transformer")
     for file in (LORA_FILE, COMFYUI_FILE, KOHYA_FILE):
+        if kind != "lora" and file == LORA_FILE:
+            continue  # peft's names (DoRA: lora_magnitude_vector) under `transformer.`; ComfyUI reads the other two
         # ComfyUI: every key is used, and the strength is the trained one (the bug: 0.5x at rank 4 / alpha 8).
-        deltas, unused = comfyui_deltas(load_file(str(tmp_path / file)), comfy_names)
+        weights, unused = comfyui_weights(load_file(str(tmp_path / file)), base)
         assert unused == set(), file
-        assert_same(deltas, expected)
-        # qie (what qie.infer and train.init_lora load)
-        fresh = AutoModel.from_pretrained(str(path), subfolder="transformer")
-        load_lora(fresh, tmp_path / file)
-        assert_same(loaded_deltas(fresh), expected)
+        assert_same(weights, expected)
 
-    # diffusers' own loader, reading the adapter metadata from the file
-    fresh = AutoModel.from_pretrained(str(path), subfolder="transformer")
-    fresh.load_lora_adapter(str(tmp_path), weight_name=LORA_FILE, prefix="transformer", adapter_name="d")
-    assert_same(loaded_deltas(fresh), expected)
+    # qie (what qie.infer and train.init_lora load) reproduces the trained weights from its own file, and
+    # from the other tools' files for a plain LoRA
+    for file in (LORA_FILE, COMFYUI_FILE, KOHYA_FILE):
+        fresh = AutoModel.from_pretrained(str(path), subfolder="transformer")
+        if kind == "lora" or file == LORA_FILE:
+            load_lora(fresh, tmp_path / file)
+            assert_same(merged_weights(fresh), expected)
+        else:
+            with pytest.raises(ModelLoadError, match="load the pytorch_lora_weights.safetensors"):
+                load_lora(fresh, tmp_path / file)
+
+    if kind in ("lora", "dora"):  # diffusers' own loader, reading the adapter metadata from the file
+        fresh = AutoModel.from_pretrained(str(path), subfolder="transformer")
+        fresh.load_lora_adapter(str(tmp_path), weight_name=LORA_FILE, prefix="transformer", adapter_name="d")
+        assert_same(merged_weights(fresh), expected)
 
 
 def test_kohya_and_comfyui_key_names(tiny_path: Path, tmp_path: Path) -> None:

@@ -10,6 +10,14 @@ class TrainMode(str, Enum):
     full = "full"
 
 
+class Adapter(str, Enum):
+    """What `train.mode=lora` trains, through peft; `train.lora` sizes each."""
+
+    lora = "lora"
+    loha = "loha"
+    lokr = "lokr"
+
+
 class MixedPrecision(str, Enum):
     auto = "auto"  # bf16 on CUDA when the model is bf16, else no
     no = "no"
@@ -51,6 +59,8 @@ class LoraConfig:
     dropout: float = 0.0
     # peft's `init_lora_weights`: "true" (B=0), "gaussian", "pissa", ...
     init: str = "true"
+    # DoRA (weight-decomposed LoRA, train.adapter=lora only)
+    use_dora: bool = False
     # Default: the model's (`model.lora_target_modules`).
     target_modules: list[str] = "${model.lora_target_modules}"  # type: ignore[assignment]
 
@@ -58,6 +68,8 @@ class LoraConfig:
 @dataclass
 class TrainConfig:
     mode: TrainMode = TrainMode.lora
+    # lora, loha or lokr (LyCORIS' LoHa / LoKr through peft), of train.lora's rank, alpha and modules
+    adapter: Adapter = Adapter.lora
     max_steps: int = 1000
     seed: int = 42
     learning_rate: float = 1e-4

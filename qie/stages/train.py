@@ -29,6 +29,7 @@ from qie.models import ModelSpec, model_spec
 from qie.readiness import ready_samples
 from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
 from qie.training import checkpoint as ckpt
+from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
@@ -157,11 +158,13 @@ def train_mode(train: DictConfig) -> TrainMode:
             raise ConfigError("train.init_lora needs train.mode=lora (it names a LoRA to go on training)")
         return FullMode()
     lora, init_lora = train.lora, train.get("init_lora")
+    adapter, use_dora = str(value(train.get("adapter", "lora"))), bool(lora.get("use_dora", False))
     check_init_name(str(lora.init))
+    check_options(adapter, float(lora.dropout), str(lora.init), use_dora)
     if init_lora:
         check_lora_file(init_lora)  # before any model is built
     return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init),
-                    str(init_lora) if init_lora else None)  # fmt: skip
+                    str(init_lora) if init_lora else None, adapter, use_dora)  # fmt: skip
 
 
 def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: ModelSpec) -> LoopSettings:

@@ -23,6 +23,7 @@ from typing import Any
 import safetensors.torch
 
 from qie.errors import ConfigError, ModelLoadError
+from qie.training.adapters import is_adapter_param
 from qie.training.lora import load_lora_state, lora_state_dict, save_lora
 from qie.training.state_io import load_tree, rng_state, save_tree, set_rng_state
 
@@ -261,7 +262,7 @@ def _load_model(model: Any, path: Path) -> None:
 
 def _is_lora(path: Path) -> bool:
     with safetensors.safe_open(str(path), "pt") as f:
-        return any("lora_" in k for k in f.keys())
+        return any(is_adapter_param(k) for k in f.keys())
 
 
 def _load(path: Path, load) -> None:

@@ -16,7 +16,16 @@ from typing import Any
 import torch
 
 from qie.errors import ModelLoadError
-from qie.training.lora_files import fold_scales, folded_metadata, lora_scales, write_exports
+from qie.training.adapters import (
+    is_adapter_param,
+    kind_of,
+    load_lycoris,
+    lycoris_metadata,
+    peft_config,
+    refuse_exported_kinds,
+    split_key,
+)
+from qie.training.lora_files import dora_scales, fold_scales, folded_metadata, lora_scales, write_exports
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 PREFIX = "transformer."
@@ -60,7 +69,7 @@ def lora_parameters(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
     dead = tuple(f"{d}." for d in dead_modules(transformer))
     params = []
     for name, p in transformer.named_parameters():
-        if "lora_" in name:
+        if is_adapter_param(name):
             p.data = p.data.float()
             p.requires_grad_(not name.startswith(dead))
             params += [p] if p.requires_grad else []
@@ -74,14 +83,15 @@ def add_lora(
     target_modules: Sequence[str],
     dropout: float = 0.0,
     init: str = "true",
+    adapter: str = "lora",
+    use_dora: bool = False,
 ) -> list[torch.nn.Parameter]:
-    """Add a trainable LoRA adapter to `transformer` (whose own weights stay frozen).
+    """Add a trainable adapter to `transformer` (whose own weights stay frozen): a LoRA (DoRA with `use_dora`),
+    or with `adapter` "loha" / "lokr" a LoHa / LoKr of the same rank and alpha.
 
     Returns:
-        The LoRA parameters, in float32 whatever the base dtype (an optimizer needs full precision).
+        The adapter's parameters, in float32 whatever the base dtype (an optimizer needs full precision).
     """
-    from peft import LoraConfig
-
     dead = dead_modules(transformer)
     # Exclude only what would be targeted (peft warns about unused exclusions), submodules included.
     exclude = [
@@ -90,14 +100,7 @@ def add_lora(
         if any(name == d or name.startswith(f"{d}.") for d in dead)
         and any(name == t or name.endswith(f".{t}") for t in target_modules)
     ]
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        init_lora_weights=_init_value(init),
-        target_modules=list(target_modules),
-        exclude_modules=exclude or None,
-    )
+    config = peft_config(adapter, rank, alpha, target_modules, exclude, dropout, _init_value(init), use_dora)
     transformer.add_adapter(config)
     return lora_parameters(transformer)
 
@@ -171,6 +174,7 @@ def save_lora(
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     folded = fold_scales(state, lora_scales(transformer))
+    dora = dora_scales(transformer, folded) if "comfyui" in exports or "kohya" in exports else None
     folder.mkdir(parents=True, exist_ok=True)
     QwenImageEditPipeline.save_lora_weights(
         folder,
@@ -178,15 +182,20 @@ def save_lora(
         safe_serialization=True,
         transformer_lora_adapter_metadata=folded_metadata(adapter_metadata(transformer)),
     )
-    write_exports(folder, folded, exports)
+    write_exports(folder, folded, exports, dora)
     return folder / LORA_FILE
 
 
 def adapter_metadata(transformer: torch.nn.Module) -> dict | None:
     """Rank, alpha and targets saved with the weights: without them a loader assumes alpha == rank."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     config = getattr(transformer, "peft_config", {}).get("default")
     if config is None:
         return None
+    if not hasattr(config, "lora_alpha"):  # LoHa / LoKr
+        modules = [n for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
+        return lycoris_metadata(config, modules)
     return {
         "r": int(config.r),
         "lora_alpha": float(config.lora_alpha),
@@ -196,6 +205,7 @@ def adapter_metadata(transformer: torch.nn.Module) -> dict | None:
         "target_modules": sorted(n for n, m in transformer.named_modules() if hasattr(m, "lora_A")),
         "rank_pattern": dict(config.rank_pattern or {}),
         "alpha_pattern": dict(config.alpha_pattern or {}),
+        "use_dora": bool(config.use_dora),
     }
 
 
@@ -228,6 +238,7 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, P
     from diffusers import QwenImageEditPipeline
 
     file = lora_file(path)
+    refuse_exported_kinds(file)
     try:
         state, metadata = QwenImageEditPipeline.lora_state_dict(
             str(file.parent), weight_name=file.name, return_lora_metadata=True
@@ -250,10 +261,10 @@ def match_flattened_names(transformer: torch.nn.Module, state: dict[str, torch.T
         flat.setdefault(name.replace(".", "_"), []).append(name)
     out = {}
     for key, value in state.items():
-        module, sep, rest = key[len(PREFIX) :].partition(".lora_")
+        module, part = split_key(key[len(PREFIX) :]) or ("", "")
         candidates = flat.get(module.replace(".", "_"), [])
-        if key.startswith(PREFIX) and sep and module not in modules and len(candidates) == 1:
-            key = f"{PREFIX}{candidates[0]}.lora_{rest}"
+        if key.startswith(PREFIX) and part and module not in modules and len(candidates) == 1:
+            key = f"{PREFIX}{candidates[0]}.{part}"
         out[key] = value
     return out
 
@@ -331,6 +342,12 @@ def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_na
     """
     state, metadata, file = read_lora(path)
     state = match_flattened_names(transformer, state)
+    if kind_of(list(state)) != "lora":
+        if adapter_name in getattr(transformer, "peft_config", {}):
+            transformer.delete_adapters(adapter_name)
+        load_lycoris(transformer, state, metadata, adapter_name, file)
+        transformer.set_adapters([adapter_name], weights=[float(scale)])
+        return file
     check_lora_fits(transformer, state, file)
     if adapter_name in getattr(transformer, "peft_config", {}):
         transformer.delete_adapters(adapter_name)

@@ -27,13 +27,16 @@ class LoraMode:
     init: str = "true"
     # A LoRA file to go on training (`train.init_lora`): it sets the rank, alpha and modules.
     init_lora: str | None = None
+    adapter: str = "lora"  # "lora", "loha" or "lokr"
+    use_dora: bool = False
     lora = True
 
     def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Add the adapter (or load `init_lora`); returns its parameters (what the optimizer trains)."""
         if self.init_lora:
             return continue_lora(transformer, self.init_lora)
-        return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init)
+        return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init,
+                        self.adapter, self.use_dora)  # fmt: skip
 
     def export(
         self, transformer: torch.nn.Module, run_dir: Path, exports: Sequence[str] = (), write: bool = True
