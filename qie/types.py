@@ -20,6 +20,7 @@ CACHE_TYPES = [
     "prompt_embeds_mask",
     "empty_prompt_embed",
     "empty_prompt_embeds_mask",
+    "loss_mask",  # a loss mask on a grid of 8 px cells (qie.data.masks): only with data.mask.source set
 ]
 
 # Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
@@ -62,6 +63,8 @@ class SampleEmbeddings:
         self.empty_prompt_pieces = _pieces(empty_prompt_embed)
         self.cached = cached
         self.prompt_image_mask, self.empty_prompt_image_mask = prompt_image_mask, empty_prompt_image_mask
+        # (1, 1, h, w) loss weights on the latent grid (a MaskedSource sets them); None: every pixel 1.
+        self.loss_mask: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"SampleEmbeddings(id={self.id!r}, cached={self.cached})"

@@ -29,6 +29,8 @@ class DataColumns:
     prompt: str = "prompt"
     # A column of unique sample ids; without it a row's id is its number (row000000, ...).
     id: str | None = None
+    # A column of loss mask images (data.mask.source=file).
+    mask: str | None = None
 
 
 @dataclass

@@ -52,6 +52,24 @@ class ReportTo(str, Enum):
     none = "none"
 
 
+class MaskSource(str, Enum):
+    """Where loss masks come from: none, mask images (`file`), or where the target differs from its control."""
+
+    none = "none"
+    file = "file"
+    edit = "edit"
+
+
+@dataclass
+class MaskConfig:
+    source: MaskSource = MaskSource.none
+    # Loss weight where the mask is black (0..1); white weighs 1.
+    outside_weight: float = 0.0
+    # source=edit: a pixel changed when a channel differs by more than this (0..1), grown by `dilation` pixels.
+    threshold: float = 0.05
+    dilation: int = 16
+
+
 @dataclass
 class LoraConfig:
     rank: int = 16
@@ -105,6 +123,8 @@ class TrainConfig:
     dynamic_shift: bool = False
     loss_weighting: LossWeighting = LossWeighting.none
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Loss masks (docs/guide.md, "Masked and edit-region loss").
+    mask: MaskConfig = field(default_factory=MaskConfig)
     # Go on training from this LoRA file (or folder): any file qie.infer reads (diffusers, ComfyUI, kohya/musubi,
     # ai-toolkit). Its rank, alpha and modules replace train.lora's.
     init_lora: str | None = None

@@ -52,7 +52,7 @@ def _csv_row(row: dict) -> dict | str:
     return row
 
 
-def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
+def _row_fields(row: object) -> tuple[list[str], str | None, str | None, str | None] | str:
     """(controls, target, prompt) of a manifest row, or why the row is not usable."""
     if not isinstance(row, dict):
         return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
@@ -68,7 +68,10 @@ def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
         return f"'target' must be a path, got {target!r}"
     if prompt is not None and not isinstance(prompt, str):
         return f"'prompt' must be text, got {prompt!r}"
-    return controls, target, prompt
+    mask = row.get("mask") or None
+    if mask is not None and not isinstance(mask, str):
+        return f"'mask' must be a path, got {mask!r}"
+    return controls, target, prompt, mask
 
 
 def _outside(folder: Path, name: str) -> bool:
@@ -89,14 +92,15 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
         if isinstance(fields, str):
             data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
             continue
-        controls, target, prompt = fields
+        controls, target, prompt, mask = fields
         missing = [] if prompt is not None else ["prompt"]
         if require_target and not target:
             missing.append("target")
         if missing:
             data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
             continue
-        outside = [] if allow_outside else [c for c in [*controls, target] if c and _outside(path.parent, c)]
+        named = [*controls, target, mask]
+        outside = [] if allow_outside else [c for c in named if c and _outside(path.parent, c)]
         if outside:
             data.problems.append(
                 DataProblem(
@@ -107,7 +111,7 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
                 )
             )
             continue
-        paths = [path.parent / c for c in controls] + ([path.parent / target] if target else [])
+        paths = [path.parent / c for c in [*controls, target, mask] if c]
         bad = [p for p in paths if not p.is_file()]
         if bad:
             data.problems.append(
@@ -125,6 +129,7 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
                 path.parent / target if target else None,
                 tuple(path.parent / c for c in controls),
                 prompt.strip(),
+                path.parent / mask if mask else None,
             )
         )
     return data

@@ -16,9 +16,12 @@ from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
 from qie.data.formats import Columns, DataSource, read_dataset
 from qie.data.keys import KeyContext
+from qie.data.masks import MaskSettings
 from qie.data.samples import Dataset
 from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND, CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
+from qie.errors import ConfigError
+from qie.masked_source import MaskedSource
 from qie.models import model_spec
 from qie.sampling import SamplingOptions
 
@@ -52,7 +55,7 @@ def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
 
     d = cfg.data
     c = d.columns
-    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id)
+    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.get("mask"))
     images = Path(cfg.cache.dir) if cfg.get("cache") is not None and cfg.cache.get("dir") else qie_home()
     return DataSource(str(path or d.path), str(value(d.format)) if path is None else "auto", str(d.split), columns,
                       images / "images", bool(d.get("allow_outside_paths", False)))  # fmt: skip
@@ -88,8 +91,13 @@ def build_source(
     """
     mode = mode or str(value(cfg.cache.mode))
     sizes = image_sizes(cfg)
+    return with_masks(cfg, *_unmasked_source(cfg, mode, sizes, encoder, precompute_command))
+
+
+def _unmasked_source(cfg, mode, sizes, encoder, precompute_command) -> tuple[EmbeddingSource, Any]:
+    """The source `mode` names, and its cache backend (None for a live source)."""
     if mode == "live" or cfg.cache.name == "none":
-        return LiveSource(encoder or build_encoder(cfg), sizes)
+        return LiveSource(encoder or build_encoder(cfg), sizes), None
     backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
     factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg))
     cached = CachedSource(
@@ -100,7 +108,7 @@ def build_source(
         sizes,
         precompute_command or DEFAULT_PRECOMPUTE_COMMAND,
     )
-    return cached if mode == "cached" else cached.with_encoding()
+    return (cached if mode == "cached" else cached.with_encoding()), backend
 
 
 def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:
@@ -159,3 +167,34 @@ def warn_single_process(num_processes: int, module: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def mask_settings(cfg: DictConfig) -> tuple[MaskSettings, float] | None:
+    """`train.mask`'s settings and outside weight, or None when masks are off (or the config has no `train`).
+
+    Raises:
+        ConfigError: a value out of range, or `source=edit` for a model without control images.
+    """
+    mask = cfg.get("train", {}).get("mask") if cfg.get("train") is not None else None
+    if mask is None or str(value(mask.source)) == "none":
+        return None
+    source, outside = str(value(mask.source)), float(mask.outside_weight)
+    for name, v, low, high in (("outside_weight", outside, 0, 1), ("threshold", float(mask.threshold), 0, 1),
+                               ("dilation", int(mask.dilation), 0, 10**6)):  # fmt: skip
+        if not low <= v <= high:
+            raise ConfigError(f"train.mask.{name}={v} is out of range: give a value from {low} to {high}")
+    if source == "edit" and model_spec(cfg.model).max_control_images == 0:
+        raise ConfigError(f"train.mask.source=edit compares each target with its control image, and "
+                          f"model={cfg.model.name} takes none: use train.mask.source=file")  # fmt: skip
+    d = cfg.data
+    settings = MaskSettings(source, float(mask.threshold), int(mask.dilation), int(d.target_pixels),
+                            str(value(d.resize_mode)), int(d.multiple_of))  # fmt: skip
+    return settings, outside
+
+
+def with_masks(cfg: DictConfig, source: EmbeddingSource, backend: Any = None) -> EmbeddingSource:
+    """`source`, adding loss masks to its samples when `train.mask.source` is set (stored in `backend`)."""
+    found = mask_settings(cfg)
+    if found is None:
+        return source
+    return MaskedSource(source, found[0], file_hasher(cfg), backend, found[1])

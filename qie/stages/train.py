@@ -27,7 +27,14 @@ from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec, model_spec
 from qie.readiness import ready_samples
-from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
+from qie.stages.common import (
+    build_source,
+    mask_settings,
+    precompute_command,
+    read_data,
+    value,
+    warn_single_process,
+)
 from qie.training import checkpoint as ckpt
 from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
@@ -59,6 +66,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
     spec = model_spec(cfg.model)
     mode = train_mode(cfg.train)  # checks train.lora.init and reads train.init_lora before anything is built
+    mask_settings(cfg)  # train.mask's values, checked before the data is read
     samples = load_samples(cfg, spec, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
