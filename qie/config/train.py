@@ -71,6 +71,14 @@ class MaskConfig:
 
 
 @dataclass
+class EmaConfig:
+    # 0: no EMA; else each update moves the average by (1 - decay) towards the weights (e.g. 0.999).
+    decay: float = 0.0
+    every: int = 1  # update every N optimizer steps
+    cpu: bool = False  # keep the average in CPU memory
+
+
+@dataclass
 class LoraConfig:
     rank: int = 16
     alpha: int = 16
@@ -125,6 +133,8 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Loss masks (docs/guide.md, "Masked and edit-region loss").
     mask: MaskConfig = field(default_factory=MaskConfig)
+    # An exponential moving average of the LoRA weights, exported as lora/ema/ (docs/guide.md, "EMA").
+    ema: EmaConfig = field(default_factory=EmaConfig)
     # Go on training from this LoRA file (or folder): any file qie.infer reads (diffusers, ComfyUI, kohya/musubi,
     # ai-toolkit). Its rank, alpha and modules replace train.lora's.
     init_lora: str | None = None
@@ -154,6 +164,8 @@ class LoggingConfig:
 class ValidationConfig:
     # Sample the validation inputs every N optimizer steps; 0 turns validation off.
     every: int = 0
+    # Sample with the EMA weights (train.ema.decay > 0) instead of the trained ones.
+    use_ema: bool = False
     prompts: list[str] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
     # Sampling options; null takes the `predict` group's value (one set of defaults everywhere).

@@ -11,6 +11,7 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from qie.stages.common import (
 from qie.training import checkpoint as ckpt
 from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
+from qie.training.ema import Ema, check_ema, export_ema, resume_ema, write_ema
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.lora import check_init_name, check_lora_file
@@ -67,6 +69,9 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     spec = model_spec(cfg.model)
     mode = train_mode(cfg.train)  # checks train.lora.init and reads train.init_lora before anything is built
     mask_settings(cfg)  # train.mask's values, checked before the data is read
+    if cfg.train.get("ema") is not None:
+        e = cfg.train.ema
+        check_ema(float(e.decay), int(e.every), mode.lora, bool(cfg.train.fsdp), bool(cfg.validation.get("use_ema")))
     samples = load_samples(cfg, spec, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
@@ -77,8 +82,11 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
 
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
+    ema = make_ema(cfg.train, state)
     if resume_from is not None:
         state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
+        if ema is not None:
+            resume_ema(ema, resume_from, bool(cfg.train.resume_inexact))
         accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
     elif cfg.train.resume == "latest":
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
@@ -89,15 +97,23 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
                            OmegaConf.to_container(cfg, resolve=True),
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
-    hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir)
-    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train)
+    hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir, ema)
+    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, ema)
     try:
         result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler, spec), logger,
                      save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
     finally:
         logger.close()
-    finish(state, mode, run_dir, result, lora_exports(cfg.train))
+    finish(state, mode, run_dir, result, lora_exports(cfg.train), ema)
     return result
+
+
+def make_ema(train: DictConfig, state: TrainState) -> Ema | None:
+    """The EMA of the trained weights that `train.ema` asks for, or None."""
+    ema = train.get("ema")
+    if ema is None or not float(ema.decay):
+        return None
+    return Ema(state.params, float(ema.decay), int(ema.every), bool(ema.cpu))
 
 
 def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
@@ -216,9 +232,13 @@ def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, acc
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
-def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, step: int, consumed: int) -> Path:
+def _save_checkpoint(
+    state: TrainState, run_dir: Path, lora: bool, train: DictConfig, ema: Ema | None, step: int, consumed: int
+) -> Path:
     info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes}
-    return ckpt.save_checkpoint(state, run_dir, info, lora, lora_exports(train), train.checkpoints_total_limit)
+    exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
+    extra = (lambda folder: write_ema(ema, folder, model, exports)) if ema is not None else None
+    return ckpt.save_checkpoint(state, run_dir, info, lora, exports, train.checkpoints_total_limit, extra)
 
 
 def lora_exports(train: DictConfig) -> tuple[str, ...]:
@@ -249,23 +269,24 @@ def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start
 
 
 def step_hooks(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger, extra,
-               run_dir: Path) -> list:  # fmt: skip
-    """What runs after each optimizer step: image logging, validation sampling, and `extra`."""
-    hooks = []
+               run_dir: Path, ema: Ema | None = None) -> list:  # fmt: skip
+    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
+    hooks = [lambda info: ema.update(info.step)] if ema is not None else []
     if cfg.logging.log_images:
         by_id = {s.id: s for s in samples}
         log = cfg.logging
         images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
         hooks.append(lambda info: images(info.step, info.batch))
     if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
-        hooks.append(_validation_hook(cfg, state, source, samples, scheduler, logger, run_dir))
+        use_ema = ema if cfg.validation.get("use_ema") else None
+        hooks.append(_validation_hook(cfg, state, source, samples, scheduler, logger, run_dir, use_ema))
     if extra is not None:
         hooks.append(extra)
     return hooks
 
 
 def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: list, scheduler: Any, logger,
-                     run_dir: Path):  # fmt: skip
+                     run_dir: Path, ema: Ema | None = None):  # fmt: skip
     """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`),
     measure and log them.
 
@@ -290,12 +311,15 @@ def _validation_hook(cfg: DictConfig, state: TrainState, source: Any, samples: l
 
     def hook(info: StepInfo) -> None:
         if info.step % every == 0:
-            validator(info.step, accelerator.unwrap_model(state.model))
+            with ema.applied() if ema is not None else contextlib.nullcontext():  # sample with the average
+                validator(info.step, accelerator.unwrap_model(state.model))
 
     return hook
 
 
-def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, exports: tuple[str, ...]) -> None:
+def finish(
+    state: TrainState, mode: TrainMode, run_dir: Path, result: dict, exports: tuple[str, ...], ema: Ema | None = None
+) -> None:
     """Check the replicas agree, export the trained weights and write train_result.json (main process)."""
     accelerator = state.accelerator
     result["param_checksums"] = _gather_checksums(accelerator, state.params)
@@ -303,6 +327,8 @@ def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, expo
     key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, exports, write=accelerator.is_main_process)
     if accelerator.is_main_process:
         result[key] = str(path)
+        if ema is not None:  # beside the raw LoRA: lora/ema/
+            result["ema_lora"] = str(export_ema(ema, path.parent, accelerator.unwrap_model(state.model), exports))
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,15 @@ def prune(root: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, exports: Sequence[str] = (), keep=None) -> Path:
+def save_checkpoint(
+    train: Any,
+    run_dir: Path,
+    state: dict,
+    lora: bool,
+    exports: Sequence[str] = (),
+    keep=None,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
     """Write `checkpoints/step-NNNNNN` for `state["step"]` from every process; returns the folder.
 
     Args:
@@ -120,6 +128,7 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, exports:
         lora: the model trains a LoRA: keep only its weights, and export it in diffusers format too (and
             the other tools' files `exports` names: "comfyui", "kohya").
         keep: `train.checkpoints_total_limit`.
+        extra: writes more into the checkpoint folder before it is committed (main process; the EMA).
     """
     accelerator = train.accelerator
     folder = checkpoint_dir(run_dir, int(state["step"]))
@@ -147,6 +156,8 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, exports:
                 safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
             save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
         save_tree(train.lr_scheduler.state_dict(), tmp / STATE_DIR, "lr_scheduler")
+        if extra is not None:
+            extra(tmp)
         if getattr(accelerator, "scaler", None) is not None:
             (tmp / STATE_DIR / "grad_scaler.json").write_text(json.dumps(accelerator.scaler.state_dict()))
         write_state(tmp, state)
