@@ -47,6 +47,9 @@ class DataConfig:
     resize_mode: ResizeMode = ResizeMode.resize
     multiple_of: int = 32
     caption_dropout_rate: float = 0.0
+    # Chance that a batch trains without its control images, on the text-only prompt (Edit-Plus, 2511, 2.1);
+    # precompute then caches each sample's text-only prompt too.
+    control_dropout_rate: float = 0.0
     batch_size: int = 1
     num_workers: int = 2
     # Batches a background thread of the training process keeps ready (cached sources only; 0: no thread).

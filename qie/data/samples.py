@@ -204,3 +204,9 @@ def _scan_folder(root: Path, require_target: bool) -> Dataset:
             continue
         data.samples.append(Sample(stem, target, ctrl, prompt, masks.get(stem)))
     return data
+
+
+def without_controls(sample: Sample, suffix: str = "") -> Sample:
+    """`sample` without its control images: trained on the text-only prompt (reference dropout). Its entries
+    are keyed by what they hold, so they are cached apart from the sample's own."""
+    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask)

@@ -198,3 +198,20 @@ def with_masks(cfg: DictConfig, source: EmbeddingSource, backend: Any = None) ->
     if found is None:
         return source
     return MaskedSource(source, found[0], file_hasher(cfg), backend, found[1])
+
+
+def control_dropout(cfg: DictConfig) -> float:
+    """`data.control_dropout_rate`, checked against the model.
+
+    Raises:
+        ConfigError: out of 0..1, or a model that cannot train without control images.
+    """
+    rate = float(cfg.data.get("control_dropout_rate", 0.0))
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"data.control_dropout_rate={rate} is out of range: give a value from 0 to 1")
+    spec = model_spec(cfg.model)
+    if rate and (spec.max_control_images == 0 or spec.min_control_images > 0):
+        why = "takes no control images" if spec.max_control_images == 0 else "needs a control image in every sample"
+        raise ConfigError(f"data.control_dropout_rate: model={cfg.model.name} {why}; reference dropout is for the "
+                          "models that also edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)")  # fmt: skip
+    return rate

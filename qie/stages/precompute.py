@@ -25,12 +25,20 @@ from qie.cache import build_backend
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
 from qie.cli import check_writable
-from qie.data.samples import DataProblem, Sample
+from qie.data.samples import DataProblem, Sample, without_controls
 from qie.errors import ConfigError, DataError
 from qie.models import model_spec
 from qie.progress import progress
 from qie.stages import common
-from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, read_data, value
+from qie.stages.common import (
+    build_encoder,
+    control_dropout,
+    file_hasher,
+    image_sizes,
+    model_key_context,
+    read_data,
+    value,
+)
 from qie.stages.precompute_work import (
     Keyed,
     PrecomputeSummary,
@@ -110,7 +118,9 @@ def dataset_range(cfg: DictConfig, settings: Settings) -> list[Sample | DataProb
     """The samples and scan problems of `precompute.start`..`end`, in id order (broken samples included,
     so fixing one shifts nothing). DataError for the first problem with on_error=raise."""
     data = read_data(cfg)
-    items = sorted([*data.samples, *data.problems], key=lambda x: x.id)[settings.start : settings.end]
+    # Reference dropout trains samples on their text-only prompts too: those are entries of their own.
+    text_only = [without_controls(s, "#text_only") for s in data.samples if s.controls] if control_dropout(cfg) else []
+    items = sorted([*data.samples, *text_only, *data.problems], key=lambda x: x.id)[settings.start : settings.end]
     problems = [x for x in items if isinstance(x, DataProblem)]
     if settings.raise_errors and problems:
         p = problems[0]

@@ -23,13 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.components import load_parts, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
-from qie.data.samples import DataProblem, Sample
+from qie.data.samples import DataProblem, Sample, without_controls
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec, model_spec
 from qie.readiness import ready_samples
 from qie.stages.common import (
     build_source,
+    control_dropout,
     mask_settings,
     precompute_command,
     read_data,
@@ -69,6 +70,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     spec = model_spec(cfg.model)
     mode = train_mode(cfg.train)  # checks train.lora.init and reads train.init_lora before anything is built
     mask_settings(cfg)  # train.mask's values, checked before the data is read
+    control_dropout(cfg)
     if cfg.train.get("ema") is not None:
         e = cfg.train.ema
         check_ema(float(e.decay), int(e.every), mode.lora, bool(cfg.train.fsdp), bool(cfg.validation.get("use_ema")))
@@ -79,6 +81,17 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     # Every sample's entries are checked before the model is built (later misses stop the run too).
     samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
                             accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
+    if control_dropout(cfg):  # their text-only entries too
+        kept = ready_samples(
+            source,
+            [without_controls(s) for s in samples],
+            run_dir,
+            str(value(cfg.cache.on_missing)),
+            cfg.cache.get("dir"),
+            False,
+            precompute_command(cfg),
+        )
+        samples = [s for s in samples if s.id in {k.id for k in kept}]  # fmt: skip
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
 
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
@@ -91,7 +104,8 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     elif cfg.train.resume == "latest":
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
 
-    dataset = EmbeddingDataset(samples, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed))
+    dataset = EmbeddingDataset(samples, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed),
+                               control_dropout(cfg))  # fmt: skip
     workers, prefetch = loader_settings(cfg.data, source)
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
