@@ -98,6 +98,8 @@ class Batch:
     prompt_image_mask: torch.Tensor | None = None  # (B, L) bool, False at padding (see SampleEmbeddings)
     # (B, 1, 1, h, w) float: a loss weight per latent pixel of the target (a loss mask), None: every pixel 1.
     loss_mask: torch.Tensor | None = None
+    # The batch's loss is multiplied by this (regularisation batches: `data.regularization.weight`).
+    loss_weight: float = 1.0
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         mask = None if self.prompt_embeds_mask is None else self.prompt_embeds_mask.to(device)
@@ -111,6 +113,7 @@ class Batch:
             mask,
             image_mask,
             loss_mask,
+            self.loss_weight,
         )
 
 

@@ -34,6 +34,14 @@ class DataColumns:
 
 
 @dataclass
+class RegularizationConfig:
+    # A second data set (any format data.path takes) trained between the main one's batches; null: none.
+    path: str | None = None
+    weight: float = 1.0  # its loss is multiplied by this
+    ratio: float = 0.25  # the share of optimizer steps it takes
+
+
+@dataclass
 class DataConfig:
     # A data set folder (training_images/, control_images/), a manifest file (.jsonl or .csv), or a Hugging
     # Face data set (a `save_to_disk` folder, parquet files or a glob of them, an `imagefolder` folder).
@@ -50,6 +58,8 @@ class DataConfig:
     # Chance that a batch trains without its control images, on the text-only prompt (Edit-Plus, 2511, 2.1);
     # precompute then caches each sample's text-only prompt too.
     control_dropout_rate: float = 0.0
+    # Regularisation (prior-preservation) data, cached like the main set (docs/guide.md, "Regularisation data").
+    regularization: RegularizationConfig = field(default_factory=RegularizationConfig)
     batch_size: int = 1
     num_workers: int = 2
     # Batches a background thread of the training process keeps ready (cached sources only; 0: no thread).

@@ -49,6 +49,7 @@ from qie.stages.precompute_work import (
     record_failure,
     share,
 )
+from qie.stages.regularization import regularization_samples
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -120,7 +121,10 @@ def dataset_range(cfg: DictConfig, settings: Settings) -> list[Sample | DataProb
     data = read_data(cfg)
     # Reference dropout trains samples on their text-only prompts too: those are entries of their own.
     text_only = [without_controls(s, "#text_only") for s in data.samples if s.controls] if control_dropout(cfg) else []
-    items = sorted([*data.samples, *text_only, *data.problems], key=lambda x: x.id)[settings.start : settings.end]
+    reg = regularization_samples(cfg)  # cached like the main set
+    reg_text_only = [without_controls(s, "#text_only") for s in reg if s.controls] if text_only else []
+    everything = [*data.samples, *text_only, *reg, *reg_text_only, *data.problems]
+    items = sorted(everything, key=lambda x: x.id)[settings.start : settings.end]
     problems = [x for x in items if isinstance(x, DataProblem)]
     if settings.raise_errors and problems:
         p = problems[0]

@@ -12,6 +12,7 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.components import load_parts, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
+from qie.data.mixing import MixedBatchSampler
 from qie.data.samples import DataProblem, Sample, without_controls
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
@@ -37,6 +39,7 @@ from qie.stages.common import (
     value,
     warn_single_process,
 )
+from qie.stages.regularization import regularization_logging, regularization_samples, weighted
 from qie.training import checkpoint as ckpt
 from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
@@ -75,6 +78,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         e = cfg.train.ema
         check_ema(float(e.decay), int(e.every), mode.lora, bool(cfg.train.fsdp), bool(cfg.validation.get("use_ema")))
     samples = load_samples(cfg, spec, accelerator.is_main_process)
+    reg = regularization_samples(cfg, spec)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     source = build_source(cfg, precompute_command=precompute_command(cfg))
@@ -92,7 +96,10 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
             precompute_command(cfg),
         )
         samples = [s for s in samples if s.id in {k.id for k in kept}]  # fmt: skip
-    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
+    if reg:
+        reg = ready_samples(source, reg, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), False,
+                            precompute_command(cfg))  # fmt: skip
+    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
 
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
     ema = make_ema(cfg.train, state)
@@ -104,17 +111,23 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     elif cfg.train.resume == "latest":
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
 
-    dataset = EmbeddingDataset(samples, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed),
-                               control_dropout(cfg))  # fmt: skip
+    reg_weight = float(cfg.data.regularization.weight) if reg else 1.0
+    dataset = EmbeddingDataset(samples + reg, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed),
+                               control_dropout(cfg), len(samples) if reg else None, reg_weight)  # fmt: skip
     workers, prefetch = loader_settings(cfg.data, source)
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
                            OmegaConf.to_container(cfg, resolve=True),
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
-    hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir, ema)
+    hooks = step_hooks(cfg, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
+    if reg:
+        hooks.append(regularization_logging(logger, reg_weight))
     save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, ema)
     try:
-        result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler, spec), logger,
+        settings = loop_settings(cfg.train, cfg.logging, scheduler, spec)
+        if reg:  # regularisation batches weigh data.regularization.weight
+            settings = dataclasses.replace(settings, loss=weighted(settings.loss))
+        result = fit(state, raise_failures(loader), settings, logger,
                      save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
     finally:
         logger.close()
@@ -266,8 +279,15 @@ def _instantiate(node: Any) -> Any:
     return instantiate(node)
 
 
-def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int) -> BucketBatchSampler:
-    """The resumable batch stream of this process, bucketed by latent shapes when batches hold several samples."""
+def make_sampler(
+    cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int, extra: list[Sample] | None = None
+) -> BucketBatchSampler | MixedBatchSampler:
+    """The resumable batch stream of this process, bucketed by latent shapes when batches hold several samples;
+    with `extra` (regularisation samples, after `samples` in the dataset) mixed in by `data.regularization.ratio`."""
+    if extra:
+        main, other = make_sampler(cfg, samples, accelerator, 0), make_sampler(cfg, extra, accelerator, 0)
+        ratio, accumulation = float(cfg.data.regularization.ratio), int(cfg.train.gradient_accumulation_steps)
+        return MixedBatchSampler(main, other, len(samples), ratio, int(cfg.train.seed), accumulation, start)
     batch_size = int(cfg.data.batch_size)
     # Batches of one never mix shapes: skip reading every image header.
     keys: list = [0] * len(samples)

@@ -44,10 +44,15 @@ class EmbeddingDataset:
         caption_dropout_rate: float = 0.0,
         seed: int = 0,
         control_dropout_rate: float = 0.0,
+        weighted_from: int | None = None,
+        weight: float = 1.0,
     ) -> None:
+        """`weighted_from`, `weight`: batches of samples from that index on (the regularisation set) have their
+        loss multiplied by `weight`."""
         self.samples, self.source = list(samples), source
         self.caption_dropout_rate, self.seed = caption_dropout_rate, seed
         self.control_dropout_rate = control_dropout_rate
+        self.weighted_from, self.weight = weighted_from, weight
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -67,7 +72,10 @@ class EmbeddingDataset:
             return number, BatchFailure(e)
         rng = random.Random(f"{self.seed}:{number}")
         drop = [rng.random() < self.caption_dropout_rate for _ in indices]
-        return number, collate(embeds, drop)
+        out = collate(embeds, drop)
+        if self.weighted_from is not None and indices[0] >= self.weighted_from:
+            out.loss_weight = self.weight
+        return number, out
 
 
 def _worker_signals(worker_id: int) -> None:
