@@ -85,20 +85,12 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     # Every sample's entries are checked before the model is built (later misses stop the run too).
     samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
                             accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
-    if control_dropout(cfg):  # their text-only entries too
-        kept = ready_samples(
-            source,
-            [without_controls(s) for s in samples],
-            run_dir,
-            str(value(cfg.cache.on_missing)),
-            cfg.cache.get("dir"),
-            False,
-            precompute_command(cfg),
-        )
-        samples = [s for s in samples if s.id in {k.id for k in kept}]  # fmt: skip
-    if reg:
-        reg = ready_samples(source, reg, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), False,
-                            precompute_command(cfg))  # fmt: skip
+    on_missing, cache_dir, command = str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), precompute_command(cfg)
+    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
+    if control_dropout(cfg):  # the text-only entries too
+        kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
+                                            on_missing, cache_dir, False, command)}  # fmt: skip
+        samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
 
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
