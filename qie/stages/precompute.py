@@ -49,7 +49,7 @@ from qie.stages.precompute_work import (
     record_failure,
     share,
 )
-from qie.stages.regularization import regularization_samples
+from qie.stages.recipes import regularization_samples
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 

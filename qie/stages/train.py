@@ -33,17 +33,23 @@ from qie.readiness import ready_samples
 from qie.stages.common import (
     build_source,
     control_dropout,
-    mask_settings,
     precompute_command,
     read_data,
     value,
     warn_single_process,
 )
-from qie.stages.regularization import regularization_logging, regularization_samples, weighted
+from qie.stages.recipes import (
+    check_recipes,
+    lora_exports,
+    make_ema,
+    regularization_logging,
+    regularization_samples,
+    weighted,
+)
 from qie.training import checkpoint as ckpt
 from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
-from qie.training.ema import Ema, check_ema, export_ema, resume_ema, write_ema
+from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.lora import check_init_name, check_lora_file
@@ -72,11 +78,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
     spec = model_spec(cfg.model)
     mode = train_mode(cfg.train)  # checks train.lora.init and reads train.init_lora before anything is built
-    mask_settings(cfg)  # train.mask's values, checked before the data is read
-    control_dropout(cfg)
-    if cfg.train.get("ema") is not None:
-        e = cfg.train.ema
-        check_ema(float(e.decay), int(e.every), mode.lora, bool(cfg.train.fsdp), bool(cfg.validation.get("use_ema")))
+    check_recipes(cfg, mode.lora)  # train.mask, ema, data.control_dropout_rate, regularization: before reading
     samples = load_samples(cfg, spec, accelerator.is_main_process)
     reg = regularization_samples(cfg, spec)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
@@ -94,7 +96,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
 
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
-    ema = make_ema(cfg.train, state)
+    ema = make_ema(cfg.train, state.params)
     if resume_from is not None:
         state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
         if ema is not None:
@@ -125,14 +127,6 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         logger.close()
     finish(state, mode, run_dir, result, lora_exports(cfg.train), ema)
     return result
-
-
-def make_ema(train: DictConfig, state: TrainState) -> Ema | None:
-    """The EMA of the trained weights that `train.ema` asks for, or None."""
-    ema = train.get("ema")
-    if ema is None or not float(ema.decay):
-        return None
-    return Ema(state.params, float(ema.decay), int(ema.every), bool(ema.cpu))
 
 
 def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
@@ -258,11 +252,6 @@ def _save_checkpoint(
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
     extra = (lambda folder: write_ema(ema, folder, model, exports)) if ema is not None else None
     return ckpt.save_checkpoint(state, run_dir, info, lora, exports, train.checkpoints_total_limit, extra)
-
-
-def lora_exports(train: DictConfig) -> tuple[str, ...]:
-    """The LoRA files for other tools written beside the diffusers one: `train.export_comfyui`, `export_kohya`."""
-    return tuple(name for name in ("comfyui", "kohya") if bool(train.get(f"export_{name}", False)))
 
 
 def _instantiate(node: Any) -> Any:

@@ -1,5 +1,6 @@
-"""The train and precompute stages' glue for regularisation data (`data.regularization`): its samples, the
-batch mixing, the loss weight and its own loss in the logs."""
+"""The train and precompute stages' glue for the training recipes: the checks of `train.mask`, `train.ema` and
+`data.control_dropout_rate` before anything is built, the EMA, the LoRA exports, and regularisation data
+(`data.regularization`: its samples, the loss weight and its own loss in the logs)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,37 @@ from qie.data.mixing import REG_PREFIX
 from qie.data.samples import Sample
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec
-from qie.stages.common import read_data
+from qie.stages.common import control_dropout, mask_settings, read_data
+from qie.training.ema import Ema, check_ema
+
+
+def check_recipes(cfg: DictConfig, lora: bool) -> None:
+    """Check `train.mask`, `data.control_dropout_rate`, `train.ema` and `data.regularization` against the model
+    and the mode (`lora`: a LoRA is trained), before the data is read.
+
+    Raises:
+        ConfigError: naming the key and what to do.
+    """
+    mask_settings(cfg)
+    control_dropout(cfg)
+    ema = cfg.train.get("ema")
+    if ema is not None:
+        fsdp, use = bool(cfg.train.get("fsdp", False)), bool(cfg.get("validation", {}).get("use_ema", False))
+        check_ema(float(ema.decay), int(ema.every), lora, fsdp, use)
+    regularization_settings(cfg)
+
+
+def make_ema(train: DictConfig, params: list) -> Ema | None:
+    """The EMA of the trained weights that `train.ema` asks for, or None."""
+    ema = train.get("ema")
+    if ema is None or not float(ema.decay):
+        return None
+    return Ema(params, float(ema.decay), int(ema.every), bool(ema.cpu))
+
+
+def lora_exports(train: DictConfig) -> tuple[str, ...]:
+    """The LoRA files for other tools written beside the diffusers one: `train.export_comfyui`, `export_kohya`."""
+    return tuple(name for name in ("comfyui", "kohya") if bool(train.get(f"export_{name}", False)))
 
 
 def regularization_settings(cfg: DictConfig) -> tuple[str, float, float] | None:
