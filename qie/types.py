@@ -20,6 +20,7 @@ CACHE_TYPES = [
     "prompt_embeds_mask",
     "empty_prompt_embed",
     "empty_prompt_embeds_mask",
+    "loss_mask",  # a loss mask on a grid of 8 px cells (qie.data.masks): only with data.mask.source set
 ]
 
 # Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
@@ -62,6 +63,8 @@ class SampleEmbeddings:
         self.empty_prompt_pieces = _pieces(empty_prompt_embed)
         self.cached = cached
         self.prompt_image_mask, self.empty_prompt_image_mask = prompt_image_mask, empty_prompt_image_mask
+        # (1, 1, h, w) loss weights on the latent grid (a MaskedSource sets them); None: every pixel 1.
+        self.loss_mask: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"SampleEmbeddings(id={self.id!r}, cached={self.cached})"
@@ -95,6 +98,8 @@ class Batch:
     prompt_image_mask: torch.Tensor | None = None  # (B, L) bool, False at padding (see SampleEmbeddings)
     # (B, 1, 1, h, w) float: a loss weight per latent pixel of the target (a loss mask), None: every pixel 1.
     loss_mask: torch.Tensor | None = None
+    # The batch's loss is multiplied by this (regularisation batches: `data.regularization.weight`).
+    loss_weight: float = 1.0
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         mask = None if self.prompt_embeds_mask is None else self.prompt_embeds_mask.to(device)
@@ -108,6 +113,7 @@ class Batch:
             mask,
             image_mask,
             loss_mask,
+            self.loss_weight,
         )
 
 

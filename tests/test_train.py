@@ -54,7 +54,9 @@ def cached_run(cached_data: CachedData, tmp_path_factory: pytest.TempPathFactory
     logging.append("logging.log_images_count=3")
     with pytest.MonkeyPatch.context() as mp:
         counts = count_constructions(mp, ENCODERS)
-        overrides = TRAINING + logging + ["train.checkpoint_every=2", "train.export_comfyui=true"]
+        overrides = (
+            TRAINING + logging + ["train.checkpoint_every=2", "train.export_comfyui=true", "train.export_kohya=true"]
+        )
         result = train(cached_data, overrides, run_dir)
         during_run = Counter(counts)
         build_source(small_config("train", *cached_data.overrides), "live")  # the counters do see an encoder
@@ -116,7 +118,8 @@ def test_checkpoints_hold_the_lora_and_the_full_state(cached_run: dict) -> None:
     assert json.loads((last / "trainer_state.json").read_text())["step"] == 4
     state = ["model.safetensors", "optimizer.safetensors", "optimizer.json", "lr_scheduler.json",
              "lr_scheduler.safetensors", "rng_state_0.json", "rng_state_0.safetensors"]  # fmt: skip
-    for name in ("pytorch_lora_weights.safetensors", "comfyui_lora.safetensors", *(f"state/{n}" for n in state)):
+    files = ("pytorch_lora_weights.safetensors", "comfyui_lora.safetensors", "kohya_lora.safetensors")
+    for name in (*files, *(f"state/{n}" for n in state)):
         assert (last / name).is_file(), name
     assert not [p for p in last.rglob("*") if p.suffix not in (".safetensors", ".json", "")]  # no pickles
     final = load_file(cached_run["dir"] / "lora" / "pytorch_lora_weights.safetensors")
@@ -124,6 +127,8 @@ def test_checkpoints_hold_the_lora_and_the_full_state(cached_run: dict) -> None:
     assert all(k.startswith("transformer.") for k in final)
     comfy = load_file(last / "comfyui_lora.safetensors")
     assert any(k.startswith("diffusion_model.") and k.endswith(".lora_down.weight") for k in comfy)
+    kohya = load_file(cached_run["dir"] / "lora" / "kohya_lora.safetensors")
+    assert len(kohya) == len(comfy) and all(k.startswith("lora_unet_transformer_blocks_") for k in kohya)
 
 
 # The pipeline resizes conditions to 1024² whatever their size; 64² keeps the tiny VAE fast.

@@ -29,6 +29,16 @@ class DataColumns:
     prompt: str = "prompt"
     # A column of unique sample ids; without it a row's id is its number (row000000, ...).
     id: str | None = None
+    # A column of loss mask images (data.mask.source=file).
+    mask: str | None = None
+
+
+@dataclass
+class RegularizationConfig:
+    # A second data set (any format data.path takes) trained between the main one's batches; null: none.
+    path: str | None = None
+    weight: float = 1.0  # its loss is multiplied by this
+    ratio: float = 0.25  # the share of optimizer steps it takes
 
 
 @dataclass
@@ -45,6 +55,11 @@ class DataConfig:
     resize_mode: ResizeMode = ResizeMode.resize
     multiple_of: int = 32
     caption_dropout_rate: float = 0.0
+    # Chance that a batch trains without its control images, on the text-only prompt (Edit-Plus, 2511, 2.1);
+    # precompute then caches each sample's text-only prompt too.
+    control_dropout_rate: float = 0.0
+    # Regularisation (prior-preservation) data, cached like the main set (docs/guide.md, "Regularisation data").
+    regularization: RegularizationConfig = field(default_factory=RegularizationConfig)
     batch_size: int = 1
     num_workers: int = 2
     # Batches a background thread of the training process keeps ready (cached sources only; 0: no thread).

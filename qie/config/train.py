@@ -10,6 +10,14 @@ class TrainMode(str, Enum):
     full = "full"
 
 
+class Adapter(str, Enum):
+    """What `train.mode=lora` trains, through peft; `train.lora` sizes each."""
+
+    lora = "lora"
+    loha = "loha"
+    lokr = "lokr"
+
+
 class MixedPrecision(str, Enum):
     auto = "auto"  # bf16 on CUDA when the model is bf16, else no
     no = "no"
@@ -44,6 +52,32 @@ class ReportTo(str, Enum):
     none = "none"
 
 
+class MaskSource(str, Enum):
+    """Where loss masks come from: none, mask images (`file`), or where the target differs from its control."""
+
+    none = "none"
+    file = "file"
+    edit = "edit"
+
+
+@dataclass
+class MaskConfig:
+    source: MaskSource = MaskSource.none
+    # Loss weight where the mask is black (0..1); white weighs 1.
+    outside_weight: float = 0.0
+    # source=edit: a pixel changed when a channel differs by more than this (0..1), grown by `dilation` pixels.
+    threshold: float = 0.05
+    dilation: int = 16
+
+
+@dataclass
+class EmaConfig:
+    # 0: no EMA; else each update moves the average by (1 - decay) towards the weights (e.g. 0.999).
+    decay: float = 0.0
+    every: int = 1  # update every N optimizer steps
+    cpu: bool = False  # keep the average in CPU memory
+
+
 @dataclass
 class LoraConfig:
     rank: int = 16
@@ -51,6 +85,8 @@ class LoraConfig:
     dropout: float = 0.0
     # peft's `init_lora_weights`: "true" (B=0), "gaussian", "pissa", ...
     init: str = "true"
+    # DoRA (weight-decomposed LoRA, train.adapter=lora only)
+    use_dora: bool = False
     # Default: the model's (`model.lora_target_modules`).
     target_modules: list[str] = "${model.lora_target_modules}"  # type: ignore[assignment]
 
@@ -58,6 +94,8 @@ class LoraConfig:
 @dataclass
 class TrainConfig:
     mode: TrainMode = TrainMode.lora
+    # lora, loha or lokr (LyCORIS' LoHa / LoKr through peft), of train.lora's rank, alpha and modules
+    adapter: Adapter = Adapter.lora
     max_steps: int = 1000
     seed: int = 42
     learning_rate: float = 1e-4
@@ -81,7 +119,10 @@ class TrainConfig:
     # continuation); by default that stops the resume.
     resume_inexact: bool = False
     on_nonfinite: OnNonfinite = OnNonfinite.stop
+    # Beside the diffusers file, write `comfyui_lora.safetensors` (ComfyUI, DiffSynth-Studio) and
+    # `kohya_lora.safetensors` (musubi-tuner, kohya-style loaders); every file is at the trained strength.
     export_comfyui: bool = False
+    export_kohya: bool = False
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal
     logit_mean: float = 0.0
     logit_std: float = 1.0
@@ -90,6 +131,13 @@ class TrainConfig:
     dynamic_shift: bool = False
     loss_weighting: LossWeighting = LossWeighting.none
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Loss masks (docs/guide.md, "Masked and edit-region loss").
+    mask: MaskConfig = field(default_factory=MaskConfig)
+    # An exponential moving average of the LoRA weights, exported as lora/ema/ (docs/guide.md, "EMA").
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    # Go on training from this LoRA file (or folder): any file qie.infer reads (diffusers, ComfyUI, kohya/musubi,
+    # ai-toolkit). Its rank, alpha and modules replace train.lora's.
+    init_lora: str | None = None
     # A preset of the `train.optimizer` group (adamw, adamw8bit, adafactor, sgd) or any `_target_`.
     optimizer: Any = field(
         default_factory=lambda: {"_target_": "torch.optim.AdamW", "_partial_": True, "weight_decay": 1e-2}
@@ -116,6 +164,8 @@ class LoggingConfig:
 class ValidationConfig:
     # Sample the validation inputs every N optimizer steps; 0 turns validation off.
     every: int = 0
+    # Sample with the EMA weights (train.ema.decay > 0) instead of the trained ones.
+    use_ema: bool = False
     prompts: list[str] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
     # Sampling options; null takes the `predict` group's value (one set of defaults everywhere).

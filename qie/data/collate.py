@@ -1,4 +1,4 @@
-"""Collate: stack latents, pad prompt embeddings to the batch's longest (see `pad_prompt_embeds`)."""
+"""Collate: stack latents and loss masks, pad prompt embeddings to the batch's longest (`pad_prompt_embeds`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
     embeds, mask = pad_prompt_embeds([s.empty_prompt_pieces if d else s.prompt_pieces for s, d in zip(items, drop)])
     image_masks = [s.empty_prompt_image_mask if d else s.prompt_image_mask for s, d in zip(items, drop)]
     n_controls = len(items[0].control_latents)
+    loss_mask = None
+    if any(s.loss_mask is not None for s in items):
+        ones = torch.ones(1, 1, *items[0].pixel_latent.shape[-2:])
+        loss_mask = torch.stack([s.loss_mask if s.loss_mask is not None else ones for s in items])
     return Batch(
         ids=[s.id for s in items],
         latents=torch.stack([s.pixel_latent for s in items]),
@@ -32,4 +36,5 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
         prompt_embeds=embeds,
         prompt_embeds_mask=mask,
         prompt_image_mask=pad_image_masks(image_masks, embeds.shape[1]),
+        loss_mask=loss_mask,
     )

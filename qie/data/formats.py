@@ -25,6 +25,7 @@ class Columns:
     controls: tuple[str, ...] = ("controls",)
     prompt: str = "prompt"
     id: str | None = None
+    mask: str | None = None  # a column of loss mask images
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def scan_hf(
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
     """
     data = load_hf(path, split)
-    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id) if c]
+    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask) if c]
     missing = [c for c in names if c not in data.column_names]
     optional = ([] if require_target else [columns.target]) + ([] if require_prompt else [columns.prompt])
     if any(c not in optional for c in missing):
@@ -131,6 +131,8 @@ def scan_hf(
             target = row.get(columns.target) if columns.target else None
             target_path = images.path(target, base) if target is not None else None
             controls = [images.path(v, base) for c in columns.controls for v in _as_list(row[c])]
+            mask = row.get(columns.mask) if columns.mask else None
+            mask_path = images.path(mask, base) if mask is not None else None
         except DataError as e:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", str(e)))
             continue
@@ -146,7 +148,7 @@ def scan_hf(
         if why:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", f"row {n} {why}"))
             continue
-        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip()))
+        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path))
     if not out.samples:
         detail = "".join(f"\n  {p.path}: {p.reason}" for p in out.problems[:5]) or "\n  it has no rows"
         raise DataError(f"no usable sample in {path!r}{detail}")

@@ -52,7 +52,7 @@ def _csv_row(row: dict) -> dict | str:
     return row
 
 
-def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
+def _row_fields(row: object) -> tuple[list[str], str | None, str | None, str | None] | str:
     """(controls, target, prompt) of a manifest row, or why the row is not usable."""
     if not isinstance(row, dict):
         return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
@@ -68,7 +68,10 @@ def _row_fields(row: object) -> tuple[list[str], str | None, str | None] | str:
         return f"'target' must be a path, got {target!r}"
     if prompt is not None and not isinstance(prompt, str):
         return f"'prompt' must be text, got {prompt!r}"
-    return controls, target, prompt
+    mask = row.get("mask") or None
+    if mask is not None and not isinstance(mask, str):
+        return f"'mask' must be a path, got {mask!r}"
+    return controls, target, prompt, mask
 
 
 def _outside(folder: Path, name: str) -> bool:
@@ -93,14 +96,15 @@ def scan_manifest(
         if isinstance(fields, str):
             data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
             continue
-        controls, target, prompt = fields
+        controls, target, prompt, mask = fields
         missing = [] if prompt is not None or not require_prompt else ["prompt"]
         if require_target and not target:
             missing.append("target")
         if missing:
             data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
             continue
-        outside = [] if allow_outside else [c for c in [*controls, target] if c and _outside(path.parent, c)]
+        named = [*controls, target, mask]
+        outside = [] if allow_outside else [c for c in named if c and _outside(path.parent, c)]
         if outside:
             data.problems.append(
                 DataProblem(
@@ -111,14 +115,14 @@ def scan_manifest(
                 )
             )
             continue
-        paths = [path.parent / c for c in controls] + ([path.parent / target] if target else [])
+        paths = [path.parent / c for c in [*controls, target, mask] if c]
         bad = [p for p in paths if not p.is_file()]
         if bad:
             data.problems.append(
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
             )
             continue
-        same = rows_seen.setdefault((target, tuple(controls), prompt.strip()), n)
+        same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask), n)
         if same != n:  # the same example twice would be trained twice as often: keep the first
             data.problems.append(
                 DataProblem(rid, where, f"manifest row {n} repeats row {same} (same images and prompt): used once")
@@ -135,6 +139,7 @@ def scan_manifest(
                 path.parent / target if target else None,
                 tuple(path.parent / c for c in controls),
                 (prompt or "").strip(),
+                path.parent / mask if mask else None,
             )
         )
     return data

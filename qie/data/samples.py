@@ -1,11 +1,12 @@
 """Samples of a data set: a target image, its control images (none for text to image) and the prompt.
 
 Two layouts: a folder (`training_images/<stem>.<ext>` + `<stem>.txt`, `control_images/<stem>.<ext>` and
-`control_images/<stem>_control_<N>.<ext>`; without `control_images/` every sample has no control image) or a
-manifest (.jsonl or .csv with `target`, `controls`, `prompt`; paths relative to the manifest; a row without
-`controls` has none). Whether a model takes a sample's control count is the model's to say
-(`ModelSpec.control_problem`). Problems with single samples are collected, not raised, so
-precompute can name them and go on; a data set with no usable sample at all is an error.
+`control_images/<stem>_control_<N>.<ext>`, optionally a loss mask `masks/<stem>.<ext>`; without
+`control_images/` every sample has no control image) or a manifest (.jsonl or .csv with `target`, `controls`,
+`prompt`, optionally `mask`; paths relative to the manifest; a row without `controls` has none). Whether a
+model takes a sample's control count is the model's to say (`ModelSpec.control_problem`). Problems with
+single samples are collected, not raised, so precompute can name them and go on; a data set with no usable
+sample at all is an error.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Sample:
     target: Path | None
     controls: tuple[Path, ...]
     prompt: str
+    # A loss mask image (white: trained, black: `train.mask.outside_weight`); None: every pixel trained.
+    mask: Path | None = None
 
 
 # Longer prompts are refused: the pipelines keep at most ~1,024 prompt tokens (~4,000 characters of English)
@@ -179,7 +182,7 @@ def _child_path(folder: Path):
 
 
 def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -> Dataset:
-    targets_dir, controls_dir = root / "training_images", root / "control_images"
+    targets_dir, controls_dir, masks_dir = root / "training_images", root / "control_images", root / "masks"
     if not targets_dir.is_dir() and not controls_dir.is_dir():
         raise DataError(
             f"{str(root)!r} is not a data set folder: expected training_images/ (and control_images/ for edits) inside"
@@ -192,6 +195,7 @@ def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) 
     targets_str, controls_str = str(targets_dir), str(controls_dir)
     captions = set() if require_prompt else target_set | control_set  # a sample without one has the prompt ""
     targets = _images_by_stem(targets_dir, target_names)
+    masks = _images_by_stem(masks_dir, _listing(masks_dir))  # optional: masks/<stem>.png
     controls: dict[str, list[tuple[int, Path]]] = {}
     for stem, p in _images_by_stem(controls_dir, control_names).items():
         m = _CONTROL_SUFFIX.match(stem)
@@ -218,5 +222,11 @@ def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) 
         except DataError as e:
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue
-        data.samples.append(Sample(stem, target, ctrl, prompt))
+        data.samples.append(Sample(stem, target, ctrl, prompt, masks.get(stem)))
     return data
+
+
+def without_controls(sample: Sample, suffix: str = "") -> Sample:
+    """`sample` without its control images: trained on the text-only prompt (reference dropout). Its entries
+    are keyed by what they hold, so they are cached apart from the sample's own."""
+    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask)

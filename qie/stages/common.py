@@ -18,10 +18,12 @@ from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
 from qie.data.formats import Columns, DataSource, read_dataset
 from qie.data.keys import KeyContext
+from qie.data.masks import MaskSettings
 from qie.data.samples import DataProblem, Dataset, Sample
 from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND, CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.encode import Encoder, ImageSizes
-from qie.errors import DataError
+from qie.errors import ConfigError, DataError
+from qie.masked_source import MaskedSource
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
 
@@ -55,7 +57,7 @@ def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
 
     d = cfg.data
     c = d.columns
-    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id)
+    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.get("mask"))
     images = Path(cfg.cache.dir) if cfg.get("cache") is not None and cfg.cache.get("dir") else qie_home()
     return DataSource(str(path or d.path), str(value(d.format)) if path is None else "auto", str(d.split), columns,
                       images / "images", bool(d.get("allow_outside_paths", False)))  # fmt: skip
@@ -128,8 +130,13 @@ def build_source(
     mode = mode or str(value(cfg.cache.mode))
     spec = spec or model_spec(cfg.model)
     sizes = image_sizes(cfg, spec)
+    return with_masks(cfg, *_unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command))
+
+
+def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command) -> tuple[EmbeddingSource, Any]:
+    """The source `mode` names, and its cache backend (None for a live source)."""
     if mode == "live" or cfg.cache.name == "none":
-        return LiveSource(encoder or build_encoder(cfg, spec), sizes)
+        return LiveSource(encoder or build_encoder(cfg, spec), sizes), None
     backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
     factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg, spec))
     cached = CachedSource(
@@ -140,7 +147,7 @@ def build_source(
         sizes,
         precompute_command or DEFAULT_PRECOMPUTE_COMMAND,
     )
-    return cached if mode == "cached" else cached.with_encoding()
+    return (cached if mode == "cached" else cached.with_encoding()), backend
 
 
 def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:
@@ -199,3 +206,51 @@ def warn_single_process(num_processes: int, module: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def mask_settings(cfg: DictConfig) -> tuple[MaskSettings, float] | None:
+    """`train.mask`'s settings and outside weight, or None when masks are off (or the config has no `train`).
+
+    Raises:
+        ConfigError: a value out of range, or `source=edit` for a model without control images.
+    """
+    mask = cfg.get("train", {}).get("mask") if cfg.get("train") is not None else None
+    if mask is None or str(value(mask.source)) == "none":
+        return None
+    source, outside = str(value(mask.source)), float(mask.outside_weight)
+    for name, v, low, high in (("outside_weight", outside, 0, 1), ("threshold", float(mask.threshold), 0, 1),
+                               ("dilation", int(mask.dilation), 0, 10**6)):  # fmt: skip
+        if not low <= v <= high:
+            raise ConfigError(f"train.mask.{name}={v} is out of range: give a value from {low} to {high}")
+    if source == "edit" and model_spec(cfg.model).max_control_images == 0:
+        raise ConfigError(f"train.mask.source=edit compares each target with its control image, and "
+                          f"model={cfg.model.name} takes none: use train.mask.source=file")  # fmt: skip
+    d = cfg.data
+    settings = MaskSettings(source, float(mask.threshold), int(mask.dilation), int(d.target_pixels),
+                            str(value(d.resize_mode)), int(d.multiple_of))  # fmt: skip
+    return settings, outside
+
+
+def with_masks(cfg: DictConfig, source: EmbeddingSource, backend: Any = None) -> EmbeddingSource:
+    """`source`, adding loss masks to its samples when `train.mask.source` is set (stored in `backend`)."""
+    found = mask_settings(cfg)
+    if found is None:
+        return source
+    return MaskedSource(source, found[0], file_hasher(cfg), backend, found[1])
+
+
+def control_dropout(cfg: DictConfig) -> float:
+    """`data.control_dropout_rate`, checked against the model.
+
+    Raises:
+        ConfigError: out of 0..1, or a model that cannot train without control images.
+    """
+    rate = float(cfg.data.get("control_dropout_rate", 0.0))
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"data.control_dropout_rate={rate} is out of range: give a value from 0 to 1")
+    spec = model_spec(cfg.model)
+    if rate and (spec.max_control_images == 0 or spec.min_control_images > 0):
+        why = "takes no control images" if spec.max_control_images == 0 else "needs a control image in every sample"
+        raise ConfigError(f"data.control_dropout_rate: model={cfg.model.name} {why}; reference dropout is for the "
+                          "models that also edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)")  # fmt: skip
+    return rate

@@ -26,11 +26,11 @@ from qie.cache import build_backend
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
 from qie.components import prepare_model
-from qie.data.samples import DataProblem, Sample
+from qie.data.samples import DataProblem, Dataset, Sample, without_controls
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages import common
-from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context, value
+from qie.stages.common import build_encoder, control_dropout, file_hasher, image_sizes, model_key_context, value
 from qie.stages.precompute_work import (
     Keyed,
     PrecomputeSummary,
@@ -41,6 +41,7 @@ from qie.stages.precompute_work import (
     record_failure,
     share,
 )
+from qie.stages.recipes import regularization_samples
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -123,8 +124,17 @@ def read_settings(cfg: DictConfig) -> Settings:
 
 
 def dataset_range(cfg: DictConfig, settings: Settings) -> list[Sample | DataProblem]:
-    """The samples and scan problems of `precompute.start`..`end`, in id order (see `common.sample_range`)."""
-    return common.sample_range(cfg, settings.start, settings.end, settings.raise_errors, "precompute.on_error")
+    """The samples and scan problems of `precompute.start`..`end`, in id order (see `common.sample_range`), with
+    what training also reads: the regularisation set and, with reference dropout, the text-only variants."""
+    data = common.read_data(cfg)
+    # Reference dropout trains samples on their text-only prompts too: those are entries of their own.
+    text_only = [without_controls(s, "#text_only") for s in data.samples if s.controls] if control_dropout(cfg) else []
+    reg = regularization_samples(cfg, settings.model)  # cached like the main set
+    reg_text_only = [without_controls(s, "#text_only") for s in reg if s.controls] if text_only else []
+    everything = Dataset([*data.samples, *text_only, *reg, *reg_text_only], data.problems)
+    return common.sample_range(
+        cfg, settings.start, settings.end, settings.raise_errors, "precompute.on_error", everything
+    )
 
 
 def key_samples(items: list, ctx, hasher, settings: Settings, summary: PrecomputeSummary, report: bool) -> list[Keyed]:

@@ -11,6 +11,8 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -23,16 +25,35 @@ from omegaconf import DictConfig, OmegaConf
 from qie import run_lock
 from qie.components import load_parts, prepare_model, resolve_dtype
 from qie.data.buckets import BucketBatchSampler, bucket_keys
-from qie.data.samples import DataProblem, Sample
+from qie.data.mixing import MixedBatchSampler
+from qie.data.samples import DataProblem, Sample, without_controls
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError, check_writable
 from qie.models import ModelSpec
 from qie.readiness import ready_samples
-from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
+from qie.stages.common import (
+    build_source,
+    control_dropout,
+    precompute_command,
+    read_data,
+    value,
+    warn_single_process,
+)
+from qie.stages.recipes import (
+    check_recipes,
+    lora_exports,
+    make_ema,
+    regularization_logging,
+    regularization_samples,
+    weighted,
+)
 from qie.training import checkpoint as ckpt
+from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
+from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
+from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
@@ -58,21 +79,24 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
     spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
+    mode = train_mode(cfg.train)  # checks train.lora.init and reads train.init_lora before anything is built
+    check_recipes(cfg, mode.lora)  # train.mask, ema, data.control_dropout_rate, regularization: before reading
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
     writer = accelerator.is_main_process
     if writer:
         check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
-        return _train(cfg, run_dir, accelerator, spec, on_step_end)
+        return _train(cfg, run_dir, accelerator, spec, mode, on_step_end)
     finally:
         if writer:
             run_lock.release(run_dir)
 
 
-def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec,
+def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mode: TrainMode,
            on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
     samples = load_samples(cfg, spec, accelerator.is_main_process)
+    reg = regularization_samples(cfg, spec)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     records = run_records(cfg, spec, samples)
@@ -84,31 +108,45 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec,
     # Every sample's entries are checked before the model is built (later misses stop the run too).
     samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
                             accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
-    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
+    on_missing, cache_dir, command = str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), precompute_command(cfg)
+    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
+    if control_dropout(cfg):  # the text-only entries too
+        kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
+                                            on_missing, cache_dir, False, command)}  # fmt: skip
+        samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
+    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
 
-    mode = train_mode(cfg.train)
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec)
+    ema = make_ema(cfg.train, state.params)
     if resume_from is not None:
         state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
+        if ema is not None:
+            resume_ema(ema, resume_from, bool(cfg.train.resume_inexact))
         accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
     elif cfg.train.resume == "latest":
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
 
-    dataset = EmbeddingDataset(samples, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed))
+    reg_weight = float(cfg.data.regularization.weight) if reg else 1.0
+    dataset = EmbeddingDataset(samples + reg, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed),
+                               control_dropout(cfg), len(samples) if reg else None, reg_weight)  # fmt: skip
     workers, prefetch = loader_settings(cfg.data, source)
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
                            OmegaConf.to_container(cfg, resolve=True),
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
-    hooks = step_hooks(cfg, spec, state, source, samples, scheduler, logger, on_step_end, run_dir)
-    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, records)
+    hooks = step_hooks(cfg, spec, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
+    if reg:
+        hooks.append(regularization_logging(logger, reg_weight))
+    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, records, ema)
     try:
-        result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler, spec), logger,
-                     save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks],
-                     last_saved=resume_from)  # fmt: skip
+        settings = loop_settings(cfg.train, cfg.logging, scheduler, spec)
+        if reg:  # regularisation batches weigh data.regularization.weight
+            settings = dataclasses.replace(settings, loss=weighted(settings.loss))
+        result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
+                     on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
     finally:
         logger.close()
-    finish(state, mode, run_dir, result, bool(cfg.train.export_comfyui))
+    finish(state, mode, run_dir, result, lora_exports(cfg.train), ema)
     return result
 
 
@@ -168,11 +206,23 @@ def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int
 
 
 def train_mode(train: DictConfig) -> TrainMode:
-    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA."""
+    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA (or `train.init_lora`'s file).
+
+    Raises:
+        ConfigError, ModelLoadError: a `train.lora.init` peft does not know; an unreadable `train.init_lora`.
+    """
     if str(value(train.mode)) == "full":
+        if train.get("init_lora"):
+            raise ConfigError("train.init_lora needs train.mode=lora (it names a LoRA to go on training)")
         return FullMode()
-    lora = train.lora
-    return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init))
+    lora, init_lora = train.lora, train.get("init_lora")
+    adapter, use_dora = str(value(train.get("adapter", "lora"))), bool(lora.get("use_dora", False))
+    check_init_name(str(lora.init))
+    check_options(adapter, float(lora.dropout), str(lora.init), use_dora)
+    if init_lora:
+        check_lora_file(init_lora)  # before any model is built
+    return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init),
+                    str(init_lora) if init_lora else None, adapter, use_dora)  # fmt: skip
 
 
 def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: ModelSpec) -> LoopSettings:
@@ -231,11 +281,12 @@ def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample]) -> tupl
 
 
 def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, records: tuple[dict, dict],
-                     step: int, consumed: int) -> Path:  # fmt: skip
+                     ema: Ema | None, step: int, consumed: int) -> Path:  # fmt: skip
     info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes,
             "model": records[0], "data": records[1]}  # fmt: skip
-    comfyui, keep = bool(train.export_comfyui), train.checkpoints_total_limit
-    return ckpt.save_checkpoint(state, run_dir, info, lora, comfyui, keep)
+    exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
+    extra = (lambda folder: write_ema(ema, folder, model, exports)) if ema is not None else None
+    return ckpt.save_checkpoint(state, run_dir, info, lora, exports, train.checkpoints_total_limit, extra)
 
 
 def _instantiate(node: Any) -> Any:
@@ -244,8 +295,15 @@ def _instantiate(node: Any) -> Any:
     return instantiate(node)
 
 
-def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int) -> BucketBatchSampler:
-    """The resumable batch stream of this process, bucketed by latent shapes when batches hold several samples."""
+def make_sampler(
+    cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int, extra: list[Sample] | None = None
+) -> BucketBatchSampler | MixedBatchSampler:
+    """The resumable batch stream of this process, bucketed by latent shapes when batches hold several samples;
+    with `extra` (regularisation samples, after `samples` in the dataset) mixed in by `data.regularization.ratio`."""
+    if extra:
+        main, other = make_sampler(cfg, samples, accelerator, 0), make_sampler(cfg, extra, accelerator, 0)
+        ratio, accumulation = float(cfg.data.regularization.ratio), int(cfg.train.gradient_accumulation_steps)
+        return MixedBatchSampler(main, other, len(samples), ratio, int(cfg.train.seed), accumulation, start)
     batch_size = int(cfg.data.batch_size)
     # Batches of one never mix shapes: skip reading every image header.
     keys: list = [0] * len(samples)
@@ -261,23 +319,24 @@ def make_sampler(cfg: DictConfig, samples: list[Sample], accelerator: Any, start
 
 
 def step_hooks(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list, scheduler: Any,
-               logger, extra, run_dir: Path) -> list:  # fmt: skip
-    """What runs after each optimizer step: image logging, validation sampling, and `extra`."""
-    hooks = []
+               logger, extra, run_dir: Path, ema: Ema | None = None) -> list:  # fmt: skip
+    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
+    hooks = [lambda info: ema.update(info.step)] if ema is not None else []
     if cfg.logging.log_images:
         by_id = {s.id: s for s in samples}
         log = cfg.logging
         images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
         hooks.append(lambda info: images(info.step, info.batch))
     if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
-        hooks.append(_validation_hook(cfg, spec, state, source, samples, scheduler, logger, run_dir))
+        use_ema = ema if cfg.validation.get("use_ema") else None
+        hooks.append(_validation_hook(cfg, spec, state, source, samples, scheduler, logger, run_dir, use_ema))
     if extra is not None:
         hooks.append(extra)
     return hooks
 
 
 def _validation_hook(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list,
-                     scheduler: Any, logger, run_dir: Path):  # fmt: skip
+                     scheduler: Any, logger, run_dir: Path, ema: Ema | None = None):  # fmt: skip
     """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`),
     measure and log them.
 
@@ -301,19 +360,24 @@ def _validation_hook(cfg: DictConfig, spec: ModelSpec, state: TrainState, source
 
     def hook(info: StepInfo) -> None:
         if info.step % every == 0:
-            validator(info.step, accelerator.unwrap_model(state.model))
+            with ema.applied() if ema is not None else contextlib.nullcontext():  # sample with the average
+                validator(info.step, accelerator.unwrap_model(state.model))
 
     return hook
 
 
-def finish(state: TrainState, mode: TrainMode, run_dir: Path, result: dict, comfyui: bool) -> None:
+def finish(
+    state: TrainState, mode: TrainMode, run_dir: Path, result: dict, exports: tuple[str, ...], ema: Ema | None = None
+) -> None:
     """Check the replicas agree, export the trained weights and write train_result.json (main process)."""
     accelerator = state.accelerator
     result["param_checksums"] = _gather_checksums(accelerator, state.params)
     result["ranks_agree"] = all(c == result["param_checksums"][0] for c in result["param_checksums"])
-    key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, comfyui, write=accelerator.is_main_process)
+    key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, exports, write=accelerator.is_main_process)
     if accelerator.is_main_process:
         result[key] = str(path)
+        if ema is not None:  # beside the raw LoRA: lora/ema/
+            result["ema_lora"] = str(export_ema(ema, path.parent, accelerator.unwrap_model(state.model), exports))
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")

@@ -12,7 +12,7 @@ import torch
 
 from qie.data.collate import collate
 from qie.data.prefetch import Prefetcher
-from qie.data.samples import Sample
+from qie.data.samples import Sample, without_controls
 from qie.embeddings import EmbeddingSource
 from qie.errors import QieError
 from qie.types import Batch
@@ -32,8 +32,9 @@ class BatchFailure:
 class EmbeddingDataset:
     """Maps (batch number, indices) from a BucketBatchSampler to (batch number, Batch).
 
-    Caption dropout swaps in a sample's own empty-prompt embedding; the choice depends only on
-    (seed, batch number, position), so it is the same for every source and on resume.
+    Caption dropout swaps in a sample's own empty-prompt embedding; control dropout trains a whole batch on its
+    samples' text-only prompts, without control images. The choices depend only on (seed, batch number,
+    position), so they are the same for every source and on resume.
     """
 
     def __init__(
@@ -42,22 +43,39 @@ class EmbeddingDataset:
         source: EmbeddingSource,
         caption_dropout_rate: float = 0.0,
         seed: int = 0,
+        control_dropout_rate: float = 0.0,
+        weighted_from: int | None = None,
+        weight: float = 1.0,
     ) -> None:
+        """`weighted_from`, `weight`: batches of samples from that index on (the regularisation set) have their
+        loss multiplied by `weight`."""
         self.samples, self.source = list(samples), source
         self.caption_dropout_rate, self.seed = caption_dropout_rate, seed
+        self.control_dropout_rate = control_dropout_rate
+        self.weighted_from, self.weight = weighted_from, weight
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, item: tuple[int, list[int]]) -> tuple[int, Batch | BatchFailure]:
         number, indices = item
+        batch = [self.samples[i] for i in indices]
+        # A whole batch drops its controls or none does (a batch shares its latent shapes); its own draw, so
+        # caption dropout draws the same with or without it.
+        if self.control_dropout_rate and random.Random(f"{self.seed}:{number}:controls").random() < (
+            self.control_dropout_rate
+        ):
+            batch = [without_controls(s) for s in batch]
         try:
-            embeds = self.source.get([self.samples[i] for i in indices])
+            embeds = self.source.get(batch)
         except QieError as e:
             return number, BatchFailure(e)
         rng = random.Random(f"{self.seed}:{number}")
         drop = [rng.random() < self.caption_dropout_rate for _ in indices]
-        return number, collate(embeds, drop)
+        out = collate(embeds, drop)
+        if self.weighted_from is not None and indices[0] >= self.weighted_from:
+            out.loss_weight = self.weight
+        return number, out
 
 
 def _worker_signals(worker_id: int) -> None:

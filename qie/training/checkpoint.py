@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import safetensors.torch
 from safetensors import SafetensorError
 
 from qie.errors import ConfigError, ModelLoadError, StorageError
+from qie.training.adapters import is_adapter_param
 from qie.training.guards import state_is_finite
 from qie.training.lora import load_lora_state, lora_state_dict, save_lora
 from qie.training.state_io import load_tree, rng_state, save_tree, set_rng_state
@@ -133,15 +135,24 @@ def prune(root: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui: bool = False, keep=None) -> Path:
+def save_checkpoint(
+    train: Any,
+    run_dir: Path,
+    state: dict,
+    lora: bool,
+    exports: Sequence[str] = (),
+    keep=None,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
     """Write `checkpoints/step-NNNNNN` for `state["step"]` from every process; returns the folder.
 
     Args:
         train: the TrainState (accelerator, model, optimizer, lr_scheduler).
         state: what `read_state` gives back on resume (step, batches_consumed, ...).
         lora: the model trains a LoRA: keep only its weights, and export it in diffusers format too (and
-            ComfyUI's with `comfyui`).
+            the other tools' files `exports` names: "comfyui", "kohya").
         keep: `train.checkpoints_total_limit`.
+        extra: writes more into the checkpoint folder before it is committed (main process; the EMA).
     """
     accelerator = train.accelerator
     folder = checkpoint_dir(run_dir, int(state["step"]))
@@ -161,7 +172,7 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         try:
-            _write(train, tmp, folder, state, lora, comfyui, lora_weights, gathered)
+            _write(train, tmp, folder, state, lora, exports, lora_weights, gathered, extra)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)  # the earlier checkpoints are untouched
             if isinstance(e, (OSError, SafetensorError)):
@@ -173,12 +184,15 @@ def save_checkpoint(train: Any, run_dir: Path, state: dict, lora: bool, comfyui:
     return folder
 
 
-def _write(train: Any, tmp: Path, folder: Path, state: dict, lora: bool, comfyui: bool, lora_weights, gathered) -> None:
+def _write(
+    train: Any, tmp: Path, folder: Path, state: dict, lora: bool, exports: Sequence[str], lora_weights, gathered,
+    extra: Callable[[Path], None] | None,
+) -> None:
     """Write the checkpoint's files into `tmp` and rename it to `folder` (main process)."""
     accelerator = train.accelerator
     model = accelerator.unwrap_model(train.model)
     if lora:
-        save_lora(model, tmp, comfyui=comfyui, state=lora_weights)
+        save_lora(model, tmp, exports, state=lora_weights)
     if gathered is not None:
         safetensors.torch.save_file(gathered[0], str(tmp / STATE_DIR / MODEL_FILE))
         save_tree(gathered[1], tmp / STATE_DIR, "optimizer")
@@ -189,6 +203,8 @@ def _write(train: Any, tmp: Path, folder: Path, state: dict, lora: bool, comfyui
             safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
         save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
     save_tree(train.lr_scheduler.state_dict(), tmp / STATE_DIR, "lr_scheduler")
+    if extra is not None:
+        extra(tmp)
     if getattr(accelerator, "scaler", None) is not None:
         (tmp / STATE_DIR / "grad_scaler.json").write_text(json.dumps(accelerator.scaler.state_dict()))
     write_state(tmp, state)
@@ -319,7 +335,7 @@ def _load_model(model: Any, path: Path) -> None:
 
 def _is_lora(path: Path) -> bool:
     with safetensors.safe_open(str(path), "pt") as f:
-        return any("lora_" in k for k in f.keys())
+        return any(is_adapter_param(k) for k in f.keys())
 
 
 def _load(path: Path, load) -> None:

@@ -1,5 +1,5 @@
-"""LoRA adapters on the transformer (peft): adding, saving (diffusers and ComfyUI key formats), loading,
-fusing.
+"""LoRA adapters on the transformer (peft): adding, saving (diffusers format; the ComfyUI and kohya files are
+in `qie.training.lora_files`), loading, fusing.
 
 Loading goes through diffusers' own `lora_state_dict` (which also converts ComfyUI / kohya key formats)
 and the transformer's `load_lora_adapter`, so a LoRA behaves here exactly as in a diffusers pipeline.
@@ -14,17 +14,66 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from qie.errors import ModelLoadError
+from qie.training.adapters import (
+    is_adapter_param,
+    kind_of,
+    load_lycoris,
+    lycoris_metadata,
+    peft_config,
+    refuse_exported_kinds,
+    split_key,
+)
+from qie.training.lora_files import dora_scales, fold_scales, folded_metadata, lora_scales, write_exports
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
-COMFYUI_FILE = "comfyui_lora.safetensors"
 PREFIX = "transformer."
+
+
+# peft's `init_lora_weights` names (peft/tuners/lora/config.py); "pissa_niter_N" too.
+INIT_NAMES = ("true", "false", "gaussian", "eva", "olora", "pissa", "corda", "loftq", "orthogonal", "mica")
 
 
 def _init_value(init: str) -> bool | str:
     return {"true": True, "false": False}.get(init.lower(), init)
+
+
+def check_init_name(init: str) -> None:
+    """Raise ConfigError unless `init` (`train.lora.init`) is one of peft's initialisations."""
+    from qie.errors import ConfigError
+
+    if init.lower() in INIT_NAMES or init.lower().startswith("pissa_niter_"):
+        return
+    hint = " (to start from a LoRA file, use train.init_lora=PATH)" if "/" in init or "." in init else ""
+    raise ConfigError(f"train.lora.init={init!r} is not one of peft's initialisations {list(INIT_NAMES)}{hint}")
+
+
+def check_lora_file(path: str | Path) -> Path:
+    """Read the LoRA file `path` names (any format `load_lora` reads) and check it holds transformer weights.
+
+    Raises:
+        ModelLoadError: a missing or unreadable file, or one without transformer weights.
+    """
+    state, _, file = read_lora(path)
+    if not any(k.startswith(PREFIX) for k in state):
+        first = next(iter(state), None)
+        raise ModelLoadError(f"LoRA {str(file)!r} holds no transformer weights (first key {first!r}): is it a "
+                             "Qwen-Image LoRA?")  # fmt: skip
+    return file
+
+
+def lora_parameters(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The adapter's parameters made trainable in float32 (an optimizer needs full precision); those of modules
+    whose output never reaches the loss (`dead_modules`) stay frozen."""
+    dead = tuple(f"{d}." for d in dead_modules(transformer))
+    params = []
+    for name, p in transformer.named_parameters():
+        if is_adapter_param(name):
+            p.data = p.data.float()
+            p.requires_grad_(not name.startswith(dead))
+            params += [p] if p.requires_grad else []
+    return params
 
 
 def add_lora(
@@ -34,14 +83,15 @@ def add_lora(
     target_modules: Sequence[str],
     dropout: float = 0.0,
     init: str = "true",
+    adapter: str = "lora",
+    use_dora: bool = False,
 ) -> list[torch.nn.Parameter]:
-    """Add a trainable LoRA adapter to `transformer` (whose own weights stay frozen).
+    """Add a trainable adapter to `transformer` (whose own weights stay frozen): a LoRA (DoRA with `use_dora`),
+    or with `adapter` "loha" / "lokr" a LoHa / LoKr of the same rank and alpha.
 
     Returns:
-        The LoRA parameters, in float32 whatever the base dtype (an optimizer needs full precision).
+        The adapter's parameters, in float32 whatever the base dtype (an optimizer needs full precision).
     """
-    from peft import LoraConfig
-
     dead = dead_modules(transformer)
     # Exclude only what would be targeted (peft warns about unused exclusions), submodules included.
     exclude = [
@@ -50,20 +100,20 @@ def add_lora(
         if any(name == d or name.startswith(f"{d}.") for d in dead)
         and any(name == t or name.endswith(f".{t}") for t in target_modules)
     ]
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        init_lora_weights=_init_value(init),
-        target_modules=list(target_modules),
-        exclude_modules=exclude or None,
-    )
+    config = peft_config(adapter, rank, alpha, target_modules, exclude, dropout, _init_value(init), use_dora)
     transformer.add_adapter(config)
-    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
-    for p in params:
-        p.data = p.data.float()
-        p.requires_grad_(True)
-    return params
+    return lora_parameters(transformer)
+
+
+def continue_lora(transformer: torch.nn.Module, path: str | Path) -> list[torch.nn.Parameter]:
+    """Load the LoRA file `path` (any format `load_lora` reads) as the adapter to train on: its rank, alpha and
+    modules are the file's. Returns its parameters, as `add_lora` does.
+
+    Raises:
+        ModelLoadError: the file does not fit the transformer.
+    """
+    load_lora(transformer, path)
+    return lora_parameters(transformer)
 
 
 def dead_modules(transformer: torch.nn.Module) -> list[str]:
@@ -105,33 +155,47 @@ def load_lora_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor]
 
 
 def save_lora(
-    transformer: torch.nn.Module, folder: Path, comfyui: bool = False, dtype: torch.dtype | None = None, state=None
+    transformer: torch.nn.Module,
+    folder: Path,
+    exports: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`); `state`: its
-    weights when already gathered (`lora_state_dict`), else read from `transformer`."""
+    """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`), and the files
+    `exports` names ("comfyui", "kohya"; `qie.training.lora_files`), all with alpha / rank folded into the
+    weights so that every tool applies the trained strength.
+
+    Args:
+        state: the adapter's weights when already gathered (`lora_state_dict`), else read from `transformer`.
+    """
     from diffusers import QwenImageEditPipeline
 
     state = lora_state_dict(transformer) if state is None else state
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
+    folded = fold_scales(state, lora_scales(transformer))
+    dora = dora_scales(transformer, folded) if "comfyui" in exports or "kohya" in exports else None
     folder.mkdir(parents=True, exist_ok=True)
     QwenImageEditPipeline.save_lora_weights(
         folder,
-        transformer_lora_layers=state,
+        transformer_lora_layers=folded,
         safe_serialization=True,
-        transformer_lora_adapter_metadata=adapter_metadata(transformer),
+        transformer_lora_adapter_metadata=folded_metadata(adapter_metadata(transformer)),
     )
-    if comfyui:
-        meta = adapter_metadata(transformer)
-        save_file(comfyui_state(state, meta["lora_alpha"] if meta else None), str(folder / COMFYUI_FILE))
+    write_exports(folder, folded, exports, dora)
     return folder / LORA_FILE
 
 
 def adapter_metadata(transformer: torch.nn.Module) -> dict | None:
     """Rank, alpha and targets saved with the weights: without them a loader assumes alpha == rank."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     config = getattr(transformer, "peft_config", {}).get("default")
     if config is None:
         return None
+    if not hasattr(config, "lora_alpha"):  # LoHa / LoKr
+        modules = [n for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
+        return lycoris_metadata(config, modules)
     return {
         "r": int(config.r),
         "lora_alpha": float(config.lora_alpha),
@@ -141,19 +205,8 @@ def adapter_metadata(transformer: torch.nn.Module) -> dict | None:
         "target_modules": sorted(n for n, m in transformer.named_modules() if hasattr(m, "lora_A")),
         "rank_pattern": dict(config.rank_pattern or {}),
         "alpha_pattern": dict(config.alpha_pattern or {}),
+        "use_dora": bool(config.use_dora),
     }
-
-
-def comfyui_state(state: dict[str, torch.Tensor], alpha: float | None) -> dict[str, torch.Tensor]:
-    """ComfyUI's LoRA keys: `diffusion_model.<module>.lora_down/lora_up.weight` and `.alpha` per module."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        module, _, rest = key.partition(".lora_")
-        kind = "lora_down" if rest.startswith("A") else "lora_up"
-        out[f"diffusion_model.{module}.{kind}.weight"] = value
-        if alpha is not None and kind == "lora_down":
-            out[f"diffusion_model.{module}.alpha"] = torch.tensor(alpha)
-    return out
 
 
 def lora_file(path: str | Path) -> Path:
@@ -185,6 +238,7 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, P
     from diffusers import QwenImageEditPipeline
 
     file = lora_file(path)
+    refuse_exported_kinds(file)
     try:
         state, metadata = QwenImageEditPipeline.lora_state_dict(
             str(file.parent), weight_name=file.name, return_lora_metadata=True
@@ -199,6 +253,27 @@ def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, P
             "run; use an earlier checkpoint's LoRA"
         )
     return state, metadata, file
+
+
+def match_flattened_names(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with module names guessed from kohya keys put right by the model's own names.
+
+    A kohya key (`lora_unet_transformer_blocks_0_img_mlp_gate_layer`) flattens dots to underscores; diffusers
+    turns them back with a list of known names and guesses wrong for others (`img_mlp.gate.layer`). The name
+    whose flattened form is the same, and unique, in this transformer is the one meant.
+    """
+    modules = {n for n, _ in transformer.named_modules()}
+    flat: dict[str, list[str]] = {}
+    for name in modules:
+        flat.setdefault(name.replace(".", "_"), []).append(name)
+    out = {}
+    for key, value in state.items():
+        module, part = split_key(key[len(PREFIX) :]) or ("", "")
+        candidates = flat.get(module.replace(".", "_"), [])
+        if key.startswith(PREFIX) and part and module not in modules and len(candidates) == 1:
+            key = f"{PREFIX}{candidates[0]}.{part}"
+        out[key] = value
+    return out
 
 
 def check_lora_fits(transformer: torch.nn.Module, state: dict[str, torch.Tensor], file: str | Path) -> None:
@@ -273,6 +348,13 @@ def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_na
         ModelLoadError: a missing or unreadable file, or a LoRA that does not fit the transformer.
     """
     state, metadata, file = read_lora(path)
+    state = match_flattened_names(transformer, state)
+    if kind_of(list(state)) != "lora":
+        if adapter_name in getattr(transformer, "peft_config", {}):
+            transformer.delete_adapters(adapter_name)
+        load_lycoris(transformer, state, metadata, adapter_name, file)
+        transformer.set_adapters([adapter_name], weights=[float(scale)])
+        return file
     check_lora_fits(transformer, state, file)
     if adapter_name in getattr(transformer, "peft_config", {}):
         transformer.delete_adapters(adapter_name)

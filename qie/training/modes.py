@@ -4,6 +4,7 @@ stage picks once from `train.mode`; nothing else compares mode names."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from qie.components.quantize import is_quantized
 from qie.errors import ConfigError
-from qie.training.lora import LORA_FILE, add_lora, dead_modules, lora_state_dict, save_lora
+from qie.training.lora import LORA_FILE, add_lora, continue_lora, dead_modules, lora_state_dict, save_lora
 from qie.training.memory import full_state_dict
 
 
@@ -24,19 +25,27 @@ class LoraMode:
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     dropout: float = 0.0
     init: str = "true"
+    # A LoRA file to go on training (`train.init_lora`): it sets the rank, alpha and modules.
+    init_lora: str | None = None
+    adapter: str = "lora"  # "lora", "loha" or "lokr"
+    use_dora: bool = False
     lora = True
 
     def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
-        """Add the adapter; returns its parameters (what the optimizer trains)."""
-        return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init)
+        """Add the adapter (or load `init_lora`); returns its parameters (what the optimizer trains)."""
+        if self.init_lora:
+            return continue_lora(transformer, self.init_lora)
+        return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init,
+                        self.adapter, self.use_dora)  # fmt: skip
 
     def export(
-        self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False, write: bool = True
+        self, transformer: torch.nn.Module, run_dir: Path, exports: Sequence[str] = (), write: bool = True
     ) -> tuple[str, Path]:
-        """Write the trained weights (when `write`; every process calls it); returns (result key, path)."""
+        """Write the trained weights (when `write`; every process calls it), with the other tools' files
+        `exports` names; returns (result key, path)."""
         state = lora_state_dict(transformer)  # gathers sharded weights: a collective under FSDP
         folder = run_dir / "lora"
-        return "lora", save_lora(transformer, folder, comfyui=comfyui, state=state) if write else folder / LORA_FILE
+        return "lora", save_lora(transformer, folder, exports, state=state) if write else folder / LORA_FILE
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class FullMode:
         return [p for p in transformer.parameters() if p.requires_grad]
 
     def export(
-        self, transformer: torch.nn.Module, run_dir: Path, comfyui: bool = False, write: bool = True
+        self, transformer: torch.nn.Module, run_dir: Path, exports: Sequence[str] = (), write: bool = True
     ) -> tuple[str, Path]:
         state = full_state_dict(transformer)  # gathers sharded weights: a collective under FSDP
         folder = run_dir / "transformer"
