@@ -26,6 +26,7 @@ import torch
 from battery_data import reference_images, write_dataset
 from helpers import small_config
 from PIL import Image
+from safetensors.torch import load_file
 
 FAMILIES = ["tiny", "tiny_plus", "tiny_edit_2511", "tiny_t2i", "tiny_qwen_image_21"]
 
@@ -162,17 +163,19 @@ def test_block_swap_and_activation_offload_give_the_plain_losses(battery: Batter
 
 
 @pytest.mark.parametrize("family", families("quantized"))
-@pytest.mark.parametrize("quantize", ["int8", "fp8"])
-def test_quantized_base_and_text_encoder_train(battery: Battery, family: str, quantize: str) -> None:
-    """The base transformer quantized (cached), and in live mode the text encoder too."""
+@pytest.mark.parametrize(
+    "overrides",
+    [["model.quantize=int8"], ["cache.mode=live", "model.quantize=fp8", "model.text_encoder_quantize=int8"]],
+    ids=["int8", "fp8-live-int8-text-encoder"],
+)
+def test_quantized_base_and_text_encoder_train(battery: Battery, family: str, overrides: list[str]) -> None:
+    """An int8 base from the cache; an fp8 base with an int8 text encoder encoding live."""
     prepared = battery[family]
-    cached = prepared.train(f"q_{quantize}", f"model.quantize={quantize}")
-    live = prepared.train(f"qte_{quantize}", "cache.mode=live", f"model.text_encoder_quantize={quantize}")
+    run = prepared.train("quantized_" + "_".join(o.split("=")[1] for o in overrides), *overrides)
     plain = prepared.cached["losses"][:2]
-    for run in (cached, live):
-        assert len(run["losses"]) == 2 and all(map(math.isfinite, run["losses"]))
-        np.testing.assert_allclose(run["losses"], plain, rtol=0.1)  # near the unquantized losses
-    assert cached["losses"] != plain and live["losses"] != plain  # the quantization took effect
+    assert len(run["losses"]) == 2 and all(map(math.isfinite, run["losses"]))
+    np.testing.assert_allclose(run["losses"], plain, rtol=0.1)  # near the unquantized losses
+    assert run["losses"] != plain  # the quantization took effect
 
 
 @pytest.mark.parametrize("family", families("validation"))
@@ -272,6 +275,7 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
     assert base.shape == (1, 64, 64, 4 if prepared.spec.alpha else 3)
     assert np.abs(mine() - base).max() <= 1e-5
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    assert len([k for k in pipe.transformer.state_dict() if "lora_" in k]) == len(load_file(lora))  # every pair
     with_lora = pipeline_output(pipe, images)
     assert np.abs(with_lora - base).max() > 1e-6  # the trained LoRA moves the output
     assert np.abs(mine(f"predict.lora={lora}") - with_lora).max() <= 1e-5
@@ -292,12 +296,15 @@ def test_plan_prints_a_table(family: str, capsys: pytest.CaptureFixture) -> None
 
 
 @pytest.fixture(scope="session")
-def fsdp_results(battery: Battery, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every family trained with train.fsdp=true by one torchrun of two CPU processes (tests/battery_fsdp.py)."""
+def fsdp_results(battery: Battery, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict:
+    """Every family selected for the FSDP case, trained with train.fsdp=true by one torchrun of two CPU processes
+    (tests/battery_fsdp.py)."""
     root = tmp_path_factory.mktemp("fsdp")
+    selected = {item.name for item in request.session.items}
+    chosen = [f for f in FAMILIES if f"{test_fsdp_on_two_processes.__name__}[{f}]" in selected]
     jobs = [
         {"family": f, "overrides": [*small_overrides_for(battery[f]), "train.max_steps=2"], "run_dir": str(root / f)}
-        for f in FAMILIES
+        for f in chosen
     ]
     (root / "jobs.json").write_text(json.dumps(jobs))
     script = Path(__file__).with_name("battery_fsdp.py")
