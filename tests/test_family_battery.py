@@ -88,12 +88,25 @@ class Prepared:
 def logs_to_files(run_dir: Path):
     """stdout and stderr into run_dir/stdout.log and stderr.log: streams that are not a terminal, as in a
     cluster job. The entry points quiet the libraries' bars for such streams first; so does this."""
+    from diffusers.utils import logging as diffusers_logging
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as transformers_logging
+
     from qie.progress import quiet_library_bars
 
-    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            quiet_library_bars()
-            yield
+    enabled = (transformers_logging.is_progress_bar_enabled(), diffusers_logging.is_progress_bar_enabled(),
+               not hub_utils.are_progress_bars_disabled())  # fmt: skip
+    try:
+        with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                quiet_library_bars()
+                yield
+    finally:  # the rest of the session keeps its bars as they were
+        for on, library in zip(enabled, (transformers_logging, diffusers_logging)):
+            if on:
+                library.enable_progress_bar()
+        if enabled[2]:
+            hub_utils.enable_progress_bars()
 
 
 class Battery:
