@@ -1,5 +1,6 @@
 """Qwen-Image-Edit-2511 (model=tiny_edit_2511) and edit samples without a control image: inference equal to
-diffusers, cached == live training on a mixed data set, the LoRA in diffusers, the text-only prompt path."""
+diffusers, precompute of a mixed data set, the text-only prompt path. (Cached == live training and the LoRA in
+diffusers are cases of tests/test_family_battery.py.)"""
 
 from __future__ import annotations
 
@@ -21,13 +22,11 @@ from qie.data.keys import sample_keys
 from qie.data.samples import scan_dataset
 from qie.errors import ConfigError
 from qie.stages import infer, precompute
-from qie.stages import train as train_stage
 from qie.stages.common import build_source, file_hasher, model_key_context
 from qie.stages.infer import build_predictor
 
 AREA = 64 * 64
 PROMPT = "Put the object from picture 2 on the table in picture 1."
-TRAINING = ["train.max_steps=3", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7"]
 SAMPLING = dict(negative_prompt="", true_cfg_scale=2.5, num_inference_steps=2, seed=4)
 
 
@@ -71,15 +70,6 @@ def data(tiny_2511_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     summary = precompute.run(compose("precompute", base), root / "precompute")
     base.append("data.num_workers=0")
     return {"root": root, "base": base, "summary": summary, "tiny": tiny_2511_path}
-
-
-def train(data: dict, overrides: list[str], run_dir: Path) -> dict:
-    return train_stage.run(compose("train", data["base"] + overrides), run_dir)
-
-
-@pytest.fixture(scope="module")
-def cached_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return train(data, TRAINING + ["logging.report_to=none"], tmp_path_factory.mktemp("cached_2511"))
 
 
 def test_the_tiny_2511_is_the_edit_plus_weights_with_zero_cond_t(tiny_2511_path: Path, tiny_plus_path: Path) -> None:
@@ -136,26 +126,6 @@ def test_a_sample_without_control_image_has_the_text_only_prompt_embedding(data:
         torch.testing.assert_close(item.prompt_embed, text_only[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(item.empty_prompt_embed, empty[0], atol=1e-5, rtol=0)
         assert with_image.shape[1] > text_only.shape[1]  # no "Picture 1" and no image tokens
-
-
-def test_mixed_data_trains_the_same_cached_and_live(data: dict, cached_run: dict, tmp_path: Path) -> None:
-    expected = cached_run["losses"]
-    assert len(expected) == 3 and all(np.isfinite(expected))
-    live = train(data, TRAINING + ["cache=none", "logging.report_to=none"], tmp_path / "live")
-    np.testing.assert_allclose(live["losses"], expected, rtol=0, atol=1e-6)
-
-
-@pytest.mark.usefixtures("small_conditions")
-def test_the_lora_loads_in_diffusers_and_reproduces(data: dict, cached_run: dict, images: list[Path]) -> None:
-    lora = Path(cached_run["lora"])
-    cfg = compose("infer", ["model=tiny_edit_2511", f"predict.lora={lora}"])
-    mine = build_predictor(cfg).predict(images, PROMPT, output_type="np", **SAMPLING)
-    pipe = _pipeline(data["tiny"])
-    base = _reference(pipe, images)
-    pipe.load_lora_weights(lora.parent, weight_name=lora.name)
-    ref = _reference(pipe, images)
-    assert np.abs(mine - ref).max() <= 1e-5
-    assert np.abs(ref - base).max() > 1e-6
 
 
 def test_an_edit_model_without_an_image_samples_from_the_text_only_prompt(tiny_2511_path: Path) -> None:

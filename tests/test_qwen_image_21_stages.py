@@ -1,6 +1,7 @@
-"""Qwen-Image-2.1 through qie's stages (tiny model, CPU, fp32): inference equals `QwenImage21Pipeline`, the
-cache holds what the pipeline computes and recomputes exactly what a change touches, cached training equals
-live training, and the LoRA it writes loads into the pipeline and reproduces qie's output."""
+"""Qwen-Image-2.1 through qie's stages (tiny model, CPU, fp32): inference equals `QwenImage21Pipeline` for 0, 1
+and 3 references of mixed sizes, the cache holds what the pipeline computes and recomputes exactly what a
+change touches, resume with fp8, batching. (Cached == live training and the LoRA in the pipeline are cases of
+tests/test_family_battery.py.)"""
 
 from __future__ import annotations
 
@@ -87,13 +88,6 @@ def data(tiny21_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "manifest": manifest, "base": base, "summary": summary}
 
 
-@pytest.fixture(scope="module")
-def cached_run(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    run_dir = tmp_path_factory.mktemp("q21_cached")
-    result = train_stage.run(compose("train", data["base"] + TRAINING + ["train.checkpoint_every=2"]), run_dir)
-    return {"dir": run_dir, "result": result}
-
-
 # ---------------------------------------------------------------- inference
 
 
@@ -168,31 +162,6 @@ def test_changing_a_reference_or_the_order_recomputes_exactly_the_dependent_entr
 
 
 # ---------------------------------------------------------------- training
-
-
-def test_live_training_gives_the_cached_losses(data: dict, cached_run: dict, tmp_path: Path) -> None:
-    live = train_stage.run(compose("train", data["base"] + TRAINING + ["cache.mode=live"]), tmp_path)
-    losses = cached_run["result"]["losses"]
-    assert len(losses) == 4 and all(np.isfinite(losses))
-    np.testing.assert_allclose(live["losses"], losses, rtol=1e-6, atol=0)
-
-
-def test_trained_lora_loads_into_the_pipeline_and_reproduces_qie(pipe, cached_run: dict, tmp_path: Path) -> None:
-    lora = Path(cached_run["result"]["lora"])
-    image = write_rgba(tmp_path / "ref.png", 3)
-    guidance = ["predict.negative_prompt=blurry", "predict.true_cfg_scale=2.5"]
-    cfg = compose("infer", [MODEL, "predict.seed=2", f"predict.lora={lora}", *guidance])
-    mine = build_predictor(cfg).predict([image], "A red cat.", sampling_options(cfg.predict), output_type="np")
-    kwargs = dict(image=[Image.open(image)], output_resolution=RES, output_type="np", negative_prompt="blurry",
-                  true_cfg_scale=2.5)  # fmt: skip
-    before = pipe("A red cat.", generator=torch.Generator().manual_seed(2), **kwargs).images
-    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="trained")
-    try:
-        after = pipe("A red cat.", generator=torch.Generator().manual_seed(2), **kwargs).images
-    finally:
-        pipe.unload_lora_weights()
-    assert np.abs(after - before).max() > 1e-4  # the LoRA moved the output
-    assert np.abs(mine - after).max() <= 1e-5
 
 
 def test_resume_with_fp8_and_gradient_checkpointing_continues_exactly(data: dict, tmp_path: Path) -> None:
