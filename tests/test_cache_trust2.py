@@ -18,6 +18,7 @@ from qie.cache.ssd import SsdBackend
 from qie.components import fingerprint
 from qie.config import compose
 from qie.errors import ConfigError, ModelLoadError
+from qie.models import families
 from qie.stages import precompute
 from qie.training.lora import read_lora
 
@@ -138,4 +139,4 @@ def test_a_nan_lora_is_refused_by_the_one_reader(tmp_path: Path) -> None:
     path = tmp_path / "pytorch_lora_weights.safetensors"
     safetensors.torch.save_file(state, str(path))
     with pytest.raises(ModelLoadError, match=r"holds NaN or infinite values \(first in .*to_q.lora_B.weight"):
-        read_lora(tmp_path)
+        read_lora(tmp_path, families()["qwen_image"].lora_loader_class())

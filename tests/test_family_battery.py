@@ -31,11 +31,7 @@ from safetensors.torch import load_file
 FAMILIES = ["tiny", "tiny_plus", "tiny_edit_2511", "tiny_t2i", "tiny_qwen_image_21"]
 
 # case -> {family: why it fails today}; each becomes a strict xfail for that family only.
-KNOWN_FAILURES: dict[str, dict[str, str]] = {
-    "plan": {"tiny_qwen_image_21": "the planner builds the Qwen-Image transformer, loss and text encoder"},
-    "plain_logs": {"tiny_qwen_image_21": "2.1's sampler writes tqdm bars (carriage returns) into log files"},
-    "fsdp": {"tiny_qwen_image_21": "FSDP wraps the Qwen-Image block class, which 2.1's transformer does not have"},
-}
+KNOWN_FAILURES: dict[str, dict[str, str]] = {}
 
 # The first two losses of each family's cached run (seed 7, learning rate 1e-3, batch 1), computed once. They
 # move when a tiny model, battery_data, the encoders, the noise draws or the step change; when that is meant,

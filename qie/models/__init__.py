@@ -50,6 +50,19 @@ def tiny_presets() -> dict[str, tuple[ModelFamily, str]]:
     return {name: (f, builder) for f in families().values() for name, builder in f.tiny_presets.items()}
 
 
+def family_of(transformer: Any) -> ModelFamily:
+    """The family whose transformer class `transformer` is an instance of (adapters, quantization and FSDP keep
+    the class, or subclass it).
+
+    Raises:
+        FamilyError: a transformer of no family qie knows.
+    """
+    for family in families().values():
+        if isinstance(transformer, family.part_class("transformer")):
+            return family
+    raise FamilyError(f"{type(transformer).__name__} is the transformer of no model family qie knows")
+
+
 @dataclass(frozen=True)
 class CheckpointFacts:
     """What a checkpoint says about itself: model_index.json's pipeline class, the transformer and VAE configs."""
@@ -256,6 +269,7 @@ __all__ = [
     "PlannerFacts",
     "Variant",
     "families",
+    "family_of",
     "model_spec",
     "pipeline_parts",
     "tiny_presets",

@@ -90,6 +90,10 @@ class ModelFamily:
         patch_size: latent pixels per side of one transformer token.
         blocks: the transformer's attribute holding its repeated blocks (swapped, sharded, compiled one by one;
             their class is the transformer's `_no_split_modules`).
+        unused_in_last_block: modules of the last block whose output never reaches the loss (a joint block's
+            text path: the transformer returns image tokens only); an adapter there would never train.
+        lora_loader: "module:Class" of the diffusers LoRA loader of the family's pipelines: how LoRA files of
+            other tools' formats are read and qie's are written.
         keep_full_precision: transformer module name patterns that weight quantization leaves alone.
         tiny_presets: tiny preset name -> "module:function" building it (path, seed) -> folder.
         real_size: part -> its published config (kwargs of its class), for the planner and benchmarks.
@@ -117,6 +121,8 @@ class ModelFamily:
     alpha: bool
     patch_size: int
     blocks: str
+    unused_in_last_block: tuple[str, ...]
+    lora_loader: str
     keep_full_precision: tuple[str, ...]
     tiny_presets: Mapping[str, str]
     real_size: Mapping[str, dict]
@@ -146,10 +152,22 @@ class ModelFamily:
 
     def block_classes(self) -> list[str]:
         """Class names of the transformer's repeated blocks: what FSDP wraps one by one."""
-        module, _, name = self.part_classes["transformer"].partition(":")
-        import importlib
+        return list(self.part_class("transformer")._no_split_modules)
 
-        return list(getattr(importlib.import_module(module), name)._no_split_modules)
+    def part_class(self, part: str) -> type:
+        """The class a part is built with."""
+        return load_class(self.part_classes[part])
+
+    def lora_loader_class(self) -> type:
+        return load_class(self.lora_loader)
+
+
+def load_class(name: str) -> type:
+    """The class "module:Class" names."""
+    import importlib
+
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _check_piece(family: str, name: str, piece: Any) -> None:

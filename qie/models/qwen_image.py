@@ -367,6 +367,10 @@ FAMILY = ModelFamily(
     alpha=False,
     patch_size=2,
     blocks="transformer_blocks",
+    # The last joint block's text queries and text outputs: only text outputs depend on them, and the
+    # transformer returns image tokens alone.
+    unused_in_last_block=("attn.add_q_proj", "attn.norm_added_q", "attn.to_add_out", "txt_mlp"),
+    lora_loader="diffusers.loaders:QwenImageLoraLoaderMixin",
     # Input and output projections stay in full precision: they are small and quantizing them costs quality.
     keep_full_precision=("img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"),
     tiny_presets={name: "qie.components.tiny:build_qwen_image_tiny" for name in

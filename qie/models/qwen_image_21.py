@@ -372,6 +372,8 @@ FAMILY = ModelFamily(
     alpha=True,
     patch_size=1,
     blocks="transformer_blocks",
+    unused_in_last_block=(),  # single-stream blocks: every layer serves the image tokens too
+    lora_loader="diffusers.loaders:QwenImageLoraLoaderMixin",
     # The input, text and output projections and the timestep embedding stay in full precision: small, and
     # quantizing them costs quality.
     keep_full_precision=("img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"),

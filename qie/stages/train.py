@@ -79,7 +79,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
     spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
-    mode = train_mode(cfg.train)  # checks train.lora.init and reads train.init_lora before anything is built
+    mode = train_mode(cfg.train, spec)  # checks train.lora.init and reads train.init_lora before anything is built
     check_recipes(cfg, mode.lora)  # train.mask, ema, data.control_dropout_rate, regularization: before reading
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
     writer = accelerator.is_main_process
@@ -205,7 +205,7 @@ def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int
     return (0, 0) if source.encodes else (int(data.num_workers), int(data.prefetch))
 
 
-def train_mode(train: DictConfig) -> TrainMode:
+def train_mode(train: DictConfig, spec: ModelSpec) -> TrainMode:
     """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA (or `train.init_lora`'s file).
 
     Raises:
@@ -220,7 +220,7 @@ def train_mode(train: DictConfig) -> TrainMode:
     check_init_name(str(lora.init))
     check_options(adapter, float(lora.dropout), str(lora.init), use_dora)
     if init_lora:
-        check_lora_file(init_lora)  # before any model is built
+        check_lora_file(init_lora, spec.family.lora_loader_class())  # before any model is built
     return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init),
                     str(init_lora) if init_lora else None, adapter, use_dora)  # fmt: skip
 

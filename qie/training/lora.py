@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from qie.errors import ModelLoadError
+from qie.models import family_of
 from qie.training.adapters import (
     is_adapter_param,
     kind_of,
@@ -49,13 +50,14 @@ def check_init_name(init: str) -> None:
     raise ConfigError(f"train.lora.init={init!r} is not one of peft's initialisations {list(INIT_NAMES)}{hint}")
 
 
-def check_lora_file(path: str | Path) -> Path:
-    """Read the LoRA file `path` names (any format `load_lora` reads) and check it holds transformer weights.
+def check_lora_file(path: str | Path, loader: type) -> Path:
+    """Read the LoRA file `path` names (any format `load_lora` reads, through the model family's `loader`) and
+    check it holds transformer weights.
 
     Raises:
         ModelLoadError: a missing or unreadable file, or one without transformer weights.
     """
-    state, _, file = read_lora(path)
+    state, _, file = read_lora(path, loader)
     if not any(k.startswith(PREFIX) for k in state):
         first = next(iter(state), None)
         raise ModelLoadError(f"LoRA {str(file)!r} holds no transformer weights (first key {first!r}): is it a "
@@ -124,13 +126,13 @@ def dead_modules(transformer: torch.nn.Module) -> list[str]:
     DDP ("parameters that were not used in producing loss"); a LoRA on them would stay at its initial
     value, and weight decay would shrink them for nothing.
     """
-    blocks = getattr(transformer, "transformer_blocks", None)
+    family = family_of(transformer)
+    blocks = getattr(transformer, family.blocks, None)
     if not blocks:
         return []
-    last = f"transformer_blocks.{len(blocks) - 1}"
-    dead = ("attn.add_q_proj", "attn.norm_added_q", "attn.to_add_out", "txt_mlp")
+    last = f"{family.blocks}.{len(blocks) - 1}"
     names = dict(transformer.named_modules())
-    return [f"{last}.{n}" for n in dead if f"{last}.{n}" in names]
+    return [f"{last}.{n}" for n in family.unused_in_last_block if f"{last}.{n}" in names]
 
 
 def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -168,15 +170,13 @@ def save_lora(
     Args:
         state: the adapter's weights when already gathered (`lora_state_dict`), else read from `transformer`.
     """
-    from diffusers import QwenImageEditPipeline
-
     state = lora_state_dict(transformer) if state is None else state
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     folded = fold_scales(state, lora_scales(transformer))
     dora = dora_scales(transformer, folded) if "comfyui" in exports or "kohya" in exports else None
     folder.mkdir(parents=True, exist_ok=True)
-    QwenImageEditPipeline.save_lora_weights(
+    family_of(transformer).lora_loader_class().save_lora_weights(
         folder,
         transformer_lora_layers=folded,
         safe_serialization=True,
@@ -229,18 +229,18 @@ def lora_file(path: str | Path) -> Path:
     raise ModelLoadError(f"LoRA folder {str(path)!r} holds no {LORA_FILE} (.safetensors files: {listed})")
 
 
-def read_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
-    """The LoRA state dict in diffusers format (keys `transformer.<module>.lora_A.weight`), its metadata, file.
+def read_lora(path: str | Path, loader: type) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
+    """The LoRA state dict in diffusers format (keys `transformer.<module>.lora_A.weight`), its metadata, file,
+    read by the model family's diffusers LoRA `loader` (`ModelFamily.lora_loader`: it converts other tools' key
+    layouts).
 
     Raises:
         ModelLoadError: a missing or unreadable file, or one holding NaN or infinite values.
     """
-    from diffusers import QwenImageEditPipeline
-
     file = lora_file(path)
     refuse_exported_kinds(file)
     try:
-        state, metadata = QwenImageEditPipeline.lora_state_dict(
+        state, metadata = loader.lora_state_dict(
             str(file.parent), weight_name=file.name, return_lora_metadata=True
         )
     except Exception as e:  # safetensors, json and conversion errors all mean "cannot read this LoRA"
@@ -347,7 +347,7 @@ def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_na
     Raises:
         ModelLoadError: a missing or unreadable file, or a LoRA that does not fit the transformer.
     """
-    state, metadata, file = read_lora(path)
+    state, metadata, file = read_lora(path, family_of(transformer).lora_loader_class())
     state = match_flattened_names(transformer, state)
     if kind_of(list(state)) != "lora":
         if adapter_name in getattr(transformer, "peft_config", {}):
