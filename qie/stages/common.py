@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ def build_source(
         factory,
         sizes,
         precompute_command or DEFAULT_PRECOMPUTE_COMMAND,
+        str(Path(cfg.cache.dir) / "sample_keys") if cfg.cache.get("dir") else None,
     )
     return cached if mode == "cached" else cached.with_encoding()
 
@@ -159,3 +161,32 @@ def warn_single_process(num_processes: int, module: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+class Background:
+    """A call running in a daemon thread; `result()` waits for it and returns its value or raises its error.
+
+    A daemon thread, so a run that stops meanwhile (an error in the main thread) does not wait for it."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="qie-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # raised again in the caller's thread
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def in_background(fn: Callable[..., Any], *args: Any) -> Background:
+    """Start `fn(*args)` in a daemon thread (see `Background`)."""
+    return Background(fn, *args)

@@ -27,7 +27,7 @@ from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec, model_spec
 from qie.readiness import ready_samples
-from qie.stages.common import build_source, precompute_command, read_data, value, warn_single_process
+from qie.stages.common import build_source, in_background, precompute_command, read_data, value, warn_single_process
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
@@ -56,17 +56,18 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     run_dir = Path(run_dir)
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir)
     spec = model_spec(cfg.model)
-    samples = load_samples(cfg, spec, accelerator.is_main_process)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     source = build_source(cfg, precompute_command=precompute_command(cfg))
-    # Every sample's entries are checked before the model is built (later misses stop the run too).
-    samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
-                            accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
-    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
-
     mode = train_mode(cfg.train)
-    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator)
+    # The model's weights load in the background while the data set is scanned and every sample's entries are
+    # checked (later misses stop the run too): a problem with the data stops the run at once, and training
+    # starts only once both are done.
+    MemorySettings.of(cfg.train).check(mode.lora, str(value(cfg.model.quantize)))
+    loading = in_background(load_model, cfg.model, cfg.train, accelerator)
+    samples = ready_data(cfg, spec, source, run_dir, accelerator.is_main_process)
+    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, loading.result())
+    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
     if resume_from is not None:
         state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
         accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
@@ -138,6 +139,13 @@ def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]
     return samples
 
 
+def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, run_dir: Path, report: bool) -> list[Sample]:
+    """The data set's samples this model can take whose cache entries are all there (`ready_samples`)."""
+    samples = load_samples(cfg, spec, report)
+    return ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), report,
+                         precompute_command(cfg))  # fmt: skip
+
+
 def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
     """(worker processes, prefetched batches) of the training loader: `data.num_workers` and `data.prefetch`
     for a source that only reads, none for one that encodes (encoders may sit on a GPU, which forked
@@ -177,11 +185,22 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
     )
 
 
-def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any) -> tuple:
-    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler."""
+def load_model(model: DictConfig, train: DictConfig, accelerator: Any) -> Any:
+    """The transformer and the noise scheduler, built where `train`'s memory settings build them."""
+    device = MemorySettings.of(train).build_device(accelerator.device)
+    return load_parts(model, ["transformer", "scheduler"], {"transformer": device})
+
+
+def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any,
+                      parts: Any = None) -> tuple:  # fmt: skip
+    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
+
+    Args:
+        parts: what `load_model` gave (loaded here when None).
+    """
     memory = MemorySettings.of(train)
     memory.check(mode.lora, str(value(model.quantize)))
-    parts = load_parts(model, ["transformer", "scheduler"], {"transformer": memory.build_device(accelerator.device)})
+    parts = parts if parts is not None else load_model(model, train, accelerator)
     transformer = parts.transformer
     params = mode.trainable(transformer)
     place = apply_memory(transformer, memory, accelerator.device)
