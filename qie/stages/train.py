@@ -31,6 +31,7 @@ from qie.stages.common import build_source, in_background, precompute_command, r
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.logging import ImageLogger, MetricsLogger
+from qie.training.lookups import remember_package_lookups
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
@@ -96,6 +97,7 @@ def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    remember_package_lookups()
     memory = MemorySettings.of(train)
     accelerator = Accelerator(
         # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
