@@ -164,9 +164,7 @@ def warn_single_process(num_processes: int, module: str) -> None:
 
 
 class Background:
-    """A call running in a daemon thread; `result()` waits for it and returns its value or raises its error.
-
-    A daemon thread, so a run that stops meanwhile (an error in the main thread) does not wait for it."""
+    """A call running in a thread; `result()` waits for it and returns its value or raises its error."""
 
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
         self._value: Any = None
@@ -180,6 +178,10 @@ class Background:
         except BaseException as e:  # raised again in the caller's thread
             self._error = e
 
+    def wait(self) -> None:
+        """Wait for the call to end, whatever its outcome."""
+        self._thread.join()
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:
@@ -188,5 +190,5 @@ class Background:
 
 
 def in_background(fn: Callable[..., Any], *args: Any) -> Background:
-    """Start `fn(*args)` in a daemon thread (see `Background`)."""
+    """Start `fn(*args)` in a thread (see `Background`)."""
     return Background(fn, *args)

@@ -62,11 +62,14 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     source = build_source(cfg, precompute_command=precompute_command(cfg))
     mode = train_mode(cfg.train)
     # The model's weights load in the background while the data set is scanned and every sample's entries are
-    # checked (later misses stop the run too): a problem with the data stops the run at once, and training
-    # starts only once both are done.
+    # checked (later misses stop the run too); training starts only once both are done.
     MemorySettings.of(cfg.train).check(mode.lora, str(value(cfg.model.quantize)))
     loading = in_background(load_model, cfg.model, cfg.train, accelerator)
-    samples = ready_data(cfg, spec, source, run_dir, accelerator.is_main_process)
+    try:
+        samples = ready_data(cfg, spec, source, run_dir, accelerator.is_main_process)
+    except BaseException:
+        loading.wait()  # a thread still inside torch when the interpreter exits aborts it
+        raise
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, loading.result())
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)))
     if resume_from is not None:
