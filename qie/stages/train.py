@@ -30,6 +30,7 @@ from qie.readiness import ready_samples
 from qie.stages.common import build_source, in_background, precompute_command, read_data, value, warn_single_process
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
+from qie.training.compile import compile_blocks
 from qie.training.logging import ImageLogger, MetricsLogger
 from qie.training.lookups import remember_package_lookups
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
@@ -209,6 +210,8 @@ def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, acc
     transformer = parts.transformer
     params = mode.trainable(transformer)
     place = apply_memory(transformer, memory, accelerator.device)
+    if train.get("compile", False):
+        accelerator.print(compile_blocks(transformer))
     optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
     lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
     # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
