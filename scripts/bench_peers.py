@@ -13,7 +13,7 @@ A peer is run only when its script is given: `--diffusers-example PATH` takes di
 the same tiny model folder and images with its own per-step timing read from its progress bar.
 
     python scripts/bench_peers.py --repeats 3
-    python scripts/bench_peers.py --diffusers-example ~/diffusers/examples/dreambooth/train_dreambooth_lora_qwen_image.py
+    python scripts/bench_peers.py --diffusers-example $DIFFUSERS/examples/dreambooth/train_dreambooth_lora_qwen_image.py
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def run_qie(work: Path, data: Path, cache: Path, steps: int, extra: list[str], t
         shutil.rmtree(run_dir)
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "qie.train", *QIE_BASE, *QIE_TRAIN, f"data.path={data}", f"cache.dir={cache}",
-           f"train.max_steps={steps}", f"train.checkpoint_every={steps}", f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
+           f"train.max_steps={steps}", f"train.checkpoint_every={steps}", f"hydra.run.dir={run_dir}",
+           *extra]  # fmt: skip
     out = watch(cmd, child_env(), metrics, work / f"{tag}.log")
     out["steps"] = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
     return out
