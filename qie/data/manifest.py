@@ -82,6 +82,7 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
     """The samples and problems of a .jsonl or .csv manifest (paths relative to its folder)."""
     data = Dataset()
     seen: set[str] = set()
+    folder = path.parent  # computed once: pathlib's `parent` builds a new object per call
     for n, row in _manifest_rows(path):
         rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
         where = f"{path}:{n}"
@@ -107,8 +108,10 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
                 )
             )
             continue
-        paths = [path.parent / c for c in controls] + ([path.parent / target] if target else [])
-        bad = [p for p in paths if not p.is_file()]
+        control_paths = tuple(folder / c for c in controls)
+        target_path = folder / target if target else None
+        paths = [*control_paths, target_path] if target_path is not None else list(control_paths)
+        bad = [p for p in paths if not os.path.isfile(p)]
         if bad:
             data.problems.append(
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
@@ -119,12 +122,5 @@ def scan_manifest(path: Path, require_target: bool, allow_outside: bool = False)
         if sample_id in seen:  # one target with several instructions: ids stay unique
             sample_id = f"{sample_id}#{n}"
         seen.add(sample_id)
-        data.samples.append(
-            Sample(
-                sample_id,
-                path.parent / target if target else None,
-                tuple(path.parent / c for c in controls),
-                prompt.strip(),
-            )
-        )
+        data.samples.append(Sample(sample_id, target_path, control_paths, prompt.strip()))
     return data
