@@ -94,7 +94,9 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def run_qie(work: Path, data: Path, cache: Path, steps: int, extra: list[str], tag: str) -> dict:
+def run_qie(
+    work: Path, data: Path, cache: Path, steps: int, extra: list[str], tag: str, repo: str | None = None
+) -> dict:
     run_dir = work / f"run_{tag}"
     if run_dir.exists():
         import shutil
@@ -104,7 +106,10 @@ def run_qie(work: Path, data: Path, cache: Path, steps: int, extra: list[str], t
     cmd = [sys.executable, "-m", "qie.train", *QIE_BASE, *QIE_TRAIN, f"data.path={data}", f"cache.dir={cache}",
            f"train.max_steps={steps}", f"train.checkpoint_every={steps}", f"hydra.run.dir={run_dir}",
            *extra]  # fmt: skip
-    out = watch(cmd, child_env(), metrics, work / f"{tag}.log")
+    env = child_env()
+    if repo:  # another qie checkout (an earlier version, for a before/after comparison)
+        env["PYTHONPATH"] = repo
+    out = watch(cmd, env, metrics, work / f"{tag}.log")
     out["steps"] = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
     return out
 
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--diffusers-example", type=Path, default=None, help="train_dreambooth_lora_qwen_image.py")
     p.add_argument("--variants", nargs="*", default=["defaults", "data.num_workers=2"],
                    help="qie variants: 'defaults' or space-free override lists joined by ','")  # fmt: skip
+    p.add_argument("--baseline", default=None, help="another qie checkout, run at its defaults as one more row")
     p.add_argument("--work", default=None)
     args = p.parse_args(argv)
     header("cached training step: qie at its defaults vs peers", ["scripts/bench_peers.py", *(argv or sys.argv[1:])])
@@ -158,8 +164,12 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
         print(f"skipping diffusers' example: {peer} is not a file")
         peer = None
     for r in range(args.repeats):
-        for name, extra in variants.items():
-            runs.setdefault(f"qie, {name}", []).append(run_qie(work, data, cache, args.steps, extra, f"q{r}"))
+        for v, (name, extra) in enumerate(variants.items()):
+            runs.setdefault(f"qie, {name}", []).append(run_qie(work, data, cache, args.steps, extra, f"q{v}_{r}"))
+        if args.baseline:
+            runs.setdefault(f"qie at {args.baseline}, defaults", []).append(
+                run_qie(work, data, cache, args.steps, [], f"b{r}", args.baseline)
+            )
         if peer is not None:
             runs.setdefault("diffusers' Qwen-Image LoRA example", []).append(run_diffusers(peer, work, args.steps))
     rows, summary = [], {}
