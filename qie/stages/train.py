@@ -93,6 +93,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
                      save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
     finally:
         logger.close()
+        gc.unfreeze()  # what `ready_data` froze can be collected again once the run is over
     finish(state, mode, run_dir, result, bool(cfg.train.export_comfyui))
     return result
 
@@ -151,8 +152,8 @@ def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, run_di
     samples = load_samples(cfg, spec, report)
     samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), report,
                             precompute_command(cfg))  # fmt: skip
-    # The samples, their paths and the remembered keys live as long as the run and hold no cycle: kept out of
-    # the garbage collector's full passes (each a few seconds at a million samples, on the training thread).
+    # The samples, their paths and the remembered keys live as long as the run: kept out of the garbage
+    # collector's full passes (each a few seconds at a million samples, on the training thread) until it ends.
     gc.freeze()
     return samples
 
