@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import child_env, header, median, run_in_work_dir, table  # noqa: E402
+from _bench_common import REPO, child_env, header, median, run_in_work_dir, table  # noqa: E402
 
 QIE_BASE = ["model=tiny_t2i", "data.target_pixels=16384", "data.multiple_of=16"]
 QIE_TRAIN = ["train.lora.rank=16", "train.lora.alpha=16", "data.batch_size=1"]
@@ -56,11 +56,11 @@ def prepare(work: Path, samples: int, size: int) -> tuple[Path, Path]:
     return data, cache
 
 
-def watch(cmd: list[str], env: dict, first_step: Path | None, log: Path) -> dict:
+def watch(cmd: list[str], env: dict, first_step: Path | None, log: Path, cwd: str | None = None) -> dict:
     """Run `cmd`; its wall time, the time until `first_step` exists, and the process tree's peak RSS."""
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
         peak, first = 0, None
         while proc.poll() is None:
             peak = max(peak, tree_rss(proc.pid))
@@ -107,9 +107,9 @@ def run_qie(
            f"train.max_steps={steps}", f"train.checkpoint_every={steps}", f"hydra.run.dir={run_dir}",
            *extra]  # fmt: skip
     env = child_env()
-    if repo:  # another qie checkout (an earlier version, for a before/after comparison)
+    if repo:  # another qie checkout (an earlier version, for a before/after comparison); `-m` reads the cwd first
         env["PYTHONPATH"] = repo
-    out = watch(cmd, env, metrics, work / f"{tag}.log")
+    out = watch(cmd, env, metrics, work / f"{tag}.log", cwd=repo or str(REPO))
     out["steps"] = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
     return out
 
