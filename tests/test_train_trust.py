@@ -153,9 +153,7 @@ def test_a_nan_entry_stops_training_naming_the_sample_after_saving(data: dict, t
     assert all(torch.isfinite(torch.tensor(result["losses"])))
 
 
-def test_the_whole_cache_is_checked_while_the_model_loads_before_training(
-    data: dict, tmp_path: Path, capsys
-) -> None:
+def test_the_whole_cache_is_checked_while_the_model_loads_before_training(data: dict, tmp_path: Path, capsys) -> None:
     root = tmp_path / "data"
     shutil.copytree(data["root"], root)
     base = [b.replace(str(data["root"]), str(root)) for b in data["base"]]
