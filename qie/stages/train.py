@@ -88,12 +88,15 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
     hooks = step_hooks(cfg, state, source, samples, scheduler, logger, on_step_end, run_dir)
     save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train)
+    # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
+    # garbage collector's full passes (each a few seconds at a million samples, on the training thread).
+    gc.freeze()
     try:
         result = fit(state, raise_failures(loader), loop_settings(cfg.train, cfg.logging, scheduler, spec), logger,
                      save_checkpoint=save, on_step_end=lambda info: [hook(info) for hook in hooks])  # fmt: skip
     finally:
         logger.close()
-        gc.unfreeze()  # what `ready_data` froze can be collected again once the run is over
+        gc.unfreeze()  # collectable again once the run is over
     finish(state, mode, run_dir, result, bool(cfg.train.export_comfyui))
     return result
 
@@ -150,12 +153,8 @@ def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]
 def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, run_dir: Path, report: bool) -> list[Sample]:
     """The data set's samples this model can take whose cache entries are all there (`ready_samples`)."""
     samples = load_samples(cfg, spec, report)
-    samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), report,
-                            precompute_command(cfg))  # fmt: skip
-    # The samples, their paths and the remembered keys live as long as the run: kept out of the garbage
-    # collector's full passes (each a few seconds at a million samples, on the training thread) until it ends.
-    gc.freeze()
-    return samples
+    return ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), report,
+                         precompute_command(cfg))  # fmt: skip
 
 
 def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
