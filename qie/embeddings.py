@@ -8,12 +8,14 @@ to know (`encodes`, `check`, `with_encoding`) instead of asking what class it is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from qie.cache.base import CacheBackend
 from qie.cache.entries import read_entries, write_entries
 from qie.cache.keys import FileHasher
+from qie.data.key_memo import KeyMemo
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
 from qie.encode import Encoder, ImageSizes, prepare_sample
@@ -21,6 +23,7 @@ from qie.errors import CacheMissError
 from qie.models import ModelSpec
 from qie.types import TRAINING_TYPES, SampleEmbeddings
 
+log = logging.getLogger(__name__)
 EncoderFactory = Callable[[], Encoder]
 DEFAULT_PRECOMPUTE_COMMAND = "python -m qie.precompute model=... data.path=... cache.dir=..."
 
@@ -99,6 +102,8 @@ class CachedSource:
     Args:
         encoder_factory: builds an encoder for `with_encoding()` (never called by this source itself).
         precompute_command: the command that fills this cache, quoted in the miss message.
+        memo_dir: where sample keys are remembered by their inputs' signatures (`KeyMemo`); None keeps them
+            in memory only.
     """
 
     encodes = False
@@ -111,13 +116,27 @@ class CachedSource:
         encoder_factory: EncoderFactory | None = None,
         sizes: ImageSizes | None = None,
         precompute_command: str = DEFAULT_PRECOMPUTE_COMMAND,
+        memo_dir: str | None = None,
     ) -> None:
         self.backend, self.context, self.hasher = backend, context, hasher
         self.encoder_factory, self.sizes = encoder_factory, sizes
         self.precompute_command = precompute_command
+        self.memo = KeyMemo(memo_dir, context, lambda s: sample_keys(s, self.context, self.hasher))
 
     def keys(self, sample: Sample) -> dict[str, str]:
-        return sample_keys(sample, self.context, self.hasher)
+        return self.memo.keys(sample)
+
+    def remember_keys(self) -> None:
+        """Persist what was learnt about sample keys (image hashes and keys by their inputs' signatures) in an
+        existing cache folder; where it cannot be written, the next start computes them again."""
+        folder = self.memo.path.parent.parent if self.memo.path is not None else None
+        if folder is None or not folder.is_dir():
+            return
+        self.memo.save()
+        try:
+            self.hasher.save()
+        except OSError as e:
+            log.warning("could not save the image hash index %s (%s)", self.hasher.index_path, e)
 
     def read(self, sample: Sample) -> tuple[dict, list[str]]:
         """The sample's entries found in the cache, and the types that are missing."""

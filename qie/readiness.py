@@ -9,6 +9,7 @@ with a warning; the others stop the run with their count and the precompute comm
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Sequence
@@ -34,10 +35,13 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
             keyed.append((sample, source.keys(sample)))
         except OSError as e:
             out["unreadable"].append({"id": sample.id, "reason": f"cannot read {e.filename!r} ({e.strerror})"})
-    items = [(t, keys[t]) for sample, keys in keyed for t in sample_types(sample)]
-    whole = dict(zip(items, backend.intact_all(items, remember=True)))
-    for sample, keys in keyed:
-        bad = [t for t in sample_types(sample) if not whole[t, keys[t]]]
+    types = [sample_types(sample) for sample, _ in keyed]
+    items = [(t, keys[t]) for (_, keys), ts in zip(keyed, types) for t in ts]
+    found = backend.intact_all(items, remember=True)
+    whole = {} if all(found) else dict(zip(items, found))
+    keyed = keyed if whole else []  # every entry is whole: nothing to report
+    for (sample, keys), ts in zip(keyed, types):
+        bad = [t for t in ts if not whole[t, keys[t]]]
         if not bad:
             continue
         known = [failures[f"{t}/{keys[t]}"]["reason"] for t in bad if f"{t}/{keys[t]}" in failures]
@@ -74,7 +78,17 @@ def ready_samples(
             pass
     if source.encodes:
         return samples
-    found = check_entries(source, samples, read_failures(cache_dir) if cache_dir else {})
+    # No garbage collection passes while a few hundred thousand keys and paths are made (none is cyclic):
+    # at 100k samples they would cost about a second.
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        found = check_entries(source, samples, read_failures(cache_dir) if cache_dir else {})
+    finally:
+        if gc_was_on:
+            gc.enable()
+    if report and hasattr(source, "remember_keys"):
+        source.remember_keys()  # the next start stats images instead of hashing them
     path = run_dir / REPORT_FILE
     if report:
         doc = {"samples": len(samples), **found, "precompute_command": precompute_command}

@@ -102,6 +102,8 @@ class Batch:
     loss_weight: float = 1.0
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        if self._placed(torch.device(device), dtype):
+            return self  # nothing to copy (a cached batch on the CPU in the model's dtype)
         mask = None if self.prompt_embeds_mask is None else self.prompt_embeds_mask.to(device)
         image_mask = None if self.prompt_image_mask is None else self.prompt_image_mask.to(device)
         loss_mask = None if self.loss_mask is None else self.loss_mask.to(device, torch.float32)
@@ -114,6 +116,17 @@ class Batch:
             image_mask,
             loss_mask,
             self.loss_weight,
+        )
+
+    def _placed(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether `to(device, dtype)` would return equal tensors: every tensor on `device`, the floating ones
+        in `dtype` (masks keep theirs; the loss mask is float32)."""
+        floats = [self.latents, *self.control_latents, self.prompt_embeds]
+        others = [t for t in (self.prompt_embeds_mask, self.prompt_image_mask) if t is not None]
+        if self.loss_mask is not None and self.loss_mask.dtype != torch.float32:
+            return False
+        return all(t.dtype == dtype for t in floats) and all(
+            t.device == device for t in [*floats, *others, *([self.loss_mask] if self.loss_mask is not None else [])]
         )
 
 

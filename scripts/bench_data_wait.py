@@ -28,8 +28,9 @@ from _bench_common import child_env, header, median, table, target_line  # noqa:
 TARGET = 0.02
 
 
-def prepare(work: Path, samples: int, image_size: int) -> tuple[Path, Path]:
-    """A synthetic data set and a cache filled by the precompute stage (skipped when already there)."""
+def prepare(work: Path, samples: int, image_size: int, overrides: list[str] = ()) -> tuple[Path, Path]:
+    """A synthetic data set and a cache filled by the precompute stage (skipped when already there);
+    `overrides` pick another model."""
     from qie.config import compose
     from qie.demo.synthetic import make_dataset
     from qie.stages import precompute
@@ -38,7 +39,7 @@ def prepare(work: Path, samples: int, image_size: int) -> tuple[Path, Path]:
     cache = work / "cache"
     if not data.is_dir():
         make_dataset(work / "ds", samples, 0, size=image_size)
-    cfg = compose("precompute", [f"data.path={data}", f"cache.dir={cache}", "precompute.batch_size=8"])
+    cfg = compose("precompute", [f"data.path={data}", f"cache.dir={cache}", "precompute.batch_size=8", *overrides])
     t0 = time.perf_counter()
     precompute.run(cfg, work / "precompute_run")
     print(f"precompute: {time.perf_counter() - t0:.1f} s")

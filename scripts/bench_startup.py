@@ -32,6 +32,7 @@ from _bench_common import child_env, header, run_in_work_dir, table, target_line
 SCRIPT = os.path.abspath(__file__)
 TARGET_S = 5.0
 ENTRY_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
+PROMPTS = ["make the circle red", "turn the square blue", "add a small hat to the dog"]
 
 
 def png_bytes(color: tuple[int, int, int]) -> bytes:
@@ -53,27 +54,27 @@ def with_text(png: bytes, text: str) -> bytes:
     return png[:ihdr_end] + chunk + png[ihdr_end:]
 
 
-def build(root: Path, n: int, layout: str) -> tuple[Path, Path, dict]:
-    """Data set + cache with every training entry of `n` samples; reused when complete."""
-    import torch
+def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Path, dict]:
+    """Data set + cache with every training entry of `n` samples (`per_image` prompts on each target/control
+    pair); reused when complete.
 
+    Entries are written as `SsdBackend.put` writes them: the first sample's through `write_entries`, the rest as
+    the same bytes (an entry's bytes do not hold its own key; a prompt entry's name its base's key, put in).
+    """
     from qie.cache.entries import write_entries
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
     from qie.config import compose
     from qie.data.keys import sample_keys
-    from qie.data.samples import Sample
     from qie.stages.common import model_key_context
 
     done = root / "complete.json"
     data = root / ("ds" if layout == "folder" else "ds/manifest.jsonl")
     cache = root / "cache"
-    prompts = ["make the circle red", "turn the square blue", "add a small hat to the dog"]
     targets, controls = root / "ds" / "training_images", root / "ds" / "control_images"
     if done.is_file():  # reuse, unless the keys changed since (a new key field, another model...)
         cfg = compose("train", [f"data.path={data}", f"cache.dir={cache}"])
-        sample = Sample("0000000", targets / "0000000.png", (controls / "0000000.png",), f"{prompts[0]} 0")
-        keys = sample_keys(sample, model_key_context(cfg), FileHasher(cache / "file_hashes.json"))
+        keys = sample_keys(_sample(root, 0, per_image), model_key_context(cfg), FileHasher(cache / "file_hashes.json"))
         if all(SsdBackend(cache).exists(t, keys[t]) for t in ENTRY_TYPES):
             return data, cache, json.loads(done.read_text())
         print(f"{n:,} samples: cache keys changed since the last build, rebuilding")
@@ -83,27 +84,22 @@ def build(root: Path, n: int, layout: str) -> tuple[Path, Path, dict]:
     targets.mkdir(parents=True)
     controls.mkdir(parents=True)
     target_png, control_png = png_bytes((200, 40, 40)), png_bytes((40, 40, 200))
-    rows = []
-    for i in range(n):
+    for i in range(-(-n // per_image)):
         stem = f"{i:07d}"
         (targets / f"{stem}.png").write_bytes(with_text(target_png, stem))
         (controls / f"{stem}.png").write_bytes(with_text(control_png, stem))
-        prompt = f"{prompts[i % 3]} {i}"
-        if layout == "folder":
-            (targets / f"{stem}.txt").write_text(prompt + "\n", encoding="utf-8")
-        else:
-            rows.append(
-                json.dumps(
-                    {
-                        "id": stem,
-                        "target": f"training_images/{stem}.png",
-                        "controls": [f"control_images/{stem}.png"],
-                        "prompt": prompt,
-                    }
-                )
-            )
-    if layout == "manifest":
-        data.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    if layout == "folder":
+        if per_image != 1:
+            raise SystemExit("--prompts-per-image needs --layout manifest (a folder holds one caption per image)")
+        for i in range(n):
+            (targets / f"{i:07d}.txt").write_text(_sample(root, i, 1).prompt + "\n", encoding="utf-8")
+    else:
+        with open(data, "w", encoding="utf-8") as f:
+            for i in range(n):
+                s = _sample(root, i, per_image)
+                row = {"id": s.id, "target": f"training_images/{s.target.name}",
+                       "controls": [f"control_images/{s.controls[0].name}"], "prompt": s.prompt}  # fmt: skip
+                f.write(json.dumps(row) + "\n")
     timings["data set"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -111,26 +107,56 @@ def build(root: Path, n: int, layout: str) -> tuple[Path, Path, dict]:
     ctx = model_key_context(cfg)
     hasher = FileHasher(cache / "file_hashes.json")  # where precompute keeps it (qie.stages.common.file_hasher)
     backend = SsdBackend(cache)
+    first = sample_keys(_sample(root, 0, per_image), ctx, hasher)
+    write_entries(backend, first, _entries())
+    template = {t: backend.path(t, first[t]).read_bytes() for t in ENTRY_TYPES}
+    base = first["empty_prompt_embed"].encode()
+    assert template["prompt_embed"].count(base) == 1, "the prompt entry names its base once"
+    for t in ENTRY_TYPES:
+        for shard in range(256):
+            (cache / t / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
+    for i in range(1, n):
+        keys = sample_keys(_sample(root, i, per_image), ctx, hasher)
+        for t in ENTRY_TYPES:
+            path = backend.path(t, keys[t])
+            if t == "prompt_embed":
+                path.write_bytes(template[t].replace(base, keys["empty_prompt_embed"].encode()))
+            elif not path.exists():  # shared by the prompts of one image pair
+                path.write_bytes(template[t])
+    hasher.save()
+    timings["keys + entries"] = time.perf_counter() - t0
+    info = {"timings": timings, "entries": n * len(ENTRY_TYPES), "files": _count_files(cache, ENTRY_TYPES)}
+    done.write_text(json.dumps(info))
+    return data, cache, info
+
+
+def _sample(root: Path, i: int, per_image: int):
+    """Sample `i`: image pair i // per_image, its own prompt."""
+    from qie.data.samples import Sample
+
+    stem, image = f"{i:07d}", f"{i // per_image:07d}.png"
+    prompt = f"{PROMPTS[i % 3]} {i}"
+    return Sample(stem, root / "ds" / "training_images" / image, (root / "ds" / "control_images" / image,), prompt)
+
+
+def _entries() -> dict:
+    """The four entry types training reads, tiny tensors of the tiny model's shapes."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     latent = torch.randn(4, 1, 16, 16, generator=g)
     empty = torch.randn(11, 16, generator=g)
     embed = torch.cat([empty[:6], torch.randn(18, 16, generator=g)])  # shares the 6-row prefix, as precompute's
-    entries = {
+    return {
         "pixel_latent": {"latent": latent},
         "control_latent": {"0": latent},
         "prompt_embed": {"embed": embed},
         "empty_prompt_embed": {"embed": empty},
     }
-    for i in range(n):
-        stem = f"{i:07d}"
-        sample = Sample(stem, targets / f"{stem}.png", (controls / f"{stem}.png",), f"{prompts[i % 3]} {i}")
-        write_entries(backend, sample_keys(sample, ctx, hasher), entries)
-    hasher.save()
-    timings["keys + entries"] = time.perf_counter() - t0
-    stats = backend.stats(ENTRY_TYPES)
-    info = {"timings": timings, "entries": sum(s["count"] for s in stats.values())}
-    done.write_text(json.dumps(info))
-    return data, cache, info
+
+
+def _count_files(cache: Path, types) -> int:
+    return sum(len(os.listdir(cache / t / shard)) for t in types for shard in os.listdir(cache / t))
 
 
 def child(args: argparse.Namespace) -> None:
@@ -191,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000], help="cached samples per run")
     p.add_argument("--layout", choices=["folder", "manifest"], default="folder", help="data set layout")
     p.add_argument("--repeats", type=int, default=1, help="timed start-ups per size (median taken)")
+    p.add_argument(
+        "--prompts-per-image", type=int, default=1, help="samples per target/control pair (fewer files; manifest)"
+    )
     p.add_argument("--profile", action="store_true", help="print a cProfile of the largest size's start-up")
     p.add_argument("--work", default=None, help="work folder, reused across runs (default: temp, removed)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for the train stage (key=value)")
@@ -214,10 +243,12 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
 
     results = {}
     for n in sorted(args.sizes):
-        root = work / f"{args.layout}_{n}"
-        data, cache, info = build(root, n, args.layout)
+        per = args.prompts_per_image
+        root = work / (f"{args.layout}_{n}" + (f"_x{per}" if per != 1 else ""))
+        data, cache, info = build(root, n, args.layout, per)
         built = ", ".join(f"{k} {v:.1f} s" for k, v in info["timings"].items())
-        print(f"{n:,} samples: {info['entries']:,} cache entries ({built})")
+        files = f" in {info['files']:,} files" if "files" in info else ""
+        print(f"{n:,} samples, {per} per image pair: {info['entries']:,} cache entries{files} ({built})")
         runs = []
         for r in range(args.repeats):
             run_dir = root / f"run{r}"

@@ -244,3 +244,35 @@ def test_folder_scan_reads_captions_as_read_text_would(tmp_path: Path) -> None:
     assert data.samples[0].prompt == "line one\nline two\nthree"
     assert data.samples[1].target == t / "b.PNG"
     assert data.samples[1].controls == (c / "b_control_0.png", c / "b_control_1.png")
+
+
+def test_startup_bench_writes_entries_as_the_cache_writes_them(tmp_path: Path) -> None:
+    from qie.cache.entries import write_entries
+    from qie.cache.keys import FileHasher
+    from qie.cache.ssd import SsdBackend
+    from qie.config import compose
+    from qie.data.keys import sample_keys
+    from qie.data.samples import scan_dataset
+    from qie.stages.common import model_key_context
+
+    bench = script("bench_startup")
+    data, cache, info = bench.build(tmp_path / "set", 5, "manifest", per_image=2)
+    assert info["entries"] == 20 and info["files"] == 5 + 3 * 3  # one prompt entry each; the rest per image pair
+    samples = scan_dataset(data).samples
+    assert [s.prompt for s in samples] == [bench._sample(tmp_path / "set", i, 2).prompt for i in range(5)]
+    ctx = model_key_context(compose("train", [f"data.path={data}", f"cache.dir={cache}"]))
+    fresh = SsdBackend(tmp_path / "fresh")
+    for s in samples:
+        keys = sample_keys(s, ctx, FileHasher())
+        write_entries(fresh, keys, bench._entries())
+        for t in bench.ENTRY_TYPES:  # safetensors writes the header's keys in a hash order of its own
+            written = SsdBackend(cache).path(t, keys[t]).read_bytes()
+            assert _parts(written) == _parts(fresh.path(t, keys[t]).read_bytes())
+
+
+def _parts(data: bytes) -> tuple[dict, bytes]:
+    import json
+    import struct
+
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8 : 8 + n]), data[8 + n :]

@@ -19,8 +19,8 @@ from qie.models.family import ModelFamily
 
 QIE = Path(__file__).resolve().parents[1] / "qie"
 # Where no family may be named: the seam is the ModelFamily object.
-FAMILY_FREE = ["stages", "training", "cache", "data", "demo", "embeddings.py", "encode.py", "sampling.py", "readiness.py",
-               "memory_plan.py", "masked_source.py", "embedding_cache.py", "api.py"]
+FAMILY_FREE = ["stages", "training", "cache", "data", "demo", "embeddings.py", "encode.py", "sampling.py",
+               "readiness.py", "memory_plan.py", "masked_source.py", "embedding_cache.py", "api.py"]
 FAMILY_NAMES = re.compile(r"QwenImage|Qwen2_5|Qwen3|Qwen2VL|qwen_image|TransformerBlock")
 
 

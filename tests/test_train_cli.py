@@ -105,3 +105,62 @@ def test_two_processes_keep_the_lora_identical(data: dict, tmp_path: Path) -> No
     checksums = result["param_checksums"]  # gathered from every process after the last step
     assert len(checksums) == 2 and checksums[0] == checksums[1] and result["ranks_agree"]
     assert (tmp_path / "run" / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(args: list[str], logs: Path) -> list[subprocess.Popen]:
+    """Two torchrun node agents on this machine, one process each, meeting at a c10d rendezvous on 127.0.0.1
+    (as two machines would, with the run folder on shared storage)."""
+    port = _free_port()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"qie{port}",
+                "--max_restarts", "0", "-m"]  # fmt: skip
+    procs = []
+    for node in range(2):
+        (logs / str(node)).mkdir(parents=True, exist_ok=True)
+        with open(logs / str(node) / "stdout", "w") as out, open(logs / str(node) / "stderr", "w") as err:
+            procs.append(subprocess.Popen([*launcher, "qie.train", *args], env=env(), stdout=out, stderr=err))
+    return procs
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        for node, proc in enumerate(procs):
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, (logs / str(node) / "stderr").read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+                proc.kill()
+                proc.wait()
+
+
+def test_two_nodes_give_the_losses_of_two_processes_on_one_node_and_resume_exactly(data: dict, tmp_path: Path) -> None:
+    args = ["train.max_steps=3", "train.learning_rate=1e-3", "train.checkpoint_every=2"]
+    one_node = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    with qie_train(data["base"] + args + [f"hydra.run.dir={tmp_path / 'one'}"], tmp_path / "one_logs", one_node) as p:
+        p.wait(timeout=300)
+    assert p.returncode == 0, output(tmp_path / "one_logs")[1][-3000:]
+    _wait_all(_two_nodes(data["base"] + args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path / "two_logs"),
+              tmp_path / "two_logs", 300)  # fmt: skip
+    one = json.loads((tmp_path / "one" / "train_result.json").read_text())
+    two = json.loads((tmp_path / "two" / "train_result.json").read_text())
+    assert len(two["param_checksums"]) == 2 and two["ranks_agree"]
+    assert two["losses"] == pytest.approx(one["losses"], rel=0, abs=1e-6)
+
+    resume = [f"train.resume={tmp_path / 'two' / 'checkpoints' / 'step-000002'}", f"hydra.run.dir={tmp_path / 'r'}"]
+    _wait_all(_two_nodes(data["base"] + args + resume, tmp_path / "r_logs"), tmp_path / "r_logs", 300)
+    resumed = json.loads((tmp_path / "r" / "train_result.json").read_text())
+    assert resumed["step"] == 3 and resumed["losses"] == pytest.approx(two["losses"][2:], rel=0, abs=1e-6)
+    flat = [x for row in resumed["param_checksums"] for x in row]
+    assert flat == pytest.approx([x for row in two["param_checksums"] for x in row], rel=1e-6)

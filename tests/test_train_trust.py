@@ -3,10 +3,12 @@ once, the whole cache checked before the model is built, non-finite losses stopp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -151,7 +153,7 @@ def test_a_nan_entry_stops_training_naming_the_sample_after_saving(data: dict, t
     assert all(torch.isfinite(torch.tensor(result["losses"])))
 
 
-def test_the_whole_cache_is_checked_before_the_model_is_built(data: dict, tmp_path: Path, capsys) -> None:
+def test_the_whole_cache_is_checked_while_the_model_loads_before_training(data: dict, tmp_path: Path, capsys) -> None:
     root = tmp_path / "data"
     shutil.copytree(data["root"], root)
     base = [b.replace(str(data["root"]), str(root)) for b in data["base"]]
@@ -166,8 +168,7 @@ def test_the_whole_cache_is_checked_before_the_model_is_built(data: dict, tmp_pa
     update_failures(root / "cache", [("pixel_latent", keys[2]["pixel_latent"], samples[2].id, "bad image")], [])
     backend.path("pixel_latent", keys[2]["pixel_latent"]).unlink()  # one precompute could not encode
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_stage, "load_parts", lambda *a, **k: pytest.fail("model built before the check"))
+    with pytest.MonkeyPatch.context() as mp, _model_loads_beside_the_check(mp):
         with pytest.raises(CacheMissError, match=r"2 of 6 samples have missing or damaged .*cache_report.json"):
             train(data, ["train.max_steps=2"], tmp_path / "stop", base=base)
     report = json.loads((tmp_path / "stop" / "cache_report.json").read_text())
@@ -205,11 +206,21 @@ def test_a_miss_found_mid_run_saves_a_checkpoint_before_stopping(data: dict, tmp
     assert state["batches_consumed"] == state["step"]
 
 
+@contextlib.contextmanager
+def _model_loads_beside_the_check(mp: pytest.MonkeyPatch):
+    """The model's weights load in another thread while the data is checked; what stops the run inside the
+    block stops it before any model is built on top of them."""
+    threads = []
+    mp.setattr(train_stage, "load_parts", lambda *a, **k: threads.append(threading.current_thread().name))
+    mp.setattr(train_stage, "build_train_state", lambda *a, **k: pytest.fail("model built after a failed check"))
+    yield
+    assert threads and all(t != threading.main_thread().name for t in threads)
+
+
 def test_storage_problems_are_found_before_the_model_is_built(data: dict, tmp_path: Path) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_stage, "load_parts", lambda *a, **k: pytest.fail("model built before the check"))
+    with pytest.MonkeyPatch.context() as mp, _model_loads_beside_the_check(mp):
         with pytest.raises(StorageError, match=f"cache.dir '{a_file}' is a file"):
             train(data, [f"cache.dir={a_file}"], tmp_path / "r1")
         with pytest.raises(CacheMissError, match="(?s)6 of 6 samples have missing .*python -m qie.precompute"):

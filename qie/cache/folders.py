@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from qie.cache.base import VerifyReport
@@ -14,7 +15,8 @@ from qie.types import CACHE_TYPES
 
 log = logging.getLogger("qie.cache.ssd")
 
-# Kept off a stamp's time, for file systems whose clock (which sets ctime) is another machine's.
+# Kept off a stamp's time when the file system's clock cannot be read, for file systems whose clock (which
+# sets ctime) is another machine's.
 CHECK_MARGIN_NS = 600 * 10**9
 _TYPE_SALT = {t: int(hashlib.sha256(t.encode()).hexdigest()[:16], 16) for t in CACHE_TYPES}
 
@@ -75,6 +77,22 @@ def checked_token(items: Sequence[tuple[str, str]]) -> str:
             part = int(hashlib.blake2b(k.encode(), digest_size=8).hexdigest(), 16)
         total = (total + (part ^ _TYPE_SALT[t])) % (1 << 64)
     return f"{len(items)}-{total:016x}"
+
+
+def file_system_now(folder: str) -> int | None:
+    """The time of the clock that sets ctimes in `folder`, read from a file created (and removed) there; where
+    no file can be made, this machine's clock less `CHECK_MARGIN_NS`."""
+    probe = f"{folder}/.now.{os.getpid()}.{time.monotonic_ns()}"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            return os.fstat(fd).st_ctime_ns
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError:
+        return time.time_ns() - CHECK_MARGIN_NS
 
 
 def read_stamp(path: str) -> int | None:

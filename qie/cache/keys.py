@@ -41,9 +41,20 @@ class FileHasher:
     def __init__(self, index_path: str | os.PathLike | None = None, algorithm: str = "sha256") -> None:
         self.index_path = Path(index_path) if index_path is not None else None
         self.algorithm = algorithm
-        self._entries: dict[str, tuple[Signature, str]] = _read_index(self.index_path) if self.index_path else {}
+        # Read on first use: a start whose sample keys are all remembered (KeyMemo) never needs it.
+        self._index: dict[str, tuple[Signature, str]] | None = None if self.index_path else {}
         self._dirty: set[str] = set()
         self.files_read = 0  # files hashed from their bytes in this object's lifetime
+
+    @property
+    def _entries(self) -> dict[str, tuple[Signature, str]]:
+        if self._index is None:
+            self._index = _read_index(self.index_path)
+        return self._index
+
+    @_entries.setter
+    def _entries(self, value: dict[str, tuple[Signature, str]]) -> None:
+        self._index = value
 
     def __len__(self) -> int:
         return len(self._entries)

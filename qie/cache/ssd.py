@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -106,14 +105,16 @@ class SsdBackend:
         per file. With `remember`, a check that found every existing entry whole writes the stamp."""
         items = [(check_type(t), check_key(k)) for t, k in items]
         stamp = f"{self._root}/.checked/{folders.checked_token(items)}"
-        start = time.time_ns() - folders.CHECK_MARGIN_NS  # a margin for file systems whose clock is another machine's
+        # The stamp's time is read from the clock that sets the entries' ctimes (the file system's own, which
+        # may be another machine's): a file created now tells it.
+        start = folders.file_system_now(f"{self._root}/.checked") if remember and os.path.isdir(self._root) else None
         since = folders.read_stamp(stamp)
         ctimes = [folders.ctime(self._path(t, k)) for t, k in items]
         if since is not None and all(c is None or c < since for c in ctimes):
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
         out = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(items, ctimes)]
-        if remember and any(out) and all(ok or c is None for ok, c in zip(out, ctimes)):
+        if start is not None and any(out) and all(ok or c is None for ok, c in zip(out, ctimes)):
             files.write_small(stamp, str(start))
         return out
 

@@ -37,3 +37,5 @@ class PredictConfig:
     devices: PredictDevices = field(default_factory=PredictDevices)
     # Keep N transformer blocks in pinned CPU memory, copied to the GPU just before they run.
     blocks_to_swap: int = 0
+    # Compile the transformer's repeated block (regional compilation, as train.compile).
+    compile: bool = False

@@ -101,6 +101,9 @@ class TrainConfig:
     learning_rate: float = 1e-4
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = False
+    # Compile the transformer's repeated block with torch.compile (regional compilation, dynamic shapes): the
+    # first step compiles (minutes for a real model), later steps run the compiled block.
+    compile: bool = False
     # Memory levers (docs/guide.md, "Memory"; `python -m qie.plan` picks them for a GPU size):
     # keep N transformer blocks in pinned CPU memory, copied to the GPU just before they run (LoRA; needs
     # gradient_checkpointing) ...

@@ -89,6 +89,7 @@ def scan_manifest(
     data = Dataset()
     seen: set[str] = set()
     rows_seen: dict[tuple, int] = {}  # (target, controls, prompt) -> the row that first gave them
+    folder = path.parent  # computed once: pathlib's `parent` builds a new object per call
     for n, row in _manifest_rows(path):
         rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
         where = f"{path}:{n}"
@@ -115,8 +116,11 @@ def scan_manifest(
                 )
             )
             continue
-        paths = [path.parent / c for c in [*controls, target, mask] if c]
-        bad = [p for p in paths if not p.is_file()]
+        control_paths = tuple(folder / c for c in controls)
+        target_path = folder / target if target else None
+        mask_path = folder / mask if mask else None
+        paths = [p for p in (*control_paths, target_path, mask_path) if p is not None]
+        bad = [p for p in paths if not os.path.isfile(p)]
         if bad:
             data.problems.append(
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
@@ -133,13 +137,5 @@ def scan_manifest(
         if sample_id in seen:  # one target with several instructions: ids stay unique
             sample_id = f"{sample_id}#{n}"
         seen.add(sample_id)
-        data.samples.append(
-            Sample(
-                sample_id,
-                path.parent / target if target else None,
-                tuple(path.parent / c for c in controls),
-                (prompt or "").strip(),
-                path.parent / mask if mask else None,
-            )
-        )
+        data.samples.append(Sample(sample_id, target_path, control_paths, (prompt or "").strip(), mask_path))
     return data

@@ -6,7 +6,8 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,7 @@ def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command) -> tup
         factory,
         sizes,
         precompute_command or DEFAULT_PRECOMPUTE_COMMAND,
+        str(Path(cfg.cache.dir) / "sample_keys") if cfg.cache.get("dir") else None,
     )
     return (cached if mode == "cached" else cached.with_encoding()), backend
 
@@ -254,3 +256,34 @@ def control_dropout(cfg: DictConfig) -> float:
         raise ConfigError(f"data.control_dropout_rate: model={cfg.model.name} {why}; reference dropout is for the "
                           "models that also edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)")  # fmt: skip
     return rate
+
+
+class Background:
+    """A call running in a thread; `result()` waits for it and returns its value or raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="qie-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # raised again in the caller's thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Wait for the call to end, whatever its outcome."""
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def in_background(fn: Callable[..., Any], *args: Any) -> Background:
+    """Start `fn(*args)` in a thread (see `Background`)."""
+    return Background(fn, *args)

@@ -154,6 +154,10 @@ def build_predictor(cfg: DictConfig, spec: ModelSpec | None = None) -> Predictor
         predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale))
     if swap:
         predictor.swap_blocks(swap, device)
+    if cfg.predict.get("compile", False):  # after the LoRA: the compiled block runs its layers
+        from qie.training.compile import compile_blocks
+
+        print(compile_blocks(predictor.parts.transformer, "predict.compile"))
     return predictor
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from qie.readiness import ready_samples
 from qie.stages.common import (
     build_source,
     control_dropout,
+    in_background,
     precompute_command,
     read_data,
     value,
@@ -50,8 +52,10 @@ from qie.stages.recipes import (
 from qie.training import checkpoint as ckpt
 from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
+from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.logging import ImageLogger, MetricsLogger
+from qie.training.lookups import remember_package_lookups
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
@@ -95,29 +99,27 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
 
 def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mode: TrainMode,
            on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
-    samples = load_samples(cfg, spec, accelerator.is_main_process)
-    reg = regularization_samples(cfg, spec)
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
-    records = run_records(cfg, spec, samples)
-    if resume_from is not None:
-        warning = check_resume(resumed, resume_from, *records, bool(cfg.train.resume_inexact))
-        if warning:
-            accelerator.print(f"qie: warning: {warning}")
     source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec)
-    # Every sample's entries are checked before the model is built (later misses stop the run too).
-    samples = ready_samples(source, samples, run_dir, str(value(cfg.cache.on_missing)), cfg.cache.get("dir"),
-                            accelerator.is_main_process, precompute_command(cfg))  # fmt: skip
-    on_missing, cache_dir, command = str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), precompute_command(cfg)
-    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
-    if control_dropout(cfg):  # the text-only entries too
-        kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
-                                            on_missing, cache_dir, False, command)}  # fmt: skip
-        samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
-    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
-
-    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec)
+    # The model's weights load in the background while the data set is scanned and every sample's entries are
+    # checked (later misses stop the run too); training starts only once both are done.
+    MemorySettings.of(cfg.train, spec.family).check(mode.lora, str(value(cfg.model.quantize)))
+    loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec)
+    try:
+        samples = load_samples(cfg, spec, accelerator.is_main_process)
+        records = run_records(cfg, spec, samples)
+        if resume_from is not None:
+            warning = check_resume(resumed, resume_from, *records, bool(cfg.train.resume_inexact))
+            if warning:
+                accelerator.print(f"qie: warning: {warning}")
+        samples, reg = ready_data(cfg, spec, source, samples, run_dir, accelerator.is_main_process)
+    except BaseException:
+        loading.wait()  # a thread still inside torch when the interpreter exits aborts it
+        raise
+    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, loading.result())
     ema = make_ema(cfg.train, state.params)
+    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
     if resume_from is not None:
         state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
         if ema is not None:
@@ -138,6 +140,9 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
     save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, records, ema)
+    # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
+    # garbage collector's full passes (each a few seconds at a million samples, on the training thread).
+    gc.freeze()
     try:
         settings = loop_settings(cfg.train, cfg.logging, scheduler, spec)
         if reg:  # regularisation batches weigh data.regularization.weight
@@ -146,6 +151,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
     finally:
         logger.close()
+        gc.unfreeze()  # collectable again once the run is over
     finish(state, mode, run_dir, result, lora_exports(cfg.train), ema)
     return result
 
@@ -155,6 +161,7 @@ def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path, spec: M
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    remember_package_lookups()
     memory = MemorySettings.of(train, spec.family)
     accelerator = Accelerator(
         # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
@@ -196,6 +203,21 @@ def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]
     for p in problems[:5] if report else []:
         print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
     return samples
+
+
+def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, samples: list[Sample], run_dir: Path,
+               report: bool) -> tuple[list[Sample], list[Sample]]:  # fmt: skip
+    """The `samples` and the regularisation set's samples whose cache entries are all there (`ready_samples`;
+    with reference dropout, their text-only entries too)."""
+    on_missing, cache_dir, command = str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), precompute_command(cfg)
+    samples = ready_samples(source, samples, run_dir, on_missing, cache_dir, report, command)
+    reg = regularization_samples(cfg, spec)
+    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
+    if control_dropout(cfg):  # the text-only entries too
+        kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
+                                            on_missing, cache_dir, False, command)}  # fmt: skip
+        samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
+    return samples, reg
 
 
 def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
@@ -249,17 +271,27 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
     )
 
 
-def build_train_state(
-    model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any, spec: ModelSpec
-) -> tuple:
-    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler."""
+def load_model(model: DictConfig, train: DictConfig, accelerator: Any, spec: ModelSpec) -> Any:
+    """The transformer and the noise scheduler, built where `train`'s memory settings build them."""
+    device = MemorySettings.of(train, spec.family).build_device(accelerator.device)
+    return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec)
+
+
+def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any, spec: ModelSpec,
+                      parts: Any = None) -> tuple:  # fmt: skip
+    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
+
+    Args:
+        parts: what `load_model` gave (loaded here when None).
+    """
     memory = MemorySettings.of(train, spec.family)
     memory.check(mode.lora, str(value(model.quantize)))
-    devices = {"transformer": memory.build_device(accelerator.device)}
-    parts = load_parts(model, ["transformer", "scheduler"], devices, spec)
+    parts = parts if parts is not None else load_model(model, train, accelerator, spec)
     transformer = parts.transformer
     params = mode.trainable(transformer)
     place = apply_memory(transformer, memory, accelerator.device)
+    if train.get("compile", False):
+        accelerator.print(compile_blocks(transformer))
     optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
     lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
     # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.

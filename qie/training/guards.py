@@ -19,14 +19,21 @@ class NonFiniteLoss(QieError):
     """A training step gave a NaN or infinite loss or gradient (`train.on_nonfinite=stop`)."""
 
 
-def window_is_finite(accelerator: Any, losses: Sequence[torch.Tensor], grad_norm: Any) -> bool:
-    """Whether every process's losses of this optimizer step, and the gradient norm, are finite.
+def agree_on_step(accelerator: Any, window_loss: float, grad_norm: Any, stop: bool) -> tuple[bool, float, bool]:
+    """What every process decides alike about this optimizer step, from one collective (none with one process):
+    whether every process's window loss and the gradient norm are finite, the window loss averaged over
+    processes, and whether any process was asked to stop.
 
-    One collective, so all processes decide alike (and skip or stop together)."""
-    ok = all(bool(torch.isfinite(loss.detach()).all()) for loss in losses)
-    ok = ok and (grad_norm is None or math.isfinite(float(grad_norm)))
-    flag = torch.tensor([0.0 if ok else 1.0], device=accelerator.device)
-    return accelerator.reduce(flag, "sum").item() == 0
+    Args:
+        window_loss: this process's loss over the step's batches (NaN or infinite when one of them was).
+        stop: whether this process got a stop signal.
+    """
+    ok = math.isfinite(window_loss) and (grad_norm is None or math.isfinite(float(grad_norm)))
+    local = torch.tensor([window_loss, float(stop), 0.0 if ok else 1.0])
+    n = accelerator.num_processes
+    totals = local if n == 1 else accelerator.reduce(local.to(accelerator.device), "sum").cpu()
+    loss, stops, bad = totals.tolist()
+    return bad == 0, loss / n, stops > 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,12 @@ from qie.errors import QieError
 from qie.progress import progress
 from qie.training.guards import (
     NonFiniteLoss,
+    agree_on_step,
     all_ids,
-    local_state_finite,
     nonfinite_message,
     nonfinite_state_message,
     save_before_stopping,
     state_is_finite,
-    window_is_finite,
 )
 from qie.training.logging import MetricsLogger
 from qie.training.timesteps import SigmaSampling
@@ -174,12 +173,13 @@ def fit(
     skipped: list[list[str]] = []
     stream = iter(batches)
     stopping = False
+    state.model.train()  # once: a step sets it again only when a hook left the model in eval mode
     bar = progress(settings.max_steps, "train", initial=step, disable=not accelerator.is_main_process)
     with StopSignal() as stop, bar:
         while step < settings.max_steps and not stopping:
             t0 = time.perf_counter()
             try:
-                loss, grad_norm, batch, window = _optimizer_step(state, stream, settings)
+                mean_loss, grad_norm, batch, window = _optimizer_step(state, stream, settings, stop)
             except Exception as e:
                 if stop.received is None:
                     if isinstance(e, QieError) and save_before_stopping(
@@ -203,18 +203,14 @@ def fit(
                 raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or last_good[0]))
             consumed = window["consumed"]
             step += 1
-            # One collective for all three: every process must stop after the same step, or the checkpoint's
-            # collectives would pair with another process's training step. The weights are checked on the
-            # steps that report (and before every save), to keep the check off the other steps.
+            # Every process stops after the same step (decided with the step's one collective), or the
+            # checkpoint's collectives would pair with another process's training step.
+            stopping = window["stop"]
+            # The weights and optimizer state after the update are checked on the steps that report (and before
+            # every save, `save_if_good`): a finite loss can still leave them NaN (a damaged optimizer state).
             report = step % settings.log_every == 0 or step == settings.max_steps
-            bad = float(report and not local_state_finite(state.params, state.optimizer))
-            totals = accelerator.reduce(
-                torch.tensor([loss, float(stop.received is not None), bad], device=accelerator.device), "sum"
-            )
-            if totals[2].item() > 0:
+            if report and not state_is_finite(accelerator, state.params, state.optimizer):
                 raise NonFiniteLoss(nonfinite_state_message(step, last_good[0]))
-            mean_loss = totals[0].item() / accelerator.num_processes
-            stopping = totals[1].item() > 0
             losses.append(mean_loss)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             bar.update(1)
@@ -239,19 +235,20 @@ def fit(
 
 
 def _optimizer_step(
-    state: TrainState, stream: Iterator[tuple[int, Batch]], settings: LoopSettings
+    state: TrainState, stream: Iterator[tuple[int, Batch]], settings: LoopSettings, stop: StopSignal
 ) -> tuple[float, torch.Tensor | None, Batch, dict]:
     """One optimizer step over `gradient_accumulation_steps` batches; none when a loss or the gradient is not
     finite on any process (the gradients are dropped).
 
     Returns:
-        (mean loss of the window on this process, grad norm before clipping, last batch,
+        (loss of the window averaged over processes, grad norm before clipping, last batch,
         {"consumed": batches consumed, "finite": whether the step was taken, "ids": the window's samples,
-        "waited": seconds spent waiting for the batches}).
+        "waited": seconds spent waiting for the batches, "stop": whether a process was asked to stop}).
     """
     accelerator, model = state.accelerator, state.model
-    model.train()
-    window_loss, grad_norm, waited, finite, ids, window_losses = 0.0, None, 0.0, True, [], []
+    if not model.training:  # train() walks every module: not on every step
+        model.train()
+    window_loss, grad_norm, waited, finite, ids, mean_loss, stopping = 0.0, None, 0.0, True, [], math.nan, False
     micro_steps = accelerator.gradient_accumulation_steps
     for _ in range(micro_steps):
         t0 = time.perf_counter()
@@ -264,17 +261,19 @@ def _optimizer_step(
             loss = settings.loss(model, batch, noise, sigmas, settings.loss_weighting)
             accelerator.backward(loss)
             ids += batch.ids
-            window_losses.append(loss.detach())
+            window_loss += loss.detach().float().item() / micro_steps
             if accelerator.sync_gradients:
                 # An infinite bound measures the norm without clipping, so grad_norm is always logged.
                 max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
                 grad_norm = accelerator.clip_grad_norm_(state.params, max_norm)
-                finite = window_is_finite(accelerator, window_losses, grad_norm)
+                finite, mean_loss, stopping = agree_on_step(
+                    accelerator, window_loss, grad_norm, stop.received is not None
+                )
             # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
             if finite:
                 state.optimizer.step()
                 if accelerator.sync_gradients:
                     state.lr_scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
-        window_loss += loss.detach().float().item() / micro_steps
-    return window_loss, grad_norm, batch, {"consumed": number + 1, "finite": finite, "ids": ids, "waited": waited}
+    window = {"consumed": number + 1, "finite": finite, "ids": ids, "waited": waited, "stop": stopping}
+    return mean_loss, grad_norm, batch, window
