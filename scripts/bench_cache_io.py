@@ -48,6 +48,10 @@ from qie.cache.keys import entry_key  # noqa: E402
 from qie.cache.ssd import MMAP_MIN_BYTES, SsdBackend, read_file  # noqa: E402
 from qie.types import CACHE_TYPES  # noqa: E402
 
+# The six entry types of the layout before the shared prefix (what `sample_tensors` makes); loss masks are not
+# part of this comparison.
+WHOLE_TYPES = [t for t in CACHE_TYPES if t != "loss_mask"]
+
 
 def sample_tensors(i: int, group: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict]:
     """The six entries of sample `i` (control-image set `group`) as the Encoder produces them (bf16 values,
@@ -217,7 +221,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
 
     def read_whole(use) -> None:
         for i in range(len(ssd_keys)):
-            for type in CACHE_TYPES:
+            for type in WHOLE_TYPES:
                 for x in whole.get(type, entry_key(type, {"sample": i})).values():
                     if use:
                         use(x)

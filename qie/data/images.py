@@ -25,6 +25,23 @@ class ImageError(DataError):
         self.path = str(path)
 
 
+def open_mask(path: str | Path) -> Image.Image:
+    """Read a mask image as 8-bit grey ("L"), upright like the images it masks (EXIF orientation applied).
+
+    Raises:
+        ImageError: naming the file when it is missing or not a readable image.
+    """
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return ImageOps.exif_transpose(img).convert("L")
+    except FileNotFoundError:
+        raise ImageError(path, f"mask {str(path)!r} does not exist") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(path, f"mask {str(path)!r} cannot be read ({e}): give a grey or black-and-white image") \
+            from None
+
+
 def open_image(path: str | Path, alpha: bool = False) -> Image.Image:
     """Read an image as 8-bit RGB (or RGBA with `alpha`), upright (EXIF orientation applied).
 

@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from qie.cache.keys import FileHasher, entry_key
-from qie.data.images import center_crop_to, fit_area, open_image
+from qie.data.images import center_crop_to, fit_area, open_image, open_mask
 from qie.data.samples import Sample
-from qie.errors import DataError
 
 MASK_TYPE = "loss_mask"
 SOURCES = ("none", "file", "edit")
@@ -94,14 +93,7 @@ def make_mask(sample: Sample, settings: MaskSettings) -> torch.Tensor:
     target = open_image(sample.target)
     size = target.size
     if settings.source == "file":
-        try:
-            with Image.open(sample.mask) as m:
-                grey = m.convert("L")
-        except (OSError, ValueError) as e:
-            raise DataError(
-                f"mask {str(sample.mask)!r} cannot be read ({e}): give a grey or black-and-white image"
-            ) from None
-        return _grey(grey, size, settings)
+        return _grey(open_mask(sample.mask), size, settings)
     # edit: where the target differs from its control, both at the target's size
     a = torch.from_numpy(np.asarray(_like_target(target, size, settings), dtype=np.float32) / 255.0)
     control = open_image(sample.controls[0])
