@@ -85,3 +85,38 @@ def test_fsdp_full_fine_tuning_matches_ddp(data: dict) -> None:
         np.testing.assert_allclose(weights[1][key].numpy(), weights[0][key].numpy(), rtol=0, atol=1e-5)
     config = json.loads((Path(runs["fsdp"]["transformer"]) / "config.json").read_text())
     assert config["_class_name"] == "QwenImageTransformer2DModel"
+
+
+KILL_DURING_SAVE = """
+import os, runpy, signal, sys
+import qie.training.checkpoint as checkpoint
+real = checkpoint.save_tree
+def save_then_die(tree, folder, name):
+    real(tree, folder, name)
+    if ".step-000003.tmp" in str(folder) and name == "optimizer":  # the writer (process 0), mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.save_tree = save_then_die
+sys.argv = ["qie.train", *sys.argv[1:]]
+runpy.run_module("qie.train", run_name="__main__")
+"""
+
+
+def test_kill_9_during_an_fsdp_checkpoint_save_loses_nothing_saved(data: dict, tmp_path: Path) -> None:
+    """The writing process is killed (SIGKILL) with step 3's gathered checkpoint half written: torchrun ends the
+    run, and steps 1 and 2 stay complete, finite and loadable; the half-written folder is never taken for one."""
+    from qie.training import checkpoint as ckpt
+
+    script, run_dir = tmp_path / "kill.py", data["runs"] / "fsdp_killed"
+    script.write_text(KILL_DURING_SAVE)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    args = [*data["base"], *STEPS[2:], "train.max_steps=4", "train.checkpoint_every=1", "train.fsdp=true",
+            f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launcher, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    folder = run_dir / "checkpoints"
+    assert ".step-000003.tmp" in {p.name for p in folder.iterdir()}
+    assert ckpt.complete_checkpoints(run_dir) == [folder / "step-000001", folder / "step-000002"]
+    for file in (folder / "step-000002").rglob("*.safetensors"):
+        assert all(t.isfinite().all() for t in load_file(file).values() if t.is_floating_point()), file
+    assert ckpt.read_state(folder / "step-000002")["step"] == 2

@@ -52,8 +52,9 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
     print(report(rows, budget))
     text_config = family.real_size["text_encoder"]
     te = {q: text_encoder_bytes(family, text_config, q) / GIB for q in ("none", "fp8")}
-    print(f"precompute / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB in bf16, "
-          f"{te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8")  # fmt: skip
+    print(f"precompute / caption / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB in "
+          f"bf16, {te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8 (caption: plus its key/value "
+          "cache, see the guide)")  # fmt: skip
     return rows
 
 
