@@ -21,6 +21,7 @@ from qie.errors import ConfigError, ModelLoadError
 from qie.models import families
 from qie.stages import precompute
 from qie.training.lora import read_lora
+from qie.types import CACHE_TYPES
 
 
 @pytest.fixture
@@ -32,7 +33,8 @@ def copy(cached_data: CachedData, tmp_path: Path) -> CachedData:
 
 
 def entry_files(cache: Path) -> set[Path]:
-    return {p for p in cache.rglob("*.safetensors") if p.parts[len(cache.parts)] != "images"}
+    """The entry files: under the type folders (not the images of HF data sets nor the remembered sample keys)."""
+    return {p for p in cache.rglob("*.safetensors") if p.parts[len(cache.parts)] in CACHE_TYPES}
 
 
 def test_gc_lists_then_removes_only_what_no_named_data_set_uses(copy: CachedData, tiny_path: Path, capsys) -> None:
