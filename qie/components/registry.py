@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from qie.components.single_file import is_single_file, load_transformer_file
 from qie.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ def build_parts(
         placements: device and dtype per weight-holding part; missing ones go to the CPU in float32.
         revision: hub revision (branch, tag or commit).
         quantize: "none", "fp8" or "int8": weight quantization of the transformer.
-        folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer).
+        folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer); for the
+            transformer also a single safetensors file (`qie.components.single_file`).
         keep_full_precision: transformer module patterns `quantize` leaves alone (the family's).
         text_encoder_quantize: "none", "fp8" or "int8": weight quantization of the text encoder.
 
@@ -172,7 +174,9 @@ def build_parts(
         own = folders.get(name)
         cls = _class(classes[name])
         try:
-            if own:
+            if own and name == "transformer" and is_single_file(own):
+                part = load_transformer_file(cls, own, source, revision, place.dtype)
+            elif own:
                 part = LOADERS[name](cls, own, None, None, place.dtype)
             else:
                 part = LOADERS[name](cls, source, name, revision, place.dtype)
