@@ -8,26 +8,29 @@ import torch
 
 from qie.errors import ConfigError
 
-KINDS = ("fp8", "int8")
+# What optimum-quanto quantizes in place after loading; nf4 is bitsandbytes', applied while loading.
+KINDS = ("fp8", "int8", "int4")
 
 
 def quantize_weights(
     model: torch.nn.Module, kind: str, exclude: list[str] | None = None, key: str = ""
 ) -> torch.nn.Module:
-    """Quantize the weights of `model`'s linear layers in place ("fp8" or "int8") and freeze them.
+    """Quantize the weights of `model`'s linear layers in place ("fp8", "int8" or "int4") and freeze them.
+
+    int4 is optimum-quanto's qint4: groups of 128 weights along a row, each with a scale and a shift.
 
     Args:
         exclude: module name patterns left in full precision.
         key: the config key that asked for it, for the error message.
 
     Raises:
-        ConfigError: for a kind other than fp8 or int8.
+        ConfigError: for a kind other than fp8, int8 or int4.
     """
-    from optimum.quanto import freeze, qfloat8, qint8, quantize
+    from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
 
-    weights = {"fp8": qfloat8, "int8": qint8}.get(kind)
+    weights = {"fp8": qfloat8, "int8": qint8, "int4": qint4}.get(kind)
     if weights is None:
-        raise ConfigError(f"{key or 'quantize'}={kind!r}: choose none, fp8 or int8")
+        raise ConfigError(f"{key or 'quantize'}={kind!r}: choose none, fp8, int8 or int4")
     quantize(model, weights=weights, exclude=exclude)
     freeze(model)
     return model
@@ -48,6 +51,34 @@ def quantize_text_encoder(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether optimum-quanto or bitsandbytes (diffusers' `is_quantized`) holds some of `model`'s weights."""
     from optimum.quanto import QModuleMixin
 
+    if getattr(model, "is_quantized", False) is True:
+        return True
     return any(isinstance(m, QModuleMixin) for m in model.modules())
+
+
+def nf4_config(dtype: torch.dtype, keep: Sequence[str]) -> object:
+    """diffusers' bitsandbytes config for `model.quantize=nf4`: 4-bit NormalFloat weights computed in `dtype`,
+    the modules `keep` names (the family's `keep_full_precision`, patterns without their `*`) left alone."""
+    from diffusers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=dtype,
+        llm_int8_skip_modules=[k.rstrip("*") for k in keep],
+    )
+
+
+def nf4_problem(cuda: bool, installed: bool) -> str | None:
+    """Why `model.quantize=nf4` cannot run here (checked when the config is composed), or None."""
+    if not cuda:
+        return (
+            "model.quantize=nf4 (bitsandbytes) needs a CUDA GPU and this machine has none: use model.quantize=int4 "
+            "(optimum-quanto, 4-bit weights on any device)"
+        )
+    if not installed:
+        return 'model.quantize=nf4 needs bitsandbytes: pip install "qie[bnb]", or use model.quantize=int4'
+    return None

@@ -123,9 +123,11 @@ def read_state(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_transformer_file(cls: type, path: str, config_source: str, revision: str | None, dtype: torch.dtype) -> Any:
+def load_transformer_file(
+    cls: type, path: str, config_source: str, revision: str | None, dtype: torch.dtype, **quantized: Any
+) -> Any:
     """The transformer of class `cls` from the single file `path`, its config from `config_source`'s transformer
-    (the base model), through diffusers' `from_single_file`.
+    (the base model), through diffusers' `from_single_file` (`quantized`: its quantization_config, device_map).
 
     Raises:
         ModelLoadError: the file lacks some of the model's weights or holds them in other shapes.
@@ -133,7 +135,12 @@ def load_transformer_file(cls: type, path: str, config_source: str, revision: st
     state = read_state(path, dtype)
     try:
         return cls.from_single_file(
-            state, config=config_source, subfolder="transformer", config_revision=revision, torch_dtype=dtype
+            state,
+            config=config_source,
+            subfolder="transformer",
+            config_revision=revision,
+            torch_dtype=dtype,
+            **quantized,
         )
     except NotImplementedError:  # weights the file lacks are left on the meta device
         missing = sorted(set(_empty_model(cls, config_source, revision).state_dict()) - set(state))

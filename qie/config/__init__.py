@@ -223,6 +223,14 @@ def _check_model(model: DictConfig) -> None:
     problems = spec.family.config_problems(spec)
     if problems:
         raise ConfigError(problems[0])
+    if str(getattr(model.quantize, "value", model.quantize)) == "nf4":
+        import torch
+
+        from qie.components.quantize import nf4_problem
+
+        problem = nf4_problem(torch.cuda.is_available(), importlib.util.find_spec("bitsandbytes") is not None)
+        if problem:
+            raise ConfigError(problem)
 
 
 # Optional packages that a `_target_` may need, and the qie extra that installs each.
