@@ -140,3 +140,25 @@ def test_a_file_that_is_not_a_whole_transformer_is_one_line(tiny_path: Path, tmp
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="is not a safetensors file"):
         prepare_model(small_config("train", f"model.transformer_path={tmp_path / 'junk.safetensors'}").model)
+
+
+@pytest.mark.parametrize(
+    "override,says",
+    [
+        ("model.vae_path=/models/vae/qwen_image_vae.safetensors", "no Qwen-Image VAE class"),
+        ("model.text_encoder_path=/models/text_encoders/qwen_2.5_vl_7b.safetensors", "no single-file loader"),
+    ],
+)
+def test_a_vae_or_text_encoder_file_is_refused_saying_what_to_pass(override: str, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        small_config("train", "model=qwen_image_edit_2511", override)
+    message = str(err.value)
+    assert "\n" not in message and says in message
+    assert "model.pretrained_model_name_or_path='Qwen/Qwen-Image-Edit-2511'" in message
+
+
+def test_a_file_as_the_base_model_is_refused_saying_what_to_pass(tmp_path: Path) -> None:
+    path = tmp_path / "qwen_image_edit_2511_fp8_scaled.safetensors"
+    save_file({"x": torch.zeros(1)}, str(path))
+    with pytest.raises(ConfigError, match="is one file: give a hub id or a diffusers folder.*model.transformer_path"):
+        small_config("train", f"model.pretrained_model_name_or_path={path}")

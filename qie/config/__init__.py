@@ -214,6 +214,7 @@ def _check_keys(node: DictConfig, path: str) -> None:
 def _check_model(model: DictConfig) -> None:
     """The model's variant and tiny preset exist, and its family's rules hold (`ModelFamily.config_problems`),
     before anything is built."""
+    from qie.components.single_file import UNREADABLE_PARTS, part_file_problem, source_file_problem
     from qie.models import model_spec, tiny_presets
 
     spec = model_spec(model)
@@ -223,6 +224,16 @@ def _check_model(model: DictConfig) -> None:
     problems = spec.family.config_problems(spec)
     if problems:
         raise ConfigError(problems[0])
+    source = (
+        str(model.pretrained_model_name_or_path)
+        if not OmegaConf.is_missing(model, "pretrained_model_name_or_path")
+        else ""
+    )
+    if problem := source_file_problem(source):
+        raise ConfigError(problem)
+    for key in UNREADABLE_PARTS:
+        if model.get(key):
+            raise ConfigError(part_file_problem(key, str(model.get(key)), source))
     if str(getattr(model.quantize, "value", model.quantize)) == "nf4":
         import torch
 

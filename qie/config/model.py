@@ -47,6 +47,11 @@ class ModelConfig:
     # folder, the folder holding it as transformer/, or one .safetensors file (diffusers' single-file layout or
     # ComfyUI's, fp8 and fp8-scaled files upcast to `dtype`). The other parts come from the base model.
     transformer_path: str | None = None
+    # A VAE or text encoder from one file (as ComfyUI keeps them) is refused when composed, naming what to pass
+    # instead: neither diffusers 0.42.1 (no single-file loader for these VAE classes) nor transformers (no
+    # single-file loader) reads them. The base model's folder or hub id provides both.
+    vae_path: str | None = None
+    text_encoder_path: str | None = None
     revision: str | None = None
     # A tiny preset (edit, edit_plus, edit_2511, t2i, demo, qwen_image_21: each family names its own): qie builds
     # that tiny random model at
