@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import small_config
-from safetensors.torch import save_file
+from helpers import CachedData, small_config
+from safetensors.torch import load_file, save_file
 
 from qie.errors import ConfigError, ModelLoadError
 
@@ -162,3 +163,66 @@ def test_a_file_as_the_base_model_is_refused_saying_what_to_pass(tmp_path: Path)
     save_file({"x": torch.zeros(1)}, str(path))
     with pytest.raises(ConfigError, match="is one file: give a hub id or a diffusers folder.*model.transformer_path"):
         small_config("train", f"model.pretrained_model_name_or_path={path}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_MODELS))
+def test_fp8_files_can_keep_their_fp8_bytes_and_scales(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    from optimum.quanto import QLinear
+
+    from qie.components import load_parts, prepare_model
+
+    model, fixture = FAMILY_MODELS[family]
+    request.getfixturevalue(fixture)
+    cfg = small_config("train", f"model={model}")
+    spec = prepare_model(cfg.model)
+    state = load_parts(cfg.model, ["transformer"], spec=spec).transformer.state_dict()
+    for layout in ("comfyui_fp8", "comfyui_fp8_scaled"):
+        path = write_layout(state, layout, tmp_path / f"{layout}.safetensors")
+        common = [f"model={model}", f"model.transformer_path={path}"]
+        upcast = load_parts(small_config("train", *common).model, ["transformer"], spec=spec).transformer
+        kept = load_parts(
+            small_config("train", *common, "model.single_file_fp8=keep").model, ["transformer"], spec=spec
+        ).transformer
+        file = load_file(str(path))
+        fp8 = [k.removeprefix("model.diffusion_model.") for k, v in file.items() if v.dtype == torch.float8_e4m3fn]
+        fp8 = [k for k in fp8 if k.endswith(".weight")]  # not the "scaled_fp8" marker
+        modules = dict(kept.named_modules())
+        fp8_modules = {n for n, m in modules.items() if isinstance(m, QLinear)}
+        # Every fp8 tensor of the file is held as fp8 (2.1's fused gate/up as its two halves), nothing else is.
+        split = {k.replace("gate_up", p) for k in fp8 if "gate_up" in k for p in ("gate_layer", "proj")}
+        assert fp8_modules == {k.removesuffix(".weight") for k in fp8 if "gate_up" not in k} | {
+            k.removesuffix(".weight") for k in split
+        }
+        for name in fp8_modules:
+            weight = modules[name].weight
+            assert weight._data.dtype == torch.float8_e4m3fn
+            # Its value is the file's fp8 times the file's scale: what upcasting gives, to the last bit.
+            assert torch.equal(weight.dequantize(), dict(upcast.named_parameters())[f"{name}.weight"]), name
+            raw = file.get(f"model.diffusion_model.{name}.weight")
+            if raw is not None:  # the file's own bytes
+                assert torch.equal(weight._data.view(torch.uint8), raw.view(torch.uint8)), name
+        assert step_loss(spec, kept) == pytest.approx(step_loss(spec, upcast), rel=1e-6)
+    with pytest.raises(ConfigError, match="single_file_fp8=keep.*set model.quantize=none"):
+        small_config("train", f"model={model}", "model.single_file_fp8=keep", "model.quantize=int4")
+
+
+def test_a_kept_fp8_file_trains_a_lora(cached_data: CachedData, tmp_path: Path) -> None:
+    from diffusers import QwenImageTransformer2DModel
+
+    from qie.stages import train as train_stage
+
+    folder = Path(small_config("train").model.pretrained_model_name_or_path) / "transformer"
+    state = QwenImageTransformer2DModel.from_pretrained(folder).state_dict()
+    path = write_layout(state, "comfyui_fp8_scaled", tmp_path / "fp8_scaled.safetensors")
+    common = [*cached_data.overrides, "train.max_steps=2", "train.learning_rate=1e-3", f"model.transformer_path={path}"]
+    runs = {
+        how: train_stage.run(small_config("train", *common, f"model.single_file_fp8={how}"), tmp_path / how)
+        for how in ("keep", "upcast")
+    }
+    np.testing.assert_allclose(runs["keep"]["losses"], runs["upcast"]["losses"], rtol=1e-5)
+    lora = load_file(str(tmp_path / "keep" / "lora" / "pytorch_lora_weights.safetensors"))
+    assert [v for k, v in lora.items() if "lora_B" in k] and all(
+        v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k
+    )

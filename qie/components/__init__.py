@@ -81,6 +81,7 @@ def load_parts(
         folders=folders,
         keep_full_precision=spec.family.keep_full_precision,
         text_encoder_quantize=str(_value(getattr(model_cfg, "text_encoder_quantize", "none"))),
+        single_file_fp8=str(_value(model_cfg.get("single_file_fp8", "upcast"))),
     )
     parts.pipeline_config = pipeline_config(source, model_cfg.revision)
     return parts

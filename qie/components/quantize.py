@@ -82,3 +82,38 @@ def nf4_problem(cuda: bool, installed: bool) -> str | None:
     if not installed:
         return 'model.quantize=nf4 needs bitsandbytes: pip install "qie[bnb]", or use model.quantize=int4'
     return None
+
+
+def keep_fp8_weights(model: torch.nn.Module, weights: dict) -> torch.nn.Module:
+    """Make the linear layers `weights` names hold those fp8 weights: module name -> (fp8 tensor (rows, cols),
+    fp32 scale column (rows, 1)), the weight being fp8 x scale. optimum-quanto's fp8 weights of the same layout
+    (per-row scales, `axis=0`) replace the modules' float weights; nothing is rounded again.
+
+    Raises:
+        ModelLoadError: a name that is not a linear layer of `model`, or a weight of another shape.
+    """
+    from optimum.quanto import QLinear, freeze, qfloat8_e4m3fn, qfloat8_e5m2, quantize
+    from optimum.quanto.tensor.weights.qbytes import WeightQBytesTensor
+
+    from qie.errors import ModelLoadError
+
+    qtypes = {torch.float8_e4m3fn: qfloat8_e4m3fn, torch.float8_e5m2: qfloat8_e5m2}
+    modules = dict(model.named_modules())
+    for name, (data, _) in weights.items():
+        module = modules.get(name)
+        if not isinstance(module, torch.nn.Linear) or module.weight.shape != data.shape:
+            raise ModelLoadError(f"the fp8 weight {name}.weight {tuple(data.shape)} is no linear layer's of the model")
+    for dtype, qtype in qtypes.items():
+        names = [n for n, (data, _) in weights.items() if data.dtype == dtype]
+        if names:
+            quantize(model, weights=qtype, include=names)
+    freeze(model)
+    modules = dict(model.named_modules())
+    for name, (data, scale) in weights.items():
+        module = modules[name]
+        assert isinstance(module, QLinear)
+        scale = scale.to(device=module.weight.device, dtype=module.weight.dtype)
+        data = data.to(module.weight.device).contiguous()
+        qweight = WeightQBytesTensor(qtypes[data.dtype], 0, data.size(), data.stride(), data, scale, None)
+        module.weight = torch.nn.Parameter(qweight, requires_grad=False)
+    return model

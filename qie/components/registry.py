@@ -143,6 +143,7 @@ def build_parts(
     folders: Mapping[str, str] | None = None,
     keep_full_precision: Sequence[str] = (),
     text_encoder_quantize: str = "none",
+    single_file_fp8: str = "upcast",
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
 
@@ -158,6 +159,7 @@ def build_parts(
             transformer also a single safetensors file (`qie.components.single_file`).
         keep_full_precision: transformer module patterns `quantize` leaves alone (the family's).
         text_encoder_quantize: "none", "fp8" or "int8": weight quantization of the text encoder.
+        single_file_fp8: "upcast" or "keep": the fp8 weights of a transformer file (`load_transformer_file`).
 
     Returns:
         Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
@@ -181,7 +183,7 @@ def build_parts(
         extra = _nf4_load_arguments(place, keep_full_precision) if nf4 else {}
         try:
             if own and name == "transformer" and is_single_file(own):
-                part = load_transformer_file(cls, own, source, revision, place.dtype, **extra)
+                part = load_transformer_file(cls, own, source, revision, place.dtype, single_file_fp8, **extra)
             elif own:
                 part = LOADERS[name](cls, own, None, None, place.dtype, **extra)
             else:

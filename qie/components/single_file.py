@@ -124,15 +124,32 @@ def read_state(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def load_transformer_file(
-    cls: type, path: str, config_source: str, revision: str | None, dtype: torch.dtype, **quantized: Any
+    cls: type,
+    path: str,
+    config_source: str,
+    revision: str | None,
+    dtype: torch.dtype,
+    fp8: str = "upcast",
+    **quantized: Any,
 ) -> Any:
     """The transformer of class `cls` from the single file `path`, its config from `config_source`'s transformer
     (the base model), through diffusers' `from_single_file` (`quantized`: its quantization_config, device_map).
+
+    Args:
+        fp8: "upcast" (fp8 weights times their scales in `dtype`) or "keep" (those linear layers then hold the
+            file's fp8 bytes and scales again, as optimum-quanto fp8 weights: `keep_file_fp8`).
 
     Raises:
         ModelLoadError: the file lacks some of the model's weights or holds them in other shapes.
     """
     state = read_state(path, dtype)
+    model = _from_single_file(cls, state, path, config_source, revision, dtype, **quantized)
+    return keep_file_fp8(model, path) if fp8 == "keep" else model
+
+
+def _from_single_file(
+    cls: type, state: dict, path: str, config_source: str, revision: str | None, dtype: torch.dtype, **quantized: Any
+) -> Any:
     try:
         return cls.from_single_file(
             state,
@@ -153,6 +170,48 @@ def load_transformer_file(
         raise ModelLoadError(
             f"model.transformer_path={path!r} does not fit the {cls.__name__} of {config_source}: {first}"
         ) from None
+
+
+def keep_file_fp8(model: Any, path: str | Path) -> Any:
+    """Give the linear layers whose weights `path` stores in fp8 those fp8 bytes and scales back (optimum-quanto
+    fp8 weights, a per-row scale column; a per-tensor scale repeated per row), in place of their upcast copies.
+
+    The file's fp8 tensors and scale columns go through the same key mapping diffusers' `from_single_file` gives
+    the family's class (2.1's fused gate/up rows split in two), so each lands on the module it was loaded into.
+    """
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from safetensors import safe_open
+
+    from qie.components.quantize import keep_fp8_weights
+
+    weights, scales = {}, {}
+    with safe_open(str(Path(path).expanduser()), framework="pt") as f:
+        keys = set(f.keys())
+        for key in keys:
+            if key.endswith(".weight") and not _is_marker(key) and f.get_slice(key).get_dtype().startswith("F8"):
+                weight = f.get_tensor(key)
+                base = key.removesuffix(".weight")
+                found = next((f.get_tensor(base + s) for s in SCALE_SUFFIXES if base + s in keys), torch.ones(1))
+                weights[module_name(key)] = weight
+                scales[module_name(key)] = _scale_column(found.float(), weight.shape[0], key, path)
+    if not weights:
+        return model
+    mapping = SINGLE_FILE_LOADABLE_CLASSES[type(model).__name__]["checkpoint_mapping_fn"]
+    weights = mapping(config=model.config, checkpoint=weights)
+    scales = mapping(config=model.config, checkpoint=scales)
+    keep_fp8_weights(model, {k.removesuffix(".weight"): (w, scales[k]) for k, w in weights.items()})
+    return model
+
+
+def _scale_column(scale: torch.Tensor, rows: int, key: str, path: str | Path) -> torch.Tensor:
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(rows, 1).clone()
+    if scale.numel() == rows:
+        return scale.reshape(rows, 1)
+    raise ModelLoadError(
+        f"{path}: the scale of {key} holds {scale.numel()} values for {rows} rows: not a per-tensor or per-row "
+        "fp8 scale; use model.single_file_fp8=upcast"
+    )
 
 
 def _empty_model(cls: type, source: str, revision: str | None) -> Any:

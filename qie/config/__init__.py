@@ -234,7 +234,13 @@ def _check_model(model: DictConfig) -> None:
     for key in UNREADABLE_PARTS:
         if model.get(key):
             raise ConfigError(part_file_problem(key, str(model.get(key)), source))
-    if str(getattr(model.quantize, "value", model.quantize)) == "nf4":
+    quantize = str(getattr(model.quantize, "value", model.quantize))
+    if str(getattr(model.single_file_fp8, "value", model.single_file_fp8)) == "keep" and quantize != "none":
+        raise ConfigError(
+            f"model.single_file_fp8=keep holds the file's fp8 weights as they are; model.quantize={quantize} would "
+            "quantize them again: set model.quantize=none, or model.single_file_fp8=upcast"
+        )
+    if quantize == "nf4":
         import torch
 
         from qie.components.quantize import nf4_problem

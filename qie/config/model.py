@@ -35,6 +35,13 @@ class TextEncoderQuantize(str, Enum):
     int8 = "int8"
 
 
+class SingleFileFp8(str, Enum):
+    """What becomes of fp8 weights in a `model.transformer_path` file."""
+
+    upcast = "upcast"  # times their scales, in `model.dtype`
+    keep = "keep"  # the file's fp8 bytes and scales, as optimum-quanto fp8 weights
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING
@@ -52,6 +59,9 @@ class ModelConfig:
     # single-file loader) reads them. The base model's folder or hub id provides both.
     vae_path: str | None = None
     text_encoder_path: str | None = None
+    # fp8 weights of a transformer file: upcast to `dtype` (times their scales), or kept as the file stores them
+    # (the file's fp8 bytes and per-tensor scales held by optimum-quanto; not with model.quantize).
+    single_file_fp8: SingleFileFp8 = SingleFileFp8.upcast
     revision: str | None = None
     # A tiny preset (edit, edit_plus, edit_2511, t2i, demo, qwen_image_21: each family names its own): qie builds
     # that tiny random model at
