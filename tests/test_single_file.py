@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from qie.errors import ConfigError, ModelLoadError
 
 FAMILY_MODELS = {"qwen_image": ("tiny", "tiny_path"), "qwen_image_21": ("tiny_qwen_image_21", "tiny21_path")}
-LAYOUTS = ("diffusers", "comfyui", "comfyui_fp8", "comfyui_fp8_scaled")
+# fp8 scaled: one scale per tensor (`scale_weight`, ComfyUI's fp8_scaled files), or one per row (`weight_scale`).
+LAYOUTS = ("diffusers", "comfyui", "comfyui_fp8", "comfyui_fp8_scaled", "comfyui_fp8_scaled_rows")
 # fp8 e4m3 rounds a weight to 3 mantissa bits: off by at most 1/16 of it, or by half the subnormal step
 # (2^-10) below 2^-6. A per-tensor scale (absmax / 448) moves a tensor into fp8's range: then each weight is off
 # by at most half fp8's top step (16) times the scale. The training loss of a fixed batch then moves by < 1e-3
@@ -51,8 +52,12 @@ def write_layout(state: dict[str, torch.Tensor], layout: str, path: Path) -> Pat
                 scale = weight.abs().max() / 448.0
                 out[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(1)
                 weight = weight / scale
+            elif layout.endswith("rows"):
+                scale = weight.abs().amax(dim=1, keepdim=True) / 448.0
+                out[key.removesuffix(".weight") + ".weight_scale"] = scale
+                weight = weight / scale
             out[key] = weight.to(torch.float8_e4m3fn)
-        if layout.endswith("scaled"):
+        if "scaled" in layout:
             out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     save_file(out, str(path))
     return path
@@ -93,7 +98,7 @@ def test_a_single_file_in_every_layout_loads_like_the_folder(
         saved, fp8 = folder.state_dict(), layout.startswith("comfyui_fp8")
         for key, value in loaded.state_dict().items():
             if fp8 and "transformer_blocks" in key and value.ndim == 2:
-                bound = fp8_error_bound(saved, key, layout.endswith("scaled"))
+                bound = fp8_error_bound(saved, key, "scaled" in layout)
                 assert ((value - saved[key]).abs() <= bound * 1.0001).all(), (layout, key)
             else:
                 assert torch.equal(value, saved[key]), (layout, key)
@@ -178,7 +183,7 @@ def test_fp8_files_can_keep_their_fp8_bytes_and_scales(
     cfg = small_config("train", f"model={model}")
     spec = prepare_model(cfg.model)
     state = load_parts(cfg.model, ["transformer"], spec=spec).transformer.state_dict()
-    for layout in ("comfyui_fp8", "comfyui_fp8_scaled"):
+    for layout in ("comfyui_fp8", "comfyui_fp8_scaled", "comfyui_fp8_scaled_rows"):
         path = write_layout(state, layout, tmp_path / f"{layout}.safetensors")
         common = [f"model={model}", f"model.transformer_path={path}"]
         upcast = load_parts(small_config("train", *common).model, ["transformer"], spec=spec).transformer

@@ -94,32 +94,30 @@ def check_transformer_file(spec: Any, path: str) -> None:
 
 
 def read_state(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The file's weights under diffusers' module names, fp8 weights upcast to `dtype` times their scales.
+    """The file's weights under diffusers' module names, fp8 weights upcast to `dtype` times their scales (read
+    one tensor at a time, so the host holds the fp8 file's bytes once at most, not beside the upcast copy).
 
     Raises:
-        ModelLoadError: a scale that does not fit its weight.
+        ModelLoadError: a scale that fits neither a whole tensor nor one value per row.
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    raw = load_file(str(Path(path).expanduser()))
-    scales = {k[: -len(s)]: raw[k] for k in raw for s in SCALE_SUFFIXES if k.endswith(s)}
     state = {}
-    for key, value in raw.items():
-        if _is_marker(key) or key.endswith(SCALE_SUFFIXES):
-            continue
-        if value.dtype in FP8_DTYPES:
-            scale = scales.get(key.removesuffix(".weight"))
-            value = value.to(torch.float32)
-            if scale is not None:
-                try:
-                    value = value * scale.to(torch.float32)
-                except RuntimeError:
-                    raise ModelLoadError(
-                        f"{path}: the scale of {key} has shape {tuple(scale.shape)}, its weight {tuple(value.shape)}: "
-                        "not a per-tensor or per-row fp8 scale qie can read"
-                    ) from None
-            value = value.to(dtype)
-        state[module_name(key)] = value
+    with safe_open(str(Path(path).expanduser()), framework="pt") as f:
+        keys = set(f.keys())
+        for key in sorted(keys):
+            if _is_marker(key) or key.endswith(SCALE_SUFFIXES):
+                continue
+            value = f.get_tensor(key)
+            if value.dtype in FP8_DTYPES:
+                base = key.removesuffix(".weight")
+                scale = next((f.get_tensor(base + s) for s in SCALE_SUFFIXES if base + s in keys), None)
+                value = value.to(torch.float32)
+                if scale is not None:
+                    column = _scale_column(scale.float(), value.shape[0], key, path) if value.ndim == 2 else scale
+                    value = value * column.float()
+                value = value.to(dtype)
+            state[module_name(key)] = value
     return state
 
 
