@@ -66,3 +66,14 @@ def test_nf4_is_refused_without_a_gpu_in_one_line(monkeypatch: pytest.MonkeyPatc
     )
     assert 'pip install "qie[bnb]"' in nf4_problem(cuda=True, installed=False)
     assert nf4_problem(cuda=True, installed=True) is None
+
+
+def test_nf4_is_refused_for_a_transformer_off_the_gpu(tiny_path: Path) -> None:
+    """Where the config passed (a GPU is there) but the transformer is placed on the CPU."""
+    from qie.components import build_parts
+    from qie.components.registry import Placement
+    from qie.models import families
+
+    placements = {"transformer": Placement(torch.device("cpu"), torch.float32)}
+    with pytest.raises(ConfigError, match="model.quantize=nf4 .* its device is cpu"):
+        build_parts(str(tiny_path), ["transformer"], families()["qwen_image"].part_classes, placements, quantize="nf4")

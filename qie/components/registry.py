@@ -207,6 +207,12 @@ def build_parts(
 def _nf4_load_arguments(place: Placement, keep: Sequence[str]) -> dict[str, Any]:
     from qie.components.quantize import nf4_config
 
+    if place.device.type != "cuda":
+        raise ConfigError(
+            f"model.quantize=nf4 (bitsandbytes) puts the transformer on a CUDA device, but its device is "
+            f"{place.device}: place it on cuda (predict.devices.transformer / the training process's GPU) or use "
+            "model.quantize=int4"
+        )
     return {"quantization_config": nf4_config(place.dtype, keep), "device_map": {"": str(place.device)}}
 
 
