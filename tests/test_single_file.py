@@ -231,3 +231,14 @@ def test_a_kept_fp8_file_trains_a_lora(cached_data: CachedData, tmp_path: Path) 
     assert [v for k, v in lora.items() if "lora_B" in k] and all(
         v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k
     )
+
+
+@pytest.mark.parametrize(
+    "stage,override",
+    [("train", "train.fsdp=true"), ("train", "train.mode=full"), ("infer", "predict.merge_to=merged")],
+)
+def test_kept_fp8_weights_refuse_what_needs_plain_weights(stage: str, override: str) -> None:
+    keep = ["model.transformer_path=/models/x_fp8_scaled.safetensors", "model.single_file_fp8=keep"]
+    with pytest.raises(ConfigError, match=f"{override.split('=')[0]}.*set model.single_file_fp8=upcast"):
+        small_config(stage, *keep, override)
+    small_config(stage, *keep)  # alone it composes

@@ -188,11 +188,36 @@ def validate(cfg: DictConfig) -> None:
     _check_installed(cfg, "train.optimizer")
     if isinstance(cfg.get("model"), DictConfig):
         _check_model(cfg.model)
+    _check_kept_fp8(cfg)
     if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
         raise ConfigError(
             "validation.every needs an unsharded model (validation samples on the main process only): "
             "set validation.every=0 with train.fsdp=true"
         )
+
+
+def _value(x: object) -> object:
+    """An enum member's value (a config enum), anything else as it is."""
+    return getattr(x, "value", x)
+
+
+def _check_kept_fp8(cfg: DictConfig) -> None:
+    """fp8 weights kept from a transformer file are optimum-quanto tensors, like `model.quantize`'s: refuse what
+    needs plain weights (sharding, full training, merging a LoRA into the weights)."""
+    keep = str(_value(OmegaConf.select(cfg, "model.single_file_fp8", default="upcast"))) == "keep"
+    if not keep or not OmegaConf.select(cfg, "model.transformer_path", default=None):
+        return
+    needs = {
+        "train.fsdp=true": bool(OmegaConf.select(cfg, "train.fsdp", default=False)),
+        "train.mode=full": str(_value(OmegaConf.select(cfg, "train.mode", default="lora"))) == "full",
+        "predict.merge_to": bool(OmegaConf.select(cfg, "predict.merge_to", default=None)),
+    }
+    for key, on in needs.items():
+        if on:
+            raise ConfigError(
+                f"{key} needs plain transformer weights; model.single_file_fp8=keep holds the file's fp8 weights "
+                "as they are: set model.single_file_fp8=upcast"
+            )
 
 
 def _check_keys(node: DictConfig, path: str) -> None:
