@@ -316,7 +316,8 @@ def plan(weights: dict[str, WeightBytes], step: dict, budget: int, optimizer_sta
         for checkpointing, offload in ((False, False), (True, False), (True, True)):
             levers = Levers(quantize, checkpointing, offload)
             best = estimate(w, step, levers, optimizer_state, reserve)
-            swaps = range(w.blocks + 1) if checkpointing else [0]
+            # Block swap needs checkpointing, and moves plain and 8-bit weights only (not packed 4-bit ones).
+            swaps = range(w.blocks + 1) if checkpointing and quantize not in ("int4", "nf4") else [0]
             for n in swaps:
                 candidate = estimate(w, step, replace(levers, blocks_to_swap=n), optimizer_state, reserve)
                 if candidate.total <= budget:

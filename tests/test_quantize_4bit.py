@@ -77,3 +77,11 @@ def test_nf4_is_refused_for_a_transformer_off_the_gpu(tiny_path: Path) -> None:
     placements = {"transformer": Placement(torch.device("cpu"), torch.float32)}
     with pytest.raises(ConfigError, match="model.quantize=nf4 .* its device is cpu"):
         build_parts(str(tiny_path), ["transformer"], families()["qwen_image"].part_classes, placements, quantize="nf4")
+
+
+def test_4_bit_weights_refuse_block_swap_when_composed() -> None:
+    """The swapper moves plain and 8-bit weights; int4's are packed tensors inside tensors (nf4's likewise)."""
+    train = ("train", "train.blocks_to_swap", ["train.gradient_checkpointing=true"])
+    for stage, key, extra in (train, ("infer", "predict.blocks_to_swap", [])):
+        with pytest.raises(ConfigError, match=f"{key} moves plain and 8-bit weights only.*set {key}=0"):
+            small_config(stage, "model.quantize=int4", f"{key}=2", *extra)

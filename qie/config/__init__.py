@@ -189,6 +189,7 @@ def validate(cfg: DictConfig) -> None:
     if isinstance(cfg.get("model"), DictConfig):
         _check_model(cfg.model)
     _check_kept_fp8(cfg)
+    _check_four_bit_swap(cfg)
     if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
         raise ConfigError(
             "validation.every needs an unsharded model (validation samples on the main process only): "
@@ -199,6 +200,19 @@ def validate(cfg: DictConfig) -> None:
 def _value(x: object) -> object:
     """An enum member's value (a config enum), anything else as it is."""
     return getattr(x, "value", x)
+
+
+def _check_four_bit_swap(cfg: DictConfig) -> None:
+    """Block swap moves plain and optimum-quanto 8-bit weights; 4-bit ones are packed tensors inside tensors."""
+    quantize = str(_value(OmegaConf.select(cfg, "model.quantize", default="none")))
+    if quantize not in ("int4", "nf4"):
+        return
+    for key in ("train.blocks_to_swap", "predict.blocks_to_swap"):
+        if OmegaConf.select(cfg, key, default=0):
+            raise ConfigError(
+                f"{key} moves plain and 8-bit weights only; model.quantize={quantize} packs 4-bit ones: set "
+                f"{key}=0 (4-bit weights already quarter the transformer), or model.quantize=fp8 with block swap"
+            )
 
 
 def _check_kept_fp8(cfg: DictConfig) -> None:
