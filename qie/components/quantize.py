@@ -72,18 +72,6 @@ def nf4_config(dtype: torch.dtype, keep: Sequence[str]) -> object:
     )
 
 
-def nf4_problem(cuda: bool, installed: bool) -> str | None:
-    """Why `model.quantize=nf4` cannot run here (checked when the config is composed), or None."""
-    if not cuda:
-        return (
-            "model.quantize=nf4 (bitsandbytes) needs a CUDA GPU and this machine has none: use model.quantize=int4 "
-            "(optimum-quanto, 4-bit weights on any device)"
-        )
-    if not installed:
-        return 'model.quantize=nf4 needs bitsandbytes: pip install "qie[bnb]", or use model.quantize=int4'
-    return None
-
-
 def keep_fp8_weights(model: torch.nn.Module, weights: dict) -> torch.nn.Module:
     """Make the linear layers `weights` names hold those fp8 weights: module name -> (fp8 tensor (rows, cols),
     fp32 scale column (rows, 1)), the weight being fp8 x scale. optimum-quanto's fp8 weights of the same layout

@@ -241,30 +241,3 @@ def _models_of(family: str) -> list[str]:
             if pair and pair[0].name == family:
                 found.append((bool(node.get("tiny")), str(node.name)))
     return [name for _, name in sorted(found)]
-
-
-# Why a part cannot come from one file, and what to pass instead (`model.vae_path`, `model.text_encoder_path`).
-UNREADABLE_PARTS = {
-    "vae_path": "diffusers 0.42.1's single-file loader (from_single_file) has no Qwen-Image VAE class",
-    "text_encoder_path": "transformers has no single-file loader; it reads a text encoder from its folder",
-}
-
-
-def part_file_problem(key: str, path: str, source: str) -> str:
-    """The one-line refusal of `model.<key>=path`, saying what to pass instead."""
-    part = key.removesuffix("_path")
-    return (
-        f"model.{key}={path!r}: the {part.replace('_', ' ')} cannot be read from one file ({UNREADABLE_PARTS[key]}): "
-        f"leave model.{key} unset; the {part} comes from model.pretrained_model_name_or_path={source!r} (a hub id "
-        f"or a diffusers folder with {part}/ inside); only the transformer may be one file (model.transformer_path)"
-    )
-
-
-def source_file_problem(source: str) -> str | None:
-    """Why `model.pretrained_model_name_or_path` cannot be `source` when it names one file, else None."""
-    if not is_single_file(source):
-        return None
-    return (
-        f"model.pretrained_model_name_or_path={source!r} is one file: give a hub id or a diffusers folder "
-        "(model_index.json and one folder per part); a transformer file goes in model.transformer_path"
-    )

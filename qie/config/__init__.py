@@ -21,6 +21,7 @@ from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
+from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
 STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption")
@@ -188,50 +189,13 @@ def validate(cfg: DictConfig) -> None:
     _check_installed(cfg, "train.optimizer")
     if isinstance(cfg.get("model"), DictConfig):
         _check_model(cfg.model)
-    _check_kept_fp8(cfg)
-    _check_four_bit_swap(cfg)
+    if problem := weight_problem(cfg):
+        raise ConfigError(problem)
     if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
         raise ConfigError(
             "validation.every needs an unsharded model (validation samples on the main process only): "
             "set validation.every=0 with train.fsdp=true"
         )
-
-
-def _value(x: object) -> object:
-    """An enum member's value (a config enum), anything else as it is."""
-    return getattr(x, "value", x)
-
-
-def _check_four_bit_swap(cfg: DictConfig) -> None:
-    """Block swap moves plain and optimum-quanto 8-bit weights; 4-bit ones are packed tensors inside tensors."""
-    quantize = str(_value(OmegaConf.select(cfg, "model.quantize", default="none")))
-    if quantize not in ("int4", "nf4"):
-        return
-    for key in ("train.blocks_to_swap", "predict.blocks_to_swap"):
-        if OmegaConf.select(cfg, key, default=0):
-            raise ConfigError(
-                f"{key} moves plain and 8-bit weights only; model.quantize={quantize} packs 4-bit ones: set "
-                f"{key}=0 (4-bit weights already quarter the transformer), or model.quantize=fp8 with block swap"
-            )
-
-
-def _check_kept_fp8(cfg: DictConfig) -> None:
-    """fp8 weights kept from a transformer file are optimum-quanto tensors, like `model.quantize`'s: refuse what
-    needs plain weights (sharding, full training, merging a LoRA into the weights)."""
-    keep = str(_value(OmegaConf.select(cfg, "model.single_file_fp8", default="upcast"))) == "keep"
-    if not keep or not OmegaConf.select(cfg, "model.transformer_path", default=None):
-        return
-    needs = {
-        "train.fsdp=true": bool(OmegaConf.select(cfg, "train.fsdp", default=False)),
-        "train.mode=full": str(_value(OmegaConf.select(cfg, "train.mode", default="lora"))) == "full",
-        "predict.merge_to": bool(OmegaConf.select(cfg, "predict.merge_to", default=None)),
-    }
-    for key, on in needs.items():
-        if on:
-            raise ConfigError(
-                f"{key} needs plain transformer weights; model.single_file_fp8=keep holds the file's fp8 weights "
-                "as they are: set model.single_file_fp8=upcast"
-            )
 
 
 def _check_keys(node: DictConfig, path: str) -> None:
@@ -253,7 +217,6 @@ def _check_keys(node: DictConfig, path: str) -> None:
 def _check_model(model: DictConfig) -> None:
     """The model's variant and tiny preset exist, and its family's rules hold (`ModelFamily.config_problems`),
     before anything is built."""
-    from qie.components.single_file import UNREADABLE_PARTS, part_file_problem, source_file_problem
     from qie.models import model_spec, tiny_presets
 
     spec = model_spec(model)
@@ -263,30 +226,6 @@ def _check_model(model: DictConfig) -> None:
     problems = spec.family.config_problems(spec)
     if problems:
         raise ConfigError(problems[0])
-    source = (
-        str(model.pretrained_model_name_or_path)
-        if not OmegaConf.is_missing(model, "pretrained_model_name_or_path")
-        else ""
-    )
-    if problem := source_file_problem(source):
-        raise ConfigError(problem)
-    for key in UNREADABLE_PARTS:
-        if model.get(key):
-            raise ConfigError(part_file_problem(key, str(model.get(key)), source))
-    quantize = str(getattr(model.quantize, "value", model.quantize))
-    if str(getattr(model.single_file_fp8, "value", model.single_file_fp8)) == "keep" and quantize != "none":
-        raise ConfigError(
-            f"model.single_file_fp8=keep holds the file's fp8 weights as they are; model.quantize={quantize} would "
-            "quantize them again: set model.quantize=none, or model.single_file_fp8=upcast"
-        )
-    if quantize == "nf4":
-        import torch
-
-        from qie.components.quantize import nf4_problem
-
-        problem = nf4_problem(torch.cuda.is_available(), importlib.util.find_spec("bitsandbytes") is not None)
-        if problem:
-            raise ConfigError(problem)
 
 
 # Optional packages that a `_target_` may need, and the qie extra that installs each.
