@@ -219,8 +219,8 @@ class WeightBytes:
 def weight_bytes(
     family: Any, config: dict, dtype: torch.dtype, quantize: str, rank: int, targets: Sequence[str]
 ) -> WeightBytes:
-    """Counted on the meta device; fp8/int8 store the linear layers quantized (1 byte + a scale per row) but those
-    the family keeps in full precision."""
+    """Counted on the meta device; quantization stores the linear layers but those the family keeps in full
+    precision as `quantized_bytes` counts them."""
     from peft import LoraConfig
 
     with torch.device("meta"):
@@ -233,7 +233,7 @@ def weight_bytes(
         for name, p in module.named_parameters(prefix=prefix):
             owner = name.rsplit(".", 1)[0]
             linear = name.endswith(".weight") and p.ndim == 2 and not owner.startswith(kept)
-            total += p.numel() + p.shape[0] * size if quantize != "none" and linear else p.numel() * size
+            total += quantized_bytes(quantize, p.shape, size) if quantize != "none" and linear else p.numel() * size
         return total
 
     blocks = getattr(model, family.blocks)
@@ -242,6 +242,25 @@ def weight_bytes(
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     return WeightBytes(other, block, len(blocks), lora)
+
+
+# Weights per group sharing a scale: optimum-quanto's qint4 (a scale and a shift per group, in the model's dtype),
+# bitsandbytes' nf4 (an fp32 absmax per block; diffusers' default, no double quantization).
+INT4_GROUP, NF4_BLOCK = 128, 64
+
+
+def quantized_bytes(quantize: str, shape: Sequence[int], size: int) -> int:
+    """Bytes of one quantized linear weight of `shape` (rows, columns); `size`: the model dtype's element size.
+
+    fp8/int8: 1 byte per weight + a scale per row; int4: half a byte + a scale and a shift per 128 weights;
+    nf4: half a byte + a 4-byte absmax per 64 weights.
+    """
+    rows, numel = shape[0], shape[0] * shape[1]
+    if quantize == "int4":
+        return numel // 2 + 2 * size * -(-numel // INT4_GROUP)
+    if quantize == "nf4":
+        return numel // 2 + 4 * -(-numel // NF4_BLOCK)
+    return numel + rows * size
 
 
 def step_memory(
@@ -297,7 +316,8 @@ def plan(weights: dict[str, WeightBytes], step: dict, budget: int, optimizer_sta
         for checkpointing, offload in ((False, False), (True, False), (True, True)):
             levers = Levers(quantize, checkpointing, offload)
             best = estimate(w, step, levers, optimizer_state, reserve)
-            swaps = range(w.blocks + 1) if checkpointing else [0]
+            # Block swap needs checkpointing, and moves plain and 8-bit weights only (not packed 4-bit ones).
+            swaps = range(w.blocks + 1) if checkpointing and quantize not in ("int4", "nf4") else [0]
             for n in swaps:
                 candidate = estimate(w, step, replace(levers, blocks_to_swap=n), optimizer_state, reserve)
                 if candidate.total <= budget:

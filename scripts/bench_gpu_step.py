@@ -8,7 +8,7 @@ on the GPU and initialised in place (N(0, 0.02) weights, zero biases, unit norm 
 stays small and the GPU holds one bf16 copy (~41 GB). `--num-layers` makes a smaller model for GPUs that
 cannot hold it.
 
-Each configuration (bf16 or fp8 weights via optimum-quanto, as `model.quantize=fp8`; gradient
+Each configuration (bf16, or fp8 / int4 weights via optimum-quanto, as `model.quantize=fp8|int4`; gradient
 checkpointing off or on) trains the LoRA qie trains (rank 16 on the attention projections) with qie's
 own flow-matching loss (`qie.models.qwen_image.flow_matching_loss`) on one 1024x1024 Edit sample: target and
 control latents 16x128x128 (4,096 packed tokens each) and ~1,300 prompt tokens, under bf16 autocast as
@@ -17,7 +17,7 @@ and MFU = model FLOPs per step / s per step / the GPU's dense bf16 peak. Model F
 torch.utils.flop_counter on the bf16 configuration without checkpointing (recomputation is not useful work,
 so the same count is used for every configuration); `--peak-tflops` overrides the peak table.
 
-    python scripts/bench_gpu_step.py                                  # all four configurations
+    python scripts/bench_gpu_step.py                                  # all six configurations
     python scripts/bench_gpu_step.py --num-layers 20 --configs bf16 bf16+gc
     python scripts/bench_gpu_step.py --device cpu --num-layers 1 --resolution 256 --prompt-tokens 64 \\
         --steps 1 --warmup 0 --configs bf16      # a CPU smoke run of the code path (not a benchmark)
@@ -39,7 +39,9 @@ from qie.models import real_size
 REAL_CONFIG = real_size.TRANSFORMER
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), matched against torch.cuda.get_device_name().
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0}
-CONFIGS = ("bf16", "bf16+gc", "fp8", "fp8+gc")
+CONFIGS = ("bf16", "bf16+gc", "fp8", "fp8+gc", "int4", "int4+gc")
+# The weights of each configuration: its name before "+"; all but bf16 are `model.quantize` values.
+WEIGHTS = ("bf16", "fp8", "int4")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
@@ -60,8 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build(args: argparse.Namespace, fp8: bool):
-    """The transformer, materialised on the device in bf16 with random weights, quantized for fp8, + LoRA."""
+def build(args: argparse.Namespace, weights: str):
+    """The transformer, materialised on the device in bf16 with random weights, quantized (fp8, int4), + LoRA."""
     import torch
     from diffusers import QwenImageTransformer2DModel
 
@@ -89,8 +91,8 @@ def build(args: argparse.Namespace, fp8: bool):
     model.pos_embed = type(pos)(theta=pos.theta, axes_dim=list(pos.axes_dim), scale_rope=pos.scale_rope)
     model.requires_grad_(False)
     model.train()
-    if fp8:
-        quantize_transformer(model, "fp8", families()["qwen_image"].keep_full_precision)
+    if weights != "bf16":
+        quantize_transformer(model, weights, families()["qwen_image"].keep_full_precision)
     params = add_lora(model, args.lora_rank, args.lora_rank, LORA_TARGETS)
     for p in params:
         p.data = p.data.to(args.device)
@@ -205,20 +207,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     results: dict[str, dict] = {}
     model_flops = None
-    for fp8 in (False, True):
-        wanted = [c for c in args.configs if c.startswith("fp8") == fp8]
+    for weights in WEIGHTS:
+        wanted = [c for c in args.configs if c.split("+")[0] == weights]
         if not wanted:
             continue
         model = params = None
         try:
             t0 = time.perf_counter()
-            model, params = build(args, fp8)
+            model, params = build(args, weights)
             sync(args.device)
             n_params = sum(p.numel() for p in model.parameters())
             took = time.perf_counter() - t0
-            print(f"built {'fp8' if fp8 else 'bf16'} model: {n_params / 1e9:.2f}B parameters in {took:.0f} s")
+            print(f"built {weights} model: {n_params / 1e9:.2f}B parameters in {took:.0f} s")
             batch, noise, sigmas = make_batch(args)
-            if model_flops is None and not fp8 and not args.no_flop_count:
+            if model_flops is None and weights == "bf16" and not args.no_flop_count:
                 try:
                     model.disable_gradient_checkpointing()
                     model_flops = count_flops(model, params, batch, noise, sigmas, device_type)

@@ -54,7 +54,7 @@ def test_experiment_presets_compose() -> None:
     [
         ("cache=nvme", "Available options in 'cache'"),
         ("train.learning_rate=abc", "could not be converted to Float"),
-        ("model.quantize=fp7", "expected one of [none, fp8, int8]"),
+        ("model.quantize=fp7", "expected one of [none, fp8, int8, int4, nf4]"),
         ("model.dtype=float8", "expected one of [bfloat16, float16, float32]"),
         ("model.foo=1", "Could not override 'model.foo'"),
         ("+model.foo=1", "unknown key model.foo"),

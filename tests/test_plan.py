@@ -91,8 +91,9 @@ def test_real_size_plan_for_a_24_gib_gpu(capsys: pytest.CaptureFixture) -> None:
     rows = plan.run(compose("plan", ["model=qwen_image_edit", "data.target_pixels=1048576", "gpu_memory_gb=24"]))
     out = capsys.readouterr().out
     by = {(r.levers.quantize, r.levers.gradient_checkpointing, r.levers.activation_offload): r for r in rows}
-    weights = {q: by[(q, False, False)].parts["transformer weights"] / GIB for q in ("none", "fp8")}
-    assert weights == pytest.approx({"none": 38.05, "fp8": 19.08}, abs=0.01)  # the 20.4 B parameters
+    weights = {q: by[(q, False, False)].parts["transformer weights"] / GIB for q in ("none", "fp8", "int4", "nf4")}
+    # The 20.4 B parameters; 4 bits + a bf16 scale and shift per 128 (int4) or an fp32 absmax per 64 (nf4).
+    assert weights == pytest.approx({"none": 38.05, "fp8": 19.08, "int4": 10.17, "nf4": 10.76}, abs=0.01)
     assert by[("none", False, False)].total > 24 * GIB  # bf16 without checkpointing fits no 24 GiB card
     step = [by[("fp8", *k)].parts["step: activations, gradients, temporaries"] for k in ((0, 0), (1, 0), (1, 1))]
     assert step[0] > 10 * step[1] and step[1] > step[2]  # checkpointing, then offload, shrink the step
@@ -115,3 +116,22 @@ def test_weights_counted_on_meta_match_the_built_model() -> None:
     counted = weight_bytes(families()["qwen_image"], CONFIG, torch.float32, "none", 16, TARGETS)
     model = QwenImageTransformer2DModel(**CONFIG)
     assert counted.other + counted.blocks * counted.block == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_int4_weights_counted_on_meta_match_the_quantized_model() -> None:
+    """optimum-quanto's qint4 as the planner counts it: half a byte per weight, a scale and a shift per 128."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from qie.components.quantize import quantize_transformer
+
+    family = families()["qwen_image"]
+    config = {**CONFIG, "attention_head_dim": 64, "num_attention_heads": 2, "joint_attention_dim": 128}
+    counted = weight_bytes(family, config, torch.float32, "int4", 16, TARGETS)
+    model = quantize_transformer(QwenImageTransformer2DModel(**config), "int4", family.keep_full_precision)
+
+    def nbytes(t: torch.Tensor) -> int:
+        inner = t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else None
+        return sum(nbytes(getattr(t, n)) for n in inner) if inner else t.numel() * t.element_size()
+
+    assert counted.other + counted.blocks * counted.block == sum(nbytes(p) for p in model.parameters())
+    assert weight_bytes(family, config, torch.float32, "none", 16, TARGETS).block > 3 * counted.block

@@ -15,6 +15,7 @@ from qie.components.registry import (
     resolve_device,
     resolve_dtype,
 )
+from qie.components.single_file import check_transformer_file, is_single_file
 from qie.models import ModelSpec, model_spec
 
 
@@ -29,6 +30,9 @@ def prepare_model(model_cfg: Any) -> ModelSpec:
     """
     spec = model_spec(model_cfg)
     check_checkpoint(spec, model_cfg, ensure_model(model_cfg))
+    own = model_cfg.get("transformer_path")
+    if own and model_cfg.get("check", True) and is_single_file(own):
+        check_transformer_file(spec, str(own))
     return spec
 
 
@@ -77,29 +81,38 @@ def load_parts(
         folders=folders,
         keep_full_precision=spec.family.keep_full_precision,
         text_encoder_quantize=str(_value(getattr(model_cfg, "text_encoder_quantize", "none"))),
+        single_file_fp8=str(_value(model_cfg.get("single_file_fp8", "upcast"))),
     )
     parts.pipeline_config = pipeline_config(source, model_cfg.revision)
     return parts
 
 
 def transformer_folder(path: str) -> str:
-    """The diffusers transformer folder `model.transformer_path` names: the folder itself (with config.json)
-    or one holding `transformer/` (what `predict.merge_to` and `train.mode=full` write).
+    """The transformer `model.transformer_path` names: a single safetensors file (diffusers' or ComfyUI's
+    layout), the diffusers folder itself (with config.json) or one holding `transformer/` (what
+    `predict.merge_to` and `train.mode=full` write).
 
     Raises:
-        ModelLoadError: neither is there.
+        ModelLoadError: none of these is there.
     """
     from pathlib import Path
 
     from qie.errors import ModelLoadError
 
     root = Path(path).expanduser()
+    if root.is_file():
+        if root.suffix != ".safetensors":
+            raise ModelLoadError(
+                f"model.transformer_path={path!r} is not a .safetensors file: give a safetensors transformer file "
+                "or a diffusers transformer folder"
+            )
+        return str(root)
     for folder in (root, root / "transformer"):
         if (folder / "config.json").is_file():
             return str(folder)
     raise ModelLoadError(
         f"model.transformer_path={path!r} holds no diffusers transformer (no config.json in it or in its "
-        "transformer/): give the folder that predict.merge_to or train.mode=full wrote"
+        "transformer/): give the folder that predict.merge_to or train.mode=full wrote, or a .safetensors file"
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from qie.components.single_file import is_single_file, load_transformer_file
 from qie.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,10 @@ def _class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def _load_diffusers_model(cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype):
-    return cls.from_pretrained(source, subfolder=subfolder, revision=revision, torch_dtype=dtype)
+def _load_diffusers_model(
+    cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype, **quantized: Any
+):
+    return cls.from_pretrained(source, subfolder=subfolder, revision=revision, torch_dtype=dtype, **quantized)
 
 
 def _load_text_encoder(cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype):
@@ -140,6 +143,7 @@ def build_parts(
     folders: Mapping[str, str] | None = None,
     keep_full_precision: Sequence[str] = (),
     text_encoder_quantize: str = "none",
+    single_file_fp8: str = "upcast",
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
 
@@ -149,10 +153,13 @@ def build_parts(
         classes: "module:Class" of each part (the model family's `part_classes`).
         placements: device and dtype per weight-holding part; missing ones go to the CPU in float32.
         revision: hub revision (branch, tag or commit).
-        quantize: "none", "fp8" or "int8": weight quantization of the transformer.
-        folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer).
+        quantize: "none", "fp8", "int8", "int4" (optimum-quanto, after loading) or "nf4" (bitsandbytes, while
+            loading; CUDA only): weight quantization of the transformer.
+        folders: a part's own folder, replacing `source/<part>` (a merged or fully trained transformer); for the
+            transformer also a single safetensors file (`qie.components.single_file`).
         keep_full_precision: transformer module patterns `quantize` leaves alone (the family's).
         text_encoder_quantize: "none", "fp8" or "int8": weight quantization of the text encoder.
+        single_file_fp8: "upcast" or "keep": the fp8 weights of a transformer file (`load_transformer_file`).
 
     Returns:
         Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
@@ -171,11 +178,16 @@ def build_parts(
         place = placements.get(name, Placement(torch.device("cpu"), torch.float32))
         own = folders.get(name)
         cls = _class(classes[name])
+        # nf4 is bitsandbytes', applied by diffusers while loading, straight onto the part's GPU.
+        nf4 = name == "transformer" and quantize == "nf4"
+        extra = _nf4_load_arguments(place, keep_full_precision) if nf4 else {}
         try:
-            if own:
-                part = LOADERS[name](cls, own, None, None, place.dtype)
+            if own and name == "transformer" and is_single_file(own):
+                part = load_transformer_file(cls, own, source, revision, place.dtype, single_file_fp8, **extra)
+            elif own:
+                part = LOADERS[name](cls, own, None, None, place.dtype, **extra)
             else:
-                part = LOADERS[name](cls, source, name, revision, place.dtype)
+                part = LOADERS[name](cls, source, name, revision, place.dtype, **extra)
         except (OSError, ValueError, KeyError) as e:
             where = f"folder {own!r}" if own else repr(source)
             expected = (
@@ -185,11 +197,23 @@ def build_parts(
         if name in MODULE_PARTS:
             part.requires_grad_(False)
             part.eval()
-            _quantize(name, part, quantize, text_encoder_quantize, keep_full_precision)
+            _quantize(name, part, "none" if nf4 else quantize, text_encoder_quantize, keep_full_precision)
             part.to(place.device)
         setattr(parts, name, part)
         log.debug("built the %s of %s", name, source, extra={"part": name})
     return parts
+
+
+def _nf4_load_arguments(place: Placement, keep: Sequence[str]) -> dict[str, Any]:
+    from qie.components.quantize import nf4_config
+
+    if place.device.type != "cuda":
+        raise ConfigError(
+            f"model.quantize=nf4 (bitsandbytes) puts the transformer on a CUDA device, but its device is "
+            f"{place.device}: place it on cuda (predict.devices.transformer / the training process's GPU) or use "
+            "model.quantize=int4"
+        )
+    return {"quantization_config": nf4_config(place.dtype, keep), "device_map": {"": str(place.device)}}
 
 
 def _quantize(name: str, part: Any, transformer: str, text_encoder: str, keep: Sequence[str]) -> None:

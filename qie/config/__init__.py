@@ -21,6 +21,7 @@ from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
+from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
 STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption")
@@ -188,6 +189,8 @@ def validate(cfg: DictConfig) -> None:
     _check_installed(cfg, "train.optimizer")
     if isinstance(cfg.get("model"), DictConfig):
         _check_model(cfg.model)
+    if problem := weight_problem(cfg):
+        raise ConfigError(problem)
     if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
         raise ConfigError(
             "validation.every needs an unsharded model (validation samples on the main process only): "

@@ -17,11 +17,29 @@ class Dtype(str, Enum):
 
 
 class Quantize(str, Enum):
-    """Weight quantization of a frozen part (optimum-quanto): its linear layers in 8 bits."""
+    """Weight quantization of the frozen transformer's linear layers: 8 bits (fp8, int8) or 4 bits through
+    optimum-quanto (int4: any device), 4-bit NormalFloat through bitsandbytes (nf4: CUDA only, `qie[bnb]`)."""
 
     none = "none"
     fp8 = "fp8"
     int8 = "int8"
+    int4 = "int4"
+    nf4 = "nf4"
+
+
+class TextEncoderQuantize(str, Enum):
+    """Weight quantization of the frozen text encoder (optimum-quanto): its linear layers in 8 bits."""
+
+    none = "none"
+    fp8 = "fp8"
+    int8 = "int8"
+
+
+class SingleFileFp8(str, Enum):
+    """What becomes of fp8 weights in a `model.transformer_path` file."""
+
+    upcast = "upcast"  # times their scales, in `model.dtype`
+    keep = "keep"  # the file's fp8 bytes and scales, as optimum-quanto fp8 weights
 
 
 @dataclass
@@ -33,8 +51,17 @@ class ModelConfig:
     # Hub id or local diffusers-format folder.
     pretrained_model_name_or_path: str = MISSING
     # A transformer to use instead of the base model's (a merged or fully fine-tuned one): its diffusers
-    # folder, or the folder holding it as transformer/. The other parts come from the base model.
+    # folder, the folder holding it as transformer/, or one .safetensors file (diffusers' single-file layout or
+    # ComfyUI's, fp8 and fp8-scaled files upcast to `dtype`). The other parts come from the base model.
     transformer_path: str | None = None
+    # A VAE or text encoder from one file (as ComfyUI keeps them) is refused when composed, naming what to pass
+    # instead: neither diffusers 0.42.1 (no single-file loader for these VAE classes) nor transformers (no
+    # single-file loader) reads them. The base model's folder or hub id provides both.
+    vae_path: str | None = None
+    text_encoder_path: str | None = None
+    # fp8 weights of a transformer file: upcast to `dtype` (times their scales), or kept as the file stores them
+    # (the file's fp8 bytes and per-tensor scales held by optimum-quanto; not with model.quantize).
+    single_file_fp8: SingleFileFp8 = SingleFileFp8.upcast
     revision: str | None = None
     # A tiny preset (edit, edit_plus, edit_2511, t2i, demo, qwen_image_21: each family names its own): qie builds
     # that tiny random model at
@@ -44,7 +71,7 @@ class ModelConfig:
     quantize: Quantize = Quantize.none
     # The text encoder's linear layers in 8 bits (precompute, lazy and live modes): Qwen2.5-VL-7B needs
     # ~9 GiB instead of 15.4. Part of the prompt embeddings' cache keys.
-    text_encoder_quantize: Quantize = Quantize.none
+    text_encoder_quantize: TextEncoderQuantize = TextEncoderQuantize.none
     # Areas (pixels) the pipeline resizes condition images to, for the VAE and for the vision-language
     # encoder (Qwen-Image-2.1: both its `output_resolution`², and its text-to-image size is that square).
     vae_image_pixels: int = 1024 * 1024

@@ -95,6 +95,8 @@ class ModelFamily:
         lora_loader: "module:Class" of the diffusers LoRA loader of the family's pipelines: how LoRA files of
             other tools' formats are read and qie's are written.
         keep_full_precision: transformer module name patterns that weight quantization leaves alone.
+        weight_signature: keys (diffusers module names) every transformer file of the family holds and no other
+            family's does: how a single file (`model.transformer_path=FILE.safetensors`) is recognised.
         tiny_presets: tiny preset name -> "module:function" building it (path, seed) -> folder.
         real_size: part -> its published config (kwargs of its class), for the planner and benchmarks.
         planner: `PlannerFacts`.
@@ -124,6 +126,7 @@ class ModelFamily:
     unused_in_last_block: tuple[str, ...]
     lora_loader: str
     keep_full_precision: tuple[str, ...]
+    weight_signature: tuple[str, ...]
     tiny_presets: Mapping[str, str]
     real_size: Mapping[str, dict]
     planner: PlannerFacts

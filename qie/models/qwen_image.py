@@ -373,6 +373,8 @@ FAMILY = ModelFamily(
     lora_loader="diffusers.loaders:QwenImageLoraLoaderMixin",
     # Input and output projections stay in full precision: they are small and quantizing them costs quality.
     keep_full_precision=("img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"),
+    # A dual-stream block's text MLP and the text input's norm: 2.1's blocks are single-stream.
+    weight_signature=("txt_norm.weight", "transformer_blocks.0.txt_mlp.net.0.proj.weight"),
     tiny_presets={name: "qie.components.tiny:build_qwen_image_tiny" for name in
                   ("edit", "edit_plus", "edit_2511", "t2i", "demo")},  # fmt: skip
     real_size={"transformer": real_size.TRANSFORMER, "vae": real_size.VAE, "text_encoder": real_size.TEXT_ENCODER},

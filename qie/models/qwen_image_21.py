@@ -377,6 +377,8 @@ FAMILY = ModelFamily(
     # The input, text and output projections and the timestep embedding stay in full precision: small, and
     # quantizing them costs quality.
     keep_full_precision=("img_in", "txt_in*", "proj_out", "norm_out*", "time_text_embed*"),
+    # The text input's own norm (what diffusers' single-file loader recognises 2.1 by).
+    weight_signature=("txt_in.text_norm.weight",),
     tiny_presets={"qwen_image_21": "qie.components.tiny_qwen_image_21:build_tiny_qwen_image_21"},
     real_size={"transformer": real_size.TRANSFORMER_21, "vae": real_size.VAE_21,
                "text_encoder": real_size.TEXT_ENCODER_21},  # fmt: skip

@@ -29,6 +29,9 @@ from qie.memory_plan import (
 from qie.models import ModelSpec, model_spec
 from qie.stages.common import value
 
+# The transformer's weight quantizations the planner tries, most precise first (the recommendation's tie-break).
+QUANTIZE = ("none", "fp8", "int4", "nf4")
+
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
     """Print the plan; returns one Estimate per combination of levers tried."""
@@ -39,7 +42,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
     lora = cfg.train.lora
     rank, targets = int(lora.rank), list(lora.target_modules)
     state = OPTIMIZER_STATE_BYTES.get(str(cfg.train.optimizer.get("_target_")), 8)
-    weights = {q: weight_bytes(family, config, work.dtype, q, rank, targets) for q in ("none", "fp8")}
+    weights = {q: weight_bytes(family, config, work.dtype, q, rank, targets) for q in QUANTIZE}
     step = {
         (gc, off): step_memory(family, config, work, rank, targets, gc, off)
         for gc, off in ((False, False), (True, False), (True, True))

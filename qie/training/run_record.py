@@ -29,7 +29,7 @@ def transformer_fingerprint(source: str, transformer_path: str | None, revision:
     else:
         folder = part_folder(source, "transformer", revision)
     digest = hashlib.sha256(str(revision or "").encode() if not Path(source).is_dir() else b"")
-    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+    for path in sorted(folder.iterdir()) if folder.is_dir() else [folder] if folder.is_file() else []:
         if path.is_file() and not path.name.startswith("."):
             digest.update(path.name.encode() + b"\0")
             digest.update(path.read_bytes() if path.suffix == ".json" else str(path.stat().st_size).encode())
