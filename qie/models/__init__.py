@@ -23,7 +23,7 @@ from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
 
 # The model families qie knows, by module. The only list of family names: variants and tiny presets are
 # read off the families.
-FAMILY_MODULES = ("qie.models.qwen_image", "qie.models.qwen_image_21")
+FAMILY_MODULES = ("qie.models.qwen_image", "qie.models.qwen_image_21", "qie.models.qwen_image_layered")
 
 
 @cache

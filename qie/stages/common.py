@@ -160,6 +160,7 @@ def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:
         "height": predict.height,
         "width": predict.width,
         "num_images": int(predict.num_images),
+        "layers": None if predict.get("layers") is None else int(predict.layers),
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingOptions(**base)

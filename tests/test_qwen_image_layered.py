@@ -1,0 +1,103 @@
+"""Qwen-Image-Layered: inference against `QwenImageLayeredPipeline` itself (tiny model, CPU, fp32, the 640
+bucket the pipeline asserts), its training loss against the pipeline's packing, and its config rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImageLayeredPipeline
+from helpers import tiny_pipeline
+from PIL import Image
+
+from qie.models import qwen_image_layered as layered
+from qie.types import Batch
+
+PROMPT = "a red square over a blue circle"
+SAMPLING = dict(negative_prompt="blurry", true_cfg_scale=2.5, num_inference_steps=2, seed=3)
+
+
+def rgba(seed: int, height: int, width: int) -> Image.Image:
+    """A random image with a random alpha channel."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 4), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGBA")
+
+
+def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Path) -> None:
+    """`qie.infer ... predict.layers=2 predict.output=DIR` writes DIR/layer_0.png, layer_1.png: RGBA, in the
+    pipeline's order, equal to `QwenImageLayeredPipeline` (same seed, steps, CFG and negative prompt); a
+    non-square input keeps its aspect (the pipeline's 640-bucket size, 704x576)."""
+    from qie.config import compose
+    from qie.stages import infer
+
+    image = tmp_path / "in.png"
+    rgba(0, 60, 50).save(image)
+    overrides = [f"predict.{k}={v}" for k, v in SAMPLING.items()]
+    cfg = compose("infer", ["model=tiny_qwen_image_layered", f"predict.image={image}", f"predict.prompt={PROMPT}",
+                            "predict.layers=2", "predict.output=layers", *overrides])  # fmt: skip
+    written = infer.run(cfg, tmp_path)
+    assert written == [tmp_path / "layers" / "layer_0.png", tmp_path / "layers" / "layer_1.png"]
+    mine = np.stack([np.asarray(Image.open(p)) for p in written])
+    assert mine.shape == (2, 704, 576, 4)
+
+    pipe = tiny_pipeline(QwenImageLayeredPipeline, tiny_layered_path)
+    kwargs = {k: v for k, v in SAMPLING.items() if k != "seed"}
+    out = pipe(Image.open(image), PROMPT, layers=2, resolution=640, output_type="np",
+               generator=torch.Generator().manual_seed(SAMPLING["seed"]), **kwargs).images[0]  # fmt: skip
+    assert out.shape == (2, 704, 576, 4)
+    assert np.abs(mine.astype(int) - np.rint(out * 255).astype(int)).max() <= 1  # PNG rounding
+
+    predictor = infer.build_predictor(cfg)
+    direct = predictor.predict([Image.open(image)], PROMPT, output_type="np", layers=2, **SAMPLING)
+    assert np.abs(direct - out).max() <= 1e-5
+
+
+def test_loss_packs_every_frame_and_the_condition_as_the_pipeline(tiny_layered_path: Path) -> None:
+    """The loss runs the transformer on the pipeline's sequence (output frames, then the condition, with their
+    `img_shapes` and `additional_t_cond`=0) and regresses the frames' tokens onto noise - x0."""
+    from diffusers import QwenImageTransformer2DModel
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_layered_path / "transformer")
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(1, 8, 3, 4, 6, generator=g), torch.randn(1, 8, 3, 4, 6, generator=g)
+    control = torch.randn(1, 8, 1, 4, 6, generator=g)
+    embeds = torch.randn(1, 5, 16, generator=g)
+    sigma = torch.tensor([0.4])
+    batch = Batch(["a"], x0, [control], embeds, None)
+    loss = layered.layered_loss(transformer, batch, noise, sigma)
+
+    pack = QwenImageLayeredPipeline._pack_latents
+    tokens = pack(((1 - 0.4) * x0 + 0.4 * noise).permute(0, 2, 1, 3, 4), 1, 8, 4, 6, 3)
+    cond = pack(control.permute(0, 2, 1, 3, 4), 1, 8, 4, 6, 1)
+    pred = transformer(hidden_states=torch.cat([tokens, cond], 1), timestep=sigma, encoder_hidden_states=embeds,
+                       img_shapes=[[(1, 2, 3)] * 4], additional_t_cond=torch.zeros(1, dtype=torch.long),
+                       return_dict=False)[0][:, : tokens.shape[1]]  # fmt: skip
+    target = pack((noise - x0).permute(0, 2, 1, 3, 4), 1, 8, 4, 6, 3)
+    assert torch.equal(loss, ((pred - target) ** 2).mean())
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.vae_image_pixels=4096", "resolution buckets only"),
+        ("model.max_control_images=2", "splits one input image"),
+    ],
+)
+def test_config_outside_the_pipelines_rules_is_refused(override: str, message: str) -> None:
+    from qie.config import compose
+    from qie.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        compose("infer", ["model=tiny_qwen_image_layered", override])
+
+
+def test_layers_on_a_model_without_layers_is_refused(tmp_path: Path) -> None:
+    from qie.config import compose
+    from qie.errors import ConfigError
+    from qie.stages import infer
+
+    cfg = compose("infer", ["model=tiny_t2i", "predict.prompt=x", "predict.layers=2"])
+    with pytest.raises(ConfigError, match="makes one image, not layers"):
+        infer.run(cfg, tmp_path)
