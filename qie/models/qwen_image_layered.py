@@ -212,8 +212,11 @@ FAMILY = ModelFamily(
     lora_loader="diffusers.loaders:QwenImageLoraLoaderMixin",
     keep_full_precision=qwen_image.FAMILY.keep_full_precision,
     tiny_presets={"qwen_image_layered": "qie.models.tiny_qwen_image_layered:build_tiny_qwen_image_layered"},
-    real_size={"transformer": TRANSFORMER, "vae": {**real_size.VAE, "input_channels": 4},
-               "text_encoder": real_size.TEXT_ENCODER},  # fmt: skip
+    real_size={
+        "transformer": TRANSFORMER,
+        "vae": {**real_size.VAE, "input_channels": 4},
+        "text_encoder": real_size.TEXT_ENCODER,
+    },  # fmt: skip
     # 8x VAE, 2x2 patches; the text-only template adds ~34 tokens.
     planner=PlannerFacts(16, 28 * 28, 34, "Qwen2.5-VL-7B", qwen_image.step_inputs),
     pipeline=qwen_image.pipeline,
