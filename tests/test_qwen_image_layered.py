@@ -78,6 +78,50 @@ def test_loss_packs_every_frame_and_the_condition_as_the_pipeline(tiny_layered_p
     assert torch.equal(loss, ((pred - target) ** 2).mean())
 
 
+def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies_output(
+    tiny_layered_path: Path, tmp_path: Path
+) -> None:
+    """A LoRA trained a few steps on `layered_loss` and written by qie loads with the Layered pipeline's
+    `load_lora_weights`, and the pipeline's output then equals qie's inference with `predict.lora`."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from qie.config import compose
+    from qie.config.model import ModelConfig
+    from qie.stages.infer import build_predictor
+    from qie.training.lora import add_lora, save_lora
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_layered_path / "transformer")
+    params = add_lora(transformer, 4, 8, ModelConfig().lora_target_modules)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x0, control = torch.randn(1, 8, 3, 4, 4, generator=g), torch.randn(1, 8, 1, 4, 4, generator=g)
+    batch = Batch(["a"], x0, [control], torch.randn(1, 5, 16, generator=g), None)
+    for _ in range(3):
+        loss = layered.layered_loss(transformer, batch, torch.randn(x0.shape, generator=g), torch.tensor([0.6]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    lora = save_lora(transformer, tmp_path / "lora")
+
+    image = rgba(1, 40, 40)
+    pipe = tiny_pipeline(QwenImageLayeredPipeline, tiny_layered_path)
+    kwargs = {k: v for k, v in SAMPLING.items() if k != "seed"}
+
+    def pipeline_output() -> np.ndarray:
+        generator = torch.Generator().manual_seed(SAMPLING["seed"])
+        return pipe(image, PROMPT, layers=1, resolution=640, output_type="np", generator=generator, **kwargs).images[0]
+
+    base = pipeline_output()
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    with_lora = pipeline_output()
+    assert np.abs(with_lora - base).max() > 1e-4  # the LoRA moves the output
+    predictor = build_predictor(compose("infer", ["model=tiny_qwen_image_layered", f"predict.lora={lora}"]))
+    mine = predictor.predict([image], PROMPT, output_type="np", layers=1, **SAMPLING)
+    assert mine.shape == with_lora.shape == (1, 640, 640, 4)
+    assert np.abs(mine - with_lora).max() <= 1e-5
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
