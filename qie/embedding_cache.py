@@ -46,7 +46,7 @@ class EmbeddingCacheManager:
         """
         if cache_type in MASK_OF:
             return 0
-        if cache_type == "control_latent":
+        if cache_type in ("control_latent", "layer_latent"):
             tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
             return self.backend.put(cache_type, key, {str(i): t for i, t in enumerate(tensors)})
         return self.backend.put(cache_type, key, {TENSOR_NAMES[cache_type]: tensor})

@@ -34,6 +34,8 @@ class Sample:
     prompt: str
     # A loss mask image (white: trained, black: `train.mask.outside_weight`); None: every pixel trained.
     mask: Path | None = None
+    # A target of several frames (a layered model's): the frames after `target`, in order (its layers).
+    layers: tuple[Path, ...] = ()
 
 
 # Longer prompts are refused: the pipelines keep at most ~1,024 prompt tokens (~4,000 characters of English)
@@ -229,4 +231,4 @@ def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) 
 def without_controls(sample: Sample, suffix: str = "") -> Sample:
     """`sample` without its control images: trained on the text-only prompt (reference dropout). Its entries
     are keyed by what they hold, so they are cached apart from the sample's own."""
-    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask)
+    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask, sample.layers)

@@ -112,9 +112,11 @@ class ModelSpec:
 
     @property
     def prompt_parts(self) -> tuple[str, ...]:
-        """What encodes a prompt besides the text encoder: the processor where the pipeline has one, else the
-        tokenizer (text-to-image builds no processor)."""
-        return ("processor",) if "processor" in self.part_names else ("tokenizer",)
+        """What encodes a prompt besides the text encoder: the processor where the prompt sees images, else the
+        tokenizer (text-to-image builds no processor; Layered's prompt is text alone, though it has one)."""
+        if self.pipe.prompt_images == "none" or "processor" not in self.part_names:
+            return ("tokenizer",)
+        return ("processor",)
 
     @property
     def encoder_parts(self) -> tuple[str, ...]:
