@@ -32,7 +32,10 @@ class TypeSummary:
 @dataclass
 class PrecomputeSummary:
     samples: int = 0
-    types: dict[str, TypeSummary] = field(default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES})
+    # Every stored type but layer_latent, which only data sets with layers have (`of`).
+    types: dict[str, TypeSummary] = field(
+        default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES if t != "layer_latent"}
+    )
     failures: list[DataProblem] = field(default_factory=list)
     # One row per process: {"process", "samples", "new", "bytes_written"}.
     processes: list[dict] = field(default_factory=list)
