@@ -202,3 +202,52 @@ def test_cached_training_equals_live_and_one_changed_layer_recomputes_only_the_l
     rgba(99, 48, 40).save(tmp_path / "data" / "in_1_layer2.png")
     again = precompute.run(small_config("precompute", *base), tmp_path / "pre2")
     assert {t: s.new for t, s in again.types.items() if s.new} == {"layer_latent": 1}
+
+
+def test_a_layered_folder_qie_did_not_build(tiny_layered_path: Path, tmp_path: Path) -> None:
+    """A Layered folder whose VAE (8x, 16 latent channels) and transformer have sizes qie does not ship, saved by
+    diffusers' own classes: precompute, cached training, and inference with the trained LoRA equal to the
+    pipeline after `load_lora_weights`."""
+    import shutil
+
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from helpers import small_config
+
+    from qie.stages import infer, precompute, train
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_layered_path, folder)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        vae = AutoencoderKLQwenImage(base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False] * 3, input_channels=4,
+                                     latents_mean=[0.05 * i for i in range(16)], latents_std=[1.2] * 16)
+        transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=1,
+                                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                                  axes_dims_rope=(2, 2, 4), use_layer3d_rope=True,
+                                                  use_additional_t_cond=True)  # fmt: skip
+    for name, part in (("vae", vae), ("transformer", transformer)):
+        shutil.rmtree(folder / name)
+        part.save_pretrained(folder / name)
+
+    manifest = write_layered_data(tmp_path / "data", count=1)
+    base = ["model=qwen_image_layered", f"model.pretrained_model_name_or_path={folder}", "model.dtype=float32",
+            f"data.path={manifest}", f"cache.dir={tmp_path / 'cache'}", "data.target_pixels=409600"]  # fmt: skip
+    assert precompute.run(small_config("precompute", *base), tmp_path / "pre").failures == []
+    run = train.run(small_config("train", *base, "train.learning_rate=1e-2"), tmp_path / "train")
+    assert len(run["losses"]) == 2 and all(np.isfinite(run["losses"]))
+    lora = Path(run["lora"])
+
+    image = tmp_path / "data" / "in_0.png"
+    overrides = [f"predict.{k}={v}" for k, v in SAMPLING.items()]
+    cfg = small_config("infer", *base[:3], f"predict.image={image}", f"predict.prompt={PROMPT}", "predict.layers=1",
+                       "predict.output=out", f"predict.lora={lora}", *overrides)  # fmt: skip
+    (written,) = infer.run(cfg, tmp_path)
+    pipe = tiny_pipeline(QwenImageLayeredPipeline, folder)
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    kwargs = {k: v for k, v in SAMPLING.items() if k != "seed"}
+    out = pipe(Image.open(image), PROMPT, layers=1, resolution=640, output_type="np",
+               generator=torch.Generator().manual_seed(SAMPLING["seed"]), **kwargs).images[0]  # fmt: skip
+    assert out.shape == (1, 704, 576, 4)
+    mine = np.asarray(Image.open(written))[None]
+    assert np.abs(mine.astype(int) - np.rint(out * 255).astype(int)).max() <= 1  # PNG rounding
