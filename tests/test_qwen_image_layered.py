@@ -177,6 +177,29 @@ def test_layered_manifest_rows_are_image_control_and_composite_then_layers(tmp_p
     assert len(problems) == 1 and "gone.png" in problems[0].reason
 
 
+def test_a_layered_folder_gives_the_same_samples_layers_in_number_order(tmp_path: Path) -> None:
+    from qie.data.samples import scan_dataset
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "layers").mkdir()
+    rgba(0, 8, 8).save(tmp_path / "images" / "a.png")
+    (tmp_path / "images" / "a.txt").write_text("two shapes\n")
+    for n in (10, 2, 0):  # numbered, not sorted as text
+        rgba(n + 1, 8, 8).save(tmp_path / "layers" / f"a_{n}.png")
+    rgba(5, 8, 8).save(tmp_path / "images" / "lonely.png")
+    (tmp_path / "images" / "lonely.txt").write_text("no layers")
+    data = scan_dataset(tmp_path)
+    (sample,) = data.samples
+    assert (sample.id, sample.target, sample.controls, sample.prompt) == (
+        "a",
+        tmp_path / "images" / "a.png",
+        (tmp_path / "images" / "a.png",),
+        "two shapes",
+    )
+    assert sample.layers == tuple(tmp_path / "layers" / f"a_{n}.png" for n in (0, 2, 10))
+    assert [(p.id, p.reason) for p in data.problems] == [("lonely", "its layers are missing")]
+
+
 def test_cached_training_equals_live_and_one_changed_layer_recomputes_only_the_layers(
     tiny_layered_path: Path, tmp_path: Path
 ) -> None:
@@ -219,9 +242,16 @@ def test_a_layered_folder_qie_did_not_build(tiny_layered_path: Path, tmp_path: P
     shutil.copytree(tiny_layered_path, folder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)
-        vae = AutoencoderKLQwenImage(base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                     temperal_downsample=[False] * 3, input_channels=4,
-                                     latents_mean=[0.05 * i for i in range(16)], latents_std=[1.2] * 16)
+        vae = AutoencoderKLQwenImage(
+            base_dim=4,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False] * 3,
+            input_channels=4,
+            latents_mean=[0.05 * i for i in range(16)],
+            latents_std=[1.2] * 16,
+        )
         transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=1,
                                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
                                                   axes_dims_rope=(2, 2, 4), use_layer3d_rope=True,
