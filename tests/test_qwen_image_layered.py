@@ -200,6 +200,27 @@ def test_a_layered_folder_gives_the_same_samples_layers_in_number_order(tmp_path
     assert [(p.id, p.reason) for p in data.problems] == [("lonely", "its layers are missing")]
 
 
+def test_a_hugging_face_data_set_names_its_layers_column(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    from qie.data.formats import Columns, DataSource, read_dataset
+
+    def png(seed: int) -> bytes:
+        rgba(seed, 8, 8).save(tmp_path / "x.png")
+        return (tmp_path / "x.png").read_bytes()
+
+    layers = [png(1), png(2), png(3)]
+    features = datasets.Features({"image": datasets.Image(), "layers": datasets.List(datasets.Image()),
+                                  "prompt": datasets.Value("string")})  # fmt: skip
+    rows = {"image": [png(0), png(4)], "layers": [layers, []], "prompt": ["three shapes", "none"]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+    columns = Columns(target="image", controls=("image",), prompt="prompt", layers="layers")
+    data = read_dataset(DataSource(str(tmp_path / "ds"), "hf", columns=columns, images_dir=tmp_path / "img"))
+    (sample,) = data.samples
+    assert sample.target == sample.controls[0] and sample.target.read_bytes() == rows["image"][0]
+    assert [p.read_bytes() for p in sample.layers] == layers
+    assert [p.reason for p in data.problems] == ["row 1 has no layers in column 'layers'"]
+
+
 def test_cached_training_equals_live_and_one_changed_layer_recomputes_only_the_layers(
     tiny_layered_path: Path, tmp_path: Path
 ) -> None:
