@@ -93,9 +93,11 @@ class EmbeddingCacheManager:
 
 
 def check_cache_exists(cache_dir: str | os.PathLike) -> bool:
-    """Whether `cache_dir` holds a usable cache: at least one entry of every type training reads."""
+    """Whether `cache_dir` holds a usable cache: at least one entry of every type training reads (layers only
+    where a data set has them)."""
     path = Path(cache_dir)
     if not path.is_dir():
         return False
-    stats = SsdBackend(dir=path).stats(TRAINING_TYPES)
-    return all(stats[t]["count"] > 0 for t in TRAINING_TYPES)
+    needed = [t for t in TRAINING_TYPES if t != "layer_latent"]
+    stats = SsdBackend(dir=path).stats(needed)
+    return all(stats[t]["count"] > 0 for t in needed)
