@@ -302,3 +302,26 @@ def test_a_layered_folder_qie_did_not_build(tiny_layered_path: Path, tmp_path: P
     assert out.shape == (1, 704, 576, 4)
     mine = np.asarray(Image.open(written))[None]
     assert np.abs(mine.astype(int) - np.rint(out * 255).astype(int)).max() <= 1  # PNG rounding
+
+
+def test_samples_without_layers_are_refused_for_a_layered_model_and_layers_for_others(
+    tiny_layered_path: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from helpers import small_config
+
+    from qie.errors import DataError
+    from qie.stages import precompute, train
+
+    rgba(0, 8, 8).save(tmp_path / "a.png")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"target": "a.png", "controls": ["a.png"], "prompt": "x"}) + "\n")
+    base = ["model=tiny_qwen_image_layered", f"data.path={plain}", f"cache.dir={tmp_path / 'cache'}"]
+    (failure,) = precompute.run(small_config("precompute", *base), tmp_path / "pre").failures
+    assert "no layers, but model 'tiny_qwen_image_layered' learns to split an image into layers" in failure.reason
+    with pytest.raises(DataError, match="no layers"):
+        train.run(small_config("train", *base), tmp_path / "train")
+    layered = write_layered_data(tmp_path / "data", count=1)
+    with pytest.raises(DataError, match="2 layers, but model 'tiny' makes one image"):
+        train.run(small_config("train", f"data.path={layered}", f"cache.dir={tmp_path / 'cache'}"), tmp_path / "t2")

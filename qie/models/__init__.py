@@ -204,6 +204,17 @@ class ModelSpec:
             )
         return None
 
+    def layers_problem(self, count: int) -> str | None:
+        """Why a training sample with `count` layers cannot be used with this model (None: it can)."""
+        if self.family.layered and not count:
+            return (
+                f"no layers, but model {self.name!r} learns to split an image into layers: give each sample its "
+                "ordered layers (manifest 'layers', layers/<stem>_<N>.png, or data.columns.layers)"
+            )
+        if count and not self.family.layered:
+            return f"{count} layers, but model {self.name!r} makes one image: use a layered model or drop the layers"
+        return None
+
     def mismatches(self, found: CheckpointFacts) -> list[str]:
         """How a checkpoint differs from this description (empty: it fits). A checkpoint of another pipeline
         is named as such first; the transformer's details are compared only for the right pipeline."""

@@ -76,6 +76,8 @@ def keys_of(sample: Sample, ctx: KeyContext, hasher, spec) -> dict[str, str]:
     if problem:
         path = sample.controls[spec.max_control_images] if sample.controls else sample.target
         raise ImageError(path, f"sample {sample.id!r} has {problem}")
+    if sample.target is not None and (problem := spec.layers_problem(len(sample.layers))):
+        raise ImageError(sample.target, f"sample {sample.id!r} has {problem}")
     try:
         return sample_keys(sample, ctx, hasher)
     except OSError as e:
