@@ -35,8 +35,9 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     image = tmp_path / "in.png"
     rgba(0, 60, 50).save(image)
     overrides = [f"predict.{k}={v}" for k, v in SAMPLING.items()]
-    cfg = compose("infer", ["model=tiny_qwen_image_layered", f"predict.image={image}", f"predict.prompt={PROMPT}",
-                            "predict.layers=2", "predict.output=layers", *overrides])  # fmt: skip
+    cfg_overrides = ["model=tiny_qwen_image_layered", "predict.layers=2", *overrides]
+    single = [f"predict.image={image}", f"predict.prompt={PROMPT}", "predict.output=layers"]
+    cfg = compose("infer", [*cfg_overrides, *single])
     written = infer.run(cfg, tmp_path)
     assert written == [tmp_path / "layers" / "layer_0.png", tmp_path / "layers" / "layer_1.png"]
     mine = np.stack([np.asarray(Image.open(p)) for p in written])
@@ -52,6 +53,12 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     predictor = infer.build_predictor(cfg)
     direct = predictor.predict([Image.open(image)], PROMPT, output_type="np", layers=2, **SAMPLING)
     assert np.abs(direct - out).max() <= 1e-5
+
+    # Batch mode: each row's layers in <output_dir>/<id>/.
+    (tmp_path / "rows.jsonl").write_text(f'{{"id": "r", "controls": ["in.png"], "prompt": "{PROMPT}"}}\n')
+    batch = infer.run(compose("infer", [*cfg_overrides, f"predict.input={tmp_path / 'rows.jsonl'}"]), tmp_path)
+    assert batch == [tmp_path / "predictions" / "r" / f"layer_{i}.png" for i in range(2)]
+    assert np.array_equal(np.stack([np.asarray(Image.open(p)) for p in batch]), mine)
 
 
 def test_loss_packs_every_frame_and_the_condition_as_the_pipeline(tiny_layered_path: Path) -> None:

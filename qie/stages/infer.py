@@ -248,7 +248,11 @@ def run_batch(cfg: DictConfig, run_dir: Path, spec: ModelSpec) -> list[Path]:
         except QieError as e:  # one bad row must not stop the others
             failures.append(f"{sample.id}: {e}")
             continue
-        written += _save(images, out_dir / _safe_relative(sample.id).with_suffix(".png"))
+        name = _safe_relative(sample.id)
+        if spec.family.layered:  # <output_dir>/<id>/layer_0.png, ...
+            written += _save_layers(images, out_dir / name, int(cfg.predict.num_images))
+        else:
+            written += _save(images, out_dir / name.with_suffix(".png"))
     print(f"infer: wrote {len(written)} image(s) for {len(data.samples)} row(s) to {out_dir}")
     for failure in failures:
         print(f"infer: skipped {failure}")
