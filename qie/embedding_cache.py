@@ -46,7 +46,7 @@ class EmbeddingCacheManager:
         """
         if cache_type in MASK_OF:
             return 0
-        if cache_type == "control_latent":
+        if cache_type in ("control_latent", "layer_latent"):
             tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
             return self.backend.put(cache_type, key, {str(i): t for i, t in enumerate(tensors)})
         return self.backend.put(cache_type, key, {TENSOR_NAMES[cache_type]: tensor})
@@ -93,9 +93,11 @@ class EmbeddingCacheManager:
 
 
 def check_cache_exists(cache_dir: str | os.PathLike) -> bool:
-    """Whether `cache_dir` holds a usable cache: at least one entry of every type training reads."""
+    """Whether `cache_dir` holds a usable cache: at least one entry of every type training reads (layers only
+    where a data set has them)."""
     path = Path(cache_dir)
     if not path.is_dir():
         return False
-    stats = SsdBackend(dir=path).stats(TRAINING_TYPES)
-    return all(stats[t]["count"] > 0 for t in TRAINING_TYPES)
+    needed = [t for t in TRAINING_TYPES if t != "layer_latent"]
+    stats = SsdBackend(dir=path).stats(needed)
+    return all(stats[t]["count"] > 0 for t in needed)

@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
+
 from qie.cache.base import CacheBackend
 from qie.cache.entries import read_entries, write_entries
 from qie.cache.keys import FileHasher
@@ -33,6 +35,8 @@ def sample_types(sample: Sample) -> tuple[str, ...]:
     skip = {"pixel_latent"} if sample.target is None else set()
     if not sample.controls:
         skip.add("control_latent")
+    if not sample.layers:
+        skip.add("layer_latent")
     return tuple(t for t in TRAINING_TYPES if t not in skip)
 
 
@@ -41,9 +45,13 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
     a tuple of pieces, as `read_entries` gives it)."""
     controls = entries.get("control_latent", {})
     pixel = entries.get("pixel_latent")
+    latent = pixel["latent"] if pixel is not None else None
+    if latent is not None and "layer_latent" in entries:  # a layered target: its frames, the layers after it
+        layers = entries["layer_latent"]
+        latent = torch.cat([latent, *(layers[str(k)] for k in range(len(layers)))], dim=1)
     return SampleEmbeddings(
         id=sample_id,
-        pixel_latent=pixel["latent"] if pixel is not None else None,
+        pixel_latent=latent,
         control_latents=tuple(controls[str(k)] for k in range(len(controls))),
         prompt_embed=entries["prompt_embed"]["embed"],
         empty_prompt_embed=entries["empty_prompt_embed"]["embed"],

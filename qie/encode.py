@@ -9,13 +9,13 @@ come out unpadded, one (tokens, dim) tensor per prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
 
 from qie.components import Parts
-from qie.data.images import condition_images, open_image, prepare_target
+from qie.data.images import ImageError, condition_images, open_image, prepare_target
 from qie.data.samples import Sample
 from qie.models import ModelSpec
 
@@ -44,6 +44,7 @@ class PreparedSample:
     target: torch.Tensor | None  # (3, H, W) in [-1, 1]; (4, H, W) with ImageSizes.alpha
     control_pixels: list[torch.Tensor]  # each (3 or 4, H, W) in [-1, 1]
     vl_images: list[Image.Image]
+    layers: list[torch.Tensor] = field(default_factory=list)  # the target's further frames, like `target`
 
 
 def prepare_sample(
@@ -58,12 +59,19 @@ def prepare_sample(
     if with_target and sample.target is not None:
         image = open_image(sample.target, sizes.alpha)
         target = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
+    layers = []
+    for path in sample.layers if with_target else ():
+        layer = prepare_target(open_image(path, sizes.alpha), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
+        if target is not None and layer.shape != target.shape:
+            size, want = f"{layer.shape[2]}x{layer.shape[1]}", f"{target.shape[2]}x{target.shape[1]}"
+            raise ImageError(path, f"layer {str(path)!r} is {size} once resized, its image {want}: make them one size")
+        layers.append(layer)
     pixels, vl = [], []
     for path in sample.controls if with_controls else ():
         vae_in, vl_in = condition_images(open_image(path, sizes.alpha), sizes.vae_image_pixels, sizes.vl_image_pixels)
         pixels.append(vae_in)
         vl.append(vl_in)
-    return PreparedSample(sample, target, pixels, vl)
+    return PreparedSample(sample, target, pixels, vl, layers)
 
 
 class Encoder:
@@ -124,10 +132,11 @@ class Encoder:
             items = [(i, 0, p.target) for i, p in enumerate(prepared) if p.target is not None]
             for (i, _), latent in self._latents_by_shape(items):
                 out[i]["pixel_latent"] = {"latent": latent}
-        if "control_latent" in types:
-            items = [(i, k, t) for i, p in enumerate(prepared) for k, t in enumerate(p.control_pixels)]
-            for (i, k), latent in self._latents_by_shape(items):
-                out[i].setdefault("control_latent", {})[str(k)] = latent
+        for kind, pixels_of in (("control_latent", lambda p: p.control_pixels), ("layer_latent", lambda p: p.layers)):
+            if kind in types:
+                items = [(i, k, t) for i, p in enumerate(prepared) for k, t in enumerate(pixels_of(p))]
+                for (i, k), latent in self._latents_by_shape(items):
+                    out[i].setdefault(kind, {})[str(k)] = latent
         for kind, prompt_of in (("prompt_embed", lambda p: p.sample.prompt), ("empty_prompt_embed", None)):
             if kind not in types:
                 continue

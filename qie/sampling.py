@@ -35,6 +35,8 @@ class SamplingOptions:
     height: int | None = None
     width: int | None = None
     num_images: int = 1
+    # Layers of a layered model's output (None: its pipeline's default); other models refuse it.
+    layers: int | None = None
 
     @property
     def guidance(self) -> bool:

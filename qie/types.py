@@ -21,6 +21,7 @@ CACHE_TYPES = [
     "empty_prompt_embed",
     "empty_prompt_embeds_mask",
     "loss_mask",  # a loss mask on a grid of 8 px cells (qie.data.masks): only with data.mask.source set
+    "layer_latent",  # the target's further frames, in order (a layered model's layers): only for such samples
 ]
 
 # Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
@@ -29,7 +30,7 @@ CACHE_TYPES = [
 SCHEMA_VERSION = 2
 
 # What a training step needs of a sample (the masks are implied: embeddings are stored unpadded).
-TRAINING_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
+TRAINING_TYPES = ("pixel_latent", "control_latent", "layer_latent", "prompt_embed", "empty_prompt_embed")
 
 
 # A prompt embedding as one (tokens, dim) tensor, or as pieces along the tokens (a prefix shared with other
@@ -48,7 +49,7 @@ class SampleEmbeddings:
     def __init__(
         self,
         id: str,
-        pixel_latent: torch.Tensor | None,  # (C, 1, h, w), normalised
+        pixel_latent: torch.Tensor | None,  # (C, F, h, w), normalised; F = 1 + the target's layers
         control_latents: tuple[torch.Tensor, ...],  # each (C, 1, h, w), normalised
         prompt_embed: Embed,  # (tokens, dim)
         empty_prompt_embed: Embed,  # (tokens, dim), the same control images with the empty prompt
@@ -91,7 +92,7 @@ class Batch:
     """A collated batch. All samples share their latent shapes (buckets keep it so)."""
 
     ids: list[str]
-    latents: torch.Tensor  # (B, C, 1, h, w) normalised
+    latents: torch.Tensor  # (B, C, F, h, w) normalised; F = 1 frame, or 1 + layers for a layered target
     control_latents: list[torch.Tensor]  # each (B, C, 1, h, w)
     prompt_embeds: torch.Tensor  # (B, L, D), zero-padded
     prompt_embeds_mask: torch.Tensor | None  # (B, L) 1/0, or None when nothing is padded

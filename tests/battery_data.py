@@ -76,6 +76,8 @@ def control_counts(spec) -> list[int]:
 
 def write_dataset(root: Path, spec) -> Path:
     """Write the data set `spec`'s family reads under `root`; returns what `data.path` names."""
+    if spec.family.layered:
+        return _write_layered(root)
     counts, alpha = control_counts(spec), bool(spec.alpha)
     if len(set(counts)) == 1 and not alpha:
         return _write_folder(root, counts[0])
@@ -107,6 +109,23 @@ def _write_manifest(root: Path, counts: list[int], alpha: bool) -> Path:
             image.save(root / "img" / f"c{i}_{k}.png")
             controls.append(f"img/c{i}_{k}.png")
         rows.append({"id": f"s{i}", "target": f"img/t{i}.png", "controls": controls, "prompt": prompt(i, count)})
+    manifest = root / "data.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return manifest
+
+
+def _write_layered(root: Path) -> Path:
+    """A layered manifest: each scene (RGBA) split into its background and its shape on transparency."""
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(SAMPLES):
+        shape = shape_image(i, 0, alpha=True)
+        ground = Image.new("RGBA", (SIZE, SIZE), (*SCENES[i % len(SCENES)][2], 255))
+        Image.alpha_composite(ground, shape).save(root / "img" / f"in{i}.png")
+        ground.save(root / "img" / f"in{i}_0.png")
+        shape.save(root / "img" / f"in{i}_1.png")
+        layers = [f"img/in{i}_0.png", f"img/in{i}_1.png"]
+        rows.append({"id": f"s{i}", "image": f"img/in{i}.png", "layers": layers, "prompt": prompt(i, 0)})
     manifest = root / "data.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return manifest

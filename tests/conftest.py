@@ -134,3 +134,10 @@ def tiny21_path(qie_home: Path) -> Path:
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
 
     return ensure_tiny_model(default_tiny_path("qwen_image_21"), "qwen_image_21")
+
+
+@pytest.fixture(scope="session")
+def tiny_layered_path(qie_home: Path) -> Path:
+    from qie.components.tiny import default_tiny_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_path("qwen_image_layered"), "qwen_image_layered")

@@ -35,8 +35,8 @@ def test_the_library_names_no_family_outside_the_models_package() -> None:
 
 
 def test_every_family_registers_with_every_piece() -> None:
-    assert set(families()) == {"qwen_image", "qwen_image_21"}
-    assert set(variants()) == {"edit", "edit_plus", "text_to_image", "qwen_image_21"}
+    assert set(families()) == {"qwen_image", "qwen_image_21", "qwen_image_layered"}
+    assert set(variants()) == {"edit", "edit_plus", "text_to_image", "qwen_image_21", "layered"}
     assert {name for name, (family, _) in tiny_presets().items() if family.name == "qwen_image_21"} == {
         "qwen_image_21"
     }

@@ -28,7 +28,7 @@ from helpers import small_config
 from PIL import Image
 from safetensors.torch import load_file
 
-FAMILIES = ["tiny", "tiny_plus", "tiny_edit_2511", "tiny_t2i", "tiny_qwen_image_21"]
+FAMILIES = ["tiny", "tiny_plus", "tiny_edit_2511", "tiny_t2i", "tiny_qwen_image_21", "tiny_qwen_image_layered"]
 
 # case -> {family: why it fails today}; each becomes a strict xfail for that family only.
 KNOWN_FAILURES: dict[str, dict[str, str]] = {}
@@ -42,11 +42,13 @@ PINNED_LOSSES = {
     "tiny_edit_2511": [1.2945940494537354, 1.2807931900024414],
     "tiny_t2i": [1.297964096069336, 1.284160852432251],
     "tiny_qwen_image_21": [1.4823312759399414, 1.4008921384811401],
+    "tiny_qwen_image_layered": [1.4373232126235962, 1.3763208389282227],
 }
 
 TRAINING = ["data.batch_size=1", "train.seed=7", "train.learning_rate=1e-3"]
 PROMPT = "move the circle to the right and paint it like picture 2"
 SAMPLING = dict(negative_prompt="blurry", true_cfg_scale=2.5, num_inference_steps=2, seed=3, height=64, width=64)
+LAYERS = 2  # a layered model's layers in the inference case
 
 
 def families(case: str) -> list:
@@ -126,6 +128,8 @@ class Battery:
         spec = model_spec(small_config("precompute", f"model={family}").model)
         data = write_dataset(root / "data", spec)
         base = [f"model={family}", f"data.path={data}", f"cache.dir={root / 'cache'}"]
+        if spec.family.layered:  # the frames at the condition's size, as the pipeline makes them
+            base.append(f"data.target_pixels={spec.vae_image_pixels}")
         summary = precompute.run(small_config("precompute", *base), root / "precompute")
         assert summary.failures == []
         prepared = Prepared(family, spec, root, base)
@@ -193,9 +197,13 @@ def test_quantized_base_and_text_encoder_train(battery: Battery, family: str, ov
 def test_validation_saves_images_and_metrics(battery: Battery, family: str) -> None:
     prepared = battery[family]
     folder = prepared.cached["dir"] / "validation"
-    (image,) = (folder / "step-000004").glob("*.png")
-    with Image.open(image) as im:
-        assert im.size == (64, 64) and im.mode == ("RGBA" if prepared.spec.alpha else "RGB")
+    # Layered: the pipeline's default 4 layers at its 640 bucket; the others one 64 px image.
+    size, count = ((640, 640), 4) if prepared.spec.family.layered else ((64, 64), 1)
+    images = sorted((folder / "step-000004").glob("*.png"))
+    assert len(images) == count
+    for image in images:
+        with Image.open(image) as im:
+            assert im.size == size and im.mode == ("RGBA" if prepared.spec.alpha else "RGB")
     # Edit metrics compare the output with the sample's control image and target: only where it has a control.
     if prepared.spec.max_control_images:
         (line,) = (folder / "metrics.jsonl").read_text().splitlines()
@@ -219,8 +227,8 @@ def test_logs_to_a_file_hold_no_carriage_returns(battery: Battery, family: str, 
     with logs_to_files(run_dir):
         overrides = [f"model={family}", f"predict.prompt={PROMPT}", f"predict.images=[{images}]",
                      "predict.num_inference_steps=2", "predict.height=64", "predict.width=64"]  # fmt: skip
-        (written,) = infer.run(compose("infer", overrides), run_dir)
-    assert Path(written).is_file()
+        written = infer.run(compose("infer", overrides), run_dir)  # one image, or a layered model's layers
+    assert written and all(Path(w).is_file() for w in written)
     for folder in (prepared.runs["cached"]["dir"], prepared.runs["live"]["dir"], run_dir):
         # Bytes: reading text would turn each carriage return into a newline.
         text = (folder / "stdout.log").read_bytes() + (folder / "stderr.log").read_bytes()
@@ -261,6 +269,10 @@ def pipeline_output(pipe, images: list[Path]) -> np.ndarray:
     if "output_resolution" in params:
         kwargs["output_resolution"] = 64
     generator = torch.Generator().manual_seed(options.pop("seed"))
+    if "layers" in params:  # Layered: one image, its 640 bucket sets the size; an array of LAYERS per image
+        del kwargs["height"], kwargs["width"]
+        kwargs.update(image=kwargs["image"][0], layers=LAYERS, resolution=640)
+        return pipe(prompt=PROMPT, generator=generator, output_type="np", **kwargs).images[0]
     return pipe(prompt=PROMPT, generator=generator, output_type="np", **kwargs).images
 
 
@@ -277,13 +289,16 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
     model = f"model={family}"
     lora = Path(prepared.cached["lora"])
 
+    layered = prepared.spec.family.layered
+    sampling = {**SAMPLING, "layers": LAYERS} if layered else SAMPLING
+
     def mine(*overrides: str) -> np.ndarray:
         predictor = build_predictor(compose("infer", [model, *overrides]))
-        return predictor.predict(images, PROMPT, output_type="np", **SAMPLING)
+        return predictor.predict(images, PROMPT, output_type="np", **sampling)
 
     pipe = pipeline_of(Path(compose("infer", [model]).model.pretrained_model_name_or_path))
     base = pipeline_output(pipe, images)
-    assert base.shape == (1, 64, 64, 4 if prepared.spec.alpha else 3)
+    assert base.shape == ((LAYERS, 640, 640, 4) if layered else (1, 64, 64, 4 if prepared.spec.alpha else 3))
     assert np.abs(mine() - base).max() <= 1e-5
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     assert len([k for k in pipe.transformer.state_dict() if "lora_" in k]) == len(load_file(lora))  # every pair

@@ -32,8 +32,9 @@ from qie.errors import DataError
 from qie.stages import precompute
 from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context
 
-# What precompute stores: the mask types are derived from the embeddings, never written.
-CACHE_TYPES = list(STORED_TYPES)
+# What precompute stores of these samples: the mask types are derived from the embeddings, never written, and
+# the samples have no layers (tests/test_qwen_image_layered.py stores layer_latent).
+CACHE_TYPES = [t for t in STORED_TYPES if t != "layer_latent"]
 TEXT = ["prompt_embed", "empty_prompt_embed"]
 CONTROL_DEPENDENT = ["control_latent", *TEXT]
 

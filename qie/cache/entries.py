@@ -23,7 +23,7 @@ from qie.cache.codec import checksum
 from qie.types import TRAINING_TYPES
 
 # What is stored, bases before the entries that extend them.
-STORED_TYPES = ("pixel_latent", "control_latent", "empty_prompt_embed", "prompt_embed")
+STORED_TYPES = ("pixel_latent", "control_latent", "layer_latent", "empty_prompt_embed", "prompt_embed")
 # Each mask type is derived from this embedding type, under the embedding's key.
 MASK_OF = {"prompt_embeds_mask": "prompt_embed", "empty_prompt_embeds_mask": "empty_prompt_embed"}
 BASE_TYPE = "empty_prompt_embed"
@@ -152,7 +152,7 @@ def read_logical(backend: CacheBackend, type: str, key: str) -> torch.Tensor | l
     entry = backend.get(type, key)
     if entry is None:
         return None
-    if type == "control_latent":
+    if type in ("control_latent", "layer_latent"):
         return [entry[str(i)] for i in range(len(entry))]
     if type == "pixel_latent":
         return entry["latent"]

@@ -67,10 +67,10 @@ def recognise(shapes: dict[str, tuple[int, ...]]) -> Any:
     """The family (`qie.models.family.ModelFamily`) whose transformer keys the file holds, or None."""
     from qie.models import families
 
-    for family in families().values():
-        if all(k in shapes for k in family.weight_signature):
-            return family
-    return None
+    # A family whose transformer adds modules to another's (Layered to Qwen-Image) matches both signatures: the
+    # longest match is the most specific.
+    matches = [f for f in families().values() if all(k in shapes for k in f.weight_signature)]
+    return max(matches, key=lambda f: len(f.weight_signature), default=None)
 
 
 def check_transformer_file(spec: Any, path: str) -> None:

@@ -31,6 +31,9 @@ class DataColumns:
     id: str | None = None
     # A column of loss mask images (data.mask.source=file).
     mask: str | None = None
+    # A column holding each row's ordered layers (a list of images), for a layered model (Qwen-Image-Layered):
+    # then set target and controls to the column of the image the layers split.
+    layers: str | None = None
 
 
 @dataclass

@@ -31,6 +31,9 @@ class PredictConfig:
     height: int | None = None
     width: int | None = None
     num_images: int = 1
+    # Layers to split the input into (a layered model, e.g. Qwen-Image-Layered; its default 4); `output` is then
+    # a folder of layer_0.png, layer_1.png, ...
+    layers: int | None = None
     lora: str | None = None
     lora_scale: float = 1.0
     merge_to: str | None = None

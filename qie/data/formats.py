@@ -26,6 +26,7 @@ class Columns:
     prompt: str = "prompt"
     id: str | None = None
     mask: str | None = None  # a column of loss mask images
+    layers: str | None = None  # a column holding each row's layers (a list of images), for a layered model
 
 
 @dataclass(frozen=True)

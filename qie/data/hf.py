@@ -110,7 +110,8 @@ def scan_hf(
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
     """
     data = load_hf(path, split)
-    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask) if c]
+    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers)
+             if c]  # fmt: skip
     missing = [c for c in names if c not in data.column_names]
     optional = ([] if require_target else [columns.target]) + ([] if require_prompt else [columns.prompt])
     if any(c not in optional for c in missing):
@@ -133,6 +134,7 @@ def scan_hf(
             controls = [images.path(v, base) for c in columns.controls for v in _as_list(row[c])]
             mask = row.get(columns.mask) if columns.mask else None
             mask_path = images.path(mask, base) if mask is not None else None
+            layers = [images.path(v, base) for v in _as_list(row[columns.layers])] if columns.layers else []
         except DataError as e:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", str(e)))
             continue
@@ -141,6 +143,7 @@ def scan_hf(
             prompt = ""
         why = (
             "has no control image" if not controls
+            else f"has no layers in column {columns.layers!r}" if columns.layers and not layers
             else "has no target image" if require_target and target_path is None
             else f"has no prompt text (got {prompt!r})" if not isinstance(prompt, str)
             else None
@@ -148,7 +151,7 @@ def scan_hf(
         if why:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", f"row {n} {why}"))
             continue
-        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path))
+        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers)))
     if not out.samples:
         detail = "".join(f"\n  {p.path}: {p.reason}" for p in out.problems[:5]) or "\n  it has no rows"
         raise DataError(f"no usable sample in {path!r}{detail}")

@@ -2,6 +2,7 @@
 
 - pixel_latent: target image bytes, target area / resize mode / rounding, VAE fingerprint
 - control_latent: every control image's bytes, VAE condition area, VAE fingerprint
+- layer_latent: every layer's bytes in order, target area / resize mode / rounding, VAE fingerprint
 - prompt_embed (+mask): prompt text, every control image's bytes, VL condition area, text-encoder
   fingerprint, prompt template, the text encoder's weight quantization when it has one
 - empty_prompt_embed (+mask): the same with the empty prompt
@@ -52,6 +53,18 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
             "pixel_latent",
             {
                 "target": hasher.hash(sample.target),
+                "area": ctx.target_pixels,
+                "mode": ctx.resize_mode,
+                "multiple": ctx.multiple_of,
+                "vae": ctx.vae_fingerprint,
+                "dtype": ctx.dtype,
+            },
+        )
+    if sample.layers:
+        keys["layer_latent"] = entry_key(
+            "layer_latent",
+            {
+                "layers": [hasher.hash(p) for p in sample.layers],
                 "area": ctx.target_pixels,
                 "mode": ctx.resize_mode,
                 "multiple": ctx.multiple_of,

@@ -1,5 +1,7 @@
 """Manifests: a .jsonl or .csv file with `target`, `controls`, `prompt` per row, paths relative to the
 manifest's folder (and inside it, unless `data.allow_outside_paths`); a row without `controls` has none.
+A layered row (`image`, `layers`, `prompt`: an image and its ordered layers) is the sample whose control is
+the image and whose target is the image (the composite frame) followed by its layers.
 A row that cannot be used is a problem of that row alone."""
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ def _csv_row(row: dict) -> dict | str:
     return row
 
 
-def _row_fields(row: object) -> tuple[list[str], str | None, str | None, str | None] | str:
-    """(controls, target, prompt) of a manifest row, or why the row is not usable."""
+def _row_fields(row: object) -> tuple[list[str], str | None, str | None, str | None, list[str]] | str:
+    """(controls, target, prompt, mask, layers) of a manifest row, or why the row is not usable."""
     if not isinstance(row, dict):
         return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
+    if "layers" in row or "image" in row:
+        return _layered_fields(row)
     controls = row.get("controls")
     if controls is None:  # no control image: a text-to-image row, or an edit row for the text-only prompt
         controls = [row["control"]] if row.get("control") else []
@@ -71,7 +75,19 @@ def _row_fields(row: object) -> tuple[list[str], str | None, str | None, str | N
     mask = row.get("mask") or None
     if mask is not None and not isinstance(mask, str):
         return f"'mask' must be a path, got {mask!r}"
-    return controls, target, prompt, mask
+    return controls, target, prompt, mask, []
+
+
+def _layered_fields(row: dict) -> tuple[list[str], str | None, str | None, str | None, list[str]] | str:
+    """A layered row: the image is the control and the composite frame of the target, the layers follow."""
+    image, layers, prompt = row.get("image"), row.get("layers"), row.get("prompt")
+    if not isinstance(image, str) or not image:
+        return f"has 'layers' but no 'image' path (got {image!r}): a layered row is image, layers, prompt"
+    if not isinstance(layers, list) or not layers or not all(isinstance(p, str) and p for p in layers):
+        return f"'layers' must be a non-empty list of paths, got {layers!r}"
+    if prompt is not None and not isinstance(prompt, str):
+        return f"'prompt' must be text, got {prompt!r}"
+    return [image], image, prompt, None, layers
 
 
 def _outside(folder: Path, name: str) -> bool:
@@ -97,14 +113,14 @@ def scan_manifest(
         if isinstance(fields, str):
             data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
             continue
-        controls, target, prompt, mask = fields
+        controls, target, prompt, mask, layers = fields
         missing = [] if prompt is not None or not require_prompt else ["prompt"]
         if require_target and not target:
             missing.append("target")
         if missing:
             data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
             continue
-        named = [*controls, target, mask]
+        named = [*controls, target, mask, *layers]
         outside = [] if allow_outside else [c for c in named if c and _outside(path.parent, c)]
         if outside:
             data.problems.append(
@@ -119,14 +135,15 @@ def scan_manifest(
         control_paths = tuple(folder / c for c in controls)
         target_path = folder / target if target else None
         mask_path = folder / mask if mask else None
-        paths = [p for p in (*control_paths, target_path, mask_path) if p is not None]
+        layer_paths = tuple(folder / p for p in layers)
+        paths = [p for p in (*control_paths, target_path, mask_path, *layer_paths) if p is not None]
         bad = [p for p in paths if not os.path.isfile(p)]
         if bad:
             data.problems.append(
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
             )
             continue
-        same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask), n)
+        same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask, tuple(layers)), n)
         if same != n:  # the same example twice would be trained twice as often: keep the first
             data.problems.append(
                 DataProblem(rid, where, f"manifest row {n} repeats row {same} (same images and prompt): used once")
@@ -137,5 +154,7 @@ def scan_manifest(
         if sample_id in seen:  # one target with several instructions: ids stay unique
             sample_id = f"{sample_id}#{n}"
         seen.add(sample_id)
-        data.samples.append(Sample(sample_id, target_path, control_paths, (prompt or "").strip(), mask_path))
+        data.samples.append(
+            Sample(sample_id, target_path, control_paths, (prompt or "").strip(), mask_path, layer_paths)
+        )
     return data

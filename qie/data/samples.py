@@ -2,7 +2,8 @@
 
 Two layouts: a folder (`training_images/<stem>.<ext>` + `<stem>.txt`, `control_images/<stem>.<ext>` and
 `control_images/<stem>_control_<N>.<ext>`, optionally a loss mask `masks/<stem>.<ext>`; without
-`control_images/` every sample has no control image) or a manifest (.jsonl or .csv with `target`, `controls`,
+`control_images/` every sample has no control image; for a layered model `images/<stem>.<ext>` + `<stem>.txt`
+and its ordered layers `layers/<stem>_<N>.<ext>`) or a manifest (.jsonl or .csv with `target`, `controls`,
 `prompt`, optionally `mask`; paths relative to the manifest; a row without `controls` has none). Whether a
 model takes a sample's control count is the model's to say (`ModelSpec.control_problem`). Problems with
 single samples are collected, not raised, so precompute can name them and go on; a data set with no usable
@@ -34,6 +35,8 @@ class Sample:
     prompt: str
     # A loss mask image (white: trained, black: `train.mask.outside_weight`); None: every pixel trained.
     mask: Path | None = None
+    # A target of several frames (a layered model's): the frames after `target`, in order (its layers).
+    layers: tuple[Path, ...] = ()
 
 
 # Longer prompts are refused: the pipelines keep at most ~1,024 prompt tokens (~4,000 characters of English)
@@ -202,7 +205,40 @@ def _with_text(child, folder: str):
     return make
 
 
+_LAYER_SUFFIX = re.compile(r"^(?P<stem>.+)_(?P<n>\d+)$")
+
+
+def _scan_layered_folder(root: Path, require_prompt: bool = True) -> Dataset:
+    """`images/<stem>.<ext>` (+ `<stem>.txt`) and its layers `layers/<stem>_<N>.<ext>` in the order of N: the
+    image is the control and the composite frame of the target, the layers follow (see `scan_manifest`)."""
+    images_dir, layers_dir = root / "images", root / "layers"
+    images = _images_by_stem(images_dir, _listing(images_dir))
+    layers: dict[str, list[tuple[int, Path]]] = {}
+    for stem, p in _images_by_stem(layers_dir, _listing(layers_dir)).items():
+        m = _LAYER_SUFFIX.match(stem)
+        if m:
+            layers.setdefault(m["stem"], []).append((int(m["n"]), p))
+    data = Dataset()
+    for stem in sorted(set(layers) - set(images)):
+        data.problems.append(DataProblem(stem, str(images_dir / f"{stem}.<ext>"), "image is missing (layers found)"))
+    for stem, image in sorted(images.items()):
+        if stem not in layers:
+            data.problems.append(DataProblem(stem, str(layers_dir / f"{stem}_0.<ext>"), "its layers are missing"))
+            continue
+        caption = images_dir / f"{stem}.txt"
+        try:
+            prompt = read_caption(caption) if require_prompt or caption.is_file() else ""
+        except DataError as e:
+            data.problems.append(DataProblem(stem, str(caption), str(e)))
+            continue
+        ordered = tuple(p for _, p in sorted(layers[stem]))
+        data.samples.append(Sample(stem, image, (image,), prompt, None, ordered))
+    return data
+
+
 def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -> Dataset:
+    if (root / "layers").is_dir() and (root / "images").is_dir():
+        return _scan_layered_folder(root, require_prompt)
     targets_dir, controls_dir, masks_dir = root / "training_images", root / "control_images", root / "masks"
     if not targets_dir.is_dir() and not controls_dir.is_dir():
         raise DataError(
@@ -250,4 +286,4 @@ def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) 
 def without_controls(sample: Sample, suffix: str = "") -> Sample:
     """`sample` without its control images: trained on the text-only prompt (reference dropout). Its entries
     are keyed by what they hold, so they are cached apart from the sample's own."""
-    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask)
+    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask, sample.layers)

@@ -23,7 +23,7 @@ from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
 
 # The model families qie knows, by module. The only list of family names: variants and tiny presets are
 # read off the families.
-FAMILY_MODULES = ("qie.models.qwen_image", "qie.models.qwen_image_21")
+FAMILY_MODULES = ("qie.models.qwen_image", "qie.models.qwen_image_21", "qie.models.qwen_image_layered")
 
 
 @cache
@@ -112,9 +112,11 @@ class ModelSpec:
 
     @property
     def prompt_parts(self) -> tuple[str, ...]:
-        """What encodes a prompt besides the text encoder: the processor where the pipeline has one, else the
-        tokenizer (text-to-image builds no processor)."""
-        return ("processor",) if "processor" in self.part_names else ("tokenizer",)
+        """What encodes a prompt besides the text encoder: the processor where the prompt sees images, else the
+        tokenizer (text-to-image builds no processor; Layered's prompt is text alone, though it has one)."""
+        if self.pipe.prompt_images == "none" or "processor" not in self.part_names:
+            return ("tokenizer",)
+        return ("processor",)
 
     @property
     def encoder_parts(self) -> tuple[str, ...]:
@@ -200,6 +202,17 @@ class ModelSpec:
                 "(its prompt holds the image): add a control image, or use an Edit-Plus model "
                 "(e.g. model=qwen_image_edit_2511), which trains samples without one on the text-only prompt"
             )
+        return None
+
+    def layers_problem(self, count: int) -> str | None:
+        """Why a training sample with `count` layers cannot be used with this model (None: it can)."""
+        if self.family.layered and not count:
+            return (
+                f"no layers, but model {self.name!r} learns to split an image into layers: give each sample its "
+                "ordered layers (manifest 'layers', layers/<stem>_<N>.png, or data.columns.layers)"
+            )
+        if count and not self.family.layered:
+            return f"{count} layers, but model {self.name!r} makes one image: use a layered model or drop the layers"
         return None
 
     def mismatches(self, found: CheckpointFacts) -> list[str]:

@@ -100,6 +100,8 @@ class ModelFamily:
         tiny_presets: tiny preset name -> "module:function" building it (path, seed) -> folder.
         real_size: part -> its published config (kwargs of its class), for the planner and benchmarks.
         planner: `PlannerFacts`.
+        layered: the output is the layers of one image (`predict.layers` sets how many; inference writes them to
+            a folder as layer_0.png, layer_1.png, ...), not one image per sample.
 
     Pieces (callables; parameters as `SIGNATURES` lists them):
         pipeline: the diffusers pipeline over the built parts (parts not built stay None).
@@ -130,6 +132,7 @@ class ModelFamily:
     tiny_presets: Mapping[str, str]
     real_size: Mapping[str, dict]
     planner: PlannerFacts
+    layered: bool
     pipeline: Callable[..., Any]
     prompt_template: Callable[..., str]
     default_size: Callable[..., tuple[int, int]]

@@ -380,6 +380,7 @@ FAMILY = ModelFamily(
     real_size={"transformer": real_size.TRANSFORMER, "vae": real_size.VAE, "text_encoder": real_size.TEXT_ENCODER},
     # 8x VAE, 2x2 patches; Qwen2.5-VL sees 28x28-pixel tokens (14 px patches merged 2x2); the template adds ~64.
     planner=PlannerFacts(16, 28 * 28, 64, "Qwen2.5-VL-7B", step_inputs),
+    layered=False,
     pipeline=pipeline,
     prompt_template=prompt_template,
     default_size=default_size,

@@ -384,6 +384,7 @@ FAMILY = ModelFamily(
                "text_encoder": real_size.TEXT_ENCODER_21},  # fmt: skip
     # 16x VAE, one token per latent pixel; Qwen3-VL sees 32x32-pixel tokens (16 px patches merged 2x2).
     planner=PlannerFacts(16, 32 * 32, 32, "Qwen3-VL-8B", step_inputs),
+    layered=False,
     pipeline=pipeline,
     prompt_template=prompt_template,
     default_size=default_size,

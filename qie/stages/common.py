@@ -58,7 +58,7 @@ def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
 
     d = cfg.data
     c = d.columns
-    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.get("mask"))
+    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.get("mask"), c.get("layers"))
     images = Path(cfg.cache.dir) if cfg.get("cache") is not None and cfg.cache.get("dir") else qie_home()
     return DataSource(str(path or d.path), str(value(d.format)) if path is None else "auto", str(d.split), columns,
                       images / "images", bool(d.get("allow_outside_paths", False)))  # fmt: skip
@@ -162,6 +162,7 @@ def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:
         "height": predict.height,
         "width": predict.width,
         "num_images": int(predict.num_images),
+        "layers": None if predict.get("layers") is None else int(predict.layers),
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingOptions(**base)

@@ -182,6 +182,20 @@ def _save(images: list[Image.Image], path: Path) -> list[Path]:
     return paths
 
 
+def _save_layers(images: list[Image.Image], folder: Path, count: int) -> list[Path]:
+    """A layered model's output: `folder/layer_0.png, layer_1.png, ...` in the pipeline's order (with several
+    images, `folder/<n>/layer_0.png, ...` for the n-th)."""
+    per = len(images) // count
+    written = []
+    for n in range(count):
+        target = folder if count == 1 else folder / str(n)
+        target.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images[n * per : (n + 1) * per]):
+            image.save(target / f"layer_{i}.png")
+            written.append(target / f"layer_{i}.png")
+    return written
+
+
 def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     """Run inference (single image, or batch with `predict.input`) or the LoRA merge (`predict.merge_to`).
 
@@ -209,11 +223,15 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
+    if p.get("layers") is not None and not spec.family.layered:
+        raise ConfigError(f"predict.layers={p.layers}: model={spec.name} makes one image, not layers; remove it")
+    if p.get("layers") is not None and int(p.layers) < 1:
+        raise ConfigError(f"predict.layers={p.layers}: set it to 1 or more layers")
     images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(cfg, spec)
-    written = _save(
-        predictor.predict(images, p.prompt, sampling_options(p), progress=True), resolve_output(p.output, run_dir)
-    )
+    made = predictor.predict(images, p.prompt, sampling_options(p), progress=True)
+    out = resolve_output(p.output, run_dir)
+    written = _save_layers(made, out, int(p.num_images)) if spec.family.layered else _save(made, out)
     for path in written:
         print(f"infer: wrote {path}")
     return written
@@ -234,7 +252,11 @@ def run_batch(cfg: DictConfig, run_dir: Path, spec: ModelSpec) -> list[Path]:
         except QieError as e:  # one bad row must not stop the others
             failures.append(f"{sample.id}: {e}")
             continue
-        written += _save(images, out_dir / _safe_relative(sample.id).with_suffix(".png"))
+        name = _safe_relative(sample.id)
+        if spec.family.layered:  # <output_dir>/<id>/layer_0.png, ...
+            written += _save_layers(images, out_dir / name, int(cfg.predict.num_images))
+        else:
+            written += _save(images, out_dir / name.with_suffix(".png"))
     print(f"infer: wrote {len(written)} image(s) for {len(data.samples)} row(s) to {out_dir}")
     for failure in failures:
         print(f"infer: skipped {failure}")

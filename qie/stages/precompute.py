@@ -77,7 +77,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     state = PartialState(cpu=not torch.cuda.is_available())
     common.warn_single_process(state.num_processes, "qie.precompute")
     items = dataset_range(cfg, settings)
-    summary = PrecomputeSummary()
+    summary = PrecomputeSummary.of(items)
     main = state.is_main_process
     if main:  # what every process finds alike, the main one reports
         summary.temp_files_removed = backend.sweep_temp()
@@ -178,7 +178,7 @@ def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path)
     from accelerate.utils import gather_object
 
     if state.num_processes > 1:
-        total = PrecomputeSummary()
+        total = PrecomputeSummary(types={})
         for part in gather_object([summary]):
             total.merge(part)
         summary = total

@@ -32,7 +32,10 @@ class TypeSummary:
 @dataclass
 class PrecomputeSummary:
     samples: int = 0
-    types: dict[str, TypeSummary] = field(default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES})
+    # Every stored type but layer_latent, which only data sets with layers have (`of`).
+    types: dict[str, TypeSummary] = field(
+        default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES if t != "layer_latent"}
+    )
     failures: list[DataProblem] = field(default_factory=list)
     # One row per process: {"process", "samples", "new", "bytes_written"}.
     processes: list[dict] = field(default_factory=list)
@@ -46,12 +49,19 @@ class PrecomputeSummary:
     def merge(self, other: PrecomputeSummary) -> None:
         self.samples += other.samples
         for t, s in other.types.items():
+            mine = self.types.setdefault(t, TypeSummary())
             for name in ("new", "skipped", "failed", "bytes_written"):
-                setattr(self.types[t], name, getattr(self.types[t], name) + getattr(s, name))
+                setattr(mine, name, getattr(mine, name) + getattr(s, name))
         for name in ("failures", "processes", "failed_entries", "written"):
             getattr(self, name).extend(getattr(other, name))
         self.temp_files_removed += other.temp_files_removed
         self.claimed_by_others += other.claimed_by_others
+
+    @classmethod
+    def of(cls, items: list) -> PrecomputeSummary:
+        """An empty summary of the types the samples among `items` have (layer_latent only for layered ones)."""
+        layered = any(getattr(s, "layers", ()) for s in items)
+        return cls(types={t: TypeSummary() for t in STORED_TYPES if layered or t != "layer_latent"})
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -66,6 +76,8 @@ def keys_of(sample: Sample, ctx: KeyContext, hasher, spec) -> dict[str, str]:
     if problem:
         path = sample.controls[spec.max_control_images] if sample.controls else sample.target
         raise ImageError(path, f"sample {sample.id!r} has {problem}")
+    if sample.target is not None and (problem := spec.layers_problem(len(sample.layers))):
+        raise ImageError(sample.target, f"sample {sample.id!r} has {problem}")
     try:
         return sample_keys(sample, ctx, hasher)
     except OSError as e:
@@ -184,19 +196,25 @@ def encode_groups(
         pending = later
 
 
+# The entry types read from the target's images (the target, and a layered target's layers).
+TARGET_TYPES = ("pixel_latent", "layer_latent")
+
+
 def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summary, raise_errors: bool) -> None:
     """Read the batch's images, encode what each sample misses and can be read, and write what is finite."""
     by_types: dict[tuple[str, ...], list[tuple[Sample, dict, PreparedSample]]] = defaultdict(list)
     for sample, keys, missing in todo:
         types = list(missing)
         prepared = PreparedSample(sample, None, [], [])
-        control_types = [t for t in missing if t != "pixel_latent"]
-        if "pixel_latent" in missing:
+        target_types = [t for t in missing if t in TARGET_TYPES]
+        control_types = [t for t in missing if t not in TARGET_TYPES]
+        if target_types:
             try:
-                prepared.target = prepare_sample(sample, sizes, with_controls=False).target
+                read = prepare_sample(sample, sizes, with_controls=False)
+                prepared.target, prepared.layers = read.target, read.layers
             except DataError as e:
-                record_failure(summary, sample, e, ["pixel_latent"], keys, raise_errors)
-                types.remove("pixel_latent")
+                record_failure(summary, sample, e, target_types, keys, raise_errors)
+                types = [t for t in types if t not in target_types]
         if control_types:
             try:
                 read = prepare_sample(sample, sizes, with_target=False)

@@ -193,7 +193,9 @@ def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]
     """
     data, dataset = cfg.data, read_data(cfg)
     problems = [
-        DataProblem(s.id, str(s.target), why) for s in dataset.samples if (why := spec.control_problem(len(s.controls)))
+        DataProblem(s.id, str(s.target), why)
+        for s in dataset.samples
+        if (why := spec.control_problem(len(s.controls)) or spec.layers_problem(len(s.layers)))
     ]
     skipped = {p.id for p in problems}
     samples = [s for s in dataset.samples if s.id not in skipped]

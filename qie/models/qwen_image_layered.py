@@ -1,0 +1,239 @@
+"""Qwen-Image-Layered: one RGBA image split into RGBA layers.
+
+Everything here follows diffusers 0.42.1's `QwenImageLayeredPipeline`:
+- Prompts: the text alone in the text-to-image template (drop index 34), cut at 512 tokens. (With no prompt the
+  pipeline captions the input with its VL model; qie needs a prompt.)
+- Sizes: the pipeline's `resolution` bucket (640 or 1024, asserted) is `model.vae_image_pixels` (its square): the
+  input is resized to that area at its aspect ratio, and the output has the input's size.
+- Latents: the input's RGBA latent is the condition (one frame); the output is `layers + 1` frames of one packed
+  sequence, the first the composite (the input again), then the layers in order. `img_shapes` lists every output
+  frame, then the condition; the transformer (`use_layer3d_rope`) tells the frames apart by position, and gets
+  `additional_t_cond` = 0 for RGBA. The shift `mu` is sqrt(condition tokens / 256).
+- Decoding drops the composite frame: the output is the `layers` RGBA layers.
+- Training follows from the loop: x_t = (1-σ)·x0 + σ·noise over every frame, σ as the timestep, the prediction
+  (cut to the output frames' tokens) regressed onto noise - x0 (`qie.models.flow`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import QwenImageLayeredPipeline
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+
+from qie.models import qwen_image, real_size
+from qie.models.family import ModelFamily, PlannerFacts, Variant
+from qie.models.flow import noisy_latents, predict, velocity_loss
+from qie.progress import progress as progress_bar
+from qie.sampling import SamplingOptions
+from qie.types import Batch, pad_prompt_embeds
+
+pack_latents = QwenImageLayeredPipeline._pack_latents
+_unpack_latents = QwenImageLayeredPipeline._unpack_latents
+
+# The pipeline's `resolution` buckets and its default layer count (`__call__`'s `layers`).
+RESOLUTIONS = (640, 1024)
+DEFAULT_LAYERS = 4
+VARIANTS = {"layered": Variant("QwenImageLayeredPipeline", "none", output_image=0, max_prompt_tokens=512)}
+
+
+def encode_prompts(
+    pipeline: Any, spec: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]], device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """Prompts as the pipeline encodes them (the text alone, whatever the images), each {"embed": (tokens, dim)}."""
+    return [{"embed": e} for e in qwen_image._encode(pipeline, spec, list(prompts), None, device)]
+
+
+def default_size(spec: Any, vae_scale: int) -> tuple[int, int]:
+    """The resolution bucket's square (the pipeline always has an input image, whose aspect it keeps)."""
+    side = math.isqrt(spec.vae_image_pixels)
+    return side, side
+
+
+# --- training -------------------------------------------------------------------------------------------
+
+
+def packed_frames(latents: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """(B, C, F, h, w) -> (B, F * h/2 * w/2, 4C) tokens, frame after frame, and one (1, h/2, w/2) per frame."""
+    b, c, f, h, w = latents.shape
+    tokens = pack_latents(latents.permute(0, 2, 1, 3, 4), b, c, h, w, f)
+    return tokens, [(1, h // 2, w // 2)] * f
+
+
+def layered_loss(
+    transformer: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor, weighting: str = "none"
+) -> torch.Tensor:
+    """Mean weighted squared error between the predicted and the true velocity (noise - x0) of every frame.
+
+    Args:
+        transformer: QwenImageTransformer2DModel with layer-aware rope (with or without LoRA).
+        batch: `latents` (B, C, 1 + layers, h, w), the composite then each layer; `control_latents` the input's
+            latent (B, C, 1, h', w'); prompt embeddings. On the transformer's device.
+        noise: like batch.latents.
+        sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
+    """
+    x0 = batch.latents
+    noisy, frames = packed_frames(noisy_latents(x0, noise, sigmas))
+    controls = [packed_frames(c) for c in batch.control_latents]
+    pred = transformer(
+        hidden_states=torch.cat([noisy] + [tokens for tokens, _ in controls], dim=1),
+        timestep=sigmas.to(x0.device, x0.dtype),
+        encoder_hidden_states=batch.prompt_embeds,
+        encoder_hidden_states_mask=batch.prompt_embeds_mask,
+        img_shapes=[frames + [s for _, shapes in controls for s in shapes]] * x0.shape[0],
+        additional_t_cond=torch.zeros(x0.shape[0], dtype=torch.long, device=x0.device),  # 0: RGBA, as sampled
+        return_dict=False,
+    )[0][:, : noisy.shape[1]]
+    target, _ = packed_frames(noise - x0)
+    mask = None if batch.loss_mask is None else packed_frames(batch.loss_mask.expand_as(x0))[0]
+    return velocity_loss(pred, target, sigmas, weighting, mask)
+
+
+# --- sampling -------------------------------------------------------------------------------------------
+
+
+def sample(
+    parts: Any,
+    prompt: tuple[torch.Tensor, torch.Tensor | None],
+    negative: tuple[torch.Tensor, torch.Tensor | None] | None,
+    controls: Sequence[torch.Tensor],
+    size: tuple[int, int],
+    options: SamplingOptions,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Latents (B, C, 1 + layers, h, w) of `options.num_images` decompositions of the input, step for step as
+    `QwenImageLayeredPipeline.__call__` (`options.layers` layers, default 4). The output has the input's size,
+    as in the pipeline (`size` does not apply; `sampling_notes` says so)."""
+    transformer, vae = parts.transformer, parts.vae
+    (control,) = controls
+    layers = DEFAULT_LAYERS if options.layers is None else int(options.layers)
+    device, dtype = transformer.device, prompt[0].dtype  # noise is drawn in the prompt embeddings' dtype
+    batch, channels = options.num_images, transformer.config.in_channels // 4
+    lat_h, lat_w = int(control.shape[-2]) // 2 * 2, int(control.shape[-1]) // 2 * 2
+    embeds, mask = (None if x is None else x.to(device) for x in pad_prompt_embeds([prompt[0]] * batch))
+    do_cfg = options.guidance
+    if do_cfg:
+        neg, neg_mask = (None if x is None else x.to(device) for x in pad_prompt_embeds([negative[0]] * batch))
+
+    generator = torch.Generator("cpu").manual_seed(int(options.seed))
+    noise = randn_tensor((batch, layers + 1, channels, lat_h, lat_w), generator=generator, device=device, dtype=dtype)
+    latents = pack_latents(noise, batch, channels, lat_h, lat_w, layers + 1)
+    cond = control.unsqueeze(0).to(device=device, dtype=dtype).expand(batch, -1, -1, -1, -1)
+    cond_tokens, cond_shapes = packed_frames(cond)
+    img_shapes = [[(1, lat_h // 2, lat_w // 2)] * (layers + 1) + cond_shapes] * batch
+
+    scheduler = type(parts.scheduler).from_config(parts.scheduler.config)
+    sigmas = np.linspace(1.0, 0, options.num_inference_steps + 1)[:-1]
+    mu = (cond_tokens.shape[1] / (256 * 256 / 16 / 16)) ** 0.5  # the condition's tokens, as the pipeline has it
+    timesteps, _ = retrieve_timesteps(scheduler, options.num_inference_steps, device, sigmas=sigmas, mu=mu)
+    scheduler.set_begin_index(0)
+    is_rgb = torch.zeros(batch, dtype=torch.long, device=device)
+
+    bar = progress_bar(len(timesteps), "denoise", disable=not progress)
+    for t in timesteps:
+        call = dict(hidden_states=torch.cat([latents, cond_tokens], dim=1),
+                    timestep=t.expand(batch).to(latents.dtype) / 1000, guidance=None, img_shapes=img_shapes,
+                    attention_kwargs={}, additional_t_cond=is_rgb)  # fmt: skip
+        pred = predict(transformer, "cond", encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, **call)
+        pred = pred[:, : latents.size(1)]
+        if do_cfg:
+            uncond = predict(transformer, "uncond", encoder_hidden_states=neg, encoder_hidden_states_mask=neg_mask,
+                             **call)[:, : latents.size(1)]  # fmt: skip
+            pred = uncond + options.true_cfg_scale * (pred - uncond)  # the pipeline's default: no cfg_normalize
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        bar.update(1)
+    bar.close()
+    scale = qwen_image.vae_scale(vae)
+    return _unpack_latents(latents, lat_h * scale, lat_w * scale, layers, scale)
+
+
+@torch.no_grad()
+def decode_layers(vae: Any, latents: torch.Tensor, output_type: str = "pil") -> Any:
+    """The layers (RGBA) of normalised latents (B, C, 1 + layers, h, w), the composite frame dropped as the
+    pipeline drops it: B * layers images, each sample's layers in order ("pil", "np" or "pt")."""
+    latents = latents.to(device=vae.device, dtype=vae.dtype)
+    z_dim = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+    # Divide by 1/std (not multiply by std) exactly as the pipeline does, so results agree to the last bit.
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+    latents = (latents / inv_std + mean)[:, :, 1:]
+    b, c, f, h, w = latents.shape
+    images = vae.decode(latents.permute(0, 2, 1, 3, 4).reshape(b * f, c, 1, h, w), return_dict=False)[0]
+    processor = VaeImageProcessor(vae_scale_factor=qwen_image.vae_scale(vae) * 2)
+    return processor.postprocess(images[:, :, 0], output_type=output_type)
+
+
+# --- rules ----------------------------------------------------------------------------------------------
+
+
+def config_problems(spec: Any) -> list[str]:
+    """The pipeline's resolution bucket is 640 or 1024 (it asserts so), and it takes exactly one input image."""
+    problems = []
+    if spec.vae_image_pixels not in {r * r for r in RESOLUTIONS}:
+        problems.append(
+            f"model.vae_image_pixels={spec.vae_image_pixels}: Qwen-Image-Layered works at its resolution buckets "
+            f"only, set it to {RESOLUTIONS[0] ** 2} (640²) or {RESOLUTIONS[1] ** 2} (1024²)"
+        )
+    if (spec.min_control_images, spec.max_control_images) != (1, 1):
+        problems.append("Qwen-Image-Layered splits one input image: set model.min/max_control_images to 1")
+    return problems
+
+
+def checkpoint_problems(spec: Any, read_json: Any) -> list[str]:
+    """A Layered checkpoint's transformer has layer-aware rope and the extra timestep condition."""
+    config = read_json("transformer/config.json")
+    missing = [k for k in ("use_layer3d_rope", "use_additional_t_cond") if config and not config.get(k)]
+    return [f"its transformer config lacks {k}=true: it is not a Qwen-Image-Layered transformer" for k in missing]
+
+
+def sampling_notes(spec: Any, pipeline_config: dict, options: Any) -> list[str]:
+    """The pipeline has no height and width: the output always has the input's size."""
+    if options.height is not None or options.width is not None:
+        return ["predict.height/width do not apply to Qwen-Image-Layered: the layers have the input's size"]
+    return []
+
+
+TRANSFORMER = {**real_size.TRANSFORMER, "use_layer3d_rope": True, "use_additional_t_cond": True}
+
+FAMILY = ModelFamily(
+    name="qwen_image_layered",
+    variants=VARIANTS,
+    part_classes=dict(qwen_image.FAMILY.part_classes),
+    alpha=True,
+    patch_size=2,
+    blocks="transformer_blocks",
+    unused_in_last_block=qwen_image.FAMILY.unused_in_last_block,
+    lora_loader="diffusers.loaders:QwenImageLoraLoaderMixin",
+    keep_full_precision=qwen_image.FAMILY.keep_full_precision,
+    # Qwen-Image's transformer keys and the extra timestep condition (`use_additional_t_cond`): a Layered file
+    # matches Qwen-Image's signature too, so the longest matching signature names the family.
+    weight_signature=("txt_norm.weight", "transformer_blocks.0.txt_mlp.net.0.proj.weight",
+                      "time_text_embed.addition_t_embedding.weight"),
+    tiny_presets={"qwen_image_layered": "qie.models.tiny_qwen_image_layered:build_tiny_qwen_image_layered"},
+    real_size={
+        "transformer": TRANSFORMER,
+        "vae": {**real_size.VAE, "input_channels": 4},
+        "text_encoder": real_size.TEXT_ENCODER,
+    },  # fmt: skip
+    # 8x VAE, 2x2 patches; the text-only template adds ~34 tokens.
+    planner=PlannerFacts(16, 28 * 28, 34, "Qwen2.5-VL-7B", qwen_image.step_inputs),
+    pipeline=qwen_image.pipeline,
+    prompt_template=qwen_image.prompt_template,
+    default_size=default_size,
+    encode_prompts=encode_prompts,
+    encode_latents=qwen_image.encode_latents,
+    loss=layered_loss,
+    sample=sample,
+    decode=decode_layers,
+    vae_scale=qwen_image.vae_scale,
+    config_problems=config_problems,
+    checkpoint_problems=checkpoint_problems,
+    sampling_notes=sampling_notes,
+    layered=True,
+)
