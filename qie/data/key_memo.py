@@ -28,7 +28,7 @@ from qie.data.samples import Sample
 log = logging.getLogger(__name__)
 
 # The stored entry types whose keys a row holds; a mask type shares its embedding's key.
-ROW_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
+ROW_TYPES = ("pixel_latent", "control_latent", "layer_latent", "prompt_embed", "empty_prompt_embed")
 MASK_OF = {"prompt_embed": "prompt_embeds_mask", "empty_prompt_embed": "empty_prompt_embeds_mask"}
 SIG_BYTES, KEY_BYTES = 16, 32
 ROW_BYTES = KEY_BYTES * len(ROW_TYPES)
@@ -48,8 +48,8 @@ def input_signature(sample: Sample) -> bytes:
         OSError: an image cannot be stat'ed.
     """
     parts = [sample.prompt]
-    images = ((sample.target,) if sample.target is not None else ()) + sample.controls
-    roles = ("t",) * (sample.target is not None) + ("c",) * len(sample.controls)
+    images = ((sample.target,) if sample.target is not None else ()) + sample.controls + sample.layers
+    roles = ("t",) * (sample.target is not None) + ("c",) * len(sample.controls) + ("l",) * len(sample.layers)
     for role, path in zip(roles, images):
         p = os.fspath(path)
         if not p.startswith("/"):
