@@ -46,11 +46,12 @@ from qie.cache.base import decode  # noqa: E402
 from qie.cache.entries import STORED_TYPES, read_entries, write_entries  # noqa: E402
 from qie.cache.keys import entry_key  # noqa: E402
 from qie.cache.ssd import MMAP_MIN_BYTES, SsdBackend, read_file  # noqa: E402
-from qie.types import CACHE_TYPES  # noqa: E402
 
-# The six entry types of the layout before the shared prefix (what `sample_tensors` makes); loss masks are not
-# part of this comparison.
-WHOLE_TYPES = [t for t in CACHE_TYPES if t != "loss_mask"]
+# What an Edit sample stores (the benchmark's sample): no layers.
+EDIT_TYPES = [t for t in STORED_TYPES if t != "layer_latent"]
+# The six entry types of the layout before the shared prefix (what `sample_tensors` makes).
+WHOLE_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "prompt_embeds_mask", "empty_prompt_embed",
+               "empty_prompt_embeds_mask")
 
 
 def sample_tensors(i: int, group: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict]:
@@ -94,7 +95,7 @@ def write_sample(backend, pt_root: Path, i: int, group: int, args, g, whole=None
     prefix); returns its ssd keys and its .pt files."""
     keys = sample_keys(i, group)
     entries = sample_tensors(i, group, args, g)
-    write_entries(backend, keys, {t: entries[t] for t in STORED_TYPES})
+    write_entries(backend, keys, {t: entries[t] for t in EDIT_TYPES})
     for type, tensors in entries.items() if whole is not None else ():
         whole.put(type, entry_key(type, {"sample": i}), tensors)
     folder = pt_root / f"{i:06d}"
@@ -119,7 +120,7 @@ class Reading:
 
 def stored_files(backend, keys: list[dict[str, str]]) -> list[str]:
     """The distinct entry files of these samples (a shared entry counted once)."""
-    return sorted({str(backend.path(t, k[t])) for k in keys for t in STORED_TYPES})
+    return sorted({str(backend.path(t, k[t])) for k in keys for t in EDIT_TYPES})
 
 
 def to_pt(entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -207,11 +208,11 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
         ssd_keys.append(keys)
         pt_files.append(pts)
     print(f"wrote {args.samples} samples (4 stored types for ssd, 6 for .pt) in {time.perf_counter() - t0:.1f} s")
-    raw_files = [[str(backend.path(t, k[t])) for t in STORED_TYPES] for k in ssd_keys]
+    raw_files = [[str(backend.path(t, k[t])) for t in EDIT_TYPES] for k in ssd_keys]
 
     def read_ssd(use, source=reader) -> None:
         for keys in ssd_keys:
-            found, missing = read_entries(source, keys, STORED_TYPES)
+            found, missing = read_entries(source, keys, EDIT_TYPES)
             assert not missing
             if use:
                 for entry in found.values():
