@@ -122,7 +122,9 @@ def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
         captioner = build_captioner(cfg, spec, settings)
         caption_all(captioner, mine, spec, cfg, settings, output, summary, run_info(cfg, settings))
     summary.processes = [{"process": state.process_index, "captioned": summary.captioned}]
-    return finish(state, summary, output, everything.samples, settings, Path(run_dir))
+    summary = finish(state, summary, output, everything.samples, settings, Path(run_dir))
+    common.leave_process_group(state)
+    return summary
 
 
 def make_output(cfg: DictConfig, settings: Settings, process: int) -> FolderOutput | ManifestOutput:

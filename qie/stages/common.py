@@ -197,6 +197,17 @@ def launch_problem(num_processes: int, env: Mapping[str, str] | None = None) -> 
     return None
 
 
+def leave_process_group(state: Any) -> None:
+    """Leave the process group of a several-process run (torchrun) once every process is done: gloo's threads
+    torn down during interpreter exit can abort a process ("terminate called without an active exception")
+    after its work is complete, and the launcher then reports the run as failed."""
+    import torch.distributed as dist
+
+    if state.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        state.wait_for_everyone()
+        dist.destroy_process_group()
+
+
 def warn_single_process(num_processes: int, module: str) -> None:
     """Print how to run several CPU processes when the launcher silently started fewer (see `launch_problem`)."""
     problem = launch_problem(num_processes)

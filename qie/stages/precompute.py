@@ -92,7 +92,9 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     hasher.save()
     totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
     summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
-    return finish(state, summary, backend, cfg.cache.dir, Path(run_dir))
+    summary = finish(state, summary, backend, cfg.cache.dir, Path(run_dir))
+    common.leave_process_group(state)
+    return summary
 
 
 class Repairing:
