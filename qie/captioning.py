@@ -9,7 +9,6 @@ sampling each caption is generated alone after seeding, so one caption can be re
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from PIL import Image
 
 from qie.errors import ConfigError
+from qie.models.family import import_named
 
 # --- Family facts for captioning, kept in this one place until the family interface holds them -----------
 # How a prompt names its images: "Picture N: " before each image, as the Edit-Plus pipeline (and Qwen-VL's
@@ -46,8 +46,7 @@ def caption_processor(parts: Any, processor_class: str) -> Any:
         return parts.processor
     from transformers import Qwen2VLImageProcessorPil
 
-    module, _, name = processor_class.partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    cls = import_named(processor_class)
     return cls(Qwen2VLImageProcessorPil(), parts.tokenizer, chat_template=parts.tokenizer.chat_template)
 
 

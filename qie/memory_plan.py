@@ -15,7 +15,6 @@ workspaces. `python -m qie.plan` prints the table; docs/guide.md ("Memory") expl
 from __future__ import annotations
 
 import contextlib
-import importlib
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -134,12 +133,6 @@ class RealWhereKnown(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def transformer_class(family: Any) -> type:
-    """The family's transformer class."""
-    module, _, name = family.part_classes["transformer"].partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def build_fake(family: Any, config: dict, dtype: torch.dtype, rank: int, targets: Sequence[str], checkpointing: bool):
     """The family's transformer (+ LoRA) with fake CPU weights, and the fake mode it lives in."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -147,7 +140,7 @@ def build_fake(family: Any, config: dict, dtype: torch.dtype, rank: int, targets
     from qie.training.lora import add_lora
 
     with torch.device("meta"):
-        model = transformer_class(family)(**config)
+        model = family.part_class("transformer")(**config)
     with _quiet_diffusers():  # it warns about modules to keep in float32 even when it names none
         model.to(dtype)
     model.requires_grad_(False)
@@ -224,7 +217,7 @@ def weight_bytes(
     from peft import LoraConfig
 
     with torch.device("meta"):
-        model = transformer_class(family)(**config)
+        model = family.part_class("transformer")(**config)
     kept = tuple(n.rstrip("*") for n in family.keep_full_precision)
     size = torch.tensor([], dtype=dtype).element_size()
 
@@ -283,8 +276,7 @@ def step_memory(
 def text_encoder_bytes(family: Any, config: dict, quantize: str) -> int:
     """Weight bytes of the family's text encoder built from `config` on the meta device, in bf16 or with 8-bit
     linear layers."""
-    module, _, name = family.part_classes["text_encoder"].partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    cls = family.part_class("text_encoder")
     with torch.device("meta"):
         model = cls(cls.config_class(**config))
     total = sum(p.numel() for p in model.parameters()) * 2

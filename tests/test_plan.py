@@ -30,14 +30,14 @@ TARGETS = ModelConfig().lora_target_modules  # the LoRA default: the model's tar
 # One warm-up step (optimizer states, thread pools), then the peak RSS above the settled RSS of a second step.
 MEASURE = """
 import gc, json, sys, torch
-from qie.memory_plan import Workload, transformer_class
+from qie.memory_plan import Workload
 from qie.models import families
 from qie.training.lora import add_lora
 name, config, work, targets, checkpointing = json.loads(sys.argv[1])
 family = families()[name]
 work = Workload(work[0], work[1], tuple(work[2]), work[3], torch.float32)
 torch.manual_seed(0)
-model = transformer_class(family)(**config).requires_grad_(False)
+model = family.part_class("transformer")(**config).requires_grad_(False)
 params = add_lora(model, 16, 16, targets)
 if checkpointing:
     model.enable_gradient_checkpointing()

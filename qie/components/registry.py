@@ -7,7 +7,6 @@ the part's name in the record's `part` attribute), so a tool can see what a stag
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -17,6 +16,7 @@ import torch
 
 from qie.components.single_file import is_single_file, load_transformer_file
 from qie.errors import ConfigError, ModelLoadError
+from qie.models.family import import_named
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,6 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
 
 
-def _class(name: str) -> type:
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def _load_diffusers_model(
     cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype, **quantized: Any
 ):
@@ -177,7 +172,7 @@ def build_parts(
     for name in names:
         place = placements.get(name, Placement(torch.device("cpu"), torch.float32))
         own = folders.get(name)
-        cls = _class(classes[name])
+        cls = import_named(classes[name])
         # nf4 is bitsandbytes', applied by diffusers while loading, straight onto the part's GPU.
         nf4 = name == "transformer" and quantize == "nf4"
         extra = _nf4_load_arguments(place, keep_full_precision) if nf4 else {}

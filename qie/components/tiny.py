@@ -14,7 +14,6 @@ edit_2511, t2i, demo) fill in the pipeline and the numbers that differ.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -41,6 +40,7 @@ from qie.components.tiny_presets import DEMO_TRANSFORMER, DEMO_VAE_CONFIG, DEMO_
 from qie.components.tiny_tokenizer import build_tokenizer, system_prefix
 from qie.errors import ModelLoadError
 from qie.models import pipeline_parts, tiny_presets
+from qie.models.family import import_named
 
 TINY_VERSION = "v1"
 EDIT_PIPELINES = (QwenImageEditPipeline, QwenImageEditPlusPipeline)
@@ -161,8 +161,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
     """Build the tiny random checkpoint of preset `variant` into `path` and return it (the builder its family
     names: "module:function" taking (path, preset, seed))."""
-    module, _, function = preset(variant)[1].partition(":")
-    return getattr(importlib.import_module(module), function)(path, variant, seed)
+    return import_named(preset(variant)[1])(path, variant, seed)
 
 
 def build_qwen_image_tiny(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:

@@ -162,14 +162,15 @@ class ModelFamily:
 
     def part_class(self, part: str) -> type:
         """The class a part is built with."""
-        return load_class(self.part_classes[part])
+        return import_named(self.part_classes[part])
 
     def lora_loader_class(self) -> type:
-        return load_class(self.lora_loader)
+        return import_named(self.lora_loader)
 
 
-def load_class(name: str) -> type:
-    """The class "module:Class" names."""
+def import_named(name: str) -> Any:
+    """What "module:attribute" names (a part's class, a tiny preset's builder): the one way qie resolves such
+    names."""
     import importlib
 
     module, _, attr = name.partition(":")

@@ -23,7 +23,6 @@ from qie.memory_plan import (
     plan,
     step_memory,
     text_encoder_bytes,
-    transformer_class,
     weight_bytes,
 )
 from qie.models import ModelSpec, model_spec
@@ -71,7 +70,7 @@ def transformer_config(model: DictConfig, spec: ModelSpec) -> tuple[dict, str]:
         raw = json.loads((folder / "config.json").read_text())
     except Exception:  # offline, no such repository, no tiny model built yet: the published sizes
         return dict(spec.family.real_size["transformer"]), f"{model.name} (published {spec.family.name} sizes)"
-    keys = transformer_class(spec.family).extract_init_dict(raw)[0]
+    keys = spec.family.part_class("transformer").extract_init_dict(raw)[0]
     return dict(keys), str(model.name)
 
 
