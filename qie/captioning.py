@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -73,6 +74,20 @@ class CaptionPrompt:
     show_controls: bool = True
     pipeline_prompt: str | None = None
 
+    def shown(self, controls: Sequence[Any], target: Any) -> list[Any]:
+        """The images the VL model sees, in order: the controls (if the prompt shows them), then the target."""
+        return [*controls, target] if self.show_controls and not self.pipeline_prompt else [target]
+
+    def identity(self, num_controls: int) -> str:
+        """What the model is asked of a sample with `num_controls` control images, as text that changes whenever
+        the question does (the pipeline's prompt, or the chat messages before the template): part of a cached
+        caption's key. The chat template itself is the processor's (its fingerprint is keyed beside it)."""
+        import json
+
+        if self.pipeline_prompt:
+            return pipeline_prompt(self.pipeline_prompt)
+        return json.dumps(prompt_messages(self, num_controls), sort_keys=True)
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -92,6 +107,7 @@ class GenerationSettings:
         return asdict(self)
 
 
+@cache
 def pipeline_prompt(spec: str) -> str:
     """The prompt a diffusers pipeline keeps as an attribute ("QwenImageLayeredPipeline.image_caption_prompt_en"),
     read off a component-less instance (the Layered pipeline sets its caption prompts in `__init__`).
@@ -170,7 +186,7 @@ class Captioner:
 
     def shown(self, controls: Sequence[Any], target: Any) -> list[Any]:
         """The images the VL model sees, in order: the controls (if the prompt shows them), then the target."""
-        return [*controls, target] if self.prompt.show_controls and self.raw is None else [target]
+        return self.prompt.shown(controls, target)
 
     def text(self, num_controls: int) -> str:
         """The exact prompt text (chat template applied) for a sample with `num_controls` control images."""

@@ -22,6 +22,7 @@ CACHE_TYPES = [
     "empty_prompt_embeds_mask",
     "loss_mask",  # a loss mask on a grid of 8 px cells (qie.data.masks): only with data.mask.source set
     "layer_latent",  # the target's further frames, in order (a layered model's layers): only for such samples
+    "caption",  # a caption the model's own VL text encoder wrote (UTF-8 bytes, uint8): only with data.auto_caption
 ]
 
 # Bump when the meaning or layout of stored entries changes: it is part of every key and file header,

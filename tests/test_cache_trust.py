@@ -242,7 +242,7 @@ def test_the_cache_package_imports_no_model_library_config_or_data_code() -> Non
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "[]", out.stderr
-    assert len(CACHE_TYPES) == 8  # the six of the embeddings, layer_latent and loss_mask
+    assert len(CACHE_TYPES) == 9  # the six of the embeddings, layer_latent, loss_mask and caption
 
 
 def test_a_checked_set_is_rechecked_only_when_a_file_changed(tmp_path: Path, monkeypatch) -> None:

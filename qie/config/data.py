@@ -58,6 +58,15 @@ class DataConfig:
     resize_mode: ResizeMode = ResizeMode.resize
     multiple_of: int = 32
     caption_dropout_rate: float = 0.0
+    # A sample without a caption (no <stem>.txt, an empty one, a row without "prompt") is refused; true:
+    # captioned once by the model's own VL text encoder with its family's caption prompt (or
+    # `auto_caption_prompt`), the caption cached like any entry (type `caption`), keyed by the images shown,
+    # the caption prompt, the generation settings and the text encoder.
+    auto_caption: bool = False
+    # A caption preset of `qie/conf/caption/` (edit_instruction, describe, layered), or a .yaml file of the
+    # `caption` group's fields (instruction, pipeline_prompt, max_new_tokens, ...); null: the model's own
+    # (edit_instruction for edit models, describe for text to image, layered for Qwen-Image-Layered).
+    auto_caption_prompt: str | None = None
     # Chance that a batch trains without its control images, on the text-only prompt (Edit-Plus, 2511, 2.1);
     # precompute then caches each sample's text-only prompt too.
     control_dropout_rate: float = 0.0

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qie.data.formats import GLOB_CHARACTERS, Columns, is_hf_save_folder
-from qie.data.samples import DataProblem, Dataset, Sample
+from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import ConfigError, DataError
 
 ROWS_PER_READ = 256  # rows read per slice: bounds the image bytes held in memory at once
@@ -145,7 +145,9 @@ def scan_hf(
             "has no control image" if not controls
             else f"has no layers in column {columns.layers!r}" if columns.layers and not layers
             else "has no target image" if require_target and target_path is None
+            else f"has no prompt text: {NO_CAPTION_FIX}" if prompt is None
             else f"has no prompt text (got {prompt!r})" if not isinstance(prompt, str)
+            else f"has an empty prompt: {NO_CAPTION_FIX}" if require_prompt and not prompt.strip()
             else None
         )  # fmt: skip
         if why:

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from qie.data.samples import DataProblem, Dataset, Sample
+from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import DataError
 
 
@@ -114,11 +114,13 @@ def scan_manifest(
             data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
             continue
         controls, target, prompt, mask, layers = fields
-        missing = [] if prompt is not None or not require_prompt else ["prompt"]
+        missing = [] if (prompt or "").strip() or not require_prompt else ["prompt"]
         if require_target and not target:
             missing.append("target")
         if missing:
-            data.problems.append(DataProblem(rid, where, f"manifest row {n} has no {missing[0]!r}"))
+            empty = "an empty" if missing[0] == "prompt" and prompt is not None else "no"
+            fix = f": {NO_CAPTION_FIX}" if missing[0] == "prompt" else ""
+            data.problems.append(DataProblem(rid, where, f"manifest row {n} has {empty} {missing[0]!r}{fix}"))
             continue
         named = [*controls, target, mask, *layers]
         outside = [] if allow_outside else [c for c in named if c and _outside(path.parent, c)]

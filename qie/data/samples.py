@@ -44,6 +44,11 @@ class Sample:
 MAX_PROMPT_CHARS = 20_000
 
 
+# What to do about a sample without a caption: the training stages need a prompt for every sample (an empty one
+# would train the sample as caption dropout does, on every step; `data.caption_dropout_rate` is the deliberate way).
+NO_CAPTION_FIX = "write one, caption the data set with `python -m qie.caption`, or set data.auto_caption=true"
+
+
 def prompt_problem(prompt: str) -> str | None:
     """Why `prompt` cannot be encoded (too long), or None."""
     if len(prompt) > MAX_PROMPT_CHARS:
@@ -134,7 +139,7 @@ def read_caption(path: Path | str) -> str:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8")
     except FileNotFoundError:
-        raise DataError(f"caption {str(path)!r} is missing: add a UTF-8 .txt beside the image") from None
+        raise DataError(f"caption {str(path)!r} is missing: {NO_CAPTION_FIX} (a UTF-8 .txt beside the image)") from None
     except UnicodeDecodeError as e:
         raise DataError(
             f"caption {str(path)!r} is not UTF-8 ({e.reason} at byte {e.start}): re-save it as UTF-8"
@@ -228,6 +233,8 @@ def _scan_layered_folder(root: Path, require_prompt: bool = True) -> Dataset:
         caption = images_dir / f"{stem}.txt"
         try:
             prompt = read_caption(caption) if require_prompt or caption.is_file() else ""
+            if require_prompt and not prompt:
+                raise DataError(f"caption {str(caption)!r} is empty: {NO_CAPTION_FIX}")
         except DataError as e:
             data.problems.append(DataProblem(stem, str(caption), str(e)))
             continue
@@ -276,6 +283,8 @@ def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) 
             continue
         try:
             prompt = read_caption(caption_path) if require_prompt or caption in captions else ""
+            if require_prompt and not prompt:
+                raise DataError(f"caption {caption_path!r} is empty: {NO_CAPTION_FIX}")
         except DataError as e:
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue

@@ -38,9 +38,10 @@ pack_latents = QwenImageEditPipeline._pack_latents
 _unpack_latents = QwenImageEditPipeline._unpack_latents
 
 VARIANTS = {
-    "edit": Variant("QwenImageEditPipeline", "one", output_image=0),
-    "edit_plus": Variant("QwenImageEditPlusPipeline", "all", output_image=-1),
-    "text_to_image": Variant("QwenImagePipeline", "none", output_image=None, max_prompt_tokens=512),
+    "edit": Variant("QwenImageEditPipeline", "one", output_image=0, caption="edit_instruction"),
+    "edit_plus": Variant("QwenImageEditPlusPipeline", "all", output_image=-1, caption="edit_instruction"),
+    "text_to_image": Variant("QwenImagePipeline", "none", output_image=None, caption="describe",
+                                  max_prompt_tokens=512),
 }
 
 

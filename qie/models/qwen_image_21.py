@@ -42,7 +42,7 @@ _unpack = QwenImage21Pipeline._unpack_latents
 TOKENS_PER_SLOT = 4
 VAE_SCALE = 16
 
-VARIANTS = {"qwen_image_21": Variant("QwenImage21Pipeline", "all", output_image=-1)}
+VARIANTS = {"qwen_image_21": Variant("QwenImage21Pipeline", "all", output_image=-1, caption="edit_instruction")}
 
 
 class _NoProcessor:

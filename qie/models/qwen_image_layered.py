@@ -40,7 +40,8 @@ _unpack_latents = QwenImageLayeredPipeline._unpack_latents
 # The pipeline's `resolution` buckets and its default layer count (`__call__`'s `layers`).
 RESOLUTIONS = (640, 1024)
 DEFAULT_LAYERS = 4
-VARIANTS = {"layered": Variant("QwenImageLayeredPipeline", "none", output_image=0, max_prompt_tokens=512)}
+VARIANTS = {"layered": Variant("QwenImageLayeredPipeline", "none", output_image=0, caption="layered",
+                                 max_prompt_tokens=512)}
 
 
 def encode_prompts(

@@ -13,19 +13,24 @@ from omegaconf import DictConfig
 from qie.cache.admin import AdminReport, format_bytes
 from qie.components import prepare_model
 from qie.errors import ConfigError
-from qie.stages.common import build_source, read_data
+from qie.stages.auto_caption import CAPTION_TYPE
+from qie.stages.common import auto_captions, build_source, read_data
 
 
 def used_keys(cfg: DictConfig) -> tuple[dict[str, set[str]], int]:
     """The keys (per type) of every sample of `data.path` and `gc.keep_data`, and how many samples that is."""
-    source = build_source(cfg, mode="cached", spec=prepare_model(cfg.model))
+    spec = prepare_model(cfg.model)
+    source = build_source(cfg, mode="cached", spec=spec)
+    captions = auto_captions(cfg, spec, generate=False)  # data.auto_caption: the cached captions are used too
     keep: dict[str, set[str]] = {}
     count = 0
     for path in [cfg.data.path, *cfg.gc.keep_data]:
-        for sample in read_data(cfg, path=str(path)).samples:
+        for sample in read_data(cfg, path=str(path), captions=captions).samples:
             count += 1
             for type, key in source.keys(sample).items():
                 keep.setdefault(type, set()).add(key)
+    if captions is not None:
+        keep[CAPTION_TYPE] = set(captions.counts.keys)
     return keep, count
 
 

@@ -80,15 +80,25 @@ def read_settings(cfg: DictConfig) -> Settings:
     for key in ("batch_size", "max_new_tokens", "dry_run_samples"):
         if int(c[key]) < 1:
             raise ConfigError(f"caption.{key}={c[key]} is out of range: it must be at least 1")
+    prompt, generation = prompt_settings(c)
+    dry = int(c.dry_run_samples) if c.dry_run else 0
+    raise_errors = str(value(c.on_error)) == "raise"
+    return Settings(prompt, generation, int(c.batch_size), bool(c.overwrite), dry, raise_errors, int(c.start), c.end,
+                    c.output)  # fmt: skip
+
+
+def prompt_settings(c: DictConfig) -> tuple[CaptionPrompt, GenerationSettings]:
+    """What a `caption` node asks and how the text is generated.
+
+    Raises:
+        ConfigError: a prompt with nothing to ask.
+    """
     if not c.instruction and not c.pipeline_prompt:
         raise ConfigError("caption.instruction is empty: choose caption=edit_instruction|describe|layered or set it")
     prompt = CaptionPrompt(str(c.name), c.instruction, c.no_controls, bool(c.show_controls), c.pipeline_prompt)
     generation = GenerationSettings(int(c.max_new_tokens), bool(c.do_sample), float(c.temperature), float(c.top_p),
                                     int(c.seed))  # fmt: skip
-    dry = int(c.dry_run_samples) if c.dry_run else 0
-    raise_errors = str(value(c.on_error)) == "raise"
-    return Settings(prompt, generation, int(c.batch_size), bool(c.overwrite), dry, raise_errors, int(c.start), c.end,
-                    c.output)  # fmt: skip
+    return prompt, generation
 
 
 def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -27,6 +27,9 @@ from qie.errors import ConfigError, DataError
 from qie.masked_source import MaskedSource
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from qie.stages.auto_caption import AutoCaptions
 
 
 def value(x: Any) -> Any:
@@ -65,11 +68,44 @@ def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
 
 
 def read_data(
-    cfg: DictConfig, require_target: bool = True, path: str | None = None, require_prompt: bool = True
+    cfg: DictConfig,
+    require_target: bool = True,
+    path: str | None = None,
+    require_prompt: bool = True,
+    captions: AutoCaptions | None = None,
 ) -> Dataset:
     """The samples of `data.path` (or of `path`): a folder, a manifest or a Hugging Face data set; without
-    `require_prompt`, samples without a caption have the prompt "" (the caption stage)."""
-    return read_dataset(data_source(cfg, path), require_target, require_prompt)
+    `require_prompt`, samples without a caption have the prompt "" (the caption stage). With `captions`
+    (`data.auto_caption`, see `auto_captions`), samples without a caption get one, and those that cannot are
+    problems."""
+    fill = require_prompt and captions is not None
+    data = read_dataset(data_source(cfg, path), require_target, require_prompt and not fill)
+    if fill:
+        samples, problems = captions.fill(data.samples)  # type: ignore[union-attr]
+        data = Dataset(samples, sorted([*data.problems, *problems], key=lambda p: p.id))
+    return data
+
+
+def auto_captions(
+    cfg: DictConfig, spec: ModelSpec, generate: bool, backend: Any = None, hasher: FileHasher | None = None
+) -> AutoCaptions | None:
+    """What fills in missing captions when `data.auto_caption` is set (else None): captions are read from the
+    cache (`cache.dir`, or `backend`) and, when `generate`, the missing ones are written by the model's own text
+    encoder (built on the first one) and stored; without `generate`, a caption not cached is a miss.
+
+    Raises:
+        ConfigError: `data.auto_caption_prompt` names no caption preset.
+    """
+    if not cfg.data.get("auto_caption", False):
+        return None
+    from qie.stages.auto_caption import AutoCaptions, build_captioner, caption_settings
+
+    settings = caption_settings(cfg.data, spec)
+    if backend is None and cfg.cache.name != "none" and cfg.cache.get("dir"):
+        backend = build_backend(cfg.cache._target_, cfg.cache.dir, bool(cfg.cache.get("verify_reads", False)))
+    hint = f"fill the cache with {precompute_command(cfg)} or train with cache.mode=lazy"
+    return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg), backend,
+                        build_captioner(cfg, spec) if generate else None, spec, hint)  # fmt: skip
 
 
 def sample_range(

@@ -30,6 +30,7 @@ from qie.data.samples import DataProblem, Dataset, Sample, without_controls
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages import common
+from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions
 from qie.stages.common import build_encoder, control_dropout, file_hasher, image_sizes, model_key_context, value
 from qie.stages.precompute_work import (
     Keyed,
@@ -76,12 +77,14 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     # the CPU; otherwise each would think it is alone and encode everything.
     state = PartialState(cpu=not torch.cuda.is_available())
     common.warn_single_process(state.num_processes, "qie.precompute")
-    items = dataset_range(cfg, settings)
+    hasher = file_hasher(cfg)
+    captions = common.auto_captions(cfg, settings.model, True, backend, hasher)
+    with state.main_process_first():  # the main process writes the missing captions, the others read them
+        items = dataset_range(cfg, settings, captions)
     summary = PrecomputeSummary.of(items)
     main = state.is_main_process
     if main:  # what every process finds alike, the main one reports
         summary.temp_files_removed = backend.sweep_temp()
-    hasher = file_hasher(cfg)
     keyed = key_samples(items, model_key_context(cfg, settings.model), hasher, settings, summary, report=main)
     mine = share(keyed, state.num_processes, state.process_index)
     # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
@@ -92,6 +95,9 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     hasher.save()
     totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
     summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
+    if captions is not None and main:  # the main process wrote them (the others read them afterwards)
+        c = captions.counts
+        summary.types[CAPTION_TYPE] = TypeSummary(c.new, c.cached, c.failed, c.bytes_written)
     summary = finish(state, summary, backend, cfg.cache.dir, Path(run_dir))
     common.leave_process_group(state)
     return summary
@@ -125,13 +131,16 @@ def read_settings(cfg: DictConfig) -> Settings:
     return Settings(int(p.batch_size), raise_errors, p.start, p.end, prepare_model(cfg.model))
 
 
-def dataset_range(cfg: DictConfig, settings: Settings) -> list[Sample | DataProblem]:
+def dataset_range(
+    cfg: DictConfig, settings: Settings, captions: AutoCaptions | None = None
+) -> list[Sample | DataProblem]:
     """The samples and scan problems of `precompute.start`..`end`, in id order (see `common.sample_range`), with
-    what training also reads: the regularisation set and, with reference dropout, the text-only variants."""
-    data = common.read_data(cfg)
+    what training also reads: the regularisation set and, with reference dropout, the text-only variants.
+    `captions` (`data.auto_caption`) gives the samples without a caption theirs."""
+    data = common.read_data(cfg, captions=captions)
     # Reference dropout trains samples on their text-only prompts too: those are entries of their own.
     text_only = [without_controls(s, "#text_only") for s in data.samples if s.controls] if control_dropout(cfg) else []
-    reg = regularization_samples(cfg, settings.model)  # cached like the main set
+    reg = regularization_samples(cfg, settings.model, captions)  # cached like the main set
     reg_text_only = [without_controls(s, "#text_only") for s in reg if s.controls] if text_only else []
     everything = Dataset([*data.samples, *text_only, *reg, *reg_text_only], data.problems)
     return common.sample_range(

@@ -66,8 +66,9 @@ def regularization_settings(cfg: DictConfig) -> tuple[str, float, float] | None:
     return str(reg.path), weight, ratio
 
 
-def regularization_samples(cfg: DictConfig, spec: ModelSpec | None = None) -> list[Sample]:
-    """The regularisation set's samples (ids under `reg/`), those the model takes; [] without one.
+def regularization_samples(cfg: DictConfig, spec: ModelSpec | None = None, captions: Any = None) -> list[Sample]:
+    """The regularisation set's samples (ids under `reg/`), those the model takes; [] without one. `captions`
+    (`data.auto_caption`, see `qie.stages.common.auto_captions`) gives those without a caption theirs.
 
     Raises:
         DataError: the set holds no sample the model can train on.
@@ -75,7 +76,7 @@ def regularization_samples(cfg: DictConfig, spec: ModelSpec | None = None) -> li
     found = regularization_settings(cfg)
     if found is None:
         return []
-    dataset = read_data(cfg, path=found[0])
+    dataset = read_data(cfg, path=found[0], captions=captions)
     samples = [s for s in dataset.samples if spec is None or not spec.control_problem(len(s.controls))]
     if not samples:
         raise DataError(f"data.regularization.path {found[0]!r} holds no sample model={cfg.model.name} can train on")

@@ -29,10 +29,11 @@ from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.mixing import MixedBatchSampler
 from qie.data.samples import DataProblem, Sample, without_controls
 from qie.embeddings import EmbeddingSource
-from qie.errors import ConfigError, DataError, check_writable
+from qie.errors import CacheMissError, ConfigError, DataError, check_writable
 from qie.models import ModelSpec
 from qie.readiness import ready_samples
 from qie.stages.common import (
+    auto_captions,
     build_source,
     control_dropout,
     in_background,
@@ -107,13 +108,17 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     MemorySettings.of(cfg.train, spec.family).check(mode.lora, str(value(cfg.model.quantize)))
     loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec)
     try:
-        samples = load_samples(cfg, spec, accelerator.is_main_process)
+        # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
+        # process first, the others then read them).
+        captions = auto_captions(cfg, spec, source.encodes)
+        with accelerator.main_process_first():
+            samples = load_samples(cfg, spec, accelerator.is_main_process, captions)
         records = run_records(cfg, spec, samples)
         if resume_from is not None:
             warning = check_resume(resumed, resume_from, *records, bool(cfg.train.resume_inexact))
             if warning:
                 accelerator.print(f"qie: warning: {warning}")
-        samples, reg = ready_data(cfg, spec, source, samples, run_dir, accelerator.is_main_process)
+        samples, reg = ready_data(cfg, spec, source, samples, run_dir, accelerator.is_main_process, captions)
     except BaseException:
         loading.wait()  # a thread still inside torch when the interpreter exits aborts it
         raise
@@ -185,13 +190,20 @@ def mixed_precision(setting: str, model_dtype: str) -> str:
     return setting
 
 
-def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]:
+def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool, captions: Any = None) -> list[Sample]:
     """The samples of `data.path` the model can take; the first problems found are printed when `report`.
+    `captions` (`data.auto_caption`) gives samples without a caption theirs.
 
     Raises:
         DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
+        CacheMissError: a caption the cache lacks (cache-only captions, `cache.on_missing=stop`).
     """
-    data, dataset = cfg.data, read_data(cfg)
+    data, dataset = cfg.data, read_data(cfg, captions=captions)
+    if captions is not None and captions.misses and str(value(cfg.cache.on_missing)) == "stop":
+        first = captions.misses[0]
+        raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
+                             f"({first.path}): {first.reason.split(': ', 1)[-1]} "
+                             "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
     problems = [
         DataProblem(s.id, str(s.target), why)
         for s in dataset.samples
@@ -208,12 +220,12 @@ def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool) -> list[Sample]
 
 
 def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, samples: list[Sample], run_dir: Path,
-               report: bool) -> tuple[list[Sample], list[Sample]]:  # fmt: skip
+               report: bool, captions: Any = None) -> tuple[list[Sample], list[Sample]]:  # fmt: skip
     """The `samples` and the regularisation set's samples whose cache entries are all there (`ready_samples`;
     with reference dropout, their text-only entries too)."""
     on_missing, cache_dir, command = str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), precompute_command(cfg)
     samples = ready_samples(source, samples, run_dir, on_missing, cache_dir, report, command)
-    reg = regularization_samples(cfg, spec)
+    reg = regularization_samples(cfg, spec, captions)
     reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
     if control_dropout(cfg):  # the text-only entries too
         kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
