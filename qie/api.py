@@ -46,10 +46,12 @@ class EditDataset:
 
     def __init__(self, cfg: DictConfig) -> None:
         from qie.components import prepare_model
-        from qie.stages.common import build_source, read_data
+        from qie.stages.common import auto_captions, build_source, read_data
 
-        self.samples = read_data(cfg).samples
-        self.source = build_source(cfg, spec=prepare_model(cfg.model))
+        spec = prepare_model(cfg.model)
+        self.source = build_source(cfg, spec=spec)
+        # data.auto_caption: samples without a caption get theirs (generated where the source may encode)
+        self.samples = read_data(cfg, captions=auto_captions(cfg, spec, self.source.encodes)).samples
         self.hits = self.misses = 0
 
     def __len__(self) -> int:

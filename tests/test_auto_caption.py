@@ -181,3 +181,11 @@ def test_lazy_training_captions_and_cached_training_needs_no_text_encoder(
     monkeypatch.setattr(common, "build_encoder", lambda *a: pytest.fail("built the encoders"))
     warm = train_stage.run(cached, tmp_path / "warm")
     assert warm["losses"] == pytest.approx(lazy["losses"], rel=1e-6) and sum(calls) == 2
+    # The cache's garbage collection keeps the captions (and the prompt embeddings keyed by them).
+    from qie.stages.cache_gc import used_keys
+
+    gc = small_config("cache", "action=gc", *base[:5])
+    keep, count = used_keys(gc)
+    backend = SsdBackend(dir=tmp_path / "cache")
+    assert count == 2 and len(keep["caption"]) == 2 and all(backend.exists("caption", k) for k in keep["caption"])
+    assert backend.unused(keep)["prompt_embed"]["count"] == 0 and backend.unused(keep)["caption"]["count"] == 0

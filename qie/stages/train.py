@@ -32,6 +32,7 @@ from qie.embeddings import EmbeddingSource
 from qie.errors import CacheMissError, ConfigError, DataError, check_writable
 from qie.models import ModelSpec
 from qie.readiness import ready_samples
+from qie.stages.auto_caption import caption_settings
 from qie.stages.common import (
     auto_captions,
     build_source,
@@ -86,6 +87,8 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
     mode = train_mode(cfg.train, spec)  # checks train.lora.init and reads train.init_lora before anything is built
     check_recipes(cfg, mode.lora)  # train.mask, ema, data.control_dropout_rate, regularization: before reading
+    if cfg.data.get("auto_caption", False):
+        caption_settings(cfg.data, spec)  # a caption prompt that cannot be read: before anything is built
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
     writer = accelerator.is_main_process
     if writer:
