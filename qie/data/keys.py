@@ -6,6 +6,9 @@
 - prompt_embed (+mask): prompt text, every control image's bytes, VL condition area, text-encoder
   fingerprint, prompt template, the text encoder's weight quantization when it has one
 - empty_prompt_embed (+mask): the same with the empty prompt
+- caption (`data.auto_caption`, keyed in `qie.stages.auto_caption`): the bytes of the images the VL model is shown,
+  the caption prompt, the generation settings, VL area, text-encoder fingerprint, processor, dtype, quantization;
+  a sample's prompt is then its caption, so its prompt_embed key follows the caption's text
 Image bytes are hashed once and remembered against (path, size, mtime_ns, ctime_ns, inode) by the FileHasher.
 The mask types share their embedding's key: they are derived from it, never stored.
 """
