@@ -185,6 +185,7 @@ def test_layered_manifest_rows_are_image_control_and_composite_then_layers(tmp_p
 
 
 def test_a_layered_folder_gives_the_same_samples_layers_in_number_order(tmp_path: Path) -> None:
+    from qie.data.formats import detect_format
     from qie.data.samples import scan_dataset
 
     (tmp_path / "images").mkdir()
@@ -205,6 +206,7 @@ def test_a_layered_folder_gives_the_same_samples_layers_in_number_order(tmp_path
     )
     assert sample.layers == tuple(tmp_path / "layers" / f"a_{n}.png" for n in (0, 2, 10))
     assert [(p.id, p.reason) for p in data.problems] == [("lonely", "its layers are missing")]
+    assert detect_format(tmp_path) == "folder"  # data.format=auto: images/ and layers/ are the folder layout
 
 
 def test_a_hugging_face_data_set_names_its_layers_column(tmp_path: Path) -> None:
