@@ -53,6 +53,10 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     predictor = infer.build_predictor(cfg)
     direct = predictor.predict([Image.open(image)], PROMPT, output_type="np", layers=2, **SAMPLING)
     assert np.abs(direct - out).max() <= 1e-5
+    # output_type="latent": the frames before decoding (the composite, then the layers), which decode to the same.
+    latents = predictor.predict([Image.open(image)], PROMPT, output_type="latent", layers=2, **SAMPLING)
+    assert latents.shape[:3] == (1, 8, 3)
+    assert np.array_equal(predictor.spec.decoder(predictor.parts.vae, latents, output_type="np"), direct)
 
     # Batch mode: each row's layers in <output_dir>/<id>/.
     (tmp_path / "rows.jsonl").write_text(f'{{"id": "r", "controls": ["in.png"], "prompt": "{PROMPT}"}}\n')
