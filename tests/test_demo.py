@@ -8,14 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
 
 from qie.config import compose
-from qie.demo import grid
-from qie.demo.run import COLUMNS, GRID_TAG, TILE, run
+from qie.demo import grid, synthetic
+from qie.demo.run import COLUMNS, GRID_TAG, TILE, layer_error, run
 
 HELDOUT = 3
 STEPS = 300
@@ -81,6 +82,98 @@ def test_grid_rows_and_captions(tmp_path: Path) -> None:
     assert picture.getpixel((3 * 32 + 16, grid.TITLE_HEIGHT + 32 + grid.CAPTION_HEIGHT + 16)) == (255, 255, 255)
     strip = picture.crop((0, grid.TITLE_HEIGHT + 32, 128, grid.TITLE_HEIGHT + 32 + grid.CAPTION_HEIGHT))
     assert min(strip.convert("L").getdata()) < 100
+
+
+def test_rgba_tiles_show_a_checkerboard_where_transparent() -> None:
+    clear = Image.new("RGBA", (64, 64), (255, 0, 0, 0))
+    half = Image.new("RGBA", (64, 64), (0, 0, 255, 255))
+    half.paste((0, 0, 0, 0), (0, 0, 32, 64))
+    picture = grid.captioned_grid([[clear, half]], ["layers"], ["a", "b"], tile=32)
+    top, square = grid.TITLE_HEIGHT, grid.CHECKER_SQUARE
+    assert picture.getpixel((0, top)) == grid.CHECKER[0]  # the colour of a transparent pixel does not show
+    assert picture.getpixel((square, top)) == grid.CHECKER[1]
+    assert picture.getpixel((square, top + square)) == grid.CHECKER[0]
+    assert picture.getpixel((32 + 2, top + 2)) == grid.CHECKER[0]
+    assert picture.getpixel((32 + 20, top + 2)) == (0, 0, 255)  # opaque pixels as they are
+
+
+def _rgba(path: Path) -> np.ndarray:
+    with Image.open(path) as image:
+        assert image.mode == "RGBA", path
+        return np.asarray(image).astype(np.int64)
+
+
+def test_layered_data_are_a_background_and_one_layer_per_shape(tmp_path: Path) -> None:
+    """Each sample: an opaque background layer, then 1-3 shape layers, transparent (alpha 0, colour 0) outside
+    the shape; the image is their alpha composite, exactly; the caption names the shapes back to front."""
+    root = synthetic.make_dataset(tmp_path / "a", train=12, heldout=2, size=48, seed=2, layered=True)
+    again = synthetic.make_dataset(tmp_path / "b", train=12, heldout=2, size=48, seed=2, layered=True)
+    assert sorted(p.name for p in (root / "heldout" / "images").iterdir()) == ["00000.png", "00000.txt",
+                                                                               "00001.png", "00001.txt"]  # fmt: skip
+    counts = []
+    for image_path in sorted((root / "train" / "images").glob("*.png")):
+        stem = image_path.stem
+        layer_paths = sorted((root / "train" / "layers").glob(f"{stem}_*.png"))
+        assert [p.name for p in layer_paths] == [f"{stem}_{n}.png" for n in range(len(layer_paths))]
+        layers = [_rgba(p) for p in layer_paths]
+        counts.append(len(layers))
+        assert all(layer.shape == (48, 48, 4) for layer in layers)
+        background, shapes = layers[0], layers[1:]
+        assert (background[..., 3] == 255).all() and len(np.unique(background[..., :3].reshape(-1, 3), axis=0)) == 1
+        caption = (root / "train" / "images" / f"{stem}.txt").read_text()
+        named = caption.strip().split(" on a ")[0].split(", then ")
+        assert len(named) == len(shapes)
+        for layer, name in zip(shapes, named):
+            alpha = layer[..., 3]
+            inside = alpha == 255
+            assert set(np.unique(alpha)) == {0, 255} and 0.02 < inside.mean() < 0.5
+            assert (layer[~inside] == 0).all()  # outside the shape: alpha 0 (and no colour)
+            assert not alpha[[0, -1]].any() and not alpha[:, [0, -1]].any()  # shapes stay off the edges
+            color = name.split()[1]
+            assert (layer[inside][:, :3] == synthetic.COLORS[color]).all(), (stem, name)
+        composite = background[..., :3].astype(np.float64)
+        for layer in shapes:  # "over": a * layer + (1 - a) * below
+            a = layer[..., 3:] / 255
+            composite = a * layer[..., :3] + (1 - a) * composite
+        image = _rgba(image_path)
+        assert np.array_equal(image[..., :3], composite) and (image[..., 3] == 255).all()
+        assert (again / "train" / "images" / image_path.name).read_bytes() == image_path.read_bytes()
+    assert set(counts) == {2, 3, 4}  # 1-3 shapes
+
+
+def test_the_layered_demo_splits_the_heldout_images(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A layered model gets the layered data, splits each held-out image into as many layers as its sample has,
+    and reports each layer's errors; the picture has three rows per sample (data, base model, LoRA). The smallest
+    run: one training sample, one held-out sample of two layers (seed 4), two steps."""
+    cfg = compose("demo", ["model=tiny_qwen_image_layered", "demo.train_samples=1", "demo.heldout_samples=1",
+                           "demo.seed=4", "train.max_steps=2", "train.checkpoint_every=0", "data.num_workers=0",
+                           "predict.num_inference_steps=2", "logging.report_to=none"])  # fmt: skip
+    report = run(cfg, tmp_path)
+    assert report["train_steps"] == 2 and Path(report["lora"]).is_file()
+    assert json.loads((tmp_path / "demo_report.json").read_text()) == report
+    for tag in ("base", "lora"):
+        per_layer = report[f"layer_latent_error_{tag}"]
+        assert len(per_layer) == 2 and report[f"latent_error_{tag}"] == pytest.approx(float(np.mean(per_layer)))
+    assert report["learned"] is (report["heldout_loss_drop"] >= 0.2 and report["latent_error_drop"] >= 0.3)
+    printed = capsys.readouterr().out.split("qie demo:")[-1]
+    assert "layer 0 (background)" in printed and "held-out latent error" in printed
+    from qie.data.images import open_image, prepare_target
+
+    data = tmp_path / "data" / "heldout"
+    assert (data / "layers").is_dir() and not (tmp_path / "data" / "train" / "control_images").exists()
+    (image,) = sorted((data / "images").glob("*.png"))
+    layer_files = sorted((data / "layers").glob(f"{image.stem}_*.png"))
+    # The layers as the model sees them (the 640² bucket): the report's errors are those of the files written.
+    expected = [(prepare_target(open_image(p, True), 640 * 640).permute(1, 2, 0).numpy() + 1) / 2 for p in layer_files]
+    for tag in ("base", "lora"):
+        written = sorted((tmp_path / "predictions" / tag / image.stem).iterdir())
+        assert [p.name for p in written] == [f"layer_{n}.png" for n in range(len(layer_files))]
+        assert all(_rgba(p).shape == (640, 640, 4) for p in written)
+        errors = [layer_error(Image.open(p), e) for p, e in zip(written, expected)]
+        np.testing.assert_allclose(report[f"layer_pixel_error_{tag}"], errors, rtol=1e-6)
+        assert report[f"pixel_error_{tag}"] == pytest.approx(float(np.mean(errors)))
+    rows = 3  # the sample's image and layers, the base model's, the LoRA's
+    assert Image.open(tmp_path / "demo.png").size == grid.grid_size(rows, 1 + len(layer_files), TILE)
 
 
 @pytest.mark.slow

@@ -53,6 +53,10 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     predictor = infer.build_predictor(cfg)
     direct = predictor.predict([Image.open(image)], PROMPT, output_type="np", layers=2, **SAMPLING)
     assert np.abs(direct - out).max() <= 1e-5
+    # output_type="latent": the frames before decoding (the composite, then the layers), which decode to the same.
+    latents = predictor.predict([Image.open(image)], PROMPT, output_type="latent", layers=2, **SAMPLING)
+    assert latents.shape[:3] == (1, 8, 3)
+    assert np.array_equal(predictor.spec.decoder(predictor.parts.vae, latents, output_type="np"), direct)
 
     # Batch mode: each row's layers in <output_dir>/<id>/.
     (tmp_path / "rows.jsonl").write_text(f'{{"id": "r", "controls": ["in.png"], "prompt": "{PROMPT}"}}\n')
@@ -184,7 +188,23 @@ def test_layered_manifest_rows_are_image_control_and_composite_then_layers(tmp_p
     assert len(problems) == 1 and "gone.png" in problems[0].reason
 
 
+def test_samples_with_other_layer_counts_are_batched_apart(tmp_path: Path) -> None:
+    """Frames of one size but another count cannot share a batch: the layer count is part of the bucket key."""
+    from qie.data.buckets import BucketBatchSampler, bucket_keys, describe_key
+    from qie.data.samples import scan_dataset
+
+    samples = scan_dataset(write_layered_data(tmp_path, count=4)).samples  # 2, 3, 2, 3 layers
+    keys = bucket_keys(samples, 409600, 409600, 32)
+    assert keys[0] == keys[2] == ((576, 704, 3), (576, 704)) and keys[1] == keys[3] == ((576, 704, 4), (576, 704))
+    assert describe_key(keys[1]) == "576x704 (4 frames)+576x704"
+    sampler = BucketBatchSampler(keys, [1] * 4, 2, 0, True, 1, 0)
+    batches = [batch for _, (_, batch) in zip(range(8), sampler)]
+    assert sorted({len(samples[i].layers) for i in batch} == {2} for batch in batches) == [False] * 4 + [True] * 4
+    assert all(len(batch) == 2 and len({len(samples[i].layers) for i in batch}) == 1 for batch in batches)
+
+
 def test_a_layered_folder_gives_the_same_samples_layers_in_number_order(tmp_path: Path) -> None:
+    from qie.data.formats import detect_format
     from qie.data.samples import scan_dataset
 
     (tmp_path / "images").mkdir()
@@ -205,6 +225,7 @@ def test_a_layered_folder_gives_the_same_samples_layers_in_number_order(tmp_path
     )
     assert sample.layers == tuple(tmp_path / "layers" / f"a_{n}.png" for n in (0, 2, 10))
     assert [(p.id, p.reason) for p in data.problems] == [("lonely", "its layers are missing")]
+    assert detect_format(tmp_path) == "folder"  # data.format=auto: images/ and layers/ are the folder layout
 
 
 def test_a_hugging_face_data_set_names_its_layers_column(tmp_path: Path) -> None:

@@ -167,7 +167,7 @@ def describe_key(key: Hashable) -> str:
     """A `bucket_keys` key as its image sizes in pixels, target first (`64x64+64x64`); 0 is one bucket for all."""
     if not isinstance(key, tuple):
         return "any shape (batches of one)" if key == 0 else str(key)
-    return "+".join(f"{w}x{h}" for w, h in key)
+    return "+".join(f"{size[0]}x{size[1]}" + (f" ({size[2]} frames)" if len(size) > 2 else "") for size in key)
 
 
 def bucket_keys(
@@ -175,7 +175,8 @@ def bucket_keys(
 ) -> list[tuple]:
     """Per sample, the sizes its target and control latents will have (read from image headers only).
 
-    Mirrors `prepare_target` (target area, `multiple`) and `condition_images` (VAE area, multiple of 32).
+    Mirrors `prepare_target` (target area, `multiple`) and `condition_images` (VAE area, multiple of 32). A
+    layered sample's target is its image and its layers, frames of one size: their count joins its size.
 
     Args:
         index: a JSON file remembering image sizes against (path, size, mtime_ns): with it a warm start
@@ -185,7 +186,10 @@ def bucket_keys(
     keys = []
     for s in samples:
         pairs = [(s.target, target_pixels, multiple)] + [(c, vae_pixels, 32) for c in s.controls]
-        keys.append(tuple(fit_area(*sizes.size(path), area, mult) for path, area, mult in pairs))
+        key = [fit_area(*sizes.size(path), area, mult) for path, area, mult in pairs]
+        if s.layers:
+            key[0] = (*key[0], 1 + len(s.layers))
+        keys.append(tuple(key))
     sizes.save()
     return keys
 

@@ -53,9 +53,9 @@ def is_hf_save_folder(path: Path) -> bool:
 def detect_format(path: str | Path) -> str:
     """ "folder", "manifest" or "hf" for `path`.
 
-    A folder with training_images/ or control_images/ is the folder layout; a .jsonl/.json/.csv file a
-    manifest; a `save_to_disk` folder, a .parquet/.arrow file, a glob, or any other folder a Hugging Face
-    data set (`datasets.load_dataset` finds parquet, csv or image files in it).
+    A folder with training_images/ or control_images/ (or images/ and layers/, a layered data set) is the
+    folder layout; a .jsonl/.json/.csv file a manifest; a `save_to_disk` folder, a .parquet/.arrow file, a glob,
+    or any other folder a Hugging Face data set (`datasets.load_dataset` finds parquet, csv or image files in it).
 
     Raises:
         DataError: the path does not exist, or is a file of another kind.
@@ -71,6 +71,8 @@ def detect_format(path: str | Path) -> str:
         )
     if root.is_dir():
         if (root / "training_images").is_dir() or (root / "control_images").is_dir():
+            return "folder"
+        if (root / "images").is_dir() and (root / "layers").is_dir():
             return "folder"
         return "hf"
     suffix = root.suffix.lower()

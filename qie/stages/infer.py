@@ -88,7 +88,9 @@ class Predictor:
                 (e.g. `num_inference_steps=20, seed=3`). Without height and width the output size follows the
                 model's rule (`ModelSpec.output_size`).
             output_type: "pil" (list of images) or "np" (float array (N, H, W, C) in [0, 1]; C = 4 for an RGBA
-                model such as Qwen-Image-2.1, whose outputs keep their alpha).
+                model such as Qwen-Image-2.1, whose outputs keep their alpha), or "latent": the normalised
+                latents before decoding, (N, C, frames, h, w) (a layered model's frames: the composite, then
+                the layers), which `spec.decoder` turns into those images.
 
         Raises:
             ConfigError: no prompt, or a number of images the model does not take.
@@ -121,6 +123,8 @@ class Predictor:
         size = spec.output_size(options.height, options.width, latent_sizes(controls, f), None, f)
         prompt_in = (entry["embed"], entry.get("image_mask"))
         latents = spec.sampler(self.parts, prompt_in, negative, controls, size, options, progress=progress)
+        if output_type == "latent":
+            return latents
         return spec.decoder(self.parts.vae, latents, output_type=output_type)
 
 
