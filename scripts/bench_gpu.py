@@ -66,6 +66,7 @@ PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H10
                ("L4", 121.0))  # fmt: skip
 FITS_24GB_GIB = 23.0  # peak reserved memory that leaves a 24 GB card's CUDA context its share
 RESULT_PREFIX = "BENCH_RESULT "
+RUN_ORDER = ("step", "swap", "precompute", "cached_live", "compile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -301,9 +302,9 @@ def timed(run: Callable[[StepRecorder], dict | None], setup: Setup, warmup: int)
     try:
         extra = run(recorder) or {}
     except torch.cuda.OutOfMemoryError as e:
-        return {"error": "OOM", "detail": str(e).splitlines()[0][:200]}
+        return {"error": "OOM", "detail": first_line(e)[:200]}
     except Exception as e:  # the row's failure, in its row; the other rows still run
-        return {"error": "failed", "detail": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        return {"error": "failed", "detail": f"{type(e).__name__}: {first_line(e)}"[:300]}
     finally:
         gc.collect()
         if setup.device.startswith("cuda"):
@@ -415,40 +416,73 @@ def run_row(row: Row, setup: Setup, args: argparse.Namespace) -> dict:
     if isinstance(data, dict):  # why the data set or its cache could not be made
         return data
     if row.section == "cached_live":
-        return timed(lambda rec: train_stage(list(row.overrides), setup, data, rec), setup, args.warmup)
+        cache = training_cache(setup, data)
+        if isinstance(cache, dict):
+            return cache
+        return timed(lambda rec: train_stage(list(row.overrides), setup, data, cache, rec), setup, args.warmup)
     return timed(lambda rec: precompute_stage(list(row.overrides), setup, data, args.samples), setup, 0)
 
 
 def dataset(setup: Setup, args: argparse.Namespace) -> Path | dict:
-    """A synthetic data set at `--resolution` (made once per work folder), with its cache filled by the precompute
-    stage; or the reason it cannot be made for this model."""
+    """A synthetic data set at `--resolution` (made once per work folder), or why the stages cannot run here."""
     from qie.demo.synthetic import make_dataset
-    from qie.errors import QieError
     from qie.models import model_spec
-    from qie.stages import precompute
 
     cfg = stage_config("precompute", setup.base)
     spec = model_spec(cfg.model)
     if spec.family.layered:
         return {"error": "skipped", "detail": "the synthetic data set has no layers (a layered model trains on them)"}
+    if setup.real and (why := no_checkpoint(cfg.model)):
+        return {"error": "skipped", "detail": why}
     root = setup.work / "data"
-    data, cache = root / "train", setup.work / "cache"
     if not (root / "ready").is_file():
         shutil.rmtree(root, ignore_errors=True)
         make_dataset(root, args.samples, 0, size=setup.resolution, controls=setup.controls > 0)
+        (root / "ready").write_text("")
+    return root / "train"
+
+
+def training_cache(setup: Setup, data: Path) -> Path | dict:
+    """The cache the cached training row reads: one a precompute row filled (they run first), else filled here."""
+    from qie.errors import QieError
+    from qie.stages import precompute
+
+    cache = setup.work / "cache"
+    if not (setup.work / "cache.ready").is_file():
+        shutil.rmtree(cache, ignore_errors=True)
         try:
             fill = [f"data.path={data}", f"cache.dir={cache}", "precompute.batch_size=8"]
             precompute.run(stage_config("precompute", setup.base, fill), setup.work / "precompute_fill")
         except (QieError, OSError) as e:
-            return {"error": "skipped", "detail": f"needs the model's checkpoint (--checkpoint DIR): {e}"[:300]}
-        (root / "ready").write_text("")
-    return data
+            return {"error": "failed", "detail": f"filling the cache: {type(e).__name__}: {first_line(e)}"[:300]}
+        (setup.work / "cache.ready").write_text("")
+    return cache
 
 
-def train_stage(overrides: list[str], setup: Setup, data: Path, recorder: StepRecorder) -> None:
+def no_checkpoint(model) -> str | None:
+    """Why the stages cannot load the model here: its checkpoint is neither a folder nor in the Hugging Face cache
+    (nothing is downloaded); None when it can."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from qie.components import model_source
+
+    source = model_source(model)
+    if Path(source).expanduser().is_dir():
+        return None
+    with contextlib.suppress(Exception):
+        if isinstance(try_to_load_from_cache(source, "model_index.json", revision=model.revision), str):
+            return None
+    return f"no local checkpoint of {source} (not a folder, not in the Hugging Face cache): give --checkpoint DIR"
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0]
+
+
+def train_stage(overrides: list[str], setup: Setup, data: Path, cache: Path, recorder: StepRecorder) -> None:
     from qie.stages import train
 
-    where = [f"data.path={data}", f"cache.dir={setup.work / 'cache'}", "data.prefetch=0"]
+    where = [f"data.path={data}", f"cache.dir={cache}", "data.prefetch=0"]
     cfg = stage_config("train", setup.train, [*where, *overrides])
     train.run(cfg, Path(tempfile.mkdtemp(prefix="train_", dir=setup.work)), on_step_end=recorder)
 
@@ -467,6 +501,10 @@ def precompute_stage(overrides: list[str], setup: Setup, data: Path, samples: in
     batch = int(cfg.precompute.batch_size)
     steady = written[-1] - written[0] if written else 0.0
     steady_rate = (samples - min(batch, samples)) / steady if steady > 0 and samples > batch else math.nan
+    if not (setup.work / "cache.ready").is_file():  # a complete cache: the cached training row reads it
+        shutil.rmtree(setup.work / "cache", ignore_errors=True)
+        cache.rename(setup.work / "cache")
+        (setup.work / "cache.ready").write_text("")
     return {"samples": samples, "wall_s": wall, "rate_wall": samples / wall, "rate_steady": steady_rate}
 
 
@@ -708,7 +746,8 @@ def main(argv: list[str] | None = None) -> dict:
             i = child_argv.index("--out")
             del child_argv[i : i + 2]
         results: dict[str, dict] = {}
-        for row in rows:
+        # Precompute before cached training: the training row reads a cache a precompute row filled.
+        for row in sorted(rows, key=lambda r: RUN_ORDER.index(r.section)):
             t0 = time.perf_counter()
             results[row.key] = run_in_child(row, child_argv, work) if isolate else run_row(row, setup, args)
             print(f"bench_gpu: {row.key}: {json.dumps(results[row.key])} ({time.perf_counter() - t0:.0f} s)",
