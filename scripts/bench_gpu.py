@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen_image_edit_2511", help="a model yaml of qie/conf/model (any variant)")
     p.add_argument(
-        "--tiny", action="store_true", help="the family's tiny model on the CPU: a smoke run, not a benchmark"
+        "--tiny", action="store_true", help="the family's tiny model (a smoke run where no GPU is, not a benchmark)"
     )
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     p.add_argument("--out", default=None, help="also write the markdown here (it is always printed)")
@@ -170,10 +170,12 @@ class Setup:
 def make_setup(args: argparse.Namespace, work: Path) -> Setup:
     import torch
 
+    from qie.errors import QieError
+
     model = tiny_model(args.model) if args.tiny else args.model
     node = model_yaml(model)
     real = not node.get("tiny")
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the train stage puts the model
     if real and device == "cpu" and not args.child:
         raise SystemExit("bench_gpu: no CUDA device here; run it on a GPU machine, or add --tiny for a CPU smoke run")
     side = args.resolution or (1024 if real else round(int(node.vae_image_pixels) ** 0.5))
@@ -186,7 +188,12 @@ def make_setup(args: argparse.Namespace, work: Path) -> Setup:
         base.append(f"model.pretrained_model_name_or_path={args.checkpoint}")
     train = ["logging.report_to=none", "train.checkpoint_every=0", f"train.max_steps={args.warmup + args.steps}"]
     train += args.overrides
-    return Setup(model, real, device, side, controls, args.prompt_tokens, work, base, base + train)
+    setup = Setup(model, real, device, side, controls, args.prompt_tokens, work, base, base + train)
+    try:  # a bad size or override stops here, in one line, before any row runs
+        stage_config("train", setup.train)
+    except QieError as e:
+        raise SystemExit(f"bench_gpu: {e}") from None
+    return setup
 
 
 @functools.cache
@@ -230,7 +237,12 @@ def workload(cfg, spec, setup: Setup):
 def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
     from qie.stages.plan import transformer_config as plan_config
 
-    config = dict(spec.family.real_size["transformer"]) if setup.real else plan_config(cfg.model, spec)[0]
+    if setup.real:
+        config = dict(spec.family.real_size["transformer"])
+        if spec.zero_cond_t:  # the variant's transformer gives control tokens timestep 0 (Edit-2511)
+            config["zero_cond_t"] = True
+    else:
+        config = plan_config(cfg.model, spec)[0]
     return {**config, "num_layers": num_layers} if num_layers else config
 
 
