@@ -273,6 +273,44 @@ def step_memory(
     return p4 + (layers - 4) * (p4 - p2) // 2, o4 + (layers - 4) * (o4 - o2) // 2
 
 
+def step_flops(family: Any, config: dict, work: Workload, rank: int, targets: Sequence[str]) -> float:
+    """Model FLOPs of one training step (the family's loss, forward + backward, LoRA included; no recomputation),
+    counted by torch's FlopCounterMode on fake tensors as `step_memory` runs the step: with 2 and 4 blocks,
+    extrapolated linearly in the block count (every block does the same work)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+    # The fake tensors are CPU tensors: attention takes the CPU flash kernel, which torch's table leaves out;
+    # its FLOPs are the fused attention's, counted by torch's own formulas.
+    cpu_attention = {  # FlopCounterMode hands a custom formula the tensors' shapes
+        aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(
+            q, k, v
+        ),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, out_shape=None, **kw: (
+            sdpa_backward_flop_count(g, q, k, v)
+        ),
+    }
+
+    def count(n: int) -> float:
+        model, fake = build_fake(family, {**config, "num_layers": n}, work.dtype, rank, targets, False)
+
+        def make(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            with fake:
+                return torch.empty(*shape, dtype=dtype)
+
+        batch, noise, sigmas = family.planner.step_inputs(dict(model.config), work, make)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=work.dtype == torch.bfloat16)
+        with fake, RealWhereKnown(), autocast, FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter:
+            family.loss(model, batch, noise, sigmas, "none").backward()
+        return float(counter.get_total_flops())
+
+    layers = int(config["num_layers"])
+    if layers <= 4:
+        return count(layers)
+    f2, f4 = count(2), count(4)
+    return f4 + (layers - 4) * (f4 - f2) / 2
+
+
 def text_encoder_bytes(family: Any, config: dict, quantize: str) -> int:
     """Weight bytes of the family's text encoder built from `config` on the meta device, in bf16 or with 8-bit
     linear layers."""

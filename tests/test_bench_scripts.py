@@ -39,21 +39,63 @@ def test_cache_io_bench_prints_its_ratio_lines(tmp_path: Path, capsys: pytest.Ca
     assert not (tmp_path / "io").exists()  # removed unless --keep
 
 
-def test_gpu_step_bench_shows_help_without_a_gpu(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as exit:
-        script("bench_gpu_step").main(["--help"])
-    assert exit.value.code == 0
-    out = capsys.readouterr().out
-    assert "--num-layers" in out and "QwenImageTransformer2DModel" in out
+# The GPU table's sections, their titles and the rows each prints, at the smoke run's settings below.
+# (title, row names, the column of its rate: s/it, or samples/s).
+GPU_TABLE_ROWS = {
+    "(a) Training step": (["fp32", "fp32+gc"], 3),
+    "(b) Block swap": (["fp32+gc+swap0", "fp32+gc+swap1", "fp32+gc+swap2"], 3),
+    "(c) Cached vs live": (["cached", "live"], 1),
+    "(d) Precompute throughput": (["1", "2"], 2),
+    "(e) Compiled vs eager": (["eager", "compiled"], 1),
+}
 
 
-def test_swap_bench_runs_its_configurations_on_the_cpu(capsys: pytest.CaptureFixture) -> None:
-    args = "--device cpu --weights bf16 --no-plain --num-layers 2 --heads 1 --joint-dim 32 --swaps 2"
-    args = [*args.split(), *"--resolution 64 --prompt-tokens 16 --steps 1 --warmup 0".split()]
-    result = script("bench_swap").main(args)
-    assert list(result["results"]) == ["bf16+gc+swap2", "bf16+gc+swap0"]
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result["results"].values())
-    assert "vs unswapped" in capsys.readouterr().out
+def _number(cell: str) -> float:
+    return float(cell.strip().rstrip("x%").replace(",", ""))
+
+
+@pytest.mark.parametrize("model", ["qwen_image_edit_2511", "qwen_image_21"])
+def test_gpu_table_runs_every_section_at_tiny_size(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # Regional compilation with torch's "eager" backend: dynamo captures the block's graph as it does on a GPU,
+    # without inductor's C++ build (minutes on two busy cores).
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, *a, **k: compile_module(self, *a, **{**k, "backend": "eager"})
+    )
+    args = ["--model", model, "--tiny", "--steps", "1", "--warmup", "0", "--weights", "bf16", "--swaps", "0,1,45"]
+    args += ["--samples", "3", "--precompute-batches", "1,2", "--out", str(tmp_path / "table.md")]
+    result = script("bench_gpu").main(args)
+    md = (tmp_path / "table.md").read_text(encoding="utf-8")
+    assert md == result["markdown"] and md in capsys.readouterr().out
+    tiny = {"qwen_image_edit_2511": "tiny_edit_2511", "qwen_image_21": "tiny_qwen_image_21"}[model]
+    assert f"## GPU table: {tiny} (tiny, CPU smoke run: not a benchmark)" in md
+    assert "python scripts/bench_gpu.py " + " ".join(args) in md
+    assert "machine: no GPU (CPU run);" in md and "diffusers 0.42" in md
+    assert "45 clamped to the model's 2 blocks" in md
+    assert [line[4:] for line in md.splitlines() if line.startswith("### ")] == [
+        next(t for t in bench_titles() if t.startswith(k)) for k in GPU_TABLE_ROWS
+    ]
+    for title, (names, rate) in GPU_TABLE_ROWS.items():
+        body = md.split(f"### {title}")[1].split("### ")[0]
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in body.splitlines() if line.startswith("| ")]
+        assert [r[0] for r in rows[1:]] == names, title  # rows[0]: the header
+        assert rows[0][rate] in ("s/it", "samples/s (steady)"), title
+        for r in rows[1:]:
+            assert _number(r[rate]) > 0, (title, r)  # a rate, not OOM, skipped or failed
+    step = md.split("### (a)")[1]
+    assert float(step.split("Model FLOPs per step: ")[1].split(" TFLOP")[0]) > 0
+    assert result["flops"] > 0 and all("error" not in r for r in result["results"].values())
+    swapped = result["results"]["swap/fp32+gc+swap2"]
+    assert swapped["steps"] == 1 and swapped["peak_alloc_gib"] is None  # CPU: no CUDA memory to report
+    # The same model and the same batch: the swapped step's loss is the unswapped one's.
+    assert swapped["loss"] == pytest.approx(result["results"]["swap/fp32+gc+swap0"]["loss"], rel=1e-5)
+    assert "compiled/eager step = " in md and "compile time" in md
+
+
+def bench_titles() -> list[str]:
+    return list(script("bench_gpu").TITLES.values())
 
 
 def test_target_line_format(capsys: pytest.CaptureFixture) -> None:
@@ -276,3 +318,28 @@ def _parts(data: bytes) -> tuple[dict, bytes]:
 
     n = struct.unpack("<Q", data[:8])[0]
     return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def test_random_model_builds_the_real_class_with_its_tables_and_random_weights() -> None:
+    from diffusers import QwenImageTransformer2DModel
+
+    from qie.models.real_size import random_model
+
+    config = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 2, "attention_head_dim": 32,
+              "num_attention_heads": 2, "joint_attention_dim": 48, "axes_dims_rope": (8, 12, 12)}  # fmt: skip
+    model = random_model(QwenImageTransformer2DModel, config, "cpu", torch.bfloat16, seed=3)
+    params = dict(model.named_parameters())
+    assert {p.device.type for p in params.values()} == {"cpu"} and {p.dtype for p in params.values()} == {
+        torch.bfloat16
+    }
+    matrix = params["transformer_blocks.0.attn.to_q.weight"].float()
+    assert abs(matrix.std().item() - 0.02) < 0.002
+    assert torch.equal(params["transformer_blocks.0.attn.norm_q.weight"], torch.ones(32, dtype=torch.bfloat16))
+    assert not params["transformer_blocks.0.attn.to_q.bias"].any()
+    # The rotary tables (plain tensors, computed in __init__) are the ones a normal construction computes.
+    plain = QwenImageTransformer2DModel(**config)
+    assert torch.equal(model.pos_embed.pos_freqs, plain.pos_embed.pos_freqs)
+    again = random_model(QwenImageTransformer2DModel, config, "cpu", torch.bfloat16, seed=3)
+    assert torch.equal(
+        again.transformer_blocks[1].img_mlp.net[2].weight, model.transformer_blocks[1].img_mlp.net[2].weight
+    )

@@ -135,3 +135,19 @@ def test_int4_weights_counted_on_meta_match_the_quantized_model() -> None:
 
     assert counted.other + counted.blocks * counted.block == sum(nbytes(p) for p in model.parameters())
     assert weight_bytes(family, config, torch.float32, "none", 16, TARGETS).block > 3 * counted.block
+
+
+def test_step_flops_count_the_linear_layers_and_the_attention_of_every_block() -> None:
+    from qie.memory_plan import step_flops
+
+    family = families()["qwen_image"]
+    config = dict(family.real_size["transformer"])  # 60 blocks, width 3072: counted with 2 and 4, extrapolated
+    work = Workload(batch=1, target_tokens=4096, control_tokens=(4096,), prompt_tokens=252, dtype=torch.bfloat16)
+    flops = step_flops(family, config, work, 16, ["to_q", "to_k", "to_v", "to_out.0"])
+    d, tokens = 3072, 4096 + 4096 + 252
+    # Per block: each token through its stream's 12 d^2 weights (qkv, out, 4d MLP), forward and the backward's
+    # input gradient: 2 x 2 x 12 d^2 FLOPs; joint attention 4 S^2 d forward, 2.5x that backward (torch's count).
+    linear = 48 * d * d * tokens
+    attention = 4 * tokens * tokens * d * 3.5
+    assert flops == pytest.approx(60 * (linear + attention), rel=0.02)
+    assert flops > 60 * linear * 1.5  # the attention is counted: the CPU flash kernel is not in torch's table

@@ -1,5 +1,37 @@
 """Published architecture sizes of Qwen-Image-Edit's transformer and VAE, for benchmarks and memory counts
-(built from config with random weights; no checkpoint needed)."""
+(built from config with random weights; no checkpoint needed): `random_model` builds one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def random_model(cls: type, config: dict, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
+    """`cls(**config)` with random weights, made parameter by parameter on `device` in `dtype`: the host never
+    holds a float32 copy, so a real-size transformer builds straight onto a GPU (or into host memory, for swap).
+
+    Matrices are drawn from N(0, 0.02), norm scales are 1, other vectors 0. The module is constructed with its
+    parameters on the meta device (accelerate's `init_empty_weights`, as diffusers loads checkpoints), so
+    buffers and plain tensor attributes (rotary tables) are computed as usual.
+    """
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    with init_empty_weights(include_buffers=False):
+        model = cls(**config)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if p.ndim >= 2:
+            t.normal_(0.0, 0.02, generator=g)
+        else:
+            t.fill_(1.0 if name.endswith("weight") and "norm" in name else 0.0)
+        set_module_tensor_to_device(model, name, device, value=t, dtype=dtype)
+    return model.to(device).eval()
+
 
 TRANSFORMER = dict(
     patch_size=2,
