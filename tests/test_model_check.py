@@ -11,7 +11,7 @@ from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from helpers import count_constructions
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qie.components import check, prepare_model
+from qie.components import check, fingerprint, prepare_model
 from qie.config import compose
 from qie.errors import ConfigError
 from qie.models import model_spec
@@ -97,6 +97,26 @@ def test_a_hub_id_is_checked_from_its_json_files_alone(monkeypatch: pytest.Monke
         prepare_model(compose("infer", ["model=qwen_image_edit_2511"]).model)
     assert asked and all(p.endswith(".json") for patterns in asked for p in patterns)
     check._hub_text.cache_clear()
+
+
+def test_an_unreachable_hub_is_not_reported_as_a_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, a hub id's JSON files cannot be read: the check knows nothing and says nothing (loading the part
+    names the unreachable hub), rather than reporting the absent transformer config as zero_cond_t=False."""
+    import huggingface_hub
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+        raise OSError(f"cannot reach the hub for {repo_id}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    check._hub_text.cache_clear()
+    fingerprint._hub_snapshot.cache_clear()  # an earlier test's "hub" snapshot
+    model = compose("infer", ["model=qwen_image_edit_2511"]).model
+    found = check.read_facts("Qwen/Qwen-Image-Edit-2511")
+    assert found.pipeline_class is None and found.zero_cond_t is None
+    assert model_spec(model).mismatches(found) == []
+    check.check_checkpoint(model_spec(model), model, "Qwen/Qwen-Image-Edit-2511")  # raises nothing
+    check._hub_text.cache_clear()
+    fingerprint._hub_snapshot.cache_clear()
 
 
 def test_model_descriptions_come_from_the_yaml() -> None:

@@ -24,7 +24,7 @@ def read_facts(source: str, revision: str | None = None) -> CheckpointFacts:
     vae = _read_json(source, "vae/config.json", revision)
     return CheckpointFacts(
         pipeline_class=index.get("_class_name"),
-        zero_cond_t=bool(transformer.get("zero_cond_t", False)),
+        zero_cond_t=bool(transformer.get("zero_cond_t", False)) if transformer else None,
         patch_size=transformer.get("patch_size"),
         in_channels=transformer.get("in_channels"),
         out_channels=transformer.get("out_channels"),

@@ -68,7 +68,7 @@ class CheckpointFacts:
     """What a checkpoint says about itself: model_index.json's pipeline class, the transformer and VAE configs."""
 
     pipeline_class: str | None
-    zero_cond_t: bool
+    zero_cond_t: bool | None  # None: no transformer config could be read (a hub id offline, a partial folder)
     patch_size: int | None = None
     in_channels: int | None = None
     out_channels: int | None = None
@@ -221,7 +221,7 @@ class ModelSpec:
         if found.pipeline_class is not None and found.pipeline_class != self.pipeline_class:
             return [f"the checkpoint is a {found.pipeline_class}, model={self.name} a {self.pipeline_class}"]
         problems = []
-        if found.zero_cond_t != self.zero_cond_t:
+        if found.zero_cond_t is not None and found.zero_cond_t != self.zero_cond_t:
             problems.append(
                 f"its transformer has zero_cond_t={found.zero_cond_t}, model={self.name} expects {self.zero_cond_t}"
             )
