@@ -263,6 +263,49 @@ def test_data_wait_and_startup_benches_read_the_steps_of_a_real_run(cached_data:
     assert 0 <= marks["loop start"] <= marks["first batch"] <= marks["first step done"] <= marks["total"]
 
 
+def test_step_clock_marks_each_optimizer_step_of_this_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    clock = tmp_path / "clock"
+    monkeypatch.setenv("QIE_STEP_CLOCK", str(clock))
+    spec = importlib.util.spec_from_file_location("step_clock_under_test", SCRIPTS / "step_clock" / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        weight = torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.AdamW([weight])
+        for _ in range(3):
+            weight.sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        module.HANDLE.remove()
+        module._OUT.close()
+    marks = [float(x) for x in clock.read_text().split()]
+    assert len(marks) == 3 and marks == sorted(marks) and abs(marks[0] - time.time()) < 60
+    timed = script("bench_peers").clock_steps(clock.read_text(), marks[0] - 2.0)
+    assert timed["first step"] == pytest.approx(2.0) and len(timed["steps"]) == 2
+    assert timed["steps"] == pytest.approx([marks[1] - marks[0], marks[2] - marks[1]])
+
+
+def test_peers_report_targets_compare_qie_with_the_best_peer(capsys: pytest.CaptureFixture) -> None:
+    peers = script("bench_peers")
+
+    def run(step: float, first: float, peak_mib: int) -> dict:
+        return {"steps": [1.0] * 2 + [step] * 5, "first step": first, "peak rss": peak_mib * 2**20}
+
+    runs = {"qie, defaults": [run(0.010, 4.0, 400), run(0.012, 5.0, 420)],
+            peers.DIFFUSERS: [run(0.009, 30.0, 700)], peers.MUSUBI: [run(0.020, 6.0, 1000)]}  # fmt: skip
+    summary = peers.report(runs, warmup=2, repeats=2)
+    out = capsys.readouterr().out
+    assert summary["qie, defaults"]["step"] == pytest.approx(0.011) and summary["qie, defaults"]["first"] == 4.5
+    assert "step at the defaults / fastest peer's = 1.22x (target <= 1x) FAIL" in out
+    assert "peak RSS / lowest peer's = 0.6x (target <= 1x) PASS" in out
+    assert "start to first step / fastest peer's = 0.75x (target <= 1x) PASS" in out
+    peers.report({"qie, defaults": runs["qie, defaults"]}, warmup=2, repeats=2)
+    assert "target" not in capsys.readouterr().out  # no peer, no target lines
+
+
 # --- the folder scan ----------------------------------------------------------------------------------------
 
 

@@ -97,6 +97,27 @@ def test_a_nan_optimizer_state_is_refused_at_resume_and_never_saved(data: dict, 
     assert result["step"] == 3 and all(torch.isfinite(torch.tensor(result["losses"])))
 
 
+@pytest.mark.parametrize("where", ["none", "weight", "moment", "step", "bf16 weight"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_state_check_finds_any_nonfinite_element_and_only_those(where: str, bad: float) -> None:
+    from qie.training.guards import local_state_finite
+
+    params = [torch.nn.Parameter(torch.full((16, 48), 3e38)), torch.nn.Parameter(torch.ones(48, 16))]
+    params.append(torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16)))
+    params.append(torch.nn.Parameter(torch.ones(0)))  # an empty tensor is finite (and has no largest value)
+    optimizer = torch.optim.AdamW(params[:2])
+    for p in params[:2]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    state = optimizer.state[params[1]]
+    target = {"none": None, "weight": params[1].data, "moment": state["exp_avg_sq"], "step": state["step"],
+              "bf16 weight": params[2].data}[where]  # fmt: skip
+    if target is not None:
+        target.view(-1)[-1] = bad
+    # 3e38 is finite, though a sum over such values would overflow
+    assert local_state_finite(params, optimizer) is (where == "none")
+
+
 def test_a_failed_checkpoint_write_stops_in_one_line_keeping_earlier_ones(
     data: dict, tmp_path: Path, monkeypatch
 ) -> None:
