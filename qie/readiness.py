@@ -30,12 +30,18 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
     out: dict[str, list] = {"missing": [], "damaged": [], "unreadable": [], "precompute_failed": []}
     backend = source.backend
     keyed = []
-    for sample in samples:
-        try:
-            keyed.append((sample, source.keys(sample)))
-        except OSError as e:
-            out["unreadable"].append({"id": sample.id, "reason": f"cannot read {e.filename!r} ({e.strerror})"})
-    types = [sample_types(sample) for sample, _ in keyed]
+    for sample, keys in zip(samples, _keys_all(source, samples)):
+        if isinstance(keys, OSError):
+            out["unreadable"].append({"id": sample.id, "reason": f"cannot read {keys.filename!r} ({keys.strerror})"})
+        else:
+            keyed.append((sample, keys))
+    kinds: dict[tuple[bool, bool, bool], tuple[str, ...]] = {}  # sample_types by what a sample has
+    types = []
+    for sample, _ in keyed:
+        has = (sample.target is not None, bool(sample.controls), bool(sample.layers))
+        if (ts := kinds.get(has)) is None:
+            ts = kinds[has] = sample_types(sample)
+        types.append(ts)
     items = [(t, keys[t]) for (_, keys), ts in zip(keyed, types) for t in ts]
     found = backend.intact_all(items, remember=True)
     whole = {} if all(found) else dict(zip(items, found))
@@ -51,6 +57,19 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
         kind = "damaged" if any(backend.exists(t, keys[t]) for t in bad) else "missing"
         out[kind].append({"id": sample.id, "types": bad})
     out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _keys_all(source, samples: Sequence[Sample]) -> list:
+    """Each sample's keys, or the OSError that kept it from being keyed."""
+    if hasattr(source, "keys_all"):
+        return source.keys_all(samples)
+    out = []
+    for sample in samples:
+        try:
+            out.append(source.keys(sample))
+        except OSError as e:
+            out.append(e)
     return out
 
 

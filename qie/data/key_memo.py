@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from qie.data.keys import KeyContext
@@ -41,22 +41,41 @@ def context_token(ctx: KeyContext) -> str:
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
-def input_signature(sample: Sample) -> bytes:
+def input_signature(sample: Sample, seen: dict[str, str | OSError] | None = None) -> bytes:
     """Digest of the sample's prompt and each image's absolute path and (size, mtime_ns, ctime_ns, inode).
+
+    Args:
+        seen: image signatures already taken in this pass (path -> signature text, or the stat's error);
+            filled in. Samples sharing an image (several prompts on one image pair) stat it once per pass.
 
     Raises:
         OSError: an image cannot be stat'ed.
     """
     parts = [sample.prompt]
-    images = ((sample.target,) if sample.target is not None else ()) + sample.controls + sample.layers
-    roles = ("t",) * (sample.target is not None) + ("c",) * len(sample.controls) + ("l",) * len(sample.layers)
-    for role, path in zip(roles, images):
-        p = os.fspath(path)
-        if not p.startswith("/"):
-            p = os.path.abspath(p)
-        st = os.stat(p)
-        parts.append(f"{role}{p}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}")
+    if sample.target is not None:
+        parts.append("t" + _image_signature(sample.target, seen))
+    parts += ["c" + _image_signature(p, seen) for p in sample.controls]
+    parts += ["l" + _image_signature(p, seen) for p in sample.layers]
     return hashlib.blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest()
+
+
+def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | None) -> str:
+    p = os.fspath(path)
+    if seen is not None and (known := seen.get(p)) is not None:
+        if isinstance(known, OSError):
+            raise known
+        return known
+    full = p if p.startswith("/") else os.path.abspath(p)
+    try:
+        st = os.stat(full)
+    except OSError as e:
+        if seen is not None:
+            seen[p] = e
+        raise
+    text = f"{full}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+    if seen is not None:
+        seen[p] = text
+    return text
 
 
 def _row(keys: dict[str, str]) -> bytes | None:
@@ -68,14 +87,19 @@ def _row(keys: dict[str, str]) -> bytes | None:
     return b"".join(parts) if all(len(p) == KEY_BYTES for p in parts) else None
 
 
+_ABSENT_HEX = _ABSENT.hex()
+_HEX = 2 * KEY_BYTES
+_SLOTS = [(i * _HEX, (i + 1) * _HEX, t, MASK_OF.get(t)) for i, t in enumerate(ROW_TYPES)]
+
+
 def _keys(row: bytes) -> dict[str, str]:
-    keys = {}
-    for i, t in enumerate(ROW_TYPES):
-        part = row[i * KEY_BYTES : (i + 1) * KEY_BYTES]
-        if part != _ABSENT:
-            keys[t] = part.hex()
-            if t in MASK_OF:
-                keys[MASK_OF[t]] = keys[t]
+    text, keys = row.hex(), {}
+    for start, end, t, mask in _SLOTS:
+        key = text[start:end]
+        if key != _ABSENT_HEX:
+            keys[t] = key
+            if mask is not None:
+                keys[mask] = key
     return keys
 
 
@@ -102,8 +126,23 @@ class KeyMemo:
         Raises:
             OSError: an image cannot be stat'ed or read.
         """
+        return self._keys(sample, None)
+
+    def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
+        """Each sample's keys, or the error that kept it from being keyed (an image that cannot be stat'ed or
+        read); an image shared by several samples is stat'ed once in this pass."""
+        seen: dict[str, str | OSError] = {}
+        out: list[dict[str, str] | OSError] = []
+        for sample in samples:
+            try:
+                out.append(self._keys(sample, seen))
+            except OSError as e:
+                out.append(e)
+        return out
+
+    def _keys(self, sample: Sample, seen: dict[str, str | OSError] | None) -> dict[str, str]:
         rows = self._load()
-        sig = input_signature(sample)
+        sig = input_signature(sample, seen)
         row = rows.get(sig)
         if row is not None:
             self.hits += 1
