@@ -10,6 +10,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 from pathlib import Path
 
 import safetensors
@@ -24,6 +25,7 @@ from qie.cache.base import (
     base_of,
     check_entry,
     check_key,
+    check_keys,
     check_meta,
     check_type,
     check_types,
@@ -106,18 +108,20 @@ class SsdBackend:
         per file. With `remember`, a check that found every existing entry whole writes the stamp."""
         # Samples share entries (the prompts of one image pair share its latents): each file is looked at once.
         counts = Counter(items)
-        for t in {t for t, _ in counts}:
+        unique = list(counts)
+        for t in set(map(itemgetter(0), unique)):
             check_type(t)
-        for _, k in counts:
-            check_key(k)
+        check_keys(list(map(itemgetter(1), unique)))
         stamp = f"{self._root}/.checked/{folders.counted_token(counts)}"
         # The stamp's time is read from the clock that sets the entries' ctimes (the file system's own, which
         # may be another machine's): a file created now tells it.
         start = folders.file_system_now(f"{self._root}/.checked") if remember and os.path.isdir(self._root) else None
         since = folders.read_stamp(stamp)
-        unique = list(counts)
-        ctimes = folders.ctimes([self._path(t, k) for t, k in unique])
+        root = self._root
+        ctimes = folders.ctimes([f"{root}/{t}/{k[:2]}/{k}{SUFFIX}" for t, k in unique])
         if since is not None and all(c is None or c < since for c in ctimes):
+            if None not in ctimes:
+                return [True] * len(items)
             found = dict(zip(unique, [c is not None for c in ctimes]))
             return [found[item] for item in items]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}

@@ -78,6 +78,38 @@ def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | N
     return text
 
 
+def _signatures(samples: Sequence[Sample]) -> list[bytes | OSError]:
+    """`input_signature` of each sample (or the OSError of its first image that cannot be stat'ed), each image
+    stat'ed once: samples that share an image share its path object (a manifest's scan), found by identity."""
+    seen: dict[str, str | OSError] = {}
+    held = []  # the path objects looked up, alive until the end of the pass (their ids stay theirs)
+    known: tuple[dict[int, str], dict[int, str], dict[int, str]] = ({}, {}, {})  # target, control, layer texts
+
+    def image(path, role: int) -> str:
+        """The role's letter and the image's signature text (raises the OSError of its stat)."""
+        held.append(path)
+        text = "tcl"[role] + _image_signature(path, seen)  # an OSError is remembered in `seen`
+        known[role][id(path)] = text
+        return text
+
+    targets, controls, layers = (d.get for d in known)
+    blake2b, out = hashlib.blake2b, []
+    for s in samples:
+        try:
+            parts = [s.prompt]
+            if (t := s.target) is not None:
+                parts.append(targets(id(t)) or image(t, 0))
+            for p in s.controls:
+                parts.append(controls(id(p)) or image(p, 1))
+            for p in s.layers:
+                parts.append(layers(id(p)) or image(p, 2))
+        except OSError as e:
+            out.append(e)
+            continue
+        out.append(blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest())
+    return out
+
+
 def _row(keys: dict[str, str]) -> bytes | None:
     """The keys of the stored types as one row; None when a key is not a 64-digit hex digest."""
     try:
@@ -106,6 +138,9 @@ def _keys(row: bytes) -> dict[str, str]:
 class KeyMemo:
     """Sample keys by input signature; `folder` None keeps them in this object only.
 
+    The remembered rows are kept as arrays sorted by signature (a million rows load in a fraction of a second,
+    where a dictionary of them took many); `keys_all` looks every sample up at once.
+
     Args:
         folder: where the memo files live (`cache.dir/sample_keys`).
         context: the key context the keys are computed under (it names the file).
@@ -116,8 +151,8 @@ class KeyMemo:
                  compute: Callable[[Sample], dict[str, str]]) -> None:  # fmt: skip
         self.path = Path(folder) / f"{context_token(context)}.safetensors" if folder is not None else None
         self.compute = compute
-        self._rows: dict[bytes, bytes] | None = None
-        self._new = 0
+        self._table: _Table | None = None
+        self._new: dict[bytes, bytes] = {}  # rows learnt by this object, not yet in the table
         self.hits = self.misses = 0
 
     def keys(self, sample: Sample) -> dict[str, str]:
@@ -126,62 +161,125 @@ class KeyMemo:
         Raises:
             OSError: an image cannot be stat'ed or read.
         """
-        return self._keys(sample, None)
+        sig = input_signature(sample)
+        row = self._new.get(sig) or self._load().find([sig])[0]
+        if row is not None:
+            self.hits += 1
+            return _keys(row)
+        return self._miss(sample, sig)
 
     def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
         """Each sample's keys, or the error that kept it from being keyed (an image that cannot be stat'ed or
         read); an image shared by several samples is stat'ed once in this pass."""
-        seen: dict[str, str | OSError] = {}
-        out: list[dict[str, str] | OSError] = []
-        for sample in samples:
-            try:
-                out.append(self._keys(sample, seen))
-            except OSError as e:
-                out.append(e)
+        sigs = _signatures(samples)
+        table, out = self._load(), []
+        for lo in range(0, len(samples), _CHUNK):
+            chunk = sigs[lo : lo + _CHUNK]
+            rows = table.find([b"" if isinstance(sig, OSError) else sig for sig in chunk])
+            for sample, sig, row in zip(samples[lo : lo + _CHUNK], chunk, rows):
+                if isinstance(sig, OSError):
+                    out.append(sig)
+                    continue
+                if row is None:
+                    row = self._new.get(sig)
+                if row is not None:
+                    self.hits += 1
+                    out.append(_keys(row))
+                    continue
+                try:
+                    out.append(self._miss(sample, sig))
+                except OSError as e:
+                    out.append(e)
         return out
 
-    def _keys(self, sample: Sample, seen: dict[str, str | OSError] | None) -> dict[str, str]:
-        rows = self._load()
-        sig = input_signature(sample, seen)
-        row = rows.get(sig)
-        if row is not None:
-            self.hits += 1
-            return _keys(row)
+    def _miss(self, sample: Sample, sig: bytes) -> dict[str, str]:
         self.misses += 1
         keys = self.compute(sample)
         # Stat again after hashing: a file rewritten meanwhile is not remembered under its old signature.
         if (row := _row(keys)) is not None and input_signature(sample) == sig:
-            rows[sig] = row
-            self._new += 1
+            self._new[sig] = row
         return keys
 
     def save(self) -> None:
         """Write the memo (atomically) when this object learnt new rows; a failure is logged, not raised: the
         memo only saves time."""
-        if self.path is None or not self._new or self._rows is None:
+        if self.path is None or not self._new:
             return
         import numpy as np
         from safetensors.numpy import save_file
 
-        sigs = np.frombuffer(b"".join(self._rows), dtype=np.uint8).reshape(-1, SIG_BYTES)
-        rows = np.frombuffer(b"".join(self._rows.values()), dtype=np.uint8).reshape(-1, ROW_BYTES)
+        table = self._load()
+        new_sigs = np.frombuffer(b"".join(self._new), dtype=np.uint8).reshape(-1, SIG_BYTES)
+        new_rows = np.frombuffer(b"".join(self._new.values()), dtype=np.uint8).reshape(-1, ROW_BYTES)
+        merged = _Table(
+            np.concatenate([table.sigs.view(np.uint8).reshape(-1, SIG_BYTES), new_sigs]),
+            np.concatenate([table.rows, new_rows]),
+        )
+        sigs = merged.sigs.view(np.uint8).reshape(-1, SIG_BYTES)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"signatures": sigs, "keys": rows}, str(tmp), metadata={"format": "qie-sample-keys/1"})
+            save_file({"signatures": sigs, "keys": merged.rows}, str(tmp), metadata={"format": "qie-sample-keys/1"})
             os.replace(tmp, self.path)
-            self._new = 0
+            self._table, self._new = merged, {}
         except OSError as e:
             log.warning("could not save the sample key memo %s (%s)", self.path, e)
             tmp.unlink(missing_ok=True)
 
-    def _load(self) -> dict[bytes, bytes]:
-        if self._rows is None:
-            self._rows = _read(self.path) if self.path is not None else {}
-        return self._rows
+    def _load(self) -> _Table:
+        if self._table is None:
+            self._table = _read(self.path) if self.path is not None else _Table.empty()
+        return self._table
 
 
-def _read(path: Path) -> dict[bytes, bytes]:
+_CHUNK = 1 << 16  # samples looked up at once
+
+
+class _Table:
+    """Rows of keys sorted by their signatures (rows of a memo written unsorted are sorted here), searched by
+    the signatures' first 8 bytes and confirmed on all 16."""
+
+    def __init__(self, sigs, rows) -> None:
+        """`sigs` (n, SIG_BYTES) and `rows` (n, ROW_BYTES) uint8 arrays."""
+        import numpy as np
+
+        sigs, rows = np.ascontiguousarray(sigs), np.ascontiguousarray(rows)
+        order = _order(sigs)
+        if len(order) > 1 and not bool(np.all(order[1:] >= order[:-1])):
+            by = np.argsort(order, kind="stable")
+            sigs, rows, order = sigs[by], rows[by], order[by]
+        self.sigs = sigs.view(f"V{SIG_BYTES}").reshape(-1)
+        self.rows, self.order = rows, order
+
+    @classmethod
+    def empty(cls) -> _Table:
+        import numpy as np
+
+        return cls(np.zeros((0, SIG_BYTES), np.uint8), np.zeros((0, ROW_BYTES), np.uint8))
+
+    def find(self, sigs: list[bytes]) -> list[bytes | None]:
+        """The row of each signature, None where it has none (a signature that is not SIG_BYTES long has none)."""
+        import numpy as np
+
+        if not len(self.sigs) or not sigs:
+            return [None] * len(sigs)
+        sized = [len(s) == SIG_BYTES for s in sigs]
+        wanted = np.frombuffer(b"".join(s if ok else bytes(SIG_BYTES) for s, ok in zip(sigs, sized)), np.uint8)
+        wanted = wanted.reshape(-1, SIG_BYTES)
+        pos = np.minimum(np.searchsorted(self.order, _order(wanted)), len(self.sigs) - 1)
+        hit = (self.sigs[pos] == wanted.view(f"V{SIG_BYTES}").reshape(-1)) & np.array(sized)
+        blob = self.rows[pos].tobytes()
+        return [blob[i * ROW_BYTES : (i + 1) * ROW_BYTES] if h else None for i, h in enumerate(hit.tolist())]
+
+
+def _order(sigs):
+    """The sort key of (n, SIG_BYTES) signatures: their first 8 bytes as a number."""
+    import numpy as np
+
+    return np.ascontiguousarray(sigs[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
+
+
+def _read(path: Path) -> _Table:
     """The memo's rows; an unreadable memo is logged and treated as empty."""
     from safetensors import safe_open
 
@@ -189,14 +287,15 @@ def _read(path: Path) -> dict[bytes, bytes]:
         with safe_open(str(path), framework="numpy") as f:
             if (f.metadata() or {}).get("format") != "qie-sample-keys/1":
                 raise ValueError("unknown format")
-            sigs, rows = f.get_tensor("signatures").tobytes(), f.get_tensor("keys").tobytes()
+            sigs, rows = f.get_tensor("signatures"), f.get_tensor("keys")
+        if sigs.ndim != 2 or rows.ndim != 2 or sigs.shape[1] != SIG_BYTES or rows.shape[1] != ROW_BYTES:
+            raise ValueError("unexpected shapes")
     except FileNotFoundError:
-        return {}
+        return _Table.empty()
     except Exception as e:  # safetensors raises its own error types for a damaged file
         log.warning("sample key memo %s is unreadable (%s); computing keys without it", path, e)
-        return {}
-    n = len(sigs) // SIG_BYTES
-    if len(rows) != n * ROW_BYTES:
+        return _Table.empty()
+    if len(sigs) != len(rows):
         log.warning("sample key memo %s is damaged (columns differ); computing keys without it", path)
-        return {}
-    return {sigs[i * SIG_BYTES : (i + 1) * SIG_BYTES]: rows[i * ROW_BYTES : (i + 1) * ROW_BYTES] for i in range(n)}
+        return _Table.empty()
+    return _Table(sigs, rows)
