@@ -138,6 +138,10 @@ class CachedSource:
         """`keys` of each sample, or the OSError that kept it from being keyed (see `KeyMemo.keys_all`)."""
         return self.memo.keys_all(samples)
 
+    def key_rows(self, samples: Sequence[Sample]):
+        """Every sample's remembered keys at once, or None (see `KeyMemo.rows_all`)."""
+        return self.memo.rows_all(samples)
+
     def remember_keys(self) -> None:
         """Persist what was learnt about sample keys (image hashes and keys by their inputs' signatures) in an
         existing cache folder; where it cannot be written, the next start computes them again."""

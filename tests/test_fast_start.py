@@ -138,12 +138,24 @@ def test_keys_of_samples_sharing_images_take_one_stat_per_image(tmp_path: Path, 
     assert all(isinstance(k, FileNotFoundError) for k in got[:3]) and all(isinstance(k, dict) for k in got[3:])
 
 
-def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:
     path = _data_set(tmp_path / "ds", pairs=2, per_pair=3)
     source, samples, backend = _cached(tmp_path, path)
     run = tmp_path / "run"
     assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples  # stamps the set
-    assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples  # one stat per file
+    with monkeypatch.context() as mp:
+        # Remembered keys: the set is checked in bulk, under the stamp the sample-by-sample check wrote (one
+        # stat per distinct entry file, no header read).
+        def refuse(*args, **kwargs):
+            raise AssertionError("checked sample by sample, or a header read")
+
+        mp.setattr(SsdBackend, "intact_all", refuse)
+        mp.setattr(SsdBackend, "_quick", refuse)
+        stats: list[str] = []
+        real_stat = os.stat
+        mp.setattr(os, "stat", lambda p, *a, **k: stats.append(os.fspath(p)) or real_stat(p, *a, **k))
+        assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples
+    assert len([p for p in stats if p.endswith(".safetensors") and "/sample_keys/" not in p]) == 2 * 3 + 6
 
     keys = source.keys(samples[4])
     backend.path("prompt_embed", keys["prompt_embed"]).unlink()

@@ -100,3 +100,7 @@ def test_a_memo_written_in_any_order_is_found_row_by_row(tmp_path: Path) -> None
     warm, _ = _memo(cache)
     assert warm.keys_all(samples) == expected and (warm.hits, warm.misses) == (7, 0)
     assert [warm.keys(s) for s in samples] == expected and warm.misses == 0
+    assert warm._load().resorted
+    warm.save()  # written sorted: the next start finds it so
+    again, _ = _memo(cache)
+    assert not again._load().resorted and again.keys_all(samples) == expected and again.misses == 0

@@ -118,20 +118,9 @@ def read_stamp(path: str) -> int | None:
         return None
 
 
-def ctimes(paths: Sequence[str], threads: int = 4) -> list[int | None]:
-    """`ctime` of each path (None where it cannot be stat'ed); many paths are stat'ed from `threads` threads
-    (a stat waits on the file system without the interpreter's lock)."""
-    if len(paths) < 20_000 or threads < 2:
-        return _ctimes(paths)
-    from concurrent.futures import ThreadPoolExecutor
-
-    step = -(-len(paths) // (threads * 4))
-    with ThreadPoolExecutor(threads) as pool:
-        parts = pool.map(_ctimes, [paths[i : i + step] for i in range(0, len(paths), step)])
-        return [c for part in parts for c in part]
-
-
-def _ctimes(paths: Sequence[str]) -> list[int | None]:
+def ctimes(paths: Sequence[str]) -> list[int | None]:
+    """`ctime` of each path (None where it cannot be stat'ed). One loop in this thread: stats of cached inodes
+    are bound by the interpreter, not the file system (4 threads were no faster for 1.3M files)."""
     stat, out = os.stat, []
     for path in paths:
         try:

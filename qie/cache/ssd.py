@@ -108,6 +108,19 @@ class SsdBackend:
         per file. With `remember`, a check that found every existing entry whole writes the stamp."""
         # Samples share entries (the prompts of one image pair share its latents): each file is looked at once.
         counts = Counter(items)
+        ok = self._intact_counted(counts, remember)
+        if all(ok):
+            return [True] * len(items)
+        found = dict(zip(counts, ok))
+        return [found[item] for item in items]
+
+    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
+        """Whether every entry `counts` counts is intact: `all(intact_all(items))` for the items it counts (the
+        same stamp), without the list of items (a million samples name four million entries)."""
+        return all(self._intact_counted(counts, remember))
+
+    def _intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool) -> list[bool]:
+        """`intact` of each entry of `counts`, in its order (see `intact_all`)."""
         unique = list(counts)
         for t in set(map(itemgetter(0), unique)):
             check_type(t)
@@ -120,16 +133,12 @@ class SsdBackend:
         root = self._root
         ctimes = folders.ctimes([f"{root}/{t}/{k[:2]}/{k}{SUFFIX}" for t, k in unique])
         if since is not None and all(c is None or c < since for c in ctimes):
-            if None not in ctimes:
-                return [True] * len(items)
-            found = dict(zip(unique, [c is not None for c in ctimes]))
-            return [found[item] for item in items]
+            return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
         ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(unique, ctimes)]
         if start is not None and any(ok) and all(good or c is None for good, c in zip(ok, ctimes)):
             files.write_small(stamp, str(start))
-        found = dict(zip(unique, ok))
-        return [found[item] for item in items]
+        return ok
 
     def _intact(self, type: str, key: str, memo: dict) -> bool:
         if (type, key) not in memo:

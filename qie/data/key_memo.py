@@ -168,6 +168,27 @@ class KeyMemo:
             return _keys(row)
         return self._miss(sample, sig)
 
+    def rows_all(self, samples: Sequence[Sample]):
+        """The remembered keys of every sample as one (n, ROW_BYTES) uint8 array (each sample's keys of
+        ROW_TYPES, zeros for a type it lacks), when every sample is remembered; None when one is not (a changed
+        or unreadable image, a new sample: `keys_all` then keys them)."""
+        import numpy as np
+
+        sigs = _signatures(samples)
+        if self._new or not all(isinstance(s, bytes) for s in sigs):  # an OSError: an image cannot be stat'ed
+            return None
+        table = self._load()
+        if not len(table.sigs) and sigs:
+            return None
+        rows = np.empty((len(sigs), ROW_BYTES), np.uint8)
+        for lo in range(0, len(sigs), _CHUNK):
+            pos, hit = table.positions(sigs[lo : lo + _CHUNK])
+            if not hit.all():
+                return None
+            rows[lo : lo + len(pos)] = table.rows[pos]
+        self.hits += len(sigs)
+        return rows
+
     def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
         """Each sample's keys, or the error that kept it from being keyed (an image that cannot be stat'ed or
         read); an image shared by several samples is stat'ed once in this pass."""
@@ -203,7 +224,7 @@ class KeyMemo:
     def save(self) -> None:
         """Write the memo (atomically) when this object learnt new rows; a failure is logged, not raised: the
         memo only saves time."""
-        if self.path is None or not self._new:
+        if self.path is None or not (self._new or (self._table is not None and self._table.resorted)):
             return
         import numpy as np
         from safetensors.numpy import save_file
@@ -245,7 +266,9 @@ class _Table:
 
         sigs, rows = np.ascontiguousarray(sigs), np.ascontiguousarray(rows)
         order = _order(sigs)
-        if len(order) > 1 and not bool(np.all(order[1:] >= order[:-1])):
+        # Written sorted by this version; a memo of an earlier one is sorted here (and saved sorted).
+        self.resorted = len(order) > 1 and not bool(np.all(order[1:] >= order[:-1]))
+        if self.resorted:
             by = np.argsort(order, kind="stable")
             sigs, rows, order = sigs[by], rows[by], order[by]
         self.sigs = sigs.view(f"V{SIG_BYTES}").reshape(-1)
@@ -259,17 +282,23 @@ class _Table:
 
     def find(self, sigs: list[bytes]) -> list[bytes | None]:
         """The row of each signature, None where it has none (a signature that is not SIG_BYTES long has none)."""
-        import numpy as np
-
         if not len(self.sigs) or not sigs:
             return [None] * len(sigs)
+        pos, hit = self.positions(sigs)
+        blob = self.rows[pos].tobytes()
+        return [blob[i * ROW_BYTES : (i + 1) * ROW_BYTES] if h else None for i, h in enumerate(hit.tolist())]
+
+
+    def positions(self, sigs: list[bytes]):
+        """(where each signature's row would be, whether it is there) as arrays; the table is not empty."""
+        import numpy as np
+
         sized = [len(s) == SIG_BYTES for s in sigs]
         wanted = np.frombuffer(b"".join(s if ok else bytes(SIG_BYTES) for s, ok in zip(sigs, sized)), np.uint8)
         wanted = wanted.reshape(-1, SIG_BYTES)
         pos = np.minimum(np.searchsorted(self.order, _order(wanted)), len(self.sigs) - 1)
         hit = (self.sigs[pos] == wanted.view(f"V{SIG_BYTES}").reshape(-1)) & np.array(sized)
-        blob = self.rows[pos].tobytes()
-        return [blob[i * ROW_BYTES : (i + 1) * ROW_BYTES] if h else None for i, h in enumerate(hit.tolist())]
+        return pos, hit
 
 
 def _order(sigs):

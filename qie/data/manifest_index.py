@@ -145,19 +145,59 @@ def load(path: Path, signature: str, settings: str, folder: Path) -> Dataset | N
     except Exception as e:  # safetensors raises its own error types for a damaged file
         log.warning("manifest index %s is unreadable (%s); scanning the manifest", path, e)
         return None
-    paths = [folder / name for name in names]
+    paths = _paths(folder, names)
     isfile = os.path.isfile
     if any(isfile(p) != bool(was) for p, was in zip(paths, present)):
         return None  # an image came or went: the rows are scanned again
-    samples = [
-        Sample(
-            ids[i],
-            paths[target[i]] if target[i] >= 0 else None,
-            tuple(paths[j] for j in controls[control_offsets[i] : control_offsets[i + 1]]),
-            prompts[i],
-            paths[mask[i]] if mask[i] >= 0 else None,
-            tuple(paths[j] for j in layers[layer_offsets[i] : layer_offsets[i + 1]]),
-        )
-        for i in range(count)
-    ]
-    return Dataset(samples, problems)
+    none, empty = [None] * count, ()
+    targets = [paths[j] if j >= 0 else None for j in target] if any(j >= 0 for j in target) else none
+    masks = [paths[j] if j >= 0 else None for j in mask] if any(j >= 0 for j in mask) else none
+    return Dataset(
+        [
+            _sample(*fields)
+            for fields in zip(
+                ids,
+                targets,
+                _tuples(paths, controls, control_offsets, count),
+                prompts,
+                masks,
+                _tuples(paths, layers, layer_offsets, count) if layers else [empty] * count,
+            )
+        ],
+        problems,
+    )
+
+
+def _tuples(paths: list[Path], column: list[int], offsets: list[int], count: int) -> list[tuple[Path, ...]]:
+    """Per sample, the tuple of its paths in a column; samples naming the same single path share one tuple."""
+    if len(column) == count and offsets == list(range(count + 1)):  # one path each (one control image)
+        singles: dict[int, tuple[Path, ...]] = {}
+        return [singles.get(j) or singles.setdefault(j, (paths[j],)) for j in column]
+    named = [paths[j] for j in column]
+    return [tuple(named[offsets[i] : offsets[i + 1]]) for i in range(count)]
+
+
+def _sample(id, target, controls, prompt, mask, layers) -> Sample:  # noqa: A002 (Sample's own field names)
+    """`Sample(...)` without the frozen dataclass's six guarded assignments (a second per million samples)."""
+    s = object.__new__(Sample)
+    s.__dict__.update(id=id, target=target, controls=controls, prompt=prompt, mask=mask, layers=layers)
+    return s
+
+
+def _paths(folder: Path, names: list[str]) -> list[Path]:
+    """`folder / name` for each name; plain relative names (no `.` or empty component) through pathlib's
+    child constructor of their folder, built once per folder (what `qie.data.samples` uses for listings)."""
+    from qie.data.samples import _child_path
+
+    makers: dict[str, object] = {}
+    out = []
+    for name in names:
+        head, _, base = name.rpartition("/")
+        if name.startswith("/") or "//" in name or "/." in f"/{name}" or not base:
+            out.append(folder / name)
+            continue
+        make = makers.get(head)
+        if make is None:
+            make = makers[head] = _child_path(folder / head if head else folder)
+        out.append(make(base))
+    return out
