@@ -134,6 +134,14 @@ class CachedSource:
     def keys(self, sample: Sample) -> dict[str, str]:
         return self.memo.keys(sample)
 
+    def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
+        """`keys` of each sample, or the OSError that kept it from being keyed (see `KeyMemo.keys_all`)."""
+        return self.memo.keys_all(samples)
+
+    def key_rows(self, samples: Sequence[Sample]):
+        """Every sample's remembered keys at once, or None (see `KeyMemo.rows_all`)."""
+        return self.memo.rows_all(samples)
+
     def remember_keys(self) -> None:
         """Persist what was learnt about sample keys (image hashes and keys by their inputs' signatures) in an
         existing cache folder; where it cannot be written, the next start computes them again."""

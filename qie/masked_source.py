@@ -74,6 +74,24 @@ class MaskedSource:
         """The inner source's entry keys of `sample` (a cache-reading source's; the train stage checks them)."""
         return self.inner.keys(sample)  # type: ignore[attr-defined]
 
+    def key_rows(self, samples: Sequence[Sample]):
+        """The inner source's `key_rows` (every sample's remembered keys at once), or None."""
+        inner = getattr(self.inner, "key_rows", None)
+        return inner(samples) if inner is not None else None
+
+    def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
+        """The inner source's `keys_all` (each sample's keys, or the OSError that kept it from being keyed)."""
+        inner = getattr(self.inner, "keys_all", None)
+        if inner is not None:
+            return inner(samples)
+        out: list[dict[str, str] | OSError] = []
+        for sample in samples:
+            try:
+                out.append(self.keys(sample))
+            except OSError as e:
+                out.append(e)
+        return out
+
     def check(self, samples: Sequence[Sample]) -> None:
         self.inner.check(samples)
 

@@ -19,6 +19,7 @@ from qie.cache.failures import read_failures
 from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource, sample_types
 from qie.errors import CacheDirMissing, CacheMissError, check_writable
+from qie.types import TRAINING_TYPES
 
 REPORT_FILE = "cache_report.json"
 
@@ -29,13 +30,22 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
     t0 = time.perf_counter()
     out: dict[str, list] = {"missing": [], "damaged": [], "unreadable": [], "precompute_failed": []}
     backend = source.backend
+    if _all_whole_at_once(source, backend, samples):
+        out["seconds"] = time.perf_counter() - t0
+        return out
     keyed = []
-    for sample in samples:
-        try:
-            keyed.append((sample, source.keys(sample)))
-        except OSError as e:
-            out["unreadable"].append({"id": sample.id, "reason": f"cannot read {e.filename!r} ({e.strerror})"})
-    types = [sample_types(sample) for sample, _ in keyed]
+    for sample, keys in zip(samples, _keys_all(source, samples)):
+        if isinstance(keys, OSError):
+            out["unreadable"].append({"id": sample.id, "reason": f"cannot read {keys.filename!r} ({keys.strerror})"})
+        else:
+            keyed.append((sample, keys))
+    kinds: dict[tuple[bool, bool, bool], tuple[str, ...]] = {}  # sample_types by what a sample has
+    types = []
+    for sample, _ in keyed:
+        has = (sample.target is not None, bool(sample.controls), bool(sample.layers))
+        if (ts := kinds.get(has)) is None:
+            ts = kinds[has] = sample_types(sample)
+        types.append(ts)
     items = [(t, keys[t]) for (_, keys), ts in zip(keyed, types) for t in ts]
     found = backend.intact_all(items, remember=True)
     whole = {} if all(found) else dict(zip(items, found))
@@ -51,6 +61,58 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
         kind = "damaged" if any(backend.exists(t, keys[t]) for t in bad) else "missing"
         out[kind].append({"id": sample.id, "types": bad})
     out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _all_whole_at_once(source, backend, samples: Sequence[Sample]) -> bool:
+    """Whether every entry of every sample is whole, judged in bulk: the source's remembered keys of all samples
+    as one array (`key_rows`), each distinct entry counted (`np.unique`) and checked once by the backend
+    (`intact_counted`, the same stamp as `intact_all` of the items). False means "not shown": a sample not
+    remembered, a source or backend without these methods, or something missing; the caller then checks
+    sample by sample and reports."""
+    key_rows, intact_counted = getattr(source, "key_rows", None), getattr(backend, "intact_counted", None)
+    if key_rows is None or intact_counted is None or not samples:
+        return False
+    rows = key_rows(samples)
+    if rows is None:
+        return False
+    import numpy as np
+
+    width = rows.shape[1] // len(TRAINING_TYPES)  # the key bytes of each type, in TRAINING_TYPES order
+    keys = rows.reshape(len(samples), len(TRAINING_TYPES), width)
+    kinds: dict[tuple[bool, bool, bool], int] = {}
+    masks, index = [], []
+    for sample in samples:  # which types each sample has (`sample_types`), by what it has
+        has = (sample.target is not None, bool(sample.controls), bool(sample.layers))
+        if (k := kinds.get(has)) is None:
+            k = kinds[has] = len(masks)
+            masks.append([t in sample_types(sample) for t in TRAINING_TYPES])
+        index.append(k)
+    needed = np.array(masks, dtype=bool)[np.asarray(index)]
+    if (needed & ~keys.any(axis=2)).any():  # a needed key not remembered: keyed sample by sample
+        return False
+    counts: dict[tuple[str, str], int] = {}
+    for j, t in enumerate(TRAINING_TYPES):
+        column = np.ascontiguousarray(keys[needed[:, j], j])
+        if not len(column):
+            continue
+        distinct, times = np.unique(column.view(f"S{width}").reshape(-1), return_counts=True)
+        text = np.ascontiguousarray(distinct).view(np.uint8).tobytes().hex()
+        step = 2 * width
+        counts.update(((t, text[i * step : (i + 1) * step]), n) for i, n in enumerate(times.tolist()))
+    return bool(intact_counted(counts, remember=True))
+
+
+def _keys_all(source, samples: Sequence[Sample]) -> list:
+    """Each sample's keys, or the OSError that kept it from being keyed."""
+    if hasattr(source, "keys_all"):
+        return source.keys_all(samples)
+    out = []
+    for sample in samples:
+        try:
+            out.append(source.keys(sample))
+        except OSError as e:
+            out.append(e)
     return out
 
 

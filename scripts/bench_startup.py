@@ -11,6 +11,10 @@ hook reports (its `StepInfo` also gives the step's time and its wait for the bat
 of the largest size's start-up.
 
     python scripts/bench_startup.py --sizes 1000 10000 100000
+    python scripts/bench_startup.py --sizes 100000 1000000 --layout manifest --prompts-per-image 10
+
+Each size with a target (100k samples: first step <= 5 s; 1M: <= 30 s) gets its own target line; with
+neither size, the largest is held to the 100k target.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from _bench_common import child_env, header, run_in_work_dir, table, target_line
 
 SCRIPT = os.path.abspath(__file__)
 TARGET_S = 5.0
+TARGETS_S = {100_000: TARGET_S, 1_000_000: 30.0}  # samples -> seconds to the end of the first step
 ENTRY_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
 PROMPTS = ["make the circle red", "turn the square blue", "add a small hat to the dog"]
 
@@ -268,6 +273,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                 print_profile(profile)
         results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         results[n]["entries"] = info["entries"]
+        results[n]["files"] = info.get("files", info["entries"])
 
     rows = []
     for n, r in results.items():
@@ -304,8 +310,10 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     sizes = sorted(results)
     big, small = sizes[-1], sizes[0]
     print()
-    name = f"start-up to first step at {big:,} cached samples ({results[big]['entries']:,} entry files)"
-    ok = target_line(name, results[big]["first step done"], "<=", TARGET_S, "s")
+    ok = True
+    for n in [n for n in sizes if n in TARGETS_S] or [big]:
+        name = f"start-up to first step at {n:,} cached samples ({results[n]['files']:,} entry files)"
+        ok = target_line(name, results[n]["first step done"], "<=", TARGETS_S.get(n, TARGET_S), "s") and ok
     if len(sizes) > 1:
         # The first step's own compute does not depend on the cache size but is noisy on a shared machine:
         # growth is also shown up to the first batch, the part that scales with the data set.

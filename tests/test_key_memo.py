@@ -82,3 +82,25 @@ def test_a_damaged_memo_is_ignored(tmp_path: Path) -> None:
     fresh, _ = _memo(cache)
     assert fresh.keys(samples[0]) == sample_keys(samples[0], CTX, FileHasher())
     assert fresh.misses == 1
+
+
+def test_a_memo_written_in_any_order_is_found_row_by_row(tmp_path: Path) -> None:
+    """Rows are looked up in a table sorted by signature: a memo file written unsorted (as earlier versions
+    wrote it) gives the same keys as one this version wrote."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    samples, cache = _samples(tmp_path / "ds", 6), tmp_path / "cache"
+    memo, _ = _memo(cache)
+    expected = memo.keys_all(samples)
+    memo.save()
+    stored = load_file(str(memo.path))
+    reverse = np.arange(len(stored["signatures"]))[::-1].copy()
+    save_file({k: v[reverse] for k, v in stored.items()}, str(memo.path), metadata={"format": "qie-sample-keys/1"})
+    warm, _ = _memo(cache)
+    assert warm.keys_all(samples) == expected and (warm.hits, warm.misses) == (7, 0)
+    assert [warm.keys(s) for s in samples] == expected and warm.misses == 0
+    assert warm._load().resorted
+    warm.save()  # written sorted: the next start finds it so
+    again, _ = _memo(cache)
+    assert not again._load().resorted and again.keys_all(samples) == expected and again.misses == 0

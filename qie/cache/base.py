@@ -131,6 +131,17 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_keys(keys: Sequence[str]) -> None:
+    """`check_key` of each key (one pass of the pattern over all of them; the first bad key is named)."""
+    try:
+        if all(map(_KEY_RE.fullmatch, keys)):
+            return
+    except TypeError:  # a key that is no str: named below
+        pass
+    for key in keys:
+        check_key(key)
+
+
 def check_entry(tensors: dict[str, torch.Tensor]) -> None:
     """Raise ValueError unless `tensors` is a non-empty dict of str -> torch.Tensor."""
     if not isinstance(tensors, dict) or not tensors:
@@ -176,6 +187,6 @@ class NoClaim:
 
 __all__ = [
     "SCHEMA_VERSION", "CacheBackend", "Claim", "CorruptEntry", "CorruptError", "Entry", "NoClaim", "VerifyReport",
-    "base_of", "check_entry", "check_key", "check_meta", "check_type", "check_types", "cpu_copy", "decode",
-    "empty_stats", "encode",
+    "base_of", "check_entry", "check_key", "check_keys", "check_meta", "check_type", "check_types", "cpu_copy",
+    "decode", "empty_stats", "encode",
 ]  # fmt: skip

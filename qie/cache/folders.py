@@ -7,7 +7,8 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from qie.cache.base import VerifyReport
 from qie.cache.files import entry_key
@@ -69,14 +70,28 @@ def remove_empty_dirs(root: str, type: str) -> None:
 def checked_token(items: Sequence[tuple[str, str]]) -> str:
     """A name for a set of (type, key) entries, whatever their order (keys are hex digests: their first 64
     bits are mixed with the type's; other keys are hashed first)."""
-    total = 0
-    for t, k in items:
-        try:
-            part = int(k[:16], 16)
-        except ValueError:
-            part = int(hashlib.blake2b(k.encode(), digest_size=8).hexdigest(), 16)
-        total = (total + (part ^ _TYPE_SALT[t])) % (1 << 64)
-    return f"{len(items)}-{total:016x}"
+    return counted_token(Counter(items))
+
+
+def counted_token(counts: Mapping[tuple[str, str], int]) -> str:
+    """`checked_token` of the items that `counts` counts (each (type, key) as often as its count)."""
+    import numpy as np
+
+    n = sum(counts.values())
+    try:  # at once: hex keys (what sample keys are), a million in a fraction of a second
+        parts = np.array([int(k[:16], 16) for _, k in counts], dtype=np.uint64)
+        salts = np.array([_TYPE_SALT[t] for t, _ in counts], dtype=np.uint64)
+        weights = np.array(list(counts.values()), dtype=np.uint64)
+        total = int(np.sum((parts ^ salts) * weights, dtype=np.uint64))  # uint64 arithmetic wraps: mod 2**64
+    except (ValueError, OverflowError):  # a key that is not hex
+        total = 0
+        for (t, k), count in counts.items():
+            try:
+                part = int(k[:16], 16)
+            except ValueError:
+                part = int(hashlib.blake2b(k.encode(), digest_size=8).hexdigest(), 16)
+            total += (part ^ _TYPE_SALT[t]) * count
+    return f"{n}-{total % (1 << 64):016x}"
 
 
 def file_system_now(folder: str) -> int | None:
@@ -101,6 +116,18 @@ def read_stamp(path: str) -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def ctimes(paths: Sequence[str]) -> list[int | None]:
+    """`ctime` of each path (None where it cannot be stat'ed). One loop in this thread: stats of cached inodes
+    are bound by the interpreter, not the file system (4 threads were no faster for 1.3M files)."""
+    stat, out = os.stat, []
+    for path in paths:
+        try:
+            out.append(stat(path).st_ctime_ns)
+        except OSError:
+            out.append(None)
+    return out
 
 
 def ctime(path: str) -> int | None:

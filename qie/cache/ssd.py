@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 from pathlib import Path
 
 import safetensors
@@ -23,6 +25,7 @@ from qie.cache.base import (
     base_of,
     check_entry,
     check_key,
+    check_keys,
     check_meta,
     check_type,
     check_types,
@@ -103,20 +106,39 @@ class SsdBackend:
         every file of the set that existed was whole: while no file of the set was changed or written since
         (the kernel sets a file's ctime on every change, and no tool can set it back), the check is one stat
         per file. With `remember`, a check that found every existing entry whole writes the stamp."""
-        items = [(check_type(t), check_key(k)) for t, k in items]
-        stamp = f"{self._root}/.checked/{folders.checked_token(items)}"
+        # Samples share entries (the prompts of one image pair share its latents): each file is looked at once.
+        counts = Counter(items)
+        ok = self._intact_counted(counts, remember)
+        if all(ok):
+            return [True] * len(items)
+        found = dict(zip(counts, ok))
+        return [found[item] for item in items]
+
+    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
+        """Whether every entry `counts` counts is intact: `all(intact_all(items))` for the items it counts (the
+        same stamp), without the list of items (a million samples name four million entries)."""
+        return all(self._intact_counted(counts, remember))
+
+    def _intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool) -> list[bool]:
+        """`intact` of each entry of `counts`, in its order (see `intact_all`)."""
+        unique = list(counts)
+        for t in set(map(itemgetter(0), unique)):
+            check_type(t)
+        check_keys(list(map(itemgetter(1), unique)))
+        stamp = f"{self._root}/.checked/{folders.counted_token(counts)}"
         # The stamp's time is read from the clock that sets the entries' ctimes (the file system's own, which
         # may be another machine's): a file created now tells it.
         start = folders.file_system_now(f"{self._root}/.checked") if remember and os.path.isdir(self._root) else None
         since = folders.read_stamp(stamp)
-        ctimes = [folders.ctime(self._path(t, k)) for t, k in items]
+        root = self._root
+        ctimes = folders.ctimes([f"{root}/{t}/{k[:2]}/{k}{SUFFIX}" for t, k in unique])
         if since is not None and all(c is None or c < since for c in ctimes):
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
-        out = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(items, ctimes)]
-        if start is not None and any(out) and all(ok or c is None for ok, c in zip(out, ctimes)):
+        ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(unique, ctimes)]
+        if start is not None and any(ok) and all(good or c is None for good, c in zip(ok, ctimes)):
             files.write_small(stamp, str(start))
-        return out
+        return ok
 
     def _intact(self, type: str, key: str, memo: dict) -> bool:
         if (type, key) not in memo:

@@ -41,6 +41,8 @@ class DataSource:
     images_dir: Path | None = None
     # Manifest rows may name files outside the manifest's folder (`data.allow_outside_paths`).
     allow_outside: bool = False
+    # Where a manifest's scan is remembered by the manifest's signature (`cache.dir/manifests`); None: nowhere.
+    index_dir: Path | None = None
 
 
 def is_hf_save_folder(path: Path) -> bool:
@@ -95,7 +97,7 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
     format = detect_format(source.path) if source.format == "auto" else source.format
     if format != "hf":
         return without_long_prompts(
-            scan_dataset(source.path, format, require_target, source.allow_outside, require_prompt)
+            scan_dataset(source.path, format, require_target, source.allow_outside, require_prompt, source.index_dir)
         )
     from qie.data.hf import scan_hf
 

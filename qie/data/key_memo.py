@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from qie.data.keys import KeyContext
@@ -41,22 +41,73 @@ def context_token(ctx: KeyContext) -> str:
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
-def input_signature(sample: Sample) -> bytes:
+def input_signature(sample: Sample, seen: dict[str, str | OSError] | None = None) -> bytes:
     """Digest of the sample's prompt and each image's absolute path and (size, mtime_ns, ctime_ns, inode).
+
+    Args:
+        seen: image signatures already taken in this pass (path -> signature text, or the stat's error);
+            filled in. Samples sharing an image (several prompts on one image pair) stat it once per pass.
 
     Raises:
         OSError: an image cannot be stat'ed.
     """
     parts = [sample.prompt]
-    images = ((sample.target,) if sample.target is not None else ()) + sample.controls + sample.layers
-    roles = ("t",) * (sample.target is not None) + ("c",) * len(sample.controls) + ("l",) * len(sample.layers)
-    for role, path in zip(roles, images):
-        p = os.fspath(path)
-        if not p.startswith("/"):
-            p = os.path.abspath(p)
-        st = os.stat(p)
-        parts.append(f"{role}{p}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}")
+    if sample.target is not None:
+        parts.append("t" + _image_signature(sample.target, seen))
+    parts += ["c" + _image_signature(p, seen) for p in sample.controls]
+    parts += ["l" + _image_signature(p, seen) for p in sample.layers]
     return hashlib.blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest()
+
+
+def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | None) -> str:
+    p = os.fspath(path)
+    if seen is not None and (known := seen.get(p)) is not None:
+        if isinstance(known, OSError):
+            raise known
+        return known
+    full = p if p.startswith("/") else os.path.abspath(p)
+    try:
+        st = os.stat(full)
+    except OSError as e:
+        if seen is not None:
+            seen[p] = e
+        raise
+    text = f"{full}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+    if seen is not None:
+        seen[p] = text
+    return text
+
+
+def _signatures(samples: Sequence[Sample]) -> list[bytes | OSError]:
+    """`input_signature` of each sample (or the OSError of its first image that cannot be stat'ed), each image
+    stat'ed once: samples that share an image share its path object (a manifest's scan), found by identity."""
+    seen: dict[str, str | OSError] = {}
+    held = []  # the path objects looked up, alive until the end of the pass (their ids stay theirs)
+    known: tuple[dict[int, str], dict[int, str], dict[int, str]] = ({}, {}, {})  # target, control, layer texts
+
+    def image(path, role: int) -> str:
+        """The role's letter and the image's signature text (raises the OSError of its stat)."""
+        held.append(path)
+        text = "tcl"[role] + _image_signature(path, seen)  # an OSError is remembered in `seen`
+        known[role][id(path)] = text
+        return text
+
+    targets, controls, layers = (d.get for d in known)
+    blake2b, out = hashlib.blake2b, []
+    for s in samples:
+        try:
+            parts = [s.prompt]
+            if (t := s.target) is not None:
+                parts.append(targets(id(t)) or image(t, 0))
+            for p in s.controls:
+                parts.append(controls(id(p)) or image(p, 1))
+            for p in s.layers:
+                parts.append(layers(id(p)) or image(p, 2))
+        except OSError as e:
+            out.append(e)
+            continue
+        out.append(blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest())
+    return out
 
 
 def _row(keys: dict[str, str]) -> bytes | None:
@@ -68,19 +119,27 @@ def _row(keys: dict[str, str]) -> bytes | None:
     return b"".join(parts) if all(len(p) == KEY_BYTES for p in parts) else None
 
 
+_ABSENT_HEX = _ABSENT.hex()
+_HEX = 2 * KEY_BYTES
+_SLOTS = [(i * _HEX, (i + 1) * _HEX, t, MASK_OF.get(t)) for i, t in enumerate(ROW_TYPES)]
+
+
 def _keys(row: bytes) -> dict[str, str]:
-    keys = {}
-    for i, t in enumerate(ROW_TYPES):
-        part = row[i * KEY_BYTES : (i + 1) * KEY_BYTES]
-        if part != _ABSENT:
-            keys[t] = part.hex()
-            if t in MASK_OF:
-                keys[MASK_OF[t]] = keys[t]
+    text, keys = row.hex(), {}
+    for start, end, t, mask in _SLOTS:
+        key = text[start:end]
+        if key != _ABSENT_HEX:
+            keys[t] = key
+            if mask is not None:
+                keys[mask] = key
     return keys
 
 
 class KeyMemo:
     """Sample keys by input signature; `folder` None keeps them in this object only.
+
+    The remembered rows are kept as arrays sorted by signature (a million rows load in a fraction of a second,
+    where a dictionary of them took many); `keys_all` looks every sample up at once.
 
     Args:
         folder: where the memo files live (`cache.dir/sample_keys`).
@@ -92,8 +151,8 @@ class KeyMemo:
                  compute: Callable[[Sample], dict[str, str]]) -> None:  # fmt: skip
         self.path = Path(folder) / f"{context_token(context)}.safetensors" if folder is not None else None
         self.compute = compute
-        self._rows: dict[bytes, bytes] | None = None
-        self._new = 0
+        self._table: _Table | None = None
+        self._new: dict[bytes, bytes] = {}  # rows learnt by this object, not yet in the table
         self.hits = self.misses = 0
 
     def keys(self, sample: Sample) -> dict[str, str]:
@@ -102,47 +161,154 @@ class KeyMemo:
         Raises:
             OSError: an image cannot be stat'ed or read.
         """
-        rows = self._load()
         sig = input_signature(sample)
-        row = rows.get(sig)
+        row = self._new.get(sig) or self._load().find([sig])[0]
         if row is not None:
             self.hits += 1
             return _keys(row)
+        return self._miss(sample, sig)
+
+    def rows_all(self, samples: Sequence[Sample]):
+        """The remembered keys of every sample as one (n, ROW_BYTES) uint8 array (each sample's keys of
+        ROW_TYPES, zeros for a type it lacks), when every sample is remembered; None when one is not (a changed
+        or unreadable image, a new sample: `keys_all` then keys them)."""
+        import numpy as np
+
+        sigs = _signatures(samples)
+        if self._new or not all(isinstance(s, bytes) for s in sigs):  # an OSError: an image cannot be stat'ed
+            return None
+        table = self._load()
+        if not len(table.sigs) and sigs:
+            return None
+        rows = np.empty((len(sigs), ROW_BYTES), np.uint8)
+        for lo in range(0, len(sigs), _CHUNK):
+            pos, hit = table.positions(sigs[lo : lo + _CHUNK])
+            if not hit.all():
+                return None
+            rows[lo : lo + len(pos)] = table.rows[pos]
+        self.hits += len(sigs)
+        return rows
+
+    def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
+        """Each sample's keys, or the error that kept it from being keyed (an image that cannot be stat'ed or
+        read); an image shared by several samples is stat'ed once in this pass."""
+        sigs = _signatures(samples)
+        table, out = self._load(), []
+        for lo in range(0, len(samples), _CHUNK):
+            chunk = sigs[lo : lo + _CHUNK]
+            rows = table.find([b"" if isinstance(sig, OSError) else sig for sig in chunk])
+            for sample, sig, row in zip(samples[lo : lo + _CHUNK], chunk, rows):
+                if isinstance(sig, OSError):
+                    out.append(sig)
+                    continue
+                if row is None:
+                    row = self._new.get(sig)
+                if row is not None:
+                    self.hits += 1
+                    out.append(_keys(row))
+                    continue
+                try:
+                    out.append(self._miss(sample, sig))
+                except OSError as e:
+                    out.append(e)
+        return out
+
+    def _miss(self, sample: Sample, sig: bytes) -> dict[str, str]:
         self.misses += 1
         keys = self.compute(sample)
         # Stat again after hashing: a file rewritten meanwhile is not remembered under its old signature.
         if (row := _row(keys)) is not None and input_signature(sample) == sig:
-            rows[sig] = row
-            self._new += 1
+            self._new[sig] = row
         return keys
 
     def save(self) -> None:
         """Write the memo (atomically) when this object learnt new rows; a failure is logged, not raised: the
         memo only saves time."""
-        if self.path is None or not self._new or self._rows is None:
+        if self.path is None or not (self._new or (self._table is not None and self._table.resorted)):
             return
         import numpy as np
         from safetensors.numpy import save_file
 
-        sigs = np.frombuffer(b"".join(self._rows), dtype=np.uint8).reshape(-1, SIG_BYTES)
-        rows = np.frombuffer(b"".join(self._rows.values()), dtype=np.uint8).reshape(-1, ROW_BYTES)
+        table = self._load()
+        new_sigs = np.frombuffer(b"".join(self._new), dtype=np.uint8).reshape(-1, SIG_BYTES)
+        new_rows = np.frombuffer(b"".join(self._new.values()), dtype=np.uint8).reshape(-1, ROW_BYTES)
+        merged = _Table(
+            np.concatenate([table.sigs.view(np.uint8).reshape(-1, SIG_BYTES), new_sigs]),
+            np.concatenate([table.rows, new_rows]),
+        )
+        sigs = merged.sigs.view(np.uint8).reshape(-1, SIG_BYTES)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"signatures": sigs, "keys": rows}, str(tmp), metadata={"format": "qie-sample-keys/1"})
+            save_file({"signatures": sigs, "keys": merged.rows}, str(tmp), metadata={"format": "qie-sample-keys/1"})
             os.replace(tmp, self.path)
-            self._new = 0
+            self._table, self._new = merged, {}
         except OSError as e:
             log.warning("could not save the sample key memo %s (%s)", self.path, e)
             tmp.unlink(missing_ok=True)
 
-    def _load(self) -> dict[bytes, bytes]:
-        if self._rows is None:
-            self._rows = _read(self.path) if self.path is not None else {}
-        return self._rows
+    def _load(self) -> _Table:
+        if self._table is None:
+            self._table = _read(self.path) if self.path is not None else _Table.empty()
+        return self._table
 
 
-def _read(path: Path) -> dict[bytes, bytes]:
+_CHUNK = 1 << 16  # samples looked up at once
+
+
+class _Table:
+    """Rows of keys sorted by their signatures (rows of a memo written unsorted are sorted here), searched by
+    the signatures' first 8 bytes and confirmed on all 16."""
+
+    def __init__(self, sigs, rows) -> None:
+        """`sigs` (n, SIG_BYTES) and `rows` (n, ROW_BYTES) uint8 arrays."""
+        import numpy as np
+
+        sigs, rows = np.ascontiguousarray(sigs), np.ascontiguousarray(rows)
+        order = _order(sigs)
+        # Written sorted by this version; a memo of an earlier one is sorted here (and saved sorted).
+        self.resorted = len(order) > 1 and not bool(np.all(order[1:] >= order[:-1]))
+        if self.resorted:
+            by = np.argsort(order, kind="stable")
+            sigs, rows, order = sigs[by], rows[by], order[by]
+        self.sigs = sigs.view(f"V{SIG_BYTES}").reshape(-1)
+        self.rows, self.order = rows, order
+
+    @classmethod
+    def empty(cls) -> _Table:
+        import numpy as np
+
+        return cls(np.zeros((0, SIG_BYTES), np.uint8), np.zeros((0, ROW_BYTES), np.uint8))
+
+    def find(self, sigs: list[bytes]) -> list[bytes | None]:
+        """The row of each signature, None where it has none (a signature that is not SIG_BYTES long has none)."""
+        if not len(self.sigs) or not sigs:
+            return [None] * len(sigs)
+        pos, hit = self.positions(sigs)
+        blob = self.rows[pos].tobytes()
+        return [blob[i * ROW_BYTES : (i + 1) * ROW_BYTES] if h else None for i, h in enumerate(hit.tolist())]
+
+
+    def positions(self, sigs: list[bytes]):
+        """(where each signature's row would be, whether it is there) as arrays; the table is not empty."""
+        import numpy as np
+
+        sized = [len(s) == SIG_BYTES for s in sigs]
+        wanted = np.frombuffer(b"".join(s if ok else bytes(SIG_BYTES) for s, ok in zip(sigs, sized)), np.uint8)
+        wanted = wanted.reshape(-1, SIG_BYTES)
+        pos = np.minimum(np.searchsorted(self.order, _order(wanted)), len(self.sigs) - 1)
+        hit = (self.sigs[pos] == wanted.view(f"V{SIG_BYTES}").reshape(-1)) & np.array(sized)
+        return pos, hit
+
+
+def _order(sigs):
+    """The sort key of (n, SIG_BYTES) signatures: their first 8 bytes as a number."""
+    import numpy as np
+
+    return np.ascontiguousarray(sigs[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
+
+
+def _read(path: Path) -> _Table:
     """The memo's rows; an unreadable memo is logged and treated as empty."""
     from safetensors import safe_open
 
@@ -150,14 +316,15 @@ def _read(path: Path) -> dict[bytes, bytes]:
         with safe_open(str(path), framework="numpy") as f:
             if (f.metadata() or {}).get("format") != "qie-sample-keys/1":
                 raise ValueError("unknown format")
-            sigs, rows = f.get_tensor("signatures").tobytes(), f.get_tensor("keys").tobytes()
+            sigs, rows = f.get_tensor("signatures"), f.get_tensor("keys")
+        if sigs.ndim != 2 or rows.ndim != 2 or sigs.shape[1] != SIG_BYTES or rows.shape[1] != ROW_BYTES:
+            raise ValueError("unexpected shapes")
     except FileNotFoundError:
-        return {}
+        return _Table.empty()
     except Exception as e:  # safetensors raises its own error types for a damaged file
         log.warning("sample key memo %s is unreadable (%s); computing keys without it", path, e)
-        return {}
-    n = len(sigs) // SIG_BYTES
-    if len(rows) != n * ROW_BYTES:
+        return _Table.empty()
+    if len(sigs) != len(rows):
         log.warning("sample key memo %s is damaged (columns differ); computing keys without it", path)
-        return {}
-    return {sigs[i * SIG_BYTES : (i + 1) * SIG_BYTES]: rows[i * ROW_BYTES : (i + 1) * ROW_BYTES] for i in range(n)}
+        return _Table.empty()
+    return _Table(sigs, rows)

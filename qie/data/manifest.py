@@ -94,52 +94,109 @@ def _outside(folder: Path, name: str) -> bool:
     """Whether the manifest path `name` leaves `folder` (absolute, or climbing out with `..`)."""
     if os.path.isabs(name):
         return True
-    return os.path.normpath(name).split(os.sep)[0] == ".."
+    return ".." in name and os.path.normpath(name).split(os.sep)[0] == ".."
+
+
+class _Files:
+    """The manifest's image paths, each joined to the manifest's folder and looked up once however many rows
+    name it (several prompts on one image pair)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.paths: dict[str, Path] = {}
+        self.present: dict[str, bool] = {}
+        self.outside: dict[str, bool] = {}
+
+    def path(self, name: str) -> Path:
+        p = self.paths.get(name)
+        if p is None:
+            p = self.paths[name] = self.folder / name
+        return p
+
+    def is_file(self, name: str) -> bool:
+        found = self.present.get(name)
+        if found is None:
+            found = self.present[name] = os.path.isfile(self.path(name))
+        return found
+
+    def is_outside(self, name: str) -> bool:
+        found = self.outside.get(name)
+        if found is None:
+            found = self.outside[name] = _outside(self.folder, name)
+        return found
 
 
 def scan_manifest(
-    path: Path, require_target: bool, allow_outside: bool = False, require_prompt: bool = True
+    path: Path,
+    require_target: bool,
+    allow_outside: bool = False,
+    require_prompt: bool = True,
+    index_dir: str | os.PathLike | None = None,
 ) -> Dataset:
     """The samples and problems of a .jsonl or .csv manifest (paths relative to its folder); without
-    `require_prompt`, a row with no prompt has the prompt ""."""
+    `require_prompt`, a row with no prompt has the prompt "".
+
+    Args:
+        index_dir: where scans are remembered by the manifest's signature (`qie.data.manifest_index`); it is
+            written only when its parent folder (the cache folder) exists. None: every scan parses the rows.
+    """
+    if index_dir is None:
+        return _scan_rows(path, require_target, allow_outside, require_prompt)[0]
+    from qie.data import manifest_index
+
+    settings = json.dumps([str(path), require_target, allow_outside, require_prompt])
+    index = manifest_index.index_path(index_dir, path, settings)
+    try:
+        signature = manifest_index.manifest_signature(path)
+    except OSError:
+        signature = None
+    if signature is not None and (found := manifest_index.load(index, signature, settings, path.parent)) is not None:
+        return found
+    data, files = _scan_rows(path, require_target, allow_outside, require_prompt)
+    try:
+        unchanged = signature is not None and manifest_index.manifest_signature(path) == signature
+    except OSError:
+        unchanged = False
+    if unchanged and index.parent.parent.is_dir():  # not while it was being written; only in a cache folder
+        names = {id(p): name for name, p in files.paths.items()}
+        manifest_index.save(index, signature, settings, data, files.present, names)
+    return data
+
+
+def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_prompt: bool) -> tuple[Dataset, _Files]:
     data = Dataset()
     seen: set[str] = set()
     rows_seen: dict[tuple, int] = {}  # (target, controls, prompt) -> the row that first gave them
-    folder = path.parent  # computed once: pathlib's `parent` builds a new object per call
+    files = _Files(path.parent)  # the folder computed once: pathlib's `parent` builds a new object per call
     for n, row in _manifest_rows(path):
-        rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
-        where = f"{path}:{n}"
         fields = row if isinstance(row, str) else _row_fields(row)
         if isinstance(fields, str):
-            data.problems.append(DataProblem(rid, where, f"manifest row {n} {fields}"))
+            rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
+            data.problems.append(DataProblem(rid, f"{path}:{n}", f"manifest row {n} {fields}"))
             continue
         controls, target, prompt, mask, layers = fields
         missing = [] if (prompt or "").strip() or not require_prompt else ["prompt"]
         if require_target and not target:
             missing.append("target")
+        rid = str(row.get("id") or f"row{n:06d}")
         if missing:
             empty = "an empty" if missing[0] == "prompt" and prompt is not None else "no"
             fix = f": {NO_CAPTION_FIX}" if missing[0] == "prompt" else ""
-            data.problems.append(DataProblem(rid, where, f"manifest row {n} has {empty} {missing[0]!r}{fix}"))
+            data.problems.append(DataProblem(rid, f"{path}:{n}", f"manifest row {n} has {empty} {missing[0]!r}{fix}"))
             continue
         named = [*controls, target, mask, *layers]
-        outside = [] if allow_outside else [c for c in named if c and _outside(path.parent, c)]
+        outside = [] if allow_outside else [c for c in named if c and files.is_outside(c)]
         if outside:
             data.problems.append(
                 DataProblem(
                     rid,
-                    where,
+                    f"{path}:{n}",
                     f"manifest row {n}: {outside[0]!r} lies outside the manifest's folder "
                     f"{str(path.parent)!r}: move it inside, or set data.allow_outside_paths=true",
                 )
             )
             continue
-        control_paths = tuple(folder / c for c in controls)
-        target_path = folder / target if target else None
-        mask_path = folder / mask if mask else None
-        layer_paths = tuple(folder / p for p in layers)
-        paths = [p for p in (*control_paths, target_path, mask_path, *layer_paths) if p is not None]
-        bad = [p for p in paths if not os.path.isfile(p)]
+        bad = [files.path(c) for c in named if c and not files.is_file(c)]
         if bad:
             data.problems.append(
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
@@ -148,7 +205,9 @@ def scan_manifest(
         same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask, tuple(layers)), n)
         if same != n:  # the same example twice would be trained twice as often: keep the first
             data.problems.append(
-                DataProblem(rid, where, f"manifest row {n} repeats row {same} (same images and prompt): used once")
+                DataProblem(
+                    rid, f"{path}:{n}", f"manifest row {n} repeats row {same} (same images and prompt): used once"
+                )
             )
             continue
         first = target or (controls[0] if controls else None)
@@ -157,6 +216,13 @@ def scan_manifest(
             sample_id = f"{sample_id}#{n}"
         seen.add(sample_id)
         data.samples.append(
-            Sample(sample_id, target_path, control_paths, (prompt or "").strip(), mask_path, layer_paths)
+            Sample(
+                sample_id,
+                files.path(target) if target else None,
+                tuple(files.path(c) for c in controls),
+                (prompt or "").strip(),
+                files.path(mask) if mask else None,
+                tuple(files.path(p) for p in layers),
+            )
         )
-    return data
+    return data, files

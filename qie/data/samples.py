@@ -80,6 +80,7 @@ def scan_dataset(
     require_target: bool = True,
     allow_outside: bool = False,
     require_prompt: bool = True,
+    index_dir: str | os.PathLike | None = None,
 ) -> Dataset:
     """Find the samples of a data set folder or manifest.
 
@@ -111,7 +112,7 @@ def scan_dataset(
         else:
             from qie.data.manifest import scan_manifest
 
-            data = scan_manifest(root, require_target, allow_outside, require_prompt)
+            data = scan_manifest(root, require_target, allow_outside, require_prompt, index_dir)
     finally:
         if gc_was_on:
             gc.enable()

@@ -1,0 +1,187 @@
+"""A warm start at scale: the manifest's scan remembered by its signature, keys of samples that share images
+taken with one stat per image, and a whole-set check that looks at each shared entry file once; every change
+(a manifest row, an image, an entry file) is still caught."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import write_solid_image
+
+import qie.data.manifest as manifest
+from qie.cache import folders
+from qie.cache.entries import write_entries
+from qie.cache.keys import FileHasher
+from qie.cache.ssd import SsdBackend
+from qie.data.key_memo import KeyMemo
+from qie.data.keys import KeyContext, sample_keys
+from qie.data.samples import scan_dataset
+from qie.embeddings import CachedSource
+from qie.errors import CacheMissError
+from qie.readiness import ready_samples
+
+CTX = KeyContext("vae0", "te0", "tmpl", 4096, "area", 16, 4096, 4096)
+TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
+
+
+def _data_set(root: Path, pairs: int = 2, per_pair: int = 3) -> Path:
+    """A manifest of `pairs` target/control image pairs, `per_pair` prompts on each."""
+    rows = []
+    for i in range(pairs):
+        write_solid_image(root / "t" / f"{i}.png", (i, 0, 0))
+        write_solid_image(root / "c" / f"{i}.png", (0, i, 0))
+        for j in range(per_pair):
+            rows.append({"id": f"s{i}_{j}", "target": f"t/{i}.png", "controls": [f"c/{i}.png"], "prompt": f"p{i} {j}"})
+    path = root / "manifest.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _scan(path: Path, cache: Path):
+    return scan_dataset(path, "manifest", index_dir=cache / "manifests")
+
+
+def _no_row_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(row):
+        raise AssertionError("a manifest row was parsed")
+
+    monkeypatch.setattr(manifest, "_row_fields", refuse)
+
+
+def test_a_remembered_scan_equals_the_scan_and_parses_no_row(tmp_path: Path, monkeypatch) -> None:
+    path, cache = _data_set(tmp_path / "ds"), tmp_path / "cache"
+    assert _scan(path, cache).samples and not (cache / "manifests").exists()  # no cache folder: nothing written
+    cache.mkdir()
+    first = _scan(path, cache)
+    assert len(list((cache / "manifests").glob("*.safetensors"))) == 1
+    with monkeypatch.context() as mp:
+        _no_row_parsing(mp)
+        again = _scan(path, cache)
+    assert again.samples == first.samples == scan_dataset(path, "manifest").samples
+    assert [s.id for s in again.samples] == ["s0_0", "s0_1", "s0_2", "s1_0", "s1_1", "s1_2"]
+    assert again.samples[0].target == tmp_path / "ds" / "t" / "0.png"
+    # Other settings are another scan.
+    assert scan_dataset(path, "manifest", require_target=False, index_dir=cache / "manifests").samples == first.samples
+    assert len(list((cache / "manifests").glob("*.safetensors"))) == 2
+
+
+def test_an_edited_row_a_removed_image_or_a_damaged_index_scan_the_rows_again(tmp_path: Path) -> None:
+    path, cache = _data_set(tmp_path / "ds"), tmp_path / "cache"
+    cache.mkdir()
+    _scan(path, cache)
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[1])
+    lines[1] = json.dumps({**row, "prompt": "an edited prompt"})
+    path.write_text("\n".join(lines) + "\n")
+    assert [s.prompt for s in _scan(path, cache).samples][:3] == ["p0 0", "an edited prompt", "p0 2"]
+    assert [s.prompt for s in _scan(path, cache).samples][:3] == ["p0 0", "an edited prompt", "p0 2"]
+
+    (tmp_path / "ds" / "c" / "1.png").unlink()  # the manifest is unchanged; an image it names is gone
+    data = _scan(path, cache)
+    assert [s.id for s in data.samples] == ["s0_0", "s0_1", "s0_2"]
+    assert [p.id for p in data.problems] == ["s1_0", "s1_1", "s1_2"] and "does not exist" in data.problems[0].reason
+    write_solid_image(tmp_path / "ds" / "c" / "1.png", (0, 1, 0))  # back again: its samples too
+    assert len(_scan(path, cache).samples) == 6
+
+    for index in (cache / "manifests").glob("*.safetensors"):
+        index.write_bytes(b"not a safetensors file")
+    assert len(_scan(path, cache).samples) == 6
+
+
+def _cached(root: Path, path: Path) -> tuple[CachedSource, list, SsdBackend]:
+    """A cache holding every entry of the data set's samples (tiny tensors), and a source reading it."""
+    cache = root / "cache"
+    backend = SsdBackend(cache)
+    samples = _scan(path, cache).samples
+    g = torch.Generator().manual_seed(0)
+    empty = torch.randn(5, 4, generator=g)
+    entries = {
+        "pixel_latent": {"latent": torch.randn(4, 1, 2, 2, generator=g)},
+        "control_latent": {"0": torch.randn(4, 1, 2, 2, generator=g)},
+        "prompt_embed": {"embed": torch.cat([empty[:3], torch.randn(2, 4, generator=g)])},
+        "empty_prompt_embed": {"embed": empty},
+    }
+    for s in samples:
+        write_entries(backend, sample_keys(s, CTX, FileHasher()), entries)
+    source = CachedSource(backend, CTX, FileHasher(cache / "file_hashes.json"), memo_dir=str(cache / "sample_keys"))
+    return source, samples, backend
+
+
+def test_keys_of_samples_sharing_images_take_one_stat_per_image(tmp_path: Path, monkeypatch) -> None:
+    path = _data_set(tmp_path / "ds", pairs=2, per_pair=3)
+    source, samples, _ = _cached(tmp_path, path)
+    expected = [sample_keys(s, CTX, FileHasher()) for s in samples]
+    assert source.keys_all(samples) == expected
+    stats: list[str] = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(os.fspath(p)) or real_stat(p, *a, **k))
+    assert source.keys_all(samples) == expected
+    assert sorted(stats) == sorted(str(tmp_path / "ds" / d / f"{i}.png") for d in "tc" for i in range(2))
+    assert (source.memo.hits, source.memo.misses) == (6, 6)
+    monkeypatch.undo()
+
+    # A touched image (rewritten with other pixels) re-keys exactly the samples that use it.
+    source.remember_keys()
+    write_solid_image(tmp_path / "ds" / "t" / "1.png", (9, 9, 9))
+    warm = CachedSource(source.backend, CTX, FileHasher(), memo_dir=str(tmp_path / "cache" / "sample_keys"))
+    got = warm.keys_all(samples)
+    assert (warm.memo.hits, warm.memo.misses) == (3, 3)
+    assert got[:3] == expected[:3] and got[3:] == [sample_keys(s, CTX, FileHasher()) for s in samples[3:]]
+    assert all(g["pixel_latent"] != e["pixel_latent"] for g, e in zip(got[3:], expected[3:]))
+
+    (tmp_path / "ds" / "c" / "0.png").unlink()  # an image gone: its samples are unreadable, the others keyed
+    got = warm.keys_all(samples)
+    assert all(isinstance(k, FileNotFoundError) for k in got[:3]) and all(isinstance(k, dict) for k in got[3:])
+
+
+def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:
+    path = _data_set(tmp_path / "ds", pairs=2, per_pair=3)
+    source, samples, backend = _cached(tmp_path, path)
+    run = tmp_path / "run"
+    assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples  # stamps the set
+    with monkeypatch.context() as mp:
+        # Remembered keys: the set is checked in bulk, under the stamp the sample-by-sample check wrote (one
+        # stat per distinct entry file, no header read).
+        def refuse(*args, **kwargs):
+            raise AssertionError("checked sample by sample, or a header read")
+
+        mp.setattr(SsdBackend, "intact_all", refuse)
+        mp.setattr(SsdBackend, "_quick", refuse)
+        stats: list[str] = []
+        real_stat = os.stat
+        mp.setattr(os, "stat", lambda p, *a, **k: stats.append(os.fspath(p)) or real_stat(p, *a, **k))
+        assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples
+    assert len([p for p in stats if p.endswith(".safetensors") and "/sample_keys/" not in p]) == 2 * 3 + 6
+
+    keys = source.keys(samples[4])
+    backend.path("prompt_embed", keys["prompt_embed"]).unlink()
+    with pytest.raises(CacheMissError, match="1 of 6 samples .* the first is 's1_1' \\(prompt_embed\\)"):
+        ready_samples(source, samples, run, "stop", str(tmp_path / "cache"))
+    report = json.loads((run / "cache_report.json").read_text())
+    assert report["missing"] == [{"id": "s1_1", "types": ["prompt_embed"]}]
+
+    # A shared entry rewritten in place (damaged): every sample that uses it is named.
+    shared = backend.path("control_latent", source.keys(samples[0])["control_latent"])
+    shared.write_bytes(shared.read_bytes()[:40])
+    with pytest.raises(CacheMissError, match="4 of 6 samples"):
+        ready_samples(source, samples, run, "stop", str(tmp_path / "cache"))
+    report = json.loads((run / "cache_report.json").read_text())
+    assert [r["id"] for r in report["damaged"]] == ["s0_0", "s0_1", "s0_2"]
+    assert report["damaged"][0]["types"] == ["control_latent"]
+
+
+def test_the_check_token_counts_each_entry_as_often_as_it_is_named() -> None:
+    """Shared entries are stat'ed once, but the token of the set is the one repeated items always gave (stamps
+    written before stay valid)."""
+    a, b = ("pixel_latent", "ab" * 32), ("prompt_embed", "cd" * 32)
+    salt = folders._TYPE_SALT
+    total = 3 * (int(a[1][:16], 16) ^ salt[a[0]]) + (int(b[1][:16], 16) ^ salt[b[0]])
+    assert folders.checked_token([a, b, a, a]) == f"4-{total % (1 << 64):016x}"
+    assert folders.checked_token([a, a, b, a]) == folders.checked_token([b, a, a, a])
+    assert folders.checked_token([a, b]) != folders.checked_token([a, b, a])
+    memo = KeyMemo(None, CTX, lambda s: {})
+    assert memo.keys_all([]) == []
