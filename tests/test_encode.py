@@ -155,3 +155,44 @@ def test_edit_plus_multi_image_prompt(plus, tmp_path: Path) -> None:
     assert list(entry["control_latent"]) == ["0", "1"]
     assert entry["control_latent"]["1"].shape == (4, 1, 16, 24)
     assert torch.equal(entry["prompt_embed"]["embed"], expected[0])
+
+
+def test_a_batch_shares_encoder_calls_and_one_sample_is_encoded_alone(edit, tmp_path: Path, monkeypatch) -> None:
+    encoder, pipe = edit
+    samples = [
+        Sample(
+            f"b{i}",
+            write_noise_image(tmp_path / f"t{i}.png", 70 + i),
+            (write_noise_image(tmp_path / f"c{i}.png", 80 + i),),
+            f"edit {i}",
+        )
+        for i in range(2)
+    ]
+    prepared = [prepare_sample(s, SIZES) for s in samples]
+    calls: list[tuple[str, int]] = []
+    latents, prompts = encoder.encode_latents, encoder.encode_prompt_entries
+    monkeypatch.setattr(encoder, "encode_latents", lambda px: calls.append(("vae", len(px))) or latents(px))
+    monkeypatch.setattr(
+        encoder, "encode_prompt_entries", lambda p, im: calls.append(("prompt", len(p))) or prompts(p, im)
+    )
+    batched = encoder.encode_entries(prepared, ALL_TYPES)
+    # Two samples: targets and controls (one size) in one VAE call, prompts and empty prompts in one call.
+    assert calls == [("vae", 4), ("prompt", 4)]
+    vae = encoder.parts.vae
+    assert vae.encoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert vae.decoder.conv_in.weight.is_contiguous()  # only the encoding half changes layout
+    calls.clear()
+    alone = [encoder.encode_entries([p], ALL_TYPES)[0] for p in prepared]
+    # One sample: each type alone, each image alone, as the pipeline encodes it, bit for bit.
+    assert calls == [("vae", 1), ("vae", 1), ("prompt", 1), ("prompt", 1)] * 2
+    for p, entry in zip(prepared, alone):
+        with torch.no_grad():
+            want = pipe._encode_vae_image(p.target[None, :, None], generator=None)[0]
+        assert torch.equal(entry["pixel_latent"]["latent"], want)
+    for got, want in zip(batched, alone):
+        assert list(got) == list(want)
+        torch.testing.assert_close(got["pixel_latent"]["latent"], want["pixel_latent"]["latent"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got["control_latent"]["0"], want["control_latent"]["0"], atol=1e-5, rtol=0)
+        for kind in ("prompt_embed", "empty_prompt_embed"):
+            assert got[kind]["embed"].shape == want[kind]["embed"].shape
+            torch.testing.assert_close(got[kind]["embed"], want[kind]["embed"], atol=1e-5, rtol=0)
