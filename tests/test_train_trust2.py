@@ -91,6 +91,22 @@ def test_a_nan_optimizer_state_is_refused_at_resume_and_never_saved(data: dict, 
         assert f"the last good state is saved in {run / 'checkpoints' / 'step-000002'}" in str(info.value)
         assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"], name
         assert finite_files(run / "checkpoints" / "step-000002")
+    # Between the state checks (every STATE_CHECK_EVERY steps, the last step, every save) the NaN state is caught
+    # by the next step's loss: step 5 stops the run, and the state, checked once before the save on the way out,
+    # is not saved.
+    from qie.training import loop
+
+    checks: list[int] = []
+    real_check = loop.state_is_finite
+    monkeypatch.setattr(loop, "state_is_finite", lambda *a: checks.append(1) or real_check(*a))
+    unsaved = tmp_path / "unsaved"
+    cfg = compose("train", data["base"] + FAST + ["train.max_steps=6", "train.checkpoint_every=0"])
+    with pytest.raises(NonFiniteLoss, match="^step 5 gave a NaN or infinite loss or gradient"):
+        train_stage.run(cfg, unsaved, on_step_end=poison)
+    assert len(checks) == 1 and not list(unsaved.glob("checkpoints/step-*"))
+    checks.clear()
+    train(data, ["train.max_steps=3", "train.checkpoint_every=0"], tmp_path / "checked_once")
+    assert len(checks) == 2  # logged every step (log_every=1); the state checked at the last step and its save
     # The state it points to resumes.
     monkeypatch.undo()
     result = train(data, ["train.max_steps=3", f"train.resume={run / 'checkpoints' / 'step-000002'}"], tmp_path / "r")
