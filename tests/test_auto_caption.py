@@ -175,8 +175,12 @@ def test_lazy_training_captions_and_cached_training_needs_no_text_encoder(
     with pytest.raises(CacheMissError, match=r"2 samples have no cached caption, the first 's0'.*cache.mode=lazy"):
         train_stage.run(cached, tmp_path / "cold")
     assert calls == []  # a cache-only run builds no text encoder
+    # The transformer loads only once the captions are written: a load beside the text encoder's build switches
+    # module construction to the meta device process-wide, and the encoder came out empty.
+    real_load, events = train_stage.load_model, []
+    monkeypatch.setattr(train_stage, "load_model", lambda *a: events.append(("load", sum(calls))) or real_load(*a))
     lazy = train_stage.run(small_config("train", *base, "cache.mode=lazy"), tmp_path / "lazy")
-    assert len(lazy["losses"]) == 2 and sum(calls) == 2
+    assert len(lazy["losses"]) == 2 and sum(calls) == 2 and events == [("load", 2)]
     monkeypatch.setattr(caption_stage, "build_captioner", lambda *a: pytest.fail("built the text encoder"))
     monkeypatch.setattr(common, "build_encoder", lambda *a: pytest.fail("built the encoders"))
     warm = train_stage.run(cached, tmp_path / "warm")

@@ -109,7 +109,11 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     # The model's weights load in the background while the data set is scanned and every sample's entries are
     # checked (later misses stop the run too); training starts only once both are done.
     MemorySettings.of(cfg.train, spec.family).check(mode.lora, str(value(cfg.model.quantize)))
-    loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec)
+    # Captions written while the data is read build the VL text encoder: the transformer then loads after the data
+    # is ready, not beside it (loading builds modules on the meta device through a process-wide switch, which a
+    # model built meanwhile would catch).
+    writes_captions = bool(cfg.data.get("auto_caption", False)) and source.encodes
+    loading = None if writes_captions else in_background(load_model, cfg.model, cfg.train, accelerator, spec)
     try:
         # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
         # process first, the others then read them).
@@ -122,8 +126,11 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
             if warning:
                 accelerator.print(f"qie: warning: {warning}")
         samples, reg = ready_data(cfg, spec, source, samples, run_dir, accelerator.is_main_process, captions)
+        if loading is None:  # the captions are written (for the regularisation data too)
+            loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec)
     except BaseException:
-        loading.wait()  # a thread still inside torch when the interpreter exits aborts it
+        if loading is not None:
+            loading.wait()  # a thread still inside torch when the interpreter exits aborts it
         raise
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, loading.result())
     ema = make_ema(cfg.train, state.params)
