@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import cache
 from typing import Protocol
 
 import torch
@@ -31,11 +32,17 @@ DEFAULT_PRECOMPUTE_COMMAND = "python -m qie.precompute model=... data.path=... c
 
 
 def sample_types(sample: Sample) -> tuple[str, ...]:
-    """The entry types `sample` has: no pixel_latent without a target, no control_latent without controls."""
-    skip = {"pixel_latent"} if sample.target is None else set()
-    if not sample.controls:
+    """The entry types `sample` has: no pixel_latent without a target, no control_latent without controls, no
+    layer_latent without layers. One tuple object per kind of sample (a million samples share a few)."""
+    return _types_of_kind(sample.target is not None, bool(sample.controls), bool(sample.layers))
+
+
+@cache
+def _types_of_kind(target: bool, controls: bool, layers: bool) -> tuple[str, ...]:
+    skip = {"pixel_latent"} if not target else set()
+    if not controls:
         skip.add("control_latent")
-    if not sample.layers:
+    if not layers:
         skip.add("layer_latent")
     return tuple(t for t in TRAINING_TYPES if t not in skip)
 

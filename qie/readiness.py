@@ -39,13 +39,7 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
             out["unreadable"].append({"id": sample.id, "reason": f"cannot read {keys.filename!r} ({keys.strerror})"})
         else:
             keyed.append((sample, keys))
-    kinds: dict[tuple[bool, bool, bool], tuple[str, ...]] = {}  # sample_types by what a sample has
-    types = []
-    for sample, _ in keyed:
-        has = (sample.target is not None, bool(sample.controls), bool(sample.layers))
-        if (ts := kinds.get(has)) is None:
-            ts = kinds[has] = sample_types(sample)
-        types.append(ts)
+    types = [sample_types(sample) for sample, _ in keyed]
     items = [(t, keys[t]) for (_, keys), ts in zip(keyed, types) for t in ts]
     found = backend.intact_all(items, remember=True)
     whole = {} if all(found) else dict(zip(items, found))
@@ -80,13 +74,13 @@ def _all_whole_at_once(source, backend, samples: Sequence[Sample]) -> bool:
 
     width = rows.shape[1] // len(TRAINING_TYPES)  # the key bytes of each type, in TRAINING_TYPES order
     keys = rows.reshape(len(samples), len(TRAINING_TYPES), width)
-    kinds: dict[tuple[bool, bool, bool], int] = {}
+    kinds: dict[tuple[str, ...], int] = {}  # each kind of sample's types (`sample_types`) -> its row of `masks`
     masks, index = [], []
-    for sample in samples:  # which types each sample has (`sample_types`), by what it has
-        has = (sample.target is not None, bool(sample.controls), bool(sample.layers))
-        if (k := kinds.get(has)) is None:
-            k = kinds[has] = len(masks)
-            masks.append([t in sample_types(sample) for t in TRAINING_TYPES])
+    for sample in samples:
+        types = sample_types(sample)
+        if (k := kinds.get(types)) is None:
+            k = kinds[types] = len(masks)
+            masks.append([t in types for t in TRAINING_TYPES])
         index.append(k)
     needed = np.array(masks, dtype=bool)[np.asarray(index)]
     if (needed & ~keys.any(axis=2)).any():  # a needed key not remembered: keyed sample by sample
