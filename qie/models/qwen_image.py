@@ -16,7 +16,7 @@ Everything here follows diffusers 0.42.1's `QwenImageEditPipeline`, `QwenImageEd
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -122,10 +122,44 @@ def vae_scale(vae: Any) -> int:
 # --- training -------------------------------------------------------------------------------------------
 
 
-def packed(latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """(B, C, 1, h, w) -> (B, h/2 * w/2, 4C) tokens, and the (1, h/2, w/2) shape the rotary embedding uses."""
+def packed(latents: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """(B, C, 1, h, w) -> (B, h/2 * w/2, 4C) tokens, and the one frame's (1, h/2, w/2) shape the rotary embedding
+    uses."""
     b, c, _, h, w = latents.shape
-    return pack_latents(latents[:, :, 0], b, c, h, w), (1, h // 2, w // 2)
+    return pack_latents(latents[:, :, 0], b, c, h, w), [(1, h // 2, w // 2)]
+
+
+def packed_loss(
+    transformer: torch.nn.Module,
+    batch: Batch,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    weighting: str,
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, list[tuple[int, int, int]]]],
+    **conditions: Any,
+) -> torch.Tensor:
+    """Mean weighted squared error between the predicted and the true velocity (noise - x0), for a transformer
+    that reads the noisy target's tokens, then the controls', as one sequence.
+
+    Args:
+        pack: (B, C, F, h, w) latents -> (tokens, one rotary-embedding shape per frame).
+        conditions: further transformer inputs (a Layered transformer's `additional_t_cond`).
+    """
+    x0 = batch.latents
+    noisy, frames = pack(noisy_latents(x0, noise, sigmas))
+    controls = [pack(c) for c in batch.control_latents]
+    pred = transformer(
+        hidden_states=torch.cat([noisy] + [tokens for tokens, _ in controls], dim=1),
+        timestep=sigmas.to(x0.device, x0.dtype),
+        encoder_hidden_states=batch.prompt_embeds,
+        encoder_hidden_states_mask=batch.prompt_embeds_mask,
+        img_shapes=[frames + [s for _, shapes in controls for s in shapes]] * x0.shape[0],
+        return_dict=False,
+        **conditions,
+    )[0][:, : noisy.shape[1]]
+    target, _ = pack(noise - x0)
+    mask = None if batch.loss_mask is None else pack(batch.loss_mask.expand_as(x0))[0]
+    return velocity_loss(pred, target, sigmas, weighting, mask)
 
 
 def flow_matching_loss(
@@ -139,20 +173,7 @@ def flow_matching_loss(
         noise: like batch.latents.
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
     """
-    x0 = batch.latents
-    noisy, target_shape = packed(noisy_latents(x0, noise, sigmas))
-    controls = [packed(c) for c in batch.control_latents]
-    pred = transformer(
-        hidden_states=torch.cat([noisy] + [tokens for tokens, _ in controls], dim=1),
-        timestep=sigmas.to(x0.device, x0.dtype),
-        encoder_hidden_states=batch.prompt_embeds,
-        encoder_hidden_states_mask=batch.prompt_embeds_mask,
-        img_shapes=[[target_shape] + [shape for _, shape in controls]] * x0.shape[0],
-        return_dict=False,
-    )[0][:, : noisy.shape[1]]
-    target, _ = packed(noise - x0)
-    mask = None if batch.loss_mask is None else packed(batch.loss_mask.expand_as(x0))[0]
-    return velocity_loss(pred, target, sigmas, weighting, mask)
+    return packed_loss(transformer, batch, noise, sigmas, weighting, packed)
 
 
 # --- sampling -------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from qie.models import qwen_image, real_size
 from qie.models.family import ModelFamily, PlannerFacts, Variant
-from qie.models.flow import noisy_latents, predict, velocity_loss
+from qie.models.flow import predict
 from qie.progress import progress as progress_bar
 from qie.sampling import SamplingOptions
 from qie.types import Batch, pad_prompt_embeds
@@ -79,21 +79,9 @@ def layered_loss(
         noise: like batch.latents.
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
     """
-    x0 = batch.latents
-    noisy, frames = packed_frames(noisy_latents(x0, noise, sigmas))
-    controls = [packed_frames(c) for c in batch.control_latents]
-    pred = transformer(
-        hidden_states=torch.cat([noisy] + [tokens for tokens, _ in controls], dim=1),
-        timestep=sigmas.to(x0.device, x0.dtype),
-        encoder_hidden_states=batch.prompt_embeds,
-        encoder_hidden_states_mask=batch.prompt_embeds_mask,
-        img_shapes=[frames + [s for _, shapes in controls for s in shapes]] * x0.shape[0],
-        additional_t_cond=torch.zeros(x0.shape[0], dtype=torch.long, device=x0.device),  # 0: RGBA, as sampled
-        return_dict=False,
-    )[0][:, : noisy.shape[1]]
-    target, _ = packed_frames(noise - x0)
-    mask = None if batch.loss_mask is None else packed_frames(batch.loss_mask.expand_as(x0))[0]
-    return velocity_loss(pred, target, sigmas, weighting, mask)
+    zeros = torch.zeros(batch.latents.shape[0], dtype=torch.long, device=batch.latents.device)
+    return qwen_image.packed_loss(transformer, batch, noise, sigmas, weighting, packed_frames,
+                                  additional_t_cond=zeros)  # 0: RGBA, as sampled  # fmt: skip
 
 
 # --- sampling -------------------------------------------------------------------------------------------
