@@ -53,7 +53,11 @@ def model_source(model_cfg: Any) -> str:
 
 
 def load_parts(
-    model_cfg: Any, names: Iterable[str], devices: Mapping[str, str] | None = None, spec: ModelSpec | None = None
+    model_cfg: Any,
+    names: Iterable[str],
+    devices: Mapping[str, str] | None = None,
+    spec: ModelSpec | None = None,
+    compiled: bool = False,
 ) -> Parts:
     """Build the named parts from a `model` config, each weight-holding part on `devices[name]`.
 
@@ -62,6 +66,8 @@ def load_parts(
         names: parts to build.
         devices: device name per part ("auto", "cpu", "cuda:1"); missing parts use "auto".
         spec: the model's description (`prepare_model`); made from `model_cfg` when not given.
+        compiled: whether the transformer's blocks will be compiled (`model.fp8_compute=auto` computes fp8
+            weights in fp8 only then).
     """
     spec = spec or model_spec(model_cfg)
     devices = devices or {}
@@ -82,6 +88,8 @@ def load_parts(
         keep_full_precision=spec.family.keep_full_precision,
         text_encoder_quantize=str(_value(getattr(model_cfg, "text_encoder_quantize", "none"))),
         single_file_fp8=str(_value(model_cfg.get("single_file_fp8", "upcast"))),
+        fp8_compute=str(_value(model_cfg.get("fp8_compute", "auto"))),
+        compiled=compiled,
     )
     parts.pipeline_config = pipeline_config(source, model_cfg.revision)
     return parts

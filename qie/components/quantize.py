@@ -33,12 +33,47 @@ def quantize_weights(
         raise ConfigError(f"{key or 'quantize'}={kind!r}: choose none, fp8, int8 or int4")
     quantize(model, weights=weights, exclude=exclude)
     freeze(model)
+    return _inputs_in_weight_dtype(model)
+
+
+def _inputs_in_weight_dtype(model: torch.nn.Module) -> torch.nn.Module:
+    from optimum.quanto import QModuleMixin
+
+    for module in model.modules():
+        if isinstance(module, QModuleMixin):
+            module.register_forward_pre_hook(_input_in_weight_dtype)
     return model
 
 
-def quantize_transformer(model: torch.nn.Module, kind: str, keep: Sequence[str]) -> torch.nn.Module:
+def _input_in_weight_dtype(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """Hand a quantized layer its input in the dtype its weights compute in: optimum-quanto's CUDA kernels (fp8
+    through Marlin) take bf16 or fp16 only, and autocast does not reach them, so a float32 activation (a timestep
+    embedding's, say) would stop the step; on the CPU a float32 input against bf16 weights fails as well."""
+    x = args[0] if args else None
+    dtype = module.weight.dtype
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return (x.to(dtype), *args[1:])
+    return None
+
+
+def quantize_transformer(
+    model: torch.nn.Module,
+    kind: str,
+    keep: Sequence[str],
+    fp8_compute: str = "never",
+    device: str | torch.device = "cpu",
+    compiled: bool = False,
+) -> torch.nn.Module:
     """`model.quantize`: the transformer's linear layers but those `keep` names (the family's
-    `keep_full_precision`: its input and output projections)."""
+    `keep_full_precision`: its input and output projections).
+
+    fp8 weights also compute in fp8 where `model.fp8_compute` (`fp8_compute`) wants it on `device`, the device
+    the model runs on, `compiled` or not (`qie.components.fp8_compute`); else optimum-quanto holds them.
+    """
+    from qie.components.fp8_compute import float8_compute, fp8_compute_wanted
+
+    if kind == "fp8" and fp8_compute_wanted(fp8_compute, device, compiled):
+        return float8_compute(model, keep, device)
     return quantize_weights(model, kind, list(keep), "model.quantize")
 
 
@@ -51,12 +86,15 @@ def quantize_text_encoder(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
-    """Whether optimum-quanto or bitsandbytes (diffusers' `is_quantized`) holds some of `model`'s weights."""
+    """Whether optimum-quanto, bitsandbytes (diffusers' `is_quantized`) or torchao's float8 layers hold some of
+    `model`'s weights."""
     from optimum.quanto import QModuleMixin
+
+    from qie.components.fp8_compute import is_float8_compute
 
     if getattr(model, "is_quantized", False) is True:
         return True
-    return any(isinstance(m, QModuleMixin) for m in model.modules())
+    return any(isinstance(m, QModuleMixin) or is_float8_compute(m) for m in model.modules())
 
 
 def nf4_config(dtype: torch.dtype, keep: Sequence[str]) -> object:
@@ -104,4 +142,4 @@ def keep_fp8_weights(model: torch.nn.Module, weights: dict) -> torch.nn.Module:
         data = data.to(module.weight.device).contiguous()
         qweight = WeightQBytesTensor(qtypes[data.dtype], 0, data.size(), data.stride(), data, scale, None)
         module.weight = torch.nn.Parameter(qweight, requires_grad=False)
-    return model
+    return _inputs_in_weight_dtype(model)

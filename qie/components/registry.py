@@ -139,6 +139,8 @@ def build_parts(
     keep_full_precision: Sequence[str] = (),
     text_encoder_quantize: str = "none",
     single_file_fp8: str = "upcast",
+    fp8_compute: str = "never",
+    compiled: bool = False,
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
 
@@ -155,6 +157,8 @@ def build_parts(
         keep_full_precision: transformer module patterns `quantize` leaves alone (the family's).
         text_encoder_quantize: "none", "fp8" or "int8": weight quantization of the text encoder.
         single_file_fp8: "upcast" or "keep": the fp8 weights of a transformer file (`load_transformer_file`).
+        fp8_compute: "auto", "always" or "never": whether `quantize="fp8"` also computes in fp8 (torchao), decided
+            for the transformer's device and whether its blocks will be `compiled` (`qie.components.fp8_compute`).
 
     Returns:
         Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
@@ -192,7 +196,9 @@ def build_parts(
         if name in MODULE_PARTS:
             part.requires_grad_(False)
             part.eval()
-            _quantize(name, part, "none" if nf4 else quantize, text_encoder_quantize, keep_full_precision)
+            quantized = "none" if nf4 else quantize
+            fp8 = (fp8_compute, place.device, compiled)
+            _quantize(name, part, quantized, text_encoder_quantize, keep_full_precision, fp8)
             part.to(place.device)
         setattr(parts, name, part)
         log.debug("built the %s of %s", name, source, extra={"part": name})
@@ -211,11 +217,13 @@ def _nf4_load_arguments(place: Placement, keep: Sequence[str]) -> dict[str, Any]
     return {"quantization_config": nf4_config(place.dtype, keep), "device_map": {"": str(place.device)}}
 
 
-def _quantize(name: str, part: Any, transformer: str, text_encoder: str, keep: Sequence[str]) -> None:
-    """Quantize a part on the CPU before it moves to its device, so the device never holds its full weights."""
+def _quantize(name: str, part: Any, transformer: str, text_encoder: str, keep: Sequence[str],
+              fp8: tuple[str, torch.device, bool]) -> None:  # fmt: skip
+    """Quantize a part on the CPU before it moves to its device, so the device never holds its full weights
+    (fp8 compute casts layer by layer on the device itself: its fp8 weights cannot move between devices)."""
     from qie.components import quantize
 
     if name == "transformer" and transformer != "none":
-        quantize.quantize_transformer(part, transformer, keep)
+        quantize.quantize_transformer(part, transformer, keep, *fp8)
     elif name == "text_encoder" and text_encoder != "none":
         quantize.quantize_text_encoder(part, text_encoder)

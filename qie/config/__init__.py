@@ -191,6 +191,14 @@ def validate(cfg: DictConfig) -> None:
         _check_model(cfg.model)
     if problem := weight_problem(cfg):
         raise ConfigError(problem)
+    fp8_compute = OmegaConf.select(cfg, "model.fp8_compute", default="auto")
+    if getattr(fp8_compute, "value", fp8_compute) == "always" and (
+        OmegaConf.select(cfg, "train.blocks_to_swap", default=0) or OmegaConf.select(cfg, "train.fsdp", default=False)
+    ):
+        raise ConfigError(
+            "model.fp8_compute=always casts the weights on the GPU, where block swap and FSDP cannot move them: set "
+            "model.fp8_compute=auto (optimum-quanto's fp8 weights then) or train.blocks_to_swap=0 and train.fsdp=false"
+        )
     if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
         raise ConfigError(
             "validation.every needs an unsharded model (validation samples on the main process only): "

@@ -27,6 +27,15 @@ class Quantize(str, Enum):
     nf4 = "nf4"
 
 
+class Fp8Compute(str, Enum):
+    """Whether `model.quantize=fp8` weights also compute in fp8 (torchao's float8 products, `qie[fp8]`)."""
+
+    # where it pays: the transformer on a GPU with fp8 tensor cores (compute capability 8.9+), its blocks compiled
+    auto = "auto"
+    always = "always"  # everywhere (on the CPU emulated: for tests, slow)
+    never = "never"  # optimum-quanto's fp8 weights, widened to bf16 for each product
+
+
 class TextEncoderQuantize(str, Enum):
     """Weight quantization of the frozen text encoder (optimum-quanto): its linear layers in 8 bits."""
 
@@ -69,6 +78,10 @@ class ModelConfig:
     tiny: str | None = None
     dtype: Dtype = Dtype.bfloat16
     quantize: Quantize = Quantize.none
+    # fp8 weights computed in fp8 on GPUs that have fp8 tensor cores (Ada, Hopper and newer) when the blocks are
+    # compiled (train.compile / predict.compile), where it measured faster than bf16 (docs/benchmarks.md §7).
+    # Not with block swap or FSDP (auto falls back to optimum-quanto's fp8 there).
+    fp8_compute: Fp8Compute = Fp8Compute.auto
     # The text encoder's linear layers in 8 bits (precompute, lazy and live modes): Qwen2.5-VL-7B needs
     # ~9 GiB instead of 15.4. Part of the prompt embeddings' cache keys.
     text_encoder_quantize: TextEncoderQuantize = TextEncoderQuantize.none

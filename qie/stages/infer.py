@@ -153,7 +153,7 @@ def build_predictor(cfg: DictConfig, spec: ModelSpec | None = None) -> Predictor
     device = resolve_device(devices["transformer"])
     if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
         devices["transformer"] = "cpu"
-    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices, spec), spec)
+    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices, spec, bool(cfg.predict.compile)), spec)
     if cfg.predict.lora:
         predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale))
     if swap:

@@ -298,7 +298,8 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
 def load_model(model: DictConfig, train: DictConfig, accelerator: Any, spec: ModelSpec) -> Any:
     """The transformer and the noise scheduler, built where `train`'s memory settings build them."""
     device = MemorySettings.of(train, spec.family).build_device(accelerator.device)
-    return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec)
+    compiled = bool(train.get("compile", False))
+    return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec, compiled)
 
 
 def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any, spec: ModelSpec,
