@@ -16,6 +16,11 @@ Sections (`--sections`, all by default):
   precompute   the precompute stage on the same data set, `precompute.batch_size` 1 vs 8: samples/s.
   compile      `train.compile=true` vs eager: step ratio and compile time (first compiled step less the eager one).
 
+A short GPU lease: `--num-layers 4,8` builds 4- and 8-block transformers and extrapolates each step row to the
+model's own depth (table (f), marked extrapolated); `--swap-fractions 0.5,0.75` swaps shares of the blocks;
+`--deadline S` starts no row after S seconds; `--results FILE` keeps each row as it ends, and `--reuse FILE,...`
+takes rows already measured from such files (finish a table over several runs, or print it anywhere).
+
 The step, swap and compile rows build the transformer from the family's published sizes with random weights
 (`qie.models.real_size.random_model`: no checkpoint, no download), quantize it with qie's `quantize_transformer`,
 and hand it to the train stage's `build_train_state` (LoRA, gradient checkpointing, block swap, compile,
@@ -67,6 +72,16 @@ PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H10
 FITS_24GB_GIB = 23.0  # peak reserved memory that leaves a 24 GB card's CUDA context its share
 RESULT_PREFIX = "BENCH_RESULT "
 RUN_ORDER = ("step", "swap", "precompute", "cached_live", "compile")
+# Weights of a row -> its model overrides. fp8: torchao's fp8 products (model.fp8_compute=always, eager or
+# compiled); fp8q: optimum-quanto's fp8 weights, computed in bf16.
+WEIGHTS = {
+    "bf16": ("model.quantize=none",),
+    "fp8": ("model.quantize=fp8", "model.fp8_compute=always"),
+    "fp8q": ("model.quantize=fp8", "model.fp8_compute=never"),
+    "int8": ("model.quantize=int8",),
+    "int4": ("model.quantize=int4",),
+    "nf4": ("model.quantize=nf4",),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,10 +99,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--controls", type=int, default=None, help="control images per sample (default: 1, or 0 for a "
                    "model without control images)")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default: the planner's count)")
-    p.add_argument("--weights", default="bf16,fp8", help="model.quantize values of the step and swap rows "
-                   "(bf16 = none; fp8, int8, int4)")  # fmt: skip
+    p.add_argument("--weights", default="bf16,fp8", help="weights of the step rows: bf16 (model.quantize=none), "
+                   "fp8 (torchao's fp8 products, model.fp8_compute=always), fp8q "
+                   "(optimum-quanto's fp8 weights, model.fp8_compute=never), int8, int4, nf4")  # fmt: skip
+    p.add_argument("--swap-weights", default=None, help="weights of the swap rows (default: --weights)")
     p.add_argument("--swaps", default="0,16,30,45", help="train.blocks_to_swap values (clamped to the blocks)")
-    p.add_argument("--num-layers", type=int, default=None, help="fewer transformer blocks (for smaller GPUs)")
+    p.add_argument("--swap-fractions", default=None, help="swap rows by share of the blocks instead (e.g. 0.5,0.75), "
+                   "at the deepest --num-layers; the no-swap reference is the step row with checkpointing")  # fmt: skip
+    p.add_argument("--num-layers", default=None, help="transformer blocks built (fewer than the model's, to fit a "
+                   "short run): one number, or two (e.g. 4,8) to extrapolate each step row to the model's full "
+                   "depth, linearly in the block count, marked as extrapolated")  # fmt: skip
+    p.add_argument("--deadline", type=float, default=None, help="seconds after which no further row starts (its row "
+                   "says so); for a run inside a fixed time budget")  # fmt: skip
+    p.add_argument("--results", default=None, help="append each row's result here as it ends (JSON lines)")
+    p.add_argument("--reuse", default=None, help="a --results file of an earlier run: its rows of this model that "
+                   "ran are taken from it, not run again (finish a table over several short runs)")  # fmt: skip
+    p.add_argument("--compile-weights", default="bf16", help="weights of the compile rows (eager and compiled each)")
     p.add_argument("--samples", type=int, default=None, help="data set size of cached_live/precompute (default 32; "
                    "--tiny 16)")  # fmt: skip
     p.add_argument("--precompute-batches", default="1,8", help="precompute.batch_size values of the precompute rows")
@@ -104,9 +131,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown := [s for s in args.sections if s not in SECTIONS]:
         p.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
     args.weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-    if unknown := [w for w in args.weights if w not in ("bf16", "fp8", "int8", "int4")]:
-        p.error(f"--weights: unknown {unknown}; choose from bf16, fp8, int8, int4")
+    args.swap_weights = [w.strip() for w in (args.swap_weights or ",".join(args.weights)).split(",") if w.strip()]
+    args.compile_weights = [w.strip() for w in args.compile_weights.split(",") if w.strip()]
+    if unknown := [w for w in args.weights + args.swap_weights + args.compile_weights if w not in WEIGHTS]:
+        p.error(f"--weights: unknown {unknown}; choose from {', '.join(WEIGHTS)}")
     args.swaps = sorted({int(s) for s in args.swaps.split(",") if s.strip()})
+    args.swap_fractions = [float(f) for f in (args.swap_fractions or "").split(",") if f.strip()]
+    if any(not 0 < f <= 1 for f in args.swap_fractions):
+        p.error("--swap-fractions: shares of the blocks, in (0, 1]")
+    args.depths = sorted({int(n) for n in (args.num_layers or "").split(",") if n.strip()}) or [None]
+    if len(args.depths) > 2 or any(n < 1 for n in args.depths if n):
+        p.error("--num-layers: one block count, or two to extrapolate from")
     args.precompute_batches = [int(b) for b in args.precompute_batches.split(",") if b.strip()]
     tiny = args.tiny
     args.steps = args.steps if args.steps is not None else (2 if tiny else 10)
@@ -176,7 +211,7 @@ def make_setup(args: argparse.Namespace, work: Path) -> Setup:
     node = model_yaml(model)
     real = not node.get("tiny")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the train stage puts the model
-    if real and device == "cpu" and not args.child:
+    if real and device == "cpu" and not args.child and not args.reuse:
         raise SystemExit("bench_gpu: no CUDA device here; run it on a GPU machine, or add --tiny for a CPU smoke run")
     side = args.resolution or (1024 if real else round(int(node.vae_image_pixels) ** 0.5))
     controls = args.controls if args.controls is not None else max(int(node.min_control_images),
@@ -217,10 +252,6 @@ def stage_config(stage: str, base: list[str], overrides: list[str] = ()):
     return cfg
 
 
-def quantize_of(weights: str) -> str:
-    return "none" if weights == "bf16" else weights
-
-
 def workload(cfg, spec, setup: Setup):
     """The planner's token counts (`qie.stages.plan.workload`) for `setup.controls` control images."""
     import dataclasses
@@ -248,7 +279,9 @@ def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
 
 def build_parts(cfg, spec, setup: Setup, accelerator, num_layers: int | None):
     """The transformer and the noise scheduler, where the train stage builds them: the tiny checkpoint through the
-    stage's `load_model`; a real-size transformer with random weights (quantized as `model.quantize` says)."""
+    stage's `load_model`; a real-size transformer with random weights (quantized as `model.quantize` says, fp8
+    computed as `model.fp8_compute` decides for the build device; nf4 through a saved folder, as bitsandbytes
+    quantizes while loading)."""
     from qie.components import Parts, resolve_dtype
     from qie.components.quantize import quantize_transformer
     from qie.models.real_size import random_model
@@ -260,14 +293,31 @@ def build_parts(cfg, spec, setup: Setup, accelerator, num_layers: int | None):
         return load_model(cfg.model, cfg.train, accelerator, spec)
     family = spec.family
     quantize = str(value(cfg.model.quantize))
-    if quantize == "nf4":
-        raise RuntimeError("model.quantize=nf4 loads through bitsandbytes while loading a checkpoint: not here")
     device = MemorySettings.of(cfg.train, family).build_device(accelerator.device)
     config = transformer_config(cfg, spec, setup, num_layers)
-    model = random_model(family.part_class("transformer"), config, device, resolve_dtype(str(value(cfg.model.dtype))))
-    if quantize != "none":
-        quantize_transformer(model, quantize, family.keep_full_precision)
+    cls, dtype = family.part_class("transformer"), resolve_dtype(str(value(cfg.model.dtype)))
+    if quantize == "nf4":
+        model = nf4_model(cls, config, device, dtype, family.keep_full_precision, setup.work)
+    else:
+        # Host-memory models (swap) are drawn on the GPU where there is one: a CPU draws gigabytes slowly.
+        model = random_model(cls, config, accelerator.device, dtype).to(device)
+        if quantize != "none":
+            fp8_compute, compiled = str(value(cfg.model.fp8_compute)), bool(cfg.train.compile)
+            quantize_transformer(model, quantize, family.keep_full_precision, fp8_compute, device, compiled)
     return Parts(transformer=model, scheduler=family.part_class("scheduler")())
+
+
+def nf4_model(cls: type, config: dict, device: str, dtype, keep, work: Path):
+    """A random real-size transformer in nf4: built on the CPU, saved, and loaded as the train stage loads nf4
+    (diffusers with bitsandbytes' config, straight onto the GPU)."""
+    from qie.components.quantize import nf4_config
+    from qie.models.real_size import random_model
+
+    folder = work / f"nf4_{cls.__name__}_{config['num_layers']}"
+    if not (folder / "config.json").is_file():
+        random_model(cls, config, "cpu", dtype).save_pretrained(folder)
+    return cls.from_pretrained(folder, quantization_config=nf4_config(dtype, keep), device_map={"": str(device)},
+                               torch_dtype=dtype).eval().requires_grad_(False)  # fmt: skip
 
 
 # --- one timing loop for every row ------------------------------------------------------------------------------
@@ -301,6 +351,7 @@ class StepRecorder:
             "first_step_s": self.seconds[0] if self.seconds else math.nan,
             "steps": len(self.seconds),
             "loss": self.losses[-1] if self.losses else math.nan,
+            "first_loss": self.losses[0] if self.losses else math.nan,
             "peak_alloc_gib": torch.cuda.max_memory_allocated() / gib if self.cuda else None,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if self.cuda else None,
         }
@@ -324,7 +375,7 @@ def timed(run: Callable[[StepRecorder], dict | None], setup: Setup, warmup: int)
     return {**recorder.result(warmup), **extra}
 
 
-def fit_rows(overrides: list[str], setup: Setup, args: argparse.Namespace, recorder: StepRecorder) -> None:
+def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: StepRecorder) -> dict:
     """The train stage's state (`build_train_state`) and loop (`fit`) on one synthetic batch, repeated."""
     import torch
 
@@ -340,7 +391,8 @@ def fit_rows(overrides: list[str], setup: Setup, args: argparse.Namespace, recor
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=setup.work))
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
     mode = train_mode(cfg.train, spec)
-    parts = build_parts(cfg, spec, setup, accelerator, args.num_layers)
+    parts = build_parts(cfg, spec, setup, accelerator, depth)
+    block_params = sum(p.numel() for p in getattr(parts.transformer, spec.family.blocks)[0].parameters())
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, parts)
     del parts
     work = workload(cfg, spec, setup)
@@ -358,6 +410,7 @@ def fit_rows(overrides: list[str], setup: Setup, args: argparse.Namespace, recor
         state.model = state.optimizer = None
         accelerator.free_memory()
         accelerator.end_training()
+    return {"block_params": block_params}
 
 
 # --- the rows of each section -----------------------------------------------------------------------------------
@@ -366,22 +419,27 @@ def fit_rows(overrides: list[str], setup: Setup, args: argparse.Namespace, recor
 @dataclass(frozen=True)
 class Row:
     section: str
-    name: str
+    name: str  # the row's name in its table; "@N" ends it where the model is built with N blocks
     overrides: tuple[str, ...] = ()
     info: tuple[tuple[str, object], ...] = ()
+    depth: int | None = None  # transformer blocks built (None: the model's own count)
 
     @property
     def key(self) -> str:
         return f"{self.section}/{self.name}"
 
 
-def num_blocks(setup: Setup, args: argparse.Namespace) -> int:
+def num_blocks(setup: Setup, depth: int | None) -> int:
     from qie.components import prepare_model
     from qie.models import model_spec
 
     cfg = stage_config("train", setup.train)
     spec = model_spec(cfg.model) if setup.real else prepare_model(cfg.model)
-    return int(transformer_config(cfg, spec, setup, args.num_layers)["num_layers"])
+    return int(transformer_config(cfg, spec, setup, depth)["num_layers"])
+
+
+def at(name: str, depth: int | None) -> str:
+    return f"{name}@{depth}" if depth else name
 
 
 def weights_label(w: str, setup: Setup) -> str:
@@ -391,23 +449,27 @@ def weights_label(w: str, setup: Setup) -> str:
 
 def plan_rows(args: argparse.Namespace, setup: Setup) -> list[Row]:
     gc_on = "train.gradient_checkpointing=true"
+    deepest = args.depths[-1]
     rows: list[Row] = []
     if "step" in args.sections:
-        for w in args.weights:
+        for w, depth in itertools.product(args.weights, args.depths):
             label = weights_label(w, setup)
-            for ckpt in (False, True):
-                levers = (f"model.quantize={quantize_of(w)}", f"train.gradient_checkpointing={str(ckpt).lower()}")
-                info = (("weights", label), ("checkpointing", "on" if ckpt else "off"))
-                rows.append(Row("step", f"{label}{'+gc' if ckpt else ''}", levers, info))
+            for ckpt in (False, True) if w != "nf4" else (True,):  # nf4 is for small cards: checkpointing on
+                levers = (*WEIGHTS[w], f"train.gradient_checkpointing={str(ckpt).lower()}")
+                info = (("weights", label), ("checkpointing", "on" if ckpt else "off"), ("depth", depth))
+                rows.append(Row("step", at(f"{label}{'+gc' if ckpt else ''}", depth), levers, info, depth))
     if "swap" in args.sections:
-        blocks = num_blocks(setup, args)
-        for w in args.weights:
+        blocks = num_blocks(setup, deepest)
+        asked_for = {round(f * blocks): [f"{f:.0%}"] for f in args.swap_fractions} or {
+            n: [s for s in args.swaps if min(s, blocks) == n] for n in {min(s, blocks) for s in args.swaps}
+        }
+        for w in args.swap_weights:
             label = weights_label(w, setup)
-            for n in sorted({min(n, blocks) for n in args.swaps}):
-                asked = [s for s in args.swaps if min(s, blocks) == n]
-                levers = (f"model.quantize={quantize_of(w)}", gc_on, f"train.blocks_to_swap={n}")
-                info = (("weights", label), ("swapped", n), ("asked", asked), ("blocks", blocks))
-                rows.append(Row("swap", f"{label}+gc+swap{n}", levers, info))
+            for n in sorted(asked_for):
+                levers = (*WEIGHTS[w], gc_on, f"train.blocks_to_swap={n}")
+                info = (("weights", label), ("swapped", n), ("asked", asked_for[n]), ("blocks", blocks),
+                        ("depth", deepest))  # fmt: skip
+                rows.append(Row("swap", at(f"{label}+gc+swap{n}", deepest), levers, info, deepest))
     levers = (gc_on,) if setup.real else ()  # the real model's step without checkpointing may not fit
     if "cached_live" in args.sections:
         rows += [Row("cached_live", m, (f"cache.mode={m}", *levers)) for m in ("cached", "live")]
@@ -415,15 +477,17 @@ def plan_rows(args: argparse.Namespace, setup: Setup) -> list[Row]:
         for b in args.precompute_batches:
             rows.append(Row("precompute", f"batch{b}", (f"precompute.batch_size={b}",), (("batch", b),)))
     if "compile" in args.sections:
-        for name in ("eager", "compiled"):
-            rows.append(Row("compile", name, (f"train.compile={str(name == 'compiled').lower()}", *levers)))
+        for w, name in itertools.product(args.compile_weights, ("eager", "compiled")):
+            label = "" if args.compile_weights == ["bf16"] else f"{weights_label(w, setup)}+"
+            overrides = (*WEIGHTS[w], f"train.compile={str(name == 'compiled').lower()}", *levers)
+            rows.append(Row("compile", at(label + name, deepest), overrides, (("weights", w),), deepest))
     return rows
 
 
 def run_row(row: Row, setup: Setup, args: argparse.Namespace) -> dict:
     """One row, in this process."""
     if row.section in ("step", "swap", "compile"):
-        return timed(lambda rec: fit_rows(list(row.overrides), setup, args, rec), setup, args.warmup)
+        return timed(lambda rec: fit_rows(list(row.overrides), setup, row.depth, rec), setup, args.warmup)
     data = dataset(setup, args)
     if isinstance(data, dict):  # why the data set or its cache could not be made
         return data
@@ -565,6 +629,15 @@ def machine_line(setup: Setup) -> str:
             f"{version('optimum-quanto')}, accelerate {version('accelerate')}")  # fmt: skip
 
 
+def machines(results: dict[str, dict], setup: Setup) -> list[str]:
+    """The machine lines of the rows: this one's, or those the reused rows were measured on."""
+    # one line per machine: rows of one run differ only in the load they saw
+    runs = {r["machine"].split(", load avg")[0]: r["machine"] for r in results.values() if r.get("machine")}
+    lines = list(runs.values())
+    ran_here = any("machine" not in r and r.get("error") != "not run" for r in results.values())
+    return lines + [machine_line(setup)] if ran_here or not lines else lines
+
+
 def peak_tflops(args: argparse.Namespace, setup: Setup) -> float | None:
     import torch
 
@@ -576,8 +649,9 @@ def peak_tflops(args: argparse.Namespace, setup: Setup) -> float | None:
     return next((v for k, v in PEAK_TFLOPS if k in name), None)
 
 
-def model_flops(setup: Setup, args: argparse.Namespace) -> float | None:
-    """Model FLOPs of one step, counted on fake tensors (`qie.memory_plan.step_flops`)."""
+def model_flops(setup: Setup, depth: int | None) -> float | None:
+    """Model FLOPs of one step with `depth` blocks (None: the model's own), counted on fake tensors
+    (`qie.memory_plan.step_flops`)."""
     import torch
 
     from qie.components import prepare_model
@@ -592,7 +666,7 @@ def model_flops(setup: Setup, args: argparse.Namespace) -> float | None:
 
         work = dataclasses.replace(work, dtype=torch.bfloat16)
     lora = cfg.train.lora
-    config = transformer_config(cfg, spec, setup, args.num_layers)
+    config = transformer_config(cfg, spec, setup, depth)
     return step_flops(spec.family, config, work, int(lora.rank), list(lora.target_modules))
 
 
@@ -623,7 +697,7 @@ def mem(r: dict, key: str) -> object:
     return r.get(key) if r.get(key) is not None else "n/a"
 
 
-def section_markdown(section: str, rows: list[Row], results: dict[str, dict], flops: float | None,
+def section_markdown(section: str, rows: list[Row], results: dict[str, dict], flops: dict,
                      peak: float | None) -> str:  # fmt: skip
     mine = [(row, results[row.key]) for row in rows if row.section == section]
     out = [f"### {TITLES[section]}", ""]
@@ -636,24 +710,31 @@ def section_markdown(section: str, rows: list[Row], results: dict[str, dict], fl
             if bad := failed(r, len(headers) - 3):
                 table.append([row.name, info["weights"], info["checkpointing"], *bad])
                 continue
-            tflops = flops / r["s_per_it"] / 1e12 if flops else None
+            tflops = flops[row.depth] / r["s_per_it"] / 1e12 if flops.get(row.depth) else None
             mfu = f"{100 * tflops / peak:.1f}%" if tflops and peak else "n/a"
+            note = f"loss {fmt(r['first_loss'])} -> {fmt(r['loss'])}"
             table.append([row.name, info["weights"], info["checkpointing"], r["s_per_it"], mem(r, "peak_alloc_gib"),
-                          mem(r, "peak_reserved_gib"), tflops, mfu, f"loss {fmt(r['loss'])}"])  # fmt: skip
+                          mem(r, "peak_reserved_gib"), tflops, mfu, note])  # fmt: skip
         out.append(md_table(headers, table))
         out.append("")
-        tflop = fmt(flops / 1e12 if flops else None)
-        out.append(f"Model FLOPs per step: {tflop} TFLOP (forward + backward, counted on fake tensors, no "
-                   f"recomputation); MFU against {fmt(peak)} TFLOP/s dense bf16.")  # fmt: skip
+        counts = "; ".join(f"{fmt(f / 1e12 if f else None)} TFLOP" + (f" with {d} blocks" if d else "")
+                           for d, f in flops.items() if d in {row.depth for row, _ in mine})  # fmt: skip
+        out.append(f"Model FLOPs per step: {counts} (forward + backward, counted on fake tensors, no recomputation); "
+                   f"MFU against {fmt(peak)} TFLOP/s dense bf16. Loss: the first step's -> the last's "
+                   "(the same batch every step).")  # fmt: skip
     elif section == "swap":
         headers = ["config", "weights", "blocks swapped", "s/it", "vs swap 0", "peak alloc GiB", "peak reserved GiB",
                    "fits 24 GB", "note"]  # fmt: skip
         table, notes = [], []
         base = {dict(row.info)["weights"]: r.get("s_per_it") for row, r in mine if dict(row.info)["swapped"] == 0}
+        for row, _ in mine:  # no swap-0 row (--swap-fractions): the step row with checkpointing at that depth
+            w = dict(row.info)["weights"]
+            base.setdefault(w, results.get(f"step/{at(w + '+gc', row.depth)}", {}).get("s_per_it"))
         for row, r in mine:
             info = dict(row.info)
             if info["asked"] != [info["swapped"]]:
-                notes.append(f"{'/'.join(map(str, info['asked']))} clamped to the model's {info['blocks']} blocks")
+                what = "of" if isinstance(info["asked"][0], str) else "clamped to"
+                notes.append(f"{'/'.join(map(str, info['asked']))} {what} the model's {info['blocks']} blocks")
             if bad := failed(r, len(headers) - 3):
                 table.append([row.name, info["weights"], info["swapped"], *bad])
                 continue
@@ -695,26 +776,96 @@ def section_markdown(section: str, rows: list[Row], results: dict[str, dict], fl
     elif section == "compile":
         headers = ["variant", "s/it", "first step s", "vs eager", "peak alloc GiB", "note"]
         table = []
-        eager = results.get("compile/eager", {})
+
+        def eager_of(row: Row) -> dict:
+            return results.get(f"compile/{row.name.replace('compiled', 'eager')}", {})
+
         for row, r in mine:
             if bad := failed(r, len(headers)):
                 table.append([row.name, *bad])
                 continue
+            eager = eager_of(row)
             ratio = f"{r['s_per_it'] / eager['s_per_it']:.2f}x" if eager.get("s_per_it") else "n/a"
             table.append([row.name, r["s_per_it"], r["first_step_s"], ratio, mem(r, "peak_alloc_gib"),
                           f"loss {fmt(r['loss'])}"])  # fmt: skip
         out.append(md_table(headers, table))
-        compiled = results.get("compile/compiled", {})
-        if eager.get("s_per_it") and compiled.get("s_per_it"):
-            out.append("")
-            out.append(f"compiled/eager step = {compiled['s_per_it'] / eager['s_per_it']:.2f}x; compile time (first "
-                       f"compiled step less the first eager step) = "
-                       f"{compiled['first_step_s'] - eager['first_step_s']:.1f} s")  # fmt: skip
+        for row, compiled in mine:
+            eager = eager_of(row)
+            if "compiled" in row.name and eager.get("s_per_it") and compiled.get("s_per_it"):
+                out.append("")
+                out.append(f"{row.name}: compiled/eager step = {compiled['s_per_it'] / eager['s_per_it']:.2f}x; "
+                           f"compile time (first compiled step less the first eager step) = "
+                           f"{compiled['first_step_s'] - eager['first_step_s']:.1f} s")  # fmt: skip
+    return "\n".join(out)
+
+
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp32": 4.0, "fp8": 1.0, "fp8q": 1.0, "int8": 1.0, "int4": 0.5, "nf4": 0.5}
+
+
+def linear(d1: int, v1: float, d2: int, v2: float, d: int) -> tuple[float, float]:
+    """(value per block, value at d blocks) of the line through (d1, v1) and (d2, v2)."""
+    per_block = (v2 - v1) / (d2 - d1)
+    return per_block, v2 + per_block * (d - d2)
+
+
+def extrapolation_markdown(rows: list[Row], results: dict[str, dict], depths: list[int], full: int,
+                           flops: dict, peak: float | None) -> str:  # fmt: skip
+    """The step rows at two depths carried linearly to the model's `full` block count, and the swap rows (at the
+    deeper one) carried with them: the measured ones at the deepest depth, the rest marked extrapolated."""
+    d1, d2 = depths
+    by_key = {row.key: (row, results[row.key]) for row in rows}
+    step: dict[str, dict] = {}
+    table = []
+    for row, r in (by_key[k] for k in by_key if k.startswith("step/") and k.endswith(f"@{d2}")):
+        name = row.name.rsplit("@", 1)[0]
+        r1 = results.get(f"step/{name}@{d1}", {})
+        if "error" in r or "error" in r1:
+            table.append([name, *["–"] * 6, r.get("detail") or r1.get("detail", "")])
+            continue
+        s_block, s_full = linear(d1, r1["s_per_it"], d2, r["s_per_it"], full)
+        fit = r1.get("peak_reserved_gib") is not None and r.get("peak_reserved_gib") is not None
+        m_block, m_full = linear(d1, r1["peak_reserved_gib"], d2, r["peak_reserved_gib"], full) if fit else (None, None)
+        fits = "n/a" if m_full is None else ("yes" if m_full <= FITS_24GB_GIB else "no")
+        step[name] = {"s_full": s_full, "m_block": m_block, "s": r["s_per_it"]}
+        mfu = f"{100 * flops[None] / s_full / 1e12 / peak:.1f}%" if flops.get(None) and peak else "n/a"
+        bf16 = results.get(f"step/bf16{name[len(name.split('+')[0]) :]}@{d2}", {})
+        loss = f"first loss {fmt(r['first_loss'])}"
+        if bf16.get("first_loss") and not name.startswith("bf16"):
+            loss += f" ({100 * (r['first_loss'] / bf16['first_loss'] - 1):+.2f}% vs bf16)"
+        table.append([name, s_block, s_full, m_block, m_full, mfu, fits, loss])
+    headers = ["config", "s per block", f"s/it at {full} blocks", "GiB per block (reserved)",
+               f"peak reserved GiB at {full} blocks", "MFU", "fits 24 GB", "note"]  # fmt: skip
+    out = [f"### (f) The full {full}-block model, extrapolated from {d1} and {d2} blocks", "",
+           md_table(headers, table), ""]  # fmt: skip
+    swap_table = []
+    for row, r in (by_key[k] for k in by_key if k.startswith("swap/")):
+        info = dict(row.info)
+        ref = step.get(f"{info['weights']}+gc")
+        if "error" in r or not ref or ref["m_block"] is None:
+            why = r.get("detail", "no step row with checkpointing (and CUDA memory) to scale by")
+            swap_table.append([row.name, *["–"] * 4, why])
+            continue
+        share = info["swapped"] / d2
+        block_gib = r["block_params"] * BYTES_PER_WEIGHT.get(info["weights"], 2.0) / 2**30
+        m_full = r["peak_reserved_gib"] + (full - d2) * (ref["m_block"] - share * block_gib)
+        ratio = r["s_per_it"] / ref["s"]
+        swap_table.append([row.name, f"{share:.0%}", f"{ratio:.2f}x", ref["s_full"] * ratio, m_full,
+                           "yes" if m_full <= FITS_24GB_GIB else "no"])  # fmt: skip
+    if swap_table:
+        headers = ["config", "share of blocks swapped", f"vs no swap at {d2} blocks", f"s/it at {full} blocks",
+                   f"peak reserved GiB at {full} blocks", "fits 24 GB"]  # fmt: skip
+        out += [md_table(headers, swap_table), ""]
+    out.append(f"Extrapolated, not measured: each figure at {full} blocks is the line through the {d1}- and "
+               f"{d2}-block rows (every block does the same work and holds the same weights). A swap row keeps its "
+               f"measured slowdown against the step row with checkpointing at {d2} blocks; its memory adds, for "
+               f"each further block, that row's reserved GiB per block less the swapped share of the block's "
+               f"weights. MFU uses the {full}-block model's FLOPs. Fits 24 GB: <= {FITS_24GB_GIB:.0f} GiB "
+               "reserved.")  # fmt: skip
     return "\n".join(out)
 
 
 def markdown(args: argparse.Namespace, argv: list[str], setup: Setup, rows: list[Row], results: dict[str, dict],
-             flops: float | None, peak: float | None) -> str:  # fmt: skip
+             flops: dict, peak: float | None) -> str:  # fmt: skip
     size = "real size, random weights" if setup.real else "tiny, CPU smoke run: not a benchmark"
     lines = [
         f"## GPU table: {setup.model} ({size})",
@@ -723,17 +874,58 @@ def markdown(args: argparse.Namespace, argv: list[str], setup: Setup, rows: list
         "python scripts/bench_gpu.py " + " ".join(argv),
         "```",
         "",
-        f"machine: {machine_line(setup)}",
+        *(f"machine: {m}" for m in machines(results, setup)),
         "",
         f"Step inputs: {setup.resolution}x{setup.resolution} target, {setup.controls} control image(s) of the same "
         f"size, the planner's prompt length; median s/it of {args.steps} steps after {args.warmup} warm-up steps.",
     ]  # fmt: skip
     for section in args.sections:
         lines += ["", section_markdown(section, rows, results, flops, peak)]
+    if len(args.depths) == 2 and "step" in args.sections:
+        full = num_blocks(setup, None)
+        lines += ["", extrapolation_markdown(rows, results, args.depths, full, flops, peak)]
     return "\n".join(lines) + "\n"
 
 
 # --- main ------------------------------------------------------------------------------------------------------
+
+
+def reused(path: str | None, model: str) -> dict[str, dict]:
+    """The rows of `model` that ran, from earlier runs' --results files (comma-separated; the last of each key
+    wins), each with the machine line of the run that measured it."""
+    rows: dict[str, dict] = {}
+    for file in (path or "").split(","):
+        for line in Path(file).read_text(encoding="utf-8").splitlines() if file else []:
+            r = json.loads(line)
+            if r.pop("model") == model and "error" not in r:
+                rows[r.pop("row")] = r
+    return rows
+
+
+def run_rows(rows: list[Row], setup: Setup, args: argparse.Namespace, child_argv: list[str] | None,
+             work: Path) -> dict[str, dict]:  # fmt: skip
+    """Every row, in a child process each (`child_argv`) or in this one; rows not started by `--deadline` say so.
+    Precompute runs before cached training (that row reads a cache a precompute row filled); nf4 rows run last."""
+    start = time.perf_counter()
+    results: dict[str, dict] = {}
+    earlier = reused(args.reuse, setup.model)
+    for row in sorted(rows, key=lambda r: ("model.quantize=nf4" in r.overrides, RUN_ORDER.index(r.section))):
+        t0 = time.perf_counter()
+        if row.key in earlier:
+            results[row.key] = earlier[row.key]
+            continue
+        if args.deadline is not None and t0 - start > args.deadline:
+            result = {"error": "not run", "detail": f"the time budget (--deadline {args.deadline:.0f} s) ran out"}
+        else:
+            result = run_in_child(row, child_argv, work) if child_argv is not None else run_row(row, setup, args)
+        results[row.key] = result
+        print(f"bench_gpu: {row.key}: {json.dumps(result)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+              flush=True)  # fmt: skip
+        if args.results:
+            with open(args.results, "a", encoding="utf-8") as f:
+                record = {"model": setup.model, "row": row.key, **result, "machine": machine_line(setup)}
+                f.write(json.dumps(record) + "\n")
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -757,19 +949,14 @@ def main(argv: list[str] | None = None) -> dict:
         if "--out" in child_argv:
             i = child_argv.index("--out")
             del child_argv[i : i + 2]
-        results: dict[str, dict] = {}
-        # Precompute before cached training: the training row reads a cache a precompute row filled.
-        for row in sorted(rows, key=lambda r: RUN_ORDER.index(r.section)):
-            t0 = time.perf_counter()
-            results[row.key] = run_in_child(row, child_argv, work) if isolate else run_row(row, setup, args)
-            print(f"bench_gpu: {row.key}: {json.dumps(results[row.key])} ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
-        flops = model_flops(setup, args) if "step" in args.sections else None
+        results = run_rows(rows, setup, args, child_argv if isolate else None, work)
+        depths = [*args.depths, None] if len(args.depths) == 2 else args.depths
+        flops = {d: model_flops(setup, d) for d in depths} if "step" in args.sections else {}
         md = markdown(args, argv, setup, rows, results, flops, peak_tflops(args, setup))
         print(md)
         if args.out:
             Path(args.out).write_text(md, encoding="utf-8")
-        return {"markdown": md, "results": results, "model": setup.model, "flops": flops}
+        return {"markdown": md, "results": results, "model": setup.model, "flops": flops.get(args.depths[-1])}
     finally:
         if not args.work and not args.child:
             shutil.rmtree(work, ignore_errors=True)

@@ -94,6 +94,38 @@ def test_gpu_table_runs_every_section_at_tiny_size(
     assert "compiled/eager step = " in md and "compile time" in md
 
 
+def test_gpu_table_extrapolates_two_depths_to_the_full_model() -> None:
+    """Rows at 4 and 8 blocks carried to 60: the line through them, and a swap row scaled by its step row."""
+    gpu = script("bench_gpu")
+    Row = gpu.Row
+    rows = [
+        Row("step", "bf16+gc@4", (), (("weights", "bf16"), ("checkpointing", "on"), ("depth", 4)), 4),
+        Row("step", "bf16+gc@8", (), (("weights", "bf16"), ("checkpointing", "on"), ("depth", 8)), 8),
+        Row("step", "fp8+gc@4", (), (("weights", "fp8"), ("checkpointing", "on"), ("depth", 4)), 4),
+        Row("step", "fp8+gc@8", (), (("weights", "fp8"), ("checkpointing", "on"), ("depth", 8)), 8),
+        Row("swap", "bf16+gc+swap6@8", (), (("weights", "bf16"), ("swapped", 6), ("asked", ["75%"]),
+                                            ("blocks", 8), ("depth", 8)), 8),  # fmt: skip
+    ]
+    step = {"first_loss": 1.0, "loss": 0.9}
+    results = {
+        "step/bf16+gc@4": {**step, "s_per_it": 1.0, "peak_reserved_gib": 6.0},
+        "step/bf16+gc@8": {**step, "s_per_it": 1.8, "peak_reserved_gib": 10.0},
+        "step/fp8+gc@4": {**step, "first_loss": 1.01, "s_per_it": 0.8, "peak_reserved_gib": 4.0},
+        "step/fp8+gc@8": {**step, "first_loss": 1.01, "s_per_it": 1.4, "peak_reserved_gib": 6.0},
+        "swap/bf16+gc+swap6@8": {"s_per_it": 2.7, "peak_reserved_gib": 4.0, "block_params": 2**29, "loss": 0.9},
+    }
+    md = gpu.extrapolation_markdown(rows, results, [4, 8], 60, {None: 60e12}, 1000.0)
+    table = {line.split(" | ")[0].lstrip("| "): [c.strip() for c in line.strip("|").split("|")]
+             for line in md.splitlines() if line.startswith("| ") and not line.startswith("| config")}  # fmt: skip
+    # bf16+gc: 0.2 s and 1 GiB per block -> 1.8 + 52 * 0.2 = 12.2 s, 10 + 52 = 62 GiB; MFU 60 TFLOP / 12.2 s / 1000
+    assert table["bf16+gc"][1:8] == ["0.200", "12.200", "1.000", "62.000", "0.5%", "no", "first loss 1.000"]
+    assert table["fp8+gc"][1:8] == ["0.150", "9.200", "0.500", "32.000", "0.7%", "no",
+                                    "first loss 1.010 (+1.00% vs bf16)"]  # fmt: skip
+    # swap 6 of 8 blocks: 1.5x the step; memory 4 + 52 * (1 - 0.75 * 1 GiB of bf16 weights per block) = 17 GiB
+    assert table["bf16+gc+swap6@8"][1:6] == ["75%", "1.50x", "18.300", "17.000", "yes"]
+    assert "Extrapolated, not measured" in md and "### (f) The full 60-block model, extrapolated from 4 and 8" in md
+
+
 def bench_titles() -> list[str]:
     return list(script("bench_gpu").TITLES.values())
 
