@@ -141,7 +141,7 @@ class TrainConfig:
     # Go on training from this LoRA file (or folder): any file qie.infer reads (diffusers, ComfyUI, kohya/musubi,
     # ai-toolkit). Its rank, alpha and modules replace train.lora's.
     init_lora: str | None = None
-    # A preset of the `train.optimizer` group (adamw, adamw8bit, adafactor, sgd) or any `_target_`.
+    # A preset of the nested `train/optimizer` group (adamw, adamw8bit, adafactor, sgd) or any `_target_`.
     optimizer: Any = field(
         default_factory=lambda: {"_target_": "torch.optim.AdamW", "_partial_": True, "weight_decay": 1e-2}
     )
