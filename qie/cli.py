@@ -39,9 +39,10 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
+def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig, builtin_data: bool = False) -> Any:
     """Validate `cfg`, run the stage in the Hydra run directory; a QieError, or a full or unwritable disk,
-    exits 2 with one `qie: error:` line.
+    exits 2 with one `qie: error:` line. With `builtin_data`, a tiny model without `data.path` reads the
+    built-in demo data set (`qie.demo.builtin`).
 
     In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
     on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
@@ -51,6 +52,10 @@ def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
     quiet_library_bars()
     try:
         validate(cfg)
+        if builtin_data:
+            from qie.demo.builtin import with_builtin_data
+
+            cfg = with_builtin_data(cfg)
         return run(cfg, run_dir())
     except (QieError, OSError) as e:
         if isinstance(e, OSError) and e.errno not in _STORAGE_ERRNOS:

@@ -9,7 +9,7 @@ from qie.stages import precompute
 
 @hydra.main(config_path="pkg://qie.conf", config_name="precompute", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_stage(precompute.run, cfg)
+    run_stage(precompute.run, cfg, builtin_data=True)
 
 
 if __name__ == "__main__":

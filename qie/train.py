@@ -9,7 +9,7 @@ from qie.stages import train
 
 @hydra.main(config_path="pkg://qie.conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_stage(train.run, cfg)
+    run_stage(train.run, cfg, builtin_data=True)
 
 
 if __name__ == "__main__":
