@@ -39,10 +39,13 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig, builtin_data: bool = False) -> Any:
-    """Validate `cfg`, run the stage in the Hydra run directory; a QieError, or a full or unwritable disk,
-    exits 2 with one `qie: error:` line. With `builtin_data`, a tiny model without `data.path` reads the
-    built-in demo data set (`qie.demo.builtin`).
+def run_stage(
+    run: Callable[[DictConfig, Path], Any],
+    cfg: DictConfig,
+    prepare: Callable[[DictConfig], DictConfig] | None = None,
+) -> Any:
+    """Validate `cfg` (then let `prepare` complete it, e.g. with the built-in data set), run the stage in the
+    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line.
 
     In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
     on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
@@ -52,10 +55,8 @@ def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig, builtin_d
     quiet_library_bars()
     try:
         validate(cfg)
-        if builtin_data:
-            from qie.demo.builtin import with_builtin_data
-
-            cfg = with_builtin_data(cfg)
+        if prepare is not None:
+            cfg = prepare(cfg)
         return run(cfg, run_dir())
     except (QieError, OSError) as e:
         if isinstance(e, OSError) and e.errno not in _STORAGE_ERRNOS:

@@ -4,12 +4,13 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.cli import run_stage
+from qie.demo.builtin import with_builtin_data
 from qie.stages import train
 
 
 @hydra.main(config_path="pkg://qie.conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_stage(train.run, cfg, builtin_data=True)
+    run_stage(train.run, cfg, with_builtin_data)
 
 
 if __name__ == "__main__":
