@@ -192,11 +192,12 @@ def validate(cfg: DictConfig) -> None:
         _check_model(cfg.model)
     if problem := weight_problem(cfg):
         raise ConfigError(problem)
-    if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
-        raise ConfigError(
-            "validation.every needs an unsharded model (validation samples on the main process only): "
-            "set validation.every=0 with train.fsdp=true"
-        )
+    _check_range(cfg, "validation.heldout_samples", 0, None)
+    for key in ("validation.every", "validation.heldout_samples"):
+        if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, key, default=0):
+            raise ConfigError(
+                f"{key} needs an unsharded model (the main process measures alone): set {key}=0 with train.fsdp=true"
+            )
 
 
 def _check_keys(node: DictConfig, path: str) -> None:

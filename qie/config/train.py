@@ -167,6 +167,9 @@ class LoggingConfig:
 class ValidationConfig:
     # Sample the validation inputs every N optimizer steps; 0 turns validation off.
     every: int = 0
+    # Keep this many samples of data.path out of training and report their loss at fixed noise when it ends
+    # (`heldout_loss` in train_result.json): what sweep summaries show and `hydra/sweeper=optuna` minimises.
+    heldout_samples: int = 0
     # Sample with the EMA weights (train.ema.decay > 0) instead of the trained ones.
     use_ema: bool = False
     prompts: list[str] = field(default_factory=list)
