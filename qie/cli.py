@@ -15,12 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.config import register, validate
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
+from qie.sweep import ERROR_FILE  # where a sweep job's user error is written, in that job's run directory
+from qie.sweep import write_summary as sweep_summary
 
 # The stage schemas must be known to Hydra before an entry point's @hydra.main composes its config.
 register()
 
-# Where a sweep job's user error is written, in that job's run directory.
-ERROR_FILE = "error.txt"
 # OSErrors that say the machine, not qie, is at fault: reported in one line naming the path.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 
@@ -73,8 +73,9 @@ def run_stage(
 
 
 class SweepSummary(Callback):
-    """A Hydra callback (configured in the stage roots): after a sweep, name the jobs that failed with a
-    user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
+    """A Hydra callback (configured in the stage roots): after a sweep, print and write its summary (`qie.sweep`:
+    each job's overrides, status, final loss, held-out metrics and run folder), then name the jobs that failed
+    with a user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
     launchers that run the jobs elsewhere (Slurm) too."""
 
     def __init__(self) -> None:
@@ -87,6 +88,8 @@ class SweepSummary(Callback):
         sweep = Path(config.hydra.sweep.dir)
         jobs = [p.parent.parent for p in sweep.rglob(".hydra/overrides.yaml") if p.stat().st_mtime >= self.started]
         failed = sorted(p.parent for p in sweep.rglob(ERROR_FILE) if p.stat().st_mtime >= self.started)
+        if jobs:
+            sweep_summary(sweep, jobs)
         if not failed:
             return
         lines = [f"qie: sweep {sweep}: {len(failed)} of {max(len(jobs), len(failed))} job(s) failed"]
