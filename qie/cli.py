@@ -76,13 +76,22 @@ class SweepSummary(Callback):
     """A Hydra callback (configured in the stage roots): after a sweep, print and write its summary (`qie.sweep`:
     each job's overrides, status, final loss, held-out metrics and run folder), then name the jobs that failed
     with a user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
-    launchers that run the jobs elsewhere (Slurm) too."""
+    launchers that run the jobs elsewhere (Slurm) too. Before a search (`hydra/sweeper=optuna`) it checks that
+    the jobs measure what the search minimises."""
 
     def __init__(self) -> None:
         self.started = 0.0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.time() - 1  # a second of slack for file systems with coarse times
+        sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+        if "optuna" in sweeper.lower() and "validation" in config and not config.validation.get("heldout_samples"):
+            print(
+                "qie: error: hydra/sweeper=optuna minimises the held-out loss each job returns: "
+                "set validation.heldout_samples=N (samples of data.path kept out of training)",
+                file=sys.stderr,
+            )
+            sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(config.hydra.sweep.dir)
@@ -98,6 +107,13 @@ class SweepSummary(Callback):
             lines.append(f"  {job}: {message[0] if message else '(no message)'}")
         print("\n".join(lines), file=sys.stderr)
         sys.exit(1)
+
+
+def search_value(result: Any) -> float | None:
+    """What the train entry point returns to a Hydra sweeper: the job's held-out loss (`heldout_loss`), or None
+    for a job that failed with a user error (the Optuna sweeper counts it as a failed trial and goes on)."""
+    value = result.get("heldout_loss") if isinstance(result, dict) else None
+    return float(value) if value is not None else None
 
 
 class RunDirCheck(Callback):

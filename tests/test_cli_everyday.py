@@ -66,6 +66,30 @@ def test_a_sweep_with_a_failing_job_completes_the_other(data: dict, tmp_path: Pa
     assert "| 0 | data.path=" in table and "failed: data.path" in table
 
 
+def test_an_optuna_search_minimises_the_heldout_loss(data: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+    """`hydra/sweeper=optuna` (the `optuna` extra): two trials, each returning its held-out loss."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import yaml
+
+    from qie import train as cli
+
+    sweep = tmp_path / "search"
+    argv = ["qie.train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=1",
+            "train.learning_rate=tag(log,interval(1e-4,1e-2))", "train.lora.rank=choice(2,4)", "train.max_steps=1",
+            "validation.heldout_samples=2", f"hydra.sweep.dir={sweep}", *data["base"]]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    cli.main()
+    out = capsys.readouterr().out
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    losses = {j["job"]: j["heldout_loss"] for j in summary["jobs"]}
+    assert sorted(losses) == ["0", "1"] and summary["failed"] == []
+    assert best["best_value"] == min(losses.values()) == losses[summary["best"]]
+    assert set(best["best_params"]) == {"train.learning_rate", "train.lora.rank"}
+    assert all(any(o.startswith("train.learning_rate=") for o in j["varied"]) for j in summary["jobs"])
+    assert "sweep_summary.md" in out
+
+
 def test_a_40_step_log_in_a_file_is_plain_lines(data: dict, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train.max_steps=40", "train.checkpoint_every=10", f"hydra.run.dir={run}"]

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from qie.data.samples import Sample
 from qie.errors import ConfigError
@@ -61,3 +62,14 @@ def test_the_summary_names_each_jobs_state_and_the_best(tmp_path: Path) -> None:
     assert f"| 10 | lr=3 | ok | 0.5 | 0.7 | 20.5 | {jobs[0]} |" in table
     assert "| 3 | lr=\\| | failed: data.path is not set |" in table and "Failed jobs: 3, 4" in table
 
+
+def test_a_search_without_heldout_samples_stops_before_any_job(capsys: pytest.CaptureFixture[str]) -> None:
+    from qie.cli import SweepSummary
+
+    optuna = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    config = OmegaConf.create({"hydra": {"sweeper": {"_target_": optuna}}, "validation": {"heldout_samples": 0}})
+    with pytest.raises(SystemExit) as end:
+        SweepSummary().on_multirun_start(config)
+    assert end.value.code == 2 and "set validation.heldout_samples=N" in capsys.readouterr().err
+    config.validation.heldout_samples = 4
+    SweepSummary().on_multirun_start(config)
