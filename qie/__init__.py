@@ -20,7 +20,8 @@ def _conf_from_checkout() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     tree = os.path.join(os.path.dirname(here), "conf")
     init = os.path.join(tree, "__init__.py")
-    if os.path.isdir(os.path.join(here, "conf")) or not os.path.isfile(init):
+    # A wheel's tree has its __init__.py; a checkout may still hold a stale qie/conf/__pycache__ from before the move.
+    if os.path.isfile(os.path.join(here, "conf", "__init__.py")) or not os.path.isfile(init):
         return
     spec = importlib.util.spec_from_file_location(f"{__name__}.conf", init, submodule_search_locations=[tree])
     module = importlib.util.module_from_spec(spec)

@@ -60,3 +60,31 @@ def test_every_package_under_qie_is_packaged(monkeypatch: pytest.MonkeyPatch) ->
     # Every folder of modules, with or without an `__init__.py` (setuptools' `find_packages` skips those without).
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "qie").rglob("*.py")}
     assert not found - packages, f"folders of qie/ a wheel would not hold: {sorted(found - packages)}"
+
+
+@pytest.mark.parametrize("layout", ["checkout", "stale_checkout", "wheel"])
+def test_qie_conf_is_the_tree_of_its_layout(layout: str, tmp_path: Path) -> None:
+    """A checkout serves `conf/` (also with a `qie/conf/__pycache__` left from before the move); a wheel its
+    own `qie/conf/`. A fresh interpreter on a copy of qie's `__init__.py` in each layout."""
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "qie").mkdir()
+    shutil.copy(ROOT / "qie" / "__init__.py", tmp_path / "qie" / "__init__.py")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "__init__.py").write_text("")
+    if layout == "stale_checkout":
+        (tmp_path / "qie" / "conf" / "__pycache__").mkdir(parents=True)
+    if layout == "wheel":
+        (tmp_path / "qie" / "conf").mkdir()
+        (tmp_path / "qie" / "conf" / "__init__.py").write_text("")
+    code = (
+        "import qie.conf, importlib.resources as r; "
+        "print(qie.conf.__file__, (r.files('qie.conf') / '__init__.py').is_file())"
+    )
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected = tmp_path / ("qie/conf" if layout == "wheel" else "conf") / "__init__.py"
+    assert done.stdout.split() == [str(expected), "True"]
