@@ -7,7 +7,7 @@ from qie.cli import run_stage
 from qie.stages import caption
 
 
-@hydra.main(config_path="conf", config_name="caption", version_base=None)
+@hydra.main(config_path="pkg://qie.conf", config_name="caption", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_stage(caption.run, cfg)
 

@@ -15,12 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.config import register, validate
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
+from qie.sweep import ERROR_FILE  # where a sweep job's user error is written, in that job's run directory
+from qie.sweep import write_summary as sweep_summary
 
 # The stage schemas must be known to Hydra before an entry point's @hydra.main composes its config.
 register()
 
-# Where a sweep job's user error is written, in that job's run directory.
-ERROR_FILE = "error.txt"
 # OSErrors that say the machine, not qie, is at fault: reported in one line naming the path.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 
@@ -39,9 +39,13 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
-    """Validate `cfg`, run the stage in the Hydra run directory; a QieError, or a full or unwritable disk,
-    exits 2 with one `qie: error:` line.
+def run_stage(
+    run: Callable[[DictConfig, Path], Any],
+    cfg: DictConfig,
+    prepare: Callable[[DictConfig], DictConfig] | None = None,
+) -> Any:
+    """Validate `cfg` (then let `prepare` complete it, e.g. with the built-in data set), run the stage in the
+    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line.
 
     In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
     on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
@@ -51,6 +55,8 @@ def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
     quiet_library_bars()
     try:
         validate(cfg)
+        if prepare is not None:
+            cfg = prepare(cfg)
         return run(cfg, run_dir())
     except (QieError, OSError) as e:
         if isinstance(e, OSError) and e.errno not in _STORAGE_ERRNOS:
@@ -67,20 +73,32 @@ def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
 
 
 class SweepSummary(Callback):
-    """A Hydra callback (configured in the stage roots): after a sweep, name the jobs that failed with a
-    user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
-    launchers that run the jobs elsewhere (Slurm) too."""
+    """A Hydra callback (configured in the stage roots): after a sweep, print and write its summary (`qie.sweep`:
+    each job's overrides, status, final loss, held-out metrics and run folder), then name the jobs that failed
+    with a user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
+    launchers that run the jobs elsewhere (Slurm) too. Before a search (`hydra/sweeper=optuna`) it checks that
+    the jobs measure what the search minimises."""
 
     def __init__(self) -> None:
         self.started = 0.0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.time() - 1  # a second of slack for file systems with coarse times
+        sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+        if "optuna" in sweeper.lower() and "validation" in config and not config.validation.get("heldout_samples"):
+            print(
+                "qie: error: hydra/sweeper=optuna minimises the held-out loss each job returns: "
+                "set validation.heldout_samples=N (samples of data.path kept out of training)",
+                file=sys.stderr,
+            )
+            sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(config.hydra.sweep.dir)
         jobs = [p.parent.parent for p in sweep.rglob(".hydra/overrides.yaml") if p.stat().st_mtime >= self.started]
         failed = sorted(p.parent for p in sweep.rglob(ERROR_FILE) if p.stat().st_mtime >= self.started)
+        if jobs:
+            sweep_summary(sweep, jobs)
         if not failed:
             return
         lines = [f"qie: sweep {sweep}: {len(failed)} of {max(len(jobs), len(failed))} job(s) failed"]
@@ -89,6 +107,13 @@ class SweepSummary(Callback):
             lines.append(f"  {job}: {message[0] if message else '(no message)'}")
         print("\n".join(lines), file=sys.stderr)
         sys.exit(1)
+
+
+def search_value(result: Any) -> float | None:
+    """What the train entry point returns to a Hydra sweeper: the job's held-out loss (`heldout_loss`), or None
+    for a job that failed with a user error (the Optuna sweeper counts it as a failed trial and goes on)."""
+    value = result.get("heldout_loss") if isinstance(result, dict) else None
+    return float(value) if value is not None else None
 
 
 class RunDirCheck(Callback):

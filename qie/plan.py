@@ -7,7 +7,7 @@ from qie.cli import run_stage
 from qie.stages import plan
 
 
-@hydra.main(config_path="conf", config_name="plan", version_base=None)
+@hydra.main(config_path="pkg://qie.conf", config_name="plan", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_stage(plan.run, cfg)
 

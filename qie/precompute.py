@@ -4,12 +4,13 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.cli import run_stage
+from qie.demo.builtin import with_builtin_data
 from qie.stages import precompute
 
 
-@hydra.main(config_path="conf", config_name="precompute", version_base=None)
+@hydra.main(config_path="pkg://qie.conf", config_name="precompute", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_stage(precompute.run, cfg)
+    run_stage(precompute.run, cfg, with_builtin_data)
 
 
 if __name__ == "__main__":

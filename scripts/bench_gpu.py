@@ -86,7 +86,7 @@ WEIGHTS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen_image_edit_2511", help="a model yaml of qie/conf/model (any variant)")
+    p.add_argument("--model", default="qwen_image_edit_2511", help="a model yaml of conf/model (any variant)")
     p.add_argument(
         "--tiny", action="store_true", help="the family's tiny model (a smoke run where no GPU is, not a benchmark)"
     )
@@ -163,7 +163,7 @@ def model_yaml(name: str):
     path = files("qie.conf").joinpath("model", f"{name}.yaml")
     if not path.is_file():
         known = sorted(p.name[:-5] for p in files("qie.conf").joinpath("model").iterdir() if p.name.endswith(".yaml"))
-        raise SystemExit(f"bench_gpu: --model {name}: no qie/conf/model/{name}.yaml; choose from {', '.join(known)}")
+        raise SystemExit(f"bench_gpu: --model {name}: no conf/model/{name}.yaml; choose from {', '.join(known)}")
     return OmegaConf.load(str(path))
 
 

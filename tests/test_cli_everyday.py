@@ -38,18 +38,56 @@ def test_a_sweep_with_a_failing_job_completes_the_other(data: dict, tmp_path: Pa
     from qie import train as cli
 
     sweep, good, missing = tmp_path / "sweep", data["root"] / "train", tmp_path / "missing"
-    argv = ["qie.train", "-m", f"data.path={missing},{good}", "train.max_steps=1", f"hydra.sweep.dir={sweep}"]
+    argv = ["qie.train", "-m", f"data.path={missing},{good}", "train.max_steps=1", f"hydra.sweep.dir={sweep}",
+            "validation.heldout_samples=2"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv + [o for o in data["base"] if not o.startswith("data.path=")])
     with pytest.raises(SystemExit) as end:
         cli.main()
     assert end.value.code == 1
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     # Job 0 failed with a user error, written to its own run directory; job 1 ran after it.
     assert "does not exist" in (sweep / "0" / "error.txt").read_text()
-    assert json.loads((sweep / "1" / "train_result.json").read_text())["step"] == 1
+    result = json.loads((sweep / "1" / "train_result.json").read_text())
+    assert result["step"] == 1 and result["heldout_samples"] == 2 and result["heldout_loss"] > 0
     assert not (sweep / "1" / "error.txt").exists()
     assert f"qie: sweep {sweep}: 1 of 2 job(s) failed" in err and f"{sweep / '0'}: data.path" in err
     assert "Traceback" not in err
+    # The summary: printed, and written as markdown and JSON into the sweep folder.
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    failed, ok = summary["jobs"]
+    assert summary["failed"] == ["0"] and summary["best"] == "1"
+    assert failed["status"] == "failed" and "does not exist" in failed["error"] and "loss" not in failed
+    assert failed["varied"] == [f"data.path={missing}"] and ok["run_dir"] == str(sweep / "1")
+    assert (ok["status"], ok["step"], ok["loss"]) == ("ok", 1, result["loss"])
+    assert ok["heldout_loss"] == result["heldout_loss"]
+    table = (sweep / "sweep_summary.md").read_text()
+    row = f"| 1 | data.path={good} | ok | {ok['loss']:.4g} | {ok['heldout_loss']:.4g} (best) |"
+    assert table in out and row in table
+    assert "| 0 | data.path=" in table and "failed: data.path" in table
+
+
+def test_an_optuna_search_minimises_the_heldout_loss(data: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+    """`hydra/sweeper=optuna` (the `optuna` extra): two trials, each returning its held-out loss."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import yaml
+
+    from qie import train as cli
+
+    sweep = tmp_path / "search"
+    argv = ["qie.train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=1",
+            "train.learning_rate=tag(log,interval(1e-4,1e-2))", "train.lora.rank=choice(2,4)", "train.max_steps=1",
+            "validation.heldout_samples=2", f"hydra.sweep.dir={sweep}", *data["base"]]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    cli.main()
+    out = capsys.readouterr().out
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    losses = {j["job"]: j["heldout_loss"] for j in summary["jobs"]}
+    assert sorted(losses) == ["0", "1"] and summary["failed"] == []
+    assert best["best_value"] == min(losses.values()) == losses[summary["best"]]
+    assert set(best["best_params"]) == {"train.learning_rate", "train.lora.rank"}
+    assert all(any(o.startswith("train.learning_rate=") for o in j["varied"]) for j in summary["jobs"])
+    assert "sweep_summary.md" in out
 
 
 def test_a_40_step_log_in_a_file_is_plain_lines(data: dict, tmp_path: Path) -> None:

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-import qie
 from qie.config import compose
 from qie.errors import ConfigError
 
-CONF = Path(qie.__file__).parent / "conf"
+CONF = Path(importlib.import_module("qie.conf").__file__).parent
 ROOT_GROUPS = {
     "precompute": ["model", "data", "cache"],
-    "train": ["model", "data", "cache", "train", "predict"],
+    "train": ["model", "data", "cache", "train", "train/optimizer", "predict"],
     "infer": ["model", "data", "predict"],
     "cache": ["cache"],
-    "plan": ["model", "data", "train"],
+    "plan": ["model", "data", "train", "train/optimizer"],
     "caption": ["model", "data", "cache", "caption"],
 }
 
@@ -32,9 +32,12 @@ def options(group: str) -> list[str]:
     [(s, g, o) for s, groups in ROOT_GROUPS.items() for g in groups for o in options(g)],
 )
 def test_every_root_composes_with_every_option(stage: str, group: str, option: str) -> None:
+    package = EXTRA.get((group, option))
+    if package and importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} (an optional extra) is not installed")
     cfg = compose(stage, [f"{group}={option}"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert group in resolved
+    assert OmegaConf.select(OmegaConf.create(resolved), group.replace("/", ".")) is not None
     if group == "model":
         assert cfg.model.name == option
     if group == "cache":
@@ -112,12 +115,16 @@ def test_slurm_launcher_composes() -> None:
 
 # --- every `_target_` of every group option builds ---------------------------------------------------------
 
-# The groups of the train root (the caption stage's own group names no class: composed above).
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and list(p.glob("*.yaml")) and p.name != "caption")
+# The groups of the train root, nested ones included (the caption stage's own group names no class: composed above).
+GROUPS = sorted(
+    p.relative_to(CONF).as_posix()
+    for p in CONF.rglob("*")
+    if p.is_dir() and list(p.glob("*.yaml")) and p.name != "caption"
+)
 # Where a composed train config may name a class to build, and how the stages build it.
 BUILT = {"cache", "train.optimizer", "train.lr_scheduler"}
 # Options whose class lives in an optional extra (test_memory checks the error when it is missing).
-EXTRA = {("train.optimizer", "adamw8bit"): "bitsandbytes"}
+EXTRA = {("train/optimizer", "adamw8bit"): "bitsandbytes"}
 
 
 def _targets(node: object, path: str = "") -> list[str]:
@@ -155,3 +162,8 @@ def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_
         if not torch.equal(param.detach(), torch.zeros(3)):
             break
     assert isinstance(optimizer, torch.optim.Optimizer) and not torch.equal(param.detach(), torch.zeros(3))
+
+
+def test_a_nested_group_preset_named_with_a_dot_says_how_to_choose_it() -> None:
+    with pytest.raises(ConfigError, match=r"train\.optimizer=adafactor is not a config: .* train/optimizer=adafactor"):
+        compose("train", ["train.optimizer=adafactor"])

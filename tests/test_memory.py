@@ -148,12 +148,12 @@ def test_optimizer_presets_compose_and_adafactor_trains(data: dict, plain: dict,
     from hydra.utils import instantiate
 
     for preset, cls in (("adamw", "AdamW"), ("adafactor", "Adafactor"), ("sgd", "SGD")):
-        optimizer = instantiate(compose("train", [f"train.optimizer={preset}"]).train.optimizer)
+        optimizer = instantiate(compose("train", [f"train/optimizer={preset}"]).train.optimizer)
         assert type(optimizer([torch.nn.Parameter(torch.ones(2))], lr=1e-3)).__name__ == cls
-    cfg = compose("train", ["train.optimizer=adafactor", "train.optimizer.weight_decay=0.1"])
+    cfg = compose("train", ["train/optimizer=adafactor", "train.optimizer.weight_decay=0.1"])
     assert cfg.train.optimizer._target_ == "transformers.optimization.Adafactor"
     assert cfg.train.optimizer.weight_decay == 0.1 and cfg.train.optimizer.relative_step is False
-    result = train(data, ["train.optimizer=adafactor"], tmp_path / "run")
+    result = train(data, ["train/optimizer=adafactor"], tmp_path / "run")
     assert result["losses"][0] == plain["none"][0]  # the first loss comes before any update
     assert np.all(np.isfinite(result["losses"])) and result["losses"][1:] != plain["none"][1:]
 
@@ -161,14 +161,14 @@ def test_optimizer_presets_compose_and_adafactor_trains(data: dict, plain: dict,
 def test_a_missing_optimizer_extra_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed, wherever the tests run
     with pytest.raises(ConfigError, match=r'pip install "qie\[bnb\]"'):
-        compose("train", ["train.optimizer=adamw8bit"])
+        compose("train", ["train/optimizer=adamw8bit"])
 
 
 def test_the_cli_reports_a_missing_optimizer_extra(data: dict, tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['bitsandbytes'] = None; "
         "from qie.train import main; "
-        f"sys.argv = ['qie.train', *{data['base'] + ['train.optimizer=adamw8bit', f'hydra.run.dir={tmp_path}']!r}]; "
+        f"sys.argv = ['qie.train', *{data['base'] + ['train/optimizer=adamw8bit', f'hydra.run.dir={tmp_path}']!r}]; "
         "main()"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

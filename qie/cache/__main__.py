@@ -37,7 +37,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
     return report.exit_code
 
 
-@hydra.main(config_path="../conf", config_name="cache", version_base=None)
+@hydra.main(config_path="pkg://qie.conf", config_name="cache", version_base=None)
 def main(cfg: DictConfig) -> None:
     code = run_stage(run, cfg)
     if code:

@@ -1,7 +1,7 @@
 """Typed config roots, their registration with Hydra, and `compose()` for code and notebooks.
 
-The YAML tree in `qie/conf` fills these schemas; a key that is not in a schema, or a value of the wrong
-type or outside an enum, fails while composing, before anything is built. The schemas are registered
+The YAML tree in `conf/` (the package `qie.conf`) fills these schemas; a key that is not in a schema, or a
+value of the wrong type or outside an enum, fails while composing, before anything is built. The schemas are registered
 with Hydra by `register()`, which `compose()` and the stage entry points call: importing this package
 loads no Hydra.
 """
@@ -186,6 +186,7 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "model.max_control_images", OmegaConf.select(cfg, "model.min_control_images", default=0), None)
     _check_range(cfg, "train.blocks_to_swap", 0, None)
     _check_range(cfg, "predict.blocks_to_swap", 0, None)
+    _check_group_choice(cfg, "train.optimizer")
     _check_installed(cfg, "train.optimizer")
     if isinstance(cfg.get("model"), DictConfig):
         _check_model(cfg.model)
@@ -199,11 +200,12 @@ def validate(cfg: DictConfig) -> None:
             "model.fp8_compute=always casts the weights on the GPU, where block swap and FSDP cannot move them: set "
             "model.fp8_compute=auto (optimum-quanto's fp8 weights then) or train.blocks_to_swap=0 and train.fsdp=false"
         )
-    if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, "validation.every", default=0):
-        raise ConfigError(
-            "validation.every needs an unsharded model (validation samples on the main process only): "
-            "set validation.every=0 with train.fsdp=true"
-        )
+    _check_range(cfg, "validation.heldout_samples", 0, None)
+    for key in ("validation.every", "validation.heldout_samples"):
+        if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, key, default=0):
+            raise ConfigError(
+                f"{key} needs an unsharded model (the main process measures alone): set {key}=0 with train.fsdp=true"
+            )
 
 
 def _check_keys(node: DictConfig, path: str) -> None:
@@ -257,8 +259,17 @@ def _check_installed(cfg: DictConfig, key: str) -> None:
     how = f'pip install "qie[{extra}]" ({note})' if extra else f"pip install {package}"
     raise ConfigError(
         f"{key} ({target}) needs the package {package!r}, which is not installed: {how}; "
-        f"or choose another optimizer, e.g. {key}=adamw"
+        f"or choose another optimizer, e.g. {key.replace('.', '/')}=adamw"
     )
+
+
+def _check_group_choice(cfg: DictConfig, key: str) -> None:
+    """A preset named with a dot (`train.optimizer=adafactor`) sets the key to a string instead of choosing the
+    preset of the nested group (`train/optimizer=adafactor`): say so, before anything is built."""
+    value = OmegaConf.select(cfg, key, default=None)
+    if isinstance(value, str):
+        group = key.replace(".", "/")
+        raise ConfigError(f"{key}={value} is not a config: choose the preset with {group}={value}")
 
 
 def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | None) -> None:

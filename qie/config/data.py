@@ -63,7 +63,7 @@ class DataConfig:
     # `auto_caption_prompt`), the caption cached like any entry (type `caption`), keyed by the images shown,
     # the caption prompt, the generation settings and the text encoder.
     auto_caption: bool = False
-    # A caption preset of `qie/conf/caption/` (edit_instruction, describe, layered), or a .yaml file of the
+    # A caption preset of `conf/caption/` (edit_instruction, describe, layered), or a .yaml file of the
     # `caption` group's fields (instruction, pipeline_prompt, max_new_tokens, ...); null: the model's own
     # (edit_instruction for edit models, describe for text to image, layered for Qwen-Image-Layered).
     auto_caption_prompt: str | None = None

@@ -141,7 +141,7 @@ class TrainConfig:
     # Go on training from this LoRA file (or folder): any file qie.infer reads (diffusers, ComfyUI, kohya/musubi,
     # ai-toolkit). Its rank, alpha and modules replace train.lora's.
     init_lora: str | None = None
-    # A preset of the `train.optimizer` group (adamw, adamw8bit, adafactor, sgd) or any `_target_`.
+    # A preset of the nested `train/optimizer` group (adamw, adamw8bit, adafactor, sgd) or any `_target_`.
     optimizer: Any = field(
         default_factory=lambda: {"_target_": "torch.optim.AdamW", "_partial_": True, "weight_decay": 1e-2}
     )
@@ -167,6 +167,9 @@ class LoggingConfig:
 class ValidationConfig:
     # Sample the validation inputs every N optimizer steps; 0 turns validation off.
     every: int = 0
+    # Keep this many samples of data.path out of training and report their loss at fixed noise when it ends
+    # (`heldout_loss` in train_result.json): what sweep summaries show and `hydra/sweeper=optuna` minimises.
+    heldout_samples: int = 0
     # Sample with the EMA weights (train.ema.decay > 0) instead of the trained ones.
     use_ema: bool = False
     prompts: list[str] = field(default_factory=list)

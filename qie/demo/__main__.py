@@ -7,7 +7,7 @@ from qie.cli import run_stage
 from qie.demo.run import run
 
 
-@hydra.main(config_path="../conf", config_name="demo", version_base=None)
+@hydra.main(config_path="pkg://qie.conf", config_name="demo", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_stage(run, cfg)
 

@@ -6,7 +6,7 @@ condition sizes, control counts, what the transformer config must say) with its 
 `ModelSpec` every stage reads. A stage builds the spec once, at its edge, and passes it down.
 
 Adding a family: one module here (its `FAMILY`), its name in `FAMILY_MODULES`, one model yaml per variant in
-`qie/conf/model/`, one tiny preset, and its tiny model's name in the test battery.
+`conf/model/`, one tiny preset, and its tiny model's name in the test battery.
 """
 
 from __future__ import annotations

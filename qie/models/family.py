@@ -32,7 +32,7 @@ class Variant:
         output_image: the control image (0 first, -1 last) whose condition size is the output size, as the
             pipeline's `__call__` picks it; None for a pipeline without control images.
         caption: how `data.auto_caption` asks the model's own VL text encoder for a missing caption: the name of
-            a caption preset (`qie/conf/caption/<name>.yaml`: "edit_instruction" for an edit pipeline,
+            a caption preset (`conf/caption/<name>.yaml`: "edit_instruction" for an edit pipeline,
             "describe" for text to image, "layered" for the prompt the Layered pipeline captions its input with).
         max_prompt_tokens: where `__call__` cuts prompt embeddings (its `max_sequence_length`), if it does.
     """

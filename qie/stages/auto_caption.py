@@ -2,7 +2,7 @@
 
 A training sample without a caption (no `<stem>.txt`, an empty one, a manifest or Hugging Face row without
 text) is refused by the data scan unless `data.auto_caption=true`. Then its caption is what the model's own text
-encoder answers to the caption prompt that fits its pipeline (`Variant.caption`: a preset of `qie/conf/caption/`,
+encoder answers to the caption prompt that fits its pipeline (`Variant.caption`: a preset of `conf/caption/`,
 or `data.auto_caption_prompt`), written by the `Captioner` that `python -m qie.caption` uses, with the preset's
 generation settings (greedy: deterministic).
 
@@ -45,7 +45,7 @@ class CaptionSettings:
 
 
 def presets() -> list[str]:
-    """The caption presets: the files of `qie/conf/caption/`."""
+    """The caption presets: the files of `conf/caption/`."""
     return sorted(p.stem for p in preset_folder().glob("*.yaml"))
 
 

@@ -43,6 +43,7 @@ from qie.stages.common import (
     value,
     warn_single_process,
 )
+from qie.stages.heldout import measure_heldout, split_heldout
 from qie.stages.recipes import (
     check_recipes,
     lora_exports,
@@ -126,6 +127,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
             if warning:
                 accelerator.print(f"qie: warning: {warning}")
         samples, reg = ready_data(cfg, spec, source, samples, run_dir, accelerator.is_main_process, captions)
+        samples, heldout = split_heldout(samples, int(cfg.validation.heldout_samples))
         if loading is None:  # the captions are written (for the regularisation data too)
             loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec)
     except BaseException:
@@ -164,6 +166,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
             settings = dataclasses.replace(settings, loss=weighted(settings.loss))
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
+        measure_heldout(result, state, source, heldout, spec, logger)
     finally:
         logger.close()
         gc.unfreeze()  # collectable again once the run is over

@@ -1,0 +1,1 @@
+"""Samples (folder, manifest, Hugging Face), image preprocessing, keys, buckets and collate; builds no model."""

@@ -1,0 +1,77 @@
+"""The built-in demo data set: what `python -m qie.precompute` and `python -m qie.train` read on a tiny model
+when `data.path` is not set, so that both run as typed on a fresh machine.
+
+It is the demo's synthetic shapes (`qie.demo.synthetic`) in the kind the model takes (edits with a control
+image, shapes from their descriptions for text to image, images and their layers for a layered model),
+generated once into `$QIE_HOME/demo_data/` and read from there afterwards. A real model still needs `data.path`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from qie.config import qie_home
+from qie.demo.synthetic import make_dataset
+from qie.models import model_spec
+
+SAMPLES = 64
+IMAGE_SIZE = 64
+SEED = 0
+# Bump when what `make_dataset` writes changes: a new folder, never a stale one.
+VERSION = 1
+
+
+def builtin_data(kind: str, samples: int = SAMPLES) -> tuple[Path, bool]:
+    """The folder of the demo data set of `kind` ("edit", "t2i" or "layered"), written on first use; and whether
+    this call wrote it. Writers racing on a shared `$QIE_HOME` each write a private folder and rename it in place;
+    the first rename wins and the others drop theirs."""
+    folder = qie_home() / "demo_data" / f"{kind}-{samples}-v{VERSION}"
+    if folder.is_dir():
+        return folder, False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        root = make_dataset(scratch / "split", samples, 0, IMAGE_SIZE, SEED, kind == "edit", kind == "layered")
+        os.replace(root / "train", scratch / "data")
+        try:
+            os.rename(scratch / "data", folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+            return folder, False
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folder, True
+
+
+def data_kind(model: DictConfig) -> str:
+    """Which demo data set a model trains on: layers, edits (it takes a control image) or text to image."""
+    spec = model_spec(model)
+    if spec.family.layered:
+        return "layered"
+    return "edit" if spec.max_control_images > 0 else "t2i"
+
+
+def with_builtin_data(cfg: DictConfig) -> DictConfig:
+    """`cfg` itself, or, on a tiny model (`model.tiny`) without `data.path`, a copy whose `data.path` is the
+    built-in demo data set (said in one line). A real model without `data.path` is left to the stage, which
+    names the missing key."""
+    if cfg.data.get("path") or not cfg.model.get("tiny"):
+        return cfg
+    kind = data_kind(cfg.model)
+    folder, written = builtin_data(kind)
+    how = "generated in" if written else "in"
+    print(f"qie: data.path is not set: using the built-in demo data set of the tiny model ({SAMPLES} {kind} samples, "
+          f"{how} {folder}); data.path=... names your own")  # fmt: skip
+    cfg = copy.deepcopy(cfg)
+    cfg.data.path = str(folder)
+    return cfg
+
+
+__all__ = ["builtin_data", "with_builtin_data"]

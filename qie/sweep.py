@@ -1,0 +1,114 @@
+"""A sweep's summary: per job its overrides, status, final loss, held-out metrics and run folder, read from the
+job folders (so it works whichever launcher ran them, Slurm included), printed as a markdown table and written
+to the sweep folder as `sweep_summary.md` and `sweep_summary.json`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SUMMARY_MD = "sweep_summary.md"
+SUMMARY_JSON = "sweep_summary.json"
+# What a job leaves in its folder: a user error (written by qie.cli), the train stage's result, validation's
+# metrics (named here to keep this module free of the stages' imports).
+ERROR_FILE = "error.txt"
+TRAIN_RESULT = "train_result.json"
+VALIDATION_METRICS = Path("validation") / "metrics.jsonl"
+
+
+def job_record(folder: Path) -> dict[str, Any]:
+    """What a job folder says about its job (see `summarize`)."""
+    overrides = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text(encoding="utf-8")) or []
+    record: dict[str, Any] = {"job": folder.name, "overrides": [str(o) for o in overrides], "run_dir": str(folder)}
+    result = _read_json(folder / TRAIN_RESULT)
+    if (folder / ERROR_FILE).is_file():
+        lines = (folder / ERROR_FILE).read_text(encoding="utf-8").strip().splitlines()
+        record.update(status="failed", error=lines[0] if lines else "(no message)")
+    elif result is not None:
+        record["status"] = "stopped" if result.get("stopped_by_signal") else "ok"
+    else:
+        record["status"] = "ok" if any(folder.glob("*_summary.json")) else "no result"
+    if result is not None:
+        record["step"], record["loss"] = result.get("step"), result.get("loss")
+        if "heldout_loss" in result:
+            record["heldout_loss"] = result["heldout_loss"]
+    validation = _last_line(folder / VALIDATION_METRICS)
+    if validation:
+        record["validation"] = validation.get("mean", {})
+    return record
+
+
+def summarize(sweep: Path, folders: list[Path]) -> dict[str, Any]:
+    """The summary of the jobs in `folders`: the overrides all share, each job's record and, among the jobs with
+    a held-out loss, the lowest."""
+    jobs = [job_record(f) for f in sorted(folders, key=_job_order)]
+    common = set.intersection(*(set(j["overrides"]) for j in jobs)) if jobs else set()
+    for job in jobs:
+        job["varied"] = [o for o in job["overrides"] if o not in common]
+    measured = [j for j in jobs if _number(j.get("heldout_loss")) is not None]
+    best = min(measured, key=lambda j: j["heldout_loss"])["job"] if measured else None
+    failed = [j["job"] for j in jobs if j["status"] in ("failed", "no result")]
+    return {"sweep": str(sweep), "common_overrides": sorted(common), "jobs": jobs, "best": best, "failed": failed}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The summary as a markdown table, one row per job."""
+    validation = sorted({k for j in summary["jobs"] for k in j.get("validation", {})})
+    head = ["job", "overrides", "status", "final loss", "held-out loss", *validation, "run folder"]
+    rows = []
+    for j in summary["jobs"]:
+        status = j["status"] if j["status"] != "failed" else f"failed: {j['error']}"
+        metrics = [_fmt(j.get("validation", {}).get(k)) for k in validation]
+        best = " (best)" if j["job"] == summary["best"] else ""
+        cells = [j["job"], " ".join(j["varied"]) or "-", status, _fmt(j.get("loss")),
+                 _fmt(j.get("heldout_loss")) + best, *metrics, j["run_dir"]]  # fmt: skip
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    common = " ".join(summary["common_overrides"]) or "none"
+    lines = [f"# Sweep {summary['sweep']}", "", f"Overrides of every job: {common}", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
+    if summary["failed"]:
+        lines += ["", f"Failed jobs: {', '.join(summary['failed'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(sweep: Path, folders: list[Path]) -> dict[str, Any]:
+    """Summarise the jobs in `folders`, write `sweep_summary.{md,json}` into `sweep`, print the table; the summary."""
+    summary = summarize(sweep, folders)
+    text = markdown(summary)
+    sweep.mkdir(parents=True, exist_ok=True)
+    (sweep / SUMMARY_MD).write_text(text, encoding="utf-8")
+    (sweep / SUMMARY_JSON).write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    print(f"qie: sweep summary ({sweep / SUMMARY_MD}, {SUMMARY_JSON}):\n{text}", end="")
+    return summary
+
+
+def _job_order(folder: Path) -> tuple:
+    return (0, int(folder.name), "") if folder.name.isdigit() else (1, 0, folder.name)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _last_line(path: Path) -> dict | None:
+    try:
+        lines = path.read_text(encoding="utf-8").strip().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not math.isnan(float(value)) else None
+
+
+def _fmt(value: Any) -> str:
+    number = _number(value)
+    return "-" if number is None else f"{number:.4g}"
