@@ -9,9 +9,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from qie.cache import build_backend, check_types
+from qie.cache import check_types
 from qie.cache.admin import run_admin
 from qie.cli import run_stage
+from qie.config.backend import build_backend
 from qie.errors import ConfigError
 
 
@@ -25,7 +26,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
         types = check_types(list(cfg.cache.types))
     except ValueError as e:
         raise ConfigError(f"cache.types: {e}") from None
-    backend = build_backend(cfg.cache._target_, cfg.cache.dir)
+    backend = build_backend(cfg.cache)
     action = getattr(cfg.action, "value", cfg.action)
     if action == "gc":
         from qie.stages.cache_gc import collect_garbage

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from qie.cache import build_backend
+from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
+from qie.config.backend import build_backend
 from qie.data.formats import Columns, DataSource, read_dataset
 from qie.data.keys import KeyContext
 from qie.data.masks import MaskSettings
@@ -88,11 +89,11 @@ def read_data(
 
 
 def auto_captions(
-    cfg: DictConfig, spec: ModelSpec, generate: bool, backend: Any = None, hasher: FileHasher | None = None
+    cfg: DictConfig, spec: ModelSpec, generate: bool, backend: CacheBackend, hasher: FileHasher | None = None
 ) -> AutoCaptions | None:
     """What fills in missing captions when `data.auto_caption` is set (else None): captions are read from the
-    cache (`cache.dir`, or `backend`) and, when `generate`, the missing ones are written by the model's own text
-    encoder (built on the first one) and stored; without `generate`, a caption not cached is a miss.
+    cache (`backend`, where it stores anything) and, when `generate`, the missing ones are written by the model's
+    own text encoder (built on the first one) and stored; without `generate`, a caption not cached is a miss.
 
     Raises:
         ConfigError: `data.auto_caption_prompt` names no caption preset.
@@ -102,10 +103,9 @@ def auto_captions(
     from qie.stages.auto_caption import AutoCaptions, build_captioner, caption_settings
 
     settings = caption_settings(cfg.data, spec)
-    if backend is None and cfg.cache.name != "none" and cfg.cache.get("dir"):
-        backend = build_backend(cfg.cache._target_, cfg.cache.dir, bool(cfg.cache.get("verify_reads", False)))
     hint = f"fill the cache with {precompute_command(cfg)} or train with cache.mode=lazy"
-    return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg), backend,
+    return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg),
+                        backend if backend.stores else None,
                         build_captioner(cfg, spec) if generate else None, spec, hint)  # fmt: skip
 
 
@@ -159,8 +159,10 @@ def build_source(
     encoder: Encoder | None = None,
     precompute_command: str | None = None,
     spec: ModelSpec | None = None,
+    backend: CacheBackend | None = None,
 ) -> EmbeddingSource:
-    """The EmbeddingSource that `cache.mode` (or `mode`) names; `cache=none` is always live.
+    """The EmbeddingSource that `cache.mode` (or `mode`) names over `backend` (None: built from `cfg.cache`); a
+    backend that stores nothing (`cache=none`) is always live.
 
     A lazy source builds its encoders on its first miss; a cached one never builds them, but can hand out
     a lazy variant (`with_encoding()`) that does.
@@ -168,14 +170,15 @@ def build_source(
     mode = mode or str(value(cfg.cache.mode))
     spec = spec or model_spec(cfg.model)
     sizes = image_sizes(cfg, spec)
-    return with_masks(cfg, *_unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command))
+    if backend is None and mode != "live":
+        backend = build_backend(cfg.cache)
+    return with_masks(cfg, *_unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command, backend))
 
 
-def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command) -> tuple[EmbeddingSource, Any]:
-    """The source `mode` names, and its cache backend (None for a live source)."""
-    if mode == "live" or cfg.cache.name == "none":
+def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command, backend) -> tuple[EmbeddingSource, Any]:
+    """The source `mode` names, and the backend its masks are stored in (None for a live source)."""
+    if mode == "live" or not backend.stores:
         return LiveSource(encoder or build_encoder(cfg, spec), sizes), None
-    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
     factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg, spec))
     cached = CachedSource(
         backend,

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
 from qie.components import load_parts, prepare_model, resolve_dtype
+from qie.config.backend import build_backend
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.mixing import MixedBatchSampler
 from qie.data.samples import DataProblem, Sample, without_controls
@@ -105,7 +106,8 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
            on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
-    source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec)
+    backend = build_backend(cfg.cache)
+    source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec, backend=backend)
     # The model's weights load in the background while the data set is scanned and every sample's entries are
     # checked (later misses stop the run too); training starts only once both are done.
     MemorySettings.of(cfg.train, spec.family).check(mode.lora, str(value(cfg.model.quantize)))
@@ -117,7 +119,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     try:
         # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
         # process first, the others then read them).
-        captions = auto_captions(cfg, spec, source.encodes)
+        captions = auto_captions(cfg, spec, source.encodes, backend)
         with accelerator.main_process_first():
             samples = load_samples(cfg, spec, accelerator.is_main_process, captions)
         records = run_records(cfg, spec, samples)
