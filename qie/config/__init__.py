@@ -188,6 +188,7 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "train.blocks_to_swap", 0, None)
     _check_range(cfg, "predict.blocks_to_swap", 0, None)
     _check_installed(cfg, "train.optimizer")
+    _check_objective(cfg)
     if isinstance(cfg.get("model"), DictConfig):
         _check_model(cfg.model)
     if problem := weight_problem(cfg):
@@ -227,6 +228,16 @@ def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
             _check_keys(child, f"{path}.{key}")
+
+
+def _check_objective(cfg: DictConfig) -> None:
+    """`train.objective` names a module of `qie.training.objectives` (looked up by name, as a `_target_` is: the
+    config layer imports no training code)."""
+    name = OmegaConf.select(cfg, "train.objective", default=None)
+    if name is None:
+        return
+    if problem := importlib.import_module("qie.training.objectives").objective_problem(str(name)):
+        raise ConfigError(problem)
 
 
 def _check_model(model: DictConfig) -> None:

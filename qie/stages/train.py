@@ -12,7 +12,6 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import json
@@ -50,7 +49,6 @@ from qie.stages.recipes import (
     make_ema,
     regularization_logging,
     regularization_samples,
-    weighted,
 )
 from qie.training import checkpoint as ckpt
 from qie.training.adapters import check_options
@@ -63,6 +61,7 @@ from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
+from qie.training.objectives import ObjectiveInputs, build_objective
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 
@@ -162,8 +161,6 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     gc.freeze()
     try:
         settings = loop_settings(cfg.train, cfg.logging, scheduler, spec)
-        if reg:  # regularisation batches weigh data.regularization.weight
-            settings = dataclasses.replace(settings, loss=weighted(settings.loss))
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
     finally:
@@ -283,17 +280,15 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
         dynamic_shift=bool(train.dynamic_shift),
         scheduler_config=dict(scheduler.config),
     )
+    inputs = ObjectiveInputs(spec.family, sigmas, str(value(train.loss_weighting)))
     return LoopSettings(
         max_steps=int(train.max_steps),
         seed=int(train.seed),
+        objective=build_objective(str(train.objective), inputs),
         max_grad_norm=float(train.max_grad_norm),
         checkpoint_every=int(train.checkpoint_every),
         log_every=int(logging.log_every),
-        sigmas=sigmas,
-        loss_weighting=str(value(train.loss_weighting)),
         on_nonfinite=str(value(train.on_nonfinite)),
-        loss=spec.loss,
-        patch_size=spec.family.patch_size,
     )
 
 

@@ -10,7 +10,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from qie.training.guards import (
     state_is_finite,
 )
 from qie.training.logging import MetricsLogger
-from qie.training.timesteps import SigmaSampling
+from qie.training.objectives import Objective
 from qie.types import Batch
 
 # How often the trained weights and optimizer state are checked for NaN/inf between saves (a reduction over every
@@ -40,15 +40,11 @@ STATE_CHECK_EVERY = 50
 class LoopSettings:
     max_steps: int
     seed: int
-    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
-    # transformer token covers (`ModelFamily.patch_size`: the target's token count decides dynamic shifting).
-    loss: Callable[..., torch.Tensor]
-    patch_size: int
+    # What each batch's loss is (`qie.training.objectives`): the loop only hands it the batch's generator.
+    objective: Objective
     max_grad_norm: float = 1.0
     checkpoint_every: int = 0
     log_every: int = 1
-    sigmas: SigmaSampling = field(default_factory=SigmaSampling)
-    loss_weighting: str = "none"
     # A NaN/inf loss or gradient: "stop" (save the last good state) or "skip". Non-finite weights or optimizer
     # state after an update (checked on logged steps and before every save) always stop: the update is applied.
     on_nonfinite: str = "stop"
@@ -92,15 +88,6 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed((seed * 1_000_003 + batch_number) * 131 + rank)
     return g
-
-
-def noise_and_sigmas(
-    batch: Batch, sigmas: SigmaSampling, g: torch.Generator, patch_size: int = 2
-) -> tuple[torch.Tensor, torch.Tensor]:
-    latents = batch.latents
-    noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
-    tokens = (latents.shape[-2] // patch_size) * (latents.shape[-1] // patch_size)
-    return noise, sigmas.sample(latents.shape[0], g, tokens)
 
 
 class StopSignal:
@@ -264,8 +251,7 @@ def _optimizer_step(
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
-            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g, settings.patch_size)
-            loss = settings.loss(model, batch, noise, sigmas, settings.loss_weighting)
+            loss = settings.objective.loss(model, batch, g)
             accelerator.backward(loss)
             ids += batch.ids
             window_loss += loss.detach().float().item() / micro_steps
