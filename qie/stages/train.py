@@ -155,7 +155,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     hooks = step_hooks(cfg, spec, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
-    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, records, ema)
+    save = functools.partial(_save_checkpoint, state, run_dir, mode, cfg.train, records, ema)
     # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
     # garbage collector's full passes (each a few seconds at a million samples, on the training thread).
     gc.freeze()
@@ -333,13 +333,13 @@ def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample]) -> tupl
     return model_record(spec, fingerprint, str(value(train.mode)), lora), data_record([s.id for s in samples])
 
 
-def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, records: tuple[dict, dict],
+def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: DictConfig, records: tuple[dict, dict],
                      ema: Ema | None, step: int, consumed: int) -> Path:  # fmt: skip
     info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes,
             "model": records[0], "data": records[1]}  # fmt: skip
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
     extra = (lambda folder: write_ema(ema, folder, model, exports)) if ema is not None else None
-    return ckpt.save_checkpoint(state, run_dir, info, lora, exports, train.checkpoints_total_limit, extra)
+    return ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
 
 
 def _instantiate(node: Any) -> Any:
