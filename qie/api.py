@@ -49,7 +49,8 @@ class EditDataset:
     def __init__(self, cfg: DictConfig) -> None:
         from qie.components import prepare_model
         from qie.config.backend import build_backend
-        from qie.stages.common import auto_captions, build_source, read_data
+        from qie.stages.auto_caption import auto_captions
+        from qie.stages.common import build_source, read_data
 
         spec, backend = prepare_model(cfg.model), build_backend(cfg.cache)
         self.source = build_source(cfg, spec=spec, backend=backend)

@@ -17,7 +17,7 @@ from qie.cache.entries import read_logical
 from qie.cache.ssd import SsdBackend
 from qie.captioning import Captioner
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError, DataError
 from qie.models import model_spec
 from qie.stages import auto_caption, common, precompute

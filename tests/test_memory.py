@@ -14,7 +14,7 @@ from helpers import CachedData
 
 from qie.config import compose
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError
 from qie.stages import precompute
 from qie.stages import train as train_stage

@@ -26,7 +26,7 @@ from qie.components.tiny import build_tiny_model
 from qie.config import compose
 from qie.config.backend import build_backend
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.encode import prepare_sample
 from qie.errors import DataError
 from qie.stages import precompute

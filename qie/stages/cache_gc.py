@@ -14,8 +14,8 @@ from qie.cache.admin import AdminReport, format_bytes
 from qie.cache.base import CacheBackend
 from qie.components import prepare_model
 from qie.errors import ConfigError
-from qie.stages.auto_caption import CAPTION_TYPE
-from qie.stages.common import auto_captions, build_source, read_data
+from qie.stages.auto_caption import CAPTION_TYPE, auto_captions
+from qie.stages.common import build_source, read_data
 
 
 def used_keys(cfg: DictConfig, backend: CacheBackend) -> tuple[dict[str, set[str]], int]:

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
@@ -29,8 +29,11 @@ from qie.masked_source import MaskedSource
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
 
-if TYPE_CHECKING:
-    from qie.stages.auto_caption import AutoCaptions
+
+class CaptionFiller(Protocol):
+    """What gives samples without a caption theirs (`qie.stages.auto_caption.AutoCaptions`)."""
+
+    def fill(self, samples: list[Sample]) -> tuple[list[Sample], list[DataProblem]]: ...
 
 
 def value(x: Any) -> Any:
@@ -74,39 +77,18 @@ def read_data(
     require_target: bool = True,
     path: str | None = None,
     require_prompt: bool = True,
-    captions: AutoCaptions | None = None,
+    captions: CaptionFiller | None = None,
 ) -> Dataset:
     """The samples of `data.path` (or of `path`): a folder, a manifest or a Hugging Face data set; without
     `require_prompt`, samples without a caption have the prompt "" (the caption stage). With `captions`
-    (`data.auto_caption`, see `auto_captions`), samples without a caption get one, and those that cannot are
-    problems."""
+    (`data.auto_caption`, see `qie.stages.auto_caption.auto_captions`), samples without a caption get one, and
+    those that cannot are problems."""
     fill = require_prompt and captions is not None
     data = read_dataset(data_source(cfg, path), require_target, require_prompt and not fill)
     if fill:
         samples, problems = captions.fill(data.samples)  # type: ignore[union-attr]
         data = Dataset(samples, sorted([*data.problems, *problems], key=lambda p: p.id))
     return data
-
-
-def auto_captions(
-    cfg: DictConfig, spec: ModelSpec, generate: bool, backend: CacheBackend, hasher: FileHasher | None = None
-) -> AutoCaptions | None:
-    """What fills in missing captions when `data.auto_caption` is set (else None): captions are read from the
-    cache (`backend`, where it stores anything) and, when `generate`, the missing ones are written by the model's
-    own text encoder (built on the first one) and stored; without `generate`, a caption not cached is a miss.
-
-    Raises:
-        ConfigError: `data.auto_caption_prompt` names no caption preset.
-    """
-    if not cfg.data.get("auto_caption", False):
-        return None
-    from qie.stages.auto_caption import AutoCaptions, build_captioner, caption_settings
-
-    settings = caption_settings(cfg.data, spec)
-    hint = f"fill the cache with {precompute_command(cfg)} or train with cache.mode=lazy"
-    return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg),
-                        backend if backend.stores else None,
-                        build_captioner(cfg, spec) if generate else None, spec, hint)  # fmt: skip
 
 
 def sample_range(

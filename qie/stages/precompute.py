@@ -30,7 +30,7 @@ from qie.data.samples import DataProblem, Dataset, Sample, without_controls
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages import common
-from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions
+from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions, auto_captions
 from qie.stages.common import build_encoder, control_dropout, file_hasher, image_sizes, model_key_context, value
 from qie.stages.precompute_work import (
     Keyed,
@@ -79,7 +79,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     state = PartialState(cpu=not torch.cuda.is_available())
     common.warn_single_process(state.num_processes, "qie.precompute")
     hasher = file_hasher(cfg)
-    captions = common.auto_captions(cfg, settings.model, True, backend, hasher)
+    captions = auto_captions(cfg, settings.model, True, backend, hasher)
     with state.main_process_first():  # the main process writes the missing captions, the others read them
         items = dataset_range(cfg, settings, captions)
     summary = PrecomputeSummary.of(items)

@@ -67,7 +67,7 @@ def regularization_settings(cfg: DictConfig) -> tuple[str, float, float] | None:
 
 def regularization_samples(cfg: DictConfig, spec: ModelSpec | None = None, captions: Any = None) -> list[Sample]:
     """The regularisation set's samples (ids under `reg/`), those the model takes; [] without one. `captions`
-    (`data.auto_caption`, see `qie.stages.common.auto_captions`) gives those without a caption theirs.
+    (`data.auto_caption`, see `qie.stages.auto_caption.auto_captions`) gives those without a caption theirs.
 
     Raises:
         DataError: the set holds no sample the model can train on.

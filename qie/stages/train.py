@@ -32,9 +32,8 @@ from qie.embeddings import EmbeddingSource
 from qie.errors import CacheMissError, ConfigError, DataError, check_writable
 from qie.models import ModelSpec
 from qie.readiness import ready_samples
-from qie.stages.auto_caption import caption_settings
+from qie.stages.auto_caption import auto_captions, caption_settings
 from qie.stages.common import (
-    auto_captions,
     build_source,
     control_dropout,
     in_background,
