@@ -28,17 +28,13 @@ from qie.errors import ConfigError, DataError
 from qie.masked_source import MaskedSource
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
+from qie.types import value
 
 
 class CaptionFiller(Protocol):
     """What gives samples without a caption theirs (`qie.stages.auto_caption.AutoCaptions`)."""
 
     def fill(self, samples: list[Sample]) -> tuple[list[Sample], list[DataProblem]]: ...
-
-
-def value(x: Any) -> Any:
-    """The plain value of a config enum."""
-    return getattr(x, "value", x)
 
 
 def image_sizes(cfg: DictConfig, spec: ModelSpec | None = None) -> ImageSizes:
