@@ -3,6 +3,7 @@ with a NaN or infinite loss or gradient does (`NonfinitePolicy`), with the check
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ class CheckpointSchedule:
 
     def before_stopping(self, step: int, consumed: int | None) -> Path | None:
         """Save the state after `step` before the run stops on an error (see `guards.save_before_stopping`)."""
-        good = lambda at, batches: self.save(at, batches, strict=False)  # noqa: E731
+        good = functools.partial(self.save, strict=False)
         return save_before_stopping(good, self.state.accelerator, step, consumed, self.saved_at)
 
 
