@@ -14,7 +14,9 @@ order; problems found while scanning the data set are reported by every run.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from qie.cache.failures import update_failures
 from qie.components import prepare_model
 from qie.config.backend import build_backend
 from qie.data.samples import DataProblem, Dataset, Sample, without_controls
+from qie.encode import Encoder, ImageSizes
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages import common
@@ -58,6 +61,8 @@ class Settings:
     model: Any  # the ModelSpec: which control-image counts it takes
     backend: CacheBackend  # `cache`'s backend; with `cache.repair`, it checks every entry's checksum on reads
     repair: bool
+    sizes: ImageSizes  # the target and condition sizes images are encoded at
+    make_encoder: Callable[[], Encoder]  # builds the encoders (on the first batch that needs them)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
@@ -91,7 +96,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
     summary.samples = len(mine) + (len(items) - len(keyed) if main else 0)
     groups = plan(mine, backend, summary, settings.repair)
-    encode(cfg, groups, summary, settings, f"precompute[{state.process_index}]" * (state.num_processes > 1))
+    encode(groups, summary, settings, f"precompute[{state.process_index}]" * (state.num_processes > 1))
     hasher.save()
     totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
     summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
@@ -118,7 +123,9 @@ def read_settings(cfg: DictConfig) -> Settings:
         raise ConfigError(f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
                           "ends: use cache=ssd cache.dir=FOLDER")  # fmt: skip
     raise_errors = str(value(p.on_error)) == "raise"
-    return Settings(int(p.batch_size), raise_errors, p.start, p.end, prepare_model(cfg.model), backend, repair)
+    spec = prepare_model(cfg.model)
+    return Settings(int(p.batch_size), raise_errors, p.start, p.end, spec, backend, repair, image_sizes(cfg, spec),
+                    functools.partial(build_encoder, cfg, spec))  # fmt: skip
 
 
 def dataset_range(
@@ -156,20 +163,19 @@ def key_samples(items: list, ctx, hasher, settings: Settings, summary: Precomput
     return keyed
 
 
-def encode(cfg: DictConfig, groups: dict, summary, settings: Settings, desc: str) -> None:
+def encode(groups: dict, summary, settings: Settings, desc: str) -> None:
     """Encode the planned groups; the encoders are built on the first batch that needs them, never when
     everything is cached."""
     encoder = []
 
     def get_encoder():
         if not encoder:
-            encoder.append(build_encoder(cfg, settings.model))
+            encoder.append(settings.make_encoder())
         return encoder[0]
 
     todo = sum(len(g) for g in groups.values())
     with progress(todo, desc or "precompute", unit="sample", disable=not todo) as bar:
-        sizes = image_sizes(cfg, settings.model)
-        encode_groups(get_encoder, groups, settings.backend, sizes, summary, settings.batch_size,
+        encode_groups(get_encoder, groups, settings.backend, settings.sizes, summary, settings.batch_size,
                       settings.raise_errors, bar.update, settings.repair)  # fmt: skip
 
 
