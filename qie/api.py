@@ -30,11 +30,13 @@ ImageInput = Image.Image | np.ndarray | str | Path
 
 
 def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
-    """An EmbeddingCacheManager on `cfg.cache.dir` whose keys equal precompute's for `cfg.model`."""
+    """An EmbeddingCacheManager on `cfg.cache`'s backend whose keys equal precompute's for `cfg.model`."""
     from qie.components import prepare_model
+    from qie.config.backend import build_backend
     from qie.stages.common import model_key_context
 
-    return EmbeddingCacheManager(cfg.cache.dir, model_key_context(cfg, prepare_model(cfg.model)))
+    context = model_key_context(cfg, prepare_model(cfg.model))
+    return EmbeddingCacheManager(cfg.cache.dir, context, build_backend(cfg.cache))
 
 
 class EditDataset:
@@ -46,12 +48,15 @@ class EditDataset:
 
     def __init__(self, cfg: DictConfig) -> None:
         from qie.components import prepare_model
-        from qie.stages.common import auto_captions, build_source, read_data
+        from qie.config.backend import build_backend
+        from qie.stages.auto_caption import auto_captions
+        from qie.stages.common import build_source, read_data
 
-        spec = prepare_model(cfg.model)
-        self.source = build_source(cfg, spec=spec)
+        spec, backend = prepare_model(cfg.model), build_backend(cfg.cache)
+        self.source = build_source(cfg, spec=spec, backend=backend)
         # data.auto_caption: samples without a caption get theirs (generated where the source may encode)
-        self.samples = read_data(cfg, captions=auto_captions(cfg, spec, self.source.encodes)).samples
+        captions = auto_captions(cfg, spec, self.source.encodes, backend)
+        self.samples = read_data(cfg, captions=captions).samples
         self.hits = self.misses = 0
 
     def __len__(self) -> int:

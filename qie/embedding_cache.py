@@ -1,8 +1,9 @@
 """A familiar notebook API over qie's cache: `EmbeddingCacheManager` and `check_cache_exists`.
 
-A thin facade: entries are stored by the ssd backend exactly as precompute stores them, so what one
-writes the other reads. A manager made with a KeyContext (see `qie.api.cache_manager(cfg)`) computes the
-same keys as precompute and training; without one, prompt keys cover the prompt and image content only.
+A thin facade: entries are stored by the cache backend precompute uses (the `cache` schema's default on the
+folder given, or the backend passed in) exactly as precompute stores them, so what one writes the other reads.
+A manager made with a KeyContext (see `qie.api.cache_manager(cfg)`) computes the same keys as precompute and
+training; without one, prompt keys cover the prompt and image content only.
 The six public type names all work: the mask types are derived from their embeddings (never stored), and a
 prompt embedding that shares its image-token prefix with its empty-prompt embedding is joined on load.
 """
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from qie.cache.base import CacheBackend
 from qie.cache.entries import MASK_OF, read_logical
 from qie.cache.keys import FileHasher, entry_key
-from qie.cache.ssd import SsdBackend
+from qie.config.backend import default_backend
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
 from qie.types import TRAINING_TYPES
@@ -31,11 +33,15 @@ class EmbeddingCacheManager:
     Args:
         cache_dir: the `cache.dir` of precompute and training.
         context: model fingerprints and image sizes; with it, keys equal those precompute writes.
+        backend: where entries are stored (`qie.config.backend.build_backend(cfg.cache)`); None: the `cache`
+            schema's default backend on `cache_dir`.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, context: KeyContext | None = None) -> None:
+    def __init__(
+        self, cache_dir: str | os.PathLike, context: KeyContext | None = None, backend: CacheBackend | None = None
+    ) -> None:
         self.cache_dir = Path(cache_dir)
-        self.backend = SsdBackend(dir=self.cache_dir)
+        self.backend = backend if backend is not None else default_backend(str(self.cache_dir))
         self.hasher = FileHasher(self.cache_dir / "file_hashes.json")
         self.context = context
 
@@ -99,5 +105,5 @@ def check_cache_exists(cache_dir: str | os.PathLike) -> bool:
     if not path.is_dir():
         return False
     needed = [t for t in TRAINING_TYPES if t != "layer_latent"]
-    stats = SsdBackend(dir=path).stats(needed)
+    stats = default_backend(str(path)).stats(needed)
     return all(stats[t]["count"] > 0 for t in needed)

@@ -2,8 +2,8 @@
 
 `cached` reads the cache only (no encoder is ever built), `live` encodes every time, `lazy` reads the
 cache and encodes + writes what is missing (building its encoder on the first miss). The training step
-sees `SampleEmbeddings` and never knows which source produced them; stages ask a source what they need
-to know (`encodes`, `check`, `with_encoding`) instead of asking what class it is.
+sees `SampleEmbeddings` and never knows which source produced them; stages and readiness ask a source what
+they need to know (`encodes`, `cache`, `with_encoding`) instead of asking what class it is.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from qie.cache.base import CacheBackend
@@ -68,16 +69,37 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
     )
 
 
+class CacheReader(Protocol):
+    """The cache a source reads: its backend and each sample's entry keys (what readiness checks)."""
+
+    backend: CacheBackend
+
+    def keys(self, sample: Sample) -> dict[str, str]:
+        """The entry key of each type `sample` has."""
+        ...
+
+    def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
+        """`keys` of each sample, or the OSError that kept it from being keyed."""
+        ...
+
+    def key_rows(self, samples: Sequence[Sample]) -> np.ndarray | None:
+        """Every sample's remembered keys at once (`KeyMemo.rows_all`), or None when some are not remembered."""
+        ...
+
+    def remember_keys(self) -> None:
+        """Persist what was learnt about sample keys, so that the next start stats images instead of hashing."""
+        ...
+
+
 class EmbeddingSource(Protocol):
     # Whether `get` may run encoders: such a source stays in the training process (encoders may sit on
     # a GPU that forked loader workers cannot use) and is not read ahead by a prefetch thread.
     encodes: bool
 
-    def get(self, samples: Sequence[Sample]) -> list[SampleEmbeddings]: ...
+    # The cache this source reads (and a lazy one writes); None for a source that reads none.
+    cache: CacheReader | None
 
-    def check(self, samples: Sequence[Sample]) -> None:
-        """Raise CacheMissError when `get` could not serve a sample (only a cache-only source can fail)."""
-        ...
+    def get(self, samples: Sequence[Sample]) -> list[SampleEmbeddings]: ...
 
     def with_encoding(self) -> EmbeddingSource:
         """A source that reads what this one reads and encodes what is missing (itself if it can)."""
@@ -92,6 +114,7 @@ class LiveSource:
     """Encodes every sample on every call."""
 
     encodes = True
+    cache = None
 
     def __init__(self, encoder: Encoder, sizes: ImageSizes) -> None:
         self.encoder, self.sizes = encoder, sizes
@@ -100,9 +123,6 @@ class LiveSource:
         return [
             from_entries(s.id, e, cached=False) for s, e in zip(samples, _encode(self.encoder, samples, self.sizes))
         ]
-
-    def check(self, samples: Sequence[Sample]) -> None:
-        pass
 
     def with_encoding(self) -> LiveSource:
         return self
@@ -138,6 +158,11 @@ class CachedSource:
         self.precompute_command = precompute_command
         self.memo = KeyMemo(memo_dir, context, lambda s: sample_keys(s, self.context, self.hasher))
 
+    @property
+    def cache(self) -> CachedSource:
+        """This source reads the cache itself."""
+        return self
+
     def keys(self, sample: Sample) -> dict[str, str]:
         return self.memo.keys(sample)
 
@@ -145,7 +170,7 @@ class CachedSource:
         """`keys` of each sample, or the OSError that kept it from being keyed (see `KeyMemo.keys_all`)."""
         return self.memo.keys_all(samples)
 
-    def key_rows(self, samples: Sequence[Sample]):
+    def key_rows(self, samples: Sequence[Sample]) -> np.ndarray | None:
         """Every sample's remembered keys at once, or None (see `KeyMemo.rows_all`)."""
         return self.memo.rows_all(samples)
 
@@ -164,18 +189,6 @@ class CachedSource:
     def read(self, sample: Sample) -> tuple[dict, list[str]]:
         """The sample's entries found in the cache, and the types that are missing."""
         return read_entries(self.backend, self.keys(sample), sample_types(sample))
-
-    def check(self, samples: Sequence[Sample]) -> None:
-        """Stop at the first sample with no entry of a type it needs, reading nothing but file metadata.
-
-        Raises:
-            CacheMissError: naming the sample, what is missing and the precompute command.
-        """
-        for sample in samples:
-            keys = self.keys(sample)
-            missing = [kind for kind in sample_types(sample) if not self.backend.exists(kind, keys[kind])]
-            if missing:
-                raise self.miss(sample, missing)
 
     def miss(self, sample: Sample, missing: Sequence[str]) -> CacheMissError:
         return CacheMissError(
@@ -217,6 +230,10 @@ class LazySource:
         self._factory = None if isinstance(encoder, Encoder) else encoder
 
     @property
+    def cache(self) -> CachedSource:
+        return self.cached
+
+    @property
     def encoder(self) -> Encoder:
         if self._encoder is None:
             self._encoder = self._factory()
@@ -237,9 +254,6 @@ class LazySource:
                 self._write(samples[i], entry)
                 results[i] = from_entries(samples[i].id, entry, cached=False)
         return results  # type: ignore[return-value]
-
-    def check(self, samples: Sequence[Sample]) -> None:
-        pass
 
     def with_encoding(self) -> LazySource:
         return self

@@ -1,8 +1,8 @@
 """An EmbeddingSource that adds each sample's loss mask (`qie.data.masks`) to what another source gives.
 
 It wraps any source (cached, live, lazy), so the step, the loader and collate see one road whatever the mode.
-Masks need no model: a mask missing from the cache is made from its image files and written (precompute
-writes them all ahead), and a source without a cache makes them each time.
+Masks need no model: a mask missing from the cache is made from its image files and written on first use,
+and a source without a cache makes them each time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher
 from qie.data.masks import MASK_TYPE, MaskSettings, make_mask, mask_key, to_grid, to_latent, weights
 from qie.data.samples import Sample
-from qie.embeddings import EmbeddingSource
+from qie.embeddings import CacheReader, EmbeddingSource
 from qie.types import SampleEmbeddings
 
 
@@ -38,6 +38,11 @@ class MaskedSource:
     def encodes(self) -> bool:
         return self.inner.encodes
 
+    @property
+    def cache(self) -> CacheReader | None:
+        """The inner source's cache (its entries are what readiness checks; masks are made on a miss)."""
+        return self.inner.cache
+
     def get(self, samples: Sequence[Sample]) -> list[SampleEmbeddings]:
         out = self.inner.get(samples)
         for sample, embeds in zip(samples, out):
@@ -59,41 +64,6 @@ class MaskedSource:
         if self.backend is not None:
             self.backend.put(MASK_TYPE, key, {"mask": grid})
         return grid
-
-    def fill(self, samples: Sequence[Sample]) -> int:
-        """Make and store the masks of `samples` that the cache lacks; returns how many were written."""
-        written = 0
-        for sample in samples:
-            key = mask_key(sample, self.settings, self.hasher)
-            if key is not None and self.backend is not None and not self.backend.exists(MASK_TYPE, key):
-                self.mask_grid(sample)
-                written += 1
-        return written
-
-    def keys(self, sample: Sample) -> dict[str, str]:
-        """The inner source's entry keys of `sample` (a cache-reading source's; the train stage checks them)."""
-        return self.inner.keys(sample)  # type: ignore[attr-defined]
-
-    def key_rows(self, samples: Sequence[Sample]):
-        """The inner source's `key_rows` (every sample's remembered keys at once), or None."""
-        inner = getattr(self.inner, "key_rows", None)
-        return inner(samples) if inner is not None else None
-
-    def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
-        """The inner source's `keys_all` (each sample's keys, or the OSError that kept it from being keyed)."""
-        inner = getattr(self.inner, "keys_all", None)
-        if inner is not None:
-            return inner(samples)
-        out: list[dict[str, str] | OSError] = []
-        for sample in samples:
-            try:
-                out.append(self.keys(sample))
-            except OSError as e:
-                out.append(e)
-        return out
-
-    def check(self, samples: Sequence[Sample]) -> None:
-        self.inner.check(samples)
 
     def with_encoding(self) -> MaskedSource:
         return MaskedSource(self.inner.with_encoding(), self.settings, self.hasher, self.backend, self.outside_weight)

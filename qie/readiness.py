@@ -4,7 +4,8 @@ The check reads each entry's header (schema, type, length, and for a prompt entr
 its tensors, and writes `cache_report.json` in the run directory listing every sample with missing or damaged
 entries. Samples precompute could not encode (recorded in the cache's `precompute_failures.json`) are skipped
 with a warning; the others stop the run with their count and the precompute command, or, with
-`cache.on_missing=skip`, are left out with a warning. Sources that encode (live, lazy) need no check.
+`cache.on_missing=skip`, are left out with a warning. Sources that encode (live, lazy) need no check. Everything
+here reaches the source and its cache through `EmbeddingSource.cache` and `CacheBackend` as declared.
 """
 
 from __future__ import annotations
@@ -15,26 +16,28 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from qie.cache.failures import read_failures
 from qie.data.samples import Sample
-from qie.embeddings import EmbeddingSource, sample_types
+from qie.embeddings import CacheReader, EmbeddingSource, sample_types
 from qie.errors import CacheDirMissing, CacheMissError, check_writable
 from qie.types import TRAINING_TYPES
 
 REPORT_FILE = "cache_report.json"
 
 
-def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) -> dict:
+def check_entries(cache: CacheReader, samples: Sequence[Sample], failures: dict[str, dict]) -> dict:
     """{"missing": [...], "damaged": [...], "unreadable": [...], "precompute_failed": [...]}: one row per
     sample with a problem, {"id", "types" or "reason"}; and "seconds"."""
     t0 = time.perf_counter()
     out: dict[str, list] = {"missing": [], "damaged": [], "unreadable": [], "precompute_failed": []}
-    backend = source.backend
-    if _all_whole_at_once(source, backend, samples):
+    backend = cache.backend
+    if _all_whole_at_once(cache, samples):
         out["seconds"] = time.perf_counter() - t0
         return out
     keyed = []
-    for sample, keys in zip(samples, _keys_all(source, samples)):
+    for sample, keys in zip(samples, cache.keys_all(samples)):
         if isinstance(keys, OSError):
             out["unreadable"].append({"id": sample.id, "reason": f"cannot read {keys.filename!r} ({keys.strerror})"})
         else:
@@ -58,20 +61,14 @@ def check_entries(source, samples: Sequence[Sample], failures: dict[str, dict]) 
     return out
 
 
-def _all_whole_at_once(source, backend, samples: Sequence[Sample]) -> bool:
-    """Whether every entry of every sample is whole, judged in bulk: the source's remembered keys of all samples
+def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
+    """Whether every entry of every sample is whole, judged in bulk: the cache's remembered keys of all samples
     as one array (`key_rows`), each distinct entry counted (`np.unique`) and checked once by the backend
     (`intact_counted`, the same stamp as `intact_all` of the items). False means "not shown": a sample not
-    remembered, a source or backend without these methods, or something missing; the caller then checks
-    sample by sample and reports."""
-    key_rows, intact_counted = getattr(source, "key_rows", None), getattr(backend, "intact_counted", None)
-    if key_rows is None or intact_counted is None or not samples:
-        return False
-    rows = key_rows(samples)
+    remembered, or something missing; the caller then checks sample by sample and reports."""
+    rows = cache.key_rows(samples) if samples else None
     if rows is None:
         return False
-    import numpy as np
-
     width = rows.shape[1] // len(TRAINING_TYPES)  # the key bytes of each type, in TRAINING_TYPES order
     keys = rows.reshape(len(samples), len(TRAINING_TYPES), width)
     kinds: dict[tuple[str, ...], int] = {}  # each kind of sample's types (`sample_types`) -> its row of `masks`
@@ -94,20 +91,7 @@ def _all_whole_at_once(source, backend, samples: Sequence[Sample]) -> bool:
         text = np.ascontiguousarray(distinct).view(np.uint8).tobytes().hex()
         step = 2 * width
         counts.update(((t, text[i * step : (i + 1) * step]), n) for i, n in enumerate(times.tolist()))
-    return bool(intact_counted(counts, remember=True))
-
-
-def _keys_all(source, samples: Sequence[Sample]) -> list:
-    """Each sample's keys, or the OSError that kept it from being keyed."""
-    if hasattr(source, "keys_all"):
-        return source.keys_all(samples)
-    out = []
-    for sample in samples:
-        try:
-            out.append(source.keys(sample))
-        except OSError as e:
-            out.append(e)
-    return out
+    return bool(cache.backend.intact_counted(counts, remember=True))
 
 
 def ready_samples(
@@ -126,12 +110,14 @@ def ready_samples(
         CacheMissError: samples without their entries (on_missing="stop"), or no sample left.
     """
     check_writable(run_dir, "the run directory (hydra.run.dir)")
-    backend = getattr(source, "backend", None) or getattr(getattr(source, "cached", None), "backend", None)
-    if backend is not None:
-        try:
-            backend.check_access(write=source.encodes)
-        except CacheDirMissing:  # every entry is missing: said below, with the count and the precompute command
-            pass
+    cache = source.cache
+    if cache is None:  # nothing cached to check: every entry is encoded
+        return samples
+    backend = cache.backend
+    try:
+        backend.check_access(write=source.encodes)
+    except CacheDirMissing:  # every entry is missing: said below, with the count and the precompute command
+        pass
     if source.encodes:
         return samples
     # No garbage collection passes while a few hundred thousand keys and paths are made (none is cyclic):
@@ -139,12 +125,12 @@ def ready_samples(
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        found = check_entries(source, samples, read_failures(cache_dir) if cache_dir else {})
+        found = check_entries(cache, samples, read_failures(cache_dir) if cache_dir else {})
     finally:
         if gc_was_on:
             gc.enable()
-    if report and hasattr(source, "remember_keys"):
-        source.remember_keys()  # the next start stats images instead of hashing them
+    if report:
+        cache.remember_keys()  # the next start stats images instead of hashing them
     path = run_dir / REPORT_FILE
     if report:
         doc = {"samples": len(samples), **found, "precompute_command": precompute_command}

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     from _bench_common import header, table
 
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
     from qie.demo.synthetic import make_dataset
     from qie.encode import ImageSizes
 

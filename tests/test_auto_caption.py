@@ -17,7 +17,7 @@ from qie.cache.entries import read_logical
 from qie.cache.ssd import SsdBackend
 from qie.captioning import Captioner
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError, DataError
 from qie.models import model_spec
 from qie.stages import auto_caption, common, precompute
@@ -189,7 +189,7 @@ def test_lazy_training_captions_and_cached_training_needs_no_text_encoder(
     from qie.stages.cache_gc import used_keys
 
     gc = small_config("cache", "action=gc", *base[:5])
-    keep, count = used_keys(gc)
     backend = SsdBackend(dir=tmp_path / "cache")
+    keep, count = used_keys(gc, backend)
     assert count == 2 and len(keep["caption"]) == 2 and all(backend.exists("caption", k) for k in keep["caption"])
     assert backend.unused(keep)["prompt_embed"]["count"] == 0 and backend.unused(keep)["caption"]["count"] == 0

@@ -142,7 +142,8 @@ def test_target_line_format(capsys: pytest.CaptureFixture) -> None:
 
 
 # Entry points: `python -m` targets, which nothing imports.
-ENTRY_POINTS = {"qie.precompute", "qie.train", "qie.infer", "qie.cli", "qie.cache.__main__", "qie.demo.__main__"}
+ENTRY_POINTS = {"qie.precompute", "qie.train", "qie.infer", "qie.cli", "qie.cache_admin", "qie.cache.__main__",
+                "qie.demo.__main__"}
 
 
 def test_scripts_import_no_entry_point_and_patch_nothing_of_qie() -> None:
@@ -344,7 +345,7 @@ def test_peers_report_targets_compare_qie_with_the_best_peer(capsys: pytest.Capt
 def test_folder_scan_reads_captions_as_read_text_would(tmp_path: Path) -> None:
     from PIL import Image
 
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
 
     t, c = tmp_path / "training_images", tmp_path / "control_images"
     t.mkdir()
@@ -369,7 +370,7 @@ def test_startup_bench_writes_entries_as_the_cache_writes_them(tmp_path: Path) -
     from qie.cache.ssd import SsdBackend
     from qie.config import compose
     from qie.data.keys import sample_keys
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
     from qie.stages.common import model_key_context
 
     bench = script("bench_startup")

@@ -17,13 +17,13 @@ import torch
 
 import qie
 from qie.cache import CACHE_TYPES, keys
-from qie.cache.__main__ import run
 from qie.cache.admin import cache_stats, clear_cache, format_bytes, run_admin, verify_cache
 from qie.cache.keys import FileHasher, entry_key
 from qie.cache.memory import MemoryBackend
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.errors import ConfigError
+from qie.stages.cache_admin import run
 
 PROMPT_FIELDS = {"prompt": "make it blue", "controls": ["ab" * 32], "size": [64, 64], "text_encoder": "fp1"}
 

@@ -14,12 +14,14 @@ import pytest
 import safetensors.torch
 import torch
 import xxhash
+from omegaconf import OmegaConf
 
-from qie.cache import CACHE_TYPES, SCHEMA_VERSION, CacheBackend, build_backend
+from qie.cache import CACHE_TYPES, SCHEMA_VERSION, CacheBackend
 from qie.cache.keys import entry_key
 from qie.cache.memory import MemoryBackend
 from qie.cache.none import NoneBackend
 from qie.cache.ssd import SsdBackend, temp_name
+from qie.config.backend import build_backend
 from qie.errors import ConfigError
 
 
@@ -131,7 +133,7 @@ def test_unknown_type_and_bad_key_are_rejected(backend: CacheBackend) -> None:
 
 
 def test_none_backend_always_misses(tmp_path: Path) -> None:
-    b = NoneBackend(dir=str(tmp_path))
+    b = NoneBackend()
     assert b.put("prompt_embed", key(), make_entry("prompt_embed")) == 0
     assert b.get("prompt_embed", key()) is None and not b.exists("prompt_embed", key())
     assert b.stats() == {t: {"count": 0, "bytes": 0} for t in CACHE_TYPES}
@@ -269,17 +271,30 @@ def test_misplaced_and_foreign_files(tmp_path: Path) -> None:
     assert b.verify(fix=True).unfixed == 1 and wrong.is_file()  # fix deletes only files in their own folder
 
 
+def node(target: str, dir: str | None = None, **own: object):
+    """A `cache` config node as composed: the schema's keys, `_target_` and `dir` given, and `own` keys."""
+    from qie.config.cache import CacheConfig
+
+    cfg = OmegaConf.structured(CacheConfig(_target_=target, dir=dir))
+    OmegaConf.set_struct(cfg, False)  # as Hydra composes `+cache.key=value`
+    return OmegaConf.merge(cfg, own)
+
+
 def test_build_backend(tmp_path: Path) -> None:
-    assert isinstance(build_backend("qie.cache.ssd.SsdBackend", str(tmp_path)), SsdBackend)
-    assert isinstance(build_backend("qie.cache.memory.MemoryBackend", None), MemoryBackend)
-    assert isinstance(build_backend("qie.cache.none.NoneBackend", str(tmp_path)), NoneBackend)
+    assert isinstance(build_backend(node("qie.cache.ssd.SsdBackend", str(tmp_path))), SsdBackend)
+    assert build_backend(node("qie.cache.ssd.SsdBackend", str(tmp_path)), verify_reads=True).verify_reads
+    # dir and verify_reads go only to a constructor that names them: memory and none take no settings.
+    assert isinstance(build_backend(node("qie.cache.memory.MemoryBackend", None)), MemoryBackend)
+    assert isinstance(build_backend(node("qie.cache.none.NoneBackend", str(tmp_path)), verify_reads=True), NoneBackend)
     with pytest.raises(ConfigError, match="cache.dir is not set"):
-        build_backend("qie.cache.ssd.SsdBackend", None)
+        build_backend(node("qie.cache.ssd.SsdBackend", None))
     for target in ("qie.cache.nope.Backend", "qie.cache.ssd.Nope", "SsdBackend", "qie.cache.ssd.encode"):
         with pytest.raises(ConfigError, match=rf"cache\._target_='{target}'"):
-            build_backend(target, str(tmp_path))
+            build_backend(node(target, str(tmp_path)))
     with pytest.raises(ConfigError, match="does not implement the CacheBackend protocol"):
-        build_backend("tempfile.TemporaryDirectory", str(tmp_path))
+        build_backend(node("tempfile.TemporaryDirectory", str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"cache\._target_='qie.cache.memory.MemoryBackend' cannot be built"):
+        build_backend(node("qie.cache.memory.MemoryBackend", None, size=3))
 
 
 def test_damaged_headers_never_raise_or_return_wrong_shapes(tmp_path: Path) -> None:

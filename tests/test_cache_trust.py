@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from qie.cache import build_backend
 from qie.cache.admin import run_admin
 from qie.cache.entries import read_entries, read_logical, shared_rows, write_entries
 from qie.cache.keys import entry_key
@@ -168,7 +167,7 @@ def test_admin_never_follows_a_symlinked_type_folder_nor_touches_foreign_files(t
 def test_admin_on_a_missing_dir_fails_and_creates_nothing(tmp_path: Path, action: str) -> None:
     missing = tmp_path / "typo"
     with pytest.raises(StorageError, match=f"cache.dir '{missing}' does not exist"):
-        run_admin(build_backend("qie.cache.ssd.SsdBackend", str(missing)), action)
+        run_admin(SsdBackend(missing), action)
     assert not missing.exists()
 
 

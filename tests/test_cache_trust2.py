@@ -12,7 +12,6 @@ import safetensors.torch
 import torch
 from helpers import CachedData
 
-from qie.cache.__main__ import run as cache_cli
 from qie.cache.memory import MemoryBackend
 from qie.cache.ssd import SsdBackend
 from qie.components import fingerprint
@@ -20,6 +19,7 @@ from qie.config import compose
 from qie.errors import ConfigError, ModelLoadError
 from qie.models import families
 from qie.stages import precompute
+from qie.stages.cache_admin import run as cache_cli
 from qie.training.lora import read_lora
 from qie.types import CACHE_TYPES
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from qie.captioning import Captioner, pipeline_prompt
 from qie.data.images import fit_area, open_image, resize
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.models import model_spec
 from qie.stages import caption as caption_stage
 from qie.stages import precompute

@@ -142,14 +142,16 @@ def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_
     import torch
     from hydra.utils import instantiate
 
-    from qie.cache import CacheBackend, build_backend
+    from qie.cache import CacheBackend
+    from qie.config.backend import build_backend
 
     package = EXTRA.get((group, option))
     if package and importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} (an optional extra) is not installed")
     cfg = compose("train", [f"{group}={option}"])
     assert set(_targets(OmegaConf.to_container(cfg))) == BUILT
-    backend = build_backend(cfg.cache._target_, str(tmp_path / "cache"))  # as the stages build it
+    cfg.cache.dir = str(tmp_path / "cache")
+    backend = build_backend(cfg.cache)  # as the stages build it
     assert isinstance(backend, CacheBackend)
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = instantiate(cfg.train.optimizer)([param], lr=float(cfg.train.learning_rate))

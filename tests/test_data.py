@@ -14,7 +14,8 @@ from PIL import Image
 from qie.cache.keys import FileHasher
 from qie.data.images import ImageError, fit_area, open_image, to_rgb
 from qie.data.keys import KeyContext, sample_keys
-from qie.data.samples import Sample, scan_dataset
+from qie.data.samples import Sample
+from qie.data.scan import scan_dataset
 from qie.errors import DataError
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 
 from qie.config import compose
 from qie.data.formats import Columns, DataSource, detect_format, read_dataset
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.demo.synthetic import make_dataset
 from qie.errors import DataError
 from qie.stages import precompute

@@ -19,7 +19,7 @@ from qie.components.processor import load_processor
 from qie.config import compose
 from qie.data.buckets import bucket_keys
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.errors import ConfigError
 from qie.stages import infer, precompute
 from qie.stages.common import build_source, file_hasher, model_key_context

@@ -19,7 +19,7 @@ from qie.cache.keys import FileHasher
 from qie.cache.ssd import SsdBackend
 from qie.data.key_memo import KeyMemo
 from qie.data.keys import KeyContext, sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.embeddings import CachedSource
 from qie.errors import CacheMissError
 from qie.readiness import ready_samples

@@ -118,7 +118,7 @@ def test_edit_masks_need_control_images(cached_data: CachedData, tmp_path: Path)
 
 
 def test_masks_are_found_in_folders_and_manifests(tmp_path: Path) -> None:
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
 
     (tmp_path / "training_images").mkdir()
     (tmp_path / "masks").mkdir()

@@ -14,7 +14,7 @@ from helpers import CachedData
 
 from qie.config import compose
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError
 from qie.stages import precompute
 from qie.stages import train as train_stage
@@ -135,13 +135,13 @@ def test_quantized_text_encoder_entries_key_apart(data: dict, tmp_path: Path) ->
     for kind in keys["none"]:
         assert (len({keys[q][kind] for q in keys}) == 3) == (kind in text), kind
     # The cache filled unquantized serves an unquantized run, and is a miss for an int8 one.
-    build_source(cfgs["none"], "cached").check([sample])
+    build_source(cfgs["none"], "cached").get([sample])
     with pytest.raises(CacheMissError, match="prompt_embed"):
-        build_source(cfgs["int8"], "cached").check([sample])
+        build_source(cfgs["int8"], "cached").get([sample])
     # Precompute with the int8 text encoder writes the entries an int8 run reads.
     int8 = data["base"][:2] + [f"cache.dir={tmp_path / 'cache'}", "model.text_encoder_quantize=int8"]
     precompute.run(compose("precompute", int8), tmp_path / "precompute")
-    build_source(compose("train", int8), "cached").check([sample])
+    build_source(compose("train", int8), "cached").get([sample])
 
 
 def test_optimizer_presets_compose_and_adafactor_trains(data: dict, plain: dict, tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.data.buckets import ImageSizeIndex
 from qie.data.images import open_image
-from qie.data.samples import MAX_PROMPT_CHARS, scan_dataset
+from qie.data.samples import MAX_PROMPT_CHARS
+from qie.data.scan import scan_dataset
 from qie.errors import ConfigError, DataError
 from qie.stages import precompute
 from qie.stages import train as train_stage

@@ -18,15 +18,15 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
 
-from qie.cache import build_backend
 from qie.cache.admin import run_admin
 from qie.cache.entries import STORED_TYPES, read_logical
 from qie.cache.ssd import SsdBackend, temp_name
 from qie.components.processor import load_processor
 from qie.components.tiny import build_tiny_model
 from qie.config import compose
+from qie.config.backend import build_backend
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.encode import prepare_sample
 from qie.errors import DataError
 from qie.stages import precompute
@@ -90,7 +90,7 @@ def _keyed(ds: Path, cache: Path, *extra: str):
     samples = scan_dataset(ds).samples
     ctx = model_key_context(cfg)
     hasher = file_hasher(cfg)
-    return samples, [sample_keys(s, ctx, hasher) for s in samples], build_backend(cfg.cache._target_, cache), cfg
+    return samples, [sample_keys(s, ctx, hasher) for s in samples], build_backend(cfg.cache), cfg
 
 
 def _pipeline(cls, path: Path):

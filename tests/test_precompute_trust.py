@@ -102,7 +102,7 @@ def test_independent_runs_on_one_cache_encode_nothing_twice(tiny_path: Path, tmp
 def test_claims_held_by_another_run_are_waited_for_not_encoded(tiny_path: Path, tmp_path: Path) -> None:
     ds = make_dataset(tmp_path / "data", train=2, heldout=0, size=32) / "train"
     cfg = compose("precompute", [f"data.path={ds}", f"cache.dir={tmp_path / 'cache'}"])
-    backend = precompute.build_backend(cfg.cache._target_, cfg.cache.dir)
+    backend = precompute.build_backend(cfg.cache)
     calls = []
     real_claim = backend.claim
 

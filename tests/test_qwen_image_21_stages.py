@@ -14,14 +14,14 @@ import torch
 from diffusers import QwenImage21Pipeline
 from PIL import Image
 
-from qie.cache import build_backend
 from qie.cache.entries import STORED_TYPES
+from qie.cache.ssd import SsdBackend
 from qie.components import load_parts
 from qie.components.processor import Qwen3VLProcessorNoVideo, load_processor
 from qie.config import compose
 from qie.data.collate import collate
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.encode import prepare_sample
 from qie.models import model_spec
 from qie.stages import infer as infer_stage
@@ -157,7 +157,7 @@ def test_changing_a_reference_or_the_order_recomputes_exactly_the_dependent_entr
     samples = scan_dataset(manifest).samples
     cfg = compose("precompute", base)
     keys = [sample_keys(s, model_key_context(cfg), file_hasher(cfg)) for s in samples]
-    backend = build_backend(cfg.cache._target_, tmp_path / "cache")
+    backend = SsdBackend(tmp_path / "cache")
     assert all(backend.exists(t, k[t]) for k in keys for t in k if t in STORED_TYPES)
 
 

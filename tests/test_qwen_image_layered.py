@@ -176,7 +176,7 @@ def write_layered_data(root: Path, count: int = 2) -> Path:
 
 
 def test_layered_manifest_rows_are_image_control_and_composite_then_layers(tmp_path: Path) -> None:
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
 
     manifest = write_layered_data(tmp_path)
     (sample, other) = scan_dataset(manifest).samples
@@ -191,7 +191,7 @@ def test_layered_manifest_rows_are_image_control_and_composite_then_layers(tmp_p
 def test_samples_with_other_layer_counts_are_batched_apart(tmp_path: Path) -> None:
     """Frames of one size but another count cannot share a batch: the layer count is part of the bucket key."""
     from qie.data.buckets import BucketBatchSampler, bucket_keys, describe_key
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
 
     samples = scan_dataset(write_layered_data(tmp_path, count=4)).samples  # 2, 3, 2, 3 layers
     keys = bucket_keys(samples, 409600, 409600, 32)
@@ -205,7 +205,7 @@ def test_samples_with_other_layer_counts_are_batched_apart(tmp_path: Path) -> No
 
 def test_a_layered_folder_gives_the_same_samples_layers_in_number_order(tmp_path: Path) -> None:
     from qie.data.formats import detect_format
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
 
     (tmp_path / "images").mkdir()
     (tmp_path / "layers").mkdir()

@@ -18,7 +18,7 @@ from transformers import Qwen2Tokenizer
 from qie.components.tiny import system_prefix
 from qie.config import compose
 from qie.data.keys import sample_keys
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.stages import infer, precompute

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qie.data.buckets import BucketBatchSampler
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError
 from qie.stages import precompute
 from qie.stages import train as train_stage

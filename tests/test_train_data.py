@@ -13,7 +13,7 @@ from helpers import CachedData, small_config, write_solid_image
 from qie.components.tiny import VAE_CONFIG
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.collate import collate
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.embeddings import CachedSource, LiveSource, SampleEmbeddings
 from qie.stages.common import build_source
 from qie.training.batches import EmbeddingDataset

@@ -18,7 +18,7 @@ from qie.cache.entries import write_entries
 from qie.cache.failures import update_failures
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
-from qie.data.samples import scan_dataset
+from qie.data.scan import scan_dataset
 from qie.demo.synthetic import make_dataset
 from qie.errors import CacheMissError, ModelLoadError, StorageError
 from qie.stages import precompute

@@ -94,11 +94,11 @@ def test_a_nan_optimizer_state_is_refused_at_resume_and_never_saved(data: dict, 
     # Between the state checks (every STATE_CHECK_EVERY steps, the last step, every save) the NaN state is caught
     # by the next step's loss: step 5 stops the run, and the state, checked once before the save on the way out,
     # is not saved.
-    from qie.training import loop
+    from qie.training import policies
 
     checks: list[int] = []
-    real_check = loop.state_is_finite
-    monkeypatch.setattr(loop, "state_is_finite", lambda *a: checks.append(1) or real_check(*a))
+    real_check = policies.state_is_finite
+    monkeypatch.setattr(policies, "state_is_finite", lambda *a: checks.append(1) or real_check(*a))
     unsaved = tmp_path / "unsaved"
     cfg = compose("train", data["base"] + FAST + ["train.max_steps=6", "train.checkpoint_every=0"])
     with pytest.raises(NonFiniteLoss, match="^step 5 gave a NaN or infinite loss or gradient"):

@@ -1,7 +1,8 @@
 """Embedding cache: entries (dicts of named tensors) stored under (type, key) by a pluggable backend.
 
 Backends: `ssd` (files), `memory` (in-process), `none` (always a miss). A new backend is one module with
-a class following `CacheBackend` and one yaml file naming it in `_target_`. `qie.cache.entries` maps a
+a class following `CacheBackend` and one yaml file naming it in `_target_` (built by `qie.config.backend`,
+with the constructor arguments of its own the yaml gives). `qie.cache.entries` maps a
 sample's six public types onto what is stored (the shared prompt prefix, masks derived).
 
 This package imports torch, safetensors and xxhash only: no model library, no Hydra, and nothing of
@@ -9,8 +10,6 @@ qie but its leaf modules (`qie.types`, `qie.errors`). The notebook facade over i
 """
 
 from __future__ import annotations
-
-import importlib
 
 from qie.cache.base import (
     SCHEMA_VERSION,
@@ -23,40 +22,7 @@ from qie.cache.base import (
     check_type,
     check_types,
 )
-from qie.errors import ConfigError
 from qie.types import CACHE_TYPES
-
-
-def build_backend(target: str, dir: str | None, verify_reads: bool = False) -> CacheBackend:
-    """Construct the backend class named by the dotted path `target` (`cache._target_`) with `dir`.
-
-    Args:
-        target: e.g. "qie.cache.ssd.SsdBackend".
-        dir: `cache.dir`; the ssd backend needs it, the others ignore it.
-        verify_reads: `cache.verify_reads`: check each entry's checksum when it is read.
-
-    Raises:
-        ConfigError: when `target` names no importable backend class, or the backend rejects `dir`.
-    """
-    module_name, _, class_name = str(target).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name) if module_name else None
-    except (ImportError, ValueError) as e:
-        raise ConfigError(f"cache._target_={target!r} cannot be imported: {e}") from None
-    except AttributeError:
-        cls = None
-    if not isinstance(cls, type):
-        raise ConfigError(
-            f"cache._target_={target!r} is not a class: expected a dotted path such as 'qie.cache.ssd.SsdBackend'"
-        )
-    try:
-        backend = cls(dir=dir, verify_reads=True) if verify_reads else cls(dir=dir)
-    except TypeError as e:
-        raise ConfigError(f"cache._target_={target!r} cannot be built with dir={dir!r}: {e}") from None
-    if not isinstance(backend, CacheBackend):
-        raise ConfigError(f"cache._target_={target!r} does not implement the CacheBackend protocol")
-    return backend
-
 
 __all__ = [
     "CACHE_TYPES",
@@ -66,7 +32,6 @@ __all__ = [
     "CorruptEntry",
     "Entry",
     "VerifyReport",
-    "build_backend",
     "check_key",
     "check_type",
     "check_types",

@@ -1,48 +1,8 @@
-"""`python -m qie.cache action=stats|clear|verify cache.dir=... [cache.types=[...]] [verify.fix=true]`, and
-`python -m qie.cache action=gc cache.dir=... model=NAME data.path=... [gc.dry_run=false]`."""
+"""`python -m qie.cache action=...`: the cache admin command. Its entry point is `qie.cache_admin`, beside the
+other stages' (its `action=gc` reads data sets and model configs, which this storage package never imports);
+it is run here by name."""
 
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-import hydra
-from omegaconf import DictConfig
-
-from qie.cache import build_backend, check_types
-from qie.cache.admin import run_admin
-from qie.cli import run_stage
-from qie.errors import ConfigError
-
-
-def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
-    """Run the admin action of a composed `cache` config, print its report, return the exit code.
-
-    Raises:
-        ConfigError: an unknown type or backend; StorageError: a cache folder that is missing or a file.
-    """
-    try:
-        types = check_types(list(cfg.cache.types))
-    except ValueError as e:
-        raise ConfigError(f"cache.types: {e}") from None
-    backend = build_backend(cfg.cache._target_, cfg.cache.dir)
-    action = getattr(cfg.action, "value", cfg.action)
-    if action == "gc":
-        from qie.stages.cache_gc import collect_garbage
-
-        report = collect_garbage(cfg, backend)
-    else:
-        report = run_admin(backend, action, types, fix=bool(cfg.verify.fix))
-    print(report)
-    return report.exit_code
-
-
-@hydra.main(config_path="pkg://qie.conf", config_name="cache", version_base=None)
-def main(cfg: DictConfig) -> None:
-    code = run_stage(run, cfg)
-    if code:
-        sys.exit(code)
-
+import runpy
 
 if __name__ == "__main__":
-    main()
+    runpy.run_module("qie.cache_admin", run_name="__main__", alter_sys=True)

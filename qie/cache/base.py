@@ -60,7 +60,18 @@ class CacheBackend(Protocol):
     `get` returns None on a miss and on an entry it cannot read (after logging a warning naming it);
     it never raises for a bad entry. Types are the names in `CACHE_TYPES`; `types=None` means all.
     Readers never create anything; `check_access(write=True)` prepares a backend for writing.
+
+    A backend is built by `hydra.utils.instantiate` from the `cache` config node: its constructor takes its own
+    settings (and `dir`, `verify_reads` when it names them). Stages ask the backend what it is (`stores`,
+    `persists`), never its class or its config name.
     """
+
+    # Whether `put` keeps what it is given: False for a backend that is no cache at all (every source then
+    # encodes live).
+    stores: bool
+
+    # Whether entries outlive this process (precompute fills only such a cache).
+    persists: bool
 
     def get(self, type: str, key: str) -> Entry | None: ...
 
@@ -78,6 +89,12 @@ class CacheBackend(Protocol):
     def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
         """`intact` of many (type, key) entries. With `remember`, a file backend records that this set of
         entries was whole, so that while none of its files changes, the next check costs one stat per file."""
+        ...
+
+    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
+        """Whether every entry `counts` counts (by how many samples name it) is intact: `all(intact_all(items))`
+        of the items it counts, with the same memory, without the list of items (a million samples name four
+        million entries)."""
         ...
 
     def claim(self, type: str, key: str, wait: bool = False) -> Claim | None:

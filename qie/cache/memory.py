@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -24,14 +23,13 @@ from qie.cache.codec import checksum
 
 
 class MemoryBackend:
-    """In-process store; it keeps copies, and hands out copies, so callers cannot change what it holds.
+    """In-process store; it keeps copies, and hands out copies, so callers cannot change what it holds. It takes
+    no settings: an in-process copy cannot rot, so there is nothing to verify on reads."""
 
-    Args:
-        dir, verify_reads: accepted for a uniform constructor (the config passes them) and ignored: an
-            in-process copy cannot rot.
-    """
+    stores = True
+    persists = False
 
-    def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
+    def __init__(self) -> None:
         self._entries: dict[str, dict[str, Entry]] = {}
         self._checksums: dict[tuple[str, str], str] = {}  # what the ssd backend keeps in each file's header
 
@@ -70,6 +68,10 @@ class MemoryBackend:
     def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
         """`intact` of each entry."""
         return [self.intact(t, k) for t, k in items]
+
+    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
+        """Whether every counted entry is intact."""
+        return all(self.intact_all(list(counts)))
 
     def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
         """Always granted: no other process shares these entries."""

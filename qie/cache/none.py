@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -21,14 +20,10 @@ from qie.cache.base import (
 
 
 class NoneBackend:
-    """Always a miss; `put` accepts and drops the entry.
+    """Always a miss; `put` accepts and drops the entry. It takes no settings."""
 
-    Args:
-        dir, verify_reads: accepted for a uniform constructor (the config passes them) and ignored.
-    """
-
-    def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
-        pass
+    stores = False
+    persists = False
 
     def __repr__(self) -> str:
         return "NoneBackend()"
@@ -58,6 +53,10 @@ class NoneBackend:
     def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
         """`intact` of each entry."""
         return [self.intact(t, k) for t, k in items]
+
+    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
+        """Whether every counted entry is intact."""
+        return all(self.intact_all(list(counts)))
 
     def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
         """Always granted: nothing is ever stored."""

@@ -53,6 +53,9 @@ class SsdBackend:
         ConfigError: when `dir` is not set.
     """
 
+    stores = True
+    persists = True
+
     def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
         if dir is None or str(dir) == "":
             raise ConfigError("cache.dir is not set: pass cache.dir=/path/to/cache for the ssd backend")

@@ -17,6 +17,7 @@ from qie.components.registry import (
 )
 from qie.components.single_file import check_transformer_file, is_single_file
 from qie.models import ModelSpec, model_spec
+from qie.types import value
 
 
 def prepare_model(model_cfg: Any) -> ModelSpec:
@@ -72,7 +73,7 @@ def load_parts(
     spec = spec or model_spec(model_cfg)
     devices = devices or {}
     names = list(names)
-    dtype = resolve_dtype(str(_value(model_cfg.dtype)))
+    dtype = resolve_dtype(str(value(model_cfg.dtype)))
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
     own = model_cfg.get("transformer_path")
     folders = {"transformer": transformer_folder(own)} if own and "transformer" in names else {}
@@ -83,12 +84,12 @@ def load_parts(
         classes=spec.part_classes,
         placements=placements,
         revision=model_cfg.revision,
-        quantize=str(_value(model_cfg.quantize)),
+        quantize=str(value(model_cfg.quantize)),
         folders=folders,
         keep_full_precision=spec.family.keep_full_precision,
-        text_encoder_quantize=str(_value(getattr(model_cfg, "text_encoder_quantize", "none"))),
-        single_file_fp8=str(_value(model_cfg.get("single_file_fp8", "upcast"))),
-        fp8_compute=str(_value(model_cfg.get("fp8_compute", "auto"))),
+        text_encoder_quantize=str(value(getattr(model_cfg, "text_encoder_quantize", "none"))),
+        single_file_fp8=str(value(model_cfg.get("single_file_fp8", "upcast"))),
+        fp8_compute=str(value(model_cfg.get("fp8_compute", "auto"))),
         compiled=compiled,
     )
     parts.pipeline_config = pipeline_config(source, model_cfg.revision)
@@ -124,8 +125,6 @@ def transformer_folder(path: str) -> str:
     )
 
 
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)
 
 
 __all__ = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,7 +173,7 @@ def validate(cfg: DictConfig) -> None:
     """
     for name, node in cfg.items():
         if name != "hydra" and isinstance(node, DictConfig):
-            _check_keys(node, name)
+            _check_keys(node, name, _backend_keys(node) if name == "cache" else ())
     _check_range(cfg, "data.caption_dropout_rate", 0.0, 1.0)
     _check_range(cfg, "data.batch_size", 1, None)
     _check_range(cfg, "data.num_workers", 0, None)
@@ -188,6 +189,7 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "predict.blocks_to_swap", 0, None)
     _check_group_choice(cfg, "train.optimizer")
     _check_installed(cfg, "train.optimizer")
+    _check_objective(cfg)
     if isinstance(cfg.get("model"), DictConfig):
         _check_model(cfg.model)
     if problem := weight_problem(cfg):
@@ -208,20 +210,44 @@ def validate(cfg: DictConfig) -> None:
             )
 
 
-def _check_keys(node: DictConfig, path: str) -> None:
-    """Refuse keys a schema does not have, at any depth (a `+train.lora.use_dora=true` must not pass unused).
-    Nodes typed `Any` (an optimizer's `_target_` and its arguments) take any key."""
+def _backend_keys(cache: DictConfig) -> list[str]:
+    """The backend's own keys of the `cache` node (see `qie.config.backend`), once its constructor takes them.
+
+    Raises:
+        ConfigError: a key neither the schema nor the backend's constructor knows.
+    """
+    from qie.config.backend import backend_problem, own_keys
+
+    if problem := backend_problem(cache):
+        raise ConfigError(problem)
+    return own_keys(cache)
+
+
+def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
+    """Refuse keys a schema does not have, at any depth (a `+train.lora.use_dora=true` must not pass unused),
+    but for `own` (a `_target_`'s own constructor arguments, checked by their caller). Nodes typed `Any` (an
+    optimizer's `_target_` and its arguments) take any key."""
     schema = OmegaConf.get_type(node)
     allowed = set(getattr(schema, "__dataclass_fields__", {}))
     if not allowed:
         return
-    extra = sorted(set(node.keys()) - allowed)
+    extra = sorted(set(node.keys()) - allowed - set(own))
     if extra:
         raise ConfigError(f"unknown key {path}.{extra[0]}: valid keys of {path!r} are {', '.join(sorted(allowed))}")
-    for key in node.keys():
+    for key in (k for k in node.keys() if k in allowed):
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
             _check_keys(child, f"{path}.{key}")
+
+
+def _check_objective(cfg: DictConfig) -> None:
+    """`train.objective` names a module of `qie.training.objectives` (looked up by name, as a `_target_` is: the
+    config layer imports no training code)."""
+    name = OmegaConf.select(cfg, "train.objective", default=None)
+    if name is None:
+        return
+    if problem := importlib.import_module("qie.training.objectives").objective_problem(str(name)):
+        raise ConfigError(problem)
 
 
 def _check_model(model: DictConfig) -> None:

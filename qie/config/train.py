@@ -133,6 +133,9 @@ class TrainConfig:
     shift: float = 3.0
     dynamic_shift: bool = False
     loss_weighting: LossWeighting = LossWeighting.none
+    # What each step's loss is: a module of `qie.training.objectives` (flow_matching: the family's flow-matching
+    # loss with loss masks and regularisation weights).
+    objective: str = "flow_matching"
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Loss masks (docs/guide.md, "Masked and edit-region loss").
     mask: MaskConfig = field(default_factory=MaskConfig)

@@ -9,24 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qie.data.samples import DataProblem, Dataset, prompt_problem, scan_dataset
+from qie.data.hf import GLOB_CHARACTERS, Columns, scan_hf
+from qie.data.samples import DataProblem, Dataset, prompt_problem
+from qie.data.scan import scan_dataset
 from qie.errors import DataError
 
 MANIFEST_SUFFIXES = (".jsonl", ".json", ".csv")
 HF_FILE_SUFFIXES = (".parquet", ".arrow")
-GLOB_CHARACTERS = "*?["
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Column names of a Hugging Face data set (`data.columns`)."""
-
-    target: str | None = "target"
-    controls: tuple[str, ...] = ("controls",)
-    prompt: str = "prompt"
-    id: str | None = None
-    mask: str | None = None  # a column of loss mask images
-    layers: str | None = None  # a column holding each row's layers (a list of images), for a layered model
 
 
 @dataclass(frozen=True)
@@ -43,13 +32,6 @@ class DataSource:
     allow_outside: bool = False
     # Where a manifest's scan is remembered by the manifest's signature (`cache.dir/manifests`); None: nowhere.
     index_dir: Path | None = None
-
-
-def is_hf_save_folder(path: Path) -> bool:
-    """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
-    return (path / "dataset_dict.json").is_file() or (
-        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
-    )
 
 
 def detect_format(path: str | Path) -> str:
@@ -99,8 +81,6 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
         return without_long_prompts(
             scan_dataset(source.path, format, require_target, source.allow_outside, require_prompt, source.index_dir)
         )
-    from qie.data.hf import scan_hf
-
     if source.images_dir is None:
         raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
     return without_long_prompts(

@@ -14,16 +14,36 @@ import hashlib
 import os
 import secrets
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qie.data.formats import GLOB_CHARACTERS, Columns, is_hf_save_folder
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import ConfigError, DataError
 
+GLOB_CHARACTERS = "*?["
 ROWS_PER_READ = 256  # rows read per slice: bounds the image bytes held in memory at once
 _MAGIC = ((b"\x89PNG", ".png"), (b"\xff\xd8", ".jpg"), (b"GIF8", ".gif"), (b"BM", ".bmp"), (b"II*\x00", ".tif"),
           (b"MM\x00*", ".tif"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Column names of a Hugging Face data set (`data.columns`)."""
+
+    target: str | None = "target"
+    controls: tuple[str, ...] = ("controls",)
+    prompt: str = "prompt"
+    id: str | None = None
+    mask: str | None = None  # a column of loss mask images
+    layers: str | None = None  # a column holding each row's layers (a list of images), for a layered model
+
+
+def is_hf_save_folder(path: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
 
 
 def load_hf(path: str, split: str) -> Any:

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from qie.data import manifest_index
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import DataError
 
@@ -142,8 +143,6 @@ def scan_manifest(
     """
     if index_dir is None:
         return _scan_rows(path, require_target, allow_outside, require_prompt)[0]
-    from qie.data import manifest_index
-
     settings = json.dumps([str(path), require_target, allow_outside, require_prompt])
     index = manifest_index.index_path(index_dir, path, settings)
     try:

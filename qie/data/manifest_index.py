@@ -21,7 +21,7 @@ import os
 import secrets
 from pathlib import Path
 
-from qie.data.samples import DataProblem, Dataset, Sample
+from qie.data.samples import DataProblem, Dataset, Sample, child_path
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,6 @@ def _sample(id, target, controls, prompt, mask, layers) -> Sample:  # noqa: A002
 def _paths(folder: Path, names: list[str]) -> list[Path]:
     """`folder / name` for each name; plain relative names (no `.` or empty component) through pathlib's
     child constructor of their folder, built once per folder (what `qie.data.samples` uses for listings)."""
-    from qie.data.samples import _child_path
-
     makers: dict[str, object] = {}
     out = []
     for name in names:
@@ -198,6 +196,6 @@ def _paths(folder: Path, names: list[str]) -> list[Path]:
             continue
         make = makers.get(head)
         if make is None:
-            make = makers[head] = _child_path(folder / head if head else folder)
+            make = makers[head] = child_path(folder / head if head else folder)
         out.append(make(base))
     return out

@@ -12,7 +12,6 @@ sample at all is an error.
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 from dataclasses import dataclass, field
@@ -74,60 +73,6 @@ class Dataset:
     problems: list[DataProblem] = field(default_factory=list)
 
 
-def scan_dataset(
-    path: str | Path,
-    format: str = "auto",
-    require_target: bool = True,
-    allow_outside: bool = False,
-    require_prompt: bool = True,
-    index_dir: str | os.PathLike | None = None,
-) -> Dataset:
-    """Find the samples of a data set folder or manifest.
-
-    Args:
-        path: a folder in the folder layout, or a .jsonl / .csv manifest.
-        format: "auto", "folder" or "manifest".
-        require_target: whether a sample without a target image is a problem (training) or fine (infer).
-        allow_outside: accept manifest rows naming files outside the manifest's folder (`..`, absolute
-            paths); otherwise such a row is a problem (`data.allow_outside_paths`).
-
-    Returns:
-        The samples in a stable order (sorted by id) and the problems found.
-
-    Raises:
-        DataError: the path does not exist, is not a data set, or holds no usable sample.
-    """
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise DataError(f"data.path {str(root)!r} does not exist: point data.path at a data set folder or manifest")
-    if format == "auto":
-        format = "folder" if root.is_dir() else "manifest"
-    # No garbage collection passes while a few hundred thousand paths and samples are made (none is cyclic):
-    # they cost about a third of the scan of a 100k-sample folder.
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
-        if format == "folder":
-            data = _scan_folder(root, require_target, require_prompt)
-        else:
-            from qie.data.manifest import scan_manifest
-
-            data = scan_manifest(root, require_target, allow_outside, require_prompt, index_dir)
-    finally:
-        if gc_was_on:
-            gc.enable()
-    if not data.samples:
-        detail = "".join(f"\n  {p.path}: {p.reason}" for p in data.problems[:5])
-        if len(data.problems) > 5:
-            detail += f"\n  ... and {len(data.problems) - 5} more"
-        if not data.problems:
-            detail = f"\n  it holds no samples (images are {', '.join(IMAGE_EXTENSIONS)})"
-        raise DataError(f"no usable sample in {str(root)!r}{detail}\nSee README 'Data sets' for the layouts.")
-    data.samples.sort(key=lambda s: s.id)
-    data.problems.sort(key=lambda p: p.id)
-    return data
-
-
 def read_caption(path: Path | str) -> str:
     """The caption text of `path`, stripped (read as `Path.read_text(encoding="utf-8")` would: newlines
     of any convention become "\n").
@@ -167,7 +112,7 @@ def _split_suffix(name: str) -> tuple[str, str]:
 
 def _images_by_stem(folder: Path, names: list[str]) -> dict[str, Path]:
     """Image files among `names` (the sorted listing of `folder`) by stem; a later name wins a stem."""
-    child = _child_path(folder)
+    child = child_path(folder)
     images = {}
     for name in names:
         stem, suffix = _split_suffix(name)
@@ -176,7 +121,7 @@ def _images_by_stem(folder: Path, names: list[str]) -> dict[str, Path]:
     return images
 
 
-def _child_path(folder: Path):
+def child_path(folder: Path):
     """A function name -> `folder / name` for a plain file name. pathlib's own child constructor (what
     `iterdir` uses) skips parsing the name and is 3x faster than `/`; it is private, so it is used only
     where it gives exactly what `/` gives."""
@@ -244,7 +189,7 @@ def _scan_layered_folder(root: Path, require_prompt: bool = True) -> Dataset:
     return data
 
 
-def _scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -> Dataset:
+def scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -> Dataset:
     if (root / "layers").is_dir() and (root / "images").is_dir():
         return _scan_layered_folder(root, require_prompt)
     targets_dir, controls_dir, masks_dir = root / "training_images", root / "control_images", root / "masks"

@@ -33,7 +33,8 @@ from PIL import Image
 from qie.components import prepare_model
 from qie.config import for_stage
 from qie.data.images import open_image, prepare_target
-from qie.data.samples import Sample, scan_dataset
+from qie.data.samples import Sample
+from qie.data.scan import scan_dataset
 from qie.demo.grid import captioned_grid
 from qie.demo.synthetic import composite, make_dataset
 from qie.models import ModelSpec

@@ -20,6 +20,7 @@ from typing import Any
 
 from qie.errors import ConfigError
 from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
+from qie.types import value
 
 # The model families qie knows, by module. The only list of family names: variants and tiny presets are
 # read off the families.
@@ -243,7 +244,7 @@ def model_spec(model: Any) -> ModelSpec:
     Raises:
         ConfigError: for a variant qie does not know, naming the ones it does.
     """
-    variant = str(getattr(model.variant, "value", model.variant))
+    variant = str(value(model.variant))
     known = variants()
     if variant not in known:
         raise ConfigError(f"model.variant={variant!r} is not known: choose one of {', '.join(known)}")

@@ -27,10 +27,14 @@ from omegaconf import DictConfig, OmegaConf
 from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher, entry_key
 from qie.captioning import Captioner, CaptionPrompt, GenerationSettings
+from qie.config.caption import CaptionConfig
 from qie.data.keys import KeyContext
 from qie.data.samples import DataProblem, Sample
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec
+from qie.stages import caption as caption_stage
+from qie.stages.caption import prompt_settings, shown_images
+from qie.stages.common import file_hasher, model_key_context, precompute_command
 
 CAPTION_TYPE = "caption"
 
@@ -62,9 +66,6 @@ def caption_settings(data: DictConfig, spec: ModelSpec) -> CaptionSettings:
     Raises:
         ConfigError: a name that is no preset, a file that is missing or has fields the group does not.
     """
-    from qie.config.caption import CaptionConfig
-    from qie.stages.caption import prompt_settings
-
     name = str(data.get("auto_caption_prompt") or spec.pipe.caption)
     is_file = name.endswith((".yaml", ".yml"))
     path = Path(name).expanduser() if is_file else preset_folder() / f"{name}.yaml"
@@ -190,8 +191,6 @@ class AutoCaptions:
         return caption_text(entry["text"]) if entry is not None and "text" in entry else None
 
     def _generate(self, samples: Sequence[Sample], todo: list[tuple[int, str]], out: list, problems: list) -> None:
-        from qie.stages.caption import shown_images
-
         captioner = self.make_captioner(self.settings)  # type: ignore[misc]
         vl_pixels = self.context.vl_image_pixels
         size = 1 if self.settings.generation.do_sample else self.settings.batch_size
@@ -222,9 +221,26 @@ class AutoCaptions:
 
 def build_captioner(cfg: DictConfig, spec: ModelSpec) -> Callable[[CaptionSettings], Captioner]:
     """A function building the caption stage's captioner (the text encoder and its processor) for `cfg`'s model."""
-    from qie.stages import caption as caption_stage
-
     def make(settings: CaptionSettings) -> Any:
         return caption_stage.build_captioner(cfg, spec, settings)  # reads settings.prompt and .generation
 
     return make
+
+
+def auto_captions(
+    cfg: DictConfig, spec: ModelSpec, generate: bool, backend: CacheBackend, hasher: FileHasher | None = None
+) -> AutoCaptions | None:
+    """What fills in missing captions when `data.auto_caption` is set (else None): captions are read from the
+    cache (`backend`, where it stores anything) and, when `generate`, the missing ones are written by the model's
+    own text encoder (built on the first one) and stored; without `generate`, a caption not cached is a miss.
+
+    Raises:
+        ConfigError: `data.auto_caption_prompt` names no caption preset.
+    """
+    if not cfg.data.get("auto_caption", False):
+        return None
+    settings = caption_settings(cfg.data, spec)
+    hint = f"fill the cache with {precompute_command(cfg)} or train with cache.mode=lazy"
+    return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg),
+                        backend if backend.stores else None,
+                        build_captioner(cfg, spec) if generate else None, spec, hint)  # fmt: skip

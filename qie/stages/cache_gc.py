@@ -11,30 +11,37 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from qie.cache.admin import AdminReport, format_bytes
+from qie.cache.base import CacheBackend
 from qie.components import prepare_model
 from qie.errors import ConfigError
-from qie.stages.auto_caption import CAPTION_TYPE
-from qie.stages.common import auto_captions, build_source, read_data
+from qie.stages.auto_caption import CAPTION_TYPE, auto_captions
+from qie.stages.common import build_source, read_data
 
 
-def used_keys(cfg: DictConfig) -> tuple[dict[str, set[str]], int]:
-    """The keys (per type) of every sample of `data.path` and `gc.keep_data`, and how many samples that is."""
+def used_keys(cfg: DictConfig, backend: CacheBackend) -> tuple[dict[str, set[str]], int]:
+    """The keys (per type) of every sample of `data.path` and `gc.keep_data`, and how many samples that is.
+
+    Raises:
+        ConfigError: `backend` stores nothing (there is nothing to collect).
+    """
     spec = prepare_model(cfg.model)
-    source = build_source(cfg, mode="cached", spec=spec)
-    captions = auto_captions(cfg, spec, generate=False)  # data.auto_caption: the cached captions are used too
+    cache = build_source(cfg, mode="cached", spec=spec, backend=backend).cache
+    if cache is None:
+        raise ConfigError(f"action=gc needs a cache that stores entries; {backend!r} stores none")
+    captions = auto_captions(cfg, spec, False, backend)  # data.auto_caption: the cached captions are used too
     keep: dict[str, set[str]] = {}
     count = 0
     for path in [cfg.data.path, *cfg.gc.keep_data]:
         for sample in read_data(cfg, path=str(path), captions=captions).samples:
             count += 1
-            for type, key in source.keys(sample).items():
+            for type, key in cache.keys(sample).items():
                 keep.setdefault(type, set()).add(key)
     if captions is not None:
         keep[CAPTION_TYPE] = set(captions.counts.keys)
     return keep, count
 
 
-def collect_garbage(cfg: DictConfig, backend) -> AdminReport:
+def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
     """List (and unless `gc.dry_run`, remove) the entries no sample of the named data sets uses.
 
     Raises:
@@ -46,7 +53,7 @@ def collect_garbage(cfg: DictConfig, backend) -> AdminReport:
             "action=gc needs the data set(s) whose entries to keep: add data.path=... (more: gc.keep_data=[...]) "
             "and the model=NAME precompute was given"
         )
-    keep, samples = used_keys(cfg)
+    keep, samples = used_keys(cfg, backend)
     remove = not bool(cfg.gc.dry_run)
     unused = backend.unused(keep, remove=False)
     total = backend.stats()

@@ -10,13 +10,14 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from qie.cache import build_backend
+from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher
 from qie.components import load_parts, model_source
+from qie.config.backend import build_backend
 from qie.data.formats import Columns, DataSource, read_dataset
 from qie.data.keys import KeyContext
 from qie.data.masks import MaskSettings
@@ -27,14 +28,13 @@ from qie.errors import ConfigError, DataError
 from qie.masked_source import MaskedSource
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
-
-if TYPE_CHECKING:
-    from qie.stages.auto_caption import AutoCaptions
+from qie.types import value
 
 
-def value(x: Any) -> Any:
-    """The plain value of a config enum."""
-    return getattr(x, "value", x)
+class CaptionFiller(Protocol):
+    """What gives samples without a caption theirs (`qie.stages.auto_caption.AutoCaptions`)."""
+
+    def fill(self, samples: list[Sample]) -> tuple[list[Sample], list[DataProblem]]: ...
 
 
 def image_sizes(cfg: DictConfig, spec: ModelSpec | None = None) -> ImageSizes:
@@ -73,40 +73,18 @@ def read_data(
     require_target: bool = True,
     path: str | None = None,
     require_prompt: bool = True,
-    captions: AutoCaptions | None = None,
+    captions: CaptionFiller | None = None,
 ) -> Dataset:
     """The samples of `data.path` (or of `path`): a folder, a manifest or a Hugging Face data set; without
     `require_prompt`, samples without a caption have the prompt "" (the caption stage). With `captions`
-    (`data.auto_caption`, see `auto_captions`), samples without a caption get one, and those that cannot are
-    problems."""
+    (`data.auto_caption`, see `qie.stages.auto_caption.auto_captions`), samples without a caption get one, and
+    those that cannot are problems."""
     fill = require_prompt and captions is not None
     data = read_dataset(data_source(cfg, path), require_target, require_prompt and not fill)
     if fill:
         samples, problems = captions.fill(data.samples)  # type: ignore[union-attr]
         data = Dataset(samples, sorted([*data.problems, *problems], key=lambda p: p.id))
     return data
-
-
-def auto_captions(
-    cfg: DictConfig, spec: ModelSpec, generate: bool, backend: Any = None, hasher: FileHasher | None = None
-) -> AutoCaptions | None:
-    """What fills in missing captions when `data.auto_caption` is set (else None): captions are read from the
-    cache (`cache.dir`, or `backend`) and, when `generate`, the missing ones are written by the model's own text
-    encoder (built on the first one) and stored; without `generate`, a caption not cached is a miss.
-
-    Raises:
-        ConfigError: `data.auto_caption_prompt` names no caption preset.
-    """
-    if not cfg.data.get("auto_caption", False):
-        return None
-    from qie.stages.auto_caption import AutoCaptions, build_captioner, caption_settings
-
-    settings = caption_settings(cfg.data, spec)
-    if backend is None and cfg.cache.name != "none" and cfg.cache.get("dir"):
-        backend = build_backend(cfg.cache._target_, cfg.cache.dir, bool(cfg.cache.get("verify_reads", False)))
-    hint = f"fill the cache with {precompute_command(cfg)} or train with cache.mode=lazy"
-    return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg), backend,
-                        build_captioner(cfg, spec) if generate else None, spec, hint)  # fmt: skip
 
 
 def sample_range(
@@ -159,8 +137,10 @@ def build_source(
     encoder: Encoder | None = None,
     precompute_command: str | None = None,
     spec: ModelSpec | None = None,
+    backend: CacheBackend | None = None,
 ) -> EmbeddingSource:
-    """The EmbeddingSource that `cache.mode` (or `mode`) names; `cache=none` is always live.
+    """The EmbeddingSource that `cache.mode` (or `mode`) names over `backend` (None: built from `cfg.cache`); a
+    backend that stores nothing (`cache=none`) is always live.
 
     A lazy source builds its encoders on its first miss; a cached one never builds them, but can hand out
     a lazy variant (`with_encoding()`) that does.
@@ -168,14 +148,15 @@ def build_source(
     mode = mode or str(value(cfg.cache.mode))
     spec = spec or model_spec(cfg.model)
     sizes = image_sizes(cfg, spec)
-    return with_masks(cfg, *_unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command))
+    if backend is None and mode != "live":
+        backend = build_backend(cfg.cache)
+    return with_masks(cfg, *_unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command, backend))
 
 
-def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command) -> tuple[EmbeddingSource, Any]:
-    """The source `mode` names, and its cache backend (None for a live source)."""
-    if mode == "live" or cfg.cache.name == "none":
+def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command, backend) -> tuple[EmbeddingSource, Any]:
+    """The source `mode` names, and the backend its masks are stored in (None for a live source)."""
+    if mode == "live" or not backend.stores:
         return LiveSource(encoder or build_encoder(cfg, spec), sizes), None
-    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
     factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg, spec))
     cached = CachedSource(
         backend,

@@ -14,7 +14,9 @@ order; problems found while scanning the data set are reported by every run.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,15 +24,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from qie.cache import build_backend
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
 from qie.components import prepare_model
+from qie.config.backend import build_backend
 from qie.data.samples import DataProblem, Dataset, Sample, without_controls
+from qie.encode import Encoder, ImageSizes
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages import common
-from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions
+from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions, auto_captions
 from qie.stages.common import build_encoder, control_dropout, file_hasher, image_sizes, model_key_context, value
 from qie.stages.precompute_work import (
     Keyed,
@@ -56,6 +59,10 @@ class Settings:
     start: int
     end: int | None
     model: Any  # the ModelSpec: which control-image counts it takes
+    backend: CacheBackend  # `cache`'s backend; with `cache.repair`, it checks every entry's checksum on reads
+    repair: bool
+    sizes: ImageSizes  # the target and condition sizes images are encoded at
+    make_encoder: Callable[[], Encoder]  # builds the encoders (on the first batch that needs them)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
@@ -69,8 +76,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     from accelerate import PartialState
 
     settings = read_settings(cfg)
-    repair = bool(cfg.cache.get("repair", False))
-    backend = build_backend(cfg.cache._target_, cfg.cache.dir, verify_reads=repair)
+    backend = settings.backend
     backend.check_access(write=True)
     check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
     # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
@@ -78,7 +84,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     state = PartialState(cpu=not torch.cuda.is_available())
     common.warn_single_process(state.num_processes, "qie.precompute")
     hasher = file_hasher(cfg)
-    captions = common.auto_captions(cfg, settings.model, True, backend, hasher)
+    captions = auto_captions(cfg, settings.model, True, backend, hasher)
     with state.main_process_first():  # the main process writes the missing captions, the others read them
         items = dataset_range(cfg, settings, captions)
     summary = PrecomputeSummary.of(items)
@@ -89,9 +95,8 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     mine = share(keyed, state.num_processes, state.process_index)
     # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
     summary.samples = len(mine) + (len(items) - len(keyed) if main else 0)
-    checked = Repairing(backend) if repair else backend
-    groups = plan(mine, checked, summary)
-    encode(cfg, groups, checked, summary, settings, f"precompute[{state.process_index}]" * (state.num_processes > 1))
+    groups = plan(mine, backend, summary, settings.repair)
+    encode(groups, summary, settings, f"precompute[{state.process_index}]" * (state.num_processes > 1))
     hasher.save()
     totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
     summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
@@ -103,32 +108,24 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     return summary
 
 
-class Repairing:
-    """A backend whose `intact` also reads the entry and checks its checksum (`cache.repair=true`): precompute
-    then re-encodes entries whose bytes changed, not only those that are missing or cut short."""
-
-    def __init__(self, backend: CacheBackend) -> None:
-        self.backend = backend
-
-    def intact(self, type: str, key: str) -> bool:
-        return self.backend.intact(type, key) and self.backend.get(type, key) is not None
-
-    def __getattr__(self, name: str):
-        return getattr(self.backend, name)
-
-
 def read_settings(cfg: DictConfig) -> Settings:
-    """The stage's settings, checked: ConfigError for a missing data set, a cache that keeps nothing, or a
-    batch size below 1."""
+    """The stage's settings, checked, and the cache backend built: ConfigError for a missing data set, a cache
+    that does not outlive the process, or a batch size below 1."""
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
-    if cfg.cache.name == "none" or not cfg.cache.get("dir"):
-        raise ConfigError("precompute needs a persistent cache: use cache=ssd cache.dir=FOLDER")
     p = cfg.precompute
     if int(p.batch_size) < 1:
         raise ConfigError(f"precompute.batch_size={p.batch_size} is out of range: it must be at least 1")
+    # `cache.repair`: every existing entry is read once, and those whose checksum fails are encoded again.
+    repair = bool(cfg.cache.get("repair", False))
+    backend = build_backend(cfg.cache, verify_reads=repair)
+    if not backend.persists:
+        raise ConfigError(f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
+                          "ends: use cache=ssd cache.dir=FOLDER")  # fmt: skip
     raise_errors = str(value(p.on_error)) == "raise"
-    return Settings(int(p.batch_size), raise_errors, p.start, p.end, prepare_model(cfg.model))
+    spec = prepare_model(cfg.model)
+    return Settings(int(p.batch_size), raise_errors, p.start, p.end, spec, backend, repair, image_sizes(cfg, spec),
+                    functools.partial(build_encoder, cfg, spec))  # fmt: skip
 
 
 def dataset_range(
@@ -166,22 +163,20 @@ def key_samples(items: list, ctx, hasher, settings: Settings, summary: Precomput
     return keyed
 
 
-def encode(cfg: DictConfig, groups: dict, backend: CacheBackend, summary, settings: Settings, desc: str) -> None:
+def encode(groups: dict, summary, settings: Settings, desc: str) -> None:
     """Encode the planned groups; the encoders are built on the first batch that needs them, never when
     everything is cached."""
     encoder = []
 
     def get_encoder():
         if not encoder:
-            encoder.append(build_encoder(cfg, settings.model))
+            encoder.append(settings.make_encoder())
         return encoder[0]
 
     todo = sum(len(g) for g in groups.values())
     with progress(todo, desc or "precompute", unit="sample", disable=not todo) as bar:
-        sizes = image_sizes(cfg, settings.model)
-        encode_groups(
-            get_encoder, groups, backend, sizes, summary, settings.batch_size, settings.raise_errors, bar.update
-        )  # fmt: skip
+        encode_groups(get_encoder, groups, settings.backend, settings.sizes, summary, settings.batch_size,
+                      settings.raise_errors, bar.update, settings.repair)  # fmt: skip
 
 
 def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path) -> PrecomputeSummary:

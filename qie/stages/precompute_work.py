@@ -117,15 +117,23 @@ def share(keyed: list[Keyed], num_processes: int, index: int) -> list[Keyed]:
     return [keyed[i] for i in sorted(chosen)]
 
 
-def plan(mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary) -> dict[tuple, list[Keyed]]:
-    """Group samples by the tuple of stored types they miss; an intact entry or one planned already is
+def whole(backend: CacheBackend, type: str, key: str, repair: bool = False) -> bool:
+    """Whether (type, key) is stored whole: judged by its header, and with `repair` by its bytes too (read and
+    checked against their checksum by a backend built with `verify_reads`)."""
+    return backend.intact(type, key) and (not repair or backend.get(type, key) is not None)
+
+
+def plan(
+    mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary, repair: bool = False
+) -> dict[tuple, list[Keyed]]:
+    """Group samples by the tuple of stored types they miss; a whole entry (`whole`) or one planned already is
     skipped. Groups that write empty-prompt entries come first: prompt entries then share their prefix."""
     planned: set[tuple[str, str]] = set()
     groups: dict[tuple[str, ...], list[Keyed]] = defaultdict(list)
     for sample, keys in mine:
         missing = []
         for t in (t for t in STORED_TYPES if t in keys):
-            if (t, keys[t]) in planned or backend.intact(t, keys[t]):
+            if (t, keys[t]) in planned or whole(backend, t, keys[t], repair):
                 summary.types[t].skipped += 1
             else:
                 planned.add((t, keys[t]))
@@ -135,7 +143,7 @@ def plan(mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary) -
     return dict(sorted(groups.items(), key=lambda g: BASE_TYPE not in g[0]))
 
 
-def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: PrecomputeSummary):
+def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: PrecomputeSummary, repair: bool = False):
     """Claim the batch's missing entries against other runs on this cache.
 
     Returns:
@@ -152,7 +160,7 @@ def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: Prec
             busy.append((sample, keys))
             continue
         held += [c for _, c in got]
-        left = tuple(t for t in types if not backend.intact(t, keys[t]))
+        left = tuple(t for t in types if not whole(backend, t, keys[t], repair))
         for t in set(types) - set(left):
             summary.types[t].skipped += 1
             summary.claimed_by_others += 1
@@ -170,6 +178,7 @@ def encode_groups(
     batch_size: int,
     raise_errors: bool,
     progress: Callable[[int], object],
+    repair: bool = False,
 ) -> None:
     """Encode and write every group in batches; samples another run holds are retried after waiting for
     that run's claims, holding none (its entries are then skipped, what it failed to write is encoded)."""
@@ -179,7 +188,7 @@ def encode_groups(
         for types, group in pending:
             for start in range(0, len(group), batch_size):
                 batch = group[start : start + batch_size]
-                todo, busy, held = claim(backend, batch, types, summary)
+                todo, busy, held = claim(backend, batch, types, summary, repair)
                 try:
                     if todo:
                         _encode_batch(encoder(), todo, sizes, backend, summary, raise_errors)

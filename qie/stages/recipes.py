@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from qie.data.mixing import REG_PREFIX
@@ -68,7 +67,7 @@ def regularization_settings(cfg: DictConfig) -> tuple[str, float, float] | None:
 
 def regularization_samples(cfg: DictConfig, spec: ModelSpec | None = None, captions: Any = None) -> list[Sample]:
     """The regularisation set's samples (ids under `reg/`), those the model takes; [] without one. `captions`
-    (`data.auto_caption`, see `qie.stages.common.auto_captions`) gives those without a caption theirs.
+    (`data.auto_caption`, see `qie.stages.auto_caption.auto_captions`) gives those without a caption theirs.
 
     Raises:
         DataError: the set holds no sample the model can train on.
@@ -81,16 +80,6 @@ def regularization_samples(cfg: DictConfig, spec: ModelSpec | None = None, capti
     if not samples:
         raise DataError(f"data.regularization.path {found[0]!r} holds no sample model={cfg.model.name} can train on")
     return [replace(s, id=REG_PREFIX + s.id) for s in samples]
-
-
-def weighted(loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The family loss times the batch's `loss_weight`."""
-
-    def weighted_loss(model: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = loss(model, batch, *args, **kwargs)
-        return out if batch.loss_weight == 1.0 else out * batch.loss_weight
-
-    return weighted_loss
 
 
 def regularization_logging(logger: Any, weight: float) -> Callable[[Any], None]:

@@ -11,8 +11,6 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import gc
 import json
@@ -25,44 +23,35 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
 from qie.components import load_parts, prepare_model, resolve_dtype
-from qie.data.buckets import BucketBatchSampler, bucket_keys
-from qie.data.mixing import MixedBatchSampler
-from qie.data.samples import DataProblem, Sample, without_controls
-from qie.embeddings import EmbeddingSource
-from qie.errors import CacheMissError, ConfigError, DataError, check_writable
+from qie.config.backend import build_backend
+from qie.data.samples import Sample
+from qie.errors import ConfigError, check_writable
 from qie.models import ModelSpec
-from qie.readiness import ready_samples
-from qie.stages.auto_caption import caption_settings
+from qie.stages.auto_caption import auto_captions, caption_settings
 from qie.stages.common import (
-    auto_captions,
     build_source,
     control_dropout,
     in_background,
     precompute_command,
-    read_data,
     value,
     warn_single_process,
 )
 from qie.stages.heldout import measure_heldout, split_heldout
-from qie.stages.recipes import (
-    check_recipes,
-    lora_exports,
-    make_ema,
-    regularization_logging,
-    regularization_samples,
-    weighted,
-)
+from qie.stages.recipes import check_recipes, lora_exports, make_ema, regularization_logging
+from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
+from qie.stages.train_hooks import step_hooks
 from qie.training import checkpoint as ckpt
 from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
-from qie.training.logging import ImageLogger, MetricsLogger
+from qie.training.logging import MetricsLogger
 from qie.training.lookups import remember_package_lookups
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
+from qie.training.objectives import ObjectiveInputs, build_objective
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 
@@ -106,7 +95,8 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
            on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
-    source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec)
+    backend = build_backend(cfg.cache)
+    source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec, backend=backend)
     # The model's weights load in the background while the data set is scanned and every sample's entries are
     # checked (later misses stop the run too); training starts only once both are done.
     MemorySettings.of(cfg.train, spec.family).check(mode.lora, str(value(cfg.model.quantize)))
@@ -118,7 +108,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     try:
         # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
         # process first, the others then read them).
-        captions = auto_captions(cfg, spec, source.encodes)
+        captions = auto_captions(cfg, spec, source.encodes, backend)
         with accelerator.main_process_first():
             samples = load_samples(cfg, spec, accelerator.is_main_process, captions)
         records = run_records(cfg, spec, samples)
@@ -156,14 +146,12 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     hooks = step_hooks(cfg, spec, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
-    save = functools.partial(_save_checkpoint, state, run_dir, mode.lora, cfg.train, records, ema)
+    save = functools.partial(_save_checkpoint, state, run_dir, mode, cfg.train, records, ema)
     # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
     # garbage collector's full passes (each a few seconds at a million samples, on the training thread).
     gc.freeze()
     try:
         settings = loop_settings(cfg.train, cfg.logging, scheduler, spec)
-        if reg:  # regularisation batches weigh data.regularization.weight
-            settings = dataclasses.replace(settings, loss=weighted(settings.loss))
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
         measure_heldout(result, state, source, heldout, spec, logger)
@@ -203,57 +191,6 @@ def mixed_precision(setting: str, model_dtype: str) -> str:
     return setting
 
 
-def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool, captions: Any = None) -> list[Sample]:
-    """The samples of `data.path` the model can take; the first problems found are printed when `report`.
-    `captions` (`data.auto_caption`) gives samples without a caption theirs.
-
-    Raises:
-        DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
-        CacheMissError: a caption the cache lacks (cache-only captions, `cache.on_missing=stop`).
-    """
-    data, dataset = cfg.data, read_data(cfg, captions=captions)
-    if captions is not None and captions.misses and str(value(cfg.cache.on_missing)) == "stop":
-        first = captions.misses[0]
-        raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
-                             f"({first.path}): {first.reason.split(': ', 1)[-1]} "
-                             "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
-    problems = [
-        DataProblem(s.id, str(s.target), why)
-        for s in dataset.samples
-        if (why := spec.control_problem(len(s.controls)) or spec.layers_problem(len(s.layers)))
-    ]
-    skipped = {p.id for p in problems}
-    samples = [s for s in dataset.samples if s.id not in skipped]
-    problems = dataset.problems + problems
-    if not samples:
-        raise DataError(f"no sample of {data.path} can train model={spec.name}: {problems[0].reason}")
-    for p in problems[:5] if report else []:
-        print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
-    return samples
-
-
-def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, samples: list[Sample], run_dir: Path,
-               report: bool, captions: Any = None) -> tuple[list[Sample], list[Sample]]:  # fmt: skip
-    """The `samples` and the regularisation set's samples whose cache entries are all there (`ready_samples`;
-    with reference dropout, their text-only entries too)."""
-    on_missing, cache_dir, command = str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), precompute_command(cfg)
-    samples = ready_samples(source, samples, run_dir, on_missing, cache_dir, report, command)
-    reg = regularization_samples(cfg, spec, captions)
-    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
-    if control_dropout(cfg):  # the text-only entries too
-        kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
-                                            on_missing, cache_dir, False, command)}  # fmt: skip
-        samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
-    return samples, reg
-
-
-def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
-    """(worker processes, prefetched batches) of the training loader: `data.num_workers` and `data.prefetch`
-    for a source that only reads, none for one that encodes (encoders may sit on a GPU, which forked
-    workers cannot use, and are not run ahead of the step)."""
-    return (0, 0) if source.encodes else (int(data.num_workers), int(data.prefetch))
-
-
 def train_mode(train: DictConfig, spec: ModelSpec) -> TrainMode:
     """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA (or `train.init_lora`'s file).
 
@@ -284,17 +221,15 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
         dynamic_shift=bool(train.dynamic_shift),
         scheduler_config=dict(scheduler.config),
     )
+    inputs = ObjectiveInputs(spec.family, sigmas, str(value(train.loss_weighting)))
     return LoopSettings(
         max_steps=int(train.max_steps),
         seed=int(train.seed),
+        objective=build_objective(str(train.objective), inputs),
         max_grad_norm=float(train.max_grad_norm),
         checkpoint_every=int(train.checkpoint_every),
         log_every=int(logging.log_every),
-        sigmas=sigmas,
-        loss_weighting=str(value(train.loss_weighting)),
         on_nonfinite=str(value(train.on_nonfinite)),
-        loss=spec.loss,
-        patch_size=spec.family.patch_size,
     )
 
 
@@ -340,90 +275,19 @@ def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample]) -> tupl
     return model_record(spec, fingerprint, str(value(train.mode)), lora), data_record([s.id for s in samples])
 
 
-def _save_checkpoint(state: TrainState, run_dir: Path, lora: bool, train: DictConfig, records: tuple[dict, dict],
+def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: DictConfig, records: tuple[dict, dict],
                      ema: Ema | None, step: int, consumed: int) -> Path:  # fmt: skip
     info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes,
             "model": records[0], "data": records[1]}  # fmt: skip
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
     extra = (lambda folder: write_ema(ema, folder, model, exports)) if ema is not None else None
-    return ckpt.save_checkpoint(state, run_dir, info, lora, exports, train.checkpoints_total_limit, extra)
+    return ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
 
 
 def _instantiate(node: Any) -> Any:
     from hydra.utils import instantiate
 
     return instantiate(node)
-
-
-def make_sampler(
-    cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int, extra: list[Sample] | None = None
-) -> BucketBatchSampler | MixedBatchSampler:
-    """The resumable batch stream of this process, bucketed by latent shapes when batches hold several samples;
-    with `extra` (regularisation samples, after `samples` in the dataset) mixed in by `data.regularization.ratio`."""
-    if extra:
-        main, other = make_sampler(cfg, samples, accelerator, 0), make_sampler(cfg, extra, accelerator, 0)
-        ratio, accumulation = float(cfg.data.regularization.ratio), int(cfg.train.gradient_accumulation_steps)
-        return MixedBatchSampler(main, other, len(samples), ratio, int(cfg.train.seed), accumulation, start)
-    batch_size = int(cfg.data.batch_size)
-    # Batches of one never mix shapes: skip reading every image header.
-    keys: list = [0] * len(samples)
-    if batch_size > 1:
-        index = Path(cfg.cache.dir) / "image_sizes.json" if cfg.cache.get("dir") else None
-        areas = (int(cfg.data.target_pixels), int(cfg.model.vae_image_pixels), int(cfg.data.multiple_of))
-        keys = bucket_keys(samples, *areas, index=index)
-    sampler = BucketBatchSampler(keys, [len(s.prompt) for s in samples], batch_size, int(cfg.train.seed),
-                                 bool(cfg.data.shuffle), accelerator.num_processes, accelerator.process_index,
-                                 start=start)  # fmt: skip
-    accelerator.print(f"qie: data: {sampler.summary()}")
-    return sampler
-
-
-def step_hooks(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list, scheduler: Any,
-               logger, extra, run_dir: Path, ema: Ema | None = None) -> list:  # fmt: skip
-    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
-    hooks = [lambda info: ema.update(info.step)] if ema is not None else []
-    if cfg.logging.log_images:
-        by_id = {s.id: s for s in samples}
-        log = cfg.logging
-        images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
-        hooks.append(lambda info: images(info.step, info.batch))
-    if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
-        use_ema = ema if cfg.validation.get("use_ema") else None
-        hooks.append(_validation_hook(cfg, spec, state, source, samples, scheduler, logger, run_dir, use_ema))
-    if extra is not None:
-        hooks.append(extra)
-    return hooks
-
-
-def _validation_hook(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list,
-                     scheduler: Any, logger, run_dir: Path, ema: Ema | None = None):  # fmt: skip
-    """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`),
-    measure and log them.
-
-    Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
-    """
-    from qie.stages.common import sampling_options
-    from qie.stages.validation import validation_inputs, validation_references, validation_samples
-    from qie.training.validation import Validator
-
-    v, accelerator = cfg.validation, state.accelerator
-    options = sampling_options(
-        cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
-        num_inference_steps=v.num_inference_steps, seed=v.seed,
-    )  # fmt: skip
-    vae_parts = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}, spec)
-    chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), spec)
-    inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
-    validator = Validator(inputs, negatives, scheduler, vae_parts.vae, logger, options, spec, run_dir / "validation",
-                          validation_references(chosen, spec), vae_parts.pipeline_config)  # fmt: skip
-    every = int(v.every)
-
-    def hook(info: StepInfo) -> None:
-        if info.step % every == 0:
-            with ema.applied() if ema is not None else contextlib.nullcontext():  # sample with the average
-                validator(info.step, accelerator.unwrap_model(state.model))
-
-    return hook
 
 
 def finish(

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from qie.errors import ConfigError, ModelLoadError, StorageError
 from qie.training.adapters import is_adapter_param
 from qie.training.guards import state_is_finite
-from qie.training.lora import load_lora_state, lora_state_dict, save_lora
+from qie.training.lora import load_lora_state
 from qie.training.state_io import load_tree, rng_state, save_tree, set_rng_state
 
 STATE_FILE = "trainer_state.json"
@@ -139,7 +139,7 @@ def save_checkpoint(
     train: Any,
     run_dir: Path,
     state: dict,
-    lora: bool,
+    mode: Any,
     exports: Sequence[str] = (),
     keep=None,
     extra: Callable[[Path], None] | None = None,
@@ -149,8 +149,9 @@ def save_checkpoint(
     Args:
         train: the TrainState (accelerator, model, optimizer, lr_scheduler).
         state: what `read_state` gives back on resume (step, batches_consumed, ...).
-        lora: the model trains a LoRA: keep only its weights, and export it in diffusers format too (and
-            the other tools' files `exports` names: "comfyui", "kohya").
+        mode: the TrainMode (`qie.training.modes`): what the checkpoint keeps of the model (a LoRA keeps its own
+            weights, exported in diffusers format too with the other tools' files `exports` names: "comfyui",
+            "kohya"; a full fine-tune the whole transformer).
         keep: `train.checkpoints_total_limit`.
         extra: writes more into the checkpoint folder before it is committed (main process; the EMA).
     """
@@ -167,12 +168,12 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise save_error(e, folder) from None
     sharded = is_sharded(accelerator)
-    lora_weights = lora_state_dict(accelerator.unwrap_model(train.model)) if lora else None  # FSDP: every process
-    gathered = gather_state(train, lora) if sharded else None  # collectives: every process
+    weights = mode.checkpoint_weights(accelerator.unwrap_model(train.model))  # FSDP: every process
+    gathered = gather_state(train, not mode.saves_whole_model) if sharded else None  # collectives: every process
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         try:
-            _write(train, tmp, folder, state, lora, exports, lora_weights, gathered, extra)
+            _write(train, tmp, folder, state, mode, exports, weights, gathered, extra)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)  # the earlier checkpoints are untouched
             if isinstance(e, (OSError, SafetensorError)):
@@ -185,22 +186,17 @@ def save_checkpoint(
 
 
 def _write(
-    train: Any, tmp: Path, folder: Path, state: dict, lora: bool, exports: Sequence[str], lora_weights, gathered,
+    train: Any, tmp: Path, folder: Path, state: dict, mode: Any, exports: Sequence[str], weights, gathered,
     extra: Callable[[Path], None] | None,
 ) -> None:
     """Write the checkpoint's files into `tmp` and rename it to `folder` (main process)."""
     accelerator = train.accelerator
     model = accelerator.unwrap_model(train.model)
-    if lora:
-        save_lora(model, tmp, exports, state=lora_weights)
+    mode.write_checkpoint(model, tmp, exports, weights, None if gathered is not None else tmp / STATE_DIR / MODEL_FILE)
     if gathered is not None:
         safetensors.torch.save_file(gathered[0], str(tmp / STATE_DIR / MODEL_FILE))
         save_tree(gathered[1], tmp / STATE_DIR, "optimizer")
     else:
-        if lora:
-            safetensors.torch.save_file(lora_weights, str(tmp / STATE_DIR / MODEL_FILE))
-        else:
-            safetensors.torch.save_model(model, str(tmp / STATE_DIR / MODEL_FILE))
         save_tree(train.optimizer.state_dict(), tmp / STATE_DIR, "optimizer")
     save_tree(train.lr_scheduler.state_dict(), tmp / STATE_DIR, "lr_scheduler")
     if extra is not None:
@@ -304,12 +300,12 @@ def _raw_optimizer(train: Any) -> Any:
     return getattr(train.optimizer, "optimizer", train.optimizer)  # accelerate's wrapper holds torch's
 
 
-def gather_state(train: Any, lora: bool) -> tuple[dict, dict]:
-    """The whole trained weights (only the LoRA's with `lora`) and optimizer state of an FSDP-sharded model, on
-    the CPU of process 0 (a collective: every process calls it; the others get empty dicts)."""
+def gather_state(train: Any, trained_only: bool) -> tuple[dict, dict]:
+    """The whole weights (only the trained ones with `trained_only`) and optimizer state of an FSDP-sharded model,
+    on the CPU of process 0 (a collective: every process calls it; the others get empty dicts)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    options = _options(cpu_offload=True, ignore_frozen_params=lora)
+    options = _options(cpu_offload=True, ignore_frozen_params=trained_only)
     weights = get_model_state_dict(train.model, options=options)
     optimizer = get_optimizer_state_dict(train.model, _raw_optimizer(train), options=options)
     return {k: v.contiguous() for k, v in weights.items()}, optimizer

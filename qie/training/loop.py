@@ -1,4 +1,6 @@
-"""The training loop: steps, gradient accumulation, logging, checkpoints, validation, stop signals.
+"""The training loop: steps, gradient accumulation, logging and stop signals; it asks the objective for each
+batch's loss, the checkpoint schedule when to save and the non-finite policy what a NaN step does
+(`qie.training.policies`).
 
 It is handed built objects (an Accelerator, a prepared model, optimizer, scheduler and a stream of
 batches) and knows nothing of configs, caches or encoders.
@@ -10,7 +12,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,37 +20,22 @@ import torch
 
 from qie.errors import QieError
 from qie.progress import progress
-from qie.training.guards import (
-    NonFiniteLoss,
-    agree_on_step,
-    all_ids,
-    nonfinite_message,
-    nonfinite_state_message,
-    save_before_stopping,
-    state_is_finite,
-)
+from qie.training.guards import agree_on_step
 from qie.training.logging import MetricsLogger
-from qie.training.timesteps import SigmaSampling
+from qie.training.objectives import Objective
+from qie.training.policies import CheckpointSchedule, NonfinitePolicy
 from qie.types import Batch
-
-# How often the trained weights and optimizer state are checked for NaN/inf between saves (a reduction over every
-# trained tensor: a few percent of a tiny model's step when run on every step).
-STATE_CHECK_EVERY = 50
 
 
 @dataclass
 class LoopSettings:
     max_steps: int
     seed: int
-    # The model family's flow-matching loss (`ModelSpec.loss`) and how many latent pixels a side of one
-    # transformer token covers (`ModelFamily.patch_size`: the target's token count decides dynamic shifting).
-    loss: Callable[..., torch.Tensor]
-    patch_size: int
+    # What each batch's loss is (`qie.training.objectives`): the loop only hands it the batch's generator.
+    objective: Objective
     max_grad_norm: float = 1.0
     checkpoint_every: int = 0
     log_every: int = 1
-    sigmas: SigmaSampling = field(default_factory=SigmaSampling)
-    loss_weighting: str = "none"
     # A NaN/inf loss or gradient: "stop" (save the last good state) or "skip". Non-finite weights or optimizer
     # state after an update (checked on logged steps and before every save) always stop: the update is applied.
     on_nonfinite: str = "stop"
@@ -92,15 +79,6 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed((seed * 1_000_003 + batch_number) * 131 + rank)
     return g
-
-
-def noise_and_sigmas(
-    batch: Batch, sigmas: SigmaSampling, g: torch.Generator, patch_size: int = 2
-) -> tuple[torch.Tensor, torch.Tensor]:
-    latents = batch.latents
-    noise = torch.randn(latents.shape, generator=g, dtype=torch.float32).to(latents.device, latents.dtype)
-    tokens = (latents.shape[-2] // patch_size) * (latents.shape[-1] // patch_size)
-    return noise, sigmas.sample(latents.shape[0], g, tokens)
 
 
 class StopSignal:
@@ -155,26 +133,10 @@ def fit(
             a QieError of the batch stream (after saving, in a single-process run).
     """
     accelerator = state.accelerator
-    last_good = [last_saved]
-
-    def save(at: int, batches: int, strict: bool = True) -> Path | None:
-        """Save the state after step `at` if its weights and optimizer state are finite (every process).
-        Otherwise raise NonFiniteLoss (`strict`) or save nothing."""
-        if save_checkpoint is None:
-            return None
-        if not state_is_finite(accelerator, state.params, state.optimizer):
-            if strict:
-                raise NonFiniteLoss(nonfinite_state_message(at, last_good[0]))
-            return None
-        last_good[0] = save_checkpoint(at, batches)
-        return last_good[0]
-
-    def save_if_good(at: int, batches: int) -> Path | None:
-        return save(at, batches, strict=False)
-
-    step, consumed, saved_at = state.start_step, None, None
+    checkpoints = CheckpointSchedule(save_checkpoint, settings.checkpoint_every, state, last_saved)
+    nonfinite = NonfinitePolicy(settings.on_nonfinite, state)
+    step, consumed = state.start_step, None
     losses: list[float] = []
-    skipped: list[list[str]] = []
     stream = iter(batches)
     stopping = False
     state.model.train()  # once: a step sets it again only when a hook left the model in eval mode
@@ -186,9 +148,7 @@ def fit(
                 mean_loss, grad_norm, batch, window = _optimizer_step(state, stream, settings, stop)
             except Exception as e:
                 if stop.received is None:
-                    if isinstance(e, QieError) and save_before_stopping(
-                        save_if_good, accelerator, step, consumed, saved_at
-                    ):
+                    if isinstance(e, QieError) and checkpoints.before_stopping(step, consumed):
                         print(f"qie: saved the state after step {step} before stopping")
                     raise
                 # A scheduler signals every process, loader workers included: a step that lost its data
@@ -197,48 +157,30 @@ def fit(
                 stopping = True
                 break
             if not window["finite"]:
-                ids = all_ids(accelerator, window["ids"])
-                if settings.on_nonfinite == "skip":
-                    accelerator.print(f"qie: warning: {nonfinite_message(step + 1, ids, None)} Skipped.")
-                    skipped.append(ids)
-                    consumed = window["consumed"]
-                    continue
-                saved = save_before_stopping(save_if_good, accelerator, step, consumed, saved_at)
-                raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or last_good[0]))
+                nonfinite.skip_or_stop(step, window["ids"], checkpoints, consumed)
+                consumed = window["consumed"]
+                continue
             consumed = window["consumed"]
             step += 1
             # Every process stops after the same step (decided with the step's one collective), or the
             # checkpoint's collectives would pair with another process's training step.
             stopping = window["stop"]
-            # The weights and optimizer state after the update are checked every STATE_CHECK_EVERY steps, at the
-            # last step and before every save (`save`): a finite loss can still leave them NaN (a damaged optimizer
-            # state). Between checks such a state cannot pass unseen: the next step's loss is NaN (the loss guard
-            # stops there), and no checkpoint is written without the check.
-            report = step % settings.log_every == 0 or step == settings.max_steps
-            audit = step % STATE_CHECK_EVERY == 0 or step == settings.max_steps
-            if audit and not state_is_finite(accelerator, state.params, state.optimizer):
-                raise NonFiniteLoss(nonfinite_state_message(step, last_good[0]))
+            nonfinite.audit(step, settings.max_steps, checkpoints.last_good)
             losses.append(mean_loss)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             bar.update(1)
             seconds = time.perf_counter() - t0
-            if report:
-                metrics = {
-                    "loss": mean_loss,
-                    "lr": state.lr_scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                    "seconds": seconds,
-                }
-                logger.log(step, metrics)
+            if step % settings.log_every == 0 or step == settings.max_steps:
+                lr = state.lr_scheduler.get_last_lr()[0]
+                norm = float(grad_norm) if grad_norm is not None else math.nan
+                logger.log(step, {"loss": mean_loss, "lr": lr, "grad_norm": norm, "seconds": seconds})
             if on_step_end is not None:
                 on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
-            if save_checkpoint and settings.checkpoint_every and step % settings.checkpoint_every == 0:
-                save(step, consumed)
-                saved_at = step
-        if save_checkpoint and consumed is not None and saved_at != step:
-            save(step, consumed)
+            checkpoints.after_step(step, consumed)
+        checkpoints.at_end(step, consumed)
     last = losses[-1] if losses else math.nan
-    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "skipped_nonfinite": skipped}
+    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping,
+            "skipped_nonfinite": nonfinite.skipped}  # fmt: skip
 
 
 def _optimizer_step(
@@ -264,8 +206,7 @@ def _optimizer_step(
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
-            noise, sigmas = noise_and_sigmas(batch, settings.sigmas, g, settings.patch_size)
-            loss = settings.loss(model, batch, noise, sigmas, settings.loss_weighting)
+            loss = settings.objective.loss(model, batch, g)
             accelerator.backward(loss)
             ids += batch.ids
             window_loss += loss.detach().float().item() / micro_steps

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from qie.components.quantize import is_quantized
@@ -30,6 +31,8 @@ class LoraMode:
     adapter: str = "lora"  # "lora", "loha" or "lokr"
     use_dora: bool = False
     lora = True
+    # A checkpoint keeps the trained weights only: the frozen base is loaded again on resume.
+    saves_whole_model = False
 
     def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Add the adapter (or load `init_lora`); returns its parameters (what the optimizer trains)."""
@@ -47,12 +50,25 @@ class LoraMode:
         folder = run_dir / "lora"
         return "lora", save_lora(transformer, folder, exports, state=state) if write else folder / LORA_FILE
 
+    def checkpoint_weights(self, transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint keeps: the adapter's (gathered: a collective under FSDP, every process)."""
+        return lora_state_dict(transformer)
+
+    def write_checkpoint(self, transformer: torch.nn.Module, folder: Path, exports: Sequence[str], weights: dict,
+                         state_file: Path | None) -> None:  # fmt: skip
+        """Write the adapter into a checkpoint `folder` as a LoRA file (with the other tools' files `exports`
+        names), and into `state_file` for resuming (None: the sharded state was written instead)."""
+        save_lora(transformer, folder, exports, state=weights)
+        if state_file is not None:
+            safetensors.torch.save_file(weights, str(state_file))
+
 
 @dataclass(frozen=True)
 class FullMode:
     """Train every transformer weight that reaches the loss; the result is a diffusers model folder."""
 
     lora = False
+    saves_whole_model = True
 
     def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Unfreeze the transformer (but modules whose output never reaches the loss).
@@ -84,6 +100,16 @@ class FullMode:
             (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             save_torch_state_dict(state, folder, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
         return "transformer", folder
+
+    def checkpoint_weights(self, transformer: torch.nn.Module) -> None:
+        """Nothing gathered ahead: the whole model is saved from itself (or from the sharded state)."""
+        return None
+
+    def write_checkpoint(self, transformer: torch.nn.Module, folder: Path, exports: Sequence[str], weights: None,
+                         state_file: Path | None) -> None:  # fmt: skip
+        """Write the whole transformer into `state_file` for resuming (None: the sharded state was written)."""
+        if state_file is not None:
+            safetensors.torch.save_model(transformer, str(state_file))
 
 
 TrainMode = LoraMode | FullMode

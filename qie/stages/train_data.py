@@ -1,0 +1,93 @@
+"""The train stage's data: the samples a model can take, those whose cache entries are ready, and the batch
+stream (bucketed by latent shapes, mixed with the regularisation set)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from qie.data.buckets import BucketBatchSampler, bucket_keys
+from qie.data.mixing import MixedBatchSampler
+from qie.data.samples import DataProblem, Sample, without_controls
+from qie.embeddings import EmbeddingSource
+from qie.errors import CacheMissError, DataError
+from qie.models import ModelSpec
+from qie.readiness import ready_samples
+from qie.stages.common import control_dropout, precompute_command, read_data, value
+from qie.stages.recipes import regularization_samples
+
+
+def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool, captions: Any = None) -> list[Sample]:
+    """The samples of `data.path` the model can take; the first problems found are printed when `report`.
+    `captions` (`data.auto_caption`) gives samples without a caption theirs.
+
+    Raises:
+        DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
+        CacheMissError: a caption the cache lacks (cache-only captions, `cache.on_missing=stop`).
+    """
+    data, dataset = cfg.data, read_data(cfg, captions=captions)
+    if captions is not None and captions.misses and str(value(cfg.cache.on_missing)) == "stop":
+        first = captions.misses[0]
+        raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
+                             f"({first.path}): {first.reason.split(': ', 1)[-1]} "
+                             "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
+    problems = [
+        DataProblem(s.id, str(s.target), why)
+        for s in dataset.samples
+        if (why := spec.control_problem(len(s.controls)) or spec.layers_problem(len(s.layers)))
+    ]
+    skipped = {p.id for p in problems}
+    samples = [s for s in dataset.samples if s.id not in skipped]
+    problems = dataset.problems + problems
+    if not samples:
+        raise DataError(f"no sample of {data.path} can train model={spec.name}: {problems[0].reason}")
+    for p in problems[:5] if report else []:
+        print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
+    return samples
+
+
+def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, samples: list[Sample], run_dir: Path,
+               report: bool, captions: Any = None) -> tuple[list[Sample], list[Sample]]:  # fmt: skip
+    """The `samples` and the regularisation set's samples whose cache entries are all there (`ready_samples`;
+    with reference dropout, their text-only entries too)."""
+    on_missing, cache_dir, command = str(value(cfg.cache.on_missing)), cfg.cache.get("dir"), precompute_command(cfg)
+    samples = ready_samples(source, samples, run_dir, on_missing, cache_dir, report, command)
+    reg = regularization_samples(cfg, spec, captions)
+    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
+    if control_dropout(cfg):  # the text-only entries too
+        kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
+                                            on_missing, cache_dir, False, command)}  # fmt: skip
+        samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
+    return samples, reg
+
+
+def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
+    """(worker processes, prefetched batches) of the training loader: `data.num_workers` and `data.prefetch`
+    for a source that only reads, none for one that encodes (encoders may sit on a GPU, which forked
+    workers cannot use, and are not run ahead of the step)."""
+    return (0, 0) if source.encodes else (int(data.num_workers), int(data.prefetch))
+
+
+def make_sampler(
+    cfg: DictConfig, samples: list[Sample], accelerator: Any, start: int, extra: list[Sample] | None = None
+) -> BucketBatchSampler | MixedBatchSampler:
+    """The resumable batch stream of this process, bucketed by latent shapes when batches hold several samples;
+    with `extra` (regularisation samples, after `samples` in the dataset) mixed in by `data.regularization.ratio`."""
+    if extra:
+        main, other = make_sampler(cfg, samples, accelerator, 0), make_sampler(cfg, extra, accelerator, 0)
+        ratio, accumulation = float(cfg.data.regularization.ratio), int(cfg.train.gradient_accumulation_steps)
+        return MixedBatchSampler(main, other, len(samples), ratio, int(cfg.train.seed), accumulation, start)
+    batch_size = int(cfg.data.batch_size)
+    # Batches of one never mix shapes: skip reading every image header.
+    keys: list = [0] * len(samples)
+    if batch_size > 1:
+        index = Path(cfg.cache.dir) / "image_sizes.json" if cfg.cache.get("dir") else None
+        areas = (int(cfg.data.target_pixels), int(cfg.model.vae_image_pixels), int(cfg.data.multiple_of))
+        keys = bucket_keys(samples, *areas, index=index)
+    sampler = BucketBatchSampler(keys, [len(s.prompt) for s in samples], batch_size, int(cfg.train.seed),
+                                 bool(cfg.data.shuffle), accelerator.num_processes, accelerator.process_index,
+                                 start=start)  # fmt: skip
+    accelerator.print(f"qie: data: {sampler.summary()}")
+    return sampler

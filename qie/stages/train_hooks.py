@@ -1,0 +1,63 @@
+"""What the train stage runs after each optimizer step: the EMA update, image logging and validation sampling."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from qie.components import load_parts
+from qie.models import ModelSpec
+from qie.training.ema import Ema
+from qie.training.logging import ImageLogger
+from qie.training.loop import StepInfo, TrainState
+
+
+def step_hooks(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list, scheduler: Any,
+               logger, extra, run_dir: Path, ema: Ema | None = None) -> list:  # fmt: skip
+    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
+    hooks = [lambda info: ema.update(info.step)] if ema is not None else []
+    if cfg.logging.log_images:
+        by_id = {s.id: s for s in samples}
+        log = cfg.logging
+        images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
+        hooks.append(lambda info: images(info.step, info.batch))
+    if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
+        use_ema = ema if cfg.validation.get("use_ema") else None
+        hooks.append(_validation_hook(cfg, spec, state, source, samples, scheduler, logger, run_dir, use_ema))
+    if extra is not None:
+        hooks.append(extra)
+    return hooks
+
+
+def _validation_hook(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list,
+                     scheduler: Any, logger, run_dir: Path, ema: Ema | None = None):  # fmt: skip
+    """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`),
+    measure and log them.
+
+    Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
+    """
+    from qie.stages.common import sampling_options
+    from qie.stages.validation import validation_inputs, validation_references, validation_samples
+    from qie.training.validation import Validator
+
+    v, accelerator = cfg.validation, state.accelerator
+    options = sampling_options(
+        cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
+        num_inference_steps=v.num_inference_steps, seed=v.seed,
+    )  # fmt: skip
+    vae_parts = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}, spec)
+    chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), spec)
+    inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
+    validator = Validator(inputs, negatives, scheduler, vae_parts.vae, logger, options, spec, run_dir / "validation",
+                          validation_references(chosen, spec), vae_parts.pipeline_config)  # fmt: skip
+    every = int(v.every)
+
+    def hook(info: StepInfo) -> None:
+        if info.step % every == 0:
+            with ema.applied() if ema is not None else contextlib.nullcontext():  # sample with the average
+                validator(info.step, accelerator.unwrap_model(state.model))
+
+    return hook
