@@ -21,9 +21,9 @@ from PIL import Image
 from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
 from qie.data.images import as_image, condition_images
 from qie.data.samples import prompt_problem
-from qie.encode import Encoder
+from qie.encode import Encoder, text_tokens
 from qie.errors import ConfigError, QieError
-from qie.models import ModelSpec
+from qie.models import ModelSpec, text_positions
 from qie.sampling import SamplingOptions, latent_sizes
 from qie.stages.common import read_data, sampling_options, value
 from qie.training.lora import load_lora, merge_lora, save_transformer
@@ -121,6 +121,12 @@ class Predictor:
         controls = [self.encoder.encode_latents([p])[0] for p in pixels]
         f = self.vae_scale_factor
         size = spec.output_size(options.height, options.width, latent_sizes(controls, f), None, f)
+        per_token = spec.family.planner.latent_pixels
+        frames = [(1, h // per_token, w // per_token) for h, w in [size, *latent_sizes(controls, f)]]
+        limit = spec.family.text_positions(spec, frames)
+        text_positions.check(text_tokens(entry), limit, "predict.prompt", "the prompt")
+        if negative is not None:
+            text_positions.check(text_tokens(neg), limit, "predict.negative_prompt", "the negative prompt")
         prompt_in = (entry["embed"], entry.get("image_mask"))
         latents = spec.sampler(self.parts, prompt_in, negative, controls, size, options, progress=progress)
         if output_type == "latent":

@@ -15,8 +15,9 @@ from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, write_entries
 from qie.data.images import ImageError
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import DataProblem, Sample
-from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample
+from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample, prompt_limit, text_tokens
 from qie.errors import DataError
+from qie.models import text_positions
 
 Keyed = tuple[Sample, dict[str, str]]
 
@@ -226,8 +227,15 @@ def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summ
             by_types[tuple(types)].append((sample, keys, prepared))
     for types, items in by_types.items():
         entries = encoder.encode_entries([p for _, _, p in items], types)
-        for (sample, keys, _), entry in zip(items, entries):
+        for (sample, keys, prepared), entry in zip(items, entries):
             entry = {t: entry[t] for t in types}
+            if "prompt_embed" in entry:
+                try:
+                    limit = prompt_limit(encoder.spec, prepared, sizes)
+                    text_positions.check(text_tokens(entry["prompt_embed"]), limit, f"sample {sample.id!r}")
+                except text_positions.PromptTooLong as error:
+                    record_failure(summary, sample, error, ["prompt_embed"], keys, raise_errors)
+                    del entry["prompt_embed"]
             bad = nonfinite(entry)
             if bad:
                 bad_types = sorted({b.split("/")[0] for b in bad}, key=STORED_TYPES.index)

@@ -1,0 +1,104 @@
+"""Trust, third round: prompts longer than the transformer's text positions are refused in one line naming the
+sample (precompute records them, training skips them, inference refuses them); ..."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import small_config, write_noise_image
+
+from qie.config import compose
+from qie.demo.synthetic import make_dataset
+from qie.models import text_positions
+from qie.models.text_positions import PromptTooLong
+from qie.stages import precompute
+from qie.stages import train as train_stage
+
+FAST = ["train.learning_rate=1e-3", "logging.report_to=none", "train.seed=3"]
+# ~5,000 tokens of the tiny tokenizer, well under the 20,000-character cap.
+LONG = " ".join(f"{c}{d}" for c in "qwertyuiop" for d in "zxcvbnm") * 40
+
+
+@pytest.fixture(scope="module")
+def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("trust3_data")
+    make_dataset(root, train=4, heldout=0, size=64)
+    model = f"model.pretrained_model_name_or_path={tiny_path}"
+    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
+    return {"root": root, "base": base}
+
+
+def copy_data(data: dict, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A private copy of the data set (no cache yet), and the base overrides pointing at it."""
+    root = tmp_path / "data"
+    shutil.copytree(data["root"] / "train", root / "train")
+    base = [data["base"][0], f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
+    return root, base
+
+
+# --- 1: long prompts ------------------------------------------------------------------------------------
+
+
+def test_the_text_position_limit_is_the_rope_table_less_the_images() -> None:
+    assert text_positions.qwen_image([(1, 4, 4)]) == 4096 - 2
+    assert text_positions.qwen_image([(1, 64, 64), (1, 32, 96)]) == 4096 - 48
+    assert text_positions.qwen_image([(1, 4, 4)] * 6, layered=True) == 4096 - 5
+    assert text_positions.qwen_image_21([(1, 64, 64), (1, 32, 48)]) == 8192 - 64 - 48
+
+
+def test_a_long_caption_is_refused_by_precompute_skipped_by_training_refused_by_infer(
+    data: dict, tmp_path: Path, capsys
+) -> None:
+    root, base = copy_data(data, tmp_path)
+    captions = sorted((root / "train" / "training_images").glob("*.txt"))
+    long_id = captions[0].stem
+    captions[0].write_text(LONG)
+    summary = precompute.run(compose("precompute", base[:3]), tmp_path / "pre")
+    assert summary.types["prompt_embed"].failed == 1 and summary.types["prompt_embed"].new == 3
+    (failure,) = summary.failures
+    assert failure.id == long_id
+    assert failure.reason.startswith(f"sample {long_id!r}: its prompt is ")
+    assert "tokens, more than the 4,094 text positions the transformer has beside its images" in failure.reason
+    assert "shorten it" in failure.reason
+    capsys.readouterr()
+    result = train_stage.run(compose("train", base + FAST + ["train.max_steps=2"]), tmp_path / "run")
+    assert result["step"] == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
+    out = capsys.readouterr().out
+    assert f"qie: warning: skipping sample {long_id!r}: precompute could not encode it: sample {long_id!r}: its " \
+           "prompt is " in out  # fmt: skip
+
+
+def test_a_long_prompt_reaching_the_transformer_is_refused_naming_the_sample(tiny_path: Path) -> None:
+    from diffusers import QwenImageTransformer2DModel
+
+    from qie.models.qwen_image import flow_matching_loss
+    from qie.types import Batch
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
+    dim = transformer.config.joint_attention_dim
+    latents = torch.zeros(2, transformer.config.in_channels // 4, 1, 8, 8)
+    embeds = torch.zeros(2, 4095, dim)
+    mask = torch.ones(2, 4095, dtype=torch.long)
+    mask[0, 10:] = 0
+    batch = Batch(["short", "long"], latents, [latents.clone()], embeds, mask)
+    with pytest.raises(PromptTooLong) as info:
+        flow_matching_loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5))
+    assert str(info.value) == (
+        "sample 'long': its prompt (caption) is 4,095 tokens, more than the 4,094 text positions the transformer "
+        "has beside its images at this size: shorten it (and run precompute again for a cached sample)"
+    )
+    batch = Batch(["short", "long"], latents, [latents.clone()], embeds[:, :4094], None)
+    assert torch.isfinite(flow_matching_loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5)))
+
+
+def test_infer_refuses_a_prompt_longer_than_the_text_positions(tiny_path: Path, tmp_path: Path) -> None:
+    from qie.stages.infer import build_predictor
+
+    image = write_noise_image(tmp_path / "in.png", 1, (64, 64))
+    predictor = build_predictor(small_config("infer", "model=tiny", "predict.true_cfg_scale=1.0"))
+    with pytest.raises(PromptTooLong, match=r"^predict.prompt: the prompt is [\d,]+ tokens, more than the 4,094 "):
+        predictor.predict([image], LONG)
+    assert predictor.predict([image], "Make the sky blue.", output_type="latent").isfinite().all()
