@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import small_config, write_noise_image
+from helpers import CachedData, small_config, write_noise_image
 
+from qie.cache.__main__ import run as cache_cli
+from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.demo.synthetic import make_dataset
 from qie.models import text_positions
@@ -29,6 +31,14 @@ def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     model = f"model.pretrained_model_name_or_path={tiny_path}"
     base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
     return {"root": root, "base": base}
+
+
+@pytest.fixture
+def copy(cached_data: CachedData, tmp_path: Path) -> CachedData:
+    """A private copy of the shared cached data set (its cache may be changed)."""
+    shutil.copytree(cached_data.root, tmp_path / "cached", symlinks=True)
+    root = tmp_path / "cached"
+    return CachedData(root, root / "train", root / "cache")
 
 
 def copy_data(data: dict, tmp_path: Path) -> tuple[Path, list[str]]:
@@ -102,3 +112,27 @@ def test_infer_refuses_a_prompt_longer_than_the_text_positions(tiny_path: Path, 
     with pytest.raises(PromptTooLong, match=r"^predict.prompt: the prompt is [\d,]+ tokens, more than the 4,094 "):
         predictor.predict([image], LONG)
     assert predictor.predict([image], "Make the sky blue.", output_type="latent").isfinite().all()
+
+
+# --- 2: repair in one pass ------------------------------------------------------------------------------
+
+
+def test_repair_of_an_empty_prompt_entry_rewrites_the_prompts_cut_against_it(copy: CachedData, tiny_path: Path,
+                                                                          capsys) -> None:  # fmt: skip
+    victim = sorted((copy.cache / "empty_prompt_embed").rglob("*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    backend = SsdBackend(copy.cache)
+    assert len(backend.verify().corrupt) == 1
+    base = ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}", *copy.overrides, "cache.repair=true"]
+    summary = precompute.run(compose("precompute", base), copy.root / "r1")
+    assert {t: (s.new, s.skipped) for t, s in summary.types.items()} == {
+        "pixel_latent": (0, 8), "control_latent": (0, 8), "empty_prompt_embed": (1, 7), "prompt_embed": (1, 7),
+    }  # fmt: skip
+    assert backend.verify().corrupt == []
+    capsys.readouterr()
+    assert cache_cli(compose("cache", [f"cache.dir={copy.cache}", "action=verify"])) == 0
+    # A second run finds nothing to do.
+    summary = precompute.run(compose("precompute", base), copy.root / "r2")
+    assert sum(s.new for s in summary.types.values()) == 0

@@ -120,10 +120,14 @@ def share(keyed: list[Keyed], num_processes: int, index: int) -> list[Keyed]:
 
 def plan(mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary) -> dict[tuple, list[Keyed]]:
     """Group samples by the tuple of stored types they miss; an intact entry or one planned already is
-    skipped. Groups that write empty-prompt entries come first: prompt entries then share their prefix."""
+    skipped. Groups that write empty-prompt entries come first: prompt entries then share their prefix.
+
+    An empty-prompt entry written again (missing, or corrupt under `cache.repair=true`) comes out in other
+    bytes (float rounding of another batch), so the prompt entries cut against it would no longer match their
+    base: they are written again with it, and one run leaves a cache that verifies."""
     planned: set[tuple[str, str]] = set()
-    groups: dict[tuple[str, ...], list[Keyed]] = defaultdict(list)
-    for sample, keys in mine:
+    missing_of: list[list[str]] = []
+    for _, keys in mine:
         missing = []
         for t in (t for t in STORED_TYPES if t in keys):
             if (t, keys[t]) in planned or backend.intact(t, keys[t]):
@@ -131,6 +135,15 @@ def plan(mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary) -
             else:
                 planned.add((t, keys[t]))
                 missing.append(t)
+        missing_of.append(missing)
+    rebased = {key for t, key in planned if t == BASE_TYPE}
+    groups: dict[tuple[str, ...], list[Keyed]] = defaultdict(list)
+    for (sample, keys), missing in zip(mine, missing_of):
+        entry = ("prompt_embed", keys.get("prompt_embed"))
+        if keys.get(BASE_TYPE) in rebased and entry[1] is not None and entry not in planned:
+            planned.add(entry)
+            missing.append("prompt_embed")  # the last stored type: the tuple keeps STORED_TYPES order
+            summary.types["prompt_embed"].skipped -= 1
         if missing:
             groups[tuple(missing)].append((sample, keys))
     return dict(sorted(groups.items(), key=lambda g: BASE_TYPE not in g[0]))
@@ -154,6 +167,8 @@ def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: Prec
             continue
         held += [c for _, c in got]
         left = tuple(t for t in types if not backend.intact(t, keys[t]))
+        if BASE_TYPE in left and "prompt_embed" in types and "prompt_embed" not in left:
+            left += ("prompt_embed",)  # its base is written again: so is it (see `plan`)
         for t in set(types) - set(left):
             summary.types[t].skipped += 1
             summary.claimed_by_others += 1
