@@ -136,3 +136,52 @@ def test_repair_of_an_empty_prompt_entry_rewrites_the_prompts_cut_against_it(cop
     # A second run finds nothing to do.
     summary = precompute.run(compose("precompute", base), copy.root / "r2")
     assert sum(s.new for s in summary.types.values()) == 0
+
+
+# --- 3: NaN base weights --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nan_transformer(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny transformer as one file, one weight of its first block NaN."""
+    import safetensors.torch
+
+    (weights,) = (tiny_path / "transformer").glob("*.safetensors")
+    tensors = safetensors.torch.load_file(str(weights))
+    tensors["transformer_blocks.0.attn.to_q.weight"][0, 0] = float("nan")
+    path = tmp_path_factory.mktemp("nan") / "transformer.safetensors"
+    safetensors.torch.save_file(tensors, str(path))
+    return path
+
+
+def test_nan_base_weights_are_named_by_infer_and_training(data: dict, nan_transformer: Path, tmp_path: Path) -> None:
+    from qie.errors import ModelLoadError
+    from qie.stages.infer import build_predictor
+    from qie.training.guards import NonFiniteLoss
+
+    image = write_noise_image(tmp_path / "in.png", 1, (64, 64))
+    cfg = small_config("infer", "model=tiny", "predict.true_cfg_scale=1.0", f"model.transformer_path={nan_transformer}")
+    predictor = build_predictor(cfg)
+    with pytest.raises(ModelLoadError) as info:
+        predictor.predict([image], "Make the sky blue.")
+    assert str(info.value) == (
+        "the sampled latents hold NaN or infinite values: the transformer's weights hold NaN or infinite values "
+        "(transformer_blocks.0.attn.to_q.weight): its weight files are damaged; load it from intact files "
+        "(model.pretrained_model_name_or_path, model.transformer_path)"
+    )
+    # A damaged VAE: refused before it decodes (a NaN image would be written as black).
+    predictor.parts.transformer.transformer_blocks[0].attn.to_q.weight.data[0, 0] = 0.0
+    predictor.parts.vae.decoder.conv_out.bias.data[0] = float("inf")
+    vae = r"^the decoded image would hold NaN or infinite values: the vae's weights hold NaN or infinite values "
+    with pytest.raises(ModelLoadError, match=vae + r"\(decoder.conv_out.bias\)"):
+        predictor.predict([image], "Make the sky blue.")
+    precompute.run(compose("precompute", data["base"][:3]), tmp_path / "pre")
+    cfg = compose("train", data["base"] + FAST + ["train.max_steps=2", f"model.transformer_path={nan_transformer}"])
+    with pytest.raises(NonFiniteLoss) as info:
+        train_stage.run(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert message.startswith("step 1 gave a NaN or infinite loss or gradient on samples ")
+    assert message.endswith(": the base model's weights hold NaN or infinite values (transformer_blocks.0.attn."
+                            "to_q.base_layer.weight): its weight files are damaged; load it from "
+                            "intact files (model.pretrained_model_name_or_path, model.transformer_path)")  # fmt: skip
+    assert "learning rate" not in message and "\n" not in message

@@ -22,10 +22,11 @@ from qie.components import Parts, load_parts, pipeline_config, prepare_model, re
 from qie.data.images import as_image, condition_images
 from qie.data.samples import prompt_problem
 from qie.encode import Encoder, text_tokens
-from qie.errors import ConfigError, QieError
+from qie.errors import ConfigError, ModelLoadError, QieError
 from qie.models import ModelSpec, text_positions
 from qie.sampling import SamplingOptions, latent_sizes
 from qie.stages.common import read_data, sampling_options, value
+from qie.training.guards import damaged_weights, nonfinite_weights
 from qie.training.lora import load_lora, merge_lora, save_transformer
 
 
@@ -129,9 +130,22 @@ class Predictor:
             text_positions.check(text_tokens(neg), limit, "predict.negative_prompt", "the negative prompt")
         prompt_in = (entry["embed"], entry.get("image_mask"))
         latents = spec.sampler(self.parts, prompt_in, negative, controls, size, options, progress=progress)
+        if not bool(torch.isfinite(latents).all()):
+            raise ModelLoadError(nonfinite_output(self.parts, "the sampled latents hold"))
         if output_type == "latent":
             return latents
+        if nonfinite_weights(self.parts.vae):  # the VAE is small next to a sampling run: checked every time
+            raise ModelLoadError(nonfinite_output(self.parts, "the decoded image would hold"))
         return spec.decoder(self.parts.vae, latents, output_type=output_type)
+
+
+def nonfinite_output(parts: Parts, what: str) -> str:
+    """Why `what` holds NaN or infinite values: the first part (text encoder, transformer, VAE) whose weights do."""
+    for name in ("text_encoder", "transformer", "vae"):
+        module = getattr(parts, name, None)
+        if isinstance(module, torch.nn.Module) and (bad := nonfinite_weights(module, frozen_only=False)):
+            return f"{what} NaN or infinite values: {damaged_weights(name.replace('_', ' '), bad)}"
+    return f"{what} NaN or infinite values: try model.dtype=float32 or another seed"
 
 
 def open_images(images: Any, alpha: bool = False) -> list[Image.Image]:

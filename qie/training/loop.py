@@ -204,7 +204,7 @@ def fit(
                     consumed = window["consumed"]
                     continue
                 saved = save_before_stopping(save_if_good, accelerator, step, consumed, saved_at)
-                raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or last_good[0]))
+                raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or last_good[0], state.model))
             consumed = window["consumed"]
             step += 1
             # Every process stops after the same step (decided with the step's one collective), or the
