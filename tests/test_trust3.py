@@ -30,6 +30,7 @@ def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     make_dataset(root, train=4, heldout=0, size=64)
     model = f"model.pretrained_model_name_or_path={tiny_path}"
     base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
+    precompute.run(compose("precompute", base[:3]), root / "precompute_run")
     return {"root": root, "base": base}
 
 
@@ -175,7 +176,6 @@ def test_nan_base_weights_are_named_by_infer_and_training(data: dict, nan_transf
     vae = r"^the decoded image would hold NaN or infinite values: the vae's weights hold NaN or infinite values "
     with pytest.raises(ModelLoadError, match=vae + r"\(decoder.conv_out.bias\)"):
         predictor.predict([image], "Make the sky blue.")
-    precompute.run(compose("precompute", data["base"][:3]), tmp_path / "pre")
     cfg = compose("train", data["base"] + FAST + ["train.max_steps=2", f"model.transformer_path={nan_transformer}"])
     with pytest.raises(NonFiniteLoss) as info:
         train_stage.run(cfg, tmp_path / "run")
@@ -185,3 +185,47 @@ def test_nan_base_weights_are_named_by_infer_and_training(data: dict, nan_transf
                             "to_q.base_layer.weight): its weight files are damaged; load it from "
                             "intact files (model.pretrained_model_name_or_path, model.transformer_path)")  # fmt: skip
     assert "learning rate" not in message and "\n" not in message
+
+
+# --- 4, 5, 9: masks checked at start ---------------------------------------------------------------------
+
+
+def test_masks_are_read_at_start_and_those_that_cannot_train_are_skipped(data: dict, tmp_path: Path,
+                                                                         capsys) -> None:  # fmt: skip
+    from PIL import Image
+
+    from qie.data.samples import DataError
+
+    root, base = copy_data(data, tmp_path)
+    shutil.copytree(data["root"] / "cache", root / "cache")
+    masks = root / "train" / "masks"
+    masks.mkdir()
+    ids = sorted(p.stem for p in (root / "train" / "training_images").glob("*.png"))
+    (masks / f"{ids[0]}.png").write_bytes(b"not a png")
+    Image.new("L", (64, 64), 0).save(masks / f"{ids[1]}.png")
+    Image.new("L", (17, 90), 255).save(masks / f"{ids[2]}.png")
+    Image.new("L", (32, 32), 255).save(masks / f"{ids[3]}.png")  # half the size, the same shape: scaled
+    on = ["train.mask.source=file", "train.max_steps=3"]
+    capsys.readouterr()
+    result = train_stage.run(compose("train", base + FAST + on), tmp_path / "run")
+    assert result["step"] == 3 and all(loss > 0 for loss in result["losses"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("qie: skipping")]
+    assert lines[0].startswith(f"qie: skipping sample {ids[0]!r}: {masks / ids[0]}.png: mask '{masks / ids[0]}.png' "
+                               "cannot be read (")  # fmt: skip
+    assert lines[1:] == [
+        f"qie: skipping sample {ids[1]!r}: {masks / ids[1]}.png: its loss mask is black all over, so with "
+        "train.mask.outside_weight=0 it would train nothing: paint white what should train",
+        f"qie: skipping sample {ids[2]!r}: {masks / ids[2]}.png: mask '{masks / ids[2]}.png' is 17x90, its target "
+        "64x64: a mask must have its target's shape (at any scale)",
+    ]
+    # Black masks weigh train.mask.outside_weight: above 0 they train.
+    for i in (0, 2, 3):
+        Image.new("L", (64, 64), 0).save(masks / f"{ids[i]}.png")
+    with pytest.raises(DataError) as info:
+        train_stage.run(compose("train", base + FAST + on), tmp_path / "black")
+    assert str(info.value) == (
+        f"no sample has a loss mask that can train; the first, {ids[0]!r}: its loss mask is black all over, so "
+        "with train.mask.outside_weight=0 it would train nothing: paint white what should train"
+    )
+    result = train_stage.run(compose("train", base + FAST + on + ["train.mask.outside_weight=0.5"]), tmp_path / "r")
+    assert result["step"] == 3 and all(loss > 0 for loss in result["losses"])

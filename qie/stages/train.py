@@ -1,7 +1,7 @@
 """The train stage: build the transformer (+LoRA), the embedding source and the loop, then run it.
 
-Cached mode builds only the transformer and scheduler: never the text encoder or the VAE (logged images
-are read from the sample files). Live and lazy modes build the encoders too.
+Cached mode builds only the transformer and scheduler: never the text encoder or the VAE (logged images are read
+from the sample files); live and lazy modes build the encoders too. Loss masks are read and checked at start.
 
 Run it with `python -m qie.train ...`; `accelerate launch` (or `torchrun`) runs it data-parallel. A Hydra
 sweep (`python -m qie.train -m train.learning_rate=1e-4,3e-4`) gives each job its own run directory
@@ -36,6 +36,7 @@ from qie.stages.auto_caption import caption_settings
 from qie.stages.common import (
     auto_captions,
     build_source,
+    check_masks,
     control_dropout,
     in_background,
     precompute_command,
@@ -241,13 +242,12 @@ def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, sample
         kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
                                             on_missing, cache_dir, False, command)}  # fmt: skip
         samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
-    return samples, reg
+    return check_masks(source, samples, report), reg  # each loss mask read and checked at start
 
 
 def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
-    """(worker processes, prefetched batches) of the training loader: `data.num_workers` and `data.prefetch`
-    for a source that only reads, none for one that encodes (encoders may sit on a GPU, which forked
-    workers cannot use, and are not run ahead of the step)."""
+    """(worker processes, prefetched batches) of the training loader: `data.num_workers` and `data.prefetch` for
+    a source that only reads, none for one that encodes (its encoders are not run ahead of the step)."""
     return (0, 0) if source.encodes else (int(data.num_workers), int(data.prefetch))
 
 
