@@ -229,3 +229,26 @@ def test_masks_are_read_at_start_and_those_that_cannot_train_are_skipped(data: d
     )
     result = train_stage.run(compose("train", base + FAST + on + ["train.mask.outside_weight=0.5"]), tmp_path / "r")
     assert result["step"] == 3 and all(loss > 0 for loss in result["losses"])
+
+
+# --- 10: precompute fails when nothing could be encoded -----------------------------------------------------
+
+
+def test_precompute_that_encodes_no_sample_fails_after_writing_its_report(data: dict, tmp_path: Path) -> None:
+    from qie.errors import DataError
+
+    root, base = copy_data(data, tmp_path)
+    targets = sorted((root / "train" / "training_images").glob("*.png"))
+    for png in targets:
+        png.write_bytes(b"broken " + png.name.encode())  # distinct bytes: distinct keys
+    run = tmp_path / "pre"
+    with pytest.raises(DataError) as info:
+        precompute.run(compose("precompute", base[:3]), run)
+    message = str(info.value)
+    assert message.startswith(f"none of the 4 samples could be encoded (all listed in {run / 'failures.jsonl'}); "
+                              f"the first, {targets[0].stem!r}: ")  # fmt: skip
+    assert len((run / "failures.jsonl").read_text().splitlines()) == 4 and (run / "precompute_summary.json").exists()
+    # One good sample is enough for the run to succeed.
+    shutil.copy(data["root"] / "train" / "training_images" / targets[0].name, targets[0])
+    summary = precompute.run(compose("precompute", base[:3]), tmp_path / "pre2")
+    assert summary.types["pixel_latent"].new == 1 and len(summary.failures) == 3
