@@ -66,6 +66,14 @@ def run_stage(run: Callable[[DictConfig, Path], Any], cfg: DictConfig) -> Any:
         return None
 
 
+def exit_after_signal(result: Any) -> None:
+    """Exit 128 + the signal's number (130 for SIGINT, 143 for SIGTERM) when a training stopped on a signal (its
+    state saved): shells, schedulers and sweeps must not read it as done."""
+    signum = result.get("signal") if isinstance(result, dict) else None
+    if signum:
+        sys.exit(128 + int(signum))
+
+
 class SweepSummary(Callback):
     """A Hydra callback (configured in the stage roots): after a sweep, name the jobs that failed with a
     user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for

@@ -252,3 +252,39 @@ def test_precompute_that_encodes_no_sample_fails_after_writing_its_report(data: 
     shutil.copy(data["root"] / "train" / "training_images" / targets[0].name, targets[0])
     summary = precompute.run(compose("precompute", base[:3]), tmp_path / "pre2")
     assert summary.types["pixel_latent"].new == 1 and len(summary.failures) == 3
+
+
+# --- 12: exit codes after a signal ------------------------------------------------------------------------
+
+
+def test_a_signal_stop_saves_the_state_and_exits_128_plus_the_signal(data: dict, tmp_path: Path, monkeypatch) -> None:
+    import json
+    import os
+    import signal
+    import sys
+
+    from qie import train as train_entry
+    from qie.cli import exit_after_signal
+
+    run = tmp_path / "run"
+
+    def interrupt(info) -> None:
+        if info.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = compose("train", data["base"] + FAST + ["train.max_steps=6", "train.checkpoint_every=0"])
+    result = train_stage.run(cfg, run, on_step_end=interrupt)
+    # Received after step 2, seen by every process with step 3's collective: the run stops after step 3.
+    assert result["signal"] == signal.SIGTERM and result["stopped_by_signal"] and result["step"] == 3
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000003"]
+    assert json.loads((run / "train_result.json").read_text())["signal"] == 15
+    with pytest.raises(SystemExit) as info:
+        exit_after_signal(result)
+    assert info.value.code == 143
+    exit_after_signal({"signal": None, "step": 6})  # a finished run: no exit
+    # The entry point exits with it (SIGINT: 130).
+    monkeypatch.setattr(train_stage, "run", lambda cfg, run_dir: {"signal": int(signal.SIGINT)})
+    monkeypatch.setattr(sys, "argv", ["qie.train", *data["base"], f"hydra.run.dir={tmp_path / 'cli'}"])
+    with pytest.raises(SystemExit) as info:
+        train_entry.main()
+    assert info.value.code == 130

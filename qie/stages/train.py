@@ -437,7 +437,7 @@ def finish(
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
-        how = "stopped by a signal" if result["stopped_by_signal"] else "trained"
+        how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
         print(f"qie: {how} at step {result['step']}, last loss {result['loss']:.4f}; weights: {path}")
         if result["stopped_by_signal"]:
             print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")

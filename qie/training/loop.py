@@ -147,7 +147,8 @@ def fit(
         last_saved: the checkpoint this run resumed from (the last good state until this run saves one).
 
     Returns:
-        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "skipped_nonfinite"}.
+        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "signal" (its number, or
+        None), "skipped_nonfinite"}.
 
     Raises:
         NonFiniteLoss: a NaN or infinite loss or gradient with `on_nonfinite="stop"` (after saving the last
@@ -238,7 +239,9 @@ def fit(
         if save_checkpoint and consumed is not None and saved_at != step:
             save(step, consumed)
     last = losses[-1] if losses else math.nan
-    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "skipped_nonfinite": skipped}
+    signum = int(stop.received or signal.SIGTERM) if stopping else None  # another process's signal: a scheduler's
+    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "signal": signum,
+            "skipped_nonfinite": skipped}  # fmt: skip
 
 
 def _optimizer_step(
