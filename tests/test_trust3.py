@@ -288,3 +288,39 @@ def test_a_signal_stop_saves_the_state_and_exits_128_plus_the_signal(data: dict,
     with pytest.raises(SystemExit) as info:
         train_entry.main()
     assert info.value.code == 130
+
+
+# --- 11: symbolic links followed before the outside check ---------------------------------------------------
+
+
+def test_manifest_paths_leading_outside_through_a_link_are_refused(tmp_path: Path) -> None:
+    import json
+
+    from helpers import write_solid_image
+
+    from qie.data.samples import scan_dataset
+
+    outside = tmp_path / "elsewhere"
+    for name in ("t.png", "c.png"):
+        write_solid_image(outside / name)
+        write_solid_image(tmp_path / "meta" / "in" / name)
+    (tmp_path / "meta" / "linked").symlink_to(outside, target_is_directory=True)  # a folder linking out
+    (tmp_path / "meta" / "in" / "file.png").symlink_to(outside / "t.png")  # a file linking out
+    (tmp_path / "meta" / "in" / "local.png").symlink_to(tmp_path / "meta" / "in" / "t.png")  # a link inside
+    rows = [
+        {"id": "inside", "target": "in/local.png", "controls": ["in/c.png"], "prompt": "ok"},
+        {"id": "folder", "target": "linked/t.png", "controls": ["in/c.png"], "prompt": "leaves"},
+        {"id": "file", "target": "in/t.png", "controls": ["in/file.png"], "prompt": "leaves"},
+    ]
+    manifest = tmp_path / "meta" / "m.jsonl"
+    manifest.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    data = scan_dataset(manifest)
+    assert [s.id for s in data.samples] == ["inside"]
+    folder = str(manifest.parent)
+    assert {p.id: p.reason.split(": ", 1)[1] for p in data.problems} == {
+        "folder": f"'linked/t.png' (a link to {str(outside / 't.png')!r}) lies outside the manifest's folder "
+        f"{folder!r}: move it inside, or set data.allow_outside_paths=true",
+        "file": f"'in/file.png' (a link to {str(outside / 't.png')!r}) lies outside the manifest's folder "
+        f"{folder!r}: move it inside, or set data.allow_outside_paths=true",
+    }
+    assert sorted(s.id for s in scan_dataset(manifest, allow_outside=True).samples) == ["file", "folder", "inside"]
