@@ -111,9 +111,9 @@ class RunDirCheck(Callback):
 
 
 class RunFolderLock(Callback):
-    """Hydra callback of the train stage: hold the run folder (`qie.run_lock`) before Hydra writes its
-    `.hydra/` record there, so a second training on the same folder is refused without touching it. Only the
-    writing process (rank 0) takes it. A sweep job's folder is locked by the stage itself."""
+    """Hydra callback of the train and infer stages: hold the run folder (`qie.run_lock`) before Hydra writes its
+    `.hydra/` record there, so a second run on the folder of a live training is refused without touching it. Only
+    the writing process (rank 0) takes it. A sweep job's folder is locked by the train stage itself."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from qie import run_lock

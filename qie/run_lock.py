@@ -1,4 +1,5 @@
-"""One writer per run folder: an OS lock (`flock`) on `<run folder>/.qie-run.lock`, held while a training runs.
+"""One writer per run folder: an OS lock (`flock`) on `<run folder>/.qie-run.lock`, held while a training (or an
+inference) runs.
 
 The kernel drops the lock when its process ends, however it ends (a kill -9 included), so a lock is never
 stale. The holder writes who it is (pid, host, start time) into the file, so a refused process can name it.
@@ -49,8 +50,9 @@ def acquire(folder: Path) -> None:
         if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             raise
         raise StorageError(
-            f"run folder {str(folder)!r} is in use by another training ({holder}): two runs writing one folder "
-            "would mix their metrics and checkpoints. Wait for it to end, or give this run its own hydra.run.dir"
+            f"run folder {str(folder)!r} is in use by another training or inference ({holder}): two runs writing "
+            "one folder would mix their records, metrics and checkpoints. Wait for it to end, or give this run its "
+            "own hydra.run.dir"
         ) from None
     me = {"pid": os.getpid(), "host": socket.gethostname(),
           "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip

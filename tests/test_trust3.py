@@ -324,3 +324,36 @@ def test_manifest_paths_leading_outside_through_a_link_are_refused(tmp_path: Pat
         f"{folder!r}: move it inside, or set data.allow_outside_paths=true",
     }
     assert sorted(s.id for s in scan_dataset(manifest, allow_outside=True).samples) == ["file", "folder", "inside"]
+
+
+# --- 13: the run lock covers inference ------------------------------------------------------------------
+
+
+def test_infer_into_a_live_training_folder_is_refused_before_it_writes(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from qie import run_lock; from pathlib import Path; import time; "
+         f"run_lock.acquire(Path({str(run)!r})); print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "config.yaml").write_text("the training's own\n")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "qie.infer", f"hydra.run.dir={run}", "predict.prompt=x"],
+                              capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"qie: error: run folder '{run}' is in use by another training or inference (pid {holder.pid} on "
+    )
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (run / ".hydra").iterdir()) == ["config.yaml"]
+    assert (run / ".hydra" / "config.yaml").read_text() == "the training's own\n"
