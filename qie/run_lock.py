@@ -41,7 +41,11 @@ def acquire(folder: Path) -> None:
     if key in _HELD:
         _HELD[key][1] += 1
         return
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StorageError(f"cannot open the run lock {str(folder / LOCK_FILE)!r} ({e.strerror}): it must be a "
+                           "file qie may write; remove what is there, or give this run its own hydra.run.dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

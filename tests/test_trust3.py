@@ -357,3 +357,48 @@ def test_infer_into_a_live_training_folder_is_refused_before_it_writes(tmp_path:
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in (run / ".hydra").iterdir()) == ["config.yaml"]
     assert (run / ".hydra" / "config.yaml").read_text() == "the training's own\n"
+
+
+# --- 14: no raw tracebacks ------------------------------------------------------------------------------
+
+
+def test_odd_values_and_files_end_in_one_line_not_a_traceback(tiny_path: Path, tmp_path: Path) -> None:
+    import json
+
+    from qie import run_lock
+    from qie.components.check import read_facts
+    from qie.components.tiny import _check_existing
+    from qie.config import validate
+    from qie.errors import ConfigError, ModelLoadError, StorageError
+
+    for lr, shown in (("1e39", "1e+39"), ("nan", "nan"), ("-1e-4", "-0.0001")):
+        with pytest.raises(ConfigError) as info:
+            validate(compose("train", [f"train.learning_rate={lr}"]))
+        assert str(info.value) == f"train.learning_rate={shown} is out of range: it must lie in [0.0, 3.4e+38]"
+    validate(compose("train", ["train.learning_rate=1.0"]))  # Prodigy's learning rate
+
+    run = tmp_path / "run"
+    (run / ".qie-run.lock").mkdir(parents=True)
+    with pytest.raises(StorageError) as info:
+        run_lock.acquire(run)
+    assert str(info.value) == (
+        f"cannot open the run lock '{run / '.qie-run.lock'}' (Is a directory): it must be a file qie may write; "
+        "remove what is there, or give this run its own hydra.run.dir"
+    )
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_path, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "_class_name": ["QwenImageEditPipeline"]}))
+    with pytest.raises(ModelLoadError) as info:
+        read_facts(str(model))
+    assert str(info.value) == (
+        f"{model}: model_index.json's _class_name is ['QwenImageEditPipeline'], not a pipeline class name: fix that "
+        "file or point model.pretrained_model_name_or_path elsewhere"
+    )
+    with pytest.raises(ModelLoadError) as info:
+        _check_existing(model, "edit")
+    assert str(info.value) == (
+        f"{model / 'model_index.json'}: _class_name is ['QwenImageEditPipeline'], not a pipeline class name: remove "
+        f"{model} to rebuild it"
+    )
