@@ -402,3 +402,30 @@ def test_odd_values_and_files_end_in_one_line_not_a_traceback(tiny_path: Path, t
         f"{model / 'model_index.json'}: _class_name is ['QwenImageEditPipeline'], not a pipeline class name: remove "
         f"{model} to rebuild it"
     )
+
+
+# --- 15: wording ----------------------------------------------------------------------------------------
+
+
+def test_a_missing_transformer_path_and_a_resume_with_nothing_left_are_said_plainly(data: dict, tmp_path: Path,
+                                                                                   capsys) -> None:  # fmt: skip
+    from qie.components import transformer_folder
+    from qie.errors import ModelLoadError
+
+    missing = tmp_path / "nowhere" / "transformer.safetensors"
+    with pytest.raises(ModelLoadError) as info:
+        transformer_folder(str(missing))
+    assert str(info.value) == (f"model.transformer_path={str(missing)!r} does not exist: give a .safetensors "
+                               "transformer file or a diffusers transformer folder")  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="holds no diffusers transformer"):
+        transformer_folder(str(tmp_path / "empty"))
+    run = tmp_path / "run"
+    train_stage.run(compose("train", data["base"] + FAST + ["train.max_steps=2", "train.checkpoint_every=2"]), run)
+    capsys.readouterr()
+    again = ["train.max_steps=2", "train.resume=latest"]
+    result = train_stage.run(compose("train", data["base"] + FAST + again), run)
+    assert result["step"] == 2 and result["losses"] == []
+    out = capsys.readouterr().out
+    assert "qie: trained at step 2, no step left (train.max_steps reached); weights: " in out
+    assert "nan" not in out

@@ -79,8 +79,8 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         The result also written to train_result.json: step, loss, losses, stopped_by_signal, lora, ...
 
     Raises:
-        QieError subclasses for what a user can fix (config, data, cache misses, models), and StorageError
-        when another process trains in `run_dir` (one writer per run folder, see `qie.run_lock`).
+        QieError subclasses for what a user can fix (config, data, cache misses, models), and StorageError when
+        another process trains in `run_dir` (one writer per run folder, see `qie.run_lock`).
     """
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
@@ -379,8 +379,7 @@ def step_hooks(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any,
     """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
     hooks = [lambda info: ema.update(info.step)] if ema is not None else []
     if cfg.logging.log_images:
-        by_id = {s.id: s for s in samples}
-        log = cfg.logging
+        log, by_id = cfg.logging, {s.id: s for s in samples}
         images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
         hooks.append(lambda info: images(info.step, info.batch))
     if int(cfg.validation.every) > 0 and state.accelerator.is_main_process:
@@ -438,7 +437,8 @@ def finish(
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
         how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
-        print(f"qie: {how} at step {result['step']}, last loss {result['loss']:.4f}; weights: {path}")
+        last = f"last loss {result['loss']:.4f}" if result["losses"] else "no step left (train.max_steps reached)"
+        print(f"qie: {how} at step {result['step']}, {last}; weights: {path}")
         if result["stopped_by_signal"]:
             print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
         print(f"qie: metrics {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
