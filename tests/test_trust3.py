@@ -3,6 +3,7 @@ sample (precompute records them, training skips them, inference refuses them); .
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -429,3 +430,42 @@ def test_a_missing_transformer_path_and_a_resume_with_nothing_left_are_said_plai
     out = capsys.readouterr().out
     assert "qie: trained at step 2, no step left (train.max_steps reached); weights: " in out
     assert "nan" not in out
+
+
+# --- 6: every read checked ----------------------------------------------------------------------------------
+
+
+def flip_exponent_bit(path: Path) -> None:
+    """Flip the lowest exponent bit of the last float32 value of an entry file: the value doubles or halves and
+    stays finite, so only the checksum can tell."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (value,) = struct.unpack("<f", data[-4:])
+    data[-2] ^= 0x80  # little-endian: bit 23 of the value is bit 7 of its third byte
+    (flipped,) = struct.unpack("<f", data[-4:])
+    assert flipped != value and abs(flipped) < float("inf")
+    path.write_bytes(bytes(data))
+
+
+def test_a_finite_bit_flip_in_a_prompt_entry_is_never_trained_on(copy: CachedData, tiny_path: Path,
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    from qie.errors import CacheMissError
+
+    victim = sorted((copy.cache / "prompt_embed").rglob("*.safetensors"))[0]
+    flip_exponent_bit(victim)
+    base = [f"model.pretrained_model_name_or_path={tiny_path}", *copy.overrides, "data.num_workers=0", *FAST]
+    run = tmp_path / "run"
+    with pytest.raises(CacheMissError) as info:
+        train_stage.run(compose("train", base + ["train.max_steps=8"]), run)
+    # The steps before the sample comes up are saved; it is not trained on.
+    images = copy.data / "training_images"
+    assert re.match(rf"sample '(\d+)' \({images}/\1.png\) has a damaged cached prompt_embed \(its bytes changed\) "
+                    r"in SsdBackend\(", str(info.value))  # fmt: skip
+    assert f"cache.dir={copy.cache} cache.repair=true\n" in str(info.value)
+    (saved,) = (run / "checkpoints").iterdir()
+    assert int(saved.name.removeprefix("step-")) < 8
+    # As told: precompute with repair writes it again, and training passes it.
+    pre = [f"model.pretrained_model_name_or_path={tiny_path}", *copy.overrides, "cache.repair=true"]
+    assert precompute.run(compose("precompute", pre), tmp_path / "pre").types["prompt_embed"].new == 1
+    assert train_stage.run(compose("train", base + ["train.max_steps=8", "train.resume=latest"]), run)["step"] == 8
