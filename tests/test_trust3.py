@@ -469,3 +469,26 @@ def test_a_finite_bit_flip_in_a_prompt_entry_is_never_trained_on(copy: CachedDat
     pre = [f"model.pretrained_model_name_or_path={tiny_path}", *copy.overrides, "cache.repair=true"]
     assert precompute.run(compose("precompute", pre), tmp_path / "pre").types["prompt_embed"].new == 1
     assert train_stage.run(compose("train", base + ["train.max_steps=8", "train.resume=latest"]), run)["step"] == 8
+
+
+# --- 7: an unreadable image with auto_caption is skipped, not a refused training -------------------------------
+
+
+def test_auto_caption_skips_an_unreadable_image_as_training_without_it_does(tiny_t2i_path: Path, tmp_path: Path,
+                                                                          capsys) -> None:  # fmt: skip
+    data = tmp_path / "data"
+    for i in range(3):
+        write_noise_image(data / "training_images" / f"s{i}.png", i)
+    broken = data / "training_images" / "s1.png"
+    broken.write_bytes(b"not an image")
+    describe = tmp_path / "describe.yaml"
+    describe.write_text('max_new_tokens: 6\nname: "describe"\nshow_controls: false\ninstruction: "Describe it."\n')
+    base = ["model=tiny_t2i", f"data.path={data}", f"cache.dir={tmp_path / 'cache'}", "data.auto_caption=true",
+            f"data.auto_caption_prompt={describe}", "data.batch_size=1"]  # fmt: skip
+    summary = precompute.run(small_config("precompute", *base), tmp_path / "pre")
+    assert summary.types["caption"].new == 2 and {p.id for p in summary.failures} == {"s1"}
+    capsys.readouterr()
+    result = train_stage.run(small_config("train", *base, "train.max_steps=2"), tmp_path / "run")
+    assert len(result["losses"]) == 2
+    out = capsys.readouterr().out
+    assert f"qie: skipping sample 's1': {broken}: image '{broken}' cannot be read (" in out
