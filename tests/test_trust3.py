@@ -492,3 +492,30 @@ def test_auto_caption_skips_an_unreadable_image_as_training_without_it_does(tiny
     assert len(result["losses"]) == 2
     out = capsys.readouterr().out
     assert f"qie: skipping sample 's1': {broken}: image '{broken}' cannot be read (" in out
+
+
+# --- 8: gc's guard per type ---------------------------------------------------------------------------------
+
+
+def test_gc_refuses_to_take_a_whole_type_under_other_settings(copy: CachedData, tiny_path: Path,
+                                                              tiny_plus_path: Path) -> None:  # fmt: skip
+    from qie.errors import ConfigError
+
+    def files() -> set[Path]:
+        return set(copy.cache.glob("*/??/*.safetensors"))
+
+    before = files()
+    gc = ["action=gc", f"cache.dir={copy.cache}", f"data.path={copy.data}", "gc.dry_run=false"]
+    plus = ["model=tiny_plus", f"model.pretrained_model_name_or_path={tiny_plus_path}"]  # the same VAE
+    with pytest.raises(ConfigError) as info:
+        cache_cli(compose("cache", gc + plus))
+    assert str(info.value).startswith("none of the 8 samples' prompt_embed, empty_prompt_embed entries is in "
+                                      "SsdBackend(")  # fmt: skip
+    assert str(info.value).endswith("(or gc.force=true to remove them all the same)")
+    tiny = ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}"]
+    with pytest.raises(ConfigError, match="^none of the 8 samples' pixel_latent, control_latent entries is in"):
+        cache_cli(compose("cache", gc + tiny + ["model.vae_image_pixels=2048"]))
+    assert files() == before
+    assert cache_cli(compose("cache", gc + tiny)) == 0 and files() == before  # the right settings: all kept
+    assert cache_cli(compose("cache", gc + plus + ["gc.force=true"])) == 0
+    assert {p.parent.parent.name for p in before - files()} == {"empty_prompt_embed", "prompt_embed"}

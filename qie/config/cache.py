@@ -76,3 +76,6 @@ class GcConfig:
     dry_run: bool = True
     # More data sets (folders or manifests, read with the same data settings) whose entries are kept too.
     keep_data: list[str] = field(default_factory=list)
+    # Remove even the whole of a type the data sets use none of (else refused: another model or other sizes
+    # were named, e.g. a model with the same VAE but another text encoder would take every prompt entry).
+    force: bool = False
