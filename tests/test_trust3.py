@@ -519,3 +519,27 @@ def test_gc_refuses_to_take_a_whole_type_under_other_settings(copy: CachedData, 
     assert cache_cli(compose("cache", gc + tiny)) == 0 and files() == before  # the right settings: all kept
     assert cache_cli(compose("cache", gc + plus + ["gc.force=true"])) == 0
     assert {p.parent.parent.name for p in before - files()} == {"empty_prompt_embed", "prompt_embed"}
+
+
+# --- 9: a gap in layer numbers ------------------------------------------------------------------------------
+
+
+def test_layers_with_a_gap_in_their_numbers_are_a_problem_of_their_sample(tmp_path: Path) -> None:
+    from helpers import write_solid_image
+
+    from qie.data.samples import scan_dataset
+
+    for stem, numbers in (("gap", (0, 2, 3)), ("whole", (0, 1, 2)), ("twice", (0, 1))):
+        write_solid_image(tmp_path / "images" / f"{stem}.png")
+        (tmp_path / "images" / f"{stem}.txt").write_text("split it")
+        for n in numbers:
+            write_solid_image(tmp_path / "layers" / f"{stem}_{n}.png")
+    write_solid_image(tmp_path / "layers" / "twice_01.png")  # layer 1 again
+    data = scan_dataset(tmp_path)
+    assert [(s.id, len(s.layers)) for s in data.samples] == [("whole", 3)]
+    assert {(p.id, p.path, p.reason) for p in data.problems} == {
+        ("gap", str(tmp_path / "layers" / "gap_0.png"),
+         "its layers are numbered 0, 2, 3: number them 0 to 2 with none missing"),
+        ("twice", str(tmp_path / "layers" / "twice_0.png"),
+         "its layers are numbered 0, 1, 1: number them 0 to 2 with none missing"),
+    }  # fmt: skip
