@@ -1,5 +1,9 @@
 """Trust, third round: prompts longer than the transformer's text positions are refused in one line naming the
-sample (precompute records them, training skips them, inference refuses them); ..."""
+sample (precompute records them, training skips them, the loss and inference refuse them); one repair run leaves a
+cache that verifies; NaN base weights are named, not written as a black image; masks are read and checked at start;
+precompute that encodes nothing fails; a signal stop exits 128 + the signal; symbolic links are followed before the
+outside-path check; the run lock covers inference; odd values end in one line; every cache read is checked; an
+unreadable image with auto_caption is skipped; gc guards each type; layer numbers without gaps."""
 
 from __future__ import annotations
 
