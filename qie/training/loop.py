@@ -147,8 +147,7 @@ def fit(
         last_saved: the checkpoint this run resumed from (the last good state until this run saves one).
 
     Returns:
-        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "signal" (its number, or
-        None), "skipped_nonfinite"}.
+        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "signal", "skipped_nonfinite"}.
 
     Raises:
         NonFiniteLoss: a NaN or infinite loss or gradient with `on_nonfinite="stop"` (after saving the last
@@ -238,8 +237,13 @@ def fit(
                 saved_at = step
         if save_checkpoint and consumed is not None and saved_at != step:
             save(step, consumed)
+    return _result(step, losses, skipped, stop.received if stopping else None, stopping)
+
+
+def _result(step: int, losses: list[float], skipped: list, received: int | None, stopping: bool) -> dict:
+    """What `fit` returns; a stop another process's signal decided is reported as SIGTERM (a scheduler's)."""
+    signum = int(received or signal.SIGTERM) if stopping else None
     last = losses[-1] if losses else math.nan
-    signum = int(stop.received or signal.SIGTERM) if stopping else None  # another process's signal: a scheduler's
     return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "signal": signum,
             "skipped_nonfinite": skipped}  # fmt: skip
 
