@@ -20,6 +20,10 @@ from qie.types import Batch
 Frame = tuple[int, int, int]  # (frames, height, width) in transformer tokens, as `img_shapes` lists them
 
 
+# What to do about a prompt met in training: it may come from a cache filled before the check existed.
+FIX_CACHED = "shorten it (and run precompute again for a cached sample)"
+
+
 class PromptTooLong(DataError):
     """A prompt longer than the text positions the transformer has beside its images."""
 
@@ -59,13 +63,13 @@ def check_batch(batch: Batch, limit: int) -> None:
     if batch.prompt_image_mask is not None:
         lengths = [n - int(k) for n, k in zip(lengths, batch.prompt_image_mask.sum(dim=1).tolist())]
     for sample, tokens in zip(batch.ids, lengths):
-        check(int(tokens), limit, f"sample {sample!r}", "its prompt (caption)")
+        check(int(tokens), limit, f"sample {sample!r}", "its prompt (caption)", FIX_CACHED)
 
 
-def check(tokens: int, limit: int, who: str, what: str = "its prompt") -> None:
+def check(tokens: int, limit: int, who: str, what: str = "its prompt", fix: str = "shorten it") -> None:
     """Raise PromptTooLong naming `who` (a sample or a setting) when `tokens` exceeds `limit`."""
     if tokens > limit:
         raise PromptTooLong(
             f"{who}: {what} is {tokens:,} tokens, more than the {limit:,} text positions the transformer has "
-            "beside its images at this size: shorten it (and run precompute again for a cached sample)"
+            f"beside its images at this size: {fix}"
         )
