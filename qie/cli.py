@@ -72,6 +72,14 @@ def run_stage(
         return None
 
 
+def exit_after_signal(result: Any) -> None:
+    """Exit 128 + the signal's number (130 for SIGINT, 143 for SIGTERM) when a training stopped on a signal (its
+    state saved): shells, schedulers and sweeps must not read it as done."""
+    signum = result.get("signal") if isinstance(result, dict) else None
+    if signum:
+        sys.exit(128 + int(signum))
+
+
 class SweepSummary(Callback):
     """A Hydra callback (configured in the stage roots): after a sweep, print and write its summary (`qie.sweep`:
     each job's overrides, status, final loss, held-out metrics and run folder), then name the jobs that failed
@@ -128,9 +136,9 @@ class RunDirCheck(Callback):
 
 
 class RunFolderLock(Callback):
-    """Hydra callback of the train stage: hold the run folder (`qie.run_lock`) before Hydra writes its
-    `.hydra/` record there, so a second training on the same folder is refused without touching it. Only the
-    writing process (rank 0) takes it. A sweep job's folder is locked by the stage itself."""
+    """Hydra callback of the train and infer stages: hold the run folder (`qie.run_lock`) before Hydra writes its
+    `.hydra/` record there, so a second run on the folder of a live training is refused without touching it. Only
+    the writing process (rank 0) takes it. A sweep job's folder is locked by the train stage itself."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from qie import run_lock

@@ -191,10 +191,15 @@ class CachedSource:
         return read_entries(self.backend, self.keys(sample), sample_types(sample))
 
     def miss(self, sample: Sample, missing: Sequence[str]) -> CacheMissError:
+        """The error for `sample`'s `missing` types: absent, or stored but damaged (a failing checksum, a base
+        that changed), which precompute writes again with cache.repair=true."""
+        keys = self.keys(sample)
+        damaged = [t for t in missing if self.backend.exists(t, keys[t])]
+        what = f"a damaged cached {', '.join(damaged)} (its bytes changed)" if damaged else "no cached"
         return CacheMissError(
-            f"sample {sample.id!r} ({sample.target}) has no cached {', '.join(missing)} in {self.backend!r}.\n"
-            "Fill the cache first with the same model, data and cache settings:\n"
-            f"  {self.precompute_command}\n"
+            f"sample {sample.id!r} ({sample.target}) has {what}{'' if damaged else ' ' + ', '.join(missing)} in "
+            f"{self.backend!r}.\nFill the cache first with the same model, data and cache settings:\n"
+            f"  {self.precompute_command}{' cache.repair=true' if damaged else ''}\n"
             "or train with cache.mode=lazy to encode what is missing."
         )
 

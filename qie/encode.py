@@ -192,6 +192,27 @@ class Encoder:
         return out
 
 
+def prompt_limit(spec: ModelSpec, prepared: PreparedSample, sizes: ImageSizes) -> int:
+    """The text tokens the transformer takes beside this sample's images (`ModelFamily.text_positions`): its
+    target (with its layers) and its controls, as read; a target not read this time counts as a square of the
+    configured area."""
+    per_token = spec.family.planner.latent_pixels
+
+    def frame(pixels: torch.Tensor) -> tuple[int, int, int]:
+        return (1, int(pixels.shape[-2]) // per_token, int(pixels.shape[-1]) // per_token)
+
+    side = int(sizes.target_pixels**0.5) // per_token
+    target = (1, side, side) if prepared.target is None else frame(prepared.target)
+    frames = [target] * (1 + len(prepared.layers)) + [frame(p) for p in prepared.control_pixels]
+    return spec.family.text_positions(spec, frames)
+
+
+def text_tokens(entry: dict[str, torch.Tensor]) -> int:
+    """The text tokens of a prompt entry: its length less its image slots (a 2.1 prompt's)."""
+    slots = entry.get("image_mask")
+    return int(entry["embed"].shape[0]) - (0 if slots is None else int(slots.sum()))
+
+
 def _vae_inputs(prepared: PreparedSample, kind: str) -> dict[str, torch.Tensor]:
     """The images of a latent entry type, by the name each latent has in the entry."""
     if kind == "pixel_latent":

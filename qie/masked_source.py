@@ -14,8 +14,9 @@ import torch
 from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher
 from qie.data.masks import MASK_TYPE, MaskSettings, make_mask, mask_key, to_grid, to_latent, weights
-from qie.data.samples import Sample
+from qie.data.samples import DataProblem, Sample
 from qie.embeddings import CacheReader, EmbeddingSource
+from qie.errors import DataError
 from qie.types import SampleEmbeddings
 
 
@@ -64,6 +65,27 @@ class MaskedSource:
         if self.backend is not None:
             self.backend.put(MASK_TYPE, key, {"mask": grid})
         return grid
+
+    def check_masks(self, samples: Sequence[Sample]) -> tuple[list[Sample], list[DataProblem]]:
+        """Every sample's mask read (or made) now, before training: a mask that cannot be read or has another
+        shape than its target, and one that trains nothing (black all over while black weighs 0), are problems
+        of their samples, which are left out; the others are kept."""
+        kept, problems = [], []
+        for sample in samples:
+            try:
+                grid = self.mask_grid(sample)
+            except DataError as e:
+                problems.append(DataProblem(sample.id, str(getattr(e, "path", None) or sample.mask), str(e)))
+                continue
+            if grid is not None and self.outside_weight == 0 and not bool((grid > 0).any()):
+                path = sample.mask if self.settings.source == "file" else sample.target
+                why = ("its loss mask is black all over" if self.settings.source == "file" else
+                       "its target equals its control image (within train.mask.threshold): its edit mask is empty")
+                problems.append(DataProblem(sample.id, str(path), f"{why}, so with train.mask.outside_weight=0 it "
+                                            "would train nothing: paint white what should train"))  # fmt: skip
+                continue
+            kept.append(sample)
+        return kept, problems
 
     def with_encoding(self) -> MaskedSource:
         return MaskedSource(self.inner.with_encoding(), self.settings, self.hasher, self.backend, self.outside_weight)

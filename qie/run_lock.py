@@ -1,4 +1,5 @@
-"""One writer per run folder: an OS lock (`flock`) on `<run folder>/.qie-run.lock`, held while a training runs.
+"""One writer per run folder: an OS lock (`flock`) on `<run folder>/.qie-run.lock`, held while a training (or an
+inference) runs.
 
 The kernel drops the lock when its process ends, however it ends (a kill -9 included), so a lock is never
 stale. The holder writes who it is (pid, host, start time) into the file, so a refused process can name it.
@@ -40,7 +41,11 @@ def acquire(folder: Path) -> None:
     if key in _HELD:
         _HELD[key][1] += 1
         return
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StorageError(f"cannot open the run lock {str(folder / LOCK_FILE)!r} ({e.strerror}): it must be a "
+                           "file qie may write; remove what is there, or give this run its own hydra.run.dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -49,8 +54,9 @@ def acquire(folder: Path) -> None:
         if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             raise
         raise StorageError(
-            f"run folder {str(folder)!r} is in use by another training ({holder}): two runs writing one folder "
-            "would mix their metrics and checkpoints. Wait for it to end, or give this run its own hydra.run.dir"
+            f"run folder {str(folder)!r} is in use by another training or inference ({holder}): two runs writing "
+            "one folder would mix their records, metrics and checkpoints. Wait for it to end, or give this run its "
+            "own hydra.run.dir"
         ) from None
     me = {"pid": os.getpid(), "host": socket.gethostname(),
           "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip

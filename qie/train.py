@@ -3,15 +3,18 @@
 import hydra
 from omegaconf import DictConfig
 
-from qie.cli import run_stage, search_value
+from qie.cli import exit_after_signal, run_stage, search_value
 from qie.demo.builtin import with_builtin_data
 from qie.stages import train
 
 
 @hydra.main(config_path="pkg://qie.conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> float | None:
-    """Train; the held-out loss (validation.heldout_samples) is returned for a sweeper to minimise."""
-    return search_value(run_stage(train.run, cfg, with_builtin_data))
+    """Train; exit 128 + the signal's number after a signal stop; else the held-out loss
+    (validation.heldout_samples) is returned for a sweeper to minimise."""
+    result = run_stage(train.run, cfg, with_builtin_data)
+    exit_after_signal(result)
+    return search_value(result)
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ def test_a_second_process_on_the_run_folder_is_refused_naming_it(data: dict, tmp
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(StorageError, match=rf"run folder '{run}' is in use by another training \(pid "
+        with pytest.raises(StorageError, match=rf"run folder '{run}' is in use by another training or inference \(pid "
                            rf"{holder.pid} on .*, started 20\d\d-.*give this run its own hydra.run.dir"):  # fmt: skip
             train(data, ["train.max_steps=2"], run)
         assert sorted(p.name for p in run.iterdir()) == [".qie-run.lock"]  # nothing written

@@ -119,6 +119,9 @@ def transformer_folder(path: str) -> str:
     for folder in (root, root / "transformer"):
         if (folder / "config.json").is_file():
             return str(folder)
+    if not root.exists():
+        raise ModelLoadError(f"model.transformer_path={path!r} does not exist: give a .safetensors transformer file "
+                             "or a diffusers transformer folder")  # fmt: skip
     raise ModelLoadError(
         f"model.transformer_path={path!r} holds no diffusers transformer (no config.json in it or in its "
         "transformer/): give the folder that predict.merge_to or train.mode=full wrote, or a .safetensors file"

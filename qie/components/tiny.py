@@ -204,6 +204,9 @@ def _check_existing(path: Path, variant: str) -> Path:
     its own pipeline class and transformer settings)."""
     family, _ = preset(variant)
     found = json.loads((path / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
+    if not isinstance(found, str):
+        raise ModelLoadError(f"{path / 'model_index.json'}: _class_name is {found!r}, not a pipeline class name: "
+                             f"remove {path} to rebuild it")  # fmt: skip
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
     spec = PRESETS.get(variant)
     if spec is None:

@@ -180,7 +180,7 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "data.prefetch", 0, None)
     _check_range(cfg, "train.max_steps", 0, None)
     _check_range(cfg, "train.gradient_accumulation_steps", 1, None)
-    _check_range(cfg, "train.learning_rate", 0.0, None)
+    _check_range(cfg, "train.learning_rate", 0.0, 3.4e38)  # what a float32 optimizer state can hold
     _check_range(cfg, "model.vae_image_pixels", 32 * 32, None)
     _check_range(cfg, "model.vl_image_pixels", 28 * 28, None)
     _check_range(cfg, "model.min_control_images", 0, None)
@@ -302,7 +302,7 @@ def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | Non
     value = OmegaConf.select(cfg, key, default=None)
     if value is None:
         return
-    if (low is not None and value < low) or (high is not None and value > high):
+    if value != value or (low is not None and value < low) or (high is not None and value > high):  # NaN too
         bounds = f"[{low}, {high if high is not None else 'inf'}]"
         raise ConfigError(f"{key}={value} is out of range: it must lie in {bounds}")
 

@@ -40,9 +40,10 @@ class CacheConfig:
     name: str = "ssd"
     dir: str | None = None
     mode: SourceMode = SourceMode.cached
-    # Check each entry's checksum when training reads it (a corrupt entry is then a miss, never data). Off by
-    # default: it costs more than 5% of the cached read time (docs/benchmarks.md, scripts/bench_cache_io.py).
-    verify_reads: bool = False
+    # Check each entry's checksum when training reads it (a corrupt entry is then a miss, never data). On by
+    # default: it costs ~0.01% of a tiny cached step and ~0.2 ms per Edit 1024² sample (docs/benchmarks.md §8,
+    # scripts/bench_verify_reads.py); false reads the bytes unchecked.
+    verify_reads: bool = True
     # Precompute: read every existing entry once and re-encode those whose checksum fails (without it, only
     # missing and truncated entries are written again).
     repair: bool = False
@@ -75,3 +76,6 @@ class GcConfig:
     dry_run: bool = True
     # More data sets (folders or manifests, read with the same data settings) whose entries are kept too.
     keep_data: list[str] = field(default_factory=list)
+    # Remove even the whole of a type the data sets use none of (else refused: another model or other sizes
+    # were named, e.g. a model with the same VAE but another text encoder would take every prompt entry).
+    force: bool = False

@@ -91,8 +91,8 @@ def _layered_fields(row: dict) -> tuple[list[str], str | None, str | None, str |
     return [image], image, prompt, None, layers
 
 
-def _outside(folder: Path, name: str) -> bool:
-    """Whether the manifest path `name` leaves `folder` (absolute, or climbing out with `..`)."""
+def _outside(name: str) -> bool:
+    """Whether the manifest path `name` leaves its folder as written (absolute, or climbing out with `..`)."""
     if os.path.isabs(name):
         return True
     return ".." in name and os.path.normpath(name).split(os.sep)[0] == ".."
@@ -107,6 +107,9 @@ class _Files:
         self.paths: dict[str, Path] = {}
         self.present: dict[str, bool] = {}
         self.outside: dict[str, bool] = {}
+        self.real: str | None = None  # the folder, symbolic links followed
+        self.real_dirs: dict[str, str] = {}
+        self.linked: dict[str, str] = {}  # names inside as written, outside once links are followed: where they lead
 
     def path(self, name: str) -> Path:
         p = self.paths.get(name)
@@ -121,10 +124,28 @@ class _Files:
         return found
 
     def is_outside(self, name: str) -> bool:
+        """Whether `name` leaves the folder as written or once symbolic links are followed (a linked folder or
+        file inside the data set pointing elsewhere): each folder is resolved once."""
         found = self.outside.get(name)
         if found is None:
-            found = self.outside[name] = _outside(self.folder, name)
+            found = self.outside[name] = _outside(name) or not self._inside(name)
         return found
+
+    def _inside(self, name: str) -> bool:
+        full = str(self.path(name))
+        if self.real is None:
+            self.real = os.path.realpath(self.folder)
+        parent, base = os.path.split(full)
+        real_parent = self.real_dirs.get(parent)
+        if real_parent is None:
+            real_parent = self.real_dirs[parent] = os.path.realpath(parent)
+        real = os.path.join(real_parent, base)
+        if os.path.islink(real):
+            real = os.path.realpath(real)
+        inside = real.startswith(self.real.rstrip(os.sep) + os.sep)
+        if not inside:
+            self.linked[name] = f" (a link to {real!r})"
+        return inside
 
 
 def scan_manifest(
@@ -190,8 +211,8 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
                 DataProblem(
                     rid,
                     f"{path}:{n}",
-                    f"manifest row {n}: {outside[0]!r} lies outside the manifest's folder "
-                    f"{str(path.parent)!r}: move it inside, or set data.allow_outside_paths=true",
+                    f"manifest row {n}: {outside[0]!r}{files.linked.get(outside[0], '')} lies outside the manifest's "
+                    f"folder {str(path.parent)!r}: move it inside, or set data.allow_outside_paths=true",
                 )
             )
             continue

@@ -6,7 +6,8 @@ The training batch takes it area-averaged once more to the latent grid (8 or 16 
 an average of averages of equal cells is the area average), so one entry serves every VAE.
 
 - `file`: the sample's mask image (`masks/<stem>.png`, a manifest's `mask`, a data set column), as grey
-  levels 0..1 (white: trained). A mask of another size than its target is first stretched to the target's.
+  levels 0..1 (white: trained). A mask of another size than its target is first scaled to the target's; one of
+  another shape (aspect ratio) is refused.
 - `edit`: 1 where the target differs from its first control image by more than `threshold` (0..1, the largest
   channel difference), grown by `dilation` pixels; 0 elsewhere: an edit LoRA learns the change, not the
   unchanged background.
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from qie.cache.keys import FileHasher, entry_key
-from qie.data.images import center_crop_to, fit_area, open_image, open_mask
+from qie.data.images import ImageError, center_crop_to, fit_area, open_image, open_mask
 from qie.data.samples import Sample
 
 MASK_TYPE = "loss_mask"
@@ -93,7 +94,11 @@ def make_mask(sample: Sample, settings: MaskSettings) -> torch.Tensor:
     target = open_image(sample.target)
     size = target.size
     if settings.source == "file":
-        return _grey(open_mask(sample.mask), size, settings)
+        mask = open_mask(sample.mask)
+        if abs(mask.size[0] * size[1] - mask.size[1] * size[0]) > max(mask.size[1], size[1]):  # > a pixel's rounding
+            raise ImageError(sample.mask, f"mask {str(sample.mask)!r} is {mask.size[0]}x{mask.size[1]}, its target "
+                             f"{size[0]}x{size[1]}: a mask must have its target's shape (at any scale)")  # fmt: skip
+        return _grey(mask, size, settings)
     # edit: where the target differs from its control, both at the target's size
     a = torch.from_numpy(np.asarray(_like_target(target, size, settings), dtype=np.float32) / 255.0)
     control = open_image(sample.controls[0])

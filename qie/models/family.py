@@ -78,6 +78,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "config_problems": ("spec",),
     "checkpoint_problems": ("spec", "read_json"),
     "sampling_notes": ("spec", "pipeline_config", "options"),
+    "text_positions": ("spec", "frames"),
 }
 
 
@@ -121,6 +122,8 @@ class ModelFamily:
         checkpoint_problems: why the checkpoint's files cannot work; `read_json(relative path)` reads one of its
             JSON files ({} when absent), before anything is built.
         sampling_notes: warnings about how sampling options will be applied (e.g. steps the checkpoint fixes).
+        text_positions: how many prompt tokens (image slots aside) the transformer takes beside image frames
+            given as `img_shapes` lists them, (frames, height, width) in tokens (`qie.models.text_positions`).
     """
 
     name: str
@@ -149,6 +152,7 @@ class ModelFamily:
     config_problems: Callable[..., list[str]]
     checkpoint_problems: Callable[..., list[str]]
     sampling_notes: Callable[..., list[str]]
+    text_positions: Callable[..., int]
 
     def __post_init__(self) -> None:
         parts = {"vae", "text_encoder", "tokenizer", "processor", "transformer", "scheduler"}

@@ -6,12 +6,11 @@ Everything here follows diffusers 0.42.1's `QwenImageEditPipeline`, `QwenImageEd
   as "Picture N", one prompt per call; text-to-image: the text alone, cut at 512 tokens). The template's system
   prefix is dropped (the pipeline's drop index).
 - Latents: the VAE's 16 channels, normalised with its latents_mean / latents_std, packed as 2x2 patches. The
-  target's tokens come first in the image sequence, each control image's follow, `img_shapes` lists the target's
-  shape then each control's, and the prediction is cut to the target's tokens.
+  target's tokens come first, each control image's follow, `img_shapes` lists the target's shape then each
+  control's, and the prediction is cut to the target's tokens.
 - Training follows from the sampling loop: x_t = (1-σ)·x0 + σ·noise, the transformer gets σ as its timestep, and
   its prediction is regressed onto noise - x0 (`qie.models.flow`).
-- Sampling: sigmas linspace(1, 1/N), the scheduler's dynamic shift, true CFG rescaled to the conditional
-  prediction's norm.
+- Sampling: sigmas linspace(1, 1/N), the scheduler's dynamic shift, true CFG rescaled to the conditional norm.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from qie.models import pipeline_parts, real_size
+from qie.models import pipeline_parts, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
 from qie.progress import progress as progress_bar
@@ -123,8 +122,7 @@ def vae_scale(vae: Any) -> int:
 
 
 def packed(latents: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """(B, C, 1, h, w) -> (B, h/2 * w/2, 4C) tokens, and the one frame's (1, h/2, w/2) shape the rotary embedding
-    uses."""
+    """(B, C, 1, h, w) -> (B, h/2 * w/2, 4C) tokens, and the frame's (1, h/2, w/2) shape the rotary embedding uses."""
     b, c, _, h, w = latents.shape
     return pack_latents(latents[:, :, 0], b, c, h, w), [(1, h // 2, w // 2)]
 
@@ -148,12 +146,14 @@ def packed_loss(
     x0 = batch.latents
     noisy, frames = pack(noisy_latents(x0, noise, sigmas))
     controls = [pack(c) for c in batch.control_latents]
+    shapes = frames + [s for _, shapes in controls for s in shapes]
+    text_positions.check_batch(batch, text_positions.qwen_image(shapes, layered=len(frames) > 1))
     pred = transformer(
         hidden_states=torch.cat([noisy] + [tokens for tokens, _ in controls], dim=1),
         timestep=sigmas.to(x0.device, x0.dtype),
         encoder_hidden_states=batch.prompt_embeds,
         encoder_hidden_states_mask=batch.prompt_embeds_mask,
-        img_shapes=[frames + [s for _, shapes in controls for s in shapes]] * x0.shape[0],
+        img_shapes=[shapes] * x0.shape[0],
         return_dict=False,
         **conditions,
     )[0][:, : noisy.shape[1]]
@@ -198,16 +198,15 @@ def sample_latents(
 ) -> torch.Tensor:
     """Denoise from noise to the latents of the image, step for step as the Qwen-Image pipelines' `__call__`.
 
-    Runs on the transformer's device; inputs may live anywhere. The scheduler is not modified (a fresh
-    one is made from its config), so one scheduler can serve training and validation.
+    Runs on the transformer's device; inputs may live anywhere. The scheduler is not modified (a fresh one is made
+    from its config), so one scheduler can serve training and validation.
 
     Args:
         transformer: QwenImageTransformer2DModel (LoRA or not).
         scheduler: FlowMatchEulerDiscreteScheduler of the model (its config decides the shift).
         prompt_embeds: (B, L, dim); B is the number of images made.
         prompt_embeds_mask: (B, L) 1/0, or None when nothing is padded (see `pad_prompt_embeds`).
-        control_latents: normalised VAE latents, each (B or 1, C, 1, h, w), in the order of the images
-            (none for text to image).
+        control_latents: normalised VAE latents, each (B or 1, C, 1, h, w), in the images' order (none for T2I).
         height, width: output size in pixels, multiples of `2 * vae_scale_factor`.
         vae_scale_factor: pixels per latent (see `vae_scale()`).
         num_inference_steps: denoising steps.
@@ -415,4 +414,5 @@ FAMILY = ModelFamily(
     config_problems=config_problems,
     checkpoint_problems=checkpoint_problems,
     sampling_notes=sampling_notes,
+    text_positions=lambda spec, frames: text_positions.qwen_image(frames),
 )

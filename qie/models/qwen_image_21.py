@@ -3,16 +3,15 @@
 What differs from Qwen-Image-Edit, all read from diffusers 0.42.1's pipeline and transformer:
 - Prompts: Qwen3-VL sees the prompt and every reference image (RGBA composited on white for it only); the
   pipeline's `encode_prompt` returns the embeddings and an image-pad mask (which positions are image slots).
-- Latents: 64 channels from an RGBA VAE (16x down), taken unpatched: one token per latent pixel, one image
-  slot of the prompt per 2x2 tokens.
+- Latents: 64 channels from an RGBA VAE (16x down), unpatched: one token per latent pixel, one prompt slot per 2x2.
 - Transformer: one joint sequence; reference tokens fill the prompt's image slots, the target's tokens are
   appended (`img_mask` = image-pad mask + one slot per 2x2 target tokens), `img_shapes` lists references
   then the target, and the prediction is the last target-length tokens. Text and references are modulated
   from t = 0 (`causal_condition`), so sampling caches their keys and values after the first step.
 - Sampling: sigmas from the pipeline config's `sample_sigmas` (else linspace), true CFG without rescale.
 
-Training follows from the sampling loop: x_t = (1 - σ)·x0 + σ·noise, the transformer gets σ (the loop's
-t / 1000), and its prediction is regressed onto noise - x0 (the Euler step is x + (σ' - σ)·prediction).
+Training follows from the sampling loop: x_t = (1 - σ)·x0 + σ·noise, the transformer gets σ (the loop's t / 1000),
+and its prediction is regressed onto noise - x0 (the Euler step is x + (σ' - σ)·prediction).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timesteps
 
-from qie.models import real_size
+from qie.models import real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
 from qie.progress import progress as progress_bar
@@ -46,8 +45,7 @@ VARIANTS = {"qwen_image_21": Variant("QwenImage21Pipeline", "all", output_image=
 
 
 class _NoProcessor:
-    """Stands in for the processor when none is built (cached training, sampling from cached inputs): the
-    pipeline's constructor reads its drop index from it; nothing else uses it then."""
+    """Stands in for the processor when none is built (cached training or sampling): it gives the drop index."""
 
     tokenizer = SimpleNamespace(encode=lambda text: [0])
 
@@ -142,6 +140,7 @@ def flow_matching_loss(
     x0 = batch.latents
     noisy, target_shape = packed(noisy_latents(x0, noise, sigmas))
     references = [packed(c) for c in batch.control_latents]
+    text_positions.check_batch(batch, text_positions.qwen_image_21([s for _, s in references] + [target_shape]))
     pred = transformer(
         hidden_states=torch.cat([tokens for tokens, _ in references] + [noisy], dim=1),
         timestep=sigmas.to(x0.device, x0.dtype),
@@ -397,4 +396,5 @@ FAMILY = ModelFamily(
     config_problems=config_problems,
     checkpoint_problems=checkpoint_problems,
     sampling_notes=sampling_notes,
+    text_positions=lambda spec, frames: text_positions.qwen_image_21(frames),
 )

@@ -27,7 +27,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from qie.models import qwen_image, real_size
+from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import predict
 from qie.progress import progress as progress_bar
@@ -224,5 +224,6 @@ FAMILY = ModelFamily(
     config_problems=config_problems,
     checkpoint_problems=checkpoint_problems,
     sampling_notes=sampling_notes,
+    text_positions=lambda spec, frames: text_positions.qwen_image(frames, layered=True),
     layered=True,
 )

@@ -176,6 +176,9 @@ class AutoCaptions:
                 self.counts.cached += 1
                 out[i] = replace(sample, prompt=text)
             elif not self.generates:
+                if unreadable := _unreadable(sample):  # no caption can be made of it: a broken sample, skipped
+                    problems.append(unreadable)
+                    continue
                 self.misses.append(self._problem(sample, f"sample {sample.id!r} has no cached caption "
                                                          f"(data.auto_caption): {self.miss_hint}"))  # fmt: skip
                 problems.append(self.misses[-1])
@@ -217,6 +220,18 @@ class AutoCaptions:
     @staticmethod
     def _problem(sample: Sample, reason: str) -> DataProblem:
         return DataProblem(sample.id, str(sample.target or (sample.controls[0] if sample.controls else "")), reason)
+
+
+def _unreadable(sample: Sample) -> DataProblem | None:
+    """The problem of a sample with an image that cannot be read (named as reading it names it), else None."""
+    from qie.data.images import open_image
+
+    for path in (*sample.controls, *([sample.target] if sample.target is not None else [])):
+        try:
+            open_image(path)
+        except DataError as e:
+            return DataProblem(sample.id, str(getattr(e, "path", None) or path), str(e))
+    return None
 
 
 def build_captioner(cfg: DictConfig, spec: ModelSpec) -> Callable[[CaptionSettings], Captioner]:

@@ -45,8 +45,8 @@ def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
     """List (and unless `gc.dry_run`, remove) the entries no sample of the named data sets uses.
 
     Raises:
-        ConfigError: no data set named; or, when removing, none of the data sets' entries is in the
-            cache (another model or other sizes were named: nothing is removed).
+        ConfigError: no data set named; or, when removing without `gc.force`, none of the data sets' entries of
+            a type the cache holds is in the cache (another model or other sizes were named: nothing is removed).
     """
     if not cfg.data.path:
         raise ConfigError(
@@ -58,10 +58,16 @@ def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
     unused = backend.unused(keep, remove=False)
     total = backend.stats()
     kept = sum(s["count"] for s in total.values()) - sum(s["count"] for s in unused.values())
-    if remove and kept == 0 and any(s["count"] for s in total.values()):
+    # Each type the data sets use and the cache holds must match some entry: a type none of whose entries match
+    # says the settings differ from precompute's (another text encoder: every prompt entry; another VAE area:
+    # every latent), even when other types match.
+    unmatched = [t for t, s in total.items() if keep.get(t) and s["count"] and unused[t]["count"] == s["count"]]
+    if remove and unmatched and not cfg.gc.get("force", False):
+        which = "" if kept == 0 else f"{', '.join(unmatched)} "
         raise ConfigError(
-            f"none of the {samples} samples' entries is in {backend!r}: were they encoded with another model or "
-            "other sizes? Nothing was removed; give the model= and data settings precompute was run with"
+            f"none of the {samples} samples' {which}entries is in {backend!r}: were they encoded with another model "
+            "or other sizes? Nothing was removed; give the model= and data settings precompute was run with (or "
+            "gc.force=true to remove them all the same)"
         )
     if remove:
         unused = backend.unused(keep, remove=True)

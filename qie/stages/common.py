@@ -271,6 +271,26 @@ def with_masks(cfg: DictConfig, source: EmbeddingSource, backend: Any = None) ->
     return MaskedSource(source, found[0], file_hasher(cfg), backend, found[1])
 
 
+def check_masks(source: EmbeddingSource, samples: list[Sample], report: bool) -> list[Sample]:
+    """The samples whose loss masks (`train.mask`) can train, each mask read at start; the others are skipped
+    with a warning, as unreadable images are.
+
+    Raises:
+        DataError: no sample left.
+    """
+    if not isinstance(source, MaskedSource):
+        return samples
+    kept, problems = source.check_masks(samples)
+    for p in problems[:5] if report else []:
+        print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
+    if len(problems) > 5 and report:
+        print(f"qie: ... and {len(problems) - 5} more samples whose masks cannot train")
+    if not kept:
+        first = problems[0]
+        raise DataError(f"no sample has a loss mask that can train; the first, {first.id!r}: {first.reason}")
+    return kept
+
+
 def control_dropout(cfg: DictConfig) -> float:
     """`data.control_dropout_rate`, checked against the model.
 

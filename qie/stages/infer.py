@@ -21,11 +21,12 @@ from PIL import Image
 from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
 from qie.data.images import as_image, condition_images
 from qie.data.samples import prompt_problem
-from qie.encode import Encoder
-from qie.errors import ConfigError, QieError
-from qie.models import ModelSpec
+from qie.encode import Encoder, text_tokens
+from qie.errors import ConfigError, ModelLoadError, QieError
+from qie.models import ModelSpec, text_positions
 from qie.sampling import SamplingOptions, latent_sizes
 from qie.stages.common import read_data, sampling_options, value
+from qie.training.guards import damaged_weights, nonfinite_weights
 from qie.training.lora import load_lora, merge_lora, save_transformer
 
 
@@ -121,11 +122,30 @@ class Predictor:
         controls = [self.encoder.encode_latents([p])[0] for p in pixels]
         f = self.vae_scale_factor
         size = spec.output_size(options.height, options.width, latent_sizes(controls, f), None, f)
+        per_token = spec.family.planner.latent_pixels
+        frames = [(1, h // per_token, w // per_token) for h, w in [size, *latent_sizes(controls, f)]]
+        limit = spec.family.text_positions(spec, frames)
+        text_positions.check(text_tokens(entry), limit, "predict.prompt", "the prompt")
+        if negative is not None:
+            text_positions.check(text_tokens(neg), limit, "predict.negative_prompt", "the negative prompt")
         prompt_in = (entry["embed"], entry.get("image_mask"))
         latents = spec.sampler(self.parts, prompt_in, negative, controls, size, options, progress=progress)
+        if not bool(torch.isfinite(latents).all()):
+            raise ModelLoadError(nonfinite_output(self.parts, "the sampled latents hold"))
         if output_type == "latent":
             return latents
+        if nonfinite_weights(self.parts.vae):  # the VAE is small next to a sampling run: checked every time
+            raise ModelLoadError(nonfinite_output(self.parts, "the decoded image would hold"))
         return spec.decoder(self.parts.vae, latents, output_type=output_type)
+
+
+def nonfinite_output(parts: Parts, what: str) -> str:
+    """Why `what` holds NaN or infinite values: the first part (text encoder, transformer, VAE) whose weights do."""
+    for name in ("text_encoder", "transformer", "vae"):
+        module = getattr(parts, name, None)
+        if isinstance(module, torch.nn.Module) and (bad := nonfinite_weights(module, frozen_only=False)):
+            return f"{what} NaN or infinite values: {damaged_weights(name.replace('_', ' '), bad)}"
+    return f"{what} NaN or infinite values: try model.dtype=float32 or another seed"
 
 
 def open_images(images: Any, alpha: bool = False) -> list[Image.Image]:

@@ -70,7 +70,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
 
     Raises:
         ConfigError: no data.path, no persistent cache, a bad batch size.
-        DataError: no usable sample; with on_error=raise, the first unreadable sample.
+        DataError: no usable sample, or none could be encoded; with on_error=raise, the first unreadable sample.
         StorageError: a cache or run folder that cannot be written (found before any model is built).
     """
     from accelerate import PartialState
@@ -105,7 +105,19 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
         summary.types[CAPTION_TYPE] = TypeSummary(c.new, c.cached, c.failed, c.bytes_written)
     summary = finish(state, summary, backend, cfg.cache.dir, Path(run_dir))
     common.leave_process_group(state)
+    if main:
+        refuse_if_none_encoded(summary, Path(run_dir))
     return summary
+
+
+def refuse_if_none_encoded(summary: PrecomputeSummary, run_dir: Path) -> None:
+    """Raise DataError when every sample of the run failed (nothing of it can train), after the summary and the
+    failure list are written: the run exits non-zero."""
+    failed = {p.id for p in summary.failures}
+    if summary.samples and len(failed) >= summary.samples:
+        first = summary.failures[0]
+        raise DataError(f"none of the {summary.samples} samples could be encoded (all listed in "
+                        f"{run_dir / 'failures.jsonl'}); the first, {first.id!r}: {first.reason}")  # fmt: skip
 
 
 def read_settings(cfg: DictConfig) -> Settings:

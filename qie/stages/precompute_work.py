@@ -15,8 +15,9 @@ from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, write_entries
 from qie.data.images import ImageError
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import DataProblem, Sample
-from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample
+from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample, prompt_limit, text_tokens
 from qie.errors import DataError
+from qie.models import text_positions
 
 Keyed = tuple[Sample, dict[str, str]]
 
@@ -127,10 +128,14 @@ def plan(
     mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary, repair: bool = False
 ) -> dict[tuple, list[Keyed]]:
     """Group samples by the tuple of stored types they miss; a whole entry (`whole`) or one planned already is
-    skipped. Groups that write empty-prompt entries come first: prompt entries then share their prefix."""
+    skipped. Groups that write empty-prompt entries come first: prompt entries then share their prefix.
+
+    An empty-prompt entry written again (missing, or corrupt under `cache.repair=true`) comes out in other
+    bytes (float rounding of another batch), so the prompt entries cut against it would no longer match their
+    base: they are written again with it, and one run leaves a cache that verifies."""
     planned: set[tuple[str, str]] = set()
-    groups: dict[tuple[str, ...], list[Keyed]] = defaultdict(list)
-    for sample, keys in mine:
+    missing_of: list[list[str]] = []
+    for _, keys in mine:
         missing = []
         for t in (t for t in STORED_TYPES if t in keys):
             if (t, keys[t]) in planned or whole(backend, t, keys[t], repair):
@@ -138,6 +143,15 @@ def plan(
             else:
                 planned.add((t, keys[t]))
                 missing.append(t)
+        missing_of.append(missing)
+    rebased = {key for t, key in planned if t == BASE_TYPE}
+    groups: dict[tuple[str, ...], list[Keyed]] = defaultdict(list)
+    for (sample, keys), missing in zip(mine, missing_of):
+        entry = ("prompt_embed", keys.get("prompt_embed"))
+        if keys.get(BASE_TYPE) in rebased and entry[1] is not None and entry not in planned:
+            planned.add(entry)
+            missing.append("prompt_embed")  # the last stored type: the tuple keeps STORED_TYPES order
+            summary.types["prompt_embed"].skipped -= 1
         if missing:
             groups[tuple(missing)].append((sample, keys))
     return dict(sorted(groups.items(), key=lambda g: BASE_TYPE not in g[0]))
@@ -161,6 +175,8 @@ def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: Prec
             continue
         held += [c for _, c in got]
         left = tuple(t for t in types if not whole(backend, t, keys[t], repair))
+        if BASE_TYPE in left and "prompt_embed" in types and "prompt_embed" not in left:
+            left += ("prompt_embed",)  # its base is written again: so is it (see `plan`)
         for t in set(types) - set(left):
             summary.types[t].skipped += 1
             summary.claimed_by_others += 1
@@ -235,8 +251,15 @@ def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summ
             by_types[tuple(types)].append((sample, keys, prepared))
     for types, items in by_types.items():
         entries = encoder.encode_entries([p for _, _, p in items], types)
-        for (sample, keys, _), entry in zip(items, entries):
+        for (sample, keys, prepared), entry in zip(items, entries):
             entry = {t: entry[t] for t in types}
+            if "prompt_embed" in entry:
+                try:
+                    limit = prompt_limit(encoder.spec, prepared, sizes)
+                    text_positions.check(text_tokens(entry["prompt_embed"]), limit, f"sample {sample.id!r}")
+                except text_positions.PromptTooLong as error:
+                    record_failure(summary, sample, error, ["prompt_embed"], keys, raise_errors)
+                    del entry["prompt_embed"]
             bad = nonfinite(entry)
             if bad:
                 bad_types = sorted({b.split("/")[0] for b in bad}, key=STORED_TYPES.index)

@@ -1,7 +1,7 @@
 """The train stage: build the transformer (+LoRA), the embedding source and the loop, then run it.
 
-Cached mode builds only the transformer and scheduler: never the text encoder or the VAE (logged images
-are read from the sample files). Live and lazy modes build the encoders too.
+Cached mode builds only the transformer and scheduler: never the text encoder or the VAE (logged images are read
+from the sample files); live and lazy modes build the encoders too. Loss masks are read and checked at start.
 
 Run it with `python -m qie.train ...`; `accelerate launch` (or `torchrun`) runs it data-parallel. A Hydra
 sweep (`python -m qie.train -m train.learning_rate=1e-4,3e-4`) gives each job its own run directory
@@ -68,8 +68,8 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         The result also written to train_result.json: step, loss, losses, stopped_by_signal, lora, ...
 
     Raises:
-        QieError subclasses for what a user can fix (config, data, cache misses, models), and StorageError
-        when another process trains in `run_dir` (one writer per run folder, see `qie.run_lock`).
+        QieError subclasses for what a user can fix (config, data, cache misses, models), and StorageError when
+        another process trains in `run_dir` (one writer per run folder, see `qie.run_lock`).
     """
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
@@ -305,8 +305,9 @@ def finish(
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
-        how = "stopped by a signal" if result["stopped_by_signal"] else "trained"
-        print(f"qie: {how} at step {result['step']}, last loss {result['loss']:.4f}; weights: {path}")
+        how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
+        last = f"last loss {result['loss']:.4f}" if result["losses"] else "no step left (train.max_steps reached)"
+        print(f"qie: {how} at step {result['step']}, {last}; weights: {path}")
         if result["stopped_by_signal"]:
             print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
         print(f"qie: metrics {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")

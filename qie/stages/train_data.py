@@ -15,7 +15,7 @@ from qie.embeddings import EmbeddingSource
 from qie.errors import CacheMissError, DataError
 from qie.models import ModelSpec
 from qie.readiness import ready_samples
-from qie.stages.common import control_dropout, precompute_command, read_data, value
+from qie.stages.common import check_masks, control_dropout, precompute_command, read_data, value
 from qie.stages.recipes import regularization_samples
 
 
@@ -60,7 +60,7 @@ def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, sample
         kept = {s.id for s in ready_samples(source, [without_controls(s) for s in samples + reg], run_dir,
                                             on_missing, cache_dir, False, command)}  # fmt: skip
         samples, reg = [s for s in samples if s.id in kept], [s for s in reg if s.id in kept]
-    return samples, reg
+    return check_masks(source, samples, report), reg  # each loss mask read and checked at start
 
 
 def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:

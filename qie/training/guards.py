@@ -82,11 +82,36 @@ def all_ids(accelerator: Any, ids: list[str]) -> list[str]:
     return [i for part in gather_object([ids]) for i in part]
 
 
-def nonfinite_message(step: int, ids: list[str], saved: Path | None) -> str:
+def nonfinite_weights(module: torch.nn.Module, frozen_only: bool = True) -> list[str]:
+    """Names of the module's parameters (the frozen ones by default: the base model's) and buffers holding a NaN
+    or an infinity."""
+    params = [(n, p) for n, p in module.named_parameters() if not (frozen_only and p.requires_grad)]
+    return [n for n, t in params + list(module.named_buffers()) if not _finite(t)]
+
+
+def _finite(t: torch.Tensor) -> bool:
+    if not t.is_floating_point() or not t.numel():
+        return True
+    try:
+        return bool(torch.isfinite(t).all())
+    except (RuntimeError, NotImplementedError, TypeError):  # a quantized tensor type without isfinite
+        return bool(torch.isfinite(t.dequantize()).all()) if hasattr(t, "dequantize") else True
+
+
+def damaged_weights(part: str, names: Sequence[str]) -> str:
+    """The sentence naming a model part's non-finite weights and what to do."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"the {part}'s weights hold NaN or infinite values ({shown}): its weight files are damaged; load it "
+            "from intact files (model.pretrained_model_name_or_path, model.transformer_path)")  # fmt: skip
+
+
+def nonfinite_message(step: int, ids: list[str], saved: Path | None, model: torch.nn.Module | None = None) -> str:
     where = f"; the last good state is saved in {saved}" if saved else ""
+    said = f"step {step} gave a NaN or infinite loss or gradient on samples {', '.join(map(repr, ids))}{where}"
+    if model is not None and (bad := nonfinite_weights(model)):
+        return f"{said}: {damaged_weights('base model', bad)}"
     return (
-        f"step {step} gave a NaN or infinite loss or gradient on samples {', '.join(map(repr, ids))}{where}. "
-        "Check those samples' cache entries (python -m qie.cache action=verify) and the learning rate; "
+        f"{said}. Check those samples' cache entries (python -m qie.cache action=verify) and the learning rate; "
         "train.on_nonfinite=skip skips such steps instead."
     )
 

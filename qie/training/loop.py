@@ -125,7 +125,7 @@ def fit(
         last_saved: the checkpoint this run resumed from (the last good state until this run saves one).
 
     Returns:
-        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "skipped_nonfinite"}.
+        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "signal", "skipped_nonfinite"}.
 
     Raises:
         NonFiniteLoss: a NaN or infinite loss or gradient with `on_nonfinite="stop"` (after saving the last
@@ -178,9 +178,15 @@ def fit(
                 on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
             checkpoints.after_step(step, consumed)
         checkpoints.at_end(step, consumed)
+    return _result(step, losses, nonfinite.skipped, stop.received if stopping else None, stopping)
+
+
+def _result(step: int, losses: list[float], skipped: list, received: int | None, stopping: bool) -> dict:
+    """What `fit` returns; a stop another process's signal decided is reported as SIGTERM (a scheduler's)."""
+    signum = int(received or signal.SIGTERM) if stopping else None
     last = losses[-1] if losses else math.nan
-    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping,
-            "skipped_nonfinite": nonfinite.skipped}  # fmt: skip
+    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "signal": signum,
+            "skipped_nonfinite": skipped}  # fmt: skip
 
 
 def _optimizer_step(

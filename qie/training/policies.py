@@ -85,7 +85,7 @@ class NonfinitePolicy:
             self.skipped.append(ids)
             return
         saved = checkpoints.before_stopping(step, consumed)
-        raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or checkpoints.last_good))
+        raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or checkpoints.last_good, self.state.model))
 
     def audit(self, step: int, max_steps: int, last_good: Path | None) -> None:
         """Raise NonFiniteLoss when the update of `step` left NaN or infinite weights or optimizer state. Between
