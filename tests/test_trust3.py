@@ -15,7 +15,6 @@ import pytest
 import torch
 from helpers import CachedData, small_config, write_noise_image
 
-from qie.cache.__main__ import run as cache_cli
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.demo.synthetic import make_dataset
@@ -23,6 +22,7 @@ from qie.models import text_positions
 from qie.models.text_positions import PromptTooLong
 from qie.stages import precompute
 from qie.stages import train as train_stage
+from qie.stages.cache_admin import run as cache_cli
 
 FAST = ["train.learning_rate=1e-3", "logging.report_to=none", "train.seed=3"]
 # ~5,000 tokens of the tiny tokenizer, well under the 20,000-character cap.
@@ -304,7 +304,7 @@ def test_manifest_paths_leading_outside_through_a_link_are_refused(tmp_path: Pat
 
     from helpers import write_solid_image
 
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
 
     outside = tmp_path / "elsewhere"
     for name in ("t.png", "c.png"):
@@ -532,7 +532,7 @@ def test_gc_refuses_to_take_a_whole_type_under_other_settings(copy: CachedData, 
 def test_layers_with_a_gap_in_their_numbers_are_a_problem_of_their_sample(tmp_path: Path) -> None:
     from helpers import write_solid_image
 
-    from qie.data.samples import scan_dataset
+    from qie.data.scan import scan_dataset
 
     for stem, numbers in (("gap", (0, 2, 3)), ("whole", (0, 1, 2)), ("twice", (0, 1))):
         write_solid_image(tmp_path / "images" / f"{stem}.png")
