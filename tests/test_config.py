@@ -125,6 +125,8 @@ GROUPS = sorted(
 BUILT = {"cache", "train.optimizer", "train.lr_scheduler"}
 # Options whose class lives in an optional extra (test_memory checks the error when it is missing).
 EXTRA = {("train/optimizer", "adamw8bit"): "bitsandbytes"}
+# Settings an option needs to build (the remote cache needs a store: fsspec's in-process one will do).
+NEEDS = {("cache", "remote"): ["cache.url=memory://config-test/cache"]}
 
 
 def _targets(node: object, path: str = "") -> list[str]:
@@ -147,9 +149,9 @@ def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_
     package = EXTRA.get((group, option))
     if package and importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} (an optional extra) is not installed")
-    cfg = compose("train", [f"{group}={option}"])
+    cfg = compose("train", [f"{group}={option}", *NEEDS.get((group, option), [])])
     assert set(_targets(OmegaConf.to_container(cfg))) == BUILT
-    backend = build_backend(cfg.cache._target_, str(tmp_path / "cache"))  # as the stages build it
+    backend = build_backend(cfg.cache._target_, str(tmp_path / "cache"), settings=cfg.cache)  # as the stages do
     assert isinstance(backend, CacheBackend)
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = instantiate(cfg.train.optimizer)([param], lr=float(cfg.train.learning_rate))

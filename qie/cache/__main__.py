@@ -25,7 +25,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
         types = check_types(list(cfg.cache.types))
     except ValueError as e:
         raise ConfigError(f"cache.types: {e}") from None
-    backend = build_backend(cfg.cache._target_, cfg.cache.dir)
+    backend = build_backend(cfg.cache._target_, cfg.cache.dir, settings=cfg.cache)
     action = getattr(cfg.action, "value", cfg.action)
     if action == "gc":
         from qie.stages.cache_gc import collect_garbage

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from qie.types import CACHE_TYPES
 
@@ -50,6 +51,16 @@ class CacheConfig:
     # (listing them in cache_report.json with the precompute command), or train on the rest with a warning.
     on_missing: OnMissing = OnMissing.stop
     types: list[str] = field(default_factory=lambda: list(CACHE_TYPES))
+    # cache=remote: the object store (`s3://BUCKET/PREFIX`, any fsspec URL), its endpoint (MinIO, R2, a local
+    # server), more fsspec options; the node-local copy (default under $QIE_HOME) and its size limit in GiB.
+    url: str | None = None
+    endpoint_url: str | None = None
+    storage_options: Any = None
+    local_dir: str | None = None
+    local_max_gb: float | None = None
+    # How long a claim of a precompute that died holds its entries; tries per request before giving up.
+    lease_seconds: float = 600.0
+    retries: int = 4
     vae_encoder_device: str = "auto"
     text_encoder_device: str = "auto"
 

@@ -103,7 +103,7 @@ def auto_captions(
 
     settings = caption_settings(cfg.data, spec)
     if backend is None and cfg.cache.name != "none" and cfg.cache.get("dir"):
-        backend = build_backend(cfg.cache._target_, cfg.cache.dir, bool(cfg.cache.get("verify_reads", False)))
+        backend = cache_backend(cfg)
     hint = f"fill the cache with {precompute_command(cfg)} or train with cache.mode=lazy"
     return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg), backend,
                         build_captioner(cfg, spec) if generate else None, spec, hint)  # fmt: skip
@@ -153,6 +153,12 @@ def model_key_context(cfg: DictConfig, spec: ModelSpec | None = None) -> KeyCont
     return key_context(model_source(m), m.revision, spec, image_sizes(cfg, spec), str(value(m.dtype)), quantize)
 
 
+def cache_backend(cfg: DictConfig) -> Any:
+    """The backend `cache._target_` names, built with the `cache` settings its class takes."""
+    c = cfg.cache
+    return build_backend(c._target_, c.get("dir"), bool(c.get("verify_reads", False)), settings=c)
+
+
 def build_source(
     cfg: DictConfig,
     mode: str | None = None,
@@ -175,7 +181,7 @@ def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command) -> tup
     """The source `mode` names, and its cache backend (None for a live source)."""
     if mode == "live" or cfg.cache.name == "none":
         return LiveSource(encoder or build_encoder(cfg, spec), sizes), None
-    backend = build_backend(cfg.cache._target_, cfg.cache.get("dir"), bool(cfg.cache.get("verify_reads", False)))
+    backend = cache_backend(cfg)
     factory = (lambda: encoder) if encoder is not None else (lambda: build_encoder(cfg, spec))
     cached = CachedSource(
         backend,

@@ -70,7 +70,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
 
     settings = read_settings(cfg)
     repair = bool(cfg.cache.get("repair", False))
-    backend = build_backend(cfg.cache._target_, cfg.cache.dir, verify_reads=repair)
+    backend = build_backend(cfg.cache._target_, cfg.cache.dir, verify_reads=repair, settings=cfg.cache)
     backend.check_access(write=True)
     check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
     # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
