@@ -276,3 +276,59 @@ def test_an_unreachable_endpoint_is_named_in_one_line(url: str, tmp_path: Path) 
         b.check_access(write=True)
     message = str(e.value)
     assert endpoint in message and "unreachable after 2 tries" in message and "\n" not in message
+
+
+# --- the stages on the bucket ----------------------------------------------------------------------------------
+
+TRAINING = ["train.max_steps=3", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7",
+            "logging.report_to=none", "train.checkpoint_every=0", "data.num_workers=0"]  # fmt: skip
+
+
+def indexed_when_the_backend_goes(url: str, s3: str, local: Path) -> None:
+    """Every stored entry is in the index once precompute's backend is collected (polled: the collector may hand
+    the flush to a thread)."""
+    import gc
+    import time
+
+    gc.collect()
+    stored = {t: s["count"] for t, s in remote(url, s3, local).stats().items() if s["count"]}
+    for _ in range(50):
+        if stored == {t: len(remote(url, s3, local).index.records(t)) for t in stored}:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the index lacks entries of {stored}")
+
+
+def test_precompute_into_the_bucket_then_training_gives_the_ssd_losses(
+    s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path
+) -> None:
+    from qie.config import compose
+    from qie.stages import precompute
+    from qie.stages import train as train_stage
+
+    base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}"]
+    ssd = train_stage.run(compose("train", [*base, f"cache.dir={cached_data.cache}", *TRAINING]), tmp_path / "ssd")
+    on_bucket = ["cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", "cache.retries=2"]
+    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
+    summary = precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre")
+    assert summary.samples == 8 and not summary.failures
+    indexed_when_the_backend_goes(url, s3, tmp_path / "c")
+    again = precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre2")
+    assert sum(t.new for t in again.types.values()) == 0  # everything found in the bucket
+    remote_run = train_stage.run(compose("train", [*base, *on_bucket, *node("b"), *TRAINING]), tmp_path / "remote")
+    assert remote_run["losses"] == ssd["losses"]
+
+
+def test_precompute_names_an_unreachable_endpoint_before_building_a_model(
+    url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
+) -> None:
+    from qie.config import compose
+    from qie.stages import common, precompute
+
+    monkeypatch.setattr(common, "build_encoder", lambda *a, **k: pytest.fail("a model was built"))
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
+                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2",
+                 f"cache.dir={tmp_path}"]  # fmt: skip
+    with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 2 tries"):
+        precompute.run(compose("precompute", overrides), tmp_path / "run")

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -327,7 +328,19 @@ def _record(head: bytes, type: str, size: int | None = None) -> Record | None:
 
 
 def _flush_quietly(index: RemoteIndex) -> None:
+    """Write the pending index entries when a backend goes. The collector may run this on the file system's own
+    event-loop thread, which cannot wait for its own requests: there the flush runs on a thread of its own."""
+    import asyncio
+
+    def flush() -> None:
+        try:
+            index.flush()
+        except Exception as e:  # the next start-up check finds the entries by their headers and indexes them
+            log.warning("the cache index could not be written (%s); the next check adds the entries", e)
+
     try:
-        index.flush()
-    except Exception as e:  # at exit: the next start-up check finds the entries and indexes them
-        log.warning("the cache index could not be written (%s); the next check adds the entries", e)
+        asyncio.get_running_loop()
+    except RuntimeError:
+        flush()
+    else:
+        threading.Thread(target=flush, name="qie-index-flush").start()
