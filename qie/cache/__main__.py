@@ -1,5 +1,7 @@
-"""`python -m qie.cache action=stats|clear|verify cache.dir=... [cache.types=[...]] [verify.fix=true]`, and
-`python -m qie.cache action=gc cache.dir=... model=NAME data.path=... [gc.dry_run=false]`."""
+"""`python -m qie.cache action=stats|clear|verify cache.dir=... [cache.types=[...]] [verify.fix=true]`,
+`python -m qie.cache action=gc cache.dir=... model=NAME data.path=... [gc.dry_run=false]`, and
+`python -m qie.cache action=sync cache.dir=... sync.to=s3://BUCKET/PREFIX [sync.endpoint_url=...]` (or back, from
+`cache=remote cache.url=...` to `sync.to=FOLDER`). Any of them works on `cache=remote cache.url=...` too."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
         raise ConfigError(f"cache.types: {e}") from None
     backend = build_backend(cfg.cache._target_, cfg.cache.dir, settings=cfg.cache)
     action = getattr(cfg.action, "value", cfg.action)
-    if action == "gc":
+    if action == "sync":
+        report = _sync(cfg, backend, types)
+    elif action == "gc":
         from qie.stages.cache_gc import collect_garbage
 
         report = collect_garbage(cfg, backend)
@@ -35,6 +39,15 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
         report = run_admin(backend, action, types, fix=bool(cfg.verify.fix))
     print(report)
     return report.exit_code
+
+
+def _sync(cfg: DictConfig, backend, types: list[str]):
+    from qie.cache.sync import destination, sync_report
+
+    s = cfg.sync
+    if not s.to:
+        raise ConfigError("action=sync needs sync.to: an object store URL (s3://BUCKET/PREFIX) or a cache folder")
+    return sync_report(backend, destination(s.to, s.endpoint_url, s.storage_options, s.local_dir), types)
 
 
 @hydra.main(config_path="pkg://qie.conf", config_name="cache", version_base=None)

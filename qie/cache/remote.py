@@ -187,14 +187,15 @@ class RemoteBackend:
 
     def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
         """`intact` of each entry; the index answers for indexed entries (a few objects read for all). With
-        `remember`, entries found whole outside the index are added to it."""
+        `remember`, entries found whole outside the index are added to it, and what this backend wrote since its
+        last index segment is written too."""
         for t in {t for t, _ in items}:
             check_type(t)
         check_keys([k for _, k in items])
         memo: dict = {}
         found: list[tuple[str, str, Record]] = []
         ok = {item: self._intact(item[0], item[1], memo, found) for item in dict.fromkeys(items)}
-        if remember and found:
+        if remember:  # the index then lists all of them in the store (this writer's own entries included)
             for t, k, record in found:
                 self.index.add(t, k, record)
             self.index.flush()

@@ -25,6 +25,7 @@ class CacheAction(str, Enum):
     clear = "clear"
     verify = "verify"
     gc = "gc"
+    sync = "sync"
 
 
 class OnMissing(str, Enum):
@@ -86,3 +87,14 @@ class GcConfig:
     dry_run: bool = True
     # More data sets (folders or manifests, read with the same data settings) whose entries are kept too.
     keep_data: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SyncConfig:
+    """`action=sync`: copy the configured cache into `to` (an object store URL, or an ssd cache folder)."""
+
+    to: str | None = None
+    # For an object store destination: its endpoint, more fsspec options, and the node-local copy folder.
+    endpoint_url: str | None = None
+    storage_options: Any = None
+    local_dir: str | None = None
