@@ -375,3 +375,48 @@ def test_sync_copies_a_cache_to_the_bucket_and_back_verified_and_resumable(
     # Clear on the bucket removes the entries only.
     assert admin(*on_bucket, "action=clear") == 0
     assert remote(url, s3, tmp_path / "x").stats()["pixel_latent"]["count"] == 0
+
+
+def test_wrong_credentials_are_named_in_one_line(s3: str, url: str, tmp_path: Path, monkeypatch) -> None:
+    from moto import settings
+
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server now checks every request's key
+    b = remote(url, s3, tmp_path)
+    with pytest.raises(StorageError) as e:
+        b.check_access(write=True)
+    message = str(e.value)
+    assert s3 in message and "denied" in message and "credentials" in message and "\n" not in message
+    assert b.store.requests == 1  # refused credentials are not retried
+
+
+def test_training_names_an_unreachable_endpoint_before_building_a_model(
+    url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
+) -> None:
+    from qie.config import compose
+    from qie.stages import train as train_stage
+
+    monkeypatch.setattr(train_stage, "load_parts", lambda *a, **k: pytest.fail("a model was built"))
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
+                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2", f"cache.dir={tmp_path}",
+                 *TRAINING]  # fmt: skip
+    with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 2 tries"):
+        train_stage.run(compose("train", overrides), tmp_path / "run")
+
+
+def test_a_server_that_dies_mid_run_ends_in_one_error_after_bounded_retries(s3: str, url: str, tmp_path: Path) -> None:
+    import time
+
+    port = free_port()  # a second server of its own (moto's servers in one process share their buckets)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    b = RemoteBackend(url=url, endpoint_url=endpoint, local_dir=tmp_path, retries=3, backoff=0.05, timeout=1)
+    b.check_access(write=True)
+    b.put("pixel_latent", key(0), make_entry("pixel_latent"))
+    server.stop()
+    assert b.get("pixel_latent", key(0)) is not None  # this node's copy needs no server
+    start = time.monotonic()
+    with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 3 tries"):
+        b.get("pixel_latent", key(1))
+    assert time.monotonic() - start < 30

@@ -24,7 +24,10 @@ _TRANSIENT_NAMES = {
     "ResponseStreamingError", "IncompleteReadError", "SlowDown", "ServiceUnavailable", "InternalError",
 }  # fmt: skip
 _TRANSIENT_ERRNOS = (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH)
-_DENIED_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "Forbidden")
+_DENIED_WORDS = (
+    "NoCredentialsError", "Unable to locate credentials", "AccessDenied", "InvalidAccessKeyId",
+    "SignatureDoesNotMatch", "ExpiredToken", "Forbidden",
+)  # fmt: skip
 
 
 def plain(value: Any) -> Any:
