@@ -69,12 +69,13 @@ class RemoteIndex:
     def flush(self) -> int:
         """Write the pending entries as one segment per type; returns how many entries were written."""
         with self._lock:
-            pending, self._pending = self._pending, {}
             self._last_flush = time.monotonic()
-            for type, entries in pending.items():
+            written = 0
+            for type in list(self._pending):
                 self._seq += 1
-                self._write(type, f"{self.writer}-{self._seq}", entries)
-            return sum(map(len, pending.values()))
+                self._write(type, f"{self.writer}-{self._seq}", self._pending[type])  # kept pending if it fails
+                written += len(self._pending.pop(type))
+            return written
 
     def forget(self, type: str, keys: set[str]) -> None:
         """Remove `keys` from the index of `type`: the merged index without them replaces its segments."""
