@@ -309,3 +309,24 @@ def test_a_server_that_dies_mid_run_ends_in_one_error_after_bounded_retries(s3: 
     with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 3 tries"):
         b.get("pixel_latent", key(1))
     assert time.monotonic() - start < 30
+
+
+def _read_in_child(backend: RemoteBackend, k: str, out) -> None:
+    entry = backend.get("pixel_latent", k)
+    out.put(None if entry is None else entry.checksum)
+
+
+def test_a_forked_loader_worker_reads_through_its_own_connection(s3: str, url: str, tmp_path: Path) -> None:
+    import multiprocessing
+
+    writer = writing(url, s3, tmp_path / "a")
+    writer.put("pixel_latent", key(1), make_entry("pixel_latent", 1))
+    reader = remote(url, s3, tmp_path / "b")
+    assert reader.intact("pixel_latent", key(1))  # the parent used its client before the fork
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(reader, key(1), out))
+    child.start()
+    got = out.get(timeout=60)
+    child.join(timeout=60)
+    assert got == writer.get("pixel_latent", key(1)).checksum and child.exitcode == 0

@@ -92,14 +92,17 @@ class RemoteBackend:
             raise ConfigError("cache.url is not set: pass cache=remote cache.url=s3://BUCKET/PREFIX")
         self.url, self.endpoint_url = str(url).rstrip("/"), endpoint_url or None
         where = self.url + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+        def reopen():
+            return open_filesystem(self.url, self.endpoint_url, storage_options, float(timeout))
+
         try:
-            fs, root = open_filesystem(self.url, self.endpoint_url, storage_options, float(timeout))
+            fs, root = reopen()
         except (ImportError, ValueError) as e:
             hint = "for s3:// URLs pip install 'qie[s3]'"
             raise ConfigError(f"cache.url={self.url!r} cannot be opened ({e}): {hint}") from None
         if "/" not in root.strip("/") and self.url.startswith(("s3://", "gs://", "gcs://", "az://", "abfs://")):
             raise ConfigError(f"cache.url={self.url!r} names a bucket without a prefix: use s3://BUCKET/PREFIX")
-        self.store = Store(fs, root, where, retries, backoff)
+        self.store = Store(fs, root, where, retries, backoff, reopen)
         local = Path(local_dir) if local_dir else default_local_dir(self.url, self.endpoint_url)
         self.local = LocalCopy(local, int(float(local_max_gb) * 2**30) if local_max_gb else None)
         self.verify_reads, self.lease_seconds = bool(verify_reads), float(lease_seconds)
@@ -243,10 +246,10 @@ class RemoteBackend:
 
     def claim(self, type: str, key: str, wait: bool = False) -> Lease | None:
         """A lease on (type, key) against precomputes on any machine; None while another holds it (`wait`:
-        poll until it is released or expires)."""
+        poll until it is released or expires). Releasing it first writes the index of what this backend wrote."""
         check_type(type), check_key(key)
         while True:
-            lease = take_lease(self.store, type, key, self.owner, self.lease_seconds)
+            lease = take_lease(self.store, type, key, self.owner, self.lease_seconds, self.index.flush)
             if lease is not None or not wait:
                 return lease
             time.sleep(min(2.0, self.lease_seconds / 10))

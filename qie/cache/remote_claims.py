@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 
 from qie.cache.remote_store import Store
 
@@ -24,14 +25,21 @@ def lease_name(type: str, key: str) -> str:
 class Lease:
     """A claim held through a lease object; `release` deletes it (when it is still this holder's)."""
 
-    def __init__(self, store: Store, name: str, nonce: str, marker: str | None = None) -> None:
+    def __init__(
+        self, store: Store, name: str, nonce: str, marker: str | None = None, before_release: Callable | None = None
+    ) -> None:
         self.store, self.name, self.nonce, self.marker = store, name, nonce, marker
+        self.before_release = before_release
         self.released = False
 
     def release(self) -> None:
+        """Run `before_release` (the backend writes its index: the claimed entry is listed before others may look
+        for it), then delete the lease if it is still this holder's."""
         if self.released:
             return
         self.released = True
+        if self.before_release is not None:
+            self.before_release()
         if read_lease(self.store, self.name).get("nonce") == self.nonce:
             self.store.remove(self.name)
         if self.marker is not None:
@@ -49,14 +57,17 @@ def read_lease(store: Store, name: str) -> dict:
         return {"expires": 0}
 
 
-def take_lease(store: Store, type: str, key: str, owner: str, seconds: float) -> Lease | None:
-    """The lease on (type, key), or None while another holder's lease has not expired."""
+def take_lease(
+    store: Store, type: str, key: str, owner: str, seconds: float, before_release: Callable | None = None
+) -> Lease | None:
+    """The lease on (type, key), or None while another holder's lease has not expired. `before_release` runs
+    when the holder releases it."""
     name = lease_name(type, key)
     for _ in range(3):
         nonce = secrets.token_hex(8)
         body = json.dumps({"owner": owner, "nonce": nonce, "expires": time.time() + seconds}).encode()
         if store.create(name, body):
-            return Lease(store, name, nonce)
+            return Lease(store, name, nonce, before_release=before_release)
         held = read_lease(store, name)
         if not held:
             continue  # released meanwhile: try again
@@ -66,7 +77,7 @@ def take_lease(store: Store, type: str, key: str, owner: str, seconds: float) ->
         if not store.create(marker, body):
             return None  # another process is taking this expired lease over
         store.write(name, body)
-        return Lease(store, name, nonce, marker)
+        return Lease(store, name, nonce, marker, before_release)
     return None
 
 

@@ -3,9 +3,11 @@ base, in a few JSON objects (`.index/<type>/<segment>.json`), so a start-up chec
 of millions of entries.
 
 Objects cannot be appended to, and several writers (precompute processes on several nodes) add entries at
-once: each writer adds segments of its own (`<writer>-<n>.json`), never rewriting another's. A reader that finds
-many segments merges them into one and deletes the ones it merged (only those it read whole). Removing entries
-(verify.fix, gc, clear) writes the merged index without them.
+once: each writer keeps segments of its own (`<writer>-<n>.json`), never rewriting another's. A flush rewrites
+the writer's open segment with what it holds plus the new entries (one PUT per type), and a segment that reached
+`SEGMENT_ENTRIES` is closed; precompute flushes before it releases a claim, so an entry is indexed before another
+process may look for it. A reader that finds many segments merges them into one and deletes the ones it merged
+(only those it read whole). Removing entries (verify.fix, gc, clear) writes the merged index without them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ FORMAT = "qie-remote-index/1"
 FOLDER = ".index"
 # More segments than this in one type are merged by the next reader.
 MERGE_ABOVE = 16
+# A writer's segment holding this many entries is closed; its next flush starts another.
+SEGMENT_ENTRIES = 4096
 
 # (size in bytes, checksum, base as "type/key/checksum" or "")
 Record = tuple[int, str, str]
@@ -35,8 +39,8 @@ class RemoteIndex:
     Args:
         store: the store.
         writer: this writer's name in segment names (unique per process).
-        flush_every, flush_seconds: added entries are written as a segment once this many are pending, or when
-            one is added this long after the last segment was written (and by `flush`).
+        flush_every, flush_seconds: added entries are written once this many are pending, or when one is added
+            this long after the last flush (and by `flush`).
     """
 
     def __init__(self, store: Store, writer: str, flush_every: int = 1024, flush_seconds: float = 30.0) -> None:
@@ -44,6 +48,7 @@ class RemoteIndex:
         self.flush_every, self.flush_seconds = int(flush_every), float(flush_seconds)
         self._records: dict[str, dict[str, Record]] = {}
         self._pending: dict[str, dict[str, Record]] = {}
+        self._open: dict[str, tuple[str, dict[str, Record]]] = {}  # per type: this writer's open segment
         self._seq = 0
         self._last_flush = time.monotonic()
         self._lock = threading.RLock()
@@ -67,14 +72,21 @@ class RemoteIndex:
                 self.flush()
 
     def flush(self) -> int:
-        """Write the pending entries as one segment per type; returns how many entries were written."""
+        """Write the pending entries into this writer's open segment of each type; returns how many."""
         with self._lock:
             self._last_flush = time.monotonic()
             written = 0
             for type in list(self._pending):
-                self._seq += 1
-                self._write(type, f"{self.writer}-{self._seq}", self._pending[type])  # kept pending if it fails
+                if type not in self._open:
+                    self._seq += 1
+                    self._open[type] = (f"{self.writer}-{self._seq}", {})
+                stem, held = self._open[type]
+                segment = {**held, **self._pending[type]}
+                self._write(type, stem, segment)  # the entries stay pending if it fails
                 written += len(self._pending.pop(type))
+                self._open[type] = (stem, segment)
+                if len(segment) >= SEGMENT_ENTRIES:
+                    del self._open[type]
             return written
 
     def forget(self, type: str, keys: set[str]) -> None:
@@ -86,12 +98,14 @@ class RemoteIndex:
             for key in keys:
                 merged.pop(key, None)
             self._records[type] = merged
+            self._open.pop(type, None)  # merged and deleted below: the next flush starts another
             self._replace(type, merged, segments)
 
     def clear(self, type: str) -> None:
         """Drop the whole index of `type` (its entries are gone)."""
         with self._lock:
             self._pending.pop(type, None)
+            self._open.pop(type, None)
             self._records[type] = {}
             for name in self._segments(type):
                 self.store.remove(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -71,13 +72,25 @@ class Store:
         where: how errors name the store (its url and endpoint).
         retries: tries of a call that fails on the connection (at least 1); the waits between them double from
             `backoff` seconds.
+        reopen: opens the file system again (as `open_filesystem`), in a forked process.
     """
 
-    def __init__(self, fs, root: str, where: str, retries: int = 4, backoff: float = 0.5) -> None:
-        self.fs, self.root, self.where = fs, root, where
+    def __init__(
+        self, fs, root: str, where: str, retries: int = 4, backoff: float = 0.5, reopen: Callable | None = None
+    ) -> None:
+        self._fs, self.root, self.where, self._reopen = fs, root, where, reopen
+        self._pid = os.getpid()
         self.retries, self.backoff = max(1, int(retries)), float(backoff)
         self.requests = 0  # calls made to the store (each try counts): tests count them
         self._lock = threading.Lock()
+
+    @property
+    def fs(self):
+        """The file system; a process forked from the one that opened it (a loader worker) opens its own: the
+        client's connections and event loop belong to the parent."""
+        if self._pid != os.getpid() and self._reopen is not None:
+            self._fs, self._pid = self._reopen()[0], os.getpid()
+        return self._fs
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
