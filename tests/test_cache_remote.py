@@ -242,6 +242,26 @@ def test_the_start_up_check_reads_the_index_not_each_entry(s3: str, url: str, tm
     assert fresh.intact_all(more) == [True] * 41 and fresh.store.requests <= 4
 
 
+def test_precompute_plans_from_the_index_and_checks_the_store_under_a_claim(s3: str, url: str, tmp_path: Path) -> None:
+    writer = writing(url, s3, tmp_path / "a")
+    writer.put("pixel_latent", key(0), make_entry("pixel_latent"))
+    writer.flush()
+    reader = remote(url, s3, tmp_path / "b")
+    assert reader.intact("pixel_latent", key(0)) and not reader.intact("pixel_latent", key(1))
+    before = reader.store.requests
+    assert [reader.intact("pixel_latent", key(n)) for n in range(2, 50)] == [False] * 48
+    assert reader.store.requests == before  # planning a set costs no request per entry
+    other = writing(url, s3, tmp_path / "c")
+    held = other.claim("pixel_latent", key(1))
+    other.put("pixel_latent", key(1), make_entry("pixel_latent", 1))
+    held.release()  # indexed before the claim goes
+    assert not reader.intact("pixel_latent", key(1))  # this reader's index was read before
+    mine = reader.claim("pixel_latent", key(1))
+    assert mine is not None and reader.intact("pixel_latent", key(1))  # under a claim: the store itself
+    mine.release()
+    assert remote(url, s3, tmp_path / "d").intact("pixel_latent", key(1))
+
+
 def test_admin_actions_stay_inside_the_prefix(s3: str, url: str, tmp_path: Path) -> None:
     fs = raw_fs(s3)
     prefix = url.removeprefix("s3://")
@@ -322,7 +342,7 @@ def test_a_forked_loader_worker_reads_through_its_own_connection(s3: str, url: s
     writer = writing(url, s3, tmp_path / "a")
     writer.put("pixel_latent", key(1), make_entry("pixel_latent", 1))
     reader = remote(url, s3, tmp_path / "b")
-    assert reader.intact("pixel_latent", key(1))  # the parent used its client before the fork
+    assert reader.intact_all([("pixel_latent", key(1))]) == [True]  # the parent used its client before the fork
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(reader, key(1), out))

@@ -109,6 +109,7 @@ class RemoteBackend:
         host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
         self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         self.index = RemoteIndex(self.store, self.owner)
+        self._held: set[tuple[str, str]] = set()  # entries this backend holds claims on
         # Entries added since the last segment reach the store when this backend goes (or the process ends).
         weakref.finalize(self, _flush_quietly, self.index)
 
@@ -185,8 +186,11 @@ class RemoteBackend:
     # --- whole-entry checks ----------------------------------------------------------------------------------
 
     def intact(self, type: str, key: str) -> bool:
-        """Whether the entry is stored whole (by the index, else by its header) with its base (if any)."""
-        return self._intact(check_type(type), check_key(key), {}, [])
+        """Whether the entry is stored whole with its base (if any), as the index says: no request per entry (a
+        precompute plans a million entries from a few objects). An entry this backend holds a claim on is looked
+        up in the store itself, so one another process wrote since the index was read is not encoded again."""
+        check_type(type), check_key(key)
+        return self._intact(type, key, {}, [], "store" if (type, key) in self._held else "index")
 
     def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
         """`intact` of each entry; the index answers for indexed entries (a few objects read for all). With
@@ -197,15 +201,15 @@ class RemoteBackend:
         check_keys([k for _, k in items])
         memo: dict = {}
         found: list[tuple[str, str, Record]] = []
-        ok = {item: self._intact(item[0], item[1], memo, found) for item in dict.fromkeys(items)}
+        ok = {item: self._intact(item[0], item[1], memo, found, "fallback") for item in dict.fromkeys(items)}
         if remember:  # the index then lists all of them in the store (this writer's own entries included)
             for t, k, record in found:
                 self.index.add(t, k, record)
             self.index.flush()
         return [ok[item] for item in items]
 
-    def _intact(self, type: str, key: str, memo: dict, found: list) -> bool:
-        record = self._record(type, key, memo, found)
+    def _intact(self, type: str, key: str, memo: dict, found: list, mode: str) -> bool:
+        record = self._record(type, key, memo, found, mode)
         if record is None:
             return False
         if not record[2]:
@@ -213,26 +217,29 @@ class RemoteBackend:
         base_type, _, rest = record[2].partition("/")
         base_key, _, digest = rest.partition("/")
         try:
-            base = self._record(check_type(base_type), check_key(base_key), memo, found)
+            base = self._record(check_type(base_type), check_key(base_key), memo, found, mode)
         except ValueError:
             return False
-        return base is not None and base[1] == digest and self._intact(base_type, base_key, memo, found)
+        return base is not None and base[1] == digest and self._intact(base_type, base_key, memo, found, mode)
 
-    def _record(self, type: str, key: str, memo: dict, found: list) -> Record | None:
+    def _record(self, type: str, key: str, memo: dict, found: list, mode: str) -> Record | None:
+        """The entry's record: from the index ("index"), the index else its header ("fallback", which lists
+        what it found by header in `found`), or the object in the store ("store")."""
         if (type, key) not in memo:
-            record = self.index.get(type, key)
-            if record is None:
-                record = self.probe(type, key)
+            record = self.index.get(type, key) if mode != "store" else None
+            if record is None and mode != "index":
+                record = self.probe(type, key, local=mode != "store")
                 if record is not None:
                     found.append((type, key, record))
             memo[type, key] = record
         return memo[type, key]
 
-    def probe(self, type: str, key: str) -> Record | None:
-        """The record of an entry the index does not list, from its header (this node's copy, else the store)."""
-        path = self.local.path(type, key)
+    def probe(self, type: str, key: str, local: bool = True) -> Record | None:
+        """The entry's record from its header: this node's copy (with `local`), else the object in the store."""
         try:
-            with open(path, "rb") as f:
+            if not local:
+                raise FileNotFoundError
+            with open(self.local.path(type, key), "rb") as f:
                 head, size = f.read(_HEAD_BYTES), os.fstat(f.fileno()).st_size
         except OSError:
             try:
@@ -248,8 +255,15 @@ class RemoteBackend:
         """A lease on (type, key) against precomputes on any machine; None while another holds it (`wait`:
         poll until it is released or expires). Releasing it first writes the index of what this backend wrote."""
         check_type(type), check_key(key)
+
+        def released() -> None:
+            self._held.discard((type, key))
+            self.index.flush()
+
         while True:
-            lease = take_lease(self.store, type, key, self.owner, self.lease_seconds, self.index.flush)
+            lease = take_lease(self.store, type, key, self.owner, self.lease_seconds, released)
+            if lease is not None:
+                self._held.add((type, key))
             if lease is not None or not wait:
                 return lease
             time.sleep(min(2.0, self.lease_seconds / 10))
