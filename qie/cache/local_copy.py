@@ -36,17 +36,21 @@ class LocalCopy:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # path -> size, least recently used first
         self._total = 0
         self._lock = threading.Lock()
-        self._scan()
+        self._scanned = False  # the folder is scanned on the first write under a limit (readers never scan)
 
     def path(self, type: str, key: str) -> str:
         return f"{self.root}/{type}/{key[:2]}/{key}{SUFFIX}"
 
     @property
     def total_bytes(self) -> int:
+        self._scan()
         return self._total
 
     def _scan(self) -> None:
-        """Learn what earlier processes left, oldest use (mtime) first."""
+        """Learn what earlier processes left, oldest use (mtime) first (once)."""
+        if self._scanned:
+            return
+        self._scanned = True
         found = []
         for p in self.root.glob(f"*/*/*{SUFFIX}") if self.root.is_dir() else ():
             try:
@@ -69,7 +73,7 @@ class LocalCopy:
         with self._lock:
             if path in self._sizes:
                 self._sizes.move_to_end(path)
-            else:
+            elif self._scanned:
                 self._sizes[path] = len(buf)
                 self._total += len(buf)
         try:
@@ -88,7 +92,9 @@ class LocalCopy:
         if self.max_bytes is not None and size > self.max_bytes:
             return False
         path = self.path(type, key)
-        self.evict(size, keep=path)
+        if self.max_bytes is not None:
+            self._scan()
+            self.evict(size, keep=path)
         for attempt in range(2):
             try:
                 files.write_atomic(path, data, key)
@@ -97,6 +103,7 @@ class LocalCopy:
                 if attempt or not self._sizes:
                     log.warning("the local cache copy %s cannot be written (%s); reading from the store", path, e)
                     return False
+                self._scan()
                 self.evict(self._total // 2 + size, keep=path, full=True)
         with self._lock:
             self._total += size - self._sizes.pop(path, 0)

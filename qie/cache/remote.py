@@ -92,6 +92,7 @@ class RemoteBackend:
             raise ConfigError("cache.url is not set: pass cache=remote cache.url=s3://BUCKET/PREFIX")
         self.url, self.endpoint_url = str(url).rstrip("/"), endpoint_url or None
         where = self.url + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+
         def reopen():
             return open_filesystem(self.url, self.endpoint_url, storage_options, float(timeout))
 
@@ -193,9 +194,9 @@ class RemoteBackend:
         return self._intact(type, key, {}, [], "store" if (type, key) in self._held else "index")
 
     def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
-        """`intact` of each entry; the index answers for indexed entries (a few objects read for all). With
-        `remember`, entries found whole outside the index are added to it, and what this backend wrote since its
-        last index segment is written too."""
+        """Whether each entry is stored whole: the index answers for indexed entries (a few objects read for all),
+        the entry's header for the others. With `remember`, entries found whole outside the index are added to it,
+        and what this backend wrote since its last index segment is written too."""
         for t in {t for t, _ in items}:
             check_type(t)
         check_keys([k for _, k in items])
