@@ -1,13 +1,15 @@
 # ruff: noqa: F811 - the tests take the imported fixtures `s3` and `url` as arguments
 """The stages on a bucket of a real S3 server on 127.0.0.1 (moto's, in this process): precompute into it and cached
 training give the ssd backend's losses, two precomputes at once encode no entry twice, an unreachable endpoint is
-named before any model is built, and the cache command's actions and sync work on it."""
+named before any model is built, and the cache command's actions (gc included) and sync work on it."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
+import torch
 from test_cache_backends import assert_same
 from test_cache_remote import free_port, remote, s3, url  # noqa: F401 - fixtures, used as arguments
 
@@ -80,7 +82,7 @@ def admin(*overrides: str) -> int:
 
 
 def test_sync_copies_a_cache_to_the_bucket_and_back_verified_and_resumable(
-    s3: str, url: str, cached_data, tmp_path: Path, capsys
+    s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path, capsys
 ) -> None:
     from qie.cache.ssd import SsdBackend
 
@@ -107,6 +109,16 @@ def test_sync_copies_a_cache_to_the_bucket_and_back_verified_and_resumable(
             want = source.get(t, k)  # (safetensors orders header metadata its own way: compare entries)
             assert_same(copy.get(t, k), want)
             assert copy.get(t, k).meta == want.meta and copy.get(t, k).checksum == want.checksum
+    # gc on the bucket: an entry no sample uses is listed (dry run), then removed; the samples' entries stay.
+    stray = remote(url, s3, tmp_path / "y")
+    stray.put("pixel_latent", "ff" * 32, {"latent": torch.zeros(2)})
+    stray.flush()
+    used = [f"data.path={cached_data.data}", f"model.pretrained_model_name_or_path={tiny_path}"]
+    assert admin(*on_bucket, *used, "action=gc") == 0
+    assert "would remove 1 unused entries" in capsys.readouterr().out
+    assert admin(*on_bucket, *used, "action=gc", "gc.dry_run=false") == 0
+    assert "removed 1 unused entries" in capsys.readouterr().out
+    assert remote(url, s3, tmp_path / "z").stats() == {t: {"count": n, "bytes": ANY} for t, n in counts.items()}
     # Clear on the bucket removes the entries only.
     assert admin(*on_bucket, "action=clear") == 0
     assert remote(url, s3, tmp_path / "x").stats()["pixel_latent"]["count"] == 0
