@@ -111,8 +111,9 @@ class RemoteBackend:
         self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         self.index = RemoteIndex(self.store, self.owner)
         self._held: set[tuple[str, str]] = set()  # entries this backend holds claims on
-        # Entries added since the last segment reach the store when this backend goes (or the process ends).
-        weakref.finalize(self, _flush_quietly, self.index)
+        # Entries added since the last segment reach the store when this backend goes, or when the process ends.
+        weakref.finalize(self, _flush_quietly, self.index).atexit = False
+        _at_exit(self.index)
 
     def __repr__(self) -> str:
         return f"RemoteBackend(url={self.store.where!r}, local_dir={str(self.local.root)!r})"
@@ -363,3 +364,27 @@ def _flush_quietly(index: RemoteIndex) -> None:
         flush()
     else:
         threading.Thread(target=flush, name="qie-index-flush").start()
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_REGISTERED: list[bool] = []
+
+
+def _at_exit(index: RemoteIndex) -> None:
+    """Flush `index` when the interpreter shuts down, before the thread pools the HTTP client resolves names with
+    are shut down (`atexit` runs after that, when no request can be made any more)."""
+    if not _REGISTERED:
+        _REGISTERED.append(True)
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:
+            import atexit
+
+            atexit.register(_flush_live)
+        else:
+            register(_flush_live)
+    _LIVE.add(index)
+
+
+def _flush_live() -> None:
+    for index in list(_LIVE):
+        _flush_quietly(index)
