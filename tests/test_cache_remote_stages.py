@@ -1,7 +1,7 @@
 # ruff: noqa: F811 - the tests take the imported fixtures `s3` and `url` as arguments
 """The stages on a bucket of a real S3 server on 127.0.0.1 (moto's, in this process): precompute into it and cached
-training give the ssd backend's losses, two precomputes at once encode no entry twice, an unreachable endpoint is
-named before any model is built, and the cache command's actions (gc included) and sync work on it."""
+training give the ssd backend's losses, two precompute processes at once encode no entry twice, an unreachable
+endpoint is named before any model is built, and the cache command's actions (gc included) and sync work on it."""
 
 from __future__ import annotations
 
@@ -139,36 +139,34 @@ def test_training_names_an_unreachable_endpoint_before_building_a_model(
         train_stage.run(compose("train", overrides), tmp_path / "run")
 
 
-def test_two_precomputes_on_one_bucket_encode_no_entry_twice(
+def test_two_precompute_processes_on_one_bucket_encode_no_entry_twice(
     s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path
 ) -> None:
-    import threading
-
-    from qie.config import compose
-    from qie.stages import precompute
+    """Two `python -m qie.precompute` processes at once (two machines, each with its own node folders): the
+    claims in the bucket split the entries between them."""
+    import json
+    import os
+    import subprocess
+    import sys
 
     on_bucket = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
                  f"cache.url={url}", f"cache.endpoint_url={s3}", "precompute.batch_size=1",
                  "cache.retries=2"]  # fmt: skip
-    # Composed here: Hydra's compose is not for threads.
-    cfgs = {n: compose("precompute", [*on_bucket, f"cache.dir={tmp_path / n}", f"cache.local_dir={tmp_path / n}/l"])
-            for n in ("a", "b")}  # fmt: skip
-    summaries, errors = {}, []
-
-    def node(n: str) -> None:
-        try:
-            summaries[n] = precompute.run(cfgs[n], tmp_path / f"run_{n}")
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    runs = [threading.Thread(target=node, args=(n,)) for n in ("a", "b")]
-    for t in runs:
-        t.start()
-    for t in runs:
-        t.join()
-    assert not errors, errors
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, "-m", "qie.precompute", *on_bucket, f"cache.dir={tmp_path / n}",
+             f"cache.local_dir={tmp_path / n}/l", f"hydra.run.dir={tmp_path / f'run_{n}'}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for n in ("a", "b")
+    }
+    for p in procs.values():
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    summaries = [json.loads((tmp_path / f"run_{n}" / "precompute_summary.json").read_text()) for n in procs]
     stored = {t: s["count"] for t, s in remote(url, s3, tmp_path / "c").stats().items() if s["count"]}
-    encoded = {t: sum(s.types[t].new for s in summaries.values()) for t in stored}
+    encoded = {t: sum(s["types"][t]["new"] for s in summaries) for t in stored}
     assert encoded == stored  # each entry encoded by exactly one of them
-    summaries.clear()
+    print("encoded per process:", [{t: s["types"][t]["new"] for t in stored} for s in summaries])
     indexed_when_the_backend_goes(url, s3, tmp_path / "d")
