@@ -170,3 +170,34 @@ def test_two_precompute_processes_on_one_bucket_encode_no_entry_twice(
     assert encoded == stored  # each entry encoded by exactly one of them
     print("encoded per process:", [{t: s["types"][t]["new"] for t in stored} for s in summaries])
     indexed_when_the_backend_goes(url, s3, tmp_path / "d")
+
+
+def test_training_stops_with_one_error_when_the_server_goes_away_mid_run(
+    s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path
+) -> None:
+    from moto.server import ThreadedMotoServer
+
+    from qie.cache.ssd import SsdBackend
+    from qie.cache.sync import sync
+    from qie.config import compose
+    from qie.stages import train as train_stage
+
+    port = free_port()  # a server of its own, stopped after the first step
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    sync(SsdBackend(cached_data.cache), remote(url, endpoint, tmp_path / "upload"))
+    overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
+                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2", f"cache.dir={tmp_path}",
+                 f"cache.local_dir={tmp_path / 'copy'}", "data.prefetch=0", "train.max_steps=4", "data.batch_size=2",
+                 "logging.report_to=none", "train.checkpoint_every=0", "data.num_workers=0"]  # fmt: skip
+    steps = []
+
+    def stop_after_the_first(info) -> None:
+        steps.append(info)
+        if len(steps) == 1:
+            server.stop()
+
+    with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 2 tries"):
+        train_stage.run(compose("train", overrides), tmp_path / "run", on_step_end=stop_after_the_first)
+    assert len(steps) == 1
