@@ -222,6 +222,16 @@ def test_claims_are_exclusive_between_machines_and_expire(s3: str, url: str, tmp
         if c is not None:
             c.release()
     assert b.claim("pixel_latent", key(1)) is not None
+    # What dead writers leave is swept: an expired lease in the bucket, a temp file in the node's copy.
+    gone = remote(url, s3, tmp_path / "d", lease_seconds=0.01)
+    assert gone.claim("pixel_latent", key(2)) is not None
+    from qie.cache.files import temp_name
+
+    (tmp_path / "d" / "pixel_latent" / "ab").mkdir(parents=True)
+    (tmp_path / "d" / "pixel_latent" / "ab" / temp_name(key(3), pid=2**22 + 1)).write_bytes(b"half")
+    time.sleep(0.05)
+    assert gone.sweep_temp() == 2
+    assert a.claim("pixel_latent", key(2)) is not None and not list((tmp_path / "d").rglob("*.tmp"))
 
 
 def test_the_start_up_check_reads_the_index_not_each_entry(s3: str, url: str, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from qie.cache import files
+from qie.cache import files, folders
 from qie.cache.files import SUFFIX, load_file
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,15 @@ class LocalCopy:
                 os.unlink(victims[0])
             except OSError:
                 pass
+
+    def sweep_temp(self, types: list[str]) -> int:
+        """Remove temp files of writers of this copy that died; returns how many."""
+        removed, now = 0, files.now()
+        for type in folders.real_types(str(self.root), types):
+            for entry in folders.scan(str(self.root), type):
+                if files.is_stale_temp(entry, now):
+                    removed += files.unlink(entry.path)
+        return removed
 
     def drop(self, type: str, key: str) -> None:
         """Remove this node's copy (a copy that failed its check, or an entry removed from the store)."""

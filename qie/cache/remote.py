@@ -271,8 +271,9 @@ class RemoteBackend:
             time.sleep(min(2.0, self.lease_seconds / 10))
 
     def sweep_temp(self) -> int:
-        """Remove expired leases of claimers that died; returns how many."""
-        return sweep_leases(self.store)
+        """Remove expired leases of claimers that died, and temp files they left in this node's copy; returns
+        how many."""
+        return sweep_leases(self.store) + self.local.sweep_temp(check_types(None))
 
     def check_access(self, write: bool = False) -> None:
         """Reach the store (one request): a writer writes the cache marker, a reader needs it. Raises
