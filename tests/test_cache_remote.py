@@ -314,6 +314,14 @@ def test_an_unreachable_endpoint_is_named_in_one_line(url: str, tmp_path: Path) 
     assert endpoint in message and "unreachable after 2 tries" in message and "\n" not in message
 
 
+def test_a_missing_bucket_is_named(s3: str, tmp_path: Path) -> None:
+    b = remote("s3://no-such-bucket/cache", s3, tmp_path)
+    with pytest.raises(StorageError, match="no-such-bucket.*the bucket does not exist"):
+        b.check_access(write=True)
+    with pytest.raises(CacheDirMissing, match="nothing is cached"):
+        b.check_access()
+
+
 def test_wrong_credentials_are_named_in_one_line(s3: str, url: str, tmp_path: Path, monkeypatch) -> None:
     from moto import settings
 

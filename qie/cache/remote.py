@@ -44,7 +44,7 @@ from qie.cache.local_copy import LocalCopy
 from qie.cache.remote_claims import Lease, sweep_leases, take_lease
 from qie.cache.remote_index import Record, RemoteIndex
 from qie.cache.remote_store import Store, open_filesystem
-from qie.errors import CacheDirMissing, ConfigError
+from qie.errors import CacheDirMissing, ConfigError, StorageError
 from qie.types import SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,13 @@ class RemoteBackend:
         StorageError naming the endpoint when it is unreachable or the credentials are refused."""
         if write:
             doc = {"format": "qie-remote-cache/1", "schema": str(SCHEMA_VERSION)}
-            self.store.write(MARKER, json.dumps(doc).encode())
+            try:
+                self.store.write(MARKER, json.dumps(doc).encode())
+            except FileNotFoundError:
+                raise StorageError(
+                    f"object store {self.store.where}: the bucket does not exist: create it (aws s3 mb, mc mb, the "
+                    "store's console) or fix cache.url"
+                ) from None
         elif self.store.size(MARKER) is None:
             raise CacheDirMissing(
                 f"nothing is cached at {self.store.where} (no {MARKER}): check cache.url, or fill it with "
