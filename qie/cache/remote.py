@@ -201,6 +201,10 @@ class RemoteBackend:
         for t in {t for t, _ in items}:
             check_type(t)
         check_keys([k for _, k in items])
+        if self.index.all_whole(list(items)):  # the usual start-up: one pass over the index
+            if remember:
+                self.index.flush()
+            return [True] * len(items)
         memo: dict = {}
         found: list[tuple[str, str, Record]] = []
         ok = {item: self._intact(item[0], item[1], memo, found, "fallback") for item in dict.fromkeys(items)}

@@ -63,6 +63,23 @@ class RemoteIndex:
     def get(self, type: str, key: str) -> Record | None:
         return self.records(type).get(key)
 
+    def all_whole(self, items: list[tuple[str, str]]) -> bool:
+        """Whether the index lists every (type, key) of `items`, each with its base (if any) listed under the
+        checksum it records: the start-up check of a whole set in one pass (no base of a base is followed: such
+        an entry answers False, and the caller checks entry by entry)."""
+        records = {t: self.records(t) for t in {t for t, _ in items}}
+        get = {t: r.get for t, r in records.items()}
+        for type, key in items:
+            record = get[type](key)
+            if record is None:
+                return False
+            if record[2]:
+                base_type, base_key, digest = record[2].split("/", 2)
+                base = records[base_type].get(base_key) if base_type in records else self.get(base_type, base_key)
+                if base is None or base[1] != digest or base[2]:
+                    return False
+        return True
+
     def add(self, type: str, key: str, record: Record) -> None:
         with self._lock:
             self.records(type)[key] = record
