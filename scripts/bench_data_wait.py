@@ -8,6 +8,11 @@ from the steady state the target is judged on. `--prefetch-thread off` sets `dat
 
     python scripts/bench_data_wait.py --samples 32 --steps 100
     python scripts/bench_data_wait.py --workers 0 1 2 --repeats 2      # compare loader worker counts
+    python scripts/bench_data_wait.py --backend remote --latency-ms 20 --steps 100   # a bucket, 20 ms per request
+
+`--backend remote` uploads the cache into a bucket of an S3 server it starts on 127.0.0.1 (moto's; the dev extra)
+and trains with `cache=remote` and a fresh node-local copy per run (the first epoch fetches every entry);
+`--latency-ms` adds that many milliseconds to every request the backend makes.
 """
 
 from __future__ import annotations
@@ -66,7 +71,34 @@ def measure(overrides: list[str], run_dir: Path) -> dict:
 
 def child(args: argparse.Namespace) -> None:
     """Run `measure` for the overrides after `--`; write the timings as JSON to args.out."""
+    if args.latency_ms:
+        add_latency(args.latency_ms / 1e3)
     Path(args.out).write_text(json.dumps(measure(args.overrides, Path(args.run_dir))))
+
+
+def add_latency(seconds: float) -> None:
+    """Every request of the remote backend waits `seconds` first (a far-away object store)."""
+    from qie.cache.remote_store import Store
+
+    call = Store.call
+
+    def slow(self, what, fn, *a, **k):
+        time.sleep(seconds)
+        return call(self, what, fn, *a, **k)
+
+    Store.call = slow
+
+
+def _remote(args: argparse.Namespace, cache: Path) -> tuple:
+    """(server, function of a run's name -> its train overrides) for `--backend remote`; (None, no overrides)."""
+    if args.backend != "remote":
+        return None, lambda run: []
+    import _bench_remote
+
+    server, endpoint = _bench_remote.start_server()
+    url = _bench_remote.upload(cache, endpoint, "wait", ("pixel_latent", "control_latent", "prompt_embed",
+                                                         "empty_prompt_embed"))  # fmt: skip
+    return server, lambda run: _bench_remote.overrides(url, endpoint, cache.parent / f"copy_{run}")
 
 
 def summarise(waits: list[float], steps: list[float], warmup: int) -> dict:
@@ -104,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         help="with (data.prefetch as configured) / without (data.prefetch=0) the loader's prefetch thread",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs per variant, interleaved (default 1)")
+    p.add_argument("--backend", choices=["ssd", "remote"], default="ssd", help="where training reads the cache")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="added to every remote request (--backend remote)")
     p.add_argument("--threads", type=int, default=None, help="OMP/torch threads of the training process")
     p.add_argument("--work", default=None, help="work folder, reused when it holds a data set (default: temp)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
@@ -131,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
     data, cache = prepare(work, args.samples, args.image_size)
+    server, where = _remote(args, cache)
     variants = [(w, t) for w in dict.fromkeys(args.workers) for t in dict.fromkeys(args.prefetch_thread)]
     results: dict[tuple, list[dict]] = {v: [] for v in variants}
     for r in range(args.repeats):
@@ -138,6 +173,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
             w, thread = v
             run_dir = work / f"train_w{w}_{thread}_{r}"
             shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.rmtree(cache.parent / f"copy_{run_dir.name}", ignore_errors=True)
             out = work / f"timings_w{w}_{thread}_{r}.json"
             overrides = [
                 f"data.path={data}",
@@ -147,10 +183,11 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                 "train.checkpoint_every=0",
                 *([f"data.num_workers={w}"] if w is not None else []),
                 *(["data.prefetch=0"] if thread == "off" else []),
+                *where(run_dir.name),
                 *args.overrides,
             ]
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--run-dir", str(run_dir)]
-            cmd += ["--", *overrides]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--run-dir", str(run_dir),
+                   "--latency-ms", str(args.latency_ms), "--", *overrides]  # fmt: skip
             proc = subprocess.run(cmd, env=child_env(args.threads), capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
@@ -159,7 +196,13 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
             res = summarise(t["waits"], t["steps"], args.warmup)
             res["total_s"] = t["total"]
             results[v].append(res)
+    if server is not None:
+        server.stop()
+    return _report(args, results, server is not None)
 
+
+def _report(args: argparse.Namespace, results: dict[tuple, list[dict]], remote: bool) -> dict:
+    """Print the table and target lines of the runs' summaries; returns them with whether the targets passed."""
     rows, best = [], {}
     for v, runs in results.items():
         for i, res in enumerate(runs):
@@ -178,9 +221,10 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                 ]
             )
         best[v] = median([res["share"] for res in runs])
+    where = f"; cache in a bucket, {args.latency_ms:g} ms added per request" if remote else ""
     print(
         f"\n{args.steps} steps per run, batch size {args.batch_size}; steady state = steps after the first "
-        f"{args.warmup}; times in ms unless marked"
+        f"{args.warmup}; times in ms unless marked{where}"
     )
     print(
         table(

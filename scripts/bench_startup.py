@@ -12,6 +12,10 @@ of the largest size's start-up.
 
     python scripts/bench_startup.py --sizes 1000 10000 100000
     python scripts/bench_startup.py --sizes 100000 1000000 --layout manifest --prompts-per-image 10
+    python scripts/bench_startup.py --sizes 1000 10000 --backend remote   # the bucket of a local S3 server
+
+`--backend remote` uploads each cache into a bucket of an S3 server it starts on 127.0.0.1 (moto's; the dev
+extra), with the index precompute leaves, and trains with `cache=remote` and a fresh node-local copy per run.
 
 Each size with a target (100k samples: first step <= 5 s; 1M: <= 30 s) gets its own target line; with
 neither size, the largest is held to the 100k target.
@@ -225,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--prompts-per-image", type=int, default=1, help="samples per target/control pair (fewer files; manifest)"
     )
+    p.add_argument("--backend", choices=["ssd", "remote"], default="ssd", help="where training reads the cache")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the largest size's start-up")
     p.add_argument("--work", default=None, help="work folder, reused across runs (default: temp, removed)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for the train stage (key=value)")
@@ -243,38 +248,53 @@ def main(argv: list[str] | None = None) -> dict:
     return run_in_work_dir(lambda work: _run(args, work), args.work, "qie_bench_start_")
 
 
-def _run(args: argparse.Namespace, work: Path) -> dict:
+def _size(args: argparse.Namespace, work: Path, n: int, remote: tuple | None) -> dict:
+    """The median start-up timings of `args.repeats` runs on a cache of `n` samples (built or reused)."""
     import statistics
 
-    results = {}
-    for n in sorted(args.sizes):
-        per = args.prompts_per_image
-        root = work / (f"{args.layout}_{n}" + (f"_x{per}" if per != 1 else ""))
-        data, cache, info = build(root, n, args.layout, per)
-        built = ", ".join(f"{k} {v:.1f} s" for k, v in info["timings"].items())
-        files = f" in {info['files']:,} files" if "files" in info else ""
-        print(f"{n:,} samples, {per} per image pair: {info['entries']:,} cache entries{files} ({built})")
-        runs = []
-        for r in range(args.repeats):
-            run_dir = root / f"run{r}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            out = root / f"startup{r}.json"
-            profile = root / "startup.prof" if args.profile and n == max(args.sizes) and r == 0 else None
-            cmd = [sys.executable, SCRIPT, "--child", "--out", str(out), "--run-dir", str(run_dir)]
-            if profile:
-                cmd += ["--profile-out", str(profile)]
-            cmd += ["--", f"data.path={data}", f"cache.dir={cache}", "train.max_steps=1", *args.overrides]
-            proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
-            if proc.returncode:
-                print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
-                raise SystemExit(f"training run failed ({proc.returncode}): {' '.join(cmd)}")
-            runs.append(json.loads(out.read_text()))
-            if profile:
-                print_profile(profile)
-        results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        results[n]["entries"] = info["entries"]
-        results[n]["files"] = info.get("files", info["entries"])
+    per = args.prompts_per_image
+    root = work / (f"{args.layout}_{n}" + (f"_x{per}" if per != 1 else ""))
+    data, cache, info = build(root, n, args.layout, per)
+    built = ", ".join(f"{k} {v:.1f} s" for k, v in info["timings"].items())
+    files = f" in {info['files']:,} files" if "files" in info else ""
+    print(f"{n:,} samples, {per} per image pair: {info['entries']:,} cache entries{files} ({built})")
+    where = []
+    if remote is not None:
+        import _bench_remote
 
+        url = _bench_remote.upload(cache, remote[1], root.name, ENTRY_TYPES)
+        print(f"uploaded to {url} at {remote[1]}")
+    runs = []
+    for r in range(args.repeats):
+        run_dir = root / f"run{r}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        out = root / f"startup{r}.json"
+        profile = root / "startup.prof" if args.profile and n == max(args.sizes) and r == 0 else None
+        cmd = [sys.executable, SCRIPT, "--child", "--out", str(out), "--run-dir", str(run_dir)]
+        if profile:
+            cmd += ["--profile-out", str(profile)]
+        if remote is not None:
+            where = _bench_remote.overrides(url, remote[1], root / f"copy{r}")
+            shutil.rmtree(root / f"copy{r}", ignore_errors=True)
+        cmd += ["--", f"data.path={data}", f"cache.dir={cache}", "train.max_steps=1", *where, *args.overrides]
+        proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+            raise SystemExit(f"training run failed ({proc.returncode}): {' '.join(cmd)}")
+        runs.append(json.loads(out.read_text()))
+        if profile:
+            print_profile(profile)
+    result = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {**result, "entries": info["entries"], "files": info.get("files", info["entries"])}
+
+
+def _run(args: argparse.Namespace, work: Path) -> dict:
+    remote = None
+    if args.backend == "remote":
+        import _bench_remote
+
+        remote = _bench_remote.start_server()
+    results = {n: _size(args, work, n, remote) for n in sorted(args.sizes)}
     rows = []
     for n, r in results.items():
         rows.append(
@@ -290,7 +310,10 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                 f"{1e6 * r['first step done'] / n:.1f}",
             ]
         )
-    print(f"\ntimes in s from train.run's call (imports done before it), median of {args.repeats} run(s)")
+    if remote is not None:
+        remote[0].stop()
+    print(f"\ntimes in s from train.run's call (imports done before it), median of {args.repeats} run(s), "
+          f"cache backend: {args.backend}")
     print(
         table(
             [
@@ -312,7 +335,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     print()
     ok = True
     for n in [n for n in sizes if n in TARGETS_S] or [big]:
-        name = f"start-up to first step at {n:,} cached samples ({results[n]['files']:,} entry files)"
+        name = f"start-up to first step at {n:,} cached samples ({results[n]['files']:,} entry files, {args.backend})"
         ok = target_line(name, results[n]["first step done"], "<=", TARGETS_S.get(n, TARGET_S), "s") and ok
     if len(sizes) > 1:
         # The first step's own compute does not depend on the cache size but is noisy on a shared machine:

@@ -132,6 +132,9 @@ class FlatBackend:
         elif not os.path.isdir(self.root):
             raise CacheDirMissing(f"cache.dir {self.root!r} does not exist")
 
+    def keys(self, type: str) -> list[str]:
+        return sorted(key for _, key, _ in self._entries([check_type(type)]))
+
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
         out = empty_stats(types)
         for type, _, e in self._entries(out):

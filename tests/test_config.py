@@ -125,6 +125,8 @@ GROUPS = sorted(
 BUILT = {"cache", "train.optimizer", "train.lr_scheduler"}
 # Options whose class lives in an optional extra (test_memory checks the error when it is missing).
 EXTRA = {("train/optimizer", "adamw8bit"): "bitsandbytes"}
+# Settings an option needs to build (the remote cache needs a store: fsspec's in-process one will do).
+NEEDS = {("cache", "remote"): ["cache.url=memory://config-test/cache"]}
 
 
 def _targets(node: object, path: str = "") -> list[str]:
@@ -148,7 +150,7 @@ def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_
     package = EXTRA.get((group, option))
     if package and importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} (an optional extra) is not installed")
-    cfg = compose("train", [f"{group}={option}"])
+    cfg = compose("train", [f"{group}={option}", *NEEDS.get((group, option), [])])
     assert set(_targets(OmegaConf.to_container(cfg))) == BUILT
     cfg.cache.dir = str(tmp_path / "cache")
     backend = build_backend(cfg.cache)  # as the stages build it

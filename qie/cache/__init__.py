@@ -1,6 +1,7 @@
 """Embedding cache: entries (dicts of named tensors) stored under (type, key) by a pluggable backend.
 
-Backends: `ssd` (files), `memory` (in-process), `none` (always a miss). A new backend is one module with
+Backends: `ssd` (files), `memory` (in-process), `none` (always a miss), `remote` (an object store
+through fsspec, with a node-local copy). A new backend is one module with
 a class following `CacheBackend` and one yaml file naming it in `_target_` (built by `qie.config.backend`,
 with the constructor arguments of its own the yaml gives). `qie.cache.entries` maps a
 sample's six public types onto what is stored (the shared prompt prefix, masks derived).

@@ -1,6 +1,6 @@
-"""`python -m qie.cache action=...`: the cache admin command. Its entry point is `qie.cache_admin`, beside the
-other stages' (its `action=gc` reads data sets and model configs, which this storage package never imports);
-it is run here by name."""
+"""`python -m qie.cache action=stats|clear|verify|gc|sync ...`: the cache admin command. Its entry point is
+`qie.cache_admin`, beside the other stages' (its `action=gc` reads data sets and model configs, which this storage
+package never imports); it is run here by name."""
 
 import runpy
 

@@ -84,6 +84,10 @@ class MemoryBackend:
     def check_access(self, write: bool = False) -> None:
         """Always usable."""
 
+    def keys(self, type: str) -> list[str]:
+        """The keys stored under `type`, sorted."""
+        return sorted(self._entries.get(check_type(type), {}))
+
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
         """{type: {"count", "bytes"}}, bytes being the tensors' payload."""
         out = empty_stats(types)

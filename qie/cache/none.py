@@ -70,6 +70,11 @@ class NoneBackend:
     def check_access(self, write: bool = False) -> None:
         """Always usable."""
 
+    def keys(self, type: str) -> list[str]:
+        """Nothing is stored: []."""
+        check_type(type)
+        return []
+
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
         """Zero entries of every type."""
         return empty_stats(types)

@@ -206,6 +206,12 @@ class SsdBackend:
                 "a writable folder"
             ) from None
 
+    def keys(self, type: str) -> list[str]:
+        """The keys of the entry files of `type` (in real type and shard folders), sorted (sync lists them)."""
+        root, types = self._root, [check_type(type)]
+        found = (folders.shard_key(e) for t in folders.real_types(root, types) for e in folders.scan(root, t))
+        return sorted(k for k in found if k is not None)
+
     def stats(self, types: Iterable[str] | None = None) -> dict[str, dict]:
         """{type: {"count", "bytes"}} of the entry files (temp and lock files excluded)."""
         out = empty_stats(types)

@@ -16,7 +16,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from qie.config.cache import CACHE_TYPES, CacheAction, CacheConfig, GcConfig, PrecomputeConfig, VerifyConfig
+from qie.config.cache import (
+    CACHE_TYPES,
+    CacheAction,
+    CacheConfig,
+    GcConfig,
+    PrecomputeConfig,
+    SyncConfig,
+    VerifyConfig,
+)
 from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
@@ -95,6 +103,7 @@ class CacheAdminRoot:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     gc: GcConfig = field(default_factory=GcConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 def register() -> None:

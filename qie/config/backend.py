@@ -1,9 +1,10 @@
 """The cache backend a `cache` config node names, built by `hydra.utils.instantiate` at a stage's edge.
 
-The node holds two kinds of keys: the stage's own (`mode`, `on_missing`, `types`, encoder devices, ...: the
-`CacheConfig` schema) and the backend's constructor arguments. `cache.dir` and `cache.verify_reads` go to a
-backend whose constructor names them; every key the schema does not know is the backend's own, so a backend
-from outside qie is configured as `cache._target_=pkg.Cls +cache.param=value`.
+The node holds two kinds of keys: those of the `CacheConfig` schema (the stages' `mode`, `on_missing`, `types`,
+encoder devices, ...; `dir`, `verify_reads` and the remote backend's settings) and the backend's own. A schema key
+goes to a backend whose constructor names it (`dir` and `verify_reads` also to one that takes `**kwargs`); every
+key the schema does not know is the backend's own, so a backend from outside qie is configured as
+`cache._target_=pkg.Cls +cache.param=value`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from qie.cache.base import CacheBackend
 from qie.config.cache import CacheConfig
 from qie.errors import ConfigError, QieError
 
-# Schema keys a backend's constructor may take too; the other schema keys are the stages' alone.
+# Schema keys passed to a constructor that takes any keyword (`**kwargs`); others only where named.
 SHARED_KEYS = ("dir", "verify_reads")
 SCHEMA_KEYS = frozenset(f.name for f in fields(CacheConfig))
 
@@ -69,10 +70,11 @@ def backend_problem(node: DictConfig) -> str | None:
 
 
 def backend_arguments(node: DictConfig, **overrides: Any) -> dict[str, Any]:
-    """The constructor arguments of the backend `node` names: `dir` and `verify_reads` where the constructor
-    names them, the node's own keys, and `overrides` (stage decisions such as precompute's `verify_reads`)."""
+    """The constructor arguments of the backend `node` names: the schema's keys its constructor names (`dir` and
+    `verify_reads` also for `**kwargs`), the node's own keys, and `overrides` (stage decisions such as precompute's
+    `verify_reads`)."""
     named, any_keyword = _parameters(backend_class(node.get("_target_")))
-    args = {k: node.get(k) for k in SHARED_KEYS if k in named or any_keyword}
+    args = {k: node.get(k) for k in SCHEMA_KEYS if k in named or (any_keyword and k in SHARED_KEYS)}
     args.update({k: v for k, v in overrides.items() if k in named or any_keyword})
     args.update({k: node[k] for k in own_keys(node)})
     return {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in args.items()}

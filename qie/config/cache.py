@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from qie.types import CACHE_TYPES
 
@@ -24,6 +25,7 @@ class CacheAction(str, Enum):
     clear = "clear"
     verify = "verify"
     gc = "gc"
+    sync = "sync"
 
 
 class OnMissing(str, Enum):
@@ -51,6 +53,16 @@ class CacheConfig:
     # (listing them in cache_report.json with the precompute command), or train on the rest with a warning.
     on_missing: OnMissing = OnMissing.stop
     types: list[str] = field(default_factory=lambda: list(CACHE_TYPES))
+    # cache=remote (`qie.cache.remote.RemoteBackend`): the object store (`s3://BUCKET/PREFIX`, any fsspec URL), its
+    # endpoint (MinIO, R2, a local server), more fsspec options; the node-local copy (default under $QIE_HOME) and
+    # its size limit in GiB; how long a dead precompute's claim holds; tries per request. Other backends ignore them.
+    url: str | None = None
+    endpoint_url: str | None = None
+    storage_options: Any = None
+    local_dir: str | None = None
+    local_max_gb: float | None = None
+    lease_seconds: float = 600.0
+    retries: int = 4
     vae_encoder_device: str = "auto"
     text_encoder_device: str = "auto"
 
@@ -79,3 +91,14 @@ class GcConfig:
     # Remove even the whole of a type the data sets use none of (else refused: another model or other sizes
     # were named, e.g. a model with the same VAE but another text encoder would take every prompt entry).
     force: bool = False
+
+
+@dataclass
+class SyncConfig:
+    """`action=sync`: copy the configured cache into `to` (an object store URL, or an ssd cache folder)."""
+
+    to: str | None = None
+    # For an object store destination: its endpoint, more fsspec options, and the node-local copy folder.
+    endpoint_url: str | None = None
+    storage_options: Any = None
+    local_dir: str | None = None

@@ -1,0 +1,121 @@
+"""Admin actions of the `remote` backend (stats, clear, verify, unused): they list the entry objects of each type
+folder under the backend's root and touch nothing but key-named entry objects there (and the backend's index
+and this node's copies of those entries)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from qie.cache.base import CorruptEntry, VerifyReport, base_of, check_key, check_type, empty_stats
+
+if TYPE_CHECKING:
+    from qie.cache.remote import RemoteBackend
+
+
+def stats(backend: RemoteBackend, types: list[str]) -> dict[str, dict]:
+    """{type: {"count", "bytes"}} of the entry objects."""
+    out = empty_stats(types)
+    for type in types:
+        sizes = backend.entries(type)
+        out[type] = {"count": len(sizes), "bytes": sum(sizes.values())}
+    return out
+
+
+def clear(backend: RemoteBackend, types: list[str]) -> int:
+    """Remove every entry object of `types` (and their index and local copies); returns how many went."""
+    removed = 0
+    for type in types:
+        for key in backend.entries(type):
+            removed += backend.store.remove(backend.name(type, key))
+            backend.local.drop(type, key)
+        backend.index.clear(type)
+    return removed
+
+
+def verify(backend: RemoteBackend, types: list[str], fix: bool) -> VerifyReport:
+    """Read back every entry object; with `fix`, remove the corrupt ones and rewrite the index of each type as
+    what is stored whole (entries missing from it added, removed ones dropped)."""
+    report = VerifyReport()
+    for type in types:
+        stored = backend.entries(type)
+        bad: set[str] = set()
+        for key in sorted(stored):
+            report.checked += 1
+            reason = backend.check_object(type, key)
+            if reason is None:
+                continue
+            bad.add(key)
+            report.corrupt.append(CorruptEntry(type, key, backend.store.path(backend.name(type, key)), reason))
+            if fix and backend.store.remove(backend.name(type, key)):
+                report.removed += 1
+            if fix:
+                backend.local.drop(type, key)
+        if fix:
+            reindex(backend, type, set(stored) - bad)
+    return report
+
+
+def reindex(backend: RemoteBackend, type: str, present: set[str]) -> None:
+    """Make the index of `type` list exactly the entries of `present` (reading headers of those it lacks)."""
+    known = backend.index.records(type)
+    gone = set(known) - present
+    if gone:
+        backend.index.forget(type, gone)
+    for key in sorted(present - set(known)):
+        record = backend.probe(type, key)
+        if record is not None:
+            backend.index.add(type, key, record)
+    backend.index.flush()
+
+
+def unused(backend: RemoteBackend, keep: Mapping[str, set[str]], types: list[str], remove: bool) -> dict[str, dict]:
+    """The entry objects of `types` no kept entry needs (a kept prompt entry keeps its base); removed with
+    `remove`."""
+    kept = {t: set(keep.get(t, ())) for t in keep}
+    for type, keys in list(kept.items()):
+        for key in list(keys):
+            record = (backend.index.get(type, key) or backend.probe(type, key)) if _valid(type, key) else None
+            if record is not None and record[2]:
+                base_type, _, rest = record[2].partition("/")
+                kept.setdefault(base_type, set()).add(rest.partition("/")[0])
+    out = empty_stats(types)
+    for type in types:
+        gone = set()
+        for key, size in backend.entries(type).items():
+            if key in kept.get(type, set()):
+                continue
+            if remove:
+                if not backend.store.remove(backend.name(type, key)):
+                    continue
+                backend.local.drop(type, key)
+                gone.add(key)
+            out[type]["count"] += 1
+            out[type]["bytes"] += size
+        if gone:
+            backend.index.forget(type, gone)
+    return out
+
+
+def base_problem(backend: RemoteBackend, meta: dict[str, str]) -> str | None:
+    """Why the base an entry extends is not usable, or None (also for an entry without a base)."""
+    base = base_of(meta)
+    if base is None:
+        return None
+    type, key, digest = base
+    if not _valid(type, key):
+        return f"names a bad base entry {type}/{key}"
+    record = backend.index.get(type, key) or backend.probe(type, key)
+    if record is None:
+        return f"its base entry {type}/{key} is missing or damaged"
+    if record[1] != digest:
+        return f"its base entry {type}/{key} was rewritten (checksum {record[1]}, recorded {digest})"
+    return None
+
+
+def _valid(type: str, key: str) -> bool:
+    try:
+        check_type(type), check_key(key)
+    except ValueError:
+        return False
+    return True
