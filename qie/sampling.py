@@ -8,7 +8,7 @@ inference, `Trainer.predict` and validation all call it with these options.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -66,3 +66,39 @@ def true_cfg_enabled(true_cfg_scale: float, has_negative: bool, warn_unused_nega
 def latent_sizes(latents: Sequence[torch.Tensor], vae_scale: int) -> list[tuple[int, int]]:
     """(height, width) in pixels of images whose latents are (..., h, w)."""
     return [(vae_scale * int(x.shape[-2]), vae_scale * int(x.shape[-1])) for x in latents]
+
+
+# A prediction of the transformer at step `i`, timestep `t`, for the current latents.
+Prediction = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def denoise(
+    scheduler: Any,
+    timesteps: torch.Tensor,
+    latents: torch.Tensor,
+    cond: Prediction,
+    uncond: Prediction | None = None,
+    scale: float = 1.0,
+    rescale: bool = False,
+    progress: bool = False,
+) -> torch.Tensor:
+    """The denoising loop every family's sampler runs: at each timestep the conditional prediction, with true
+    CFG (`uncond` given) `uncond + scale * (cond - uncond)`, with `rescale` brought back to the conditional
+    prediction's norm token by token (Qwen-Image's rule; Layered and 2.1 do not rescale); then the scheduler's
+    step. The scheduler must have its timesteps set (and begin index 0)."""
+    from qie.progress import progress as progress_bar
+
+    bar = progress_bar(len(timesteps), "denoise", disable=not progress)
+    for i, t in enumerate(timesteps):
+        pred = cond(i, t, latents)
+        if uncond is not None:
+            neg = uncond(i, t, latents)
+            combined = neg + scale * (pred - neg)
+            if rescale:
+                norm = torch.norm(pred, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
+                combined = combined * norm
+            pred = combined
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+        bar.update(1)
+    bar.close()
+    return latents

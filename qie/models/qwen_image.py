@@ -29,8 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from qie.models import pipeline_parts, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
-from qie.progress import progress as progress_bar
-from qie.sampling import SamplingOptions, true_cfg_enabled
+from qie.sampling import Prediction, SamplingOptions, denoise, true_cfg_enabled
 from qie.types import Batch, pad_prompt_embeds
 
 pack_latents = QwenImageEditPipeline._pack_latents
@@ -230,17 +229,8 @@ def sample_latents(
 
     noise = randn_tensor((batch, 1, channels, lat_h, lat_w), generator=generator, device=device, dtype=dtype)
     latents = pack_latents(noise, batch, channels, lat_h, lat_w)
-    shapes = [(1, lat_h // 2, lat_w // 2)]
-    controls = []
-    for control in control_latents:
-        control = control.to(device=device, dtype=dtype)
-        if control.shape[0] != batch:
-            control = torch.cat([control] * (batch // control.shape[0]), dim=0)
-        h, w = control.shape[3:]
-        controls.append(pack_latents(control, batch, channels, h, w))
-        shapes.append((1, h // 2, w // 2))
-    image_latents = torch.cat(controls, dim=1) if controls else None
-    img_shapes = [shapes] * batch
+    image_latents, shapes = _packed_controls(control_latents, batch, channels, device, dtype)
+    img_shapes = [[(1, lat_h // 2, lat_w // 2), *shapes]] * batch
 
     scheduler = type(scheduler).from_config(scheduler.config)
     sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
@@ -248,25 +238,35 @@ def sample_latents(
     timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
 
-    bar = progress_bar(len(timesteps), "denoise", disable=not progress)
-    for t in timesteps:
-        model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=1)
-        timestep = t.expand(batch).to(latents.dtype) / 1000
-        call = dict(hidden_states=model_input, timestep=timestep, guidance=None, img_shapes=img_shapes,
-                    attention_kwargs={})  # fmt: skip
-        # Control tokens follow the target's in the sequence; only the target's are denoised.
-        pred = predict(transformer, "cond", encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, **call)
-        pred = pred[:, : latents.size(1)]
-        if do_cfg:
-            neg = predict(transformer, "uncond", encoder_hidden_states=neg_embeds,
-                          encoder_hidden_states_mask=neg_mask, **call)[:, : latents.size(1)]  # fmt: skip
-            combined = neg + true_cfg_scale * (pred - neg)
-            # Rescale to the conditional prediction's norm, token by token, as Qwen-Image does.
-            pred = combined * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        bar.update(1)
-    bar.close()
+    def prediction(embeds: torch.Tensor, mask: torch.Tensor | None, name: str) -> Prediction:
+        def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+            model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=1)
+            timestep = t.expand(batch).to(latents.dtype) / 1000
+            # Control tokens follow the target's in the sequence; only the target's are denoised.
+            return predict(transformer, name, hidden_states=model_input, timestep=timestep, guidance=None,
+                           encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, img_shapes=img_shapes,
+                           attention_kwargs={})[:, : latents.size(1)]  # fmt: skip
+
+        return call
+
+    uncond = prediction(neg_embeds, neg_mask, "uncond") if do_cfg else None
+    latents = denoise(scheduler, timesteps, latents, prediction(embeds, mask, "cond"), uncond, true_cfg_scale,
+                      rescale=True, progress=progress)  # fmt: skip
     return _unpack_latents(latents, height, width, vae_scale_factor)
+
+
+def _packed_controls(control_latents: Sequence[torch.Tensor], batch: int, channels: int, device, dtype):
+    """The control latents' tokens, one sequence after another, repeated to `batch` (None without controls), and
+    each control's (1, h/2, w/2) rotary shape."""
+    controls, shapes = [], []
+    for control in control_latents:
+        control = control.to(device=device, dtype=dtype)
+        if control.shape[0] != batch:
+            control = torch.cat([control] * (batch // control.shape[0]), dim=0)
+        h, w = control.shape[3:]
+        controls.append(pack_latents(control, batch, channels, h, w))
+        shapes.append((1, h // 2, w // 2))
+    return (torch.cat(controls, dim=1) if controls else None), shapes
 
 
 def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

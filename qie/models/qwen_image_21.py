@@ -32,7 +32,7 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timest
 from qie.models import real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
-from qie.progress import progress as progress_bar
+from qie.sampling import Prediction, denoise
 from qie.types import Batch
 
 _pack = QwenImage21Pipeline._pack_latents
@@ -253,20 +253,20 @@ def sample_latents(
     neg_cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if cached and do_cfg else None
 
     scheduler.set_begin_index(0)
-    cond = (embeds, mask, image_mask, cond_cache, "cond")
-    bar = progress_bar(len(timesteps), "denoise", disable=not progress)
-    for i, t in enumerate(timesteps):
-        kv_mode = ("extract" if i == 0 else "cached") if cached else None
-        model_input = latents if ref_tokens is None else torch.cat([ref_tokens, latents], dim=1)
-        timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-        step = (transformer, model_input, timestep, img_shapes, kv_mode, latents.shape[1])
-        pred = _predict(*step, *cond)
-        if do_cfg:
-            neg = _predict(*step, neg_embeds, neg_mask, neg_image_mask, neg_cache, "uncond")
-            pred = neg + true_cfg_scale * (pred - neg)
-        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        bar.update(1)
-    bar.close()
+
+    def prediction(embeds, mask, image_mask, kv_cache, name: str) -> Prediction:
+        def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+            kv_mode = ("extract" if i == 0 else "cached") if cached else None
+            model_input = latents if ref_tokens is None else torch.cat([ref_tokens, latents], dim=1)
+            timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
+            return _predict(transformer, model_input, timestep, img_shapes, kv_mode, latents.shape[1], embeds, mask,
+                            image_mask, kv_cache, name)  # fmt: skip
+
+        return call
+
+    cond = prediction(embeds, mask, image_mask, cond_cache, "cond")
+    uncond = prediction(neg_embeds, neg_mask, neg_image_mask, neg_cache, "uncond") if do_cfg else None
+    latents = denoise(scheduler, timesteps, latents, cond, uncond, true_cfg_scale, progress=progress)
     return _unpack(latents, height, width, f)
 
 

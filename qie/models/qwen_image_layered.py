@@ -30,8 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import predict
-from qie.progress import progress as progress_bar
-from qie.sampling import SamplingOptions
+from qie.sampling import Prediction, SamplingOptions, denoise
 from qie.types import Batch, pad_prompt_embeds
 
 pack_latents = QwenImageLayeredPipeline._pack_latents
@@ -124,20 +123,19 @@ def sample(
     scheduler.set_begin_index(0)
     is_rgb = torch.zeros(batch, dtype=torch.long, device=device)
 
-    bar = progress_bar(len(timesteps), "denoise", disable=not progress)
-    for t in timesteps:
-        call = dict(hidden_states=torch.cat([latents, cond_tokens], dim=1),
-                    timestep=t.expand(batch).to(latents.dtype) / 1000, guidance=None, img_shapes=img_shapes,
-                    attention_kwargs={}, additional_t_cond=is_rgb)  # fmt: skip
-        pred = predict(transformer, "cond", encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, **call)
-        pred = pred[:, : latents.size(1)]
-        if do_cfg:
-            uncond = predict(transformer, "uncond", encoder_hidden_states=neg, encoder_hidden_states_mask=neg_mask,
-                             **call)[:, : latents.size(1)]  # fmt: skip
-            pred = uncond + options.true_cfg_scale * (pred - uncond)  # the pipeline's default: no cfg_normalize
-        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-        bar.update(1)
-    bar.close()
+    def prediction(embeds: torch.Tensor, mask: torch.Tensor | None, name: str) -> Prediction:
+        def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+            return predict(transformer, name, hidden_states=torch.cat([latents, cond_tokens], dim=1),
+                           timestep=t.expand(batch).to(latents.dtype) / 1000, guidance=None, img_shapes=img_shapes,
+                           attention_kwargs={}, additional_t_cond=is_rgb, encoder_hidden_states=embeds,
+                           encoder_hidden_states_mask=mask)[:, : latents.size(1)]  # fmt: skip
+
+        return call
+
+    # The pipeline's default: CFG without cfg_normalize (no rescale).
+    uncond = prediction(neg, neg_mask, "uncond") if do_cfg else None
+    latents = denoise(scheduler, timesteps, latents, prediction(embeds, mask, "cond"), uncond,
+                      options.true_cfg_scale, progress=progress)  # fmt: skip
     scale = qwen_image.vae_scale(vae)
     return _unpack_latents(latents, lat_h * scale, lat_w * scale, layers, scale)
 
