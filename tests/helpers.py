@@ -117,3 +117,18 @@ def tiny_pipeline(cls: type, path: Path):
     pipe = cls.from_pretrained(path, processor=load_processor(path))
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def cached_set(tiny_path: Path, root: Path, train: int) -> dict:
+    """`train` 64 px samples of the synthetic task in `root`, precomputed for the tiny model at `tiny_path`:
+    {"root", "base": the overrides that train on them}."""
+    from qie.config import compose
+    from qie.demo.synthetic import make_dataset
+    from qie.stages import precompute
+
+    make_dataset(root, train=train, heldout=0, size=64)
+    model = f"model.pretrained_model_name_or_path={tiny_path}"
+    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
+    precompute.run(compose("precompute", base[:3]), root / "precompute_run")
+    return {"root": root, "base": base}
+

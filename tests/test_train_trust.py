@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cached_set
 
 from qie.cache.entries import write_entries
 from qie.cache.failures import update_failures
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.data.scan import scan_dataset
-from qie.demo.synthetic import make_dataset
 from qie.errors import CacheMissError, ModelLoadError, StorageError
-from qie.stages import precompute
 from qie.stages import train as train_stage
 from qie.stages.common import build_source
 from qie.training.guards import NonFiniteLoss
@@ -32,12 +31,7 @@ FAST = ["train.learning_rate=1e-3", "logging.report_to=none", "train.seed=3"]
 
 @pytest.fixture(scope="module")
 def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("trust_data")
-    make_dataset(root, train=6, heldout=0, size=64)
-    model = f"model.pretrained_model_name_or_path={tiny_path}"
-    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
-    precompute.run(compose("precompute", base[:3]), root / "precompute_run")
-    return {"root": root, "base": base}
+    return cached_set(tiny_path, tmp_path_factory.mktemp("trust_data"), train=6)
 
 
 def train(data: dict, overrides: list[str], run_dir: Path, base: list[str] | None = None) -> dict:

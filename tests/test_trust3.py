@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CachedData, small_config, write_noise_image
+from helpers import CachedData, cached_set, small_config, write_noise_image
 
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
-from qie.demo.synthetic import make_dataset
 from qie.models import text_positions
 from qie.models.text_positions import PromptTooLong
 from qie.stages import precompute
@@ -31,12 +30,7 @@ LONG = " ".join(f"{c}{d}" for c in "qwertyuiop" for d in "zxcvbnm") * 40
 
 @pytest.fixture(scope="module")
 def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("trust3_data")
-    make_dataset(root, train=4, heldout=0, size=64)
-    model = f"model.pretrained_model_name_or_path={tiny_path}"
-    base = [model, f"data.path={root / 'train'}", f"cache.dir={root / 'cache'}", "data.num_workers=0"]
-    precompute.run(compose("precompute", base[:3]), root / "precompute_run")
-    return {"root": root, "base": base}
+    return cached_set(tiny_path, tmp_path_factory.mktemp("trust3_data"), train=4)
 
 
 @pytest.fixture
