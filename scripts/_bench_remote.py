@@ -11,13 +11,36 @@ from pathlib import Path
 BUCKET = "qie-bench"
 
 
-def start_server() -> tuple[object, str]:
+def start_server(latency_s: float = 0.0) -> tuple[object, str]:
     """(the server, its endpoint URL), with a bucket `BUCKET`, and test credentials in the environment (which the
-    benchmark's child processes inherit)."""
+    benchmark's child processes inherit). Once `server.latency = latency_s` is set (after filling the bucket),
+    the server holds every request that long before it answers: a far-away object store."""
     import logging
+    import time
 
     import s3fs
     from moto.server import ThreadedMotoServer
+
+    class DelayingMotoServer(ThreadedMotoServer):
+        latency = 0.0
+
+        def _server_entry(self) -> None:
+            from moto.moto_server import threaded_moto_server as served
+
+            make = served.make_server
+
+            def delayed(ip, port, app, *a, **k):
+                def slow(environ, start_response):
+                    time.sleep(self.latency)
+                    return app(environ, start_response)
+
+                return make(ip, port, slow, *a, **k)
+
+            served.make_server = delayed
+            try:
+                super()._server_entry()
+            finally:
+                served.make_server = make
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -26,7 +49,7 @@ def start_server() -> tuple[object, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = DelayingMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(BUCKET)

@@ -12,7 +12,7 @@ from the steady state the target is judged on. `--prefetch-thread off` sets `dat
 
 `--backend remote` uploads the cache into a bucket of an S3 server it starts on 127.0.0.1 (moto's; the dev extra)
 and trains with `cache=remote` and a fresh node-local copy per run (the first epoch fetches every entry);
-`--latency-ms` adds that many milliseconds to every request the backend makes.
+`--latency-ms` makes the server hold every request that many milliseconds before answering.
 """
 
 from __future__ import annotations
@@ -71,22 +71,7 @@ def measure(overrides: list[str], run_dir: Path) -> dict:
 
 def child(args: argparse.Namespace) -> None:
     """Run `measure` for the overrides after `--`; write the timings as JSON to args.out."""
-    if args.latency_ms:
-        add_latency(args.latency_ms / 1e3)
     Path(args.out).write_text(json.dumps(measure(args.overrides, Path(args.run_dir))))
-
-
-def add_latency(seconds: float) -> None:
-    """Every request of the remote backend waits `seconds` first (a far-away object store)."""
-    from qie.cache.remote_store import Store
-
-    call = Store.call
-
-    def slow(self, what, fn, *a, **k):
-        time.sleep(seconds)
-        return call(self, what, fn, *a, **k)
-
-    Store.call = slow
 
 
 def _remote(args: argparse.Namespace, cache: Path) -> tuple:
@@ -98,6 +83,7 @@ def _remote(args: argparse.Namespace, cache: Path) -> tuple:
     server, endpoint = _bench_remote.start_server()
     url = _bench_remote.upload(cache, endpoint, "wait", ("pixel_latent", "control_latent", "prompt_embed",
                                                          "empty_prompt_embed"))  # fmt: skip
+    server.latency = args.latency_ms / 1e3  # from now on the server holds every request that long
     return server, lambda run: _bench_remote.overrides(url, endpoint, cache.parent / f"copy_{run}")
 
 

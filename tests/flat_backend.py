@@ -48,6 +48,7 @@ class FlatBackend:
 
     stores = True
     persists = True
+    remote_reads = False
 
     def __init__(self, dir: str | os.PathLike | None, suffix: str) -> None:
         if not dir:

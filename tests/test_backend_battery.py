@@ -77,6 +77,7 @@ def test_it_is_a_backend_that_says_what_it_is(case) -> None:
     _, b, _ = case
     assert isinstance(b, CacheBackend)
     assert isinstance(b.stores, bool) and isinstance(b.persists, bool) and (b.stores or not b.persists)
+    assert isinstance(b.remote_reads, bool)
 
 
 def test_put_get_round_trip_bitwise(case) -> None:

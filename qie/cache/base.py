@@ -63,7 +63,7 @@ class CacheBackend(Protocol):
 
     A backend is built by `hydra.utils.instantiate` from the `cache` config node: its constructor takes its own
     settings (and `dir`, `verify_reads` when it names them). Stages ask the backend what it is (`stores`,
-    `persists`), never its class or its config name.
+    `persists`, `remote_reads`), never its class or its config name.
     """
 
     # Whether `put` keeps what it is given: False for a backend that is no cache at all (every source then
@@ -72,6 +72,10 @@ class CacheBackend(Protocol):
 
     # Whether entries outlive this process (precompute fills only such a cache).
     persists: bool
+
+    # Whether each `get` may be a round trip to another machine (an object store): readers then fetch a sample's
+    # entries at once, from several threads, so the waits overlap.
+    remote_reads: bool
 
     def get(self, type: str, key: str) -> Entry | None: ...
 

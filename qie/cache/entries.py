@@ -14,7 +14,9 @@ embedding's rows, derived on read under the embedding's key.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -117,8 +119,11 @@ def read_entries(backend: CacheBackend, keys: dict[str, str], types: Iterable[st
     found: dict[str, dict] = {}
     missing = []
     types = list(types)
-    for type in sorted(types, key=lambda t: t == "prompt_embed"):  # the base first
-        entry = backend.get(type, keys[type])
+    order = sorted(types, key=lambda t: t == "prompt_embed")  # the base first
+    fetched = dict(zip(order, _fetcher().map(lambda t: backend.get(t, keys[t]), order))) if (
+        backend.remote_reads and len(order) > 1) else None  # fmt: skip
+    for type in order:
+        entry = fetched[type] if fetched is not None else backend.get(type, keys[type])
         if entry is not None and type == "prompt_embed":
             pieces = prompt_pieces(entry, _lookup(backend, keys, found))
             entry = None if pieces is None else {"embed": pieces, **_extras(entry)}
@@ -127,6 +132,18 @@ def read_entries(backend: CacheBackend, keys: dict[str, str], types: Iterable[st
         else:
             found[type] = entry
     return found, [t for t in types if t in missing]
+
+
+_FETCHER: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _fetcher() -> ThreadPoolExecutor:
+    """Threads that fetch a sample's entries from a remote backend at once (one pool per process: a loader
+    worker forked from a process that had one makes its own)."""
+    global _FETCHER
+    if _FETCHER is None or _FETCHER[0] != os.getpid():
+        _FETCHER = (os.getpid(), ThreadPoolExecutor(8, thread_name_prefix="qie-fetch"))
+    return _FETCHER[1]
 
 
 def _extras(tensors: dict) -> dict:

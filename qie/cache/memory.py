@@ -28,6 +28,7 @@ class MemoryBackend:
 
     stores = True
     persists = False
+    remote_reads = False
 
     def __init__(self) -> None:
         self._entries: dict[str, dict[str, Entry]] = {}

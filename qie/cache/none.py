@@ -24,6 +24,7 @@ class NoneBackend:
 
     stores = False
     persists = False
+    remote_reads = False
 
     def __repr__(self) -> str:
         return "NoneBackend()"

@@ -69,6 +69,7 @@ class RemoteBackend:
 
     stores = True
     persists = True
+    remote_reads = True
 
     def __init__(
         self,

@@ -55,6 +55,7 @@ class SsdBackend:
 
     stores = True
     persists = True
+    remote_reads = False
 
     def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
         if dir is None or str(dir) == "":
