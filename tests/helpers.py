@@ -3,6 +3,7 @@ diffusers pipelines. Fixtures built on them live in conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -132,3 +133,22 @@ def cached_set(tiny_path: Path, root: Path, train: int) -> dict:
     precompute.run(compose("precompute", base[:3]), root / "precompute_run")
     return {"root": root, "base": base}
 
+
+@contextlib.contextmanager
+def held_run_lock(run: Path):
+    """Another process holding the run lock of folder `run` (as a live training does) while the block runs;
+    killed (-9) after it. Yields the process."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from qie import run_lock; from pathlib import Path; import time; "
+         f"run_lock.acquire(Path({str(run)!r})); print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()  # kill -9: the kernel drops the lock with the process
+        holder.wait()

@@ -56,19 +56,23 @@ def test_precompute_into_the_bucket_then_training_gives_the_ssd_losses(
     assert remote_run["losses"] == ssd["losses"]
 
 
-def test_precompute_names_an_unreachable_endpoint_before_building_a_model(
-    url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
+@pytest.mark.parametrize("stage", ["precompute", "train"])
+def test_a_stage_names_an_unreachable_endpoint_before_building_a_model(
+    stage: str, url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
 ) -> None:
     from qie.config import compose
     from qie.stages import common, precompute
+    from qie.stages import train as train_stage
 
-    monkeypatch.setattr(common, "build_encoder", lambda *a, **k: pytest.fail("a model was built"))
+    run, builds, what = {"precompute": (precompute.run, common, "build_encoder"),
+                         "train": (train_stage.run, train_stage, "load_parts")}[stage]  # fmt: skip
+    monkeypatch.setattr(builds, what, lambda *a, **k: pytest.fail("a model was built"))
     endpoint = f"http://127.0.0.1:{free_port()}"
     overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
-                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2",
-                 f"cache.dir={tmp_path}"]  # fmt: skip
+                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2", f"cache.dir={tmp_path}",
+                 *(TRAINING if stage == "train" else [])]  # fmt: skip
     with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 2 tries"):
-        precompute.run(compose("precompute", overrides), tmp_path / "run")
+        run(compose(stage, overrides), tmp_path / "run")
 
 
 # --- the admin command on the bucket, and sync ------------------------------------------------------------------
@@ -122,21 +126,6 @@ def test_sync_copies_a_cache_to_the_bucket_and_back_verified_and_resumable(
     # Clear on the bucket removes the entries only.
     assert admin(*on_bucket, "action=clear") == 0
     assert remote(url, s3, tmp_path / "x").stats()["pixel_latent"]["count"] == 0
-
-
-def test_training_names_an_unreachable_endpoint_before_building_a_model(
-    url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
-) -> None:
-    from qie.config import compose
-    from qie.stages import train as train_stage
-
-    monkeypatch.setattr(train_stage, "load_parts", lambda *a, **k: pytest.fail("a model was built"))
-    endpoint = f"http://127.0.0.1:{free_port()}"
-    overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
-                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2", f"cache.dir={tmp_path}",
-                 *TRAINING]  # fmt: skip
-    with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 2 tries"):
-        train_stage.run(compose("train", overrides), tmp_path / "run")
 
 
 def test_two_precompute_processes_on_one_bucket_encode_no_entry_twice(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from helpers import cached_set
+from helpers import cached_set, held_run_lock
 from safetensors import SafetensorError
 
 from qie.config import compose
@@ -187,20 +187,11 @@ def test_a_full_disk_ends_the_cli_in_one_line_within_the_timeout(data: dict, tmp
 
 def test_a_second_process_on_the_run_folder_is_refused_naming_it(data: dict, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"from qie import run_lock; from pathlib import Path; import time, sys; "
-         f"run_lock.acquire(Path({str(run)!r})); print('held', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_run_lock(run) as holder:
         with pytest.raises(StorageError, match=rf"run folder '{run}' is in use by another training or inference \(pid "
                            rf"{holder.pid} on .*, started 20\d\d-.*give this run its own hydra.run.dir"):  # fmt: skip
             train(data, ["train.max_steps=2"], run)
         assert sorted(p.name for p in run.iterdir()) == [".qie-run.lock"]  # nothing written
-    finally:
-        holder.kill()  # kill -9: the kernel drops the lock with the process
-        holder.wait()
     result = train(data, ["train.max_steps=2"], run)
     assert result["step"] == 2
     # A process takes its own folder again (the entry point, then the stage), and gives it back.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CachedData, cached_set, small_config, write_noise_image
+from helpers import CachedData, cached_set, held_run_lock, small_config, write_noise_image
 
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
@@ -335,21 +335,12 @@ def test_infer_into_a_live_training_folder_is_refused_before_it_writes(tmp_path:
     import sys
 
     run = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"from qie import run_lock; from pathlib import Path; import time; "
-         f"run_lock.acquire(Path({str(run)!r})); print('held', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_run_lock(run) as holder:
         (run / ".hydra").mkdir()
         (run / ".hydra" / "config.yaml").write_text("the training's own\n")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-m", "qie.infer", f"hydra.run.dir={run}", "predict.prompt=x"],
                               capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
-    finally:
-        holder.kill()
-        holder.wait()
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"qie: error: run folder '{run}' is in use by another training or inference (pid {holder.pid} on "

@@ -120,8 +120,9 @@ def read_entries(backend: CacheBackend, keys: dict[str, str], types: Iterable[st
     missing = []
     types = list(types)
     order = sorted(types, key=lambda t: t == "prompt_embed")  # the base first
-    fetched = dict(zip(order, _fetcher().map(lambda t: backend.get(t, keys[t]), order))) if (
-        backend.remote_reads and len(order) > 1) else None  # fmt: skip
+    fetched = None
+    if backend.remote_reads and len(order) > 1:  # each read a round trip: let their waits overlap
+        fetched = dict(zip(order, _fetcher().map(lambda t: backend.get(t, keys[t]), order)))
     for type in order:
         entry = fetched[type] if fetched is not None else backend.get(type, keys[type])
         if entry is not None and type == "prompt_embed":
