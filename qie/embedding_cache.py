@@ -24,7 +24,8 @@ from qie.data.samples import Sample
 from qie.types import TRAINING_TYPES
 
 # The tensor name each type's single tensor is stored under (control_latent: one per control image).
-TENSOR_NAMES = {"pixel_latent": "latent", "prompt_embed": "embed", "empty_prompt_embed": "embed"}
+TENSOR_NAMES = {"pixel_latent": "latent", "rejected_latent": "latent", "prompt_embed": "embed",
+                "empty_prompt_embed": "embed"}
 
 
 class EmbeddingCacheManager:
@@ -99,11 +100,11 @@ class EmbeddingCacheManager:
 
 
 def check_cache_exists(cache_dir: str | os.PathLike) -> bool:
-    """Whether `cache_dir` holds a usable cache: at least one entry of every type training reads (layers only
-    where a data set has them)."""
+    """Whether `cache_dir` holds a usable cache: at least one entry of every type training reads (layers and
+    rejected results only where a data set has them)."""
     path = Path(cache_dir)
     if not path.is_dir():
         return False
-    needed = [t for t in TRAINING_TYPES if t != "layer_latent"]
+    needed = [t for t in TRAINING_TYPES if t not in ("layer_latent", "rejected_latent")]
     stats = default_backend(str(path)).stats(needed)
     return all(stats[t]["count"] > 0 for t in needed)

@@ -34,18 +34,16 @@ DEFAULT_PRECOMPUTE_COMMAND = "python -m qie.precompute model=... data.path=... c
 
 def sample_types(sample: Sample) -> tuple[str, ...]:
     """The entry types `sample` has: no pixel_latent without a target, no control_latent without controls, no
-    layer_latent without layers. One tuple object per kind of sample (a million samples share a few)."""
-    return _types_of_kind(sample.target is not None, bool(sample.controls), bool(sample.layers))
+    layer_latent without layers, no rejected_latent without a rejected result. One tuple object per kind of sample
+    (a million samples share a few)."""
+    return _types_of_kind(sample.target is not None, bool(sample.controls), bool(sample.layers),
+                          sample.rejected is not None)  # fmt: skip
 
 
 @cache
-def _types_of_kind(target: bool, controls: bool, layers: bool) -> tuple[str, ...]:
-    skip = {"pixel_latent"} if not target else set()
-    if not controls:
-        skip.add("control_latent")
-    if not layers:
-        skip.add("layer_latent")
-    return tuple(t for t in TRAINING_TYPES if t not in skip)
+def _types_of_kind(target: bool, controls: bool, layers: bool, rejected: bool) -> tuple[str, ...]:
+    has = {"pixel_latent": target, "control_latent": controls, "layer_latent": layers, "rejected_latent": rejected}
+    return tuple(t for t in TRAINING_TYPES if has.get(t, True))
 
 
 def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbeddings:
@@ -57,7 +55,7 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
     if latent is not None and "layer_latent" in entries:  # a layered target: its frames, the layers after it
         layers = entries["layer_latent"]
         latent = torch.cat([latent, *(layers[str(k)] for k in range(len(layers)))], dim=1)
-    return SampleEmbeddings(
+    embeds = SampleEmbeddings(
         id=sample_id,
         pixel_latent=latent,
         control_latents=tuple(controls[str(k)] for k in range(len(controls))),
@@ -67,6 +65,9 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
         prompt_image_mask=entries["prompt_embed"].get("image_mask"),
         empty_prompt_image_mask=entries["empty_prompt_embed"].get("image_mask"),
     )
+    if "rejected_latent" in entries:
+        embeds.rejected_latent = entries["rejected_latent"]["latent"]
+    return embeds
 
 
 class CacheReader(Protocol):

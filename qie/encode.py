@@ -45,6 +45,7 @@ class PreparedSample:
     control_pixels: list[torch.Tensor]  # each (3 or 4, H, W) in [-1, 1]
     vl_images: list[Image.Image]
     layers: list[torch.Tensor] = field(default_factory=list)  # the target's further frames, like `target`
+    rejected: torch.Tensor | None = None  # a preference pair's rejected result, like `target`
 
 
 def prepare_sample(
@@ -62,16 +63,27 @@ def prepare_sample(
     layers = []
     for path in sample.layers if with_target else ():
         layer = prepare_target(open_image(path, sizes.alpha), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
-        if target is not None and layer.shape != target.shape:
-            size, want = f"{layer.shape[2]}x{layer.shape[1]}", f"{target.shape[2]}x{target.shape[1]}"
-            raise ImageError(path, f"layer {str(path)!r} is {size} once resized, its image {want}: make them one size")
+        _check_like_target(layer, target, path, "layer", "its image")
         layers.append(layer)
+    rejected = None
+    if with_target and sample.rejected is not None:
+        image = open_image(sample.rejected, sizes.alpha)
+        rejected = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
+        _check_like_target(rejected, target, sample.rejected, "rejected image", "its target")
     pixels, vl = [], []
     for path in sample.controls if with_controls else ():
         vae_in, vl_in = condition_images(open_image(path, sizes.alpha), sizes.vae_image_pixels, sizes.vl_image_pixels)
         pixels.append(vae_in)
         vl.append(vl_in)
-    return PreparedSample(sample, target, pixels, vl, layers)
+    return PreparedSample(sample, target, pixels, vl, layers, rejected)
+
+
+def _check_like_target(pixels: torch.Tensor, target: torch.Tensor | None, path, what: str, other: str) -> None:
+    """Raise ImageError when an image read as a target (a layer, a rejected result) has another size than the
+    target once both are resized: they share one latent grid."""
+    if target is not None and pixels.shape != target.shape:
+        size, want = f"{pixels.shape[2]}x{pixels.shape[1]}", f"{target.shape[2]}x{target.shape[1]}"
+        raise ImageError(path, f"{what} {str(path)!r} is {size} once resized, {other} {want}: make them one shape")
 
 
 class Encoder:
@@ -156,7 +168,7 @@ class Encoder:
         # own, so an image or prompt is encoded as the pipeline encodes it alone, whatever else the sample misses.
         together = len(prepared) > 1
         items: list[tuple[dict, str, torch.Tensor]] = []
-        for kind in ("pixel_latent", "control_latent", "layer_latent"):
+        for kind in ("pixel_latent", "control_latent", "layer_latent", "rejected_latent"):
             if kind not in types:
                 continue
             for i, p in enumerate(prepared):
@@ -215,7 +227,8 @@ def text_tokens(entry: dict[str, torch.Tensor]) -> int:
 
 def _vae_inputs(prepared: PreparedSample, kind: str) -> dict[str, torch.Tensor]:
     """The images of a latent entry type, by the name each latent has in the entry."""
-    if kind == "pixel_latent":
-        return {} if prepared.target is None else {"latent": prepared.target}
+    if kind in ("pixel_latent", "rejected_latent"):
+        pixels = prepared.target if kind == "pixel_latent" else prepared.rejected
+        return {} if pixels is None else {"latent": pixels}
     images = prepared.control_pixels if kind == "control_latent" else prepared.layers
     return {str(k): t for k, t in enumerate(images)}

@@ -31,6 +31,7 @@ CACHE_TYPES = [
     "empty_prompt_embeds_mask",
     "loss_mask",  # a loss mask on a grid of 8 px cells (qie.data.masks): only with data.mask.source set
     "layer_latent",  # the target's further frames, in order (a layered model's layers): only for such samples
+    "rejected_latent",  # a preference pair's rejected result, encoded as a target is: only for such samples
     "caption",  # a caption the model's own VL text encoder wrote (UTF-8 bytes, uint8): only with data.auto_caption
 ]
 
@@ -40,7 +41,9 @@ CACHE_TYPES = [
 SCHEMA_VERSION = 2
 
 # What a training step needs of a sample (the masks are implied: embeddings are stored unpadded).
-TRAINING_TYPES = ("pixel_latent", "control_latent", "layer_latent", "prompt_embed", "empty_prompt_embed")
+TRAINING_TYPES = (
+    "pixel_latent", "control_latent", "layer_latent", "rejected_latent", "prompt_embed", "empty_prompt_embed"
+)
 
 
 # A prompt embedding as one (tokens, dim) tensor, or as pieces along the tokens (a prefix shared with other
@@ -76,6 +79,8 @@ class SampleEmbeddings:
         self.prompt_image_mask, self.empty_prompt_image_mask = prompt_image_mask, empty_prompt_image_mask
         # (1, 1, h, w) loss weights on the latent grid (a MaskedSource sets them); None: every pixel 1.
         self.loss_mask: torch.Tensor | None = None
+        # (C, 1, h, w) a preference pair's rejected result, like `pixel_latent`; None for other samples.
+        self.rejected_latent: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"SampleEmbeddings(id={self.id!r}, cached={self.cached})"
@@ -111,6 +116,8 @@ class Batch:
     loss_mask: torch.Tensor | None = None
     # The batch's loss is multiplied by this (regularisation batches: `data.regularization.weight`).
     loss_weight: float = 1.0
+    # (B, C, F, h, w) preference pairs' rejected results, like `latents` (the preferred ones); None: no pairs.
+    rejected_latents: torch.Tensor | None = None
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         if self._placed(torch.device(device), dtype):
@@ -127,12 +134,15 @@ class Batch:
             image_mask,
             loss_mask,
             self.loss_weight,
+            None if self.rejected_latents is None else self.rejected_latents.to(device, dtype),
         )
 
     def _placed(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether `to(device, dtype)` would return equal tensors: every tensor on `device`, the floating ones
         in `dtype` (masks keep theirs; the loss mask is float32)."""
         floats = [self.latents, *self.control_latents, self.prompt_embeds]
+        if self.rejected_latents is not None:
+            floats.append(self.rejected_latents)
         others = [t for t in (self.prompt_embeds_mask, self.prompt_image_mask) if t is not None]
         if self.loss_mask is not None and self.loss_mask.dtype != torch.float32:
             return False

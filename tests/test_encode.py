@@ -118,13 +118,16 @@ def test_encode_entries_gives_every_type(edit, tmp_path: Path) -> None:
             write_noise_image(tmp_path / f"t{i}.png", i),
             (write_noise_image(tmp_path / f"c{i}.png", 50 + i),),
             f"edit {i}",
+            rejected=tmp_path / f"t{1 - i}.png",  # a preference pair: the other sample's target is rejected
         )
         for i in range(2)
     ]
     prepared = [prepare_sample(s, SIZES) for s in samples]
     entries = encoder.encode_entries(prepared, ALL_TYPES)
-    for entry in entries:  # the masks are derived from the embeddings' lengths, never stored
+    for i, entry in enumerate(entries):  # the masks are derived from the embeddings' lengths, never stored
         assert set(entry) == set(TRAINING_TYPES) - {"layer_latent"}  # an Edit sample has no layers
+        rejected = entry["rejected_latent"]["latent"]  # encoded as the target it is elsewhere
+        torch.testing.assert_close(rejected, entries[1 - i]["pixel_latent"]["latent"])
         assert entry["pixel_latent"]["latent"].shape == (4, 1, 16, 16)
         assert list(entry["control_latent"]) == ["0"]
         for kind in ("prompt_embed", "empty_prompt_embed"):

@@ -31,10 +31,12 @@ from qie.encode import prepare_sample
 from qie.errors import DataError
 from qie.stages import precompute
 from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context
+from qie.stages.precompute_work import OPTIONAL_TYPES
 
 # What precompute stores of these samples: the mask types are derived from the embeddings, never written, and
-# the samples have no layers (tests/test_qwen_image_layered.py stores layer_latent).
-CACHE_TYPES = [t for t in STORED_TYPES if t != "layer_latent"]
+# the samples have no layers nor rejected results (tests/test_qwen_image_layered.py stores layer_latent,
+# tests/test_family_battery.py rejected_latent).
+CACHE_TYPES = [t for t in STORED_TYPES if t not in OPTIONAL_TYPES]
 TEXT = ["prompt_embed", "empty_prompt_embed"]
 CONTROL_DEPENDENT = ["control_latent", *TEXT]
 

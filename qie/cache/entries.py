@@ -25,7 +25,9 @@ from qie.cache.codec import checksum
 from qie.types import TRAINING_TYPES
 
 # What is stored, bases before the entries that extend them.
-STORED_TYPES = ("pixel_latent", "control_latent", "layer_latent", "empty_prompt_embed", "prompt_embed")
+STORED_TYPES = (
+    "pixel_latent", "control_latent", "layer_latent", "rejected_latent", "empty_prompt_embed", "prompt_embed"
+)
 # Each mask type is derived from this embedding type, under the embedding's key.
 MASK_OF = {"prompt_embeds_mask": "prompt_embed", "empty_prompt_embeds_mask": "empty_prompt_embed"}
 BASE_TYPE = "empty_prompt_embed"
@@ -172,7 +174,7 @@ def read_logical(backend: CacheBackend, type: str, key: str) -> torch.Tensor | l
         return None
     if type in ("control_latent", "layer_latent"):
         return [entry[str(i)] for i in range(len(entry))]
-    if type == "pixel_latent":
+    if type in ("pixel_latent", "rejected_latent"):
         return entry["latent"]
     if type == "prompt_embed":
         pieces = prompt_pieces(entry, backend.get)

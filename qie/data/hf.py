@@ -37,6 +37,7 @@ class Columns:
     id: str | None = None
     mask: str | None = None  # a column of loss mask images
     layers: str | None = None  # a column holding each row's layers (a list of images), for a layered model
+    rejected: str | None = None  # a column of preference pairs' rejected results (`train.objective=dpo`)
 
 
 def is_hf_save_folder(path: Path) -> bool:
@@ -130,8 +131,8 @@ def scan_hf(
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
     """
     data = load_hf(path, split)
-    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers)
-             if c]  # fmt: skip
+    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers,
+                         columns.rejected) if c]  # fmt: skip
     missing = [c for c in names if c not in data.column_names]
     optional = ([] if require_target else [columns.target]) + ([] if require_prompt else [columns.prompt])
     if any(c not in optional for c in missing):
@@ -155,6 +156,8 @@ def scan_hf(
             mask = row.get(columns.mask) if columns.mask else None
             mask_path = images.path(mask, base) if mask is not None else None
             layers = [images.path(v, base) for v in _as_list(row[columns.layers])] if columns.layers else []
+            rejected = row.get(columns.rejected) if columns.rejected else None
+            rejected_path = images.path(rejected, base) if rejected is not None else None
         except DataError as e:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", str(e)))
             continue
@@ -173,7 +176,8 @@ def scan_hf(
         if why:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", f"row {n} {why}"))
             continue
-        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers)))
+        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers),
+                                  rejected_path))
     if not out.samples:
         detail = "".join(f"\n  {p.path}: {p.reason}" for p in out.problems[:5]) or "\n  it has no rows"
         raise DataError(f"no usable sample in {path!r}{detail}")

@@ -24,11 +24,12 @@ from pathlib import Path
 
 from qie.data.keys import KeyContext
 from qie.data.samples import Sample
+from qie.types import TRAINING_TYPES
 
 log = logging.getLogger(__name__)
 
 # The stored entry types whose keys a row holds; a mask type shares its embedding's key.
-ROW_TYPES = ("pixel_latent", "control_latent", "layer_latent", "prompt_embed", "empty_prompt_embed")
+ROW_TYPES = TRAINING_TYPES  # readiness reads a row's keys in this order
 MASK_OF = {"prompt_embed": "prompt_embeds_mask", "empty_prompt_embed": "empty_prompt_embeds_mask"}
 SIG_BYTES, KEY_BYTES = 16, 32
 ROW_BYTES = KEY_BYTES * len(ROW_TYPES)
@@ -56,6 +57,8 @@ def input_signature(sample: Sample, seen: dict[str, str | OSError] | None = None
         parts.append("t" + _image_signature(sample.target, seen))
     parts += ["c" + _image_signature(p, seen) for p in sample.controls]
     parts += ["l" + _image_signature(p, seen) for p in sample.layers]
+    if sample.rejected is not None:
+        parts.append("r" + _image_signature(sample.rejected, seen))
     return hashlib.blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest()
 
 
@@ -83,16 +86,16 @@ def _signatures(samples: Sequence[Sample]) -> list[bytes | OSError]:
     stat'ed once: samples that share an image share its path object (a manifest's scan), found by identity."""
     seen: dict[str, str | OSError] = {}
     held = []  # the path objects looked up, alive until the end of the pass (their ids stay theirs)
-    known: tuple[dict[int, str], dict[int, str], dict[int, str]] = ({}, {}, {})  # target, control, layer texts
+    known: tuple[dict[int, str], ...] = ({}, {}, {}, {})  # target, control, layer, rejected texts
 
     def image(path, role: int) -> str:
         """The role's letter and the image's signature text (raises the OSError of its stat)."""
         held.append(path)
-        text = "tcl"[role] + _image_signature(path, seen)  # an OSError is remembered in `seen`
+        text = "tclr"[role] + _image_signature(path, seen)  # an OSError is remembered in `seen`
         known[role][id(path)] = text
         return text
 
-    targets, controls, layers = (d.get for d in known)
+    targets, controls, layers, rejects = (d.get for d in known)
     blake2b, out = hashlib.blake2b, []
     for s in samples:
         try:
@@ -103,6 +106,8 @@ def _signatures(samples: Sequence[Sample]) -> list[bytes | OSError]:
                 parts.append(controls(id(p)) or image(p, 1))
             for p in s.layers:
                 parts.append(layers(id(p)) or image(p, 2))
+            if (r := s.rejected) is not None:
+                parts.append(rejects(id(r)) or image(r, 3))
         except OSError as e:
             out.append(e)
             continue

@@ -1,5 +1,6 @@
-"""Manifests: a .jsonl or .csv file with `target`, `controls`, `prompt` per row, paths relative to the
-manifest's folder (and inside it, unless `data.allow_outside_paths`); a row without `controls` has none.
+"""Manifests: a .jsonl or .csv file with `target`, `controls`, `prompt` per row (optionally `mask`, and `rejected`
+for a preference pair), paths relative to the manifest's folder (and inside it, unless
+`data.allow_outside_paths`); a row without `controls` has none.
 A layered row (`image`, `layers`, `prompt`: an image and its ordered layers) is the sample whose control is
 the image and whose target is the image (the composite frame) followed by its layers.
 A row that cannot be used is a problem of that row alone."""
@@ -55,8 +56,11 @@ def _csv_row(row: dict) -> dict | str:
     return row
 
 
-def _row_fields(row: object) -> tuple[list[str], str | None, str | None, str | None, list[str]] | str:
-    """(controls, target, prompt, mask, layers) of a manifest row, or why the row is not usable."""
+RowFields = tuple[list[str], str | None, str | None, str | None, list[str], str | None]
+
+
+def _row_fields(row: object) -> RowFields | str:
+    """(controls, target, prompt, mask, layers, rejected) of a manifest row, or why the row is not usable."""
     if not isinstance(row, dict):
         return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
     if "layers" in row or "image" in row:
@@ -73,13 +77,14 @@ def _row_fields(row: object) -> tuple[list[str], str | None, str | None, str | N
         return f"'target' must be a path, got {target!r}"
     if prompt is not None and not isinstance(prompt, str):
         return f"'prompt' must be text, got {prompt!r}"
-    mask = row.get("mask") or None
-    if mask is not None and not isinstance(mask, str):
-        return f"'mask' must be a path, got {mask!r}"
-    return controls, target, prompt, mask, []
+    mask, rejected = row.get("mask") or None, row.get("rejected") or None
+    for key, path in (("mask", mask), ("rejected", rejected)):
+        if path is not None and not isinstance(path, str):
+            return f"{key!r} must be a path, got {path!r}"
+    return controls, target, prompt, mask, [], rejected
 
 
-def _layered_fields(row: dict) -> tuple[list[str], str | None, str | None, str | None, list[str]] | str:
+def _layered_fields(row: dict) -> RowFields | str:
     """A layered row: the image is the control and the composite frame of the target, the layers follow."""
     image, layers, prompt = row.get("image"), row.get("layers"), row.get("prompt")
     if not isinstance(image, str) or not image:
@@ -88,7 +93,9 @@ def _layered_fields(row: dict) -> tuple[list[str], str | None, str | None, str |
         return f"'layers' must be a non-empty list of paths, got {layers!r}"
     if prompt is not None and not isinstance(prompt, str):
         return f"'prompt' must be text, got {prompt!r}"
-    return [image], image, prompt, None, layers
+    if row.get("rejected"):
+        return "has 'rejected' beside 'layers': a preference pair of layered results is not read; drop one"
+    return [image], image, prompt, None, layers, None
 
 
 def _outside(name: str) -> bool:
@@ -194,7 +201,7 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
             rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
             data.problems.append(DataProblem(rid, f"{path}:{n}", f"manifest row {n} {fields}"))
             continue
-        controls, target, prompt, mask, layers = fields
+        controls, target, prompt, mask, layers, rejected = fields
         missing = [] if (prompt or "").strip() or not require_prompt else ["prompt"]
         if require_target and not target:
             missing.append("target")
@@ -204,7 +211,7 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
             fix = f": {NO_CAPTION_FIX}" if missing[0] == "prompt" else ""
             data.problems.append(DataProblem(rid, f"{path}:{n}", f"manifest row {n} has {empty} {missing[0]!r}{fix}"))
             continue
-        named = [*controls, target, mask, *layers]
+        named = [*controls, target, mask, *layers, rejected]
         outside = [] if allow_outside else [c for c in named if c and files.is_outside(c)]
         if outside:
             data.problems.append(
@@ -222,7 +229,7 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
             )
             continue
-        same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask, tuple(layers)), n)
+        same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask, tuple(layers), rejected), n)
         if same != n:  # the same example twice would be trained twice as often: keep the first
             data.problems.append(
                 DataProblem(
@@ -243,6 +250,7 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
                 (prompt or "").strip(),
                 files.path(mask) if mask else None,
                 tuple(files.path(p) for p in layers),
+                files.path(rejected) if rejected else None,
             )
         )
     return data, files

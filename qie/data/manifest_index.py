@@ -25,7 +25,7 @@ from qie.data.samples import DataProblem, Dataset, Sample, child_path
 
 log = logging.getLogger(__name__)
 
-FORMAT = "qie-manifest-index/1"
+FORMAT = "qie-manifest-index/2"
 # Problems are kept in the file's metadata: a manifest with more is scanned each time.
 MAX_PROBLEMS = 10_000
 
@@ -95,6 +95,8 @@ def save(path: Path, signature: str, settings: str, data: Dataset, present: dict
         "prompts": _blob([s.prompt for s in samples]),
         "target": np.array([number[names[id(s.target)]] if s.target is not None else -1 for s in samples], np.int64),
         "mask": np.array([number[names[id(s.mask)]] if s.mask is not None else -1 for s in samples], np.int64),
+        "rejected": np.array([number[names[id(s.rejected)]] if s.rejected is not None else -1 for s in samples],
+                             np.int64),
         "control_offsets": control_offsets,
         "controls": controls,
         "layer_offsets": layer_offsets,
@@ -134,10 +136,11 @@ def load(path: Path, signature: str, settings: str, folder: Path) -> Dataset | N
         ids, prompts = _texts(arrays["ids"], count), _texts(arrays["prompts"], count)
         problems = [DataProblem(*p) for p in json.loads(meta["problems"])]
         present = arrays["present"].tolist()
-        target, mask = arrays["target"].tolist(), arrays["mask"].tolist()
+        target, mask, rejected = arrays["target"].tolist(), arrays["mask"].tolist(), arrays["rejected"].tolist()
         control_offsets, controls = arrays["control_offsets"].tolist(), arrays["controls"].tolist()
         layer_offsets, layers = arrays["layer_offsets"].tolist(), arrays["layers"].tolist()
-        if len(present) != len(names) or not (len(target) == len(mask) == count == len(control_offsets) - 1
+        if len(present) != len(names) or not (len(target) == len(mask) == len(rejected) == count
+                                                == len(control_offsets) - 1
                                                 == len(layer_offsets) - 1):  # fmt: skip
             raise ValueError("columns differ in length")
     except FileNotFoundError:
@@ -151,7 +154,8 @@ def load(path: Path, signature: str, settings: str, folder: Path) -> Dataset | N
         return None  # an image came or went: the rows are scanned again
     none, empty = [None] * count, ()
     targets = [paths[j] if j >= 0 else None for j in target] if any(j >= 0 for j in target) else none
-    masks = [paths[j] if j >= 0 else None for j in mask] if any(j >= 0 for j in mask) else none
+    masks, rejects = ([paths[j] if j >= 0 else None for j in column] if any(j >= 0 for j in column) else none
+                      for column in (mask, rejected))
     return Dataset(
         [
             _sample(*fields)
@@ -162,6 +166,7 @@ def load(path: Path, signature: str, settings: str, folder: Path) -> Dataset | N
                 prompts,
                 masks,
                 _tuples(paths, layers, layer_offsets, count) if layers else [empty] * count,
+                rejects,
             )
         ],
         problems,
@@ -177,10 +182,11 @@ def _tuples(paths: list[Path], column: list[int], offsets: list[int], count: int
     return [tuple(named[offsets[i] : offsets[i + 1]]) for i in range(count)]
 
 
-def _sample(id, target, controls, prompt, mask, layers) -> Sample:  # noqa: A002 (Sample's own field names)
-    """`Sample(...)` without the frozen dataclass's six guarded assignments (a second per million samples)."""
+def _sample(id, target, controls, prompt, mask, layers, rejected) -> Sample:  # noqa: A002 (Sample's own names)
+    """`Sample(...)` without the frozen dataclass's seven guarded assignments (a second per million samples)."""
     s = object.__new__(Sample)
-    s.__dict__.update(id=id, target=target, controls=controls, prompt=prompt, mask=mask, layers=layers)
+    s.__dict__.update(id=id, target=target, controls=controls, prompt=prompt, mask=mask, layers=layers,
+                      rejected=rejected)
     return s
 
 

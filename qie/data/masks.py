@@ -10,7 +10,7 @@ an average of averages of equal cells is the area average), so one entry serves 
   another shape (aspect ratio) is refused.
 - `edit`: 1 where the target differs from its first control image by more than `threshold` (0..1, the largest
   channel difference), grown by `dilation` pixels; 0 elsewhere: an edit LoRA learns the change, not the
-  unchanged background.
+  unchanged background. For a preference pair, where either result (preferred or rejected) differs.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def mask_key(sample: Sample, settings: MaskSettings, hasher: FileHasher) -> str 
     elif settings.source == "edit" and sample.controls and sample.target is not None:
         fields |= {"control": hasher.hash(sample.controls[0]), "threshold": settings.threshold,
                    "dilation": settings.dilation}  # fmt: skip
+        if sample.rejected is not None:  # absent otherwise: the masks of other samples keep their keys
+            fields["rejected"] = hasher.hash(sample.rejected)
     else:
         return None
     return entry_key(MASK_TYPE, fields)
@@ -85,6 +87,13 @@ def _grey(img: Image.Image, size: tuple[int, int], settings: MaskSettings) -> to
     return torch.from_numpy(np.asarray(_like_target(img, size, settings), dtype=np.float32) / 255.0)
 
 
+def _pixels(img: Image.Image, size: tuple[int, int], settings: MaskSettings) -> torch.Tensor:
+    """`img` brought to the target's own `size`, then to the training size: (H, W, C) float32 in [0, 1]."""
+    if img.size != size:
+        img = img.resize(size, Image.Resampling.BILINEAR)
+    return torch.from_numpy(np.asarray(_like_target(img, size, settings), dtype=np.float32) / 255.0)
+
+
 def make_mask(sample: Sample, settings: MaskSettings) -> torch.Tensor:
     """The mask of `sample` at the training target's size: (H, W) float32 in [0, 1].
 
@@ -99,13 +108,13 @@ def make_mask(sample: Sample, settings: MaskSettings) -> torch.Tensor:
             raise ImageError(sample.mask, f"mask {str(sample.mask)!r} is {mask.size[0]}x{mask.size[1]}, its target "
                              f"{size[0]}x{size[1]}: a mask must have its target's shape (at any scale)")  # fmt: skip
         return _grey(mask, size, settings)
-    # edit: where the target differs from its control, both at the target's size
-    a = torch.from_numpy(np.asarray(_like_target(target, size, settings), dtype=np.float32) / 255.0)
-    control = open_image(sample.controls[0])
-    if control.size != size:
-        control = control.resize(size, Image.Resampling.BILINEAR)
-    b = torch.from_numpy(np.asarray(_like_target(control, size, settings), dtype=np.float32) / 255.0)
-    changed = ((a - b).abs().amax(dim=-1) > settings.threshold).float()
+    # edit: where the target (or a rejected result) differs from its control, all at the target's size
+    control = _pixels(open_image(sample.controls[0]), size, settings)
+    results = [target] + ([open_image(sample.rejected)] if sample.rejected is not None else [])
+    changed = torch.zeros(control.shape[:2])
+    for result in results:
+        changed = torch.maximum(changed, ((_pixels(result, size, settings) - control).abs().amax(dim=-1)
+                                          > settings.threshold).float())  # fmt: skip
     if settings.dilation > 0:
         r = settings.dilation
         changed = F.max_pool2d(changed[None, None], 2 * r + 1, stride=1, padding=r)[0, 0]

@@ -2,10 +2,11 @@
 
 Two layouts: a folder (`training_images/<stem>.<ext>` + `<stem>.txt`, `control_images/<stem>.<ext>` and
 `control_images/<stem>_control_<N>.<ext>`, optionally a loss mask `masks/<stem>.<ext>`; without
-`control_images/` every sample has no control image; for a layered model `images/<stem>.<ext>` + `<stem>.txt`
+`control_images/` every sample has no control image; a preference pair's rejected result
+`rejected_images/<stem>.<ext>`; for a layered model `images/<stem>.<ext>` + `<stem>.txt`
 and its ordered layers `layers/<stem>_<N>.<ext>`) or a manifest (.jsonl or .csv with `target`, `controls`,
-`prompt`, optionally `mask`; paths relative to the manifest; a row without `controls` has none). Whether a
-model takes a sample's control count is the model's to say (`ModelSpec.control_problem`). Problems with
+`prompt`, optionally `mask` and `rejected`; paths relative to the manifest; a row without `controls` has
+none). Whether a model takes a sample's control count is the model's to say (`ModelSpec.control_problem`). Problems with
 single samples are collected, not raised, so precompute can name them and go on; a data set with no usable
 sample at all is an error.
 """
@@ -36,6 +37,8 @@ class Sample:
     mask: Path | None = None
     # A target of several frames (a layered model's): the frames after `target`, in order (its layers).
     layers: tuple[Path, ...] = ()
+    # A preference pair's rejected result (`train.objective=dpo`): the same edit done worse than `target`.
+    rejected: Path | None = None
 
 
 # Longer prompts are refused: the pipelines keep at most ~1,024 prompt tokens (~4,000 characters of English)
@@ -199,6 +202,7 @@ def scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -
     if (root / "layers").is_dir() and (root / "images").is_dir():
         return _scan_layered_folder(root, require_prompt)
     targets_dir, controls_dir, masks_dir = root / "training_images", root / "control_images", root / "masks"
+    rejected = _images_by_stem(root / "rejected_images", _listing(root / "rejected_images"))  # optional
     if not targets_dir.is_dir() and not controls_dir.is_dir():
         raise DataError(
             f"{str(root)!r} is not a data set folder: expected training_images/ (and control_images/ for edits) inside"
@@ -223,6 +227,10 @@ def scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -
         data.problems.append(
             DataProblem(stem, str(targets_dir / f"{stem}.<ext>"), "target image is missing (control image found)")
         )
+    for stem in sorted(set(rejected) - set(targets)):
+        data.problems.append(
+            DataProblem(stem, str(targets_dir / f"{stem}.<ext>"), "target image is missing (rejected image found)")
+        )
     for stem in stems:
         target = targets.get(stem)
         ctrl = tuple(p for _, p in sorted(controls.get(stem, [])))
@@ -240,11 +248,11 @@ def scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -
         except DataError as e:
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue
-        data.samples.append(Sample(stem, target, ctrl, prompt, masks.get(stem)))
+        data.samples.append(Sample(stem, target, ctrl, prompt, masks.get(stem), (), rejected.get(stem)))
     return data
 
 
 def without_controls(sample: Sample, suffix: str = "") -> Sample:
     """`sample` without its control images: trained on the text-only prompt (reference dropout). Its entries
     are keyed by what they hold, so they are cached apart from the sample's own."""
-    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask, sample.layers)
+    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask, sample.layers, sample.rejected)

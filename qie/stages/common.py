@@ -61,7 +61,7 @@ def data_source(cfg: DictConfig, path: str | None = None) -> DataSource:
 
     d = cfg.data
     c = d.columns
-    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.get("mask"), c.get("layers"))
+    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.get("mask"), c.get("layers"), c.get("rejected"))
     cache_dir = Path(cfg.cache.dir) if cfg.get("cache") is not None and cfg.cache.get("dir") else None
     return DataSource(str(path or d.path), str(value(d.format)) if path is None else "auto", str(d.split), columns,
                       (cache_dir or qie_home()) / "images", bool(d.get("allow_outside_paths", False)),

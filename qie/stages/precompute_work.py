@@ -19,6 +19,9 @@ from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample, prom
 from qie.errors import DataError
 from qie.models import text_positions
 
+# The stored types only some data sets have: layers (a layered model's), rejected results (preference pairs).
+OPTIONAL_TYPES = ("layer_latent", "rejected_latent")
+
 Keyed = tuple[Sample, dict[str, str]]
 
 
@@ -33,9 +36,9 @@ class TypeSummary:
 @dataclass
 class PrecomputeSummary:
     samples: int = 0
-    # Every stored type but layer_latent, which only data sets with layers have (`of`).
+    # Every stored type but those only some data sets have (`of`): layer_latent, rejected_latent.
     types: dict[str, TypeSummary] = field(
-        default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES if t != "layer_latent"}
+        default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES if t not in OPTIONAL_TYPES}
     )
     failures: list[DataProblem] = field(default_factory=list)
     # One row per process: {"process", "samples", "new", "bytes_written"}.
@@ -60,9 +63,11 @@ class PrecomputeSummary:
 
     @classmethod
     def of(cls, items: list) -> PrecomputeSummary:
-        """An empty summary of the types the samples among `items` have (layer_latent only for layered ones)."""
-        layered = any(getattr(s, "layers", ()) for s in items)
-        return cls(types={t: TypeSummary() for t in STORED_TYPES if layered or t != "layer_latent"})
+        """An empty summary of the types the samples among `items` have (layer_latent only for layered ones,
+        rejected_latent only for preference pairs)."""
+        has = {"layer_latent": any(getattr(s, "layers", ()) for s in items),
+               "rejected_latent": any(getattr(s, "rejected", None) is not None for s in items)}  # fmt: skip
+        return cls(types={t: TypeSummary() for t in STORED_TYPES if has.get(t, True)})
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -221,8 +226,8 @@ def encode_groups(
         pending = later
 
 
-# The entry types read from the target's images (the target, and a layered target's layers).
-TARGET_TYPES = ("pixel_latent", "layer_latent")
+# The entry types read from the target's images (the target, a layered target's layers, a rejected result).
+TARGET_TYPES = ("pixel_latent", "layer_latent", "rejected_latent")
 
 
 def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summary, raise_errors: bool) -> None:
@@ -236,7 +241,7 @@ def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summ
         if target_types:
             try:
                 read = prepare_sample(sample, sizes, with_controls=False)
-                prepared.target, prepared.layers = read.target, read.layers
+                prepared.target, prepared.layers, prepared.rejected = read.target, read.layers, read.rejected
             except DataError as e:
                 record_failure(summary, sample, e, target_types, keys, raise_errors)
                 types = [t for t in types if t not in target_types]
