@@ -382,7 +382,7 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     from qie.components import prepare_model
     from qie.models import model_spec
     from qie.stages.common import value
-    from qie.stages.train import build_train_state, loop_settings, make_accelerator, train_mode
+    from qie.stages.train import build_train_state, loop_settings, make_accelerator, make_objective, train_mode
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit
 
@@ -402,9 +402,9 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
         config, work, lambda *shape, dtype: torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
     )
     logger = MetricsLogger(run_dir, "none", False)
+    settings = loop_settings(cfg.train, cfg.logging, make_objective(cfg.train, scheduler, spec))
     try:
-        fit(state, ((i, batch) for i in itertools.count()), loop_settings(cfg.train, cfg.logging, scheduler, spec),
-            logger, on_step_end=recorder)  # fmt: skip
+        fit(state, ((i, batch) for i in itertools.count()), settings, logger, on_step_end=recorder)
     finally:
         logger.close()
         state.model = state.optimizer = None

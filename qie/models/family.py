@@ -71,7 +71,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "default_size": ("spec", "vae_scale"),
     "encode_prompts": ("pipeline", "spec", "prompts", "images", "device"),
     "encode_latents": ("vae", "pixels"),
-    "loss": ("transformer", "batch", "noise", "sigmas", "weighting"),
+    "loss": ("transformer", "batch", "noise", "sigmas", "weighting", "per_sample"),
     "sample": ("parts", "prompt", "negative", "controls", "size", "options", "progress"),
     "decode": ("vae", "latents", "output_type"),
     "vae_scale": ("vae",),
@@ -114,7 +114,7 @@ class ModelFamily:
         default_size: (height, width) made without a size or an image.
         encode_prompts: prompts seen with their images -> one {"embed", ["image_mask"]} per prompt, unpadded, CPU.
         encode_latents: same-size pixel batch (B, C, 1, H, W) on the VAE -> normalised latents (B, C', 1, h, w).
-        loss: the flow-matching loss of one batch (see `qie.models.flow`).
+        loss: the flow-matching loss of one batch, or of each sample with `per_sample` (see `qie.models.flow`).
         sample: one sample's encoded inputs -> latents of `options.num_images` images.
         decode: normalised latents -> images ("pil", "np" or "pt").
         vae_scale: pixels per latent along a side, read off the VAE.

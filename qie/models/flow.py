@@ -31,6 +31,7 @@ def velocity_loss(
     sigmas: torch.Tensor,
     weighting: str = "none",
     element_weights: torch.Tensor | None = None,
+    per_sample: bool = False,
 ) -> torch.Tensor:
     """Mean squared error between the predicted and the true velocity, weighted per sample by noise level.
 
@@ -43,16 +44,17 @@ def velocity_loss(
             exactly the unweighted loss and a mask only changes where the loss looks, not its scale.
 
     Returns:
-        The batch mean (a scalar, float32).
+        The batch mean (a scalar, float32), or with `per_sample` each sample's loss (B,), whose mean it is.
     """
     weights = loss_weights(weighting, sigmas).to(pred.device).view(-1, 1, 1)
     error = weights * (pred.float() - target.float()) ** 2
     batch = pred.shape[0]
     if element_weights is None:
-        return error.reshape(batch, -1).mean(dim=1).mean()
-    w = element_weights.to(error.device, torch.float32).expand_as(error)
-    per_sample = (error * w).reshape(batch, -1).mean(dim=1) / w.reshape(batch, -1).mean(dim=1).clamp_min(1e-12)
-    return per_sample.mean()
+        losses = error.reshape(batch, -1).mean(dim=1)
+    else:
+        w = element_weights.to(error.device, torch.float32).expand_as(error)
+        losses = (error * w).reshape(batch, -1).mean(dim=1) / w.reshape(batch, -1).mean(dim=1).clamp_min(1e-12)
+    return losses if per_sample else losses.mean()
 
 
 def shift_mu(image_seq_len: int, scheduler_config: dict) -> float:

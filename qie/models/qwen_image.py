@@ -133,6 +133,7 @@ def packed_loss(
     sigmas: torch.Tensor,
     weighting: str,
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, list[tuple[int, int, int]]]],
+    per_sample: bool = False,
     **conditions: Any,
 ) -> torch.Tensor:
     """Mean weighted squared error between the predicted and the true velocity (noise - x0), for a transformer
@@ -140,6 +141,7 @@ def packed_loss(
 
     Args:
         pack: (B, C, F, h, w) latents -> (tokens, one rotary-embedding shape per frame).
+        per_sample: each sample's loss (B,) instead of their mean.
         conditions: further transformer inputs (a Layered transformer's `additional_t_cond`).
     """
     x0 = batch.latents
@@ -158,11 +160,16 @@ def packed_loss(
     )[0][:, : noisy.shape[1]]
     target, _ = pack(noise - x0)
     mask = None if batch.loss_mask is None else pack(batch.loss_mask.expand_as(x0))[0]
-    return velocity_loss(pred, target, sigmas, weighting, mask)
+    return velocity_loss(pred, target, sigmas, weighting, mask, per_sample)
 
 
 def flow_matching_loss(
-    transformer: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor, weighting: str = "none"
+    transformer: torch.nn.Module,
+    batch: Batch,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    weighting: str = "none",
+    per_sample: bool = False,
 ) -> torch.Tensor:
     """Mean weighted squared error between the predicted and the true velocity (noise - x0).
 
@@ -171,8 +178,9 @@ def flow_matching_loss(
         batch: latents and prompt embeddings, on the transformer's device.
         noise: like batch.latents.
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
+        per_sample: each sample's loss (B,) instead of their mean.
     """
-    return packed_loss(transformer, batch, noise, sigmas, weighting, packed)
+    return packed_loss(transformer, batch, noise, sigmas, weighting, packed, per_sample)
 
 
 # --- sampling -------------------------------------------------------------------------------------------

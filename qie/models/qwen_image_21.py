@@ -126,8 +126,10 @@ def flow_matching_loss(
     noise: torch.Tensor,
     sigmas: torch.Tensor,
     weighting: str = "none",
+    per_sample: bool = False,
 ) -> torch.Tensor:
-    """Mean weighted squared error between the predicted and the true velocity (noise - x0).
+    """Mean weighted squared error between the predicted and the true velocity (noise - x0); with `per_sample`
+    each sample's (B,).
 
     Args:
         transformer: QwenImage21Transformer2DModel (with or without LoRA), on the batch's device.
@@ -152,7 +154,7 @@ def flow_matching_loss(
     )[0][:, -noisy.shape[1] :]
     target, _ = packed(noise - x0)
     mask = None if batch.loss_mask is None else packed(batch.loss_mask.expand_as(x0))[0]
-    return velocity_loss(pred, target, sigmas, weighting, mask)
+    return velocity_loss(pred, target, sigmas, weighting, mask, per_sample)
 
 
 def _prompt_inputs(pipe, embed, image_mask, copies: int, device) -> tuple:

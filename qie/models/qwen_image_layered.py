@@ -67,9 +67,15 @@ def packed_frames(latents: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, 
 
 
 def layered_loss(
-    transformer: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor, weighting: str = "none"
+    transformer: torch.nn.Module,
+    batch: Batch,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    weighting: str = "none",
+    per_sample: bool = False,
 ) -> torch.Tensor:
-    """Mean weighted squared error between the predicted and the true velocity (noise - x0) of every frame.
+    """Mean weighted squared error between the predicted and the true velocity (noise - x0) of every frame;
+    with `per_sample` each sample's (B,).
 
     Args:
         transformer: QwenImageTransformer2DModel with layer-aware rope (with or without LoRA).
@@ -79,7 +85,7 @@ def layered_loss(
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
     """
     zeros = torch.zeros(batch.latents.shape[0], dtype=torch.long, device=batch.latents.device)
-    return qwen_image.packed_loss(transformer, batch, noise, sigmas, weighting, packed_frames,
+    return qwen_image.packed_loss(transformer, batch, noise, sigmas, weighting, packed_frames, per_sample,
                                   additional_t_cond=zeros)  # 0: RGBA, as sampled  # fmt: skip
 
 

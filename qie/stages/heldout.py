@@ -1,5 +1,6 @@
 """Held-out samples of the training data set (`validation.heldout_samples`): kept out of training, and measured
-after it by the flow-matching loss at fixed noise and noise levels (`qie.training.evaluate.heldout_loss`).
+after it (and every `validation.every` steps) by the objective's loss and measures at fixed noise and noise levels
+(`qie.training.evaluate.heldout_metrics`).
 
 That loss is comparable across runs of the same data set, which makes it what a sweep's summary reports and what
 `hydra/sweeper=optuna` minimises (the train entry point returns it).
@@ -8,16 +9,18 @@ That loss is comparable across runs of the same data set, which makes it what a 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from qie.data.samples import Sample
 from qie.errors import ConfigError
-from qie.models import ModelSpec
-from qie.training.evaluate import heldout_loss
+from qie.training.evaluate import heldout_metrics
 from qie.training.logging import MetricsLogger
-from qie.training.loop import TrainState
+from qie.training.loop import StepInfo, TrainState
+from qie.training.objectives import Objective
 
 SEED = 0
+HELDOUT_FILE = "heldout.jsonl"  # in the run directory: the measures at each validation step and at the end
 
 
 def split_heldout(samples: list[Sample], count: int) -> tuple[list[Sample], list[Sample]]:
@@ -39,14 +42,35 @@ def split_heldout(samples: list[Sample], count: int) -> tuple[list[Sample], list
 
 
 def measure_heldout(
-    result: dict, state: TrainState, source: Any, heldout: list[Sample], spec: ModelSpec, logger: MetricsLogger
+    result: dict, state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger
 ) -> None:
-    """Add the trained model's held-out loss to `result` (`heldout_loss`, `heldout_samples`), log and print it.
-    The main process measures; the others add nothing."""
+    """Add the trained model's held-out measures to `result` (`heldout_loss`, `heldout_<measure>`,
+    `heldout_samples`), log and print them. The main process measures; the others add nothing."""
     if not heldout or not state.accelerator.is_main_process:
         return
+    metrics = _measure(state, source, heldout, objective, logger, int(result["step"]))
+    result.update({f"heldout_{k}": v for k, v in metrics.items()})
+    result["heldout_samples"] = len(heldout)
+    others = "".join(f", {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items() if k != "loss")
+    print(f"qie: held-out loss {metrics['loss']:.4f}{others} on {len(heldout)} samples kept out of training "
+          "(validation.heldout_samples)")
+
+
+def heldout_hook(state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger,
+                 every: int) -> Callable[[StepInfo], None]:  # fmt: skip
+    """A step hook measuring and logging the held-out samples every `every` steps (`validation.every`), on the
+    main process."""
+
+    def hook(info: StepInfo) -> None:
+        if info.step % every == 0 and state.accelerator.is_main_process:
+            _measure(state, source, heldout, objective, logger, info.step)
+
+    return hook
+
+
+def _measure(state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger,
+             step: int) -> dict[str, float]:  # fmt: skip
     transformer = state.accelerator.unwrap_model(state.model)
-    loss = heldout_loss(transformer, source, heldout, spec.loss, seed=SEED)
-    result["heldout_loss"], result["heldout_samples"] = loss, len(heldout)
-    logger.log_scalars({"heldout/loss": loss}, int(result["step"]))
-    print(f"qie: held-out loss {loss:.4f} on {len(heldout)} samples kept out of training (validation.heldout_samples)")
+    metrics = heldout_metrics(transformer, source, heldout, objective.evaluate, seed=SEED)
+    logger.log_file(HELDOUT_FILE, step, {f"heldout/{k}": v for k, v in metrics.items()})
+    return metrics

@@ -36,7 +36,7 @@ from qie.stages.common import (
     value,
     warn_single_process,
 )
-from qie.stages.heldout import measure_heldout, split_heldout
+from qie.stages.heldout import heldout_hook, measure_heldout, split_heldout
 from qie.stages.recipes import check_recipes, lora_exports, make_ema, regularization_logging
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
 from qie.stages.train_hooks import step_hooks
@@ -51,7 +51,7 @@ from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
-from qie.training.objectives import ObjectiveInputs, build_objective
+from qie.training.objectives import Objective, ObjectiveInputs, ObjectiveUse, build_objective, check_use
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 
@@ -77,6 +77,8 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
     mode = train_mode(cfg.train, spec)  # checks train.lora.init and reads train.init_lora before anything is built
     check_recipes(cfg, mode.lora)  # train.mask, ema, data.control_dropout_rate, regularization: before reading
+    use = ObjectiveUse(spec.family, mode.lora, bool(cfg.data.regularization.path), objective_options(cfg.train))
+    check_use(str(cfg.train.objective), use)  # e.g. preference pairs on a layered model: before anything loads
     if cfg.data.get("auto_caption", False):
         caption_settings(cfg.data, spec)  # a caption prompt that cannot be read: before anything is built
     accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
@@ -124,7 +126,9 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
         if loading is not None:
             loading.wait()  # a thread still inside torch when the interpreter exits aborts it
         raise
-    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, loading.result())
+    parts = loading.result()
+    objective = make_objective(cfg.train, parts.scheduler, spec)
+    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, parts, objective)
     ema = make_ema(cfg.train, state.params)
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
     if resume_from is not None:
@@ -144,6 +148,8 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
                            OmegaConf.to_container(cfg, resolve=True),
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
     hooks = step_hooks(cfg, spec, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
+    if heldout and int(cfg.validation.every) > 0:
+        hooks.append(heldout_hook(state, source, heldout, objective, logger, int(cfg.validation.every)))
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
     save = functools.partial(_save_checkpoint, state, run_dir, mode, cfg.train, records, ema)
@@ -151,10 +157,10 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     # garbage collector's full passes (each a few seconds at a million samples, on the training thread).
     gc.freeze()
     try:
-        settings = loop_settings(cfg.train, cfg.logging, scheduler, spec)
+        settings = loop_settings(cfg.train, cfg.logging, objective)
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
-        measure_heldout(result, state, source, heldout, spec, logger)
+        measure_heldout(result, state, source, heldout, objective, logger)
     finally:
         logger.close()
         gc.unfreeze()  # collectable again once the run is over
@@ -211,7 +217,14 @@ def train_mode(train: DictConfig, spec: ModelSpec) -> TrainMode:
                     str(init_lora) if init_lora else None, adapter, use_dora)  # fmt: skip
 
 
-def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: ModelSpec) -> LoopSettings:
+def objective_options(train: DictConfig) -> dict:
+    """The `train.<objective>` node of the objective's own settings, as plain values ({} where there is none)."""
+    node = train.get(str(train.objective))
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else {}
+
+
+def make_objective(train: DictConfig, scheduler: Any, spec: ModelSpec) -> Objective:
+    """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift)."""
     sigmas = SigmaSampling(
         method=str(value(train.timestep_sampling)),
         logit_mean=float(train.logit_mean),
@@ -221,11 +234,15 @@ def loop_settings(train: DictConfig, logging: DictConfig, scheduler: Any, spec: 
         dynamic_shift=bool(train.dynamic_shift),
         scheduler_config=dict(scheduler.config),
     )
-    inputs = ObjectiveInputs(spec.family, sigmas, str(value(train.loss_weighting)))
+    inputs = ObjectiveInputs(spec.family, sigmas, str(value(train.loss_weighting)), objective_options(train))
+    return build_objective(str(train.objective), inputs)
+
+
+def loop_settings(train: DictConfig, logging: DictConfig, objective: Objective) -> LoopSettings:
     return LoopSettings(
         max_steps=int(train.max_steps),
         seed=int(train.seed),
-        objective=build_objective(str(train.objective), inputs),
+        objective=objective,
         max_grad_norm=float(train.max_grad_norm),
         checkpoint_every=int(train.checkpoint_every),
         log_every=int(logging.log_every),
@@ -241,17 +258,20 @@ def load_model(model: DictConfig, train: DictConfig, accelerator: Any, spec: Mod
 
 
 def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any, spec: ModelSpec,
-                      parts: Any = None) -> tuple:  # fmt: skip
+                      parts: Any = None, objective: Objective | None = None) -> tuple:  # fmt: skip
     """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
 
     Args:
         parts: what `load_model` gave (loaded here when None).
+        objective: adds what it needs to the model (`Objective.prepare`) before it is wrapped.
     """
     memory = MemorySettings.of(train, spec.family)
     memory.check(mode.lora, str(value(model.quantize)))
     parts = parts if parts is not None else load_model(model, train, accelerator, spec)
     transformer = parts.transformer
     params = mode.trainable(transformer)
+    if objective is not None:
+        objective.prepare(transformer)
     place = apply_memory(transformer, memory, accelerator.device)
     if train.get("compile", False):
         accelerator.print(compile_blocks(transformer))

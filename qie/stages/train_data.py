@@ -3,6 +3,7 @@ stream (bucketed by latent shapes, mixed with the regularisation set)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from qie.models import ModelSpec
 from qie.readiness import ready_samples
 from qie.stages.common import check_masks, control_dropout, precompute_command, read_data, value
 from qie.stages.recipes import regularization_samples
+from qie.training.objectives import objective_requires
 
 
 def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool, captions: Any = None) -> list[Sample]:
@@ -33,19 +35,31 @@ def load_samples(cfg: DictConfig, spec: ModelSpec, report: bool, captions: Any =
         raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
                              f"({first.path}): {first.reason.split(': ', 1)[-1]} "
                              "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
+    pairs = "rejected" in objective_requires(str(cfg.train.objective))
     problems = [
         DataProblem(s.id, str(s.target), why)
         for s in dataset.samples
-        if (why := spec.control_problem(len(s.controls)) or spec.layers_problem(len(s.layers)))
+        if (why := spec.control_problem(len(s.controls)) or spec.layers_problem(len(s.layers))
+            or pair_problem(s, pairs))  # fmt: skip
     ]
     skipped = {p.id for p in problems}
     samples = [s for s in dataset.samples if s.id not in skipped]
+    if not pairs and any(s.rejected is not None for s in samples):  # not read: no rejected latent is asked for
+        samples = [replace(s, rejected=None) if s.rejected is not None else s for s in samples]
     problems = dataset.problems + problems
     if not samples:
         raise DataError(f"no sample of {data.path} can train model={spec.name}: {problems[0].reason}")
     for p in problems[:5] if report else []:
         print(f"qie: skipping sample {p.id!r}: {p.path}: {p.reason}")
     return samples
+
+
+def pair_problem(sample: Sample, pairs: bool) -> str | None:
+    """Why `sample` cannot train an objective of preference pairs (`pairs`): it has no rejected result."""
+    if pairs and sample.rejected is None:
+        return ("it has no rejected result, which train.objective=dpo trains on: give one (a manifest row's "
+                "'rejected', rejected_images/<stem>.png, data.columns.rejected)")  # fmt: skip
+    return None
 
 
 def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, samples: list[Sample], run_dir: Path,

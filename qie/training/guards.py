@@ -20,21 +20,25 @@ class NonFiniteLoss(QieError):
     """A training step gave a NaN or infinite loss or gradient (`train.on_nonfinite=stop`)."""
 
 
-def agree_on_step(accelerator: Any, window_loss: float, grad_norm: Any, stop: bool) -> tuple[bool, float, bool]:
+def agree_on_step(
+    accelerator: Any, window_loss: float, grad_norm: Any, stop: bool, metrics: dict[str, float] | None = None
+) -> tuple[bool, float, bool, dict[str, float]]:
     """What every process decides alike about this optimizer step, from one collective (none with one process):
     whether every process's window loss and the gradient norm are finite, the window loss averaged over
-    processes, and whether any process was asked to stop.
+    processes, whether any process was asked to stop, and `metrics` averaged over processes.
 
     Args:
         window_loss: this process's loss over the step's batches (NaN or infinite when one of them was).
         stop: whether this process got a stop signal.
+        metrics: the objective's measures of this process's window (the same names on every process).
     """
+    metrics = metrics or {}
     ok = math.isfinite(window_loss) and (grad_norm is None or math.isfinite(float(grad_norm)))
-    local = torch.tensor([window_loss, float(stop), 0.0 if ok else 1.0])
+    local = torch.tensor([window_loss, float(stop), 0.0 if ok else 1.0, *metrics.values()])
     n = accelerator.num_processes
     totals = local if n == 1 else accelerator.reduce(local.to(accelerator.device), "sum").cpu()
-    loss, stops, bad = totals.tolist()
-    return bad == 0, loss / n, stops > 0
+    loss, stops, bad, *sums = totals.tolist()
+    return bad == 0, loss / n, stops > 0, {name: s / n for name, s in zip(metrics, sums)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,15 @@ class MetricsLogger:
         scalars.update(memory_gib())
         self.log_scalars(scalars, step)
 
+    def log_file(self, name: str, step: int, scalars: dict[str, float]) -> None:
+        """Append `scalars` (full tags) with the step to the run directory's file `name` (a JSON line each call)
+        and send them to the tracker: measures made beside training, as the held-out samples'."""
+        if not self.enabled:
+            return
+        with open(self.path.parent / name, "a") as f:
+            f.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.log_scalars(scalars, step)
+
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         """Send scalars (full tags, e.g. "validation/psnr_keep") to the tracker only, not to metrics.jsonl."""
         if self.enabled and self._tracker is not None:

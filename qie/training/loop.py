@@ -173,7 +173,8 @@ def fit(
             if step % settings.log_every == 0 or step == settings.max_steps:
                 lr = state.lr_scheduler.get_last_lr()[0]
                 norm = float(grad_norm) if grad_norm is not None else math.nan
-                logger.log(step, {"loss": mean_loss, "lr": lr, "grad_norm": norm, "seconds": seconds})
+                logger.log(step, {"loss": mean_loss, "lr": lr, "grad_norm": norm, "seconds": seconds,
+                                  **window["metrics"]})  # fmt: skip
             if on_step_end is not None:
                 on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
             checkpoints.after_step(step, consumed)
@@ -198,12 +199,14 @@ def _optimizer_step(
     Returns:
         (loss of the window averaged over processes, grad norm before clipping, last batch,
         {"consumed": batches consumed, "finite": whether the step was taken, "ids": the window's samples,
-        "waited": seconds spent waiting for the batches, "stop": whether a process was asked to stop}).
+        "waited": seconds spent waiting for the batches, "stop": whether a process was asked to stop,
+        "metrics": the objective's measures of the window, averaged over processes}).
     """
     accelerator, model = state.accelerator, state.model
     if not model.training:  # train() walks every module: not on every step
         model.train()
     window_loss, grad_norm, waited, finite, ids, mean_loss, stopping = 0.0, None, 0.0, True, [], math.nan, False
+    metrics: dict[str, float] = {}
     micro_steps = accelerator.gradient_accumulation_steps
     for _ in range(micro_steps):
         t0 = time.perf_counter()
@@ -220,8 +223,8 @@ def _optimizer_step(
                 # An infinite bound measures the norm without clipping, so grad_norm is always logged.
                 max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
                 grad_norm = accelerator.clip_grad_norm_(state.params, max_norm)
-                finite, mean_loss, stopping = agree_on_step(
-                    accelerator, window_loss, grad_norm, stop.received is not None
+                finite, mean_loss, stopping, metrics = agree_on_step(
+                    accelerator, window_loss, grad_norm, stop.received is not None, settings.objective.step_metrics()
                 )
             # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
             if finite:
@@ -229,5 +232,6 @@ def _optimizer_step(
                 if accelerator.sync_gradients:
                     state.lr_scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
-    window = {"consumed": number + 1, "finite": finite, "ids": ids, "waited": waited, "stop": stopping}
+    window = {"consumed": number + 1, "finite": finite, "ids": ids, "waited": waited, "stop": stopping,
+              "metrics": metrics}  # fmt: skip
     return mean_loss, grad_norm, batch, window

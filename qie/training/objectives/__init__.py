@@ -2,16 +2,23 @@
 
 The loop (`qie.training.loop`) draws a generator per batch (seeded by the batch number and the process, so a
 resumed run repeats its draws) and asks the run's objective for the loss; it knows no objective by name. An
-objective is one module of this package named as `train.objective` names it, holding `build(inputs)`:
+objective is one module of this package named as `train.objective` names it, holding:
+
+- `REQUIRES`: the sample fields it trains on beyond a target (`("rejected",)` for preference pairs); the train
+  stage refuses samples without them and drops such fields where the objective does not read them;
+- `use_problem(use)`: why it cannot train this run (`ObjectiveUse`, known before any model loads), or None;
+- `build(inputs)`: the `Objective`, its own settings read from `inputs.options` (the `train.<name>` node).
+
 `flow_matching` (the default) is the family's flow-matching loss with loss masks and regularisation weights;
-distillation and preference objectives join as modules of their own.
+`dpo` is Diffusion-DPO carried to flow matching on preference pairs.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from qie.errors import ConfigError
@@ -22,8 +29,14 @@ if TYPE_CHECKING:  # names for annotations only: config validation lists the obj
     from qie.training.timesteps import SigmaSampling
     from qie.types import Batch
 
+
 class Objective(Protocol):
-    """The loss of one batch, to be backpropagated."""
+    """The loss of one batch, to be backpropagated, and what it measures besides."""
+
+    def prepare(self, transformer: torch.nn.Module) -> None:
+        """Add what the objective needs to the model with its trained adapter, before the model is wrapped for
+        training (a reference adapter); most objectives add nothing."""
+        ...
 
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         """The scalar loss of `batch` (on the model's device and dtype) under `model`.
@@ -33,6 +46,29 @@ class Objective(Protocol):
         """
         ...
 
+    def step_metrics(self) -> dict[str, float]:
+        """The means of what the objective measured on the batches since the last call (the same names on every
+        process and step, logged beside the loss), and a fresh start; {} for an objective that measures nothing
+        else."""
+        ...
+
+    def evaluate(
+        self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+    ) -> dict[str, float]:
+        """Measures of `batch` at the given noise and noise levels, without a gradient and without loss weighting:
+        "loss" (comparable across runs of one data set, what held-out samples report) and the objective's own."""
+        ...
+
+
+@dataclass(frozen=True)
+class ObjectiveUse:
+    """What a run asks of its objective, known before any model loads (`use_problem`)."""
+
+    family: Any  # the ModelFamily
+    lora: bool  # a LoRA is trained (not the whole transformer)
+    regularization: bool  # regularisation batches are mixed in (`data.regularization`)
+    options: Mapping[str, Any] = field(default_factory=dict)  # the `train.<name>` node, as `ObjectiveInputs`
+
 
 @dataclass(frozen=True)
 class ObjectiveInputs:
@@ -41,6 +77,8 @@ class ObjectiveInputs:
     family: Any  # the ModelFamily: its loss pieces and patch size
     sigmas: SigmaSampling
     loss_weighting: str = "none"
+    # The objective's own settings: the `train.<name>` node as plain values ({} where there is none).
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def objective_names() -> list[str]:
@@ -55,15 +93,31 @@ def objective_problem(name: str) -> str | None:
     return f"train.objective={name!r} is not an objective: choose one of {', '.join(objective_names())}"
 
 
+def _module(name: str) -> Any:
+    if problem := objective_problem(name):
+        raise ConfigError(problem)
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def objective_requires(name: str) -> tuple[str, ...]:
+    """The sample fields `train.objective={name}` trains on beyond a target."""
+    return tuple(_module(name).REQUIRES)
+
+
+def check_use(name: str, use: ObjectiveUse) -> None:
+    """Raise ConfigError (one line, naming the setting) when the objective cannot train as `use` says."""
+    if problem := _module(name).use_problem(use):
+        raise ConfigError(problem)
+
+
 def build_objective(name: str, inputs: ObjectiveInputs) -> Objective:
     """The objective `train.objective` names, built from `inputs`.
 
     Raises:
-        ConfigError: no objective of that name.
+        ConfigError: no objective of that name, or settings it refuses.
     """
-    if problem := objective_problem(name):
-        raise ConfigError(problem)
-    return importlib.import_module(f"{__name__}.{name}").build(inputs)
+    return _module(name).build(inputs)
 
 
-__all__ = ["Objective", "ObjectiveInputs", "build_objective", "objective_names", "objective_problem"]
+__all__ = ["Objective", "ObjectiveInputs", "ObjectiveUse", "build_objective", "check_use", "objective_names",
+           "objective_problem", "objective_requires"]  # fmt: skip

@@ -7,9 +7,15 @@ from collections.abc import Callable
 
 import torch
 
-from qie.training.objectives import ObjectiveInputs
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse
 from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
+
+REQUIRES: tuple[str, ...] = ()
+
+
+def use_problem(use: ObjectiveUse) -> str | None:
+    return None  # every family, mode and data mix
 
 
 def noise_and_sigmas(
@@ -36,11 +42,23 @@ class FlowMatching:
                  weighting: str = "none") -> None:  # fmt: skip
         self.family_loss, self.sigmas, self.patch_size, self.weighting = family_loss, sigmas, patch_size, weighting
 
+    def prepare(self, transformer: torch.nn.Module) -> None:
+        pass  # the trained model alone
+
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         noise, sigmas = noise_and_sigmas(batch, self.sigmas, generator, self.patch_size)
         out = self.family_loss(model, batch, noise, sigmas, self.weighting)
         # Regularisation batches weigh `data.regularization.weight`; every other batch 1.
         return out if batch.loss_weight == 1.0 else out * batch.loss_weight
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}  # the loss says it all
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+    ) -> dict[str, float]:
+        return {"loss": self.family_loss(model, batch, noise, sigmas, "none").item()}
 
 
 def build(inputs: ObjectiveInputs) -> FlowMatching:
