@@ -28,10 +28,11 @@ SWATCHES = [(0, 160, 160), (250, 120, 0), (130, 0, 200), (90, 90, 90)]
 VARIABLE_COUNTS = (2, 1, 2, 0)
 
 
-def shape_image(index: int, offset: int, alpha: bool = False) -> Image.Image:
-    """Scene `index`'s shape, its box moved `offset` px to the right; an RGBA image with a transparent
-    background when `alpha`."""
-    shape, color, background = SCENES[index % len(SCENES)]
+def shape_image(index: int, offset: int, alpha: bool = False, color: tuple[int, int, int] | None = None) -> Image.Image:
+    """Scene `index`'s shape, its box moved `offset` px to the right (painted `color` instead of its own); an
+    RGBA image with a transparent background when `alpha`."""
+    shape, own, background = SCENES[index % len(SCENES)]
+    color = color or own
     mode, fill, ground = ("RGBA", (*color, 255), (*background, 0)) if alpha else ("RGB", color, background)
     image = Image.new(mode, (SIZE, SIZE), ground)
     draw = ImageDraw.Draw(image)
@@ -129,6 +130,25 @@ def _write_layered(root: Path) -> Path:
     manifest = root / "data.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return manifest
+
+
+def write_pairs(root: Path, spec) -> Path:
+    """`write_dataset`, each sample a preference pair: its target preferred, the shape moved as well but painted
+    the next scene's colour rejected (`rejected_images/` in the folder layout, `rejected` in a manifest)."""
+    path = write_dataset(root, spec)
+    alpha = bool(spec.alpha)
+    wrong = [shape_image(i, 24, alpha, color=SCENES[(i + 1) % len(SCENES)][1]) for i in range(SAMPLES)]
+    if path.is_dir():
+        (path / "rejected_images").mkdir(exist_ok=True)
+        for i, image in enumerate(wrong):
+            image.save(path / "rejected_images" / f"s{i}.png")
+        return path
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    for i, (row, image) in enumerate(zip(rows, wrong)):
+        image.save(root / "img" / f"r{i}.png")
+        row["rejected"] = f"img/r{i}.png"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
 
 
 def reference_images(root: Path, spec, count: int = 2) -> list[Path]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from battery_data import reference_images, write_dataset
+from battery_data import reference_images, write_dataset, write_pairs
 from helpers import small_config
 from PIL import Image
 from safetensors.torch import load_file
@@ -44,6 +44,10 @@ PINNED_LOSSES = {
     "tiny_qwen_image_21": [1.4823312759399414, 1.4008921384811401],
     "tiny_qwen_image_layered": [1.4373232126235962, 1.3763208389282227],
 }
+
+# The second loss of each family's preference run (`train.objective=dpo`, otherwise as above); its first is
+# ln 2 for every family: a fresh adapter is the reference itself. Taken as PINNED_LOSSES are.
+PINNED_DPO_LOSSES: dict[str, float] = {}
 
 TRAINING = ["data.batch_size=1", "train.seed=7", "train.learning_rate=1e-3"]
 PROMPT = "move the circle to the right and paint it like picture 2"
@@ -168,6 +172,41 @@ def test_two_steps_and_a_resume_of_two_equal_four_straight(battery: Battery, fam
     resumed = prepared.train("resumed", "train.max_steps=4", f"train.resume={checkpoint}")
     assert resumed["losses"] == prepared.cached["losses"][2:]
     assert resumed["param_checksums"] == prepared.cached["param_checksums"]
+
+
+@pytest.mark.parametrize("family", families("dpo"))
+def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery: Battery, family: str) -> None:
+    """`train.objective=dpo` on the battery's samples made pairs (each target preferred to itself painted the
+    next scene's colour); the pairs' other entries are the family's cache, only the rejected latents are new."""
+    from qie.errors import ConfigError
+    from qie.models import model_spec
+    from qie.stages import precompute
+
+    prepared = battery[family]
+    spec = model_spec(small_config("precompute", f"model={family}").model)
+    if spec.family.layered:
+        with pytest.raises(ConfigError, match="train.objective=dpo does not train a layered model") as info:
+            prepared.train("dpo_refused", "train.objective=dpo")
+        assert "\n" not in str(info.value)
+        return
+    data = write_pairs(prepared.root / "pairs_data", spec)
+    base = [f"model={family}", f"data.path={data}", f"cache.dir={prepared.root / 'cache'}"]
+    summary = precompute.run(small_config("precompute", *base), prepared.root / "pairs_precompute")
+    assert {t: s.new for t, s in summary.types.items() if s.new} == {"rejected_latent": 4}  # the rest was there
+    pairs = Prepared(family, spec, prepared.root, base)
+    cached = pairs.train("dpo", "train.objective=dpo", "train.max_steps=4", "train.checkpoint_every=2")
+    live = pairs.train("dpo_live", "train.objective=dpo", "cache.mode=live")
+    checkpoint = cached["dir"] / "checkpoints" / "step-000002"
+    resumed = pairs.train("dpo_resumed", "train.objective=dpo", "train.max_steps=4", f"train.resume={checkpoint}")
+    first, second = cached["losses"][:2]
+    assert first == pytest.approx(math.log(2), abs=1e-7)  # the fresh adapter is its own reference
+    assert family in PINNED_DPO_LOSSES, f"pin {family!r}: {second}"
+    np.testing.assert_allclose(second, PINNED_DPO_LOSSES[family], rtol=1e-6, atol=0)
+    # β (2000) magnifies the float rounding by which live encodings differ from the stored ones
+    np.testing.assert_allclose(live["losses"], cached["losses"][:2], rtol=1e-3, atol=0)
+    assert resumed["losses"] == cached["losses"][2:] and resumed["param_checksums"] == cached["param_checksums"]
+    logged = [json.loads(line) for line in (cached["dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_accuracy"] for r in logged if "loss" in r][0] == 0.5  # a tie at the first step
 
 
 @pytest.mark.parametrize("family", families("memory_levers"))

@@ -92,6 +92,18 @@ class LoraConfig:
 
 
 @dataclass
+class DpoConfig:
+    """`train.objective=dpo`: Diffusion-DPO for flow matching on preference pairs (`qie.training.objectives.dpo`)."""
+
+    # How sharply the reward margin is pushed (the errors are means over latent elements, so it is large).
+    beta: float = 2000.0
+    # Weight of the plain flow-matching loss on the preferred result, added to the DPO loss.
+    sft_weight: float = 0.0
+    # A LoRA file (or folder) as the reference; unset: the base model with the trained adapter turned off.
+    reference_lora: str | None = None
+
+
+@dataclass
 class TrainConfig:
     mode: TrainMode = TrainMode.lora
     # lora, loha or lokr (LyCORIS' LoHa / LoKr through peft), of train.lora's rank, alpha and modules
@@ -134,8 +146,10 @@ class TrainConfig:
     dynamic_shift: bool = False
     loss_weighting: LossWeighting = LossWeighting.none
     # What each step's loss is: a module of `qie.training.objectives` (flow_matching: the family's flow-matching
-    # loss with loss masks and regularisation weights).
+    # loss with loss masks and regularisation weights; dpo: preference pairs, docs/guide.md "Preference training").
+    # An objective's own settings are the node named as it is (train.dpo).
     objective: str = "flow_matching"
+    dpo: DpoConfig = field(default_factory=lambda: DpoConfig())
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Loss masks (docs/guide.md, "Masked and edit-region loss").
     mask: MaskConfig = field(default_factory=MaskConfig)

@@ -1,0 +1,222 @@
+"""Preference training: Diffusion-DPO carried to flow matching, on pairs of a preferred and a rejected result of
+one prompt and control images (`train.objective=dpo`, settings `train.dpo`).
+
+Both results are noised with the same noise at the same noise level. The policy (the base with the trained
+adapter) and a reference (the base with the adapter turned off, or with `train.dpo.reference_lora` instead) each
+predict both velocities; with e the per-sample velocity error (the batch's loss mask applied, so
+`train.mask.source=edit` counts only the edit region of either result),
+
+    z = -β/2 · ((e_policy(preferred) - e_ref(preferred)) - (e_policy(rejected) - e_ref(rejected)))
+    loss = -log σ(z)  (+ sft_weight · e_policy(preferred))
+
+z is the implicit reward margin: its mean and the share of pairs with z > 0 (ties count half) are logged as
+`reward_margin` and `reward_accuracy`. Both passes run in the same step over one batch of both results; the
+reference pass runs without a gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from qie.errors import ConfigError
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse
+from qie.training.objectives.flow_matching import noise_and_sigmas
+from qie.training.timesteps import SigmaSampling
+from qie.types import Batch
+
+REQUIRES = ("rejected",)
+REFERENCE_ADAPTER = "reference"
+
+
+@dataclass(frozen=True)
+class DpoSettings:
+    """`train.dpo`."""
+
+    beta: float = 2000.0  # how sharply the margin is pushed; the errors are means over latent elements
+    sft_weight: float = 0.0  # weight of the plain flow-matching loss on the preferred result
+    reference_lora: str | None = None  # a LoRA file as the reference (else the base with the adapter off)
+
+    @classmethod
+    def of(cls, options: Any) -> DpoSettings:
+        """The settings of a `train.dpo` node (plain values).
+
+        Raises:
+            ConfigError: a beta of 0 or less, a negative sft weight, a reference LoRA that is not a file.
+        """
+        known = {f.name for f in fields(cls)}
+        settings = cls(**{k: v for k, v in dict(options or {}).items() if k in known})
+        if not settings.beta > 0:
+            raise ConfigError(f"train.dpo.beta={settings.beta} is out of range: give a value above 0 (e.g. 2000)")
+        if settings.sft_weight < 0:
+            raise ConfigError(f"train.dpo.sft_weight={settings.sft_weight} is out of range: give 0 or more")
+        if settings.reference_lora and not Path(settings.reference_lora).exists():
+            raise ConfigError(f"train.dpo.reference_lora={settings.reference_lora!r} does not exist: give a LoRA "
+                              "file or folder, or leave it unset to use the base model as the reference")  # fmt: skip
+        return settings
+
+
+def use_problem(use: ObjectiveUse) -> str | None:
+    if not use.lora:
+        return ("train.objective=dpo needs train.mode=lora: its reference is the base model with the adapter turned "
+                "off (or train.dpo.reference_lora), which training the whole transformer does not keep")  # fmt: skip
+    if use.family.layered:
+        return ("train.objective=dpo does not train a layered model: a preference pair of layer stacks is not read; "
+                "use train.objective=flow_matching")  # fmt: skip
+    if use.regularization:
+        return ("train.objective=dpo does not mix in data.regularization (its samples are no preference pairs): "
+                "remove data.regularization.path")  # fmt: skip
+    DpoSettings.of(use.options)
+    return None
+
+
+def paired(batch: Batch) -> Batch:
+    """One batch of the preferred results, then the rejected ones: every other input repeated."""
+    if batch.rejected_latents is None:
+        raise ValueError(f"batch {batch.ids} holds no rejected results: train.objective=dpo trains preference pairs")
+
+    def twice(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t])
+
+    return replace(
+        batch,
+        ids=[*batch.ids, *batch.ids],
+        latents=torch.cat([batch.latents, batch.rejected_latents]),
+        control_latents=[twice(c) for c in batch.control_latents],
+        prompt_embeds=twice(batch.prompt_embeds),
+        prompt_embeds_mask=twice(batch.prompt_embeds_mask),
+        prompt_image_mask=twice(batch.prompt_image_mask),
+        loss_mask=twice(batch.loss_mask),
+        rejected_latents=None,
+    )
+
+
+def margins(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> torch.Tensor:
+    """The implicit reward margin z of each pair from the per-sample errors (preferred half, then rejected)."""
+    won, lost = policy.float().chunk(2)
+    ref_won, ref_lost = reference.float().chunk(2)
+    return -0.5 * beta * ((won - ref_won) - (lost - ref_lost))
+
+
+def accuracy(z: torch.Tensor) -> torch.Tensor:
+    """The share of pairs whose preferred result the policy favours more than the reference does (ties half)."""
+    return (z > 0).float().mean() + 0.5 * (z == 0).float().mean()
+
+
+class Reference:
+    """The reference model inside the trained one: its adapter layers turned off (the base), or switched to the
+    adapter of `lora` loaded beside the trained one (`prepare`)."""
+
+    def __init__(self, lora: str | None = None) -> None:
+        self.lora = lora
+        self.layers: list[Any] = []
+        self.trained: list[str] = []
+        self.flags: list[tuple[torch.nn.Parameter, bool]] = []
+
+    def prepare(self, transformer: torch.nn.Module) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        from qie.training.lora import load_lora
+
+        before = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+        if not before:
+            raise ConfigError("train.objective=dpo needs the trained adapter on the transformer: train.mode=lora")
+        self.trained = list(before[0].active_adapters)
+        flags = {p: p.requires_grad for p in transformer.parameters()}
+        if self.lora:
+            with warnings.catch_warnings():  # peft's note that the model now holds two adapters: it is meant to
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                load_lora(transformer, self.lora, adapter_name=REFERENCE_ADAPTER)
+        self.layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in self.layers:
+            layer.set_adapter(self.trained)
+        for p in transformer.parameters():  # the reference's weights are frozen, the trained ones as they were
+            p.requires_grad_(flags.get(p, False))
+        self.flags = [(p, p.requires_grad) for layer in self.layers for p in layer.parameters()]
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The model computes as the reference inside this block (without a gradient)."""
+        try:
+            for layer in self.layers:
+                if self.lora:
+                    layer.set_adapter(REFERENCE_ADAPTER)
+                else:
+                    layer.enable_adapters(False)
+            yield
+        finally:
+            for layer in self.layers:
+                if self.lora:
+                    layer.set_adapter(self.trained)
+                else:
+                    layer.enable_adapters(True)
+            for p, flag in self.flags:  # peft's switches set requires_grad; the trained set stays as it was
+                p.requires_grad_(flag)
+
+
+class Dpo:
+    """The Flow-DPO objective (see the module's text).
+
+    Args:
+        family_loss: the model family's loss (`ModelFamily.loss`), called with `per_sample=True`.
+        sigmas: how noise levels are drawn.
+        patch_size: latent pixels per side of one transformer token.
+        weighting: the loss weighting over sigmas (`train.loss_weighting`), applied to every error.
+        settings: `train.dpo`.
+    """
+
+    def __init__(self, family_loss: Callable[..., torch.Tensor], sigmas: SigmaSampling, patch_size: int,
+                 weighting: str, settings: DpoSettings) -> None:  # fmt: skip
+        self.family_loss, self.sigmas, self.patch_size = family_loss, sigmas, patch_size
+        self.weighting, self.settings = weighting, settings
+        self.reference = Reference(settings.reference_lora)
+        self._sums: dict[str, float] = {}
+        self._count = 0
+
+    def prepare(self, transformer: torch.nn.Module) -> None:
+        self.reference.prepare(transformer)
+
+    def _terms(self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor,
+               weighting: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(loss, margins z, the policy's per-sample errors) of a batch of pairs at the given noise."""
+        pairs, noise2, sigmas2 = paired(batch), torch.cat([noise, noise]), torch.cat([sigmas, sigmas])
+        with torch.no_grad(), self.reference.active():
+            reference = self.family_loss(model, pairs, noise2, sigmas2, weighting, per_sample=True)
+        policy = self.family_loss(model, pairs, noise2, sigmas2, weighting, per_sample=True)
+        z = margins(policy, reference, self.settings.beta)
+        loss = -F.logsigmoid(z).mean()
+        if self.settings.sft_weight:
+            loss = loss + self.settings.sft_weight * policy.float().chunk(2)[0].mean()
+        return loss, z.detach(), policy.detach()
+
+    def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
+        noise, sigmas = noise_and_sigmas(batch, self.sigmas, generator, self.patch_size)
+        loss, z, _ = self._terms(model, batch, noise, sigmas, self.weighting)
+        for name, value in (("reward_accuracy", accuracy(z)), ("reward_margin", z.mean())):
+            self._sums[name] = self._sums.get(name, 0.0) + float(value)
+        self._count += 1
+        return loss
+
+    def step_metrics(self) -> dict[str, float]:
+        out = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+        self._sums, self._count = {}, 0
+        return out
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+    ) -> dict[str, float]:
+        loss, z, _ = self._terms(model, batch, noise, sigmas, "none")
+        return {"loss": float(loss), "reward_accuracy": float(accuracy(z)), "reward_margin": float(z.mean())}
+
+
+def build(inputs: ObjectiveInputs) -> Dpo:
+    settings = DpoSettings.of(inputs.options)
+    return Dpo(inputs.family.loss, inputs.sigmas, inputs.family.patch_size, inputs.loss_weighting, settings)
