@@ -183,3 +183,24 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
     reasons = [p.reason for p in data.problems]
     assert reasons == [f"manifest row 3: image {str(tmp_path / 'm' / 'gone.png')!r} does not exist",
                        "manifest row 4 'rejected' must be a path, got 3"]  # fmt: skip
+
+
+def test_a_hugging_face_data_set_gives_rejected_results_from_its_column(tmp_path: Path, monkeypatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    from PIL import Image
+
+    from qie.data.formats import Columns, DataSource, read_dataset
+
+    images = {}
+    for name, colour in (("t", (255, 0, 0)), ("c", (0, 255, 0)), ("r", (0, 0, 255))):
+        Image.new("RGB", (32, 32), colour).save(tmp_path / f"{name}.png")
+        images[name] = (tmp_path / f"{name}.png").read_bytes()
+    features = datasets.Features({"target": datasets.Image(), "controls": datasets.List(datasets.Image()),
+                                  "prompt": datasets.Value("string"), "worse": datasets.Image()})  # fmt: skip
+    rows = {"target": [images["t"]] * 2, "controls": [[images["c"]]] * 2, "prompt": ["a", "b"],
+            "worse": [images["r"], None]}  # fmt: skip
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+    source = DataSource(str(tmp_path / "ds"), "hf", columns=Columns(rejected="worse"), images_dir=tmp_path / "img")
+    first, second = read_dataset(source).samples
+    assert first.rejected.read_bytes() == images["r"] and second.rejected is None
