@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -267,6 +268,7 @@ def test_make_loader_prefetches_as_asked_and_only_sources_that_do_not_encode_are
 
     class Source:
         encodes = False
+        cache = None
 
         def get(self, samples):
             raise AssertionError("not read")
@@ -277,9 +279,41 @@ def test_make_loader_prefetches_as_asked_and_only_sources_that_do_not_encode_are
     # The train stage prefetches (and uses loader workers) only for sources that never run encoders.
     assert (CachedSource.encodes, LazySource.encodes, LiveSource.encodes) == (False, True, True)
     data = OmegaConf.create({"num_workers": 3, "prefetch": 5})
-    assert loader_settings(data, Source()) == (3, 5)
+    assert loader_settings(data, Source()) == (3, 5, False)
+    Source.cache = SimpleNamespace(backend=SimpleNamespace(remote_reads=True))  # a bucket: reads in parallel
+    assert loader_settings(data, Source()) == (3, 5, True)
     Source.encodes = True  # encoders stay in the training process and are not run ahead of the step
-    assert loader_settings(data, Source()) == (0, 0)
+    assert loader_settings(data, Source()) == (0, 0, False)
+
+
+def test_ordered_read_ahead_reads_in_parallel_hands_out_in_order_and_raises_in_turn() -> None:
+    from qie.data.prefetch import OrderedReadAhead
+
+    started, release = [], threading.Event()
+
+    def read(item: int) -> int:
+        started.append(item)
+        if item == 0:
+            assert release.wait(5), "the first read was never released"
+        if item == 5:
+            raise ValueError("item 5 is unreadable")
+        return item * 10
+
+    stream = OrderedReadAhead(range(8), read, depth=3)
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(next(stream)))
+    taker.start()
+    deadline = time.monotonic() + 5
+    while len(started) < 3 and time.monotonic() < deadline:  # the next two start while the first one waits
+        time.sleep(0.01)
+    assert sorted(started) == [0, 1, 2]
+    release.set()
+    taker.join(5)
+    assert taken == [0]
+    assert [next(stream) for _ in range(4)] == [10, 20, 30, 40]
+    with pytest.raises(ValueError, match="item 5 is unreadable"):
+        next(stream)
+    stream.close()
 
 
 # --- the scripts that drive the train stage, through its step hook ---------------------------------------

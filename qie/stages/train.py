@@ -142,8 +142,8 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     reg_weight = float(cfg.data.regularization.weight) if reg else 1.0
     dataset = EmbeddingDataset(samples + reg, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed),
                                control_dropout(cfg), len(samples) if reg else None, reg_weight)  # fmt: skip
-    workers, prefetch = loader_settings(cfg.data, source)
-    loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch)
+    workers, prefetch, parallel = loader_settings(cfg.data, source)
+    loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch, parallel)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
                            OmegaConf.to_container(cfg, resolve=True),
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip

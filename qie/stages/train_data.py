@@ -77,11 +77,15 @@ def ready_data(cfg: DictConfig, spec: ModelSpec, source: EmbeddingSource, sample
     return check_masks(source, samples, report), reg  # each loss mask read and checked at start
 
 
-def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int]:
-    """(worker processes, prefetched batches) of the training loader: `data.num_workers` and `data.prefetch`
-    for a source that only reads, none for one that encodes (encoders may sit on a GPU, which forked
-    workers cannot use, and are not run ahead of the step)."""
-    return (0, 0) if source.encodes else (int(data.num_workers), int(data.prefetch))
+def loader_settings(data: DictConfig, source: EmbeddingSource) -> tuple[int, int, bool]:
+    """(worker processes, prefetched batches, whether they are read in parallel) of the training loader:
+    `data.num_workers` and `data.prefetch` for a source that only reads, none for one that encodes (encoders may
+    sit on a GPU, which forked workers cannot use, and are not run ahead of the step); prefetched batches are read
+    in parallel from a cache whose every read is a round trip (`CacheBackend.remote_reads`)."""
+    if source.encodes:
+        return 0, 0, False
+    remote = source.cache is not None and source.cache.backend.remote_reads
+    return int(data.num_workers), int(data.prefetch), remote
 
 
 def make_sampler(

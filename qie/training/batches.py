@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from qie.data.collate import collate
-from qie.data.prefetch import Prefetcher
+from qie.data.prefetch import OrderedReadAhead, Prefetcher
 from qie.data.samples import Sample, without_controls
 from qie.embeddings import EmbeddingSource
 from qie.errors import QieError
@@ -96,6 +96,7 @@ def make_loader(
     num_workers: int,
     seed: int,
     prefetch: int = 0,
+    parallel_reads: bool = False,
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over `sampler`'s (number, indices) items, one Batch each.
 
@@ -103,7 +104,9 @@ def make_loader(
     run restores (LoRA dropout draws from that). With `prefetch` > 0 its iterator runs in a background
     thread, that many batches ahead: taking a batch from a worker (unpickling, receiving its shared-memory
     tensors) or reading it (num_workers=0) then overlaps the training step instead of stalling it. Order
-    and content of the stream are unchanged. (The train stage prefetches for sources that only read.)
+    and content of the stream are unchanged. (The train stage prefetches for sources that only read.) With
+    `parallel_reads` as well (a cache whose reads are round trips to a remote store) and no workers, the next
+    `prefetch` batches are each read on a thread of their own (`OrderedReadAhead`), in the same order.
     """
     loader = (_PrefetchingLoader if prefetch > 0 else torch.utils.data.DataLoader)(
         dataset,
@@ -115,7 +118,7 @@ def make_loader(
         worker_init_fn=_worker_signals if num_workers else None,
         generator=torch.Generator().manual_seed(seed),
     )
-    loader.prefetch_depth = prefetch
+    loader.prefetch_depth, loader.parallel_reads = prefetch, parallel_reads and not num_workers
     return loader
 
 
@@ -123,6 +126,8 @@ class _PrefetchingLoader(torch.utils.data.DataLoader):
     """A DataLoader whose iterator is driven by a background thread (see `Prefetcher`)."""
 
     def __iter__(self) -> Iterator:
+        if self.parallel_reads:  # each item a function of itself alone: read out of turn, handed out in turn
+            return OrderedReadAhead(self.sampler, self.dataset.__getitem__, self.prefetch_depth)
         # The DataLoader iterator is made here, in the caller's thread: it starts the worker processes and
         # sets a SIGCHLD handler, which only the main thread may do.
         return Prefetcher(super().__iter__(), self.prefetch_depth)
