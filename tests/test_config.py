@@ -63,6 +63,7 @@ def test_experiment_presets_compose() -> None:
         ("+model.foo=1", "unknown key model.foo"),
         ("data.caption_dropout_rate=1.5", "data.caption_dropout_rate=1.5 is out of range"),
         ("train.mixed_precision=fp4", "expected one of [auto, no, bf16, fp16]"),
+        ("validation.step_counts=[4,0]", "validation.step_counts[1]=0 is out of range"),
     ],
 )
 def test_bad_config_fails_naming_key_and_choices(override: str, expected: str) -> None:
