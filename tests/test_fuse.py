@@ -128,6 +128,7 @@ def test_bad_fused_loras_fail_in_one_line(tiny_path: Path, loras: dict[str, Path
          f"model.fuse_loras[0]='{tmp_path / 'gone.safetensors'}' does not exist"),
         ([f"model.fuse_loras=[{first}]", "model.quantize=nf4"], ConfigError,
          "model.fuse_loras fuses into plain weights, but model.quantize=nf4 quantizes the transformer while it loads"),
+        (["experiment=lightning"], ConfigError, "set model.fuse_loras=[FILE]>' does not exist"),
     ]  # fmt: skip
     for overrides, error, expected in cases:
         with pytest.raises(error) as info:
