@@ -124,7 +124,7 @@ class Trainer:
         if result.get("lora"):
             self.lora_path = Path(result["lora"])
             if self._predictor is not None:
-                self._predictor.load_lora(self.lora_path, float(self.cfg.predict.lora_scale))
+                self._predictor.load_lora(self.lora_path, float(self.cfg.predict.lora_scale), self._allow_other_base)
         return result
 
     def save_lora(self, path: str | Path) -> Path:
@@ -144,9 +144,13 @@ class Trainer:
 
         self.lora_path = lora_file(path)
         if self._predictor is not None:
-            self._predictor.load_lora(
-                self.lora_path, scale if scale is not None else float(self.cfg.predict.lora_scale)
-            )
+            scale = scale if scale is not None else float(self.cfg.predict.lora_scale)
+            self._predictor.load_lora(self.lora_path, scale, self._allow_other_base)
+
+    @property
+    def _allow_other_base(self) -> bool:
+        """`predict.allow_other_base`: use a LoRA trained on another fused base than `model.fuse_loras`."""
+        return bool(self.cfg.predict.get("allow_other_base", False))
 
     def merge_lora(self) -> None:
         """Fuse the loaded LoRA into the transformer's weights (faster prediction, no unloading)."""

@@ -48,7 +48,7 @@ def test_every_root_composes_with_every_option(stage: str, group: str, option: s
 
 def test_experiment_presets_compose() -> None:
     for option in options("experiment"):
-        cfg = compose("train", [f"experiment={option}"])
+        cfg = compose("train", [f"experiment={option}", *NEEDS.get(("experiment", option), [])])
         assert cfg.train.max_steps > 0
 
 
@@ -63,6 +63,7 @@ def test_experiment_presets_compose() -> None:
         ("+model.foo=1", "unknown key model.foo"),
         ("data.caption_dropout_rate=1.5", "data.caption_dropout_rate=1.5 is out of range"),
         ("train.mixed_precision=fp4", "expected one of [auto, no, bf16, fp16]"),
+        ("validation.step_counts=[4,0]", "validation.step_counts[1]=0 is out of range"),
     ],
 )
 def test_bad_config_fails_naming_key_and_choices(override: str, expected: str) -> None:
@@ -125,8 +126,12 @@ GROUPS = sorted(
 BUILT = {"cache", "train.optimizer", "train.lr_scheduler"}
 # Options whose class lives in an optional extra (test_memory checks the error when it is missing).
 EXTRA = {("train/optimizer", "adamw8bit"): "bitsandbytes"}
-# Settings an option needs to build (the remote cache needs a store: fsspec's in-process one will do).
-NEEDS = {("cache", "remote"): ["cache.url=memory://config-test/cache"]}
+# Settings an option needs to build (the remote cache needs a store: fsspec's in-process one will do; the Lightning
+# preset a LoRA file to fuse, of which composing checks only that it is there).
+NEEDS = {
+    ("cache", "remote"): ["cache.url=memory://config-test/cache"],
+    ("experiment", "lightning"): [f"model.fuse_loras=[{__file__}]"],
+}
 
 
 def _targets(node: object, path: str = "") -> list[str]:

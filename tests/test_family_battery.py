@@ -346,6 +346,30 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
     assert np.abs(mine(f"predict.lora={lora}") - with_lora).max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", families("fuse"))
+def test_fused_base_equals_the_pipelines_fuse_lora(battery: Battery, family: str) -> None:
+    """`model.fuse_loras` fuses the family's trained LoRA into the transformer as the family's diffusers pipeline
+    does with `load_lora_weights` and `fuse_lora` at the same scale (the transformer every stage then builds)."""
+    from qie.components import load_parts
+    from qie.config import compose
+    from qie.stages.common import fused_base
+
+    prepared = battery[family]
+    lora = Path(prepared.cached["lora"])
+    cfg = compose("infer", [f"model={family}", f"model.fuse_loras=[{lora}]", "model.fuse_lora_scales=[0.5]"])
+    fused = fused_base(cfg.model, prepared.spec)
+    mine = load_parts(cfg.model, ["transformer"], spec=prepared.spec, fuse=fused.fuse_into).transformer.state_dict()
+    pipe = pipeline_of(Path(cfg.model.pretrained_model_name_or_path))
+    plain = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    pipe.fuse_lora(lora_scale=0.5)
+    pipe.unload_lora_weights()
+    theirs = pipe.transformer.state_dict()
+    assert sorted(mine) == sorted(theirs) == sorted(plain)
+    assert [k for k in theirs if not torch.equal(mine[k], theirs[k])] == []
+    assert any(not torch.equal(mine[k], plain[k]) for k in plain)  # the LoRA moved the weights
+
+
 # ---------------------------------------------------------------- planning and parallelism
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from qie.components.check import check_checkpoint, pipeline_config
@@ -59,6 +59,7 @@ def load_parts(
     devices: Mapping[str, str] | None = None,
     spec: ModelSpec | None = None,
     compiled: bool = False,
+    fuse: Callable[[Any], None] | None = None,
 ) -> Parts:
     """Build the named parts from a `model` config, each weight-holding part on `devices[name]`.
 
@@ -69,10 +70,17 @@ def load_parts(
         spec: the model's description (`prepare_model`); made from `model_cfg` when not given.
         compiled: whether the transformer's blocks will be compiled (`model.fp8_compute=auto` computes fp8
             weights in fp8 only then).
+        fuse: applied to the transformer once loaded, before it is quantized and placed: the stage's
+            `FusedBase.fuse_into` (`model.fuse_loras`), which every stage that builds a transformer passes.
     """
     spec = spec or model_spec(model_cfg)
     devices = devices or {}
     names = list(names)
+    if "transformer" in names and model_cfg.get("fuse_loras") and fuse is None:
+        from qie.errors import ConfigError
+
+        raise ConfigError("model.fuse_loras is set, but the transformer is being built without fusing them: pass "
+                          "fuse=FusedBase.of(...).fuse_into (qie.training.fused_base) to load_parts")  # fmt: skip
     dtype = resolve_dtype(str(value(model_cfg.dtype)))
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
     own = model_cfg.get("transformer_path")
@@ -91,6 +99,7 @@ def load_parts(
         single_file_fp8=str(value(model_cfg.get("single_file_fp8", "upcast"))),
         fp8_compute=str(value(model_cfg.get("fp8_compute", "auto"))),
         compiled=compiled,
+        fuse=fuse,
     )
     parts.pipeline_config = pipeline_config(source, model_cfg.revision)
     return parts
@@ -126,8 +135,6 @@ def transformer_folder(path: str) -> str:
         f"model.transformer_path={path!r} holds no diffusers transformer (no config.json in it or in its "
         "transformer/): give the folder that predict.merge_to or train.mode=full wrote, or a .safetensors file"
     )
-
-
 
 
 __all__ = [

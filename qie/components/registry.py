@@ -141,6 +141,7 @@ def build_parts(
     single_file_fp8: str = "upcast",
     fp8_compute: str = "never",
     compiled: bool = False,
+    fuse: Callable[[Any], None] | None = None,
 ) -> Parts:
     """Build the named parts of the model at `source` (hub id or diffusers-format folder).
 
@@ -159,6 +160,8 @@ def build_parts(
         single_file_fp8: "upcast" or "keep": the fp8 weights of a transformer file (`load_transformer_file`).
         fp8_compute: "auto", "always" or "never": whether `quantize="fp8"` also computes in fp8 (torchao), decided
             for the transformer's device and whether its blocks will be `compiled` (`qie.components.fp8_compute`).
+        fuse: changes the transformer's weights once it is loaded, before it is quantized and placed (the stages
+            pass `FusedBase.fuse_into`, which fuses `model.fuse_loras` into it).
 
     Returns:
         Parts with exactly the requested parts set; weight-holding parts are frozen and in eval mode.
@@ -196,6 +199,8 @@ def build_parts(
         if name in MODULE_PARTS:
             part.requires_grad_(False)
             part.eval()
+            if name == "transformer" and fuse is not None:
+                fuse(part)
             quantized = "none" if nf4 else quantize
             fp8 = (fp8_compute, place.device, compiled)
             _quantize(name, part, quantized, text_encoder_quantize, keep_full_precision, fp8)

@@ -212,11 +212,23 @@ def validate(cfg: DictConfig) -> None:
             "model.fp8_compute=auto (optimum-quanto's fp8 weights then) or train.blocks_to_swap=0 and train.fsdp=false"
         )
     _check_range(cfg, "validation.heldout_samples", 0, None)
+    _check_step_counts(cfg)
     for key in ("validation.every", "validation.heldout_samples"):
         if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, key, default=0):
             raise ConfigError(
                 f"{key} needs an unsharded model (the main process measures alone): set {key}=0 with train.fsdp=true"
             )
+
+
+def _check_step_counts(cfg: DictConfig) -> None:
+    """`validation.step_counts`: whole numbers from 1, instead of `validation.num_inference_steps` (not beside it)."""
+    counts = list(OmegaConf.select(cfg, "validation.step_counts", default=None) or [])
+    if counts and OmegaConf.select(cfg, "validation.num_inference_steps", default=None) is not None:
+        raise ConfigError("validation.step_counts and validation.num_inference_steps are both set: keep one "
+                          "(step_counts samples at each of its counts)")  # fmt: skip
+    for i, count in enumerate(counts):
+        if count < 1:
+            raise ConfigError(f"validation.step_counts[{i}]={count} is out of range: each count must be 1 or more")
 
 
 def _backend_keys(cache: DictConfig) -> list[str]:

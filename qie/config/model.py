@@ -72,6 +72,12 @@ class ModelConfig:
     # (the file's fp8 bytes and per-tensor scales held by optimum-quanto; not with model.quantize).
     single_file_fp8: SingleFileFp8 = SingleFileFp8.upcast
     revision: str | None = None
+    # LoRA files fused into the transformer's weights before training, validation and inference (a Lightning
+    # few-step LoRA, say: a LoRA trained on that base keeps its effect at 4 or 8 steps), any format qie reads, each
+    # at its `fuse_lora_scales` entry (none given: 1.0 each). A LoRA trained on a fused base records the files'
+    # fingerprints and scales; inference refuses it on another base unless `predict.allow_other_base=true`.
+    fuse_loras: list[str] = field(default_factory=list)
+    fuse_lora_scales: list[float] = field(default_factory=list)
     # A tiny preset (edit, edit_plus, edit_2511, t2i, demo, qwen_image_21: each family names its own): qie builds
     # that tiny random model at
     # `pretrained_model_name_or_path` when it is not there yet. null for real checkpoints.

@@ -36,6 +36,8 @@ class PredictConfig:
     layers: int | None = None
     lora: str | None = None
     lora_scale: float = 1.0
+    # Use `lora` although its run fused other LoRAs into the base than `model.fuse_loras` does (by default refused).
+    allow_other_base: bool = False
     merge_to: str | None = None
     devices: PredictDevices = field(default_factory=PredictDevices)
     # Keep N transformer blocks in pinned CPU memory, copied to the GPU just before they run.

@@ -193,6 +193,9 @@ class ValidationConfig:
     images: list[str] = field(default_factory=list)
     # Sampling options; null takes the `predict` group's value (one set of defaults everywhere).
     num_inference_steps: int | None = None
+    # Sample at each of these step counts instead (e.g. [4, 8] on a few-step base, `model.fuse_loras`), each into
+    # its own `validation/steps-N/`; empty: one count, `num_inference_steps`.
+    step_counts: list[int] = field(default_factory=list)
     true_cfg_scale: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None

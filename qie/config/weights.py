@@ -26,7 +26,7 @@ def weight_problem(cfg: DictConfig) -> str | None:
     """The first reason the composed `cfg`'s weights cannot be had as asked, as one line; None when they can."""
     if not isinstance(cfg.get("model"), DictConfig):
         return None
-    checks = (_source_file, _part_files, _kept_fp8, _nf4, _four_bit_swap)
+    checks = (_source_file, _part_files, _kept_fp8, _fused, _nf4, _four_bit_swap)
     return next((problem for check in checks if (problem := check(cfg))), None)
 
 
@@ -103,6 +103,29 @@ def _kept_fp8(cfg: DictConfig) -> str | None:
                 f"{key} needs plain transformer weights; model.single_file_fp8=keep holds the file's fp8 weights "
                 "as they are: set model.single_file_fp8=upcast"
             )
+    return None
+
+
+def _fused(cfg: DictConfig) -> str | None:
+    """`model.fuse_loras`: set, one scale per file (or none), each file there, and weights it can fuse into."""
+    files, scales = list(cfg.model.get("fuse_loras") or []), list(cfg.model.get("fuse_lora_scales") or [])
+    if scales and len(scales) != len(files):
+        return (f"model.fuse_lora_scales has {len(scales)} entries and model.fuse_loras {len(files)}: give one scale "
+                "per file, or none (each file fused at 1.0)")  # fmt: skip
+    for i, file in enumerate(files):
+        if not Path(str(file)).expanduser().exists():
+            return f"model.fuse_loras[{i}]={str(file)!r} does not exist: give a LoRA file (any format qie reads)"
+    if not files:
+        return None
+    if str(_get(cfg, "model.quantize", "none")) == "nf4":
+        return (
+            "model.fuse_loras fuses into plain weights, but model.quantize=nf4 quantizes the transformer while it "
+            "loads: use model.quantize=int4 (fused, then quantized), or save a fused transformer once (python -m "
+            "qie.infer predict.lora=FILE predict.merge_to=DIR) and give it as model.transformer_path=DIR"
+        )
+    if str(_get(cfg, "model.single_file_fp8", "upcast")) == "keep" and _get(cfg, "model.transformer_path"):
+        return ("model.fuse_loras fuses into plain weights; model.single_file_fp8=keep holds the file's fp8 weights "
+                "as they are: set model.single_file_fp8=upcast")  # fmt: skip
     return None
 
 

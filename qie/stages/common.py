@@ -28,6 +28,7 @@ from qie.errors import ConfigError, DataError
 from qie.masked_source import MaskedSource
 from qie.models import ModelSpec, model_spec
 from qie.sampling import SamplingOptions
+from qie.training.fused_base import FusedBase
 from qie.types import value
 
 
@@ -168,6 +169,12 @@ def _unmasked_source(cfg, spec, mode, sizes, encoder, precompute_command, backen
         str(Path(cfg.cache.dir) / "sample_keys") if cfg.cache.get("dir") else None,
     )
     return (cached if mode == "cached" else cached.with_encoding()), backend
+
+
+def fused_base(model: DictConfig, spec: ModelSpec) -> FusedBase:
+    """The LoRAs `model.fuse_loras` fuses into the transformer, read and fingerprinted (before anything is built)."""
+    files = [str(f) for f in model.get("fuse_loras") or []]
+    return FusedBase.of(files, [float(s) for s in model.get("fuse_lora_scales") or []], spec.family.lora_loader_class())
 
 
 def sampling_options(predict: DictConfig, **overrides: Any) -> SamplingOptions:

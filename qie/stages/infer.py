@@ -3,7 +3,8 @@ image), or do so for each row of a data set, with the base model and optionally 
 
 `Predictor` holds the built parts and is what a notebook keeps: build once, call `predict` many times.
 `run(cfg, run_dir)` is what `python -m qie.infer` calls; `predict.merge_to` instead fuses the LoRA into
-the transformer and saves it.
+the transformer and saves it. The transformer is built with `model.fuse_loras` fused into it, and a LoRA trained on
+another fused base is refused (`qie.training.fused_base.check_lora_base`) unless `predict.allow_other_base=true`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from qie.encode import Encoder, text_tokens
 from qie.errors import ConfigError, ModelLoadError, QieError
 from qie.models import ModelSpec, text_positions
 from qie.sampling import SamplingOptions, latent_sizes
-from qie.stages.common import read_data, sampling_options, value
+from qie.stages.common import fused_base, read_data, sampling_options, value
+from qie.training.fused_base import FusedBase, check_lora_base
 from qie.training.guards import damaged_weights, nonfinite_weights
 from qie.training.lora import load_lora, merge_lora, save_transformer
 
@@ -36,18 +38,27 @@ class Predictor:
     Args:
         parts: the parts of the spec's pipeline (`spec.part_names`), each already on its device.
         spec: the model description (pipeline, condition sizes, control counts, output size rule).
+        base: the LoRAs fused into `parts.transformer` (`model.fuse_loras`), which a LoRA's record must name.
     """
 
-    def __init__(self, parts: Parts, spec: ModelSpec) -> None:
+    def __init__(self, parts: Parts, spec: ModelSpec, base: FusedBase | None = None) -> None:
         self.parts = parts
         self.spec = spec
+        self.base = base or FusedBase()
         self.encoder = Encoder(parts, spec)
         self.vae_scale_factor = spec.family.vae_scale(parts.vae)
         self.swap: tuple[int, torch.device] | None = None
         self._swapper = None
 
-    def load_lora(self, path: str | Path, scale: float = 1.0) -> Path:
-        """Load (or replace) the LoRA on the transformer. Raises ModelLoadError when it does not fit."""
+    def load_lora(self, path: str | Path, scale: float = 1.0, allow_other_base: bool = False) -> Path:
+        """Load (or replace) the LoRA on the transformer.
+
+        Raises:
+            ModelLoadError: it does not fit.
+            ConfigError: it was trained on another fused base than this transformer's (unless `allow_other_base`).
+        """
+        if warning := check_lora_base(path, self.base, allow_other_base):
+            print(f"infer: warning: {warning}")
         swap = self.swap
         if swap is not None:  # the LoRA of the swapped blocks is swapped with them
             self.swap_blocks(0, swap[1])
@@ -169,13 +180,17 @@ def build_predictor(cfg: DictConfig, spec: ModelSpec | None = None) -> Predictor
         ModelLoadError: a part or LoRA that cannot be loaded.
     """
     spec = spec or prepare_model(cfg.model)
+    base, allow_other = fused_base(cfg.model, spec), bool(cfg.predict.get("allow_other_base", False))
+    if cfg.predict.lora:  # before anything is built
+        check_lora_base(cfg.predict.lora, base, allow_other)
     devices, swap = dict(cfg.predict.devices), int(cfg.predict.blocks_to_swap)
     device = resolve_device(devices["transformer"])
     if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
         devices["transformer"] = "cpu"
-    predictor = Predictor(load_parts(cfg.model, spec.part_names, devices, spec, bool(cfg.predict.compile)), spec)
+    parts = load_parts(cfg.model, spec.part_names, devices, spec, bool(cfg.predict.compile), base.fuse_into)
+    predictor = Predictor(parts, spec, base)
     if cfg.predict.lora:
-        predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale))
+        predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale), allow_other)
     if swap:
         predictor.swap_blocks(swap, device)
     if cfg.predict.get("compile", False):  # after the LoRA: the compiled block runs its layers
@@ -294,13 +309,17 @@ def _safe_relative(sample_id: str) -> Path:
 
 
 def merge(cfg: DictConfig, run_dir: Path, spec: ModelSpec) -> Path:
-    """Fuse `predict.lora` into the transformer and save it to `<merge_to>/transformer`."""
+    """Fuse `predict.lora` into the transformer (the LoRAs of `model.fuse_loras` fused first) and save it to
+    `<merge_to>/transformer`."""
     p = cfg.predict
     if not p.lora:
         raise ConfigError("predict.merge_to needs predict.lora: the LoRA to merge")
     if str(value(cfg.model.quantize)) != "none":
         raise ConfigError("predict.merge_to needs the full-precision transformer: set model.quantize=none")
-    parts = load_parts(cfg.model, ["transformer"], {"transformer": p.devices.transformer}, spec)
+    base = fused_base(cfg.model, spec)
+    if warning := check_lora_base(p.lora, base, bool(p.get("allow_other_base", False))):
+        print(f"infer: warning: {warning}")
+    parts = load_parts(cfg.model, ["transformer"], {"transformer": p.devices.transformer}, spec, False, base.fuse_into)
     load_lora(parts.transformer, p.lora, float(p.lora_scale))
     out = save_transformer(merge_lora(parts.transformer), resolve_output(p.merge_to, run_dir))
     print(f"infer: merged {p.lora} (scale {p.lora_scale}) into the transformer, saved to {out}")

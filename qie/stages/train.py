@@ -31,6 +31,7 @@ from qie.stages.auto_caption import auto_captions, caption_settings
 from qie.stages.common import (
     build_source,
     control_dropout,
+    fused_base,
     in_background,
     precompute_command,
     value,
@@ -45,6 +46,7 @@ from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
+from qie.training.fused_base import FusedBase
 from qie.training.logging import MetricsLogger
 from qie.training.lookups import remember_package_lookups
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
@@ -75,7 +77,9 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
     spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
-    mode = train_mode(cfg.train, spec)  # checks train.lora.init and reads train.init_lora before anything is built
+    fused = fused_base(cfg.model, spec)  # model.fuse_loras read and fingerprinted before anything is built
+    # checks train.lora.init and reads train.init_lora before anything is built
+    mode = train_mode(cfg.train, spec, fused)
     check_recipes(cfg, mode.lora)  # train.mask, ema, data.control_dropout_rate, regularization: before reading
     use = ObjectiveUse(spec.family, mode.lora, bool(cfg.data.regularization.path), objective_options(cfg.train))
     check_use(str(cfg.train.objective), use)  # e.g. preference pairs on a layered model: before anything loads
@@ -87,13 +91,13 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
-        return _train(cfg, run_dir, accelerator, spec, mode, on_step_end)
+        return _train(cfg, run_dir, accelerator, spec, mode, fused, on_step_end)
     finally:
         if writer:
             run_lock.release(run_dir)
 
 
-def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mode: TrainMode,
+def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mode: TrainMode, fused: FusedBase,
            on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
     resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
@@ -106,14 +110,14 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
     # is ready, not beside it (loading builds modules on the meta device through a process-wide switch, which a
     # model built meanwhile would catch).
     writes_captions = bool(cfg.data.get("auto_caption", False)) and source.encodes
-    loading = None if writes_captions else in_background(load_model, cfg.model, cfg.train, accelerator, spec)
+    loading = None if writes_captions else in_background(load_model, cfg.model, cfg.train, accelerator, spec, fused)
     try:
         # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
         # process first, the others then read them).
         captions = auto_captions(cfg, spec, source.encodes, backend)
         with accelerator.main_process_first():
             samples = load_samples(cfg, spec, accelerator.is_main_process, captions)
-        records = run_records(cfg, spec, samples)
+        records = run_records(cfg, spec, samples, fused)
         if resume_from is not None:
             warning = check_resume(resumed, resume_from, *records, bool(cfg.train.resume_inexact))
             if warning:
@@ -121,7 +125,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
         samples, reg = ready_data(cfg, spec, source, samples, run_dir, accelerator.is_main_process, captions)
         samples, heldout = split_heldout(samples, int(cfg.validation.heldout_samples))
         if loading is None:  # the captions are written (for the regularisation data too)
-            loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec)
+            loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec, fused)
     except BaseException:
         if loading is not None:
             loading.wait()  # a thread still inside torch when the interpreter exits aborts it
@@ -197,8 +201,9 @@ def mixed_precision(setting: str, model_dtype: str) -> str:
     return setting
 
 
-def train_mode(train: DictConfig, spec: ModelSpec) -> TrainMode:
-    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA (or `train.init_lora`'s file).
+def train_mode(train: DictConfig, spec: ModelSpec, fused: FusedBase | None = None) -> TrainMode:
+    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA (or `train.init_lora`'s file); a
+    LoRA's files name the base `fused` (the plain base when None).
 
     Raises:
         ConfigError, ModelLoadError: a `train.lora.init` peft does not know; an unreadable `train.init_lora`.
@@ -214,7 +219,8 @@ def train_mode(train: DictConfig, spec: ModelSpec) -> TrainMode:
     if init_lora:
         check_lora_file(init_lora, spec.family.lora_loader_class())  # before any model is built
     return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init),
-                    str(init_lora) if init_lora else None, adapter, use_dora)  # fmt: skip
+                    str(init_lora) if init_lora else None, adapter, use_dora,
+                    tuple((fused or FusedBase()).record()))  # fmt: skip
 
 
 def objective_options(train: DictConfig) -> dict:
@@ -250,11 +256,14 @@ def loop_settings(train: DictConfig, logging: DictConfig, objective: Objective) 
     )
 
 
-def load_model(model: DictConfig, train: DictConfig, accelerator: Any, spec: ModelSpec) -> Any:
-    """The transformer and the noise scheduler, built where `train`'s memory settings build them."""
+def load_model(model: DictConfig, train: DictConfig, accelerator: Any, spec: ModelSpec,
+               fused: FusedBase | None = None) -> Any:  # fmt: skip
+    """The transformer, with the LoRAs `fused` (`model.fuse_loras`' when None) fused into it, and the noise
+    scheduler, built where `train`'s memory settings build them."""
     device = MemorySettings.of(train, spec.family).build_device(accelerator.device)
     compiled = bool(train.get("compile", False))
-    return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec, compiled)
+    fused = fused if fused is not None else fused_base(model, spec)
+    return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec, compiled, fused.fuse_into)
 
 
 def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any, spec: ModelSpec,
@@ -284,7 +293,7 @@ def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, acc
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
-def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample]) -> tuple[dict, dict]:
+def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample], fused: FusedBase) -> tuple[dict, dict]:
     """The model and data records checkpoints keep, and resume compares (see `qie.training.run_record`)."""
     m, train = cfg.model, cfg.train
     fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.get("transformer_path"), m.revision)
@@ -292,7 +301,8 @@ def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample]) -> tupl
     if str(value(train.mode)) != "full":
         keys = ("rank", "alpha", "target_modules", "dropout", "init")
         lora = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v := train.lora[k]) else value(v) for k in keys}
-    return model_record(spec, fingerprint, str(value(train.mode)), lora), data_record([s.id for s in samples])
+    record = model_record(spec, fingerprint, str(value(train.mode)), lora, fused.record())
+    return record, data_record([s.id for s in samples])
 
 
 def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: DictConfig, records: tuple[dict, dict],
@@ -300,7 +310,7 @@ def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: D
     info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes,
             "model": records[0], "data": records[1]}  # fmt: skip
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
-    extra = (lambda folder: write_ema(ema, folder, model, exports)) if ema is not None else None
+    extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
     return ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
 
 
@@ -321,7 +331,8 @@ def finish(
     if accelerator.is_main_process:
         result[key] = str(path)
         if ema is not None:  # beside the raw LoRA: lora/ema/
-            result["ema_lora"] = str(export_ema(ema, path.parent, accelerator.unwrap_model(state.model), exports))
+            model = accelerator.unwrap_model(state.model)
+            result["ema_lora"] = str(export_ema(ema, path.parent, model, exports, mode.base))
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,8 @@ def step_hooks(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any,
 
 def _validation_hook(cfg: DictConfig, spec: ModelSpec, state: TrainState, source: Any, samples: list,
                      scheduler: Any, logger, run_dir: Path, ema: Ema | None = None):  # fmt: skip
-    """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`),
-    measure and log them.
+    """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`;
+    with `validation.step_counts`, `run_dir/validation/steps-N` per count), measure and log them.
 
     Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
     """
@@ -51,13 +52,21 @@ def _validation_hook(cfg: DictConfig, spec: ModelSpec, state: TrainState, source
     vae_parts = load_parts(cfg.model, ["vae"], {"vae": str(accelerator.device)}, spec)
     chosen = validation_samples(v, samples, int(cfg.logging.log_images_count), spec)
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
-    validator = Validator(inputs, negatives, scheduler, vae_parts.vae, logger, options, spec, run_dir / "validation",
-                          validation_references(chosen, spec), vae_parts.pipeline_config)  # fmt: skip
+    references, out = validation_references(chosen, spec), run_dir / "validation"
+
+    def validator(options: Any, name: str) -> Validator:
+        return Validator(inputs, negatives, scheduler, vae_parts.vae, logger, options, spec, out / name, references,
+                         vae_parts.pipeline_config, f"validation/{name}" if name else "validation")  # fmt: skip
+
+    counts = [int(n) for n in v.get("step_counts") or []]
+    validators = [validator(replace(options, num_inference_steps=n), f"steps-{n}") for n in counts]
+    validators = validators or [validator(options, "")]
     every = int(v.every)
 
     def hook(info: StepInfo) -> None:
         if info.step % every == 0:
             with ema.applied() if ema is not None else contextlib.nullcontext():  # sample with the average
-                validator(info.step, accelerator.unwrap_model(state.model))
+                for validator in validators:
+                    validator(info.step, accelerator.unwrap_model(state.model))
 
     return hook

@@ -83,22 +83,25 @@ def check_ema(decay: float, every: int, lora: bool, fsdp: bool, use_in_validatio
         raise ConfigError("validation.use_ema=true needs an EMA: set train.ema.decay (e.g. 0.999)")
 
 
-def export_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str]) -> Path:
-    """Write the average as LoRA files in `folder/ema/` (main process); returns the diffusers file."""
+def export_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str],
+               base: Sequence[dict] | None = None) -> Path:  # fmt: skip
+    """Write the average as LoRA files in `folder/ema/` (main process), naming the fused `base` it was trained on
+    (`save_lora`); returns the diffusers file."""
     from qie.training.lora import save_lora
 
     with ema.applied():
-        return save_lora(transformer, folder / "ema", exports)
+        return save_lora(transformer, folder / "ema", exports, base=base)
 
 
-def write_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str]) -> Path:
+def write_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str],
+              base: Sequence[dict] | None = None) -> Path:  # fmt: skip
     """Write the average into a checkpoint folder: `state/ema.safetensors` (to resume) and its LoRA files in
     `ema/` (main process). Returns the EMA LoRA file."""
     from safetensors.torch import save_file
 
     (folder / "state").mkdir(parents=True, exist_ok=True)
     save_file(ema.state(), str(folder / "state" / EMA_FILE))
-    return export_ema(ema, folder, transformer, exports)
+    return export_ema(ema, folder, transformer, exports, base)
 
 
 def resume_ema(ema: Ema, checkpoint: Path, inexact: bool) -> None:

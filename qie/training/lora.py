@@ -26,7 +26,7 @@ from qie.training.adapters import (
     refuse_exported_kinds,
     split_key,
 )
-from qie.training.lora_files import dora_scales, fold_scales, folded_metadata, lora_scales, write_exports
+from qie.training.lora_files import dora_scales, fold_scales, folded_metadata, lora_scales, stamp_base, write_exports
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 PREFIX = "transformer."
@@ -162,6 +162,7 @@ def save_lora(
     exports: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     state: dict[str, torch.Tensor] | None = None,
+    base: Sequence[dict] | None = None,
 ) -> Path:
     """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`), and the files
     `exports` names ("comfyui", "kohya"; `qie.training.lora_files`), all with alpha / rank folded into the
@@ -169,6 +170,8 @@ def save_lora(
 
     Args:
         state: the adapter's weights when already gathered (`lora_state_dict`), else read from `transformer`.
+        base: the LoRAs fused into the base it was trained on (`FusedBase.record()`, `[]` for the plain base),
+            named in every file's header; None names nothing.
     """
     state = lora_state_dict(transformer) if state is None else state
     if dtype is not None:
@@ -182,7 +185,8 @@ def save_lora(
         safe_serialization=True,
         transformer_lora_adapter_metadata=folded_metadata(adapter_metadata(transformer)),
     )
-    write_exports(folder, folded, exports, dora)
+    stamp_base(folder / LORA_FILE, base)
+    write_exports(folder, folded, exports, dora, base)
     return folder / LORA_FILE
 
 

@@ -14,21 +14,58 @@ Files (beside `pytorch_lora_weights.safetensors`, the diffusers one):
   kohya sd-scripts style loaders).
 LoHa and LoKr keep their LyCORIS names (`.hada_w1_a`, `.lokr_w1`, ...) under the same prefixes; DoRA adds
 `.dora_scale` (ComfyUI's name for the magnitude, converted to ComfyUI's formula).
+
+Each file qie trains also names, in its safetensors header (`qie.fused_base`, JSON), the LoRAs fused into the base
+it was trained on (`model.fuse_loras`: file name, content fingerprint, scale; `[]` for the plain base), so that
+the file itself says which base it belongs to wherever it is copied. Other tools ignore the key.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from qie.training.adapters import folded_lycoris_metadata, split_key
 
 COMFYUI_FILE = "comfyui_lora.safetensors"
 KOHYA_FILE = "kohya_lora.safetensors"
 EXPORT_FILES = {"comfyui": COMFYUI_FILE, "kohya": KOHYA_FILE}
+BASE_KEY = "qie.fused_base"
+
+
+def base_header(record: Sequence[dict] | None) -> dict[str, str] | None:
+    """The safetensors header entry naming the fused base `record` (None: none written)."""
+    return None if record is None else {BASE_KEY: json.dumps(list(record), sort_keys=True)}
+
+
+def stamp_base(file: Path, record: Sequence[dict] | None) -> None:
+    """Add the fused base `record` to the header of the safetensors `file` (kept as it is when None)."""
+    from safetensors import safe_open
+
+    if record is None:
+        return
+    with safe_open(str(file), "pt") as f:
+        metadata = f.metadata() or {}
+    save_file(load_file(str(file)), str(file), metadata={**metadata, **base_header(record)})
+
+
+def recorded_base(file: Path) -> list[dict] | None:
+    """The fused base a LoRA `file` names in its header (`[]`: the plain base), or None when it names none (a file
+    from another tool, or from before qie kept the record)."""
+    from safetensors import safe_open
+
+    if file.suffix != ".safetensors":
+        return None
+    try:
+        with safe_open(str(file), "pt") as f:
+            text = (f.metadata() or {}).get(BASE_KEY)
+        return None if text is None else list(json.loads(text))
+    except Exception:  # an unreadable header: the LoRA reader proper says why, where it reads the file
+        return None
 
 
 def lora_scales(transformer: torch.nn.Module, adapter: str = "default") -> dict[str, float]:
@@ -139,13 +176,18 @@ def kohya_state(folded: dict[str, torch.Tensor], dora: dict | None = None) -> di
 
 
 def write_exports(
-    folder: Path, folded: dict[str, torch.Tensor], exports: Sequence[str], dora: dict | None = None
+    folder: Path,
+    folded: dict[str, torch.Tensor],
+    exports: Sequence[str],
+    dora: dict | None = None,
+    base: Sequence[dict] | None = None,
 ) -> list[Path]:
-    """Write the files `exports` names ("comfyui", "kohya") of a folded state into `folder`."""
+    """Write the files `exports` names ("comfyui", "kohya") of a folded state into `folder`, naming the fused
+    `base` (`stamp_base`) in their headers."""
     builders = {"comfyui": comfyui_state, "kohya": kohya_state}
     written = []
     for name in exports:
         path = folder / EXPORT_FILES[name]
-        save_file(builders[name](folded, dora), str(path))
+        save_file(builders[name](folded, dora), str(path), metadata=base_header(base))
         written.append(path)
     return written

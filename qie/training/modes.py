@@ -30,6 +30,9 @@ class LoraMode:
     init_lora: str | None = None
     adapter: str = "lora"  # "lora", "loha" or "lokr"
     use_dora: bool = False
+    # The LoRAs fused into the base it trains on (`FusedBase.record()`; empty: the plain base), named in the header
+    # of every LoRA file written (`qie.training.lora_files.recorded_base`).
+    base: tuple[dict, ...] = ()
     lora = True
     # A checkpoint keeps the trained weights only: the frozen base is loaded again on resume.
     saves_whole_model = False
@@ -48,7 +51,8 @@ class LoraMode:
         `exports` names; returns (result key, path)."""
         state = lora_state_dict(transformer)  # gathers sharded weights: a collective under FSDP
         folder = run_dir / "lora"
-        return "lora", save_lora(transformer, folder, exports, state=state) if write else folder / LORA_FILE
+        written = save_lora(transformer, folder, exports, state=state, base=self.base) if write else folder / LORA_FILE
+        return "lora", written
 
     def checkpoint_weights(self, transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The weights a checkpoint keeps: the adapter's (gathered: a collective under FSDP, every process)."""
@@ -58,7 +62,7 @@ class LoraMode:
                          state_file: Path | None) -> None:  # fmt: skip
         """Write the adapter into a checkpoint `folder` as a LoRA file (with the other tools' files `exports`
         names), and into `state_file` for resuming (None: the sharded state was written instead)."""
-        save_lora(transformer, folder, exports, state=weights)
+        save_lora(transformer, folder, exports, state=weights, base=self.base)
         if state_file is not None:
             safetensors.torch.save_file(weights, str(state_file))
 
@@ -69,6 +73,7 @@ class FullMode:
 
     lora = False
     saves_whole_model = True
+    base = None  # its result is a whole transformer, the fused LoRAs in it: no LoRA file names a base
 
     def trainable(self, transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Unfreeze the transformer (but modules whose output never reaches the loss).

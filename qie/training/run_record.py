@@ -5,7 +5,8 @@ transformer checkpoint and what training changes of it: full weights or a LoRA o
 and a `data` record (how many samples, and a digest of their ids in order, which the resumable batch order
 depends on). The transformer fingerprint hashes its config and the names and sizes of its weight files: a
 stat per file, so a resume costs no read of a 40 GB checkpoint, yet another model or another size of it
-differs.
+differs. A base with LoRAs fused into it (`model.fuse_loras`) adds `fused_loras`: per file its name, a digest of
+its bytes and its scale (`qie.training.fused_base`), so a resume on another fused base is refused too.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def transformer_fingerprint(source: str, transformer_path: str | None, revision:
     return digest.hexdigest()[:16]
 
 
-def model_record(spec: Any, fingerprint: str, mode: str, lora: dict | None) -> dict:
-    """The `model` record: spec (a ModelSpec) names the model; `lora` its rank, alpha, targets, init (or None)."""
-    return {"name": spec.name, "variant": str(spec.variant), "pipeline": spec.pipeline_class,
-            "transformer": fingerprint, "mode": mode, "lora": lora}  # fmt: skip
+def model_record(spec: Any, fingerprint: str, mode: str, lora: dict | None, fused: list[dict] | None = None) -> dict:
+    """The `model` record: spec (a ModelSpec) names the model; `lora` its rank, alpha, targets, init (or None);
+    `fused` the LoRAs fused into its base (`FusedBase.record()`; none: no key, as records written before it)."""
+    record = {"name": spec.name, "variant": str(spec.variant), "pipeline": spec.pipeline_class,
+              "transformer": fingerprint, "mode": mode, "lora": lora}  # fmt: skip
+    return {**record, "fused_loras": fused} if fused else record
 
 
 def data_record(ids: Sequence[str]) -> dict:

@@ -53,6 +53,7 @@ class Validator:
         out_dir: where `step-NNNNNN/<id>.png` and metrics.jsonl go (None: nowhere).
         references: per input, the images its metrics compare with (no metrics without a target).
         pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`).
+        tag: the tracker's name for the images, and the prefix of the metrics' names.
     """
 
     def __init__(
@@ -67,12 +68,14 @@ class Validator:
         out_dir: Path | None = None,
         references: list[Reference] | None = None,
         pipeline_config: dict | None = None,
+        tag: str = "validation",
     ) -> None:
         self.inputs, self.negatives, self.scheduler, self.vae = inputs, negatives, scheduler, vae
         self.logger, self.options, self.spec = logger, options.resolved(spec.call_defaults()), spec
         self.pipeline_config = pipeline_config or {}
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.references = references or [Reference() for _ in inputs]
+        self.tag = tag
 
     @torch.no_grad()
     def sample(self, transformer: torch.nn.Module) -> list[list[Image.Image]]:
@@ -109,9 +112,9 @@ class Validator:
             with open(self.out_dir / METRICS_FILE, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.logger is not None:
-            self.logger.log_images("validation", images, step)
+            self.logger.log_images(self.tag, images, step)
             if metrics is not None:
-                self.logger.log_scalars({f"validation/{k}": v for k, v in metrics["mean"].items()}, step)
+                self.logger.log_scalars({f"{self.tag}/{k}": v for k, v in metrics["mean"].items()}, step)
         return images
 
     def save(self, step: int, per_input: list[list[Image.Image]]) -> Path:
