@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=16)
     parser.add_argument("--every", type=int, default=50, help="steps between held-out measurements")
     parser.add_argument("--beta", type=float, default=2000.0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--sft-weight", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="qie-bench-dpo-"))
@@ -64,17 +66,20 @@ def main() -> None:
     base = ["model=tiny_demo", f"data.path={data}", f"cache.dir={out / 'cache'}"]
     precompute.run(compose("precompute", base), out / "precompute")
     overrides = [*base, "experiment=demo", "train.objective=dpo", f"train.dpo.beta={args.beta}",
+                 f"train.learning_rate={args.lr}", f"train.dpo.sft_weight={args.sft_weight}",
                  f"train.max_steps={args.steps}", f"validation.heldout_samples={args.heldout}",
                  f"validation.every={args.every}", "validation.num_inference_steps=4", "logging.log_images_count=1",
                  "train.checkpoint_every=100000", "logging.report_to=none"]  # fmt: skip
     t0 = time.perf_counter()
     result = train.run(compose("train", overrides), out / "run")
     seconds = time.perf_counter() - t0
-    measured = [json.loads(line) for line in (out / "run" / HELDOUT_FILE).read_text().splitlines()]
+    lines = (out / "run" / HELDOUT_FILE).read_text().splitlines()
+    measured = [json.loads(line) for line in lines]
     for r in measured:
         print(f"step {r['step']:5d}  held-out reward accuracy {r['heldout/reward_accuracy']:.3f}  "
               f"margin {r['heldout/reward_margin']:+.3f}  loss {r['heldout/loss']:.4f}")
-    summary = {"pairs": pairs, "heldout": args.heldout, "steps": args.steps, "beta": args.beta,
+    summary = {"pairs": pairs, "heldout": args.heldout, "steps": args.steps, "beta": args.beta, "lr": args.lr,
+               "sft_weight": args.sft_weight,
                "accuracy_start": 0.5, "accuracy_end": result["heldout_reward_accuracy"],
                "margin_end": result["heldout_reward_margin"], "train_seconds": round(seconds, 1)}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

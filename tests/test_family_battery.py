@@ -47,7 +47,13 @@ PINNED_LOSSES = {
 
 # The second loss of each family's preference run (`train.objective=dpo`, otherwise as above); its first is
 # ln 2 for every family: a fresh adapter is the reference itself. Taken as PINNED_LOSSES are.
-PINNED_DPO_LOSSES: dict[str, float] = {}
+PINNED_DPO_LOSSES = {
+    "tiny": 0.7073732614517212,
+    "tiny_plus": 0.70513916015625,
+    "tiny_edit_2511": 0.7053804397583008,
+    "tiny_t2i": 0.7084618806838989,
+    "tiny_qwen_image_21": 0.6935645341873169,
+}
 
 TRAINING = ["data.batch_size=1", "train.seed=7", "train.learning_rate=1e-3"]
 PROMPT = "move the circle to the right and paint it like picture 2"
