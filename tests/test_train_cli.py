@@ -1,4 +1,6 @@
-"""`python -m qie.train` as a user runs it: a cache miss, SIGTERM then resume, two processes (gloo)."""
+# ruff: noqa: F811 - the tests take the imported fixtures `s3` and `url` as arguments
+"""`python -m qie.train` as a user runs it: a cache miss, SIGTERM then resume, two processes (gloo), two nodes
+training from a bucket."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import CachedData
+from test_cache_remote import remote, s3, url  # noqa: F401 - fixtures, used as arguments
 
 from qie.config import compose
 from qie.stages import train as train_stage
@@ -115,9 +118,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(args: list[str], logs: Path) -> list[subprocess.Popen]:
+def _two_nodes(args: list[str], logs: Path, node_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Two torchrun node agents on this machine, one process each, meeting at a c10d rendezvous on 127.0.0.1
-    (as two machines would, with the run folder on shared storage)."""
+    (as two machines would, with the run folder on shared storage). `node_env`: variables set to
+    `VALUE/node<N>` for node N (a folder of each node's own, as each machine has its own disk)."""
     port = _free_port()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                 "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"qie{port}",
@@ -125,8 +129,10 @@ def _two_nodes(args: list[str], logs: Path) -> list[subprocess.Popen]:
     procs = []
     for node in range(2):
         (logs / str(node)).mkdir(parents=True, exist_ok=True)
+        own = {k: f"{v}/node{node}" for k, v in (node_env or {}).items()}
         with open(logs / str(node) / "stdout", "w") as out, open(logs / str(node) / "stderr", "w") as err:
-            procs.append(subprocess.Popen([*launcher, "qie.train", *args], env=env(), stdout=out, stderr=err))
+            procs.append(subprocess.Popen([*launcher, "qie.train", *args], env={**env(), **own}, stdout=out,
+                                          stderr=err))  # fmt: skip
     return procs
 
 
@@ -145,21 +151,36 @@ def _wait_all(procs: list[subprocess.Popen], logs: Path, timeout: float) -> None
                 proc.wait()
 
 
-def test_two_nodes_give_the_losses_of_two_processes_on_one_node_and_resume_exactly(data: dict, tmp_path: Path) -> None:
+def test_two_nodes_training_from_a_bucket_give_the_losses_of_one_node_on_ssd_and_resume_exactly(
+    data: dict, s3: str, url: str, cached_data: CachedData, tmp_path: Path
+) -> None:
+    """Two node agents train from the cache in a bucket of an S3 server on 127.0.0.1 (`cache=remote`), each node
+    with its own cache folder and node-local copy: the losses of two processes on one node reading the ssd cache,
+    and a resume on the bucket goes on exactly."""
+    from qie.cache.ssd import SsdBackend
+    from qie.cache.sync import sync
+
     args = ["train.max_steps=3", "train.learning_rate=1e-3", "train.checkpoint_every=2"]
     one_node = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
     with qie_train(data["base"] + args + [f"hydra.run.dir={tmp_path / 'one'}"], tmp_path / "one_logs", one_node) as p:
         p.wait(timeout=300)
     assert p.returncode == 0, output(tmp_path / "one_logs")[1][-3000:]
-    _wait_all(_two_nodes(data["base"] + args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path / "two_logs"),
+    sync(SsdBackend(cached_data.cache), remote(url, s3, tmp_path / "upload"))
+    model_and_data = [a for a in data["base"] if not a.startswith("cache.dir=")]
+    bucket = [*model_and_data, "cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}",
+              "cache.dir=${oc.env:QIE_NODE}/dir", "cache.local_dir=${oc.env:QIE_NODE}/copy", *args]  # fmt: skip
+    nodes = {"QIE_NODE": str(tmp_path / "nodes")}
+    _wait_all(_two_nodes([*bucket, f"hydra.run.dir={tmp_path / 'two'}"], tmp_path / "two_logs", nodes),
               tmp_path / "two_logs", 300)  # fmt: skip
     one = json.loads((tmp_path / "one" / "train_result.json").read_text())
     two = json.loads((tmp_path / "two" / "train_result.json").read_text())
     assert len(two["param_checksums"]) == 2 and two["ranks_agree"]
     assert two["losses"] == pytest.approx(one["losses"], rel=0, abs=1e-6)
+    for node in ("node0", "node1"):  # each node read the bucket through a copy of its own
+        assert any((tmp_path / "nodes" / node / "copy").rglob("*.safetensors")), node
 
     resume = [f"train.resume={tmp_path / 'two' / 'checkpoints' / 'step-000002'}", f"hydra.run.dir={tmp_path / 'r'}"]
-    _wait_all(_two_nodes(data["base"] + args + resume, tmp_path / "r_logs"), tmp_path / "r_logs", 300)
+    _wait_all(_two_nodes([*bucket, *resume], tmp_path / "r_logs", nodes), tmp_path / "r_logs", 300)
     resumed = json.loads((tmp_path / "r" / "train_result.json").read_text())
     assert resumed["step"] == 3 and resumed["losses"] == pytest.approx(two["losses"][2:], rel=0, abs=1e-6)
     flat = [x for row in resumed["param_checksums"] for x in row]
