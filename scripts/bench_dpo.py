@@ -2,11 +2,13 @@
 
 Each sample of the demo's recolouring set (`qie.demo.synthetic`) becomes a preference pair: its target (the shape
 in the colour the instruction names) is preferred, the same shape in another of the demo's colours is rejected.
-The tiny demo model trains a LoRA with Flow-DPO; held-out pairs (`validation.heldout_samples`, kept out of
-training) are measured at fixed noise every `--every` steps. The implicit-reward accuracy starts at chance (0.5:
-a fresh adapter is its own reference) and should end at 0.9 or above.
+The recipe users run: the tiny demo model first learns the edits with flow matching on the preferred targets
+(`--sft-steps`, the demo's settings), then goes on from that LoRA with Flow-DPO, the same LoRA as the reference,
+the loss masked to the edit region (`train.mask.source=edit`). Held-out pairs (`validation.heldout_samples`, kept
+out of both runs) are measured at fixed noise every `--every` steps. The implicit-reward accuracy starts at chance
+(0.5: the policy is its reference) and should end at 0.9 or above. `--sft-steps 0` runs DPO on the base alone.
 
-    python scripts/bench_dpo.py [--steps 300] [--samples 48] [--heldout 16] [--out DIR]
+    python scripts/bench_dpo.py [--sft-steps 1000] [--steps 300] [--samples 48] [--heldout 16] [--out DIR]
 
 Prints one line per measurement and a summary line; writes `summary.json` in the output folder.
 """
@@ -51,6 +53,7 @@ def add_rejected(root: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sft-steps", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--samples", type=int, default=48, help="pairs in all, the held-out ones included")
     parser.add_argument("--heldout", type=int, default=16)
@@ -65,12 +68,18 @@ def main() -> None:
     pairs = add_rejected(data)
     base = ["model=tiny_demo", f"data.path={data}", f"cache.dir={out / 'cache'}"]
     precompute.run(compose("precompute", base), out / "precompute")
-    overrides = [*base, "experiment=demo", "train.objective=dpo", f"train.dpo.beta={args.beta}",
-                 f"train.learning_rate={args.lr}", f"train.dpo.sft_weight={args.sft_weight}",
-                 f"train.max_steps={args.steps}", f"validation.heldout_samples={args.heldout}",
-                 f"validation.every={args.every}", "validation.num_inference_steps=4", "logging.log_images_count=1",
-                 "train.checkpoint_every=100000", "logging.report_to=none"]  # fmt: skip
+    common = [*base, "experiment=demo", f"validation.heldout_samples={args.heldout}", "logging.report_to=none",
+              "train.checkpoint_every=100000"]  # fmt: skip
+    start = []
     t0 = time.perf_counter()
+    if args.sft_steps:  # the held-out pairs are the same: held out by their ids
+        sft = train.run(compose("train", [*common, f"train.max_steps={args.sft_steps}"]), out / "sft")
+        start = [f"train.init_lora={sft['lora']}", f"train.dpo.reference_lora={sft['lora']}"]
+        print(f"flow matching: held-out loss {sft['heldout_loss']:.4f} after {args.sft_steps} steps")
+    overrides = [*common, *start, "train.objective=dpo", f"train.dpo.beta={args.beta}", "train.mask.source=edit",
+                 f"train.learning_rate={args.lr}", f"train.dpo.sft_weight={args.sft_weight}",
+                 f"train.max_steps={args.steps}", f"validation.every={args.every}", "validation.num_inference_steps=4",
+                 "logging.log_images_count=1"]  # fmt: skip
     result = train.run(compose("train", overrides), out / "run")
     seconds = time.perf_counter() - t0
     lines = (out / "run" / HELDOUT_FILE).read_text().splitlines()
@@ -78,13 +87,14 @@ def main() -> None:
     for r in measured:
         print(f"step {r['step']:5d}  held-out reward accuracy {r['heldout/reward_accuracy']:.3f}  "
               f"margin {r['heldout/reward_margin']:+.3f}  loss {r['heldout/loss']:.4f}")
-    summary = {"pairs": pairs, "heldout": args.heldout, "steps": args.steps, "beta": args.beta, "lr": args.lr,
+    summary = {"pairs": pairs, "heldout": args.heldout, "sft_steps": args.sft_steps, "steps": args.steps,
+               "beta": args.beta, "lr": args.lr,
                "sft_weight": args.sft_weight,
                "accuracy_start": 0.5, "accuracy_end": result["heldout_reward_accuracy"],
                "margin_end": result["heldout_reward_margin"], "train_seconds": round(seconds, 1)}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"held-out reward accuracy 0.500 -> {summary['accuracy_end']:.3f} after {args.steps} steps "
-          f"({pairs - args.heldout} training pairs, {args.heldout} held out, {seconds:.0f} s); {out}")
+    print(f"held-out reward accuracy 0.500 -> {summary['accuracy_end']:.3f} after {args.steps} DPO steps "
+          f"({pairs - args.heldout} training pairs, {args.heldout} held out, {seconds:.0f} s in all); {out}")
 
 
 if __name__ == "__main__":

@@ -204,3 +204,25 @@ def test_a_hugging_face_data_set_gives_rejected_results_from_its_column(tmp_path
     source = DataSource(str(tmp_path / "ds"), "hf", columns=Columns(rejected="worse"), images_dir=tmp_path / "img")
     first, second = read_dataset(source).samples
     assert first.rejected.read_bytes() == images["r"] and second.rejected is None
+
+
+def test_the_benchmark_makes_each_demo_edit_a_pair_whose_rejected_shape_has_a_wrong_colour(tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+    from test_bench_scripts import script
+
+    from qie.demo.synthetic import COLORS, make_dataset
+
+    bench = script("bench_dpo")
+    root = make_dataset(tmp_path, train=6, heldout=0) / "train"
+    assert bench.add_rejected(root) == 6
+    for caption in sorted((root / "training_images").glob("*.txt")):
+        wanted = COLORS[caption.read_text().split()[-1]]
+        target = np.asarray(Image.open(caption.with_suffix(".png")).convert("RGB"))
+        control = np.asarray(Image.open(root / "control_images" / caption.with_suffix(".png").name).convert("RGB"))
+        rejected = np.asarray(Image.open(root / "rejected_images" / caption.with_suffix(".png").name).convert("RGB"))
+        shape = (target == wanted).all(axis=-1)
+        assert shape.any() and (rejected[~shape] == target[~shape]).all()  # the background as the target's
+        colour = tuple(int(c) for c in rejected[shape][0])
+        assert (rejected[shape] == colour).all() and colour in COLORS.values()  # one of the demo's colours,
+        assert colour != tuple(wanted) and colour != tuple(int(c) for c in control[shape][0])  # but not these
