@@ -152,3 +152,24 @@ def held_run_lock(run: Path):
     finally:
         holder.kill()  # kill -9: the kernel drops the lock with the process
         holder.wait()
+
+
+def hf_extra_image_column(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str) -> tuple[bytes, list]:
+    """A two-row Hugging Face data set (target, one control, prompt) with an image column `extra` set in the first
+    row only, saved under tmp_path and read with `data.columns.<field>=extra`: (the extra image's bytes, samples)."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    from qie.data.formats import Columns, DataSource, read_dataset
+
+    images = {}
+    for name, colour in (("t", (255, 0, 0)), ("c", (0, 255, 0)), ("x", (255, 255, 255))):
+        Image.new("RGB", (32, 32), colour).save(tmp_path / f"{name}.png")
+        images[name] = (tmp_path / f"{name}.png").read_bytes()
+    features = datasets.Features({"target": datasets.Image(), "controls": datasets.List(datasets.Image()),
+                                  "prompt": datasets.Value("string"), "extra": datasets.Image()})  # fmt: skip
+    rows = {"target": [images["t"]] * 2, "controls": [[images["c"]]] * 2, "prompt": ["a", "b"],
+            "extra": [images["x"], None]}  # fmt: skip
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+    columns = Columns(**{field: "extra"})
+    return images["x"], read_dataset(DataSource(str(tmp_path / "ds"), "hf", columns=columns,
+                                                images_dir=tmp_path / "img")).samples  # fmt: skip

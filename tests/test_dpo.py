@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_noise_image
+from helpers import hf_extra_image_column, write_noise_image
 from test_step import fixed_batch
 
 from qie.components import load_parts
@@ -186,24 +186,8 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
 
 
 def test_a_hugging_face_data_set_gives_rejected_results_from_its_column(tmp_path: Path, monkeypatch) -> None:
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    from PIL import Image
-
-    from qie.data.formats import Columns, DataSource, read_dataset
-
-    images = {}
-    for name, colour in (("t", (255, 0, 0)), ("c", (0, 255, 0)), ("r", (0, 0, 255))):
-        Image.new("RGB", (32, 32), colour).save(tmp_path / f"{name}.png")
-        images[name] = (tmp_path / f"{name}.png").read_bytes()
-    features = datasets.Features({"target": datasets.Image(), "controls": datasets.List(datasets.Image()),
-                                  "prompt": datasets.Value("string"), "worse": datasets.Image()})  # fmt: skip
-    rows = {"target": [images["t"]] * 2, "controls": [[images["c"]]] * 2, "prompt": ["a", "b"],
-            "worse": [images["r"], None]}  # fmt: skip
-    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
-    source = DataSource(str(tmp_path / "ds"), "hf", columns=Columns(rejected="worse"), images_dir=tmp_path / "img")
-    first, second = read_dataset(source).samples
-    assert first.rejected.read_bytes() == images["r"] and second.rejected is None
+    rejected, (first, second) = hf_extra_image_column(tmp_path, monkeypatch, "rejected")
+    assert first.rejected.read_bytes() == rejected and second.rejected is None
 
 
 def test_the_benchmark_makes_each_demo_edit_a_pair_whose_rejected_shape_has_a_wrong_colour(tmp_path: Path) -> None:

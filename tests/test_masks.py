@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CachedData, small_config
+from helpers import CachedData, hf_extra_image_column, small_config
 from PIL import Image
 from test_train import LOSSES, TRAINING
 
@@ -137,19 +137,5 @@ def test_masks_are_found_in_folders_and_manifests(tmp_path: Path) -> None:
 
 
 def test_a_hf_column_of_masks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    from qie.data.formats import Columns, DataSource, read_dataset
-
-    images = {}
-    for name, colour in (("t", (255, 0, 0)), ("c", (0, 255, 0)), ("m", (255, 255, 255))):
-        Image.new("RGB", (32, 32), colour).save(tmp_path / f"{name}.png")
-        images[name] = (tmp_path / f"{name}.png").read_bytes()
-    features = datasets.Features({"target": datasets.Image(), "controls": datasets.List(datasets.Image()),
-                                  "prompt": datasets.Value("string"), "weights": datasets.Image()})  # fmt: skip
-    rows = {"target": [images["t"]] * 2, "controls": [[images["c"]]] * 2, "prompt": ["a", "b"],
-            "weights": [images["m"], None]}  # fmt: skip
-    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
-    source = DataSource(str(tmp_path / "ds"), "hf", columns=Columns(mask="weights"), images_dir=tmp_path / "img")
-    first, second = read_dataset(source).samples
-    assert first.mask.read_bytes() == images["m"] and second.mask is None
+    mask, (first, second) = hf_extra_image_column(tmp_path, monkeypatch, "mask")
+    assert first.mask.read_bytes() == mask and second.mask is None
