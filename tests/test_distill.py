@@ -1,0 +1,57 @@
+"""Distillation (`train.objective=distill`): the teacher and the student are the family's own sampler, teacher
+outputs are cache entries a cached run reads, and what the objective refuses. Every family's pinned losses, lazy ==
+cached entries and exact resume are in the family battery (`test_family_battery.py`, case distill)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from distill_checks import check_teacher_and_student
+
+from qie.errors import CacheMissError, ConfigError
+from qie.models import model_spec
+from qie.stages import train
+from qie.training.objectives import ObjectiveUse, check_use
+
+OPTIONS = {"student_steps": 2, "teacher_steps": 3, "teacher_cfg": 4.0, "seeds": 2}
+DISTILL = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
+           "train.distill.teacher_cfg=4", "train.max_steps=1"]  # fmt: skip
+
+
+def test_the_teacher_is_the_base_sampling_and_the_student_the_lora_sampling_with_a_gradient(
+    small_cfg, cached_data
+) -> None:
+    check_teacher_and_student(small_cfg("train", *cached_data.overrides), OPTIONS)
+
+
+def test_a_cached_run_without_teacher_outputs_names_the_sample_and_lazy_mode(small_cfg, cached_data, tmp_path) -> None:
+    shutil.copytree(cached_data.cache, tmp_path / "cache")  # the embeddings; no teacher output
+    cfg = small_cfg("train", *cached_data.overrides, *DISTILL, f"cache.dir={tmp_path / 'cache'}")
+    with pytest.raises(CacheMissError, match=r"sample '.+': its teacher output \(seed \d\) .*cache.mode=lazy") as info:
+        train.run(cfg, tmp_path / "run")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "cache" / "teacher_latent").exists()  # cached mode computes and writes none
+
+
+@pytest.mark.parametrize(
+    ("lora", "regularization", "options", "message"),
+    [
+        (False, False, {}, "train.objective=distill needs train.mode=lora"),
+        (True, True, {}, "train.objective=distill does not mix in data.regularization"),
+        (True, False, {"seeds": 0}, r"train.distill.seeds=0 is out of range"),
+        (True, False, {"student_steps": 0}, r"train.distill.student_steps=0 is out of range"),
+        (True, False, {"teacher_cfg": 0.0}, r"train.distill.teacher_cfg=0.0 is out of range"),
+    ],
+)
+def test_what_distillation_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:
+    family = model_spec(small_cfg("train").model).family
+    with pytest.raises(ConfigError, match=message) as info:
+        check_use("distill", ObjectiveUse(family, lora, regularization, options))
+    assert "\n" not in str(info.value)
+
+
+def test_a_full_model_run_is_refused_before_anything_loads(small_cfg, cached_data, tmp_path) -> None:
+    cfg = small_cfg("train", *cached_data.overrides, *DISTILL, "train.mode=full")
+    with pytest.raises(ConfigError, match="train.objective=distill needs train.mode=lora"):
+        train.run(cfg, tmp_path / "run")
