@@ -34,7 +34,7 @@ CACHE_TYPES = [
     "rejected_latent",  # a preference pair's rejected result, encoded as a target is: only for such samples
     "caption",  # a caption the model's own VL text encoder wrote (UTF-8 bytes, uint8): only with data.auto_caption
     # a distillation teacher's final latents for one seed (train.objective=distill): keyed by the tensors training
-    # reads, not by a sample's files, so `gc` keeps them (`action=clear types=[teacher_latent]` removes them)
+    # reads, not by a sample's files, so `gc` keeps them (`action=clear cache.types=[teacher_latent]` removes them)
     "teacher_latent",
 ]
 

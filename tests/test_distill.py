@@ -7,11 +7,15 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from distill_checks import check_teacher_and_student
 
+from qie.cache.ssd import SsdBackend
+from qie.config import compose
 from qie.errors import CacheMissError, ConfigError
 from qie.models import model_spec
 from qie.stages import train
+from qie.stages.cache_admin import run as cache_cli
 from qie.training.objectives import ObjectiveUse, check_use
 
 OPTIONS = {"student_steps": 2, "teacher_steps": 3, "teacher_cfg": 4.0, "seeds": 2}
@@ -55,3 +59,16 @@ def test_a_full_model_run_is_refused_before_anything_loads(small_cfg, cached_dat
     cfg = small_cfg("train", *cached_data.overrides, *DISTILL, "train.mode=full")
     with pytest.raises(ConfigError, match="train.objective=distill needs train.mode=lora"):
         train.run(cfg, tmp_path / "run")
+
+
+def test_gc_keeps_teacher_outputs_and_clear_removes_them(cached_data, tiny_path, tmp_path) -> None:
+    shutil.copytree(cached_data.cache, tmp_path / "cache")
+    backend = SsdBackend(tmp_path / "cache")
+    backend.put("teacher_latent", "ab" * 32, {"latent": torch.zeros(16, 1, 8, 8)})
+    model = ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}", f"cache.dir={tmp_path / 'cache'}"]
+    gc = ["action=gc", *model, f"data.path={cached_data.data}", "gc.dry_run=false", "gc.force=true"]
+    assert cache_cli(compose("cache", gc)) == 0
+    assert backend.exists("teacher_latent", "ab" * 32)
+    clear = ["action=clear", f"cache.dir={tmp_path / 'cache'}", "cache.types=[teacher_latent]"]
+    assert cache_cli(compose("cache", clear)) == 0
+    assert not backend.exists("teacher_latent", "ab" * 32) and backend.stats()["pixel_latent"]["count"] == 8
