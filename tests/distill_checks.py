@@ -32,9 +32,10 @@ class DictStore:
         self.entries[repr(sorted(fields.items()))] = latents.clone()
 
 
-def distill_objective(spec, scheduler, options: Mapping, store=None):
-    inputs = ObjectiveInputs(spec.family, SigmaSampling(method="uniform"), "none", dict(options), scheduler, {},
-                             spec.call_defaults(), store, {"model": "test"})  # fmt: skip
+def distill_objective(spec, parts, options: Mapping, store=None):
+    """The distill objective over `parts`' scheduler and sampling sigmas (`Parts.pipeline_config`)."""
+    inputs = ObjectiveInputs(spec.family, SigmaSampling(method="uniform"), "none", dict(options), parts.scheduler,
+                             parts.pipeline_config, spec.call_defaults(), store, {"model": "test"})  # fmt: skip
     return build_objective("distill", inputs)
 
 
@@ -56,7 +57,7 @@ def check_teacher_and_student(cfg, options: Mapping, seed: int = 1) -> None:
     policy = load_parts(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
     randomised_lora(policy.transformer, list(cfg.model.lora_target_modules))
     store = DictStore()
-    objective = distill_objective(spec, base.scheduler, options, store)
+    objective = distill_objective(spec, base, options, store)
     objective.prepare(policy.transformer)
     (item,) = build_source(cfg, mode="cached", spec=spec).get(read_data(cfg).samples[:1])
     batch = collate([item], negatives=True)
