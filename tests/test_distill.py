@@ -5,10 +5,13 @@ cached entries and exact resume are in the family battery (`test_family_battery.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from distill_checks import check_teacher_and_student
+from PIL import Image
 
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
@@ -16,6 +19,7 @@ from qie.errors import CacheMissError, ConfigError
 from qie.models import model_spec
 from qie.stages import train
 from qie.stages.cache_admin import run as cache_cli
+from qie.stages.infer import build_predictor
 from qie.training.objectives import ObjectiveUse, check_use
 
 OPTIONS = {"student_steps": 2, "teacher_steps": 3, "teacher_cfg": 4.0, "seeds": 2}
@@ -72,3 +76,30 @@ def test_gc_keeps_teacher_outputs_and_clear_removes_them(cached_data, tiny_path,
     clear = ["action=clear", f"cache.dir={tmp_path / 'cache'}", "cache.types=[teacher_latent]"]
     assert cache_cli(compose("cache", clear)) == 0
     assert not backend.exists("teacher_latent", "ab" * 32) and backend.stats()["pixel_latent"]["count"] == 8
+
+
+@pytest.mark.usefixtures("small_conditions")
+def test_the_distilled_lora_loads_in_the_diffusers_pipeline_and_gives_qie_infer_at_student_steps(
+    small_cfg, cached_data, tiny_path, tmp_path
+) -> None:
+    from test_family_battery import pipeline_of
+
+    shutil.copytree(cached_data.cache, tmp_path / "cache")
+    cfg = small_cfg("train", *cached_data.overrides, *DISTILL, f"cache.dir={tmp_path / 'cache'}", "cache.mode=lazy",
+                    "train.learning_rate=1e-2")  # fmt: skip
+    lora = Path(train.run(cfg, tmp_path / "run")["lora"])
+    caption = sorted((cached_data.data / "training_images").glob("*.txt"))[0]
+    control, prompt = cached_data.data / "control_images" / f"{caption.stem}.png", caption.read_text().strip()
+    student = dict(true_cfg_scale=1.0, num_inference_steps=2, height=64, width=64)  # DISTILL's student_steps
+
+    pipe = pipeline_of(tiny_path)
+    base = pipe(prompt=prompt, image=[Image.open(control)], generator=torch.Generator().manual_seed(3),
+                output_type="np", **student).images  # fmt: skip
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    expected = pipe(prompt=prompt, image=[Image.open(control)], generator=torch.Generator().manual_seed(3),
+                    output_type="np", **student).images  # fmt: skip
+    predictor = build_predictor(compose("infer", ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}",
+                                                  f"predict.lora={lora}"]))  # fmt: skip
+    mine = predictor.predict([control], prompt, output_type="np", negative_prompt=None, seed=3, **student)
+    assert np.abs(expected - base).max() > 1e-6  # the distilled LoRA moves the output
+    assert np.abs(mine - expected).max() <= 1e-5
