@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--student-steps", type=int, default=4)
     parser.add_argument("--teacher-steps", type=int, default=20)
     parser.add_argument("--teacher-cfg", type=float, default=4.0)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="qie-bench-distill-"))
@@ -72,7 +72,8 @@ def main() -> None:
                f"train.distill.teacher_cfg={args.teacher_cfg}", f"train.distill.seeds={args.seeds}"]  # fmt: skip
     overrides = [*base, f"data.path={root / 'train'}", "experiment=demo", "train.objective=distill", *distill,
                  "cache.mode=lazy", f"train.max_steps={args.steps}", f"train.learning_rate={args.learning_rate}",
-                 "train.checkpoint_every=100000", "logging.report_to=none"]  # fmt: skip
+                 f"train.lr_scheduler.num_warmup_steps={max(args.steps // 10, 1)}", "train.checkpoint_every=100000",
+                 "logging.report_to=none"]  # fmt: skip
     t0 = time.perf_counter()
     result = train.run(compose("train", overrides), out / "run")
     train_seconds = time.perf_counter() - t0
