@@ -2,7 +2,10 @@
 
 Each model family's denoising loop (`ModelFamily.sample`) starts from already-encoded inputs (prompt
 embeddings, normalised control latents, possibly none), so validation in cached mode can feed cached tensors;
-inference, `Trainer.predict` and validation all call it with these options.
+inference, `Trainer.predict` and validation all call it with these options. A family's denoising from given
+noise (`ModelFamily.denoise`) is the same loop with the noise drawn outside (`initial_noise`) and, for training
+through the steps (distillation), a gradient: `denoise(checkpoint=True)` recomputes each step's prediction in the
+backward pass instead of keeping its activations.
 """
 
 from __future__ import annotations
@@ -68,6 +71,29 @@ def latent_sizes(latents: Sequence[torch.Tensor], vae_scale: int) -> list[tuple[
     return [(vae_scale * int(x.shape[-2]), vae_scale * int(x.shape[-1])) for x in latents]
 
 
+@dataclass(frozen=True)
+class PromptInputs:
+    """A batch of encoded prompts as the transformer takes them: embeddings (B, L, dim), their 1/0 mask (None when
+    nothing is padded) and, for a transformer that places control latents in the prompt (Qwen-Image-2.1), the
+    (B, L) bool image-slot mask."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor | None = None
+    image_mask: torch.Tensor | None = None
+
+
+def initial_noise(
+    shape: Sequence[int], generator: torch.Generator | None, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """The starting noise of every family's sampler, in the latents' layout (B, C, F, h, w): drawn as the pipelines
+    draw it, (B, F, C, h, w) from `generator` (on the generator's device, then moved)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    b, c, f, h, w = (int(x) for x in shape)
+    noise = randn_tensor((b, f, c, h, w), generator=generator, device=torch.device(device), dtype=dtype)
+    return noise.transpose(1, 2).contiguous()
+
+
 # A prediction of the transformer at step `i`, timestep `t`, for the current latents.
 Prediction = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -81,13 +107,19 @@ def denoise(
     scale: float = 1.0,
     rescale: bool = False,
     progress: bool = False,
+    checkpoint: bool = False,
 ) -> torch.Tensor:
     """The denoising loop every family's sampler runs: at each timestep the conditional prediction, with true
     CFG (`uncond` given) `uncond + scale * (cond - uncond)`, with `rescale` brought back to the conditional
     prediction's norm token by token (Qwen-Image's rule; Layered and 2.1 do not rescale); then the scheduler's
-    step. The scheduler must have its timesteps set (and begin index 0)."""
+    step. The scheduler must have its timesteps set (and begin index 0).
+
+    With `checkpoint` and the gradient on, each prediction keeps no activations: it is computed again in the backward
+    pass (the scheduler's step, which counts its steps, runs once)."""
     from qie.progress import progress as progress_bar
 
+    if checkpoint and torch.is_grad_enabled():
+        cond, uncond = _checkpointed(cond), (None if uncond is None else _checkpointed(uncond))
     bar = progress_bar(len(timesteps), "denoise", disable=not progress)
     for i, t in enumerate(timesteps):
         pred = cond(i, t, latents)
@@ -102,3 +134,12 @@ def denoise(
         bar.update(1)
     bar.close()
     return latents
+
+
+def _checkpointed(prediction: Prediction) -> Prediction:
+    from torch.utils.checkpoint import checkpoint
+
+    def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return checkpoint(prediction, i, t, latents, use_reentrant=False)
+
+    return call

@@ -33,6 +33,9 @@ CACHE_TYPES = [
     "layer_latent",  # the target's further frames, in order (a layered model's layers): only for such samples
     "rejected_latent",  # a preference pair's rejected result, encoded as a target is: only for such samples
     "caption",  # a caption the model's own VL text encoder wrote (UTF-8 bytes, uint8): only with data.auto_caption
+    # a distillation teacher's final latents for one seed (train.objective=distill): keyed by the tensors training
+    # reads, not by a sample's files, so `gc` keeps them (`action=clear cache.types=[teacher_latent]` removes them)
+    "teacher_latent",
 ]
 
 # Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
@@ -118,6 +121,11 @@ class Batch:
     loss_weight: float = 1.0
     # (B, C, F, h, w) preference pairs' rejected results, like `latents` (the preferred ones); None: no pairs.
     rejected_latents: torch.Tensor | None = None
+    # Each sample's empty-prompt embedding, padded as `prompt_embeds` (with its masks): the negative branch of CFG,
+    # carried only where the objective asks for it (distillation's teacher); None otherwise.
+    negative_prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_image_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         if self._placed(torch.device(device), dtype):
@@ -125,6 +133,10 @@ class Batch:
         mask = None if self.prompt_embeds_mask is None else self.prompt_embeds_mask.to(device)
         image_mask = None if self.prompt_image_mask is None else self.prompt_image_mask.to(device)
         loss_mask = None if self.loss_mask is None else self.loss_mask.to(device, torch.float32)
+
+        def moved(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, dtype)
+
         return Batch(
             self.ids,
             self.latents.to(device, dtype),
@@ -134,16 +146,19 @@ class Batch:
             image_mask,
             loss_mask,
             self.loss_weight,
-            None if self.rejected_latents is None else self.rejected_latents.to(device, dtype),
+            moved(self.rejected_latents, dtype),
+            moved(self.negative_prompt_embeds, dtype),
+            moved(self.negative_prompt_embeds_mask),
+            moved(self.negative_prompt_image_mask),
         )
 
     def _placed(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether `to(device, dtype)` would return equal tensors: every tensor on `device`, the floating ones
         in `dtype` (masks keep theirs; the loss mask is float32)."""
         floats = [self.latents, *self.control_latents, self.prompt_embeds]
-        if self.rejected_latents is not None:
-            floats.append(self.rejected_latents)
-        others = [t for t in (self.prompt_embeds_mask, self.prompt_image_mask) if t is not None]
+        floats += [t for t in (self.rejected_latents, self.negative_prompt_embeds) if t is not None]
+        others = [t for t in (self.prompt_embeds_mask, self.prompt_image_mask, self.negative_prompt_embeds_mask,
+                              self.negative_prompt_image_mask) if t is not None]  # fmt: skip
         if self.loss_mask is not None and self.loss_mask.dtype != torch.float32:
             return False
         return all(t.dtype == dtype for t in floats) and all(

@@ -241,7 +241,8 @@ def test_the_cache_package_imports_no_model_library_config_or_data_code() -> Non
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "[]", out.stderr
-    assert len(CACHE_TYPES) == 9  # the six of the embeddings, layer_latent, loss_mask and caption
+    # the six of the embeddings, loss_mask, layer_latent, rejected_latent, caption and teacher_latent
+    assert len(CACHE_TYPES) == 11
 
 
 def test_a_checked_set_is_rechecked_only_when_a_file_changed(tmp_path: Path, monkeypatch) -> None:

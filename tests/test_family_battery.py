@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -54,6 +55,19 @@ PINNED_DPO_LOSSES = {
     "tiny_t2i": 0.7084618806838989,
     "tiny_qwen_image_21": 0.6935645341873169,
 }
+
+# The first two losses of each family's distillation run (`train.objective=distill` with DISTILL, otherwise as
+# above). Taken as PINNED_LOSSES are.
+PINNED_DISTILL_LOSSES: dict[str, list[float]] = {
+    "tiny": [0.00011914128117496148, 8.653688564663753e-05],
+    "tiny_plus": [0.00010768778156489134, 0.0002977338735945523],
+    "tiny_edit_2511": [0.00010698697587940842, 0.00029792331042699516],
+    "tiny_t2i": [0.0004308204515837133, 0.00034010206582024693],
+    "tiny_qwen_image_21": [2.5199053197866306e-05, 8.771602006163448e-05],
+    "tiny_qwen_image_layered": [0.00020855714683420956, 0.0001007091996143572],
+}
+DISTILL = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
+           "train.distill.teacher_cfg=4", "train.distill.seeds=2"]  # fmt: skip
 
 TRAINING = ["data.batch_size=1", "train.seed=7", "train.learning_rate=1e-3"]
 PROMPT = "move the circle to the right and paint it like picture 2"
@@ -213,6 +227,37 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
     assert resumed["losses"] == cached["losses"][2:] and resumed["param_checksums"] == cached["param_checksums"]
     logged = [json.loads(line) for line in (cached["dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_accuracy"] for r in logged if "loss" in r][0] == 0.5  # a tie at the first step
+
+
+@pytest.mark.parametrize("family", families("distill"))
+def test_distillation_is_the_samplers_own_loop_pinned_cached_as_lazy_and_resumes_exactly(
+    battery: Battery, family: str
+) -> None:
+    """`train.objective=distill` on a copy of the family's cache: the teacher and the student are the family's
+    sampler; a lazy run writes the teacher outputs, a cached run reading them repeats its losses exactly, and a
+    resume from its checkpoint repeats the rest."""
+    from distill_checks import check_teacher_and_student
+
+    prepared = battery[family]
+    cache = prepared.root / "distill_cache"
+    shutil.copytree(prepared.root / "cache", cache)
+    options = {"student_steps": 2, "teacher_steps": 2, "teacher_cfg": 4.0}
+    check_teacher_and_student(small_config("train", *prepared.base, f"cache.dir={cache}"), options)
+    distill = [*DISTILL, f"cache.dir={cache}"]
+    lazy = prepared.train("distill", *distill, "cache.mode=lazy", "train.max_steps=4", "train.checkpoint_every=2")
+    written = len(list((cache / "teacher_latent").rglob("*.safetensors")))
+    cached = prepared.train("distill_cached", *distill, "cache.mode=cached")
+    checkpoint = lazy["dir"] / "checkpoints" / "step-000002"
+    resumed = prepared.train("distill_resumed", *distill, "cache.mode=cached", "train.max_steps=4",
+                             f"train.resume={checkpoint}")  # fmt: skip
+    assert len(lazy["losses"]) == 4 and all(map(math.isfinite, lazy["losses"]))
+    assert 1 <= written <= 4 * 2  # at most one per sample and seed
+    assert family in PINNED_DISTILL_LOSSES, f"pin {family!r}: {lazy['losses'][:2]}"
+    np.testing.assert_allclose(lazy["losses"][:2], PINNED_DISTILL_LOSSES[family], rtol=1e-6, atol=0)
+    assert cached["losses"] == lazy["losses"][:2]
+    assert resumed["losses"] == lazy["losses"][2:] and resumed["param_checksums"] == lazy["param_checksums"]
+    logged = [json.loads(line) for line in (lazy["dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["teacher_computed"] for r in logged if "loss" in r][0] == 1.0  # lazy: the first step computes
 
 
 @pytest.mark.parametrize("family", families("memory_levers"))

@@ -20,7 +20,7 @@ from qie.training.timesteps import SigmaSampling
 def test_objectives_are_the_modules_of_the_package_and_others_are_refused() -> None:
     assert "flow_matching" in objective_names()
     assert compose("train", []).train.objective == "flow_matching"
-    with pytest.raises(ConfigError, match="train.objective='dpo_typo' is not an objective: choose one of dpo, flow_ma"):
+    with pytest.raises(ConfigError, match="is not an objective: choose one of distill, dpo, flow_matching"):
         compose("train", ["train.objective=dpo_typo"])
 
 

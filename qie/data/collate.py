@@ -10,8 +10,11 @@ import torch
 from qie.types import Batch, SampleEmbeddings, pad_image_masks, pad_prompt_embeds
 
 
-def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | None = None) -> Batch:
-    """Batch samples; where `drop_caption[i]`, sample i's empty-prompt embedding replaces its prompt's.
+def collate(
+    items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | None = None, negatives: bool = False
+) -> Batch:
+    """Batch samples; where `drop_caption[i]`, sample i's empty-prompt embedding replaces its prompt's. With
+    `negatives`, each sample's empty-prompt embedding is padded beside them (`Batch.negative_prompt_embeds`).
 
     Raises:
         ValueError: samples whose latent shapes differ (they cannot share rotary positions), or a sample
@@ -35,6 +38,10 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
     if any(s.loss_mask is not None for s in items):
         ones = torch.ones(1, 1, *items[0].pixel_latent.shape[-2:])
         loss_mask = torch.stack([s.loss_mask if s.loss_mask is not None else ones for s in items])
+    negative = negative_mask = negative_image_mask = None
+    if negatives:
+        negative, negative_mask = pad_prompt_embeds([s.empty_prompt_pieces for s in items])
+        negative_image_mask = pad_image_masks([s.empty_prompt_image_mask for s in items], negative.shape[1])
     return Batch(
         ids=[s.id for s in items],
         latents=torch.stack([s.pixel_latent for s in items]),
@@ -44,4 +51,7 @@ def collate(items: Sequence[SampleEmbeddings], drop_caption: Sequence[bool] | No
         prompt_image_mask=pad_image_masks(image_masks, embeds.shape[1]),
         loss_mask=loss_mask,
         rejected_latents=rejected,
+        negative_prompt_embeds=negative,
+        negative_prompt_embeds_mask=negative_mask,
+        negative_prompt_image_mask=negative_image_mask,
     )

@@ -73,6 +73,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "encode_latents": ("vae", "pixels"),
     "loss": ("transformer", "batch", "noise", "sigmas", "weighting", "per_sample"),
     "sample": ("parts", "prompt", "negative", "controls", "size", "options", "progress"),
+    "denoise": ("transformer", "scheduler", "noise", "prompt", "negative", "controls", "steps", "true_cfg_scale",
+                "checkpoint", "pipeline_config"),  # fmt: skip
     "decode": ("vae", "latents", "output_type"),
     "vae_scale": ("vae",),
     "config_problems": ("spec",),
@@ -116,6 +118,10 @@ class ModelFamily:
         encode_latents: same-size pixel batch (B, C, 1, H, W) on the VAE -> normalised latents (B, C', 1, h, w).
         loss: the flow-matching loss of one batch, or of each sample with `per_sample` (see `qie.models.flow`).
         sample: one sample's encoded inputs -> latents of `options.num_images` images.
+        denoise: the sampler's loop from given noise (B, C, F, h, w) over batched prompts (`PromptInputs`) and
+            controls (B, C, 1, h, w): what `sample` runs after drawing its noise (`qie.sampling.initial_noise`),
+            with the gradient where the caller has it on (`checkpoint`: each prediction recomputed in the backward
+            pass); `pipeline_config` is the checkpoint's model_index.json (`Parts.pipeline_config`).
         decode: normalised latents -> images ("pil", "np" or "pt").
         vae_scale: pixels per latent along a side, read off the VAE.
         config_problems: why a model config cannot work with this family (checked when the config is composed).
@@ -147,6 +153,7 @@ class ModelFamily:
     encode_latents: Callable[..., Any]
     loss: Callable[..., Any]
     sample: Callable[..., Any]
+    denoise: Callable[..., Any]
     decode: Callable[..., Any]
     vae_scale: Callable[..., int]
     config_problems: Callable[..., list[str]]

@@ -15,7 +15,7 @@ Everything here follows diffusers 0.42.1's `QwenImageEditPipeline`, `QwenImageEd
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -24,12 +24,11 @@ import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_timesteps
-from diffusers.utils.torch_utils import randn_tensor
 
 from qie.models import pipeline_parts, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
-from qie.sampling import Prediction, SamplingOptions, denoise, true_cfg_enabled
+from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise, true_cfg_enabled
 from qie.types import Batch, pad_prompt_embeds
 
 pack_latents = QwenImageEditPipeline._pack_latents
@@ -227,40 +226,73 @@ def sample_latents(
     """
     device = transformer.device
     dtype = prompt_embeds.dtype  # the pipelines draw noise in the prompt embeddings' dtype
-    batch = prompt_embeds.shape[0]
     channels = transformer.config.in_channels // 4
     lat_h, lat_w = 2 * (int(height) // (vae_scale_factor * 2)), 2 * (int(width) // (vae_scale_factor * 2))
-    do_cfg = true_cfg_enabled(true_cfg_scale, negative_prompt_embeds is not None)
+    noise = initial_noise((prompt_embeds.shape[0], channels, 1, lat_h, lat_w), generator, device, dtype)
+    negative = None
+    if negative_prompt_embeds is not None:
+        negative = PromptInputs(_to(negative_prompt_embeds, device), _to(negative_prompt_embeds_mask, device))
+    prompt = PromptInputs(_to(prompt_embeds, device), _to(prompt_embeds_mask, device))
+    return denoise_latents(transformer, scheduler, noise, prompt, negative, control_latents, num_inference_steps,
+                           true_cfg_scale, progress=progress)  # fmt: skip
 
-    embeds, mask = _to(prompt_embeds, device), _to(prompt_embeds_mask, device)
-    neg_embeds, neg_mask = _to(negative_prompt_embeds, device), _to(negative_prompt_embeds_mask, device)
 
-    noise = randn_tensor((batch, 1, channels, lat_h, lat_w), generator=generator, device=device, dtype=dtype)
-    latents = pack_latents(noise, batch, channels, lat_h, lat_w)
-    image_latents, shapes = _packed_controls(control_latents, batch, channels, device, dtype)
+def denoise_latents(
+    transformer: Any,
+    scheduler: Any,
+    noise: torch.Tensor,
+    prompt: PromptInputs,
+    negative: PromptInputs | None,
+    controls: Sequence[torch.Tensor],
+    steps: int,
+    true_cfg_scale: float = 1.0,
+    checkpoint: bool = False,
+    pipeline_config: Mapping[str, Any] | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """The pipelines' denoising loop from `noise` (the family's `denoise`): what `sample_latents` runs after drawing
+    its noise, and what distillation trains through (with the gradient on and `checkpoint`).
+
+    Args:
+        transformer: what is called for each prediction (LoRA or not).
+        scheduler: the model's scheduler (not modified: a fresh one is made from its config).
+        noise: (B, C, 1, h, w) on the transformer's device, in the dtype the loop runs in.
+        prompt, negative: the prompts (B rows, on the device); CFG runs with `negative` and a scale above 1.
+        controls: normalised control latents, each (B or 1, C, 1, h, w), in the images' order.
+        steps: denoising steps.
+        pipeline_config: unused (the Qwen-Image pipelines take no sigmas from their model_index.json).
+
+    Returns:
+        Normalised latents (B, C, 1, h, w).
+    """
+    batch, channels, _, lat_h, lat_w = noise.shape
+    device, dtype = noise.device, noise.dtype
+    do_cfg = true_cfg_enabled(true_cfg_scale, negative is not None)
+    latents = pack_latents(noise[:, :, 0], batch, channels, lat_h, lat_w)
+    image_latents, shapes = _packed_controls(controls, batch, channels, device, dtype)
     img_shapes = [[(1, lat_h // 2, lat_w // 2), *shapes]] * batch
 
     scheduler = type(scheduler).from_config(scheduler.config)
-    sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+    sigmas = np.linspace(1.0, 1 / steps, steps)
     mu = shift_mu(latents.shape[1], scheduler.config)
-    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, sigmas=sigmas, mu=mu)
+    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
 
-    def prediction(embeds: torch.Tensor, mask: torch.Tensor | None, name: str) -> Prediction:
+    def prediction(inputs: PromptInputs, name: str) -> Prediction:
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=1)
             timestep = t.expand(batch).to(latents.dtype) / 1000
             # Control tokens follow the target's in the sequence; only the target's are denoised.
             return predict(transformer, name, hidden_states=model_input, timestep=timestep, guidance=None,
-                           encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, img_shapes=img_shapes,
-                           attention_kwargs={})[:, : latents.size(1)]  # fmt: skip
+                           encoder_hidden_states=inputs.embeds, encoder_hidden_states_mask=inputs.mask,
+                           img_shapes=img_shapes, attention_kwargs={})[:, : latents.size(1)]  # fmt: skip
 
         return call
 
-    uncond = prediction(neg_embeds, neg_mask, "uncond") if do_cfg else None
-    latents = denoise(scheduler, timesteps, latents, prediction(embeds, mask, "cond"), uncond, true_cfg_scale,
-                      rescale=True, progress=progress)  # fmt: skip
-    return _unpack_latents(latents, height, width, vae_scale_factor)
+    uncond = prediction(negative, "uncond") if do_cfg else None
+    latents = denoise(scheduler, timesteps, latents, prediction(prompt, "cond"), uncond, true_cfg_scale,
+                      rescale=True, progress=progress, checkpoint=checkpoint)  # fmt: skip
+    return _unpack_latents(latents, lat_h, lat_w, 1)
 
 
 def _packed_controls(control_latents: Sequence[torch.Tensor], batch: int, channels: int, device, dtype):
@@ -417,6 +449,7 @@ FAMILY = ModelFamily(
     encode_latents=encode_latents,
     loss=flow_matching_loss,
     sample=sample,
+    denoise=denoise_latents,
     decode=decode_latents,
     vae_scale=vae_scale,
     config_problems=config_problems,

@@ -17,7 +17,7 @@ and its prediction is regressed onto noise - x0 (the Euler step is x + (σ' - σ
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
@@ -32,7 +32,7 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timest
 from qie.models import real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
-from qie.sampling import Prediction, denoise
+from qie.sampling import Prediction, PromptInputs, denoise, initial_noise
 from qie.types import Batch
 
 _pack = QwenImage21Pipeline._pack_latents
@@ -230,46 +230,88 @@ def sample_latents(
     """
     transformer, device = pipe.transformer, pipe.transformer.device
     embeds, mask, image_mask = _prompt_inputs(pipe, *prompt, num_images, device)
-    do_cfg = negative is not None and true_cfg_scale > 1
-    if do_cfg:
-        neg_embeds, neg_mask, neg_image_mask = _prompt_inputs(pipe, *negative, num_images, device)
-    channels = transformer.config.in_channels
-    latents, _ = pipe.prepare_latents(None, num_images, channels, height, width, embeds.dtype, device, generator)
-    refs = [r.unsqueeze(0).to(device, embeds.dtype).expand(num_images, -1, -1, -1, -1) for r in references]
-    ref_tokens = torch.cat([packed(r)[0] for r in refs], dim=1) if refs else None
+    neg = None
+    if negative is not None and true_cfg_scale > 1:
+        neg = PromptInputs(*_prompt_inputs(pipe, *negative, num_images, device))
     f = pipe.vae_scale_factor
-    img_shapes = [[packed(r)[1] for r in refs] + [(1, height // f, width // f)]]
+    shape = (num_images, transformer.config.in_channels, 1, 2 * (height // (f * 2)), 2 * (width // (f * 2)))
+    noise = initial_noise(shape, generator, device, embeds.dtype)
+    refs = [r.unsqueeze(0) for r in references]
+    config = {"sample_sigmas": pipe.config.sample_sigmas}
+    return denoise_latents(transformer, pipe.scheduler, noise, PromptInputs(embeds, mask, image_mask), neg, refs,
+                           num_inference_steps, true_cfg_scale, pipeline_config=config, sigmas=sigmas,
+                           use_kv_cache=use_kv_cache, progress=progress)  # fmt: skip
 
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+
+def denoise_latents(
+    transformer: Any,
+    scheduler: Any,
+    noise: torch.Tensor,
+    prompt: PromptInputs,
+    negative: PromptInputs | None,
+    controls: Sequence[torch.Tensor],
+    steps: int,
+    true_cfg_scale: float = 1.0,
+    checkpoint: bool = False,
+    pipeline_config: Mapping[str, Any] | None = None,
+    sigmas: Sequence[float] | None = None,
+    use_kv_cache: bool = True,
+    progress: bool = False,
+) -> torch.Tensor:
+    """The pipeline's denoising loop from `noise` (the family's `denoise`): what `sample_latents` runs after drawing
+    its noise, and what distillation trains through (with the gradient on and `checkpoint`).
+
+    Args:
+        transformer: a QwenImage21Transformer2DModel (LoRA or not); called for each prediction.
+        scheduler: the model's scheduler (not modified: a fresh one is made from its config).
+        noise: (B, C, 1, h, w) on the transformer's device, in the dtype the loop runs in.
+        prompt, negative: the prompts with their image-pad masks (B rows, or one for every image); CFG runs with
+            `negative` and a scale above 1 (no rescale).
+        controls: normalised reference latents, each (B or 1, C, 1, h, w), in the prompt's image order.
+        pipeline_config: the checkpoint's model_index.json: its `sample_sigmas`, when set, are the sigmas.
+        sigmas: sampling sigmas (before `pipeline_config`'s); else `steps` evenly spaced ones.
+
+    Returns:
+        Normalised latents (B, C, 1, h, w).
+    """
+    batch, _, _, lat_h, lat_w = noise.shape
+    device, dtype = noise.device, noise.dtype
+    do_cfg = negative is not None and true_cfg_scale > 1
+    latents = packed(noise)[0]
+    refs = [r.to(device, dtype).expand(batch, -1, -1, -1, -1) for r in controls]
+    ref_tokens = torch.cat([packed(r)[0] for r in refs], dim=1) if refs else None
+    img_shapes = [[packed(r)[1] for r in refs] + [(1, lat_h, lat_w)]]
+
+    scheduler = type(scheduler).from_config(scheduler.config)
     if sigmas is None:
-        sigmas = pipe.config.sample_sigmas
+        sigmas = (pipeline_config or {}).get("sample_sigmas")
         if sigmas is None:
-            sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+            sigmas = np.linspace(1.0, 1 / steps, steps)
     mu = shift_mu(latents.shape[1], scheduler.config)
     timesteps, _ = retrieve_timesteps(scheduler, None, device, sigmas=sigmas, mu=mu)
-    image_mask = with_target_slots(image_mask, latents.shape[1])
-    if do_cfg:
-        neg_image_mask = with_target_slots(neg_image_mask, latents.shape[1])
+    image_mask = with_target_slots(prompt.image_mask, latents.shape[1])
+    neg_image_mask = with_target_slots(negative.image_mask, latents.shape[1]) if do_cfg else None
     cached = use_kv_cache and transformer.config.causal_condition
     cond_cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if cached else None
     neg_cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if cached and do_cfg else None
 
     scheduler.set_begin_index(0)
 
-    def prediction(embeds, mask, image_mask, kv_cache, name: str) -> Prediction:
+    def prediction(inputs: PromptInputs, image_mask, kv_cache, name: str) -> Prediction:
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             kv_mode = ("extract" if i == 0 else "cached") if cached else None
             model_input = latents if ref_tokens is None else torch.cat([ref_tokens, latents], dim=1)
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-            return _predict(transformer, model_input, timestep, img_shapes, kv_mode, latents.shape[1], embeds, mask,
-                            image_mask, kv_cache, name)  # fmt: skip
+            return _predict(transformer, model_input, timestep, img_shapes, kv_mode, latents.shape[1], inputs.embeds,
+                            inputs.mask, image_mask, kv_cache, name)  # fmt: skip
 
         return call
 
-    cond = prediction(embeds, mask, image_mask, cond_cache, "cond")
-    uncond = prediction(neg_embeds, neg_mask, neg_image_mask, neg_cache, "uncond") if do_cfg else None
-    latents = denoise(scheduler, timesteps, latents, cond, uncond, true_cfg_scale, progress=progress)
-    return _unpack(latents, height, width, f)
+    cond = prediction(prompt, image_mask, cond_cache, "cond")
+    uncond = prediction(negative, neg_image_mask, neg_cache, "uncond") if do_cfg else None
+    latents = denoise(scheduler, timesteps, latents, cond, uncond, true_cfg_scale, progress=progress,
+                      checkpoint=checkpoint)  # fmt: skip
+    return _unpack(latents, lat_h, lat_w, 1)
 
 
 def _predict(transformer, model_input, timestep, img_shapes, kv_mode, target_tokens, embeds, mask, image_mask,
@@ -393,6 +435,7 @@ FAMILY = ModelFamily(
     encode_latents=encode_latents,
     loss=flow_matching_loss,
     sample=sample,
+    denoise=denoise_latents,
     decode=decode_latents,
     vae_scale=vae_scale,
     config_problems=config_problems,

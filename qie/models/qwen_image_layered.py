@@ -17,7 +17,7 @@ Everything here follows diffusers 0.42.1's `QwenImageLayeredPipeline`:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,12 +25,11 @@ import torch
 from diffusers import QwenImageLayeredPipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import retrieve_timesteps
-from diffusers.utils.torch_utils import randn_tensor
 
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import predict
-from qie.sampling import Prediction, SamplingOptions, denoise
+from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise
 from qie.types import Batch, pad_prompt_embeds
 
 pack_latents = QwenImageLayeredPipeline._pack_latents
@@ -104,46 +103,81 @@ def sample(
     """Latents (B, C, 1 + layers, h, w) of `options.num_images` decompositions of the input, step for step as
     `QwenImageLayeredPipeline.__call__` (`options.layers` layers, default 4). The output has the input's size,
     as in the pipeline (`size` does not apply; `sampling_notes` says so)."""
-    transformer, vae = parts.transformer, parts.vae
+    transformer = parts.transformer
     (control,) = controls
     layers = DEFAULT_LAYERS if options.layers is None else int(options.layers)
     device, dtype = transformer.device, prompt[0].dtype  # noise is drawn in the prompt embeddings' dtype
     batch, channels = options.num_images, transformer.config.in_channels // 4
     lat_h, lat_w = int(control.shape[-2]) // 2 * 2, int(control.shape[-1]) // 2 * 2
-    embeds, mask = (None if x is None else x.to(device) for x in pad_prompt_embeds([prompt[0]] * batch))
-    do_cfg = options.guidance
-    if do_cfg:
-        neg, neg_mask = (None if x is None else x.to(device) for x in pad_prompt_embeds([negative[0]] * batch))
+
+    def inputs(embed: torch.Tensor) -> PromptInputs:
+        embeds, mask = pad_prompt_embeds([embed] * batch)
+        return PromptInputs(embeds.to(device), None if mask is None else mask.to(device))
 
     generator = torch.Generator("cpu").manual_seed(int(options.seed))
-    noise = randn_tensor((batch, layers + 1, channels, lat_h, lat_w), generator=generator, device=device, dtype=dtype)
-    latents = pack_latents(noise, batch, channels, lat_h, lat_w, layers + 1)
-    cond = control.unsqueeze(0).to(device=device, dtype=dtype).expand(batch, -1, -1, -1, -1)
-    cond_tokens, cond_shapes = packed_frames(cond)
-    img_shapes = [[(1, lat_h // 2, lat_w // 2)] * (layers + 1) + cond_shapes] * batch
+    noise = initial_noise((batch, channels, layers + 1, lat_h, lat_w), generator, device, dtype)
+    negative_inputs = inputs(negative[0]) if options.guidance else None
+    return denoise_latents(transformer, parts.scheduler, noise, inputs(prompt[0]), negative_inputs,
+                           [control.unsqueeze(0)], options.num_inference_steps, options.true_cfg_scale,
+                           progress=progress)  # fmt: skip
 
-    scheduler = type(parts.scheduler).from_config(parts.scheduler.config)
-    sigmas = np.linspace(1.0, 0, options.num_inference_steps + 1)[:-1]
+
+def denoise_latents(
+    transformer: Any,
+    scheduler: Any,
+    noise: torch.Tensor,
+    prompt: PromptInputs,
+    negative: PromptInputs | None,
+    controls: Sequence[torch.Tensor],
+    steps: int,
+    true_cfg_scale: float = 1.0,
+    checkpoint: bool = False,
+    pipeline_config: Mapping[str, Any] | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """The pipeline's denoising loop from `noise` (the family's `denoise`): what `sample` runs after drawing its
+    noise, and what distillation trains through (with the gradient on and `checkpoint`).
+
+    Args:
+        transformer: a layered QwenImageTransformer2DModel (LoRA or not); called for each prediction.
+        scheduler: the model's scheduler (not modified: a fresh one is made from its config).
+        noise: (B, C, 1 + layers, h, w) on the transformer's device, in the dtype the loop runs in.
+        prompt, negative: the prompts (B rows); CFG (without rescale) runs with `negative` and a scale above 1.
+        controls: the input's latent, (B or 1, C, 1, h', w').
+        pipeline_config: unused (the pipeline takes no sigmas from its model_index.json).
+
+    Returns:
+        Normalised latents (B, C, 1 + layers, h, w).
+    """
+    (control,) = controls
+    batch, _, frames, lat_h, lat_w = noise.shape
+    device, dtype = noise.device, noise.dtype
+    latents = packed_frames(noise)[0]
+    cond = control.to(device=device, dtype=dtype).expand(batch, -1, -1, -1, -1)
+    cond_tokens, cond_shapes = packed_frames(cond)
+    img_shapes = [[(1, lat_h // 2, lat_w // 2)] * frames + cond_shapes] * batch
+
+    scheduler = type(scheduler).from_config(scheduler.config)
+    sigmas = np.linspace(1.0, 0, steps + 1)[:-1]
     mu = (cond_tokens.shape[1] / (256 * 256 / 16 / 16)) ** 0.5  # the condition's tokens, as the pipeline has it
-    timesteps, _ = retrieve_timesteps(scheduler, options.num_inference_steps, device, sigmas=sigmas, mu=mu)
+    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
     is_rgb = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def prediction(embeds: torch.Tensor, mask: torch.Tensor | None, name: str) -> Prediction:
+    def prediction(inputs: PromptInputs, name: str) -> Prediction:
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             return predict(transformer, name, hidden_states=torch.cat([latents, cond_tokens], dim=1),
                            timestep=t.expand(batch).to(latents.dtype) / 1000, guidance=None, img_shapes=img_shapes,
-                           attention_kwargs={}, additional_t_cond=is_rgb, encoder_hidden_states=embeds,
-                           encoder_hidden_states_mask=mask)[:, : latents.size(1)]  # fmt: skip
+                           attention_kwargs={}, additional_t_cond=is_rgb, encoder_hidden_states=inputs.embeds,
+                           encoder_hidden_states_mask=inputs.mask)[:, : latents.size(1)]  # fmt: skip
 
         return call
 
     # The pipeline's default: CFG without cfg_normalize (no rescale).
-    uncond = prediction(neg, neg_mask, "uncond") if do_cfg else None
-    latents = denoise(scheduler, timesteps, latents, prediction(embeds, mask, "cond"), uncond,
-                      options.true_cfg_scale, progress=progress)  # fmt: skip
-    scale = qwen_image.vae_scale(vae)
-    return _unpack_latents(latents, lat_h * scale, lat_w * scale, layers, scale)
+    uncond = prediction(negative, "uncond") if negative is not None and true_cfg_scale > 1 else None
+    latents = denoise(scheduler, timesteps, latents, prediction(prompt, "cond"), uncond, true_cfg_scale,
+                      progress=progress, checkpoint=checkpoint)  # fmt: skip
+    return _unpack_latents(latents, lat_h, lat_w, frames - 1, 1)
 
 
 @torch.no_grad()
@@ -223,6 +257,7 @@ FAMILY = ModelFamily(
     encode_latents=qwen_image.encode_latents,
     loss=layered_loss,
     sample=sample,
+    denoise=denoise_latents,
     decode=decode_layers,
     vae_scale=qwen_image.vae_scale,
     config_problems=config_problems,

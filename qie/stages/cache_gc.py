@@ -3,7 +3,9 @@
 An entry's key is a hash of what its value depends on (image bytes, sizes, model fingerprints, prompt), so the
 entries a data set uses are the keys of its samples under the model and data settings given; the rest are
 left by deleted or edited samples, other sizes, or other models. A dry run (the default) lists what would go.
-Only entry files inside `cache.dir`'s type folders are ever removed (see `CacheBackend.unused`).
+Only entry files inside `cache.dir`'s type folders are ever removed (see `CacheBackend.unused`). Distillation's
+teacher outputs (`teacher_latent`) are keyed by the tensors training reads, not by a sample's files: gc keeps them
+(`action=clear cache.types=[teacher_latent]` removes them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from qie.components import prepare_model
 from qie.errors import ConfigError
 from qie.stages.auto_caption import CAPTION_TYPE, auto_captions
 from qie.stages.common import build_source, read_data
+from qie.types import CACHE_TYPES
+
+# Types no sample's keys name: never collected.
+KEPT_TYPES = ("teacher_latent",)
+COLLECTED_TYPES = [t for t in CACHE_TYPES if t not in KEPT_TYPES]
 
 
 def used_keys(cfg: DictConfig, backend: CacheBackend) -> tuple[dict[str, set[str]], int]:
@@ -55,8 +62,8 @@ def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
         )
     keep, samples = used_keys(cfg, backend)
     remove = not bool(cfg.gc.dry_run)
-    unused = backend.unused(keep, remove=False)
-    total = backend.stats()
+    unused = backend.unused(keep, COLLECTED_TYPES, remove=False)
+    total = backend.stats(COLLECTED_TYPES)
     kept = sum(s["count"] for s in total.values()) - sum(s["count"] for s in unused.values())
     # Each type the data sets use and the cache holds must match some entry: a type none of whose entries match
     # says the settings differ from precompute's (another text encoder: every prompt entry; another VAE area:
@@ -70,7 +77,7 @@ def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
             "gc.force=true to remove them all the same)"
         )
     if remove:
-        unused = backend.unused(keep, remove=True)
+        unused = backend.unused(keep, COLLECTED_TYPES, remove=True)
     count, size = sum(s["count"] for s in unused.values()), sum(s["bytes"] for s in unused.values())
     verb = "removed" if remove else "would remove"
     lines = [f"cache: {backend!r}", f"{samples} samples of model={cfg.model.name} use {kept:,} entries"]

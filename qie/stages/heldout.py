@@ -41,14 +41,14 @@ def split_heldout(samples: list[Sample], count: int) -> tuple[list[Sample], list
     return [s for s in samples if s.id not in held], [s for s in samples if s.id in held]
 
 
-def measure_heldout(
-    result: dict, state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger
-) -> None:
+def measure_heldout(result: dict, state: TrainState, source: Any, heldout: list[Sample], objective: Objective,
+                    logger: MetricsLogger, negatives: bool = False) -> None:  # fmt: skip
     """Add the trained model's held-out measures to `result` (`heldout_loss`, `heldout_<measure>`,
-    `heldout_samples`), log and print them. The main process measures; the others add nothing."""
+    `heldout_samples`), log and print them. The main process measures; the others add nothing. `negatives`: the
+    objective reads the samples' empty-prompt embeddings."""
     if not heldout or not state.accelerator.is_main_process:
         return
-    metrics = _measure(state, source, heldout, objective, logger, int(result["step"]))
+    metrics = _measure(state, source, heldout, objective, logger, int(result["step"]), negatives)
     result.update({f"heldout_{k}": v for k, v in metrics.items()})
     result["heldout_samples"] = len(heldout)
     others = "".join(f", {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items() if k != "loss")
@@ -57,20 +57,20 @@ def measure_heldout(
 
 
 def heldout_hook(state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger,
-                 every: int) -> Callable[[StepInfo], None]:  # fmt: skip
+                 every: int, negatives: bool = False) -> Callable[[StepInfo], None]:  # fmt: skip
     """A step hook measuring and logging the held-out samples every `every` steps (`validation.every`), on the
     main process."""
 
     def hook(info: StepInfo) -> None:
         if info.step % every == 0 and state.accelerator.is_main_process:
-            _measure(state, source, heldout, objective, logger, info.step)
+            _measure(state, source, heldout, objective, logger, info.step, negatives)
 
     return hook
 
 
 def _measure(state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger,
-             step: int) -> dict[str, float]:  # fmt: skip
+             step: int, negatives: bool = False) -> dict[str, float]:  # fmt: skip
     transformer = state.accelerator.unwrap_model(state.model)
-    metrics = heldout_metrics(transformer, source, heldout, objective.evaluate, seed=SEED)
+    metrics = heldout_metrics(transformer, source, heldout, objective.evaluate, seed=SEED, negatives=negatives)
     logger.log_file(HELDOUT_FILE, step, {f"heldout/{k}": v for k, v in metrics.items()})
     return metrics

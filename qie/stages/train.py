@@ -39,6 +39,7 @@ from qie.stages.common import (
 )
 from qie.stages.heldout import heldout_hook, measure_heldout, split_heldout
 from qie.stages.recipes import check_recipes, lora_exports, make_ema, regularization_logging
+from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
 from qie.stages.train_hooks import step_hooks
 from qie.training import checkpoint as ckpt
@@ -53,7 +54,14 @@ from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
 from qie.training.modes import FullMode, LoraMode, TrainMode
-from qie.training.objectives import Objective, ObjectiveInputs, ObjectiveUse, build_objective, check_use
+from qie.training.objectives import (
+    Objective,
+    ObjectiveInputs,
+    ObjectiveUse,
+    build_objective,
+    check_use,
+    objective_requires,
+)
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 
@@ -131,7 +139,9 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
             loading.wait()  # a thread still inside torch when the interpreter exits aborts it
         raise
     parts = loading.result()
-    objective = make_objective(cfg.train, parts.scheduler, spec)
+    teachers = teacher_store(backend, str(value(cfg.cache.mode)))
+    objective = make_objective(cfg.train, parts.scheduler, spec, parts.pipeline_config, teachers,
+                               base_model_key(cfg.model, records[0]))  # fmt: skip
     state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, parts, objective)
     ema = make_ema(cfg.train, state.params)
     sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
@@ -144,8 +154,10 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
 
     reg_weight = float(cfg.data.regularization.weight) if reg else 1.0
+    negatives = "empty_prompt" in objective_requires(str(cfg.train.objective))
     dataset = EmbeddingDataset(samples + reg, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed),
-                               control_dropout(cfg), len(samples) if reg else None, reg_weight)  # fmt: skip
+                               control_dropout(cfg), len(samples) if reg else None, reg_weight,
+                               negatives)  # fmt: skip
     workers, prefetch, parallel = loader_settings(cfg.data, source)
     loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch, parallel)
     logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
@@ -153,7 +165,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
                            resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
     hooks = step_hooks(cfg, spec, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
     if heldout and int(cfg.validation.every) > 0:
-        hooks.append(heldout_hook(state, source, heldout, objective, logger, int(cfg.validation.every)))
+        hooks.append(heldout_hook(state, source, heldout, objective, logger, int(cfg.validation.every), negatives))
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
     save = functools.partial(_save_checkpoint, state, run_dir, mode, cfg.train, records, ema)
@@ -164,7 +176,7 @@ def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mo
         settings = loop_settings(cfg.train, cfg.logging, objective)
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
-        measure_heldout(result, state, source, heldout, objective, logger)
+        measure_heldout(result, state, source, heldout, objective, logger, negatives)
     finally:
         logger.close()
         gc.unfreeze()  # collectable again once the run is over
@@ -229,8 +241,14 @@ def objective_options(train: DictConfig) -> dict:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else {}
 
 
-def make_objective(train: DictConfig, scheduler: Any, spec: ModelSpec) -> Objective:
-    """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift)."""
+def make_objective(train: DictConfig, scheduler: Any, spec: ModelSpec, pipeline_config: dict | None = None,
+                   teachers: Any = None, model_key: dict | None = None) -> Objective:  # fmt: skip
+    """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift).
+
+    Args:
+        pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`), for an objective that samples.
+        teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
+    """
     sigmas = SigmaSampling(
         method=str(value(train.timestep_sampling)),
         logit_mean=float(train.logit_mean),
@@ -240,8 +258,17 @@ def make_objective(train: DictConfig, scheduler: Any, spec: ModelSpec) -> Object
         dynamic_shift=bool(train.dynamic_shift),
         scheduler_config=dict(scheduler.config),
     )
-    inputs = ObjectiveInputs(spec.family, sigmas, str(value(train.loss_weighting)), objective_options(train))
+    inputs = ObjectiveInputs(spec.family, sigmas, str(value(train.loss_weighting)), objective_options(train),
+                             scheduler, pipeline_config or {}, spec.call_defaults(), teachers,
+                             model_key or {})  # fmt: skip
     return build_objective(str(train.objective), inputs)
+
+
+def base_model_key(model: DictConfig, record: dict) -> dict:
+    """What the base transformer computes with: the run's model record but what training changes, and the settings
+    that change its outputs at load (weight quantization, `zero_cond_t`)."""
+    key = {k: v for k, v in record.items() if k not in ("mode", "lora")}
+    return {**key, "quantize": str(value(model.quantize)), "zero_cond_t": bool(model.get("zero_cond_t", False))}
 
 
 def loop_settings(train: DictConfig, logging: DictConfig, objective: Objective) -> LoopSettings:

@@ -46,13 +46,15 @@ class EmbeddingDataset:
         control_dropout_rate: float = 0.0,
         weighted_from: int | None = None,
         weight: float = 1.0,
+        negatives: bool = False,
     ) -> None:
         """`weighted_from`, `weight`: batches of samples from that index on (the regularisation set) have their
-        loss multiplied by `weight`."""
+        loss multiplied by `weight`. `negatives`: batches carry each sample's empty-prompt embedding (`collate`)."""
         self.samples, self.source = list(samples), source
         self.caption_dropout_rate, self.seed = caption_dropout_rate, seed
         self.control_dropout_rate = control_dropout_rate
         self.weighted_from, self.weight = weighted_from, weight
+        self.negatives = negatives
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -72,7 +74,7 @@ class EmbeddingDataset:
             return number, BatchFailure(e)
         rng = random.Random(f"{self.seed}:{number}")
         drop = [rng.random() < self.caption_dropout_rate for _ in indices]
-        out = collate(embeds, drop)
+        out = collate(embeds, drop, self.negatives)
         if self.weighted_from is not None and indices[0] >= self.weighted_from:
             out.loss_weight = self.weight
         return number, out

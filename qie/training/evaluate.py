@@ -23,9 +23,11 @@ def heldout_metrics(
     evaluate: Evaluate,
     seed: int = 0,
     sigmas: Sequence[float] = DEFAULT_SIGMAS,
+    negatives: bool = False,
 ) -> dict[str, float]:
     """Each measure of `evaluate` (an objective's), averaged over samples x sigmas, each sample with its own fixed
-    noise. The transformer's device and dtype are used for the computation."""
+    noise. The transformer's device and dtype are used for the computation. `negatives`: the batches carry the
+    samples' empty-prompt embeddings (an objective that asks for them, `collate`)."""
     param = next(transformer.parameters())
     device, dtype = param.device, param.dtype
     was_training = transformer.training
@@ -33,7 +35,7 @@ def heldout_metrics(
     totals: dict[str, float] = {}
     count = 0
     for i, sample in enumerate(samples):
-        batch = collate(source.get([sample])).to(device, dtype)
+        batch = collate(source.get([sample]), negatives=negatives).to(device, dtype)
         g = torch.Generator().manual_seed(seed * 100_003 + i)
         noise = torch.randn(batch.latents.shape, generator=g).to(device, dtype)
         for sigma in sigmas:

@@ -5,12 +5,14 @@ resumed run repeats its draws) and asks the run's objective for the loss; it kno
 objective is one module of this package named as `train.objective` names it, holding:
 
 - `REQUIRES`: the sample fields it trains on beyond a target (`("rejected",)` for preference pairs); the train
-  stage refuses samples without them and drops such fields where the objective does not read them;
+  stage refuses samples without them and drops such fields where the objective does not read them
+  (`"empty_prompt"`, which every sample has: batches carry each sample's empty-prompt embedding);
 - `use_problem(use)`: why it cannot train this run (`ObjectiveUse`, known before any model loads), or None;
 - `build(inputs)`: the `Objective`, its own settings read from `inputs.options` (the `train.<name>` node).
 
 `flow_matching` (the default) is the family's flow-matching loss with loss masks and regularisation weights;
-`dpo` is Diffusion-DPO carried to flow matching on preference pairs.
+`dpo` is Diffusion-DPO carried to flow matching on preference pairs; `distill` trains a few-step student on the
+base model's own sampling (its teacher outputs kept in the cache).
 """
 
 from __future__ import annotations
@@ -74,11 +76,20 @@ class ObjectiveUse:
 class ObjectiveInputs:
     """What the train stage hands an objective's `build`: the model family's pieces and the step's settings."""
 
-    family: Any  # the ModelFamily: its loss pieces and patch size
+    family: Any  # the ModelFamily: its loss pieces, patch size and sampling loop
     sigmas: SigmaSampling
     loss_weighting: str = "none"
     # The objective's own settings: the `train.<name>` node as plain values ({} where there is none).
     options: Mapping[str, Any] = field(default_factory=dict)
+    # What an objective that samples needs (distillation): the model's noise scheduler, the checkpoint's
+    # model_index.json (`Parts.pipeline_config`), the model's sampling defaults (`ModelSpec.call_defaults()`).
+    scheduler: Any = None
+    pipeline_config: Mapping[str, Any] = field(default_factory=dict)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Where an objective keeps what it computes from the base model (distillation's teacher outputs, in the cache
+    # backend; None: kept nowhere), and what the base model is (the run's model record, part of their keys).
+    teacher_store: Any = None
+    model_key: Mapping[str, Any] = field(default_factory=dict)
 
 
 def objective_names() -> list[str]:

@@ -112,10 +112,10 @@ def accuracy(z: torch.Tensor) -> torch.Tensor:
 
 class Reference:
     """The reference model inside the trained one: its adapter layers turned off (the base), or switched to the
-    adapter of `lora` loaded beside the trained one (`prepare`)."""
+    adapter of `lora` loaded beside the trained one (`prepare`). `objective` names the objective in errors."""
 
-    def __init__(self, lora: str | None = None) -> None:
-        self.lora = lora
+    def __init__(self, lora: str | None = None, objective: str = "dpo") -> None:
+        self.lora, self.objective = lora, objective
         self.layers: list[Any] = []
         self.trained: list[str] = []
         self.flags: list[tuple[torch.nn.Parameter, bool]] = []
@@ -127,7 +127,8 @@ class Reference:
 
         before = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
         if not before:
-            raise ConfigError("train.objective=dpo needs the trained adapter on the transformer: train.mode=lora")
+            raise ConfigError(f"train.objective={self.objective} needs the trained adapter on the transformer: "
+                              "train.mode=lora")  # fmt: skip
         self.trained = list(before[0].active_adapters)
         flags = {p: p.requires_grad for p in transformer.parameters()}
         if self.lora:

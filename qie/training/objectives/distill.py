@@ -1,0 +1,257 @@
+"""Distillation of a few-step LoRA from the base model's own sampling (`train.objective=distill`, settings
+`train.distill`).
+
+The teacher is the base model (the trained adapter turned off) sampling as `qie.infer` samples: `teacher_steps`
+steps, true CFG at `teacher_cfg` against the sample's empty prompt, from the noise of a seed. The student (the base
+with the adapter) denoises the same noise in `student_steps` steps without CFG, through the family's own sampling
+loop (`ModelFamily.denoise`) with the gradient, each step's prediction recomputed in the backward pass; the loss is
+the mean squared error of its final latents to the teacher's (the batch's loss mask applied). Each sample has
+`seeds` seeds (0, 1, ...): each step draws one per sample from the batch's generator, so the student sees varied
+noise and a resumed run draws the same.
+
+Teacher outputs are kept as cache entries (`teacher_latent`, the teacher's final latents) keyed by the base model
+(the run's model record and quantization), the teacher's settings (steps, scale, the scheduler's config and the
+checkpoint's sampling sigmas), the seed, the latent shape and dtype, and the bytes of the sample's prompt,
+empty-prompt and control tensors as the step reads them (`TeacherStore`). `cache.mode=lazy` computes and writes a
+missing one on first use, `cached` only reads them (a miss names the sample), `live` computes them every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import torch
+
+from qie.errors import CacheMissError, ConfigError
+from qie.sampling import PromptInputs, initial_noise
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse
+from qie.training.objectives.dpo import Reference
+from qie.types import Batch
+
+REQUIRES = ("empty_prompt",)  # the teacher's negative prompt: batches carry each sample's empty-prompt embedding
+ENTRY_TYPE = "teacher_latent"
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """`train.distill` (teacher_steps and teacher_cfg left None: the model's pipeline defaults)."""
+
+    student_steps: int = 4
+    teacher_steps: int | None = None
+    teacher_cfg: float | None = None
+    seeds: int = 2
+
+    @classmethod
+    def of(cls, options: Any, defaults: Mapping[str, Any] | None = None) -> DistillSettings:
+        """The settings of a `train.distill` node (plain values), None taken from `defaults`
+        (`ModelSpec.call_defaults()`: num_inference_steps, true_cfg_scale).
+
+        Raises:
+            ConfigError: a step count or seed count below 1, a teacher scale of 0 or less.
+        """
+        known = {f.name for f in fields(cls)}
+        s = cls(**{k: v for k, v in dict(options or {}).items() if k in known})
+        defaults = defaults or {}
+        if s.teacher_steps is None and defaults.get("num_inference_steps") is not None:
+            s = cls(s.student_steps, int(defaults["num_inference_steps"]), s.teacher_cfg, s.seeds)
+        if s.teacher_cfg is None and defaults.get("true_cfg_scale") is not None:
+            s = cls(s.student_steps, s.teacher_steps, float(defaults["true_cfg_scale"]), s.seeds)
+        for name in ("student_steps", "teacher_steps", "seeds"):
+            value = getattr(s, name)
+            if value is not None and int(value) < 1:
+                raise ConfigError(f"train.distill.{name}={value} is out of range: give 1 or more")
+        if s.teacher_cfg is not None and not s.teacher_cfg > 0:
+            raise ConfigError(f"train.distill.teacher_cfg={s.teacher_cfg} is out of range: give a value above 0 "
+                              "(1: no CFG; e.g. 4)")  # fmt: skip
+        return s
+
+
+def use_problem(use: ObjectiveUse) -> str | None:
+    if not use.lora:
+        return ("train.objective=distill needs train.mode=lora: its teacher is the base model with the adapter "
+                "turned off, which training the whole transformer does not keep")  # fmt: skip
+    if use.regularization:
+        return ("train.objective=distill does not mix in data.regularization (the student learns the teacher's "
+                "outputs, not targets): remove data.regularization.path")  # fmt: skip
+    DistillSettings.of(use.options)
+    return None
+
+
+class TeacherStore(Protocol):
+    """Where teacher outputs are kept (the train stage's cache backend): entries named by their key fields."""
+
+    # Whether a missing output is computed and written (cache.mode=lazy); otherwise a miss is an error.
+    fills: bool
+
+    def read(self, fields: Mapping[str, Any]) -> torch.Tensor | None:
+        """The stored latents (C, F, h, w) under `fields`, or None."""
+        ...
+
+    def write(self, fields: Mapping[str, Any], latents: torch.Tensor) -> None: ...
+
+
+def sample_inputs(batch: Batch, i: int) -> tuple[PromptInputs, PromptInputs, list[torch.Tensor]]:
+    """Sample `i` of `batch` as the sampler takes one sample: its prompt and empty prompt unpadded (no mask), its
+    controls, each with a batch of one.
+
+    Raises:
+        ValueError: the batch holds no empty-prompt embeddings (`collate(negatives=True)`).
+    """
+    if batch.negative_prompt_embeds is None:
+        raise ValueError(f"batch {batch.ids} holds no empty-prompt embeddings: train.objective=distill needs them")
+
+    def unpadded(embeds: torch.Tensor, mask: torch.Tensor | None, image_mask: torch.Tensor | None) -> PromptInputs:
+        n = embeds.shape[1] if mask is None else int(mask[i].sum())
+        return PromptInputs(embeds[i : i + 1, :n], None, None if image_mask is None else image_mask[i : i + 1, :n])
+
+    prompt = unpadded(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
+    negative = unpadded(batch.negative_prompt_embeds, batch.negative_prompt_embeds_mask,
+                        batch.negative_prompt_image_mask)  # fmt: skip
+    return prompt, negative, [c[i : i + 1] for c in batch.control_latents]
+
+
+def digest(tensors: Sequence[torch.Tensor | None]) -> str:
+    """sha256 of the tensors' dtypes, shapes and bytes, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is None:
+            h.update(b"none;")
+            continue
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def seed_noise(shape: Sequence[int], seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The starting noise (1, C, F, h, w) of seed `seed`: what the sampler draws for one image with that seed."""
+    return initial_noise((1, *shape), torch.Generator("cpu").manual_seed(int(seed)), device, dtype)
+
+
+def masked_error(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Each sample's mean squared error (B,), float32; with a loss mask (B, 1, 1, h, w) weighted by it and divided
+    by its mean weight (as the flow-matching loss weighs)."""
+    error = (student.float() - teacher.float()) ** 2
+    if mask is None:
+        return error.flatten(1).mean(1)
+    w = mask.to(error.device, torch.float32).expand_as(error)
+    return (error * w).flatten(1).mean(1) / w.flatten(1).mean(1).clamp_min(1e-12)
+
+
+class Distill:
+    """The distillation objective (see the module's text).
+
+    Args:
+        family: the ModelFamily (its `denoise`).
+        scheduler: the model's noise scheduler; pipeline_config: the checkpoint's model_index.json.
+        settings: `train.distill`, resolved.
+        store: where teacher outputs are kept; None: computed every time, kept nowhere.
+        model_key: what the base model is (the run's model record): part of every teacher entry's key.
+    """
+
+    def __init__(self, family: Any, scheduler: Any, pipeline_config: Mapping[str, Any], settings: DistillSettings,
+                 store: TeacherStore | None, model_key: Mapping[str, Any]) -> None:  # fmt: skip
+        self.family, self.scheduler, self.pipeline_config = family, scheduler, dict(pipeline_config or {})
+        self.settings, self.store = settings, store
+        scheduler_config = {k: v for k, v in dict(scheduler.config).items() if not k.startswith("_")}
+        self.teacher_key = json.loads(json.dumps({
+            "model": dict(model_key), "steps": settings.teacher_steps, "cfg": settings.teacher_cfg,
+            "scheduler": scheduler_config, "sigmas": self.pipeline_config.get("sample_sigmas"),
+        }, default=str))  # fmt: skip
+        self.reference = Reference(objective="distill")
+        self.computed = self.samples = 0
+
+    def prepare(self, transformer: torch.nn.Module) -> None:
+        self.reference.prepare(transformer)
+
+    def key_fields(self, batch: Batch, i: int, seed: int, noise: torch.Tensor) -> dict[str, Any]:
+        """The fields of sample `i`'s teacher entry for `seed` (`noise` its starting noise)."""
+        prompt, negative, controls = sample_inputs(batch, i)
+        inputs = digest([prompt.embeds, prompt.image_mask, negative.embeds, negative.image_mask, *controls])
+        return {**self.teacher_key, "seed": int(seed), "shape": list(noise.shape[1:]), "dtype": str(noise.dtype),
+                "inputs": inputs}  # fmt: skip
+
+    def teach(self, model: torch.nn.Module, batch: Batch, i: int, noise: torch.Tensor) -> torch.Tensor:
+        """The teacher's latents (1, C, F, h, w) of sample `i` from `noise`: the base model sampling with
+        `teacher_steps` steps and true CFG at `teacher_cfg` against the empty prompt, without a gradient."""
+        prompt, negative, controls = sample_inputs(batch, i)
+        cfg = float(self.settings.teacher_cfg or 1.0)
+        with torch.no_grad(), self.reference.active():
+            return self.family.denoise(model, self.scheduler, noise, prompt, negative if cfg > 1 else None, controls,
+                                       int(self.settings.teacher_steps), cfg, False, self.pipeline_config)  # fmt: skip
+
+    def teacher(self, model: torch.nn.Module, batch: Batch, i: int, seed: int, noise: torch.Tensor,
+                fill: bool = True) -> torch.Tensor:  # fmt: skip
+        """Sample `i`'s teacher latents for `seed`: read from the store, else computed (and written where the store
+        fills). Without `fill`, a miss is computed even where the store does not fill (held-out measures).
+
+        Raises:
+            CacheMissError: the store holds no such entry and does not fill (cache.mode=cached).
+        """
+        self.samples += 1
+        fields = self.key_fields(batch, i, seed, noise) if self.store is not None else {}
+        if self.store is not None:
+            found = self.store.read(fields)
+            if found is not None:
+                return found.to(noise.device, noise.dtype).unsqueeze(0)
+            if fill and not self.store.fills:
+                raise CacheMissError(
+                    f"sample {batch.ids[i]!r}: its teacher output (seed {seed}) is not in the cache: train with "
+                    "cache.mode=lazy once to compute and store the teacher outputs (or keep training lazy)"
+                )
+        latents = self.teach(model, batch, i, noise)
+        self.computed += 1
+        if self.store is not None and self.store.fills:
+            self.store.write(fields, latents[0])
+        return latents
+
+    def student(self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor) -> torch.Tensor:
+        """The student's latents (B, C, F, h, w) from `noise`: `student_steps` steps without CFG, with the gradient
+        where it is on (each prediction recomputed in the backward pass)."""
+        prompt = PromptInputs(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
+        return self.family.denoise(model, self.scheduler, noise, prompt, None, batch.control_latents,
+                                   int(self.settings.student_steps), 1.0, True, self.pipeline_config)  # fmt: skip
+
+    def _errors(self, model: torch.nn.Module, batch: Batch, seeds: Sequence[int], fill: bool) -> torch.Tensor:
+        shape, device, dtype = batch.latents.shape[1:], batch.latents.device, batch.prompt_embeds.dtype
+        noise = [seed_noise(shape, s, device, dtype) for s in seeds]
+        teacher = torch.cat([self.teacher(model, batch, i, s, n, fill) for i, (s, n) in enumerate(zip(seeds, noise))])
+        return masked_error(self.student(model, batch, torch.cat(noise)), teacher, batch.loss_mask)
+
+    def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
+        seeds = torch.randint(int(self.settings.seeds), (batch.latents.shape[0],), generator=generator).tolist()
+        out = self._errors(model, batch, seeds, fill=True).mean()
+        return out if batch.loss_weight == 1.0 else out * batch.loss_weight
+
+    def step_metrics(self) -> dict[str, float]:
+        """`teacher_computed`: the share of the window's teacher outputs computed (not read from the cache)."""
+        out = {"teacher_computed": self.computed / self.samples} if self.samples else {}
+        self.computed = self.samples = 0
+        return out
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+    ) -> dict[str, float]:
+        """The student's error to the teacher from seed 0's noise ("loss"); `noise` and `sigmas` are not used: the
+        measure is of whole sampling runs. A held-out sample's missing teacher output is computed, not required."""
+        computed, samples = self.computed, self.samples
+        loss = float(self._errors(model, batch, [0] * batch.latents.shape[0], fill=False).mean())
+        self.computed, self.samples = computed, samples  # held-out measures are not the steps' own
+        return {"loss": loss}
+
+
+def build(inputs: ObjectiveInputs) -> Distill:
+    settings = DistillSettings.of(inputs.options, inputs.sampling_defaults)
+    if settings.teacher_steps is None or settings.teacher_cfg is None:
+        raise ConfigError("train.distill.teacher_steps and teacher_cfg are not set and the model names no pipeline "
+                          "defaults: set both (e.g. train.distill.teacher_steps=20 train.distill.teacher_cfg=4)")
+    if inputs.scheduler is None:
+        raise ValueError("train.objective=distill needs the model's scheduler (ObjectiveInputs.scheduler)")
+    return Distill(inputs.family, inputs.scheduler, inputs.pipeline_config, settings, inputs.teacher_store,
+                   inputs.model_key)  # fmt: skip

@@ -1,0 +1,105 @@
+"""Distillation (`train.objective=distill`): the teacher and the student are the family's own sampler, teacher
+outputs are cache entries a cached run reads, and what the objective refuses. Every family's pinned losses, lazy ==
+cached entries and exact resume are in the family battery (`test_family_battery.py`, case distill)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from distill_checks import check_teacher_and_student
+from PIL import Image
+
+from qie.cache.ssd import SsdBackend
+from qie.config import compose
+from qie.errors import CacheMissError, ConfigError
+from qie.models import model_spec
+from qie.stages import train
+from qie.stages.cache_admin import run as cache_cli
+from qie.stages.infer import build_predictor
+from qie.training.objectives import ObjectiveUse, check_use
+
+OPTIONS = {"student_steps": 2, "teacher_steps": 3, "teacher_cfg": 4.0, "seeds": 2}
+DISTILL = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
+           "train.distill.teacher_cfg=4", "train.max_steps=1"]  # fmt: skip
+
+
+def test_the_teacher_is_the_base_sampling_and_the_student_the_lora_sampling_with_a_gradient(
+    small_cfg, cached_data
+) -> None:
+    check_teacher_and_student(small_cfg("train", *cached_data.overrides), OPTIONS)
+
+
+def test_a_cached_run_without_teacher_outputs_names_the_sample_and_lazy_mode(small_cfg, cached_data, tmp_path) -> None:
+    shutil.copytree(cached_data.cache, tmp_path / "cache")  # the embeddings; no teacher output
+    cfg = small_cfg("train", *cached_data.overrides, *DISTILL, f"cache.dir={tmp_path / 'cache'}")
+    with pytest.raises(CacheMissError, match=r"sample '.+': its teacher output \(seed \d\) .*cache.mode=lazy") as info:
+        train.run(cfg, tmp_path / "run")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "cache" / "teacher_latent").exists()  # cached mode computes and writes none
+
+
+@pytest.mark.parametrize(
+    ("lora", "regularization", "options", "message"),
+    [
+        (False, False, {}, "train.objective=distill needs train.mode=lora"),
+        (True, True, {}, "train.objective=distill does not mix in data.regularization"),
+        (True, False, {"seeds": 0}, r"train.distill.seeds=0 is out of range"),
+        (True, False, {"student_steps": 0}, r"train.distill.student_steps=0 is out of range"),
+        (True, False, {"teacher_cfg": 0.0}, r"train.distill.teacher_cfg=0.0 is out of range"),
+    ],
+)
+def test_what_distillation_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:
+    family = model_spec(small_cfg("train").model).family
+    with pytest.raises(ConfigError, match=message) as info:
+        check_use("distill", ObjectiveUse(family, lora, regularization, options))
+    assert "\n" not in str(info.value)
+
+
+def test_a_full_model_run_is_refused_before_anything_loads(small_cfg, cached_data, tmp_path) -> None:
+    cfg = small_cfg("train", *cached_data.overrides, *DISTILL, "train.mode=full")
+    with pytest.raises(ConfigError, match="train.objective=distill needs train.mode=lora"):
+        train.run(cfg, tmp_path / "run")
+
+
+def test_gc_keeps_teacher_outputs_and_clear_removes_them(cached_data, tiny_path, tmp_path) -> None:
+    shutil.copytree(cached_data.cache, tmp_path / "cache")
+    backend = SsdBackend(tmp_path / "cache")
+    backend.put("teacher_latent", "ab" * 32, {"latent": torch.zeros(16, 1, 8, 8)})
+    model = ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}", f"cache.dir={tmp_path / 'cache'}"]
+    gc = ["action=gc", *model, f"data.path={cached_data.data}", "gc.dry_run=false", "gc.force=true"]
+    assert cache_cli(compose("cache", gc)) == 0
+    assert backend.exists("teacher_latent", "ab" * 32)
+    clear = ["action=clear", f"cache.dir={tmp_path / 'cache'}", "cache.types=[teacher_latent]"]
+    assert cache_cli(compose("cache", clear)) == 0
+    assert not backend.exists("teacher_latent", "ab" * 32) and backend.stats()["pixel_latent"]["count"] == 8
+
+
+@pytest.mark.usefixtures("small_conditions")
+def test_the_distilled_lora_loads_in_the_diffusers_pipeline_and_gives_qie_infer_at_student_steps(
+    small_cfg, cached_data, tiny_path, tmp_path
+) -> None:
+    from test_family_battery import pipeline_of
+
+    shutil.copytree(cached_data.cache, tmp_path / "cache")
+    cfg = small_cfg("train", *cached_data.overrides, *DISTILL, f"cache.dir={tmp_path / 'cache'}", "cache.mode=lazy",
+                    "train.learning_rate=1e-2")  # fmt: skip
+    lora = Path(train.run(cfg, tmp_path / "run")["lora"])
+    caption = sorted((cached_data.data / "training_images").glob("*.txt"))[0]
+    control, prompt = cached_data.data / "control_images" / f"{caption.stem}.png", caption.read_text().strip()
+    student = dict(true_cfg_scale=1.0, num_inference_steps=2, height=64, width=64)  # DISTILL's student_steps
+
+    pipe = pipeline_of(tiny_path)
+    base = pipe(prompt=prompt, image=[Image.open(control)], generator=torch.Generator().manual_seed(3),
+                output_type="np", **student).images  # fmt: skip
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    expected = pipe(prompt=prompt, image=[Image.open(control)], generator=torch.Generator().manual_seed(3),
+                    output_type="np", **student).images  # fmt: skip
+    predictor = build_predictor(compose("infer", ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}",
+                                                  f"predict.lora={lora}"]))  # fmt: skip
+    mine = predictor.predict([control], prompt, output_type="np", negative_prompt=None, seed=3, **student)
+    assert np.abs(expected - base).max() > 1e-6  # the distilled LoRA moves the output
+    assert np.abs(mine - expected).max() <= 1e-5
