@@ -14,6 +14,7 @@ from PIL import Image
 from qie.components.processor import Qwen3VLProcessorNoVideo, load_processor
 from qie.data.images import condition_images, fit_area
 from qie.models import qwen_image_21 as q21
+from qie.models import qwen_image_21_pipeline
 from qie.types import Batch
 
 RES = 64  # the pipeline's output_resolution: condition area and text-to-image size
@@ -71,7 +72,7 @@ def test_sampling_matches_pipeline(pipe: QwenImage21Pipeline, count: int) -> Non
         for text in ("A red cat.", "blurry")
     )
     width, height = fit_area(*images[-1].size, RES * RES) if images else (RES, RES)
-    out = q21.sample_latents(
+    out = qwen_image_21_pipeline.sample_latents(
         pipe, prompt, negative, latents, height, width, torch.Generator().manual_seed(3), true_cfg_scale=3.0
     )
     mine = q21.decode_latents(pipe.vae, out, "np")

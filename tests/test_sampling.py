@@ -11,8 +11,8 @@ import torch
 from diffusers import QwenImageEditPipeline
 from helpers import noise_image, tiny_pipeline
 
-from qie.models.qwen_image import decode_latents, sample_latents
-from qie.models.qwen_image import vae_scale as vae_scale_factor
+from qie.models.qwen_image_sampling import decode_latents, sample_latents
+from qie.models.qwen_image_sampling import vae_scale as vae_scale_factor
 from qie.sampling import true_cfg_enabled
 from qie.types import pad_prompt_embeds
 

@@ -17,48 +17,32 @@ and its prediction is regressed onto noise - x0 (the Euler step is x + (σ' - σ
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import QwenImage21Pipeline
-from diffusers.image_processor import VaeImageProcessor
-from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timesteps
 
 from qie.models import real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
-from qie.models.flow import noisy_latents, predict, shift_mu, velocity_loss
-from qie.sampling import Prediction, PromptInputs, denoise, initial_noise
+from qie.models.flow import noisy_latents, velocity_loss
+from qie.models.qwen_image_21_pipeline import (
+    TOKENS_PER_SLOT,
+    VAE_SCALE,
+    decode_latents,
+    denoise_latents,
+    packed,
+    pipeline,
+    sample,
+    with_target_slots,
+)
 from qie.types import Batch
-
-_pack = QwenImage21Pipeline._pack_latents
-_unpack = QwenImage21Pipeline._unpack_latents
-# One image slot of the prompt stands for 2x2 latent tokens; one latent token is 16x16 pixels.
-TOKENS_PER_SLOT = 4
-VAE_SCALE = 16
 
 VARIANTS = {"qwen_image_21": Variant("QwenImage21Pipeline", "all", output_image=-1, caption="edit_instruction")}
 
 
-class _NoProcessor:
-    """Stands in for the processor when none is built (cached training or sampling): it gives the drop index."""
-
-    tokenizer = SimpleNamespace(encode=lambda text: [0])
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> list[list[int]]:
-        return [[]]
-
-
-def pipeline(spec: Any, parts: Any) -> QwenImage21Pipeline:
-    """`QwenImage21Pipeline` over the built parts (a part not built stays None), with the checkpoint's
-    `sample_sigmas` (its model_index.json, `parts.pipeline_config`) as `from_pretrained` would set them."""
-    processor = parts.processor if parts.processor is not None else _NoProcessor()
-    sigmas = getattr(parts, "pipeline_config", {}).get("sample_sigmas")
-    return QwenImage21Pipeline(parts.scheduler, parts.vae, parts.text_encoder, processor, parts.transformer, sigmas)
 
 
 def prompt_template(spec: Any) -> str:
@@ -109,15 +93,6 @@ def vae_scale(vae: Any) -> int:
     return VAE_SCALE
 
 
-def packed(latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """(B, C, 1, h, w) -> (B, h*w, C) tokens and the (1, h, w) shape the transformer's rope uses."""
-    b, c, _, h, w = latents.shape
-    return _pack(latents, b, c, h, w), (1, h, w)
-
-
-def with_target_slots(image_mask: torch.Tensor, target_tokens: int) -> torch.Tensor:
-    """The transformer's `img_mask`: the prompt's image-pad mask, then one slot per 2x2 target tokens."""
-    return torch.cat([image_mask, image_mask.new_ones(image_mask.shape[0], target_tokens // TOKENS_PER_SLOT)], dim=1)
 
 
 def flow_matching_loss(
@@ -155,184 +130,6 @@ def flow_matching_loss(
     target, _ = packed(noise - x0)
     mask = None if batch.loss_mask is None else packed(batch.loss_mask.expand_as(x0))[0]
     return velocity_loss(pred, target, sigmas, weighting, mask, per_sample)
-
-
-def _prompt_inputs(pipe, embed, image_mask, copies: int, device) -> tuple:
-    """The pipeline's `encode_prompt` over an already-encoded prompt: repeated per image, mask dropped."""
-    return pipe.encode_prompt(
-        prompt=None,
-        device=device,
-        num_images_per_prompt=copies,
-        prompt_embeds=embed.unsqueeze(0).to(device),
-        prompt_embeds_mask=None,
-        image_pad_mask=image_mask.unsqueeze(0).to(device),
-    )
-
-
-def sample(
-    parts: Any,
-    prompt: tuple[torch.Tensor, torch.Tensor],
-    negative: tuple[torch.Tensor, torch.Tensor] | None,
-    controls: Sequence[torch.Tensor],
-    size: tuple[int, int],
-    options: Any,
-    progress: bool = False,
-) -> torch.Tensor:
-    """Latents of `options.num_images` images from one sample's encoded inputs (qie's sampler interface,
-    see `qie.models.family`): `sample_latents` with the options' seed, CFG and steps."""
-    multiple = 2 * VAE_SCALE
-    height, width = (int(side) // multiple * multiple for side in size)
-    return sample_latents(
-        pipeline(None, parts),
-        prompt,
-        negative if options.guidance else None,
-        controls,
-        height,
-        width,
-        torch.Generator("cpu").manual_seed(int(options.seed)),
-        num_images=options.num_images,
-        true_cfg_scale=options.true_cfg_scale,
-        num_inference_steps=options.num_inference_steps,
-        progress=progress,
-    )
-
-
-@torch.no_grad()
-def sample_latents(
-    pipe: QwenImage21Pipeline,
-    prompt: tuple[torch.Tensor, torch.Tensor],
-    negative: tuple[torch.Tensor, torch.Tensor] | None,
-    references: Sequence[torch.Tensor],
-    height: int,
-    width: int,
-    generator: torch.Generator | None,
-    num_images: int = 1,
-    true_cfg_scale: float = 1.0,
-    num_inference_steps: int = 40,
-    sigmas: Sequence[float] | None = None,
-    use_kv_cache: bool = True,
-    progress: bool = False,
-) -> torch.Tensor:
-    """Denoise from noise to the target's latents, step for step as `QwenImage21Pipeline.__call__`.
-
-    Args:
-        pipe: the pipeline over (at least) the transformer and the scheduler; its scheduler is not changed.
-        prompt, negative: (embedding (tokens, dim), image-pad mask (tokens,)) as `encode_prompt` returns;
-            CFG runs when `negative` is given and `true_cfg_scale` > 1.
-        references: normalised reference latents, each (C, 1, h, w), in the prompt's image order.
-        height, width: output size in pixels, multiples of 32.
-        generator: draws the initial noise (B, 1, C, h, w), as the pipeline draws it.
-        sigmas: sampling sigmas; None: the pipeline config's `sample_sigmas`, else `num_inference_steps`
-            evenly spaced ones.
-
-    Returns:
-        Normalised latents (num_images, C, 1, height / 16, width / 16).
-    """
-    transformer, device = pipe.transformer, pipe.transformer.device
-    embeds, mask, image_mask = _prompt_inputs(pipe, *prompt, num_images, device)
-    neg = None
-    if negative is not None and true_cfg_scale > 1:
-        neg = PromptInputs(*_prompt_inputs(pipe, *negative, num_images, device))
-    f = pipe.vae_scale_factor
-    shape = (num_images, transformer.config.in_channels, 1, 2 * (height // (f * 2)), 2 * (width // (f * 2)))
-    noise = initial_noise(shape, generator, device, embeds.dtype)
-    refs = [r.unsqueeze(0) for r in references]
-    config = {"sample_sigmas": pipe.config.sample_sigmas}
-    return denoise_latents(transformer, pipe.scheduler, noise, PromptInputs(embeds, mask, image_mask), neg, refs,
-                           num_inference_steps, true_cfg_scale, pipeline_config=config, sigmas=sigmas,
-                           use_kv_cache=use_kv_cache, progress=progress)  # fmt: skip
-
-
-def denoise_latents(
-    transformer: Any,
-    scheduler: Any,
-    noise: torch.Tensor,
-    prompt: PromptInputs,
-    negative: PromptInputs | None,
-    controls: Sequence[torch.Tensor],
-    steps: int,
-    true_cfg_scale: float = 1.0,
-    checkpoint: bool = False,
-    pipeline_config: Mapping[str, Any] | None = None,
-    sigmas: Sequence[float] | None = None,
-    use_kv_cache: bool = True,
-    progress: bool = False,
-) -> torch.Tensor:
-    """The pipeline's denoising loop from `noise` (the family's `denoise`): what `sample_latents` runs after drawing
-    its noise, and what distillation trains through (with the gradient on and `checkpoint`).
-
-    Args:
-        transformer: a QwenImage21Transformer2DModel (LoRA or not); called for each prediction.
-        scheduler: the model's scheduler (not modified: a fresh one is made from its config).
-        noise: (B, C, 1, h, w) on the transformer's device, in the dtype the loop runs in.
-        prompt, negative: the prompts with their image-pad masks (B rows, or one for every image); CFG runs with
-            `negative` and a scale above 1 (no rescale).
-        controls: normalised reference latents, each (B or 1, C, 1, h, w), in the prompt's image order.
-        pipeline_config: the checkpoint's model_index.json: its `sample_sigmas`, when set, are the sigmas.
-        sigmas: sampling sigmas (before `pipeline_config`'s); else `steps` evenly spaced ones.
-
-    Returns:
-        Normalised latents (B, C, 1, h, w).
-    """
-    batch, _, _, lat_h, lat_w = noise.shape
-    device, dtype = noise.device, noise.dtype
-    do_cfg = negative is not None and true_cfg_scale > 1
-    latents = packed(noise)[0]
-    refs = [r.to(device, dtype).expand(batch, -1, -1, -1, -1) for r in controls]
-    ref_tokens = torch.cat([packed(r)[0] for r in refs], dim=1) if refs else None
-    img_shapes = [[packed(r)[1] for r in refs] + [(1, lat_h, lat_w)]]
-
-    scheduler = type(scheduler).from_config(scheduler.config)
-    if sigmas is None:
-        sigmas = (pipeline_config or {}).get("sample_sigmas")
-        if sigmas is None:
-            sigmas = np.linspace(1.0, 1 / steps, steps)
-    mu = shift_mu(latents.shape[1], scheduler.config)
-    timesteps, _ = retrieve_timesteps(scheduler, None, device, sigmas=sigmas, mu=mu)
-    image_mask = with_target_slots(prompt.image_mask, latents.shape[1])
-    neg_image_mask = with_target_slots(negative.image_mask, latents.shape[1]) if do_cfg else None
-    cached = use_kv_cache and transformer.config.causal_condition
-    cond_cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if cached else None
-    neg_cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if cached and do_cfg else None
-
-    scheduler.set_begin_index(0)
-
-    def prediction(inputs: PromptInputs, image_mask, kv_cache, name: str) -> Prediction:
-        def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            kv_mode = ("extract" if i == 0 else "cached") if cached else None
-            model_input = latents if ref_tokens is None else torch.cat([ref_tokens, latents], dim=1)
-            timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-            return _predict(transformer, model_input, timestep, img_shapes, kv_mode, latents.shape[1], inputs.embeds,
-                            inputs.mask, image_mask, kv_cache, name)  # fmt: skip
-
-        return call
-
-    cond = prediction(prompt, image_mask, cond_cache, "cond")
-    uncond = prediction(negative, neg_image_mask, neg_cache, "uncond") if do_cfg else None
-    latents = denoise(scheduler, timesteps, latents, cond, uncond, true_cfg_scale, progress=progress,
-                      checkpoint=checkpoint)  # fmt: skip
-    return _unpack(latents, lat_h, lat_w, 1)
-
-
-def _predict(transformer, model_input, timestep, img_shapes, kv_mode, target_tokens, embeds, mask, image_mask,
-             kv_cache, name) -> torch.Tensor:  # fmt: skip
-    """One transformer call of the loop (named for diffusers' cache hooks); the target's tokens of its output."""
-    out = predict(transformer, name, hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds,
-                  encoder_hidden_states_mask=mask, img_shapes=img_shapes, img_mask=image_mask, attention_kwargs={},
-                  kv_cache=kv_cache, kv_cache_mode=kv_mode)  # fmt: skip
-    return out[:, -target_tokens:]
-
-
-@torch.no_grad()
-def decode_latents(vae: Any, latents: torch.Tensor, output_type: str = "pil") -> Any:
-    """RGBA images from normalised latents (B, C, 1, h, w), as the pipeline decodes them."""
-    latents = latents.to(vae.device, vae.dtype)
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-    std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-    images = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
-    processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE, vae_latent_channels=vae.config.z_dim)
-    return processor.postprocess(images, output_type=output_type)
 
 
 # --- rules and planner facts ----------------------------------------------------------------------------
