@@ -29,6 +29,21 @@ def data(tiny_path: Path, cached_data: CachedData) -> dict:
     return {"root": cached_data.root, "base": [model, *cached_data.overrides, "logging.report_to=none"]}
 
 
+# The short multi-process runs: 3 steps, a checkpoint at step 2 (and at the end).
+SHORT = ["train.max_steps=3", "train.learning_rate=1e-3", "train.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def one_node(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of one torchrun of two processes on one node (SHORT). Tests read it, never write it."""
+    tmp = tmp_path_factory.mktemp("one_node")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    with qie_train(data["base"] + SHORT + [f"hydra.run.dir={tmp / 'run'}"], tmp / "logs", launcher=launcher) as proc:
+        proc.wait(timeout=300)
+    assert proc.returncode == 0, output(tmp / "logs")[1][-3000:]
+    return tmp / "run"
+
+
 def env() -> dict[str, str]:
     # One thread per process: two processes share this machine's cores.
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -95,16 +110,11 @@ def test_sigterm_saves_a_checkpoint_that_resume_latest_continues(data: dict, tmp
     assert steps == list(range(1, stopped + 3))
 
 
-def test_two_processes_keep_the_lora_identical(data: dict, tmp_path: Path) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
-    args = ["train.max_steps=3", "data.num_workers=0", "train.learning_rate=1e-3", f"hydra.run.dir={tmp_path / 'run'}"]
-    with qie_train(data["base"] + args, tmp_path / "logs", launcher=launcher) as proc:
-        proc.wait(timeout=300)
-    assert proc.returncode == 0, output(tmp_path / "logs")[1][-3000:]
-    result = json.loads((tmp_path / "run" / "train_result.json").read_text())
+def test_two_processes_keep_the_lora_identical(one_node: Path) -> None:
+    result = json.loads((one_node / "train_result.json").read_text())
     checksums = result["param_checksums"]  # gathered from every process after the last step
     assert len(checksums) == 2 and checksums[0] == checksums[1] and result["ranks_agree"]
-    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()
+    assert (one_node / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()
 
 
 def _free_port() -> int:
@@ -145,21 +155,18 @@ def _wait_all(procs: list[subprocess.Popen], logs: Path, timeout: float) -> None
                 proc.wait()
 
 
-def test_two_nodes_give_the_losses_of_two_processes_on_one_node_and_resume_exactly(data: dict, tmp_path: Path) -> None:
-    args = ["train.max_steps=3", "train.learning_rate=1e-3", "train.checkpoint_every=2"]
-    one_node = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
-    with qie_train(data["base"] + args + [f"hydra.run.dir={tmp_path / 'one'}"], tmp_path / "one_logs", one_node) as p:
-        p.wait(timeout=300)
-    assert p.returncode == 0, output(tmp_path / "one_logs")[1][-3000:]
-    _wait_all(_two_nodes(data["base"] + args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path / "two_logs"),
+def test_two_nodes_give_the_losses_of_two_processes_on_one_node_and_resume_exactly(
+    data: dict, one_node: Path, tmp_path: Path
+) -> None:
+    _wait_all(_two_nodes(data["base"] + SHORT + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path / "two_logs"),
               tmp_path / "two_logs", 300)  # fmt: skip
-    one = json.loads((tmp_path / "one" / "train_result.json").read_text())
+    one = json.loads((one_node / "train_result.json").read_text())
     two = json.loads((tmp_path / "two" / "train_result.json").read_text())
     assert len(two["param_checksums"]) == 2 and two["ranks_agree"]
     assert two["losses"] == pytest.approx(one["losses"], rel=0, abs=1e-6)
 
     resume = [f"train.resume={tmp_path / 'two' / 'checkpoints' / 'step-000002'}", f"hydra.run.dir={tmp_path / 'r'}"]
-    _wait_all(_two_nodes(data["base"] + args + resume, tmp_path / "r_logs"), tmp_path / "r_logs", 300)
+    _wait_all(_two_nodes(data["base"] + SHORT + resume, tmp_path / "r_logs"), tmp_path / "r_logs", 300)
     resumed = json.loads((tmp_path / "r" / "train_result.json").read_text())
     assert resumed["step"] == 3 and resumed["losses"] == pytest.approx(two["losses"][2:], rel=0, abs=1e-6)
     flat = [x for row in resumed["param_checksums"] for x in row]
