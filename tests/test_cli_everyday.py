@@ -10,24 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import CachedData
 
-from qie.config import compose
-from qie.demo.synthetic import make_dataset
 from qie.progress import PlainProgress
-from qie.stages import precompute
 from qie.stages.common import launch_problem
 
 pytestmark = pytest.mark.subprocess
 
 
 @pytest.fixture(scope="module")
-def data(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("everyday")
-    make_dataset(root, train=8, heldout=0, size=64)
-    base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={root / 'train'}",
-            f"cache.dir={root / 'cache'}"]  # fmt: skip
-    precompute.run(compose("precompute", base), root / "precompute_run")
-    return {"root": root, "base": base + ["logging.report_to=none", "data.num_workers=0"]}
+def data(tiny_path: Path, cached_data: CachedData) -> dict:
+    """The CLI's arguments for the shared cached data set (the model named by its folder)."""
+    model = f"model.pretrained_model_name_or_path={tiny_path}"
+    return {"root": cached_data.root, "base": [model, *cached_data.overrides, "logging.report_to=none",
+                                               "data.num_workers=0"]}  # fmt: skip
 
 
 def _env() -> dict[str, str]:

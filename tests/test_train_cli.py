@@ -32,6 +32,21 @@ def data(tiny_path: Path, cached_data: CachedData) -> dict:
     return {"root": cached_data.root, "base": [model, *cached_data.overrides, "logging.report_to=none"]}
 
 
+# The short multi-process runs: 3 steps, a checkpoint at step 2 (and at the end).
+SHORT = ["train.max_steps=3", "train.learning_rate=1e-3", "train.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def one_node(data: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of one torchrun of two processes on one node (SHORT). Tests read it, never write it."""
+    tmp = tmp_path_factory.mktemp("one_node")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    with qie_train(data["base"] + SHORT + [f"hydra.run.dir={tmp / 'run'}"], tmp / "logs", launcher=launcher) as proc:
+        proc.wait(timeout=300)
+    assert proc.returncode == 0, output(tmp / "logs")[1][-3000:]
+    return tmp / "run"
+
+
 def env() -> dict[str, str]:
     # One thread per process: two processes share this machine's cores.
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -98,16 +113,11 @@ def test_sigterm_saves_a_checkpoint_that_resume_latest_continues(data: dict, tmp
     assert steps == list(range(1, stopped + 3))
 
 
-def test_two_processes_keep_the_lora_identical(data: dict, tmp_path: Path) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
-    args = ["train.max_steps=3", "data.num_workers=0", "train.learning_rate=1e-3", f"hydra.run.dir={tmp_path / 'run'}"]
-    with qie_train(data["base"] + args, tmp_path / "logs", launcher=launcher) as proc:
-        proc.wait(timeout=300)
-    assert proc.returncode == 0, output(tmp_path / "logs")[1][-3000:]
-    result = json.loads((tmp_path / "run" / "train_result.json").read_text())
+def test_two_processes_keep_the_lora_identical(one_node: Path) -> None:
+    result = json.loads((one_node / "train_result.json").read_text())
     checksums = result["param_checksums"]  # gathered from every process after the last step
     assert len(checksums) == 2 and checksums[0] == checksums[1] and result["ranks_agree"]
-    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()
+    assert (one_node / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()
 
 
 def _free_port() -> int:
@@ -152,7 +162,7 @@ def _wait_all(procs: list[subprocess.Popen], logs: Path, timeout: float) -> None
 
 
 def test_two_nodes_training_from_a_bucket_give_the_losses_of_one_node_on_ssd_and_resume_exactly(
-    data: dict, s3: str, url: str, cached_data: CachedData, tmp_path: Path
+    data: dict, one_node: Path, s3: str, url: str, cached_data: CachedData, tmp_path: Path
 ) -> None:
     """Two node agents train from the cache in a bucket of an S3 server on 127.0.0.1 (`cache=remote`), each node
     with its own cache folder and node-local copy: the losses of two processes on one node reading the ssd cache,
@@ -160,19 +170,14 @@ def test_two_nodes_training_from_a_bucket_give_the_losses_of_one_node_on_ssd_and
     from qie.cache.ssd import SsdBackend
     from qie.cache.sync import sync
 
-    args = ["train.max_steps=3", "train.learning_rate=1e-3", "train.checkpoint_every=2"]
-    one_node = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
-    with qie_train(data["base"] + args + [f"hydra.run.dir={tmp_path / 'one'}"], tmp_path / "one_logs", one_node) as p:
-        p.wait(timeout=300)
-    assert p.returncode == 0, output(tmp_path / "one_logs")[1][-3000:]
     sync(SsdBackend(cached_data.cache), remote(url, s3, tmp_path / "upload"))
     model_and_data = [a for a in data["base"] if not a.startswith("cache.dir=")]
     bucket = [*model_and_data, "cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}",
-              "cache.dir=${oc.env:QIE_NODE}/dir", "cache.local_dir=${oc.env:QIE_NODE}/copy", *args]  # fmt: skip
+              "cache.dir=${oc.env:QIE_NODE}/dir", "cache.local_dir=${oc.env:QIE_NODE}/copy", *SHORT]  # fmt: skip
     nodes = {"QIE_NODE": str(tmp_path / "nodes")}
     _wait_all(_two_nodes([*bucket, f"hydra.run.dir={tmp_path / 'two'}"], tmp_path / "two_logs", nodes),
               tmp_path / "two_logs", 300)  # fmt: skip
-    one = json.loads((tmp_path / "one" / "train_result.json").read_text())
+    one = json.loads((one_node / "train_result.json").read_text())
     two = json.loads((tmp_path / "two" / "train_result.json").read_text())
     assert len(two["param_checksums"]) == 2 and two["ranks_agree"]
     assert two["losses"] == pytest.approx(one["losses"], rel=0, abs=1e-6)
