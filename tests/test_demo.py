@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from qie.config import compose
 from qie.demo import grid, synthetic
-from qie.demo.run import COLUMNS, GRID_TAG, TILE, layer_error, run
+from qie.demo.measure import layer_error
+from qie.demo.run import COLUMNS, GRID_TAG, TILE, run
 
 HELDOUT = 3
 STEPS = 300

@@ -7,8 +7,9 @@ after, the VAE's reconstruction PSNR on the held-out targets, and the pixel erro
 outputs against the targets. It says the LoRA learned only when the held-out loss fell by
 REQUIRED_LOSS_DROP and the pixel error by REQUIRED_PIXEL_DROP.
 
-For a model that splits an image into layers (`ModelFamily.layered`) the data set is the layered one (an
-image of shapes and its layers, `qie.demo.synthetic`), and each held-out image is split into as many layers as
+The data set is of the kind the model takes (`qie.demo.builtin.data_kind`), and `OUTPUTS` says how the demo
+predicts and measures that kind's outputs. For a model that splits an image into layers (`ModelFamily.layered`)
+the data set is the layered one (an image of shapes and its layers, `qie.demo.synthetic`), and each held-out image is split into as many layers as
 its sample has (`predict.layers`). Each layer is measured twice, per layer and over all of them: the latent
 error (the sampled layer's normalised latent against the encoded target layer) and the pixel error (premultiplied
 RGBA: a transparent pixel's colour does not count). The verdict takes the latent error in place of the pixel
@@ -20,10 +21,11 @@ of its layers, layers on a checkerboard where they are transparent.
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +37,12 @@ from qie.config import for_stage
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
+from qie.demo.builtin import data_kind
 from qie.demo.grid import captioned_grid
+from qie.demo.measure import by_position, frame_errors, layer_error, mean_of_all, pixel_error, vae_psnr
 from qie.demo.synthetic import composite, make_dataset
 from qie.models import ModelSpec
+from qie.sampling import SamplingOptions
 from qie.stages import infer, precompute, train
 from qie.stages.common import build_source, sampling_options, value
 from qie.training.evaluate import heldout_loss
@@ -80,9 +85,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
     d = cfg.demo
     spec = prepare_model(cfg.model)
-    layered = spec.family.layered  # an image and its layers; else edits, or shapes from their descriptions
-    edits = spec.max_control_images > 0
-    data_root = make_dataset(run_dir / "data", d.train_samples, d.heldout_samples, d.image_size, d.seed, edits, layered)
+    kind = data_kind(cfg.model)  # an image and its layers; else edits, or shapes from their descriptions
+    output = OUTPUTS[kind]
+    data_root = make_dataset(run_dir / "data", d.train_samples, d.heldout_samples, d.image_size, d.seed,
+                             kind == "edit", kind == "layered")  # fmt: skip
     cache_dir = str(run_dir / "cache")
     train_cfg = _with(cfg, **{"data.path": str(data_root / "train"), "cache.dir": cache_dir, "cache.mode": "cached"})
     heldout_cfg = _with(train_cfg, **{"data.path": str(data_root / "heldout")})
@@ -92,90 +98,188 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
 
     result = train.run(train_cfg, run_dir / "train")
 
-    heldout = scan_dataset(data_root / "heldout").samples
+    samples = scan_dataset(data_root / "heldout").samples
     source = build_source(heldout_cfg, mode="cached", spec=spec)
     predictor = infer.build_predictor(_with(heldout_cfg, **{"predict.lora": None}), spec)
-    options = sampling_options(cfg.predict)
     pixels = int(cfg.data.target_pixels)
-    # Each sample's frames as the model sees them: the target (a layered sample's composite), then its layers.
-    frames = [[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in heldout]
-    expected = [f[1:] if layered else f for f in frames]  # what the model outputs: the layers, or the target
+    heldout = Heldout(
+        samples, source, predictor, sampling_options(cfg.predict), int(d.seed), int(d.image_size),
+        # Each sample's frames as the model sees them: the target (a layered sample's composite), then its layers.
+        [[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in samples],
+        # The frames' normalised latents (C, frames, h, w) as training sees them: the held-out cache's entries.
+        [embeddings.pixel_latent for embeddings in source.get(samples)],
+    )  # fmt: skip
 
-    # The frames' normalised latents (C, frames, h, w) as training sees them: the held-out cache's entries.
-    encoded = [embeddings.pixel_latent for embeddings in source.get(heldout)]
-
-    def evaluate(tag: str) -> tuple[float, list[list[Image.Image]], list[list[float]]]:
-        """Held-out loss, each sample's output images and (layered) the latent error of each of its layers."""
-        loss = heldout_loss(predictor.parts.transformer, source, heldout, spec.loss, seed=int(d.seed))
-        outputs, latent_errors = [], []
-        out_dir = run_dir / "predictions" / tag
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for i, sample in enumerate(heldout):
-            if layered:  # as many layers as the sample has: out_dir/<id>/layer_N.png
-                latents = predictor.predict(list(sample.controls), sample.prompt, options, seed=i,
-                                            output_type="latent", layers=len(sample.layers))  # fmt: skip
-                images = spec.decoder(predictor.parts.vae, latents, output_type="pil")
-                latent_errors.append(frame_errors(latents[0], encoded[i])[1:])  # the composite frame is not output
-                (out_dir / sample.id).mkdir(exist_ok=True)
-                for n, image in enumerate(images):
-                    image.save(out_dir / sample.id / f"layer_{n}.png")
-            else:
-                images = predictor.predict(list(sample.controls), sample.prompt, options, seed=i)[:1]
-                images[0].save(out_dir / f"{sample.id}.png")
-            outputs.append(images)
-        return loss, outputs, latent_errors
-
-    psnr = vae_psnr(predictor, frames, encoded, spec)
-    loss_before, base_outputs, base_latent = evaluate("base")
+    psnr = vae_psnr(predictor.parts.vae, heldout.frames, heldout.encoded, spec)
+    base = _evaluate(heldout, output, run_dir / "predictions" / "base")
     predictor.load_lora(result["lora"])
-    loss_after, lora_outputs, lora_latent = evaluate("lora")
+    lora = _evaluate(heldout, output, run_dir / "predictions" / "lora")
 
-    prompts = [sample.prompt for sample in heldout]
-    extra: dict = {}
-    if layered:
-        inputs = [[open_image(sample.target, spec.alpha)] * len(sample.layers) for sample in heldout]
-        base_errors = [[layer_error(i, t) for i, t in zip(o, e, strict=True)] for o, e in zip(base_outputs, expected)]
-        lora_errors = [[layer_error(i, t) for i, t in zip(o, e, strict=True)] for o, e in zip(lora_outputs, expected)]
-        error_before, error_after = _mean_of_all(base_errors), _mean_of_all(lora_errors)
-        # The image itself as every layer.
-        unedited = _mean_of_all([[layer_error(i, t) for i, t in zip(o, e)] for o, e in zip(inputs, expected)])
-        latent_before, latent_after = _mean_of_all(base_latent), _mean_of_all(lora_latent)
-        extra = {
-            "layer_pixel_error_base": by_position(base_errors),
-            "layer_pixel_error_lora": by_position(lora_errors),
-            "latent_error_base": latent_before,
-            "latent_error_lora": latent_after,
-            "latent_error_drop": (latent_before - latent_after) / latent_before,
-            "layer_latent_error_base": by_position(base_latent),
-            "layer_latent_error_lora": by_position(lora_latent),
-        }
-        rows, captions = _layer_rows(heldout, expected, base_outputs, lora_outputs)
-        titles = LAYERED_COLUMNS + tuple(f"layer {n}" for n in range(len(rows[0]) - 1))
-    else:
-        blank = Image.new("RGB", (int(d.image_size),) * 2, "white")  # a text-to-image sample has no control image
-        controls = [open_image(sample.controls[0]) if sample.controls else blank for sample in heldout]
-        targets = [f[0] for f in frames]
-        base_images, lora_images = [o[0] for o in base_outputs], [o[0] for o in lora_outputs]
-        error_before, error_after = pixel_error(base_images, targets), pixel_error(lora_images, targets)
-        unedited = pixel_error(controls, targets)
-        rows = [[c, _to_pil(t), b, lo] for c, t, b, lo in zip(controls, targets, base_images, lora_images)]
-        captions, titles = prompts, COLUMNS
-    picture = _picture(cfg, run_dir, rows, captions, titles, int(result["step"]))
+    compared = output.compare(heldout, base, lora)
+    picture = _picture(cfg, run_dir, compared.rows, compared.captions, compared.titles, int(result["step"]))
+    report = _report(base.loss, lora.loss, psnr, compared, result, picture, run_dir)
+    (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
+    print(format_report(report, run_dir))
+    return report
 
+
+@dataclass(frozen=True)
+class Heldout:
+    """The held-out samples and what measuring a model on them takes.
+
+    Args:
+        frames: each sample's frames (H, W, C) in [0, 1] as the model sees them: the target (a layered sample's
+            composite), then its layers.
+        encoded: each sample's normalised latents (C, frames, h, w): the held-out cache's entries.
+    """
+
+    samples: list[Sample]
+    source: Any
+    predictor: infer.Predictor
+    options: SamplingOptions
+    seed: int
+    image_size: int
+    frames: list[list[np.ndarray]]
+    encoded: list[torch.Tensor]
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.predictor.spec
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """One model's held-out loss, each sample's output images and (layered) the latent error of each layer."""
+
+    loss: float
+    images: list[list[Image.Image]]
+    latent_errors: list[list[float]]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The base model's and the LoRA's outputs measured against the targets, and the picture's rows."""
+
+    error_before: float
+    error_after: float
+    unedited: float  # the error of the input itself as the output
+    extra: dict
+    rows: list[list[Image.Image]]
+    captions: list[str]
+    titles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Output:
+    """How the demo predicts and measures one kind of output: one image per sample, or an image's layers.
+
+    Args:
+        predict: (held-out set, sample index, folder) -> the sample's output images, written into the folder, and
+            the latent error of each (empty where not measured).
+        compare: (held-out set, base model's predictions, the LoRA's) -> `Comparison`.
+    """
+
+    predict: Callable[[Heldout, int, Path], tuple[list[Image.Image], list[float]]]
+    compare: Callable[[Heldout, Predictions, Predictions], Comparison]
+
+
+def _evaluate(heldout: Heldout, output: Output, out_dir: Path) -> Predictions:
+    """The held-out loss of the predictor's transformer and its outputs, written into `out_dir`."""
+    predictor = heldout.predictor
+    loss = heldout_loss(predictor.parts.transformer, heldout.source, heldout.samples, heldout.spec.loss,
+                        seed=heldout.seed)  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    images, latent_errors = [], []
+    for i in range(len(heldout.samples)):
+        sample_images, sample_errors = output.predict(heldout, i, out_dir)
+        images.append(sample_images)
+        latent_errors.append(sample_errors)
+    return Predictions(loss, images, latent_errors)
+
+
+def _predict_image(heldout: Heldout, i: int, out_dir: Path) -> tuple[list[Image.Image], list[float]]:
+    """The edit (or the image) of sample `i`: out_dir/<id>.png."""
+    sample = heldout.samples[i]
+    images = heldout.predictor.predict(list(sample.controls), sample.prompt, heldout.options, seed=i)[:1]
+    images[0].save(out_dir / f"{sample.id}.png")
+    return images, []
+
+
+def _predict_layers(heldout: Heldout, i: int, out_dir: Path) -> tuple[list[Image.Image], list[float]]:
+    """Sample `i`'s image split into as many layers as the sample has: out_dir/<id>/layer_N.png."""
+    sample, predictor = heldout.samples[i], heldout.predictor
+    latents = predictor.predict(list(sample.controls), sample.prompt, heldout.options, seed=i,
+                                output_type="latent", layers=len(sample.layers))  # fmt: skip
+    images = heldout.spec.decoder(predictor.parts.vae, latents, output_type="pil")
+    (out_dir / sample.id).mkdir(exist_ok=True)
+    for n, image in enumerate(images):
+        image.save(out_dir / sample.id / f"layer_{n}.png")
+    return images, frame_errors(latents[0], heldout.encoded[i])[1:]  # the composite frame is not output
+
+
+def _compare_images(heldout: Heldout, base: Predictions, lora: Predictions) -> Comparison:
+    """Pixel error of each output image against its target; rows of control, target, base model, LoRA."""
+    blank = Image.new("RGB", (heldout.image_size,) * 2, "white")  # a text-to-image sample has no control image
+    controls = [open_image(sample.controls[0]) if sample.controls else blank for sample in heldout.samples]
+    targets = [f[0] for f in heldout.frames]
+    base_images, lora_images = [o[0] for o in base.images], [o[0] for o in lora.images]
+    rows = [[c, _to_pil(t), b, lo] for c, t, b, lo in zip(controls, targets, base_images, lora_images)]
+    return Comparison(
+        pixel_error(base_images, targets), pixel_error(lora_images, targets), pixel_error(controls, targets), {},
+        rows, [sample.prompt for sample in heldout.samples], COLUMNS,
+    )  # fmt: skip
+
+
+def _compare_layers(heldout: Heldout, base: Predictions, lora: Predictions) -> Comparison:
+    """Each layer's pixel and latent error, per layer position and over all; three rows per sample."""
+    expected = [f[1:] for f in heldout.frames]  # what the model outputs: the layers
+    alpha = heldout.spec.alpha
+    inputs = [[open_image(sample.target, alpha)] * len(sample.layers) for sample in heldout.samples]
+
+    def errors(outputs: list[list[Image.Image]]) -> list[list[float]]:
+        return [[layer_error(i, t) for i, t in zip(o, e, strict=True)] for o, e in zip(outputs, expected)]
+
+    base_errors, lora_errors = errors(base.images), errors(lora.images)
+    latent_before, latent_after = mean_of_all(base.latent_errors), mean_of_all(lora.latent_errors)
+    extra = {
+        "layer_pixel_error_base": by_position(base_errors),
+        "layer_pixel_error_lora": by_position(lora_errors),
+        "latent_error_base": latent_before,
+        "latent_error_lora": latent_after,
+        "latent_error_drop": (latent_before - latent_after) / latent_before,
+        "layer_latent_error_base": by_position(base.latent_errors),
+        "layer_latent_error_lora": by_position(lora.latent_errors),
+    }
+    rows, captions = _layer_rows(heldout.samples, expected, base.images, lora.images)
+    titles = LAYERED_COLUMNS + tuple(f"layer {n}" for n in range(len(rows[0]) - 1))
+    # The image itself as every layer.
+    unedited = mean_of_all([[layer_error(i, t) for i, t in zip(o, e)] for o, e in zip(inputs, expected)])
+    return Comparison(mean_of_all(base_errors), mean_of_all(lora_errors), unedited, extra, rows, captions, titles)
+
+
+# What the model outputs, by the kind of data it trains on.
+IMAGES = Output(_predict_image, _compare_images)
+OUTPUTS = {"edit": IMAGES, "t2i": IMAGES, "layered": Output(_predict_layers, _compare_layers)}
+
+
+def _report(
+    loss_before: float, loss_after: float, psnr: float, c: Comparison, result: dict, picture: Path, run_dir: Path
+) -> dict:
+    """The demo's report: the losses and errors before and after, the verdict, and where its outputs are."""
     loss_drop = (loss_before - loss_after) / loss_before
-    pixel_drop = (error_before - error_after) / error_before
+    pixel_drop = (c.error_before - c.error_after) / c.error_before
     report = {
         "heldout_loss_before": loss_before,
         "heldout_loss_after": loss_after,
         "heldout_loss_drop": loss_drop,
         "vae_psnr_db": psnr,
-        "pixel_error_base": error_before,
-        "pixel_error_lora": error_after,
+        "pixel_error_base": c.error_before,
+        "pixel_error_lora": c.error_after,
         "pixel_error_drop": pixel_drop,
-        "pixel_error_unedited": unedited,
+        "pixel_error_unedited": c.unedited,
         # A layered model is judged by its layers' latents: its decoded layers are only as good as its VAE.
         "learned": loss_drop >= REQUIRED_LOSS_DROP
-        and extra.get("latent_error_drop", pixel_drop) >= REQUIRED_PIXEL_DROP,
+        and c.extra.get("latent_error_drop", pixel_drop) >= REQUIRED_PIXEL_DROP,
         "train_steps": result["step"],
         "demo_image": str(picture),
         "lora": result["lora"],
@@ -183,10 +287,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         "tensorboard": str(run_dir / "train" / "tensorboard"),
         "predictions": str(run_dir / "predictions"),
     }
-    report.update(extra)
-    (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
-    print(format_report(report, run_dir))
-    return report
+    return {**report, **c.extra}
 
 
 def _layer_rows(
@@ -222,58 +323,6 @@ def _target(path: Path, pixels: int, spec: ModelSpec) -> np.ndarray:
 
 def _to_pil(array: np.ndarray) -> Image.Image:
     return Image.fromarray((array * 255).round().clip(0, 255).astype(np.uint8))
-
-
-def pixel_error(images: list[Image.Image], targets: list[np.ndarray]) -> float:
-    """Mean absolute difference of the images from their targets, pixels in [0, 1]."""
-    errors = []
-    for image, target in zip(images, targets):
-        pred = np.asarray(image.convert("RGB").resize(target.shape[1::-1]), dtype=np.float32) / 255.0
-        errors.append(float(np.abs(pred - target[..., :3]).mean()))
-    return float(np.mean(errors))
-
-
-def layer_error(image: Image.Image, target: np.ndarray) -> float:
-    """Mean absolute difference of an RGBA layer from its target (H, W, 4) in [0, 1], both premultiplied by
-    their alpha: where a layer is transparent its colour does not count."""
-    pred = np.asarray(image.convert("RGBA").resize(target.shape[1::-1]), dtype=np.float32) / 255.0
-
-    def premultiplied(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([x[..., :3] * x[..., 3:], x[..., 3:]], axis=-1)
-
-    return float(np.abs(premultiplied(pred) - premultiplied(target)).mean())
-
-
-def by_position(errors: list[list[float]]) -> list[float]:
-    """Per layer position (0: the background), the mean of the samples' errors at that position."""
-    positions: dict[int, list[float]] = {}
-    for sample in errors:
-        for n, error in enumerate(sample):
-            positions.setdefault(n, []).append(error)
-    return [float(np.mean(positions[n])) for n in sorted(positions)]
-
-
-def _mean_of_all(errors: list[list[float]]) -> float:
-    return float(np.mean([e for sample in errors for e in sample]))
-
-
-def frame_errors(latents: torch.Tensor, target: torch.Tensor) -> list[float]:
-    """Mean absolute difference of each frame of normalised latents (C, frames, h, w) from the target's."""
-    return [float((latents[:, n].float().cpu() - target[:, n]).abs().mean()) for n in range(target.shape[1])]
-
-
-def vae_psnr(
-    predictor: infer.Predictor, frames: list[list[np.ndarray]], encoded: list[torch.Tensor], spec: ModelSpec
-) -> float:
-    """PSNR (dB) of each sample's frames (H, W, C) in [0, 1] decoded by the model's VAE from their latents
-    (`encoded`, the cached entries: encoded as the pipelines encode; a layered model's decoder drops the composite
-    frame: its layers count)."""
-    squared = []
-    for sample_frames, latent in zip(frames, encoded):
-        decoded = spec.decoder(predictor.parts.vae, latent.unsqueeze(0), output_type="np")
-        expected = np.stack(sample_frames[len(sample_frames) - len(decoded) :])
-        squared.append(float(((np.asarray(decoded) - expected) ** 2).mean()))
-    return 10 * math.log10(1.0 / max(float(np.mean(squared)), 1e-12))
 
 
 def format_report(r: dict, run_dir: Path) -> str:
