@@ -46,9 +46,10 @@ from qie.cache.base import decode  # noqa: E402
 from qie.cache.entries import STORED_TYPES, read_entries, write_entries  # noqa: E402
 from qie.cache.keys import entry_key  # noqa: E402
 from qie.cache.ssd import MMAP_MIN_BYTES, SsdBackend, read_file  # noqa: E402
+from qie.stages.precompute_work import OPTIONAL_TYPES  # noqa: E402
 
-# What an Edit sample stores (the benchmark's sample): no layers.
-EDIT_TYPES = [t for t in STORED_TYPES if t != "layer_latent"]
+# What an Edit sample stores (the benchmark's sample): no layers, no rejected result.
+EDIT_TYPES = [t for t in STORED_TYPES if t not in OPTIONAL_TYPES]
 # The six entry types of the layout before the shared prefix (what `sample_tensors` makes).
 WHOLE_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "prompt_embeds_mask", "empty_prompt_embed",
                "empty_prompt_embeds_mask")
