@@ -141,3 +141,17 @@ def tiny_layered_path(qie_home: Path) -> Path:
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
 
     return ensure_tiny_model(default_tiny_path("qwen_image_layered"), "qwen_image_layered")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (the README's test command runs the tests on every core): a
+    module's tests stay on one worker, so its module fixtures are built once; the family battery's tests go by
+    family, so one worker prepares each family, and its FSDP case (one torchrun over every family) goes apart."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        family = getattr(item, "callspec", None) and item.callspec.params.get("family")
+        if module.endswith("test_family_battery.py") and family and "fsdp" not in item.name:
+            item.add_marker(pytest.mark.xdist_group(f"battery-{family}"))
+        else:
+            item.add_marker(pytest.mark.xdist_group(module))

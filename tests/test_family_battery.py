@@ -105,7 +105,16 @@ class Prepared:
 
     @property
     def cached(self) -> dict:
-        return self.runs["cached"]
+        return self.trained()["cached"]
+
+    def trained(self) -> dict[str, dict]:
+        """The session's two runs on this family, trained on first use: cached (4 steps, a checkpoint every 2,
+        validation at the end) and live (2 steps)."""
+        if "cached" not in self.runs:
+            validation = ["validation.every=4", "logging.log_images_count=1"]
+            self.runs["cached"] = self.train("cached", "train.max_steps=4", "train.checkpoint_every=2", *validation)
+            self.runs["live"] = self.train("live", "cache.mode=live")
+        return self.runs
 
 
 @contextlib.contextmanager
@@ -134,7 +143,8 @@ def logs_to_files(run_dir: Path):
 
 
 class Battery:
-    """Each family prepared once, on first use."""
+    """Each family's data set and cache prepared once, on first use (its training runs too, on first use:
+    `Prepared.trained`)."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.prepared = root, {}
@@ -156,11 +166,7 @@ class Battery:
             base.append(f"data.target_pixels={spec.vae_image_pixels}")
         summary = precompute.run(small_config("precompute", *base), root / "precompute")
         assert summary.failures == []
-        prepared = Prepared(family, spec, root, base)
-        validation = ["validation.every=4", "logging.log_images_count=1"]
-        prepared.runs["cached"] = prepared.train("cached", "train.max_steps=4", "train.checkpoint_every=2", *validation)
-        prepared.runs["live"] = prepared.train("live", "cache.mode=live")
-        return prepared
+        return Prepared(family, spec, root, base)
 
 
 @pytest.fixture(scope="session")
@@ -173,7 +179,7 @@ def battery(tmp_path_factory: pytest.TempPathFactory) -> Battery:
 
 @pytest.mark.parametrize("family", families("cached_equals_live"))
 def test_cached_loss_equals_live_loss(battery: Battery, family: str) -> None:
-    cached, live = battery[family].cached["losses"], battery[family].runs["live"]["losses"]
+    cached, live = battery[family].cached["losses"], battery[family].trained()["live"]["losses"]
     assert len(cached) == 4 and all(map(math.isfinite, cached))
     np.testing.assert_allclose(live, cached[:2], rtol=1e-6, atol=0)
 
@@ -319,7 +325,7 @@ def test_logs_to_a_file_hold_no_carriage_returns(battery: Battery, family: str, 
                      "predict.num_inference_steps=2", "predict.height=64", "predict.width=64"]  # fmt: skip
         written = infer.run(compose("infer", overrides), run_dir)  # one image, or a layered model's layers
     assert written and all(Path(w).is_file() for w in written)
-    for folder in (prepared.runs["cached"]["dir"], prepared.runs["live"]["dir"], run_dir):
+    for folder in (prepared.cached["dir"], prepared.trained()["live"]["dir"], run_dir):
         # Bytes: reading text would turn each carriage return into a newline.
         text = (folder / "stdout.log").read_bytes() + (folder / "stderr.log").read_bytes()
         assert folder == run_dir or b"train: 2/" in text  # the training progress lines are there
