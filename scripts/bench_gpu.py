@@ -256,16 +256,16 @@ def workload(cfg, spec, setup: Setup):
     """The planner's token counts (`qie.stages.plan.workload`) for `setup.controls` control images."""
     import dataclasses
 
-    from omegaconf import OmegaConf
-
+    from qie.config import typed
     from qie.stages.plan import workload as plan_workload
 
-    cfg = OmegaConf.merge(cfg, {"model": {"max_control_images": setup.controls}})
-    work = plan_workload(cfg, spec)
+    model = dataclasses.replace(typed(cfg.model), max_control_images=setup.controls)
+    work = plan_workload(model, typed(cfg.data), spec)
     return dataclasses.replace(work, prompt_tokens=setup.prompt_tokens) if setup.prompt_tokens else work
 
 
 def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
+    from qie.config import typed
     from qie.stages.plan import transformer_config as plan_config
 
     if setup.real:
@@ -273,7 +273,7 @@ def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
         if spec.zero_cond_t:  # the variant's transformer gives control tokens timestep 0 (Edit-2511)
             config["zero_cond_t"] = True
     else:
-        config = plan_config(cfg.model, spec)[0]
+        config = plan_config(typed(cfg.model), spec)[0]
     return {**config, "num_layers": num_layers} if num_layers else config
 
 
