@@ -6,6 +6,10 @@
     image = trainer.predict("in.png", "make the sky pink")
 
 Nothing is built when a Trainer is made; each method builds what it needs, once.
+
+Each public name here that takes a composed config (`cache_manager`, `EditDataset`, `Trainer`) is an edge, as a
+stage's `run` is: it turns the config into typed settings (`qie.config.typed`, `qie.stages.settings`) and hands
+those to the code below, which never sees the config.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from PIL import Image
 
-from qie.config import for_stage
+from qie.config import for_stage, typed
 from qie.embedding_cache import EmbeddingCacheManager
 from qie.errors import ConfigError
 
@@ -33,9 +37,12 @@ def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
     """An EmbeddingCacheManager on `cfg.cache`'s backend whose keys equal precompute's for `cfg.model`."""
     from qie.components import prepare_model
     from qie.config.backend import build_backend
-    from qie.stages.common import model_key_context
+    from qie.stages.settings import image_sizes
+    from qie.stages.sources import model_key_context
 
-    context = model_key_context(cfg, prepare_model(cfg.model))
+    model = typed(cfg.model)
+    spec = prepare_model(model)
+    context = model_key_context(model, spec, image_sizes(typed(cfg.data), spec))
     return EmbeddingCacheManager(cfg.cache.dir, context, build_backend(cfg.cache))
 
 
@@ -49,14 +56,20 @@ class EditDataset:
     def __init__(self, cfg: DictConfig) -> None:
         from qie.components import prepare_model
         from qie.config.backend import build_backend
-        from qie.stages.auto_caption import auto_captions
-        from qie.stages.common import build_source, read_data
+        from qie.stages.auto_caption import auto_captions, caption_settings
+        from qie.stages.datasets import read_data
+        from qie.stages.settings import data_source, loss_masks, source_settings
+        from qie.stages.sources import build_source
 
-        spec, backend = prepare_model(cfg.model), build_backend(cfg.cache)
-        self.source = build_source(cfg, spec=spec, backend=backend)
+        model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
+        spec, backend = prepare_model(model), build_backend(cfg.cache)
+        masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data, spec)
+        settings = source_settings(model, data, cache, spec, masks)
+        self.source = build_source(settings, spec, backend)
         # data.auto_caption: samples without a caption get theirs (generated where the source may encode)
-        captions = auto_captions(cfg, spec, self.source.encodes, backend)
-        self.samples = read_data(cfg, captions=captions).samples
+        prompts = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
+        captions = auto_captions(prompts, settings, spec, self.source.encodes, backend)
+        self.samples = read_data(data_source(data, cache.dir), captions=captions).samples
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -86,7 +99,8 @@ class Trainer:
     """Precompute, train and predict with one config, as the CLI stages do.
 
     Args:
-        cfg: a composed "train" config (`qie.compose("train", overrides)`).
+        cfg: a composed "train" config (`qie.compose("train", overrides)`): the edge, read by each method for what
+            it builds.
         run_dir: where outputs go; default `outputs/api-<time>`.
     """
 
@@ -106,7 +120,7 @@ class Trainer:
         if self._spec is None:
             from qie.components import prepare_model
 
-            self._spec = prepare_model(self.cfg.model)
+            self._spec = prepare_model(typed(self.cfg.model))
         return self._spec
 
     # Training ------------------------------------------------------------------------------------
@@ -162,11 +176,12 @@ class Trainer:
     def setup_predict(self):
         """Build the prediction parts once (on predict.devices) and load the LoRA if there is one."""
         if self._predictor is None:
+            from dataclasses import replace
+
             from qie.stages.infer import build_predictor
 
-            cfg = self.cfg.copy()
-            OmegaConf.update(cfg, "predict.lora", str(self.lora_path) if self.lora_path else None, merge=False)
-            self._predictor = build_predictor(cfg, self.spec)
+            predict = replace(typed(self.cfg.predict), lora=str(self.lora_path) if self.lora_path else None)
+            self._predictor = build_predictor(typed(self.cfg.model), predict, self.spec)
             self._encoder = self._predictor.encoder
         return self._predictor
 
@@ -187,19 +202,20 @@ class Trainer:
 
         Returns one PIL image, or a list when several input images were given.
         """
-        from qie.stages.common import sampling_options
         from qie.stages.infer import open_images
+        from qie.stages.settings import sampling_options
 
         images = open_images(list(image) if isinstance(image, (list, tuple)) else image, self.spec.alpha)
-        out = self.setup_predict().predict(images, prompt, sampling_options(self.cfg.predict, **options))
+        out = self.setup_predict().predict(images, prompt, sampling_options(typed(self.cfg.predict), **options))
         return out if len(images) > 1 else out[0]
 
     # Encoding ------------------------------------------------------------------------------------
     def _encoder_only(self):
         if self._encoder is None:
-            from qie.stages.common import build_encoder
+            from qie.stages.settings import encoder_devices
+            from qie.stages.sources import build_encoder
 
-            self._encoder = build_encoder(self.cfg, self.spec)
+            self._encoder = build_encoder(typed(self.cfg.model), self.spec, encoder_devices(typed(self.cfg.cache)))
         return self._encoder
 
     def encode_image(self, image: ImageInput) -> torch.Tensor:

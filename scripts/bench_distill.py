@@ -24,10 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from qie.config import compose
+from qie.components import prepare_model
+from qie.config import compose, typed
 from qie.demo.synthetic import make_dataset
 from qie.stages import precompute, train
-from qie.stages.infer import build_predictor
+from qie.stages.infer import Predictor, build_predictor
+
+
+def _predictor(cfg) -> Predictor:
+    """The infer stage's Predictor for a composed infer config."""
+    model = typed(cfg.model)
+    return build_predictor(model, typed(cfg.predict), prepare_model(model))
 
 
 def heldout_edits(folder: Path) -> list[tuple[Path, str]]:
@@ -80,8 +87,8 @@ def main() -> None:
 
     edits = heldout_edits(root / "heldout")
     model = ["model=tiny_demo"]
-    plain = build_predictor(compose("infer", model))
-    distilled = build_predictor(compose("infer", [*model, f"predict.lora={result['lora']}"]))
+    plain = _predictor(compose("infer", model))
+    distilled = _predictor(compose("infer", [*model, f"predict.lora={result['lora']}"]))
     teacher, teacher_s = images(plain, edits, args.seeds, negative_prompt="", true_cfg_scale=args.teacher_cfg,
                                 num_inference_steps=args.teacher_steps)  # fmt: skip
     student = dict(negative_prompt=None, true_cfg_scale=1.0, num_inference_steps=args.student_steps)

@@ -55,13 +55,16 @@ def colour_fidelity(out: Path, data: Path, heldout: int, loras: dict[str, str]) 
     """Edit the held-out pairs' control images with each LoRA (the demo's sampling settings) and measure, per LoRA,
     the share of them whose shape comes out nearer the preferred colour than the rejected one (the mean colour of
     the target's shape pixels). Writes `heldout_edits.png`: per pair the control, each LoRA's edit, the target."""
+    from qie.components import prepare_model
+    from qie.config import typed
     from qie.data.samples import scan_folder
     from qie.sampling import SamplingOptions
     from qie.stages.heldout import split_heldout
     from qie.stages.infer import build_predictor
 
     _, held = split_heldout(scan_folder(data, require_target=True).samples, heldout)
-    predictor = build_predictor(compose("infer", ["model=tiny_demo"]))
+    cfg = compose("infer", ["model=tiny_demo"])
+    predictor = build_predictor(typed(cfg.model), typed(cfg.predict), prepare_model(typed(cfg.model)))
     options = SamplingOptions(true_cfg_scale=1.0, num_inference_steps=20)  # the demo's sampling: no CFG
     rows, share = [], dict.fromkeys(loras, 0.0)
     for i, sample in enumerate(held):

@@ -256,16 +256,16 @@ def workload(cfg, spec, setup: Setup):
     """The planner's token counts (`qie.stages.plan.workload`) for `setup.controls` control images."""
     import dataclasses
 
-    from omegaconf import OmegaConf
-
+    from qie.config import typed
     from qie.stages.plan import workload as plan_workload
 
-    cfg = OmegaConf.merge(cfg, {"model": {"max_control_images": setup.controls}})
-    work = plan_workload(cfg, spec)
+    model = dataclasses.replace(typed(cfg.model), max_control_images=setup.controls)
+    work = plan_workload(model, typed(cfg.data), spec)
     return dataclasses.replace(work, prompt_tokens=setup.prompt_tokens) if setup.prompt_tokens else work
 
 
 def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
+    from qie.config import typed
     from qie.stages.plan import transformer_config as plan_config
 
     if setup.real:
@@ -273,7 +273,7 @@ def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
         if spec.zero_cond_t:  # the variant's transformer gives control tokens timestep 0 (Edit-2511)
             config["zero_cond_t"] = True
     else:
-        config = plan_config(cfg.model, spec)[0]
+        config = plan_config(typed(cfg.model), spec)[0]
     return {**config, "num_layers": num_layers} if num_layers else config
 
 
@@ -284,13 +284,17 @@ def build_parts(cfg, spec, setup: Setup, accelerator, num_layers: int | None):
     quantizes while loading)."""
     from qie.components import Parts, resolve_dtype
     from qie.components.quantize import quantize_transformer
+    from qie.config import typed
     from qie.models.real_size import random_model
-    from qie.stages.common import value
+    from qie.stages.settings import fused_base
     from qie.stages.train import load_model
     from qie.training.memory import MemorySettings
+    from qie.types import value
 
     if not setup.real:
-        return load_model(cfg.model, cfg.train, accelerator, spec)
+        model, train = typed(cfg.model), typed(cfg.train)
+        memory = MemorySettings.of(train, spec.family)
+        return load_model(model, memory, bool(train.compile), accelerator, spec, fused_base(model, spec))
     family = spec.family
     quantize = str(value(cfg.model.quantize))
     device = MemorySettings.of(cfg.train, family).build_device(accelerator.device)
@@ -380,20 +384,27 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     import torch
 
     from qie.components import prepare_model
+    from qie.config import typed
     from qie.models import model_spec
-    from qie.stages.common import value
-    from qie.stages.train import build_train_state, loop_settings, make_accelerator, make_objective, train_mode
+    from qie.stages.settings import fused_base
+    from qie.stages.train import build_train_state, loop_settings, make_accelerator, make_objective
+    from qie.stages.train_setup import train_mode
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit
+    from qie.training.memory import MemorySettings
+    from qie.types import value
 
     cfg = stage_config("train", setup.train, overrides)
-    spec = model_spec(cfg.model) if setup.real else prepare_model(cfg.model)
+    model, train = typed(cfg.model), typed(cfg.train)
+    spec = model_spec(model) if setup.real else prepare_model(model)
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=setup.work))
-    accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
-    mode = train_mode(cfg.train, spec)
+    memory = MemorySettings.of(train, spec.family)
+    accelerator = make_accelerator(train, memory, str(value(model.dtype)), run_dir)
+    mode = train_mode(train, spec, fused_base(model, spec))
+    memory.check(mode.lora, str(value(model.quantize)))
     parts = build_parts(cfg, spec, setup, accelerator, depth)
     block_params = sum(p.numel() for p in getattr(parts.transformer, spec.family.blocks)[0].parameters())
-    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, parts)
+    state, scheduler = build_train_state(model, train, memory, mode, accelerator, spec, parts)
     del parts
     work = workload(cfg, spec, setup)
     g = torch.Generator().manual_seed(0)
@@ -402,7 +413,7 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
         config, work, lambda *shape, dtype: torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
     )
     logger = MetricsLogger(run_dir, "none", False)
-    settings = loop_settings(cfg.train, cfg.logging, make_objective(cfg.train, scheduler, spec))
+    settings = loop_settings(train, typed(cfg.logging), make_objective(train, scheduler, spec))
     try:
         fit(state, ((i, batch) for i in itertools.count()), settings, logger, on_step_end=recorder)
     finally:

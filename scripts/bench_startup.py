@@ -73,9 +73,16 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     from qie.cache.entries import write_entries
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
-    from qie.config import compose
+    from qie.config import compose, typed
     from qie.data.keys import sample_keys
-    from qie.stages.common import model_key_context
+    from qie.models import model_spec
+    from qie.stages.settings import image_sizes
+    from qie.stages.sources import model_key_context
+
+    def key_context(cfg):  # the train stage's, for `cfg`
+        model = typed(cfg.model)
+        spec = model_spec(model)
+        return model_key_context(model, spec, image_sizes(typed(cfg.data), spec))
 
     done = root / "complete.json"
     data = root / ("ds" if layout == "folder" else "ds/manifest.jsonl")
@@ -83,7 +90,7 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     targets, controls = root / "ds" / "training_images", root / "ds" / "control_images"
     if done.is_file():  # reuse, unless the keys changed since (a new key field, another model...)
         cfg = compose("train", [f"data.path={data}", f"cache.dir={cache}"])
-        keys = sample_keys(_sample(root, 0, per_image), model_key_context(cfg), FileHasher(cache / "file_hashes.json"))
+        keys = sample_keys(_sample(root, 0, per_image), key_context(cfg), FileHasher(cache / "file_hashes.json"))
         if all(SsdBackend(cache).exists(t, keys[t]) for t in ENTRY_TYPES):
             return data, cache, json.loads(done.read_text())
         print(f"{n:,} samples: cache keys changed since the last build, rebuilding")
@@ -113,8 +120,8 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
 
     t0 = time.perf_counter()
     cfg = compose("train", [f"data.path={data}", f"cache.dir={cache}"])
-    ctx = model_key_context(cfg)
-    hasher = FileHasher(cache / "file_hashes.json")  # where precompute keeps it (qie.stages.common.file_hasher)
+    ctx = key_context(cfg)
+    hasher = FileHasher(cache / "file_hashes.json")  # where precompute keeps it (qie.stages.settings.file_hasher)
     backend = SsdBackend(cache)
     first = sample_keys(_sample(root, 0, per_image), ctx, hasher)
     write_entries(backend, first, _entries())

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from stage_edges import data_for, source_for
 
 from qie.components import load_parts
 from qie.data.collate import collate
 from qie.models import model_spec
 from qie.sampling import SamplingOptions
-from qie.stages.common import build_source, read_data
 from qie.training.lora import add_lora
 from qie.training.objectives import ObjectiveInputs, build_objective
 from qie.training.objectives.distill import seed_noise
@@ -59,7 +59,7 @@ def check_teacher_and_student(cfg, options: Mapping, seed: int = 1) -> None:
     store = DictStore()
     objective = distill_objective(spec, base, options, store)
     objective.prepare(policy.transformer)
-    (item,) = build_source(cfg, mode="cached", spec=spec).get(read_data(cfg).samples[:1])
+    (item,) = source_for(cfg, mode="cached", spec=spec).get(data_for(cfg).samples[:1])
     batch = collate([item], negatives=True)
     shape = batch.latents.shape[1:]
     scale = family.vae_scale(base.vae)

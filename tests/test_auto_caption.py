@@ -11,16 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import small_config, write_noise_image
+from stage_edges import encoder_for, hasher_for, key_context_for, sizes_for
 from test_qwen_image_layered import rgba
 
 from qie.cache.entries import read_logical
 from qie.cache.ssd import SsdBackend
 from qie.captioning import Captioner
+from qie.config import typed
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError, DataError
 from qie.models import model_spec
-from qie.stages import auto_caption, common, precompute
+from qie.stages import auto_caption, precompute, sources
 from qie.stages import caption as caption_stage
 from qie.stages import train as train_stage
 
@@ -98,12 +100,11 @@ def test_every_model_captions_with_a_preset_that_exists() -> None:
     presets = auto_caption.presets()
     assert {v.caption for _, v in variants().values()} <= set(presets)
     cfg = small_config("precompute", "model=tiny_qwen_image_layered")
-    assert auto_caption.caption_settings(cfg.data, model_spec(cfg.model)).prompt.pipeline_prompt == (
-        "QwenImageLayeredPipeline.image_caption_prompt_en"
-    )
+    settings = auto_caption.caption_settings(cfg.data.auto_caption_prompt, model_spec(cfg.model))
+    assert settings.prompt.pipeline_prompt == "QwenImageLayeredPipeline.image_caption_prompt_en"
     cfg = small_config("precompute", "model=tiny_t2i", "data.auto_caption_prompt=nope")
     with pytest.raises(ConfigError, match="'nope' is no caption preset: choose one of describe, edit_instruction"):
-        auto_caption.caption_settings(cfg.data, model_spec(cfg.model))
+        auto_caption.caption_settings(cfg.data.auto_caption_prompt, model_spec(cfg.model))
 
 
 def test_layered_auto_caption_is_generated_once_cached_and_keys_the_prompt(
@@ -127,15 +128,15 @@ def test_layered_auto_caption_is_generated_once_cached_and_keys_the_prompt(
     c = first.types["caption"]
     assert (c.new, c.skipped, c.failed) == (1, 0, 0) and c.bytes_written > 0
     spec = model_spec(cfg.model)
-    settings = auto_caption.caption_settings(cfg.data, spec)
+    settings = auto_caption.caption_settings(cfg.data.auto_caption_prompt, spec)
     assert settings.generation.do_sample is False and settings.generation.max_new_tokens == 6
     (sample,) = scan_dataset(manifest, require_prompt=False).samples
-    ctx, hasher = common.model_key_context(cfg, spec), common.file_hasher(cfg)
+    ctx, hasher = key_context_for(cfg, spec), hasher_for(cfg)
     key = auto_caption.caption_key(sample, settings, ctx, hasher)
     backend = SsdBackend(dir=cache)
     text = auto_caption.caption_text(backend.get("caption", key)["text"])
     # The caption is the one the caption stage's captioner writes for the image, greedy: the same twice.
-    captioner = caption_stage.build_captioner(cfg, spec, settings)
+    captioner = caption_stage.build_captioner(typed(cfg.model), spec, str(cfg.cache.text_encoder_device), settings)
     shown = [caption_stage.shown_images(sample, captioner, spec, int(cfg.model.vl_image_pixels))]
     assert text and captioner.caption(shown) == captioner.caption(shown) == [text]
     # The prompt embedding stored is the caption's, keyed by its text, equal to encoding that text directly.
@@ -143,8 +144,8 @@ def test_layered_auto_caption_is_generated_once_cached_and_keys_the_prompt(
     stored = read_logical(backend, "prompt_embed", sample_keys(captioned, ctx, hasher)["prompt_embed"])
     from qie.encode import prepare_sample
 
-    encoder = common.build_encoder(cfg, spec)
-    direct = encoder.encode_entries([prepare_sample(captioned, common.image_sizes(cfg, spec))], ["prompt_embed"])
+    encoder = encoder_for(cfg, spec)
+    direct = encoder.encode_entries([prepare_sample(captioned, sizes_for(cfg, spec))], ["prompt_embed"])
     assert torch.equal(stored, direct[0]["prompt_embed"]["embed"])
 
     calls.clear()
@@ -153,7 +154,8 @@ def test_layered_auto_caption_is_generated_once_cached_and_keys_the_prompt(
     assert sum(s.new for s in second.types.values()) == 0
     cfg, other = run("three", cn)  # another caption prompt: captioned again, under another key
     assert calls == [1] and other.types["caption"].new == 1
-    cn_key = auto_caption.caption_key(sample, auto_caption.caption_settings(cfg.data, spec), ctx, hasher)
+    cn_settings = auto_caption.caption_settings(cfg.data.auto_caption_prompt, spec)
+    cn_key = auto_caption.caption_key(sample, cn_settings, ctx, hasher)
     assert cn_key != key and backend.exists("caption", cn_key)
     rgba(7, 48, 40).save(tmp_path / "data" / "in.png")  # another image: captioned again
     _, changed = run("four", cn)
@@ -182,14 +184,16 @@ def test_lazy_training_captions_and_cached_training_needs_no_text_encoder(
     lazy = train_stage.run(small_config("train", *base, "cache.mode=lazy"), tmp_path / "lazy")
     assert len(lazy["losses"]) == 2 and sum(calls) == 2 and events == [("load", 2)]
     monkeypatch.setattr(caption_stage, "build_captioner", lambda *a: pytest.fail("built the text encoder"))
-    monkeypatch.setattr(common, "build_encoder", lambda *a: pytest.fail("built the encoders"))
+    monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
     warm = train_stage.run(cached, tmp_path / "warm")
     assert warm["losses"] == pytest.approx(lazy["losses"], rel=1e-6) and sum(calls) == 2
     # The cache's garbage collection keeps the captions (and the prompt embeddings keyed by them).
-    from qie.stages.cache_gc import used_keys
+    from qie.config import precompute_command
+    from qie.stages.cache_gc import gc_setup, used_keys
 
     gc = small_config("cache", "action=gc", *base[:5])
     backend = SsdBackend(dir=tmp_path / "cache")
-    keep, count = used_keys(gc, backend)
+    setup = gc_setup(typed(gc.model), typed(gc.data), typed(gc.cache), typed(gc.gc), precompute_command(gc))
+    keep, count = used_keys(setup, backend)
     assert count == 2 and len(keep["caption"]) == 2 and all(backend.exists("caption", k) for k in keep["caption"])
     assert backend.unused(keep)["prompt_embed"]["count"] == 0 and backend.unused(keep)["caption"]["count"] == 0

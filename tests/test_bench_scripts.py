@@ -259,11 +259,10 @@ def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
 
 
 def test_make_loader_prefetches_as_asked_and_only_sources_that_do_not_encode_are_prefetched() -> None:
-    from omegaconf import OmegaConf
 
     from qie.data.prefetch import Prefetcher
     from qie.embeddings import CachedSource, LazySource, LiveSource
-    from qie.stages.train import loader_settings
+    from qie.stages.train_data import loader_settings
     from qie.training.batches import EmbeddingDataset, make_loader
 
     class Source:
@@ -278,12 +277,12 @@ def test_make_loader_prefetches_as_asked_and_only_sources_that_do_not_encode_are
     assert not isinstance(iter(make_loader(EmbeddingDataset([], Source()), sampler, 0, 0, prefetch=0)), Prefetcher)
     # The train stage prefetches (and uses loader workers) only for sources that never run encoders.
     assert (CachedSource.encodes, LazySource.encodes, LiveSource.encodes) == (False, True, True)
-    data = OmegaConf.create({"num_workers": 3, "prefetch": 5})
-    assert loader_settings(data, Source()) == (3, 5, False)
+    data = (3, 5)  # data.num_workers, data.prefetch
+    assert loader_settings(*data, Source()) == (3, 5, False)
     Source.cache = SimpleNamespace(backend=SimpleNamespace(remote_reads=True))  # a bucket: reads in parallel
-    assert loader_settings(data, Source()) == (3, 5, True)
+    assert loader_settings(*data, Source()) == (3, 5, True)
     Source.encodes = True  # encoders stay in the training process and are not run ahead of the step
-    assert loader_settings(data, Source()) == (0, 0, False)
+    assert loader_settings(*data, Source()) == (0, 0, False)
 
 
 def test_ordered_read_ahead_reads_in_parallel_hands_out_in_order_and_raises_in_turn() -> None:
@@ -399,20 +398,21 @@ def test_folder_scan_reads_captions_as_read_text_would(tmp_path: Path) -> None:
 
 
 def test_startup_bench_writes_entries_as_the_cache_writes_them(tmp_path: Path) -> None:
+    from stage_edges import key_context_for
+
     from qie.cache.entries import write_entries
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
     from qie.config import compose
     from qie.data.keys import sample_keys
     from qie.data.scan import scan_dataset
-    from qie.stages.common import model_key_context
 
     bench = script("bench_startup")
     data, cache, info = bench.build(tmp_path / "set", 5, "manifest", per_image=2)
     assert info["entries"] == 20 and info["files"] == 5 + 3 * 3  # one prompt entry each; the rest per image pair
     samples = scan_dataset(data).samples
     assert [s.prompt for s in samples] == [bench._sample(tmp_path / "set", i, 2).prompt for i in range(5)]
-    ctx = model_key_context(compose("train", [f"data.path={data}", f"cache.dir={cache}"]))
+    ctx = key_context_for(compose("train", [f"data.path={data}", f"cache.dir={cache}"]))
     fresh = SsdBackend(tmp_path / "fresh")
     for s in samples:
         keys = sample_keys(s, ctx, FileHasher())

@@ -9,6 +9,7 @@ import pytest
 
 from qie.config import compose
 from qie.demo import builtin
+from qie.models import model_spec
 
 
 def test_a_tiny_model_without_data_path_reads_the_demo_data_written_once(
@@ -32,8 +33,8 @@ def test_a_tiny_model_without_data_path_reads_the_demo_data_written_once(
 
 
 def test_the_demo_data_follows_the_model_and_a_real_model_keeps_its_error() -> None:
-    assert builtin.data_kind(compose("train", ["model=tiny_t2i"]).model) == "t2i"
-    assert builtin.data_kind(compose("train", ["model=tiny_qwen_image_layered"]).model) == "layered"
+    assert builtin.data_kind(model_spec(compose("train", ["model=tiny_t2i"]).model)) == "t2i"
+    assert builtin.data_kind(model_spec(compose("train", ["model=tiny_qwen_image_layered"]).model)) == "layered"
     real = compose("precompute", ["model=qwen_image_edit"])
     assert builtin.with_builtin_data(real) is real
     own = compose("train", ["data.path=/data/mine"])

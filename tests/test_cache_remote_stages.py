@@ -61,10 +61,10 @@ def test_a_stage_names_an_unreachable_endpoint_before_building_a_model(
     stage: str, url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
 ) -> None:
     from qie.config import compose
-    from qie.stages import common, precompute
+    from qie.stages import precompute
     from qie.stages import train as train_stage
 
-    run, builds, what = {"precompute": (precompute.run, common, "build_encoder"),
+    run, builds, what = {"precompute": (precompute.run, precompute, "build_encoder"),
                          "train": (train_stage.run, train_stage, "load_parts")}[stage]  # fmt: skip
     monkeypatch.setattr(builds, what, lambda *a, **k: pytest.fail("a model was built"))
     endpoint = f"http://127.0.0.1:{free_port()}"

@@ -17,6 +17,7 @@ from diffusers import QwenImageLayeredPipeline
 from omegaconf import DictConfig
 
 from qie.captioning import Captioner, pipeline_prompt
+from qie.config import typed
 from qie.data.images import fit_area, open_image, resize
 from qie.data.scan import scan_dataset
 from qie.models import model_spec
@@ -51,7 +52,13 @@ def config(family: str, data: Path, *overrides: str) -> DictConfig:
 
 
 def captioner(cfg: DictConfig) -> Captioner:
-    return caption_stage.build_captioner(cfg, model_spec(cfg.model), caption_stage.read_settings(cfg))
+    device = str(cfg.cache.text_encoder_device)
+    return caption_stage.build_captioner(typed(cfg.model), model_spec(cfg.model), device, settings_of(cfg))
+
+
+def settings_of(cfg: DictConfig) -> caption_stage.Settings:
+    """The caption stage's settings of `cfg` (its `caption` group, as the stage reads it)."""
+    return caption_stage.read_settings(typed(cfg.caption))
 
 
 def vl_image(path: Path, cfg: DictConfig):
@@ -80,8 +87,8 @@ def test_the_vl_model_receives_the_chat_template_and_the_images_in_order(family,
     cap = captioner(cfg)
     calls = spy_generate(monkeypatch, cap.text_encoder)
     (sample,) = scan_dataset(data, require_prompt=False).samples
-    dry = dataclasses.replace(caption_stage.read_settings(cfg), dry_run=1)  # writes nothing: no output needed
-    caption_stage.caption_all(cap, [sample], model_spec(cfg.model), cfg, dry, None, caption_stage.CaptionSummary(), {})
+    dry = dataclasses.replace(settings_of(cfg), dry_run=1)  # writes nothing: no output needed
+    caption_stage.caption_all(cap, [sample], model_spec(cfg.model), dry, None, caption_stage.CaptionSummary(), {})
     # What the chat template makes of it, spelled out: each image labelled when there are several, the
     # controls first, the target last, the instruction naming them.
     names = [f"Picture {i}" for i in range(1, controls + 2)]

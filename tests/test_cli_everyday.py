@@ -13,7 +13,7 @@ import pytest
 from helpers import CachedData
 
 from qie.progress import PlainProgress
-from qie.stages.common import launch_problem
+from qie.stages.processes import launch_problem
 
 pytestmark = pytest.mark.subprocess
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from stage_edges import data_for
 
 from qie.config import compose
 from qie.data.formats import Columns, DataSource, detect_format, read_dataset
@@ -16,7 +17,6 @@ from qie.demo.synthetic import make_dataset
 from qie.errors import DataError
 from qie.stages import precompute
 from qie.stages import train as train_stage
-from qie.stages.common import read_data
 
 datasets = pytest.importorskip("datasets")
 
@@ -73,8 +73,8 @@ def test_the_default_config_detects_each_kind(data: dict, tmp_path: Path) -> Non
     # absolute paths, outside its folder: refused unless allowed.
     outside = compose("train", data["base"] + [f"data.path={manifest}"])
     with pytest.raises(DataError, match="lies outside the manifest's folder"):
-        read_data(outside)
-    (only,) = read_data(
+        data_for(outside)
+    (only,) = data_for(
         compose("train", data["base"] + [f"data.path={manifest}", "data.allow_outside_paths=true"])
     ).samples
     assert only.target == sample.target and only.prompt == sample.prompt
@@ -85,14 +85,14 @@ def test_the_default_config_detects_each_kind(data: dict, tmp_path: Path) -> Non
         detect_format(tmp_path / "notes.txt")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="training_images/"):  # a folder of nothing: named as what it is not
-        read_data(compose("train", [f"data.path={tmp_path / 'empty'}"]))
+        data_for(compose("train", [f"data.path={tmp_path / 'empty'}"]))
 
 
 def test_images_in_the_data_set_get_the_keys_of_the_same_files(data: dict, tmp_path: Path) -> None:
     root = data["root"]
     folder = scan_dataset(root / "train").samples
     for path in (root / "saved", f"{root}/parquet/*.parquet"):
-        hf = read_data(compose("train", data["base"] + [f"data.path={path}"])).samples
+        hf = data_for(compose("train", data["base"] + [f"data.path={path}"])).samples
         assert [s.prompt for s in hf] == [s.prompt for s in folder]
         # Written once under cache.dir/images, named by their content: the same bytes as the files.
         for a, b in zip(hf, folder):
@@ -149,7 +149,7 @@ def test_an_imagefolder_uses_its_files_where_they_are(tmp_path: Path) -> None:
     (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = compose("train", [f"data.path={folder}", "data.columns.target=image", "data.columns.controls=[control]",
                             f"cache.dir={tmp_path / 'cache'}"])  # fmt: skip
-    samples = read_data(cfg).samples
+    samples = data_for(cfg).samples
     assert [(s.target, s.controls, s.prompt) for s in samples] == [
         (folder / f"{i}_out.png", (folder / f"{i}_in.png",), f"invert {i}") for i in range(3)
     ]

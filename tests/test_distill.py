@@ -12,6 +12,7 @@ import pytest
 import torch
 from distill_checks import check_teacher_and_student
 from PIL import Image
+from stage_edges import predictor_for
 
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
@@ -19,7 +20,6 @@ from qie.errors import CacheMissError, ConfigError
 from qie.models import model_spec
 from qie.stages import train
 from qie.stages.cache_admin import run as cache_cli
-from qie.stages.infer import build_predictor
 from qie.training.objectives import ObjectiveUse, check_use
 
 OPTIONS = {"student_steps": 2, "teacher_steps": 3, "teacher_cfg": 4.0, "seeds": 2}
@@ -98,7 +98,7 @@ def test_the_distilled_lora_loads_in_the_diffusers_pipeline_and_gives_qie_infer_
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     expected = pipe(prompt=prompt, image=[Image.open(control)], generator=torch.Generator().manual_seed(3),
                     output_type="np", **student).images  # fmt: skip
-    predictor = build_predictor(compose("infer", ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}",
+    predictor = predictor_for(compose("infer", ["model=tiny", f"model.pretrained_model_name_or_path={tiny_path}",
                                                   f"predict.lora={lora}"]))  # fmt: skip
     mine = predictor.predict([control], prompt, output_type="np", negative_prompt=None, seed=3, **student)
     assert np.abs(expected - base).max() > 1e-6  # the distilled LoRA moves the output

@@ -14,6 +14,7 @@ from diffusers import QwenImageEditPlusPipeline, QwenImagePipeline
 from helpers import tiny_pipeline, write_noise_image
 from PIL import Image
 from safetensors.torch import load_file
+from stage_edges import hasher_for, key_context_for, predictor_for, source_for
 
 from qie.components.processor import load_processor
 from qie.config import compose
@@ -22,8 +23,6 @@ from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.errors import ConfigError
 from qie.stages import infer, precompute
-from qie.stages.common import build_source, file_hasher, model_key_context
-from qie.stages.infer import build_predictor
 
 AREA = 64 * 64
 PROMPT = "Put the object from picture 2 on the table in picture 1."
@@ -93,12 +92,12 @@ def test_infer_with_two_images_equals_the_pipeline(
     pipe = _pipeline(tiny_2511_path)
     (ref_image,) = _reference(pipe, images, output_type="pil")
     assert np.abs(np.asarray(Image.open(written), dtype=int) - np.asarray(ref_image, dtype=int)).max() <= 1
-    mine = build_predictor(compose("infer", overrides)).predict(images, PROMPT, output_type="np", **SAMPLING)
+    mine = predictor_for(compose("infer", overrides)).predict(images, PROMPT, output_type="np", **SAMPLING)
     ref = _reference(pipe, images)
     assert mine.shape == ref.shape == (1, 32, 96, 3)  # the last image's aspect, as Edit-Plus sizes it
     assert np.abs(mine - ref).max() <= 1e-5
     # The same weights without zero_cond_t (the 2509 tiny) give another image: the flag is in effect.
-    plus = build_predictor(compose("infer", ["model=tiny_plus"])).predict(images, PROMPT, output_type="np", **SAMPLING)
+    plus = predictor_for(compose("infer", ["model=tiny_plus"])).predict(images, PROMPT, output_type="np", **SAMPLING)
     assert np.abs(plus - mine).max() > 1e-4  # (the tiny model moves little: 3e-4 measured; parity is 1e-5)
 
 
@@ -109,7 +108,7 @@ def test_precompute_of_a_mixed_data_set(data: dict) -> None:
     samples = scan_dataset(cfg.data.path).samples
     assert [len(s.controls) for s in samples] == [2, 2, 1, 1, 0, 0]
     assert len(set(bucket_keys(samples, AREA, AREA, 32))) == 3  # control counts bucket apart
-    keys = [sample_keys(s, model_key_context(cfg), file_hasher(cfg)) for s in samples]
+    keys = [sample_keys(s, key_context_for(cfg), hasher_for(cfg)) for s in samples]
     assert ["control_latent" in k for k in keys] == [True] * 4 + [False] * 2
 
 
@@ -117,7 +116,7 @@ def test_a_sample_without_control_image_has_the_text_only_prompt_embedding(data:
     cfg = compose("train", data["base"])
     samples = scan_dataset(cfg.data.path).samples[4:]
     pipe = _pipeline(data["tiny"])
-    for sample, item in zip(samples, build_source(cfg, mode="cached").get(samples)):
+    for sample, item in zip(samples, source_for(cfg, mode="cached").get(samples)):
         with torch.no_grad():
             text_only, mask = pipe.encode_prompt(sample.prompt, image=None, device=torch.device("cpu"))
             empty, _ = pipe.encode_prompt("", image=None, device=torch.device("cpu"))
@@ -132,7 +131,7 @@ def test_an_edit_model_without_an_image_samples_from_the_text_only_prompt(tiny_2
     """diffusers' Edit-Plus `__call__(image=None)` fails; its text-only encode_prompt fed to diffusers' own
     image-free denoising loop (QwenImagePipeline's, over the same transformer) is the reference."""
     cfg = compose("infer", ["model=tiny_edit_2511"])
-    mine = build_predictor(cfg).predict(None, PROMPT, height=64, width=96, output_type="np", **SAMPLING)
+    mine = predictor_for(cfg).predict(None, PROMPT, height=64, width=96, output_type="np", **SAMPLING)
     plus = _pipeline(tiny_2511_path)
     with torch.no_grad():
         embeds, _ = plus.encode_prompt(PROMPT, image=None, device=torch.device("cpu"))
@@ -153,7 +152,7 @@ def test_a_2511_folder_qie_did_not_build(tiny_2511_path: Path, foreign_parts, im
     parts = foreign_parts(processor.tokenizer, zero_cond_t=True)
     QwenImageEditPlusPipeline(tokenizer=processor.tokenizer, processor=processor, **parts).save_pretrained(tmp_path)
     model = ["model=tiny_edit_2511", "model.tiny=null", f"model.pretrained_model_name_or_path={tmp_path}"]
-    mine = build_predictor(compose("infer", model)).predict(images, PROMPT, output_type="np", **SAMPLING)
+    mine = predictor_for(compose("infer", model)).predict(images, PROMPT, output_type="np", **SAMPLING)
     assert np.abs(mine - _reference(_pipeline(tmp_path), images)).max() <= 1e-5
     with pytest.raises(ConfigError, match="use model=qwen_image_edit_2511 or model=tiny_edit_2511"):
-        build_predictor(compose("infer", [*model, "model=tiny_plus"]))
+        predictor_for(compose("infer", [*model, "model=tiny_plus"]))

@@ -11,11 +11,11 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from helpers import small_config, tiny_pipeline, write_noise_image
 from PIL import Image
+from stage_edges import encoder_for
 
 from qie.config.cache import CACHE_TYPES
 from qie.data.samples import Sample
 from qie.encode import EMPTY_PROMPT, Encoder, ImageSizes, prepare_sample
-from qie.stages.common import build_encoder
 from qie.types import TRAINING_TYPES
 
 AREA = 64 * 64
@@ -25,12 +25,12 @@ ALL_TYPES = list(CACHE_TYPES)
 
 @pytest.fixture(scope="module")
 def edit(tiny_path: Path) -> tuple[Encoder, QwenImageEditPipeline]:
-    return build_encoder(small_config("precompute")), tiny_pipeline(QwenImageEditPipeline, tiny_path)
+    return encoder_for(small_config("precompute")), tiny_pipeline(QwenImageEditPipeline, tiny_path)
 
 
 @pytest.fixture(scope="module")
 def plus(tiny_plus_path: Path) -> tuple[Encoder, QwenImageEditPlusPipeline]:
-    encoder = build_encoder(small_config("precompute", "model=tiny_plus"))
+    encoder = encoder_for(small_config("precompute", "model=tiny_plus"))
     return encoder, tiny_pipeline(QwenImageEditPlusPipeline, tiny_plus_path)
 
 

@@ -123,9 +123,9 @@ def test_fsdp_and_swap_take_the_familys_blocks() -> None:
 
 
 def test_computing_cache_keys_builds_nothing(tmp_path: Path) -> None:
-    from qie.stages.common import model_key_context
+    from stage_edges import key_context_for
 
     cfg = compose("precompute", [f"model.pretrained_model_name_or_path={tmp_path / 'not-built'}"])
     with pytest.raises(Exception):  # noqa: B017 - whatever reading a missing checkpoint raises, it builds nothing
-        model_key_context(cfg)
+        key_context_for(cfg)
     assert not (tmp_path / "not-built").exists()

@@ -377,8 +377,9 @@ def pipeline_output(pipe, images: list[Path]) -> np.ndarray:
 def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Battery, family: str, tmp_path) -> None:
     """qie's inference equals the family's diffusers pipeline (same seed, steps, CFG, negative prompt), and with
     the trained LoRA equals the pipeline after `load_lora_weights` of the file qie wrote."""
+    from stage_edges import predictor_for
+
     from qie.config import compose
-    from qie.stages.infer import build_predictor
 
     prepared = battery[family]
     images = reference_images(tmp_path, prepared.spec)
@@ -389,7 +390,7 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
     sampling = {**SAMPLING, "layers": LAYERS} if layered else SAMPLING
 
     def mine(*overrides: str) -> np.ndarray:
-        predictor = build_predictor(compose("infer", [model, *overrides]))
+        predictor = predictor_for(compose("infer", [model, *overrides]))
         return predictor.predict(images, PROMPT, output_type="np", **sampling)
 
     pipe = pipeline_of(Path(compose("infer", [model]).model.pretrained_model_name_or_path))
@@ -408,13 +409,13 @@ def test_fused_base_equals_the_pipelines_fuse_lora(battery: Battery, family: str
     """`model.fuse_loras` fuses the family's trained LoRA into the transformer as the family's diffusers pipeline
     does with `load_lora_weights` and `fuse_lora` at the same scale (the transformer every stage then builds)."""
     from qie.components import load_parts
-    from qie.config import compose
-    from qie.stages.common import fused_base
+    from qie.config import compose, typed
+    from qie.stages.settings import fused_base
 
     prepared = battery[family]
     lora = Path(prepared.cached["lora"])
     cfg = compose("infer", [f"model={family}", f"model.fuse_loras=[{lora}]", "model.fuse_lora_scales=[0.5]"])
-    fused = fused_base(cfg.model, prepared.spec)
+    fused = fused_base(typed(cfg.model), prepared.spec)
     mine = load_parts(cfg.model, ["transformer"], spec=prepared.spec, fuse=fused.fuse_into).transformer.state_dict()
     pipe = pipeline_of(Path(cfg.model.pretrained_model_name_or_path))
     plain = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}

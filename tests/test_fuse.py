@@ -14,14 +14,14 @@ from helpers import small_config, tiny_pipeline, write_noise_image
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
+from stage_edges import predictor_for
 
 from qie.cache.keys import FileHasher
 from qie.components import load_parts, prepare_model
-from qie.config import compose
+from qie.config import compose, typed
 from qie.errors import ConfigError, ModelLoadError
 from qie.stages import train
-from qie.stages.common import fused_base
-from qie.stages.infer import build_predictor
+from qie.stages.settings import fused_base
 from qie.training.fused_base import FusedBase
 from qie.training.lora import LORA_FILE
 from qie.training.lora_files import BASE_KEY, write_exports
@@ -67,7 +67,7 @@ def _transformer(*overrides: str) -> dict[str, torch.Tensor]:
     """The tiny transformer's weights as the stages build it, with `overrides`."""
     cfg = _infer(*overrides)
     spec = prepare_model(cfg.model)
-    parts = load_parts(cfg.model, ["transformer"], spec=spec, fuse=fused_base(cfg.model, spec).fuse_into)
+    parts = load_parts(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
     return parts.transformer.state_dict()
 
 
@@ -78,7 +78,7 @@ def _transformer(*overrides: str) -> dict[str, torch.Tensor]:
 def test_fused_base_equals_diffusers_fuse_lora(tiny_path: Path, loras: dict[str, Path], image: Image.Image) -> None:
     """Inference on the fused base equals the pipeline after `load_lora_weights` + `fuse_lora` at the same scale; a
     ComfyUI file of the same weights fuses to the same transformer."""
-    fused = build_predictor(_infer(f"model.fuse_loras=[{loras['first']}]", "model.fuse_lora_scales=[0.6]"))
+    fused = predictor_for(_infer(f"model.fuse_loras=[{loras['first']}]", "model.fuse_lora_scales=[0.6]"))
     mine = fused.predict(image, PROMPT, **SAMPLING)
     pipe = tiny_pipeline(QwenImageEditPipeline, tiny_path)
     generator = torch.Generator().manual_seed(2)
@@ -110,7 +110,7 @@ def test_two_fused_loras_add_up_and_a_quantized_base_is_fused_first(loras: dict[
     # int8: quantized after fusing, so its weights are near the fused ones, not the plain ones
     cfg = _infer(f"model.fuse_loras=[{loras['first']}]", "model.fuse_lora_scales=[0.5]", "model.quantize=int8")
     spec = prepare_model(cfg.model)
-    quantized = load_parts(cfg.model, ["transformer"], spec=spec, fuse=fused_base(cfg.model, spec).fuse_into)
+    quantized = load_parts(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
     weight = quantized.transformer.get_submodule("transformer_blocks.0.attn.to_q").weight.dequantize()
     error, change = (weight - first[key]).abs().max(), (first[key] - plain[key]).abs().max()
     assert error < change / 10
@@ -221,16 +221,16 @@ def test_inference_refuses_a_lora_of_another_base_unless_told(
     ]  # fmt: skip
     for overrides, expected in refusals:
         with pytest.raises(ConfigError) as info:
-            build_predictor(_infer(*overrides))
+            predictor_for(_infer(*overrides))
         message = str(info.value)
         assert f"LoRA '{overrides[0].split('=')[1]}' was trained on " in message and expected in message, overrides
         assert "\n" not in message
     assert "was trained on a base fused with pytorch_lora_weights.safetensors at 1.0 (" in str(
-        pytest.raises(ConfigError, build_predictor, _infer(f"predict.lora={fused_lora}")).value
+        pytest.raises(ConfigError, predictor_for, _infer(f"predict.lora={fused_lora}")).value
     )
     # The same base: accepted, silently; another one with predict.allow_other_base=true: accepted, with a warning.
-    same = build_predictor(_infer(f"predict.lora={fused_lora}", base)).predict(image, PROMPT, **SAMPLING)
+    same = predictor_for(_infer(f"predict.lora={fused_lora}", base)).predict(image, PROMPT, **SAMPLING)
     assert "warning" not in capsys.readouterr().out
-    other = build_predictor(_infer(f"predict.lora={fused_lora}", "predict.allow_other_base=true"))
+    other = predictor_for(_infer(f"predict.lora={fused_lora}", "predict.allow_other_base=true"))
     assert "using it anyway (predict.allow_other_base=true)" in capsys.readouterr().out
     assert np.abs(other.predict(image, PROMPT, **SAMPLING) - same).max() > 1e-3  # not the base it learnt on

@@ -15,10 +15,11 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImag
 from helpers import small_config, tiny_pipeline, write_noise_image
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from stage_edges import predictor_for
 
 from qie.errors import ConfigError, DataError, ModelLoadError
 from qie.stages import infer
-from qie.stages.infer import Predictor, build_predictor
+from qie.stages.infer import Predictor
 from qie.training.lora import LORA_FILE, load_lora, merge_lora
 
 SIZE = 64
@@ -40,7 +41,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def predictor(tiny_path: Path) -> Predictor:
-    return build_predictor(_cfg())
+    return predictor_for(_cfg())
 
 
 def _pipeline(cls: type, path: Path):
@@ -105,7 +106,7 @@ def test_edit_with_cfg_and_two_images_per_prompt_matches_pipeline(
 @pytest.mark.usefixtures("small_conditions")
 def test_edit_with_lora_matches_pipeline(tiny_path: Path, lora: Path, images: dict[str, Path]) -> None:
     square = Image.open(images["square"])
-    with_lora = build_predictor(_cfg(f"predict.lora={lora.parent}", "predict.lora_scale=0.7"))
+    with_lora = predictor_for(_cfg(f"predict.lora={lora.parent}", "predict.lora_scale=0.7"))
     mine = with_lora.predict(square, PROMPT, num_inference_steps=2, true_cfg_scale=1.0, seed=2, output_type="np")
     pipe = _pipeline(QwenImageEditPipeline, tiny_path)
     base = _reference(pipe, square, seed=2, true_cfg_scale=1.0)
@@ -122,7 +123,7 @@ def test_edit_with_lora_matches_pipeline(tiny_path: Path, lora: Path, images: di
 
 @pytest.mark.usefixtures("small_conditions")
 def test_edit_plus_two_images_matches_pipeline(tiny_plus_path: Path, images: dict[str, Path]) -> None:
-    plus = build_predictor(_cfg(model="tiny_plus"))
+    plus = predictor_for(_cfg(model="tiny_plus"))
     pair = [Image.open(images["square"]), Image.open(images["wide"])]
     mine = plus.predict(pair, "Put the object from picture 2 on the table in picture 1.", negative_prompt="",
                         num_inference_steps=2, true_cfg_scale=2.5, seed=4, output_type="np")  # fmt: skip
@@ -139,7 +140,7 @@ def test_edit_plus_two_images_matches_pipeline(tiny_plus_path: Path, images: dic
 
 
 def test_merged_lora_equals_unmerged(lora: Path, images: dict[str, Path], tmp_path: Path) -> None:
-    merged_predictor = build_predictor(_cfg(f"predict.lora={lora}"))
+    merged_predictor = predictor_for(_cfg(f"predict.lora={lora}"))
     kw = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=3, output_type="np")
     unmerged = merged_predictor.predict([images["square"]], PROMPT, **kw)
     merge_lora(merged_predictor.parts.transformer)
@@ -208,10 +209,12 @@ def test_infer_api_and_validation_give_the_same_image(images: dict[str, Path], t
     """`python -m qie.infer`'s stage, `Trainer.predict` and training's Validator (inputs taken through an
     EmbeddingSource) turn one input into the same pixels under the same defaults: the `predict` group's
     SamplingOptions (CFG with the empty negative prompt, seed 0), the output size of the model's rule."""
+    from stage_edges import source_for
+
     import qie
     from qie.components import load_parts
     from qie.models import model_spec
-    from qie.stages.common import build_source, sampling_options
+    from qie.stages.settings import sampling_options
     from qie.stages.validation import validation_inputs, validation_samples
     from qie.training.validation import Validator
 
@@ -231,7 +234,7 @@ def test_infer_api_and_validation_give_the_same_image(images: dict[str, Path], t
     assert options.guidance and options == sampling_options(run.predict)
     spec = model_spec(cfg.model)
     samples = validation_samples(v, [], 0, spec)
-    inputs, negatives = validation_inputs(build_source(cfg), samples, options.negative_prompt)
+    inputs, negatives = validation_inputs(source_for(cfg), samples, options.negative_prompt)
     parts = load_parts(cfg.model, ["transformer", "scheduler", "vae"])
     validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, spec)
     (from_validation,) = validator.images(parts.transformer)
@@ -322,26 +325,27 @@ def test_cli_writes_png(tiny_path: Path, images: dict[str, Path], tmp_path: Path
 def test_transformer_path_uses_a_merged_transformer_everywhere(
     lora: Path, images: dict[str, Path], tmp_path: Path
 ) -> None:
+    from stage_edges import key_context_for
+
     from qie.components import load_parts
-    from qie.stages.common import model_key_context
 
     kw = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=3, output_type="np")
-    with_lora = build_predictor(_cfg(f"predict.lora={lora}")).predict([images["square"]], PROMPT, **kw)
+    with_lora = predictor_for(_cfg(f"predict.lora={lora}")).predict([images["square"]], PROMPT, **kw)
     (out,) = infer.run(_cfg(f"predict.lora={lora}", "predict.merge_to=merged"), tmp_path)
     # The folder merge_to wrote, or the transformer folder in it: the base model's other parts around it.
     for path in (tmp_path / "merged", out):
-        merged = build_predictor(_cfg(f"model.transformer_path={path}")).predict([images["square"]], PROMPT, **kw)
+        merged = predictor_for(_cfg(f"model.transformer_path={path}")).predict([images["square"]], PROMPT, **kw)
         assert np.abs(merged - with_lora).max() <= 1e-4
-    base = build_predictor(_cfg()).predict([images["square"]], PROMPT, **kw)
+    base = predictor_for(_cfg()).predict([images["square"]], PROMPT, **kw)
     assert np.abs(base - with_lora).max() > 1e-3  # so the equality above is the merged weights' doing
     # Training and validation load it the same way; the cache keys do not depend on the transformer.
     cfg = small_config("train", f"model.transformer_path={out}")
     parts = load_parts(cfg.model, ["transformer"])
     saved = QwenImageTransformer2DModel.from_pretrained(out).state_dict()
     assert all(torch.equal(v, saved[k]) for k, v in parts.transformer.state_dict().items())
-    assert model_key_context(cfg) == model_key_context(small_config("train"))
+    assert key_context_for(cfg) == key_context_for(small_config("train"))
     with pytest.raises(ModelLoadError, match="model.transformer_path=.*no diffusers transformer"):
-        build_predictor(_cfg(f"model.transformer_path={tmp_path}"))
+        predictor_for(_cfg(f"model.transformer_path={tmp_path}"))
 
 
 def test_predict_takes_numpy_arrays_and_paths(predictor: Predictor, images: dict[str, Path]) -> None:

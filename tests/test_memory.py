@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import CachedData
+from stage_edges import hasher_for, key_context_for, source_for
 
 from qie.config import compose
 from qie.data.keys import sample_keys
@@ -18,7 +19,6 @@ from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError
 from qie.stages import precompute
 from qie.stages import train as train_stage
-from qie.stages.common import build_source, file_hasher, model_key_context
 from qie.training import memory, offload
 from qie.training.memory import MemorySettings
 
@@ -130,18 +130,18 @@ def test_combinations_that_cannot_work_are_refused(settings, lora: bool, quantiz
 def test_quantized_text_encoder_entries_key_apart(data: dict, tmp_path: Path) -> None:
     sample = scan_dataset(data["root"] / "train", "folder").samples[0]
     cfgs = {q: compose("train", data["base"] + [f"model.text_encoder_quantize={q}"]) for q in ("none", "fp8", "int8")}
-    keys = {q: sample_keys(sample, model_key_context(cfg), file_hasher(cfg)) for q, cfg in cfgs.items()}
+    keys = {q: sample_keys(sample, key_context_for(cfg), hasher_for(cfg)) for q, cfg in cfgs.items()}
     text = {"prompt_embed", "prompt_embeds_mask", "empty_prompt_embed", "empty_prompt_embeds_mask"}
     for kind in keys["none"]:
         assert (len({keys[q][kind] for q in keys}) == 3) == (kind in text), kind
     # The cache filled unquantized serves an unquantized run, and is a miss for an int8 one.
-    build_source(cfgs["none"], "cached").get([sample])
+    source_for(cfgs["none"], "cached").get([sample])
     with pytest.raises(CacheMissError, match="prompt_embed"):
-        build_source(cfgs["int8"], "cached").get([sample])
+        source_for(cfgs["int8"], "cached").get([sample])
     # Precompute with the int8 text encoder writes the entries an int8 run reads.
     int8 = data["base"][:2] + [f"cache.dir={tmp_path / 'cache'}", "model.text_encoder_quantize=int8"]
     precompute.run(compose("precompute", int8), tmp_path / "precompute")
-    build_source(compose("train", int8), "cached").get([sample])
+    source_for(compose("train", int8), "cached").get([sample])
 
 
 def test_optimizer_presets_compose_and_adafactor_trains(data: dict, plain: dict, tmp_path: Path) -> None:
@@ -179,12 +179,11 @@ def test_the_cli_reports_a_missing_optimizer_extra(data: dict, tmp_path: Path) -
 
 def test_predict_with_swapped_blocks_gives_the_same_images(plain: dict, tmp_path: Path) -> None:
     from PIL import Image
-
-    from qie.stages.infer import build_predictor
+    from stage_edges import predictor_for
 
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
     fast = ["model=tiny", "predict.num_inference_steps=2", "predict.true_cfg_scale=4.0"]  # CFG: two passes a step
-    predictors = [build_predictor(compose("infer", fast + [f"predict.blocks_to_swap={n}"])) for n in (0, 2)]
+    predictors = [predictor_for(compose("infer", fast + [f"predict.blocks_to_swap={n}"])) for n in (0, 2)]
     outputs = [p.predict(image, "make it red", output_type="np", num_inference_steps=2) for p in predictors]
     assert np.array_equal(outputs[0], outputs[1])
     for p in predictors:  # a LoRA loaded later is swapped with its blocks

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from helpers import count_constructions
+from stage_edges import predictor_for
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qie.components import check, fingerprint, prepare_model
@@ -16,7 +17,6 @@ from qie.config import compose
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.stages import train as train_stage
-from qie.stages.infer import build_predictor
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def _edit_folder(root: Path) -> Path:
 
 def test_edit_config_with_a_text_to_image_checkpoint(tiny_t2i_path: Path, tmp_path: Path, constructions) -> None:
     with pytest.raises(ConfigError) as err:
-        build_predictor(_infer("tiny", tiny_t2i_path))
+        predictor_for(_infer("tiny", tiny_t2i_path))
     message = str(err.value)
     assert "model=tiny does not match the checkpoint" in message and str(tiny_t2i_path) in message
     assert "QwenImagePipeline" in message and "QwenImageEditPipeline" in message
@@ -62,13 +62,13 @@ def test_edit_config_with_a_text_to_image_checkpoint(tiny_t2i_path: Path, tmp_pa
 
 def test_2509_config_with_a_2511_checkpoint(tiny_2511_path: Path, constructions) -> None:
     with pytest.raises(ConfigError) as err:
-        build_predictor(_infer("tiny_plus", tiny_2511_path))
+        predictor_for(_infer("tiny_plus", tiny_2511_path))
     message = str(err.value)
     assert "zero_cond_t=True" in message and "expects False" in message
     assert "use model=qwen_image_edit_2511 or model=tiny_edit_2511 " in message
     assert constructions == Counter()
     # The override lets it through: the parts are built.
-    predictor = build_predictor(_infer("tiny_plus", tiny_2511_path, "model.check=false"))
+    predictor = predictor_for(_infer("tiny_plus", tiny_2511_path, "model.check=false"))
     assert predictor.parts.transformer.config.zero_cond_t is True
     assert constructions["QwenImageTransformer2DModel"] == 1
 

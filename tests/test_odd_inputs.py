@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 from helpers import CachedData, small_config
 from PIL import Image
+from stage_edges import data_for, predictor_for, source_for
 
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
@@ -29,8 +30,6 @@ from qie.data.scan import scan_dataset
 from qie.errors import ConfigError, DataError
 from qie.stages import precompute
 from qie.stages import train as train_stage
-from qie.stages.common import build_source, read_data
-from qie.stages.infer import build_predictor
 from qie.training import checkpoint as ckpt
 
 QIE = Path(__file__).resolve().parents[1] / "qie"
@@ -73,8 +72,8 @@ def test_odd_samples_encode_as_expected(tiny_path: Path, tmp_path: Path) -> None
     assert [f["id"] for f in failures] == ["long"]
     assert f"the prompt is 100,000 characters, more than the {MAX_PROMPT_CHARS:,}" in failures[0]["reason"]
     cfg = small_config("train", *base)
-    source = build_source(cfg)
-    samples = {s.id: s for s in read_data(cfg).samples}
+    source = source_for(cfg)
+    samples = {s.id: s for s in data_for(cfg).samples}
     # Kept as written (line ends read as text files are): the text encoder sees it.
     assert samples["control_chars"].prompt == odd.replace("\r\n", "\n").strip()
     entries = {i: source.get([samples[i]])[0] for i in ("rotated", "control_chars")}
@@ -85,7 +84,7 @@ def test_odd_samples_encode_as_expected(tiny_path: Path, tmp_path: Path) -> None
     assert source.keys(samples["control_chars"])["prompt_embed"] != source.keys(samples["rotated"])["prompt_embed"]
 
     # Infer opens it the same way: the output is upright too; a 100,000-character prompt is refused in one line.
-    predictor = build_predictor(small_config("infer", base[0], *base[4:], "predict.true_cfg_scale=1.0"))
+    predictor = predictor_for(small_config("infer", base[0], *base[4:], "predict.true_cfg_scale=1.0"))
     (out,) = predictor.predict(root / "control_images" / "rotated.jpg", "make it red", num_inference_steps=2)
     assert out.size[0] < out.size[1]
     with pytest.raises(ConfigError, match="predict.prompt: the prompt is 100,000 characters"):
@@ -114,7 +113,7 @@ def test_a_damaged_parquet_file_is_named_in_one_line(tmp_path: Path) -> None:
     for path in (folder, f"{folder}/*.parquet"):
         cfg = compose("train", [f"data.path={path}", f"cache.dir={tmp_path / 'cache'}"])
         with pytest.raises(DataError) as info:
-            read_data(cfg)
+            data_for(cfg)
         message = str(info.value)
         assert message.startswith(f"parquet file '{folder / 'part-1.parquet'}' of data set ") and "\n" not in message
         assert "damaged (ArrowInvalid" in message and "download it again" in message

@@ -17,6 +17,7 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
+from stage_edges import encoder_for, hasher_for, key_context_for, sizes_for
 
 from qie.cache.admin import run_admin
 from qie.cache.entries import STORED_TYPES, read_logical
@@ -30,7 +31,6 @@ from qie.data.scan import scan_dataset
 from qie.encode import prepare_sample
 from qie.errors import DataError
 from qie.stages import precompute
-from qie.stages.common import build_encoder, file_hasher, image_sizes, model_key_context
 from qie.stages.precompute_work import OPTIONAL_TYPES
 
 # What precompute stores of these samples: the mask types are derived from the embeddings, never written, and
@@ -90,8 +90,8 @@ def _keyed(ds: Path, cache: Path, *extra: str):
     """(samples, keys of each, backend, cfg) as precompute computes them."""
     cfg = compose("precompute", _overrides(ds, cache, *extra))
     samples = scan_dataset(ds).samples
-    ctx = model_key_context(cfg)
-    hasher = file_hasher(cfg)
+    ctx = key_context_for(cfg)
+    hasher = hasher_for(cfg)
     return samples, [sample_keys(s, ctx, hasher) for s in samples], build_backend(cfg.cache), cfg
 
 
@@ -129,7 +129,7 @@ def _logical(backend, type: str, key: str) -> dict:
 
 @pytest.fixture(scope="module")
 def encoder(tiny_path: Path):
-    return build_encoder(compose("precompute", ["model=tiny"]))
+    return encoder_for(compose("precompute", ["model=tiny"]))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_cache_holds_exactly_what_the_encoder_computes(built, encoder, capsys) -
         assert stored.meta["base"] == f"empty_prompt_embed/{k['empty_prompt_embed']}"
         assert 0 <= float(stored.meta["prefix_max_diff"]) < 1e-6
 
-    sizes = image_sizes(cfg)
+    sizes = sizes_for(cfg)
     # Same batch composition as the run (one group, batches of 2): bit-for-bit the same tensors and dtypes,
     # but for a prompt's shared prefix rows, equal within the difference recorded when it was written.
     for batch in _chunks(list(zip(samples, keys)), 2):
@@ -235,7 +235,7 @@ def test_one_prompt_two_control_images_two_entries(tiny_path: Path, tmp_path: Pa
     assert keys[0]["prompt_embed"] != keys[1]["prompt_embed"]
     embeds = []
     for sample, k in zip(samples, keys):
-        prepared = prepare_sample(sample, image_sizes(cfg))
+        prepared = prepare_sample(sample, sizes_for(cfg))
         (live,) = encoder.encode_prompts([sample.prompt], [prepared.vl_images])
         stored = read_logical(backend, "prompt_embed", k["prompt_embed"])
         assert torch.equal(stored[6:], live[6:]) and torch.allclose(stored, live, rtol=0, atol=1e-6)

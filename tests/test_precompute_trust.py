@@ -112,15 +112,16 @@ def test_claims_held_by_another_run_are_waited_for_not_encoded(tiny_path: Path, 
 
     backend.claim = claim
     summary = precompute_work.PrecomputeSummary()
+    from stage_edges import data_for, encoder_for, hasher_for, key_context_for, sizes_for
+
     from qie.components import prepare_model
-    from qie.stages.common import file_hasher, model_key_context, read_data
 
     spec = prepare_model(cfg.model)
-    keyed = [(s, precompute_work.keys_of(s, model_key_context(cfg, spec), file_hasher(cfg), spec))
-             for s in read_data(cfg).samples]  # fmt: skip
+    keyed = [(s, precompute_work.keys_of(s, key_context_for(cfg, spec), hasher_for(cfg), spec))
+             for s in data_for(cfg).samples]  # fmt: skip
     groups = precompute_work.plan(keyed, backend, summary)
-    precompute_work.encode_groups(lambda: precompute.build_encoder(cfg), groups, backend,
-                                  precompute.image_sizes(cfg), summary, 1, False, lambda n: None)  # fmt: skip
+    precompute_work.encode_groups(lambda: encoder_for(cfg, spec), groups, backend,
+                                  sizes_for(cfg, spec), summary, 1, False, lambda n: None)  # fmt: skip
     assert True in calls and all(s.new == 2 for s in summary.types.values())
 
 

@@ -26,9 +26,9 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 def test_int4_trains_resumes_exactly_and_infers(cached_data: CachedData, tmp_path: Path) -> None:
     from optimum.quanto import QLinear, qint4
+    from stage_edges import predictor_for
 
     from qie.components import load_parts
-    from qie.stages.infer import build_predictor
 
     cfg = small_config("train", *cached_data.overrides, *TRAINING)
     transformer = load_parts(cfg.model, ["transformer"]).transformer
@@ -47,8 +47,8 @@ def test_int4_trains_resumes_exactly_and_infers(cached_data: CachedData, tmp_pat
     image = write_noise_image(tmp_path / "in.png", 1)
     kw = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=3, output_type="np")
     lora = f"predict.lora={tmp_path / 'whole' / 'lora'}"
-    out = build_predictor(small_config("infer", "model.quantize=int4", lora)).predict([image], "a cat", **kw)
-    full = build_predictor(small_config("infer", lora)).predict([image], "a cat", **kw)
+    out = predictor_for(small_config("infer", "model.quantize=int4", lora)).predict([image], "a cat", **kw)
+    full = predictor_for(small_config("infer", lora)).predict([image], "a cat", **kw)
     assert out.shape == full.shape and np.isfinite(out).all()
     assert 0 < np.abs(out - full).max() < 0.2  # the 4-bit base moves the image a little
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from diffusers import QwenImage21Pipeline
 from PIL import Image
+from stage_edges import hasher_for, key_context_for, predictor_for, sizes_for, source_for
 
 from qie.cache.entries import STORED_TYPES
 from qie.cache.ssd import SsdBackend
@@ -27,8 +28,7 @@ from qie.models import model_spec
 from qie.stages import infer as infer_stage
 from qie.stages import precompute
 from qie.stages import train as train_stage
-from qie.stages.common import build_source, file_hasher, image_sizes, model_key_context, sampling_options
-from qie.stages.infer import build_predictor
+from qie.stages.settings import sampling_options
 from qie.stages.validation import validation_inputs, validation_samples
 from qie.training.validation import Validator
 
@@ -97,7 +97,7 @@ def test_infer_matches_pipeline(pipe: QwenImage21Pipeline, tmp_path: Path, count
     images = [write_rgba(tmp_path / f"ref{i}.png", i, (48 + 16 * i, 80), opaque=i == 1) for i in range(count)]
     predict = ["predict.negative_prompt=blurry", "predict.true_cfg_scale=3.0", "predict.seed=5"]
     cfg = compose("infer", [MODEL, *predict])
-    mine = build_predictor(cfg).predict(images, "A red cat.", sampling_options(cfg.predict), output_type="np")
+    mine = predictor_for(cfg).predict(images, "A red cat.", sampling_options(cfg.predict), output_type="np")
     pil = [Image.open(p) for p in images]
     generator = torch.Generator().manual_seed(5)
     expected = pipe("A red cat.", image=pil or None, negative_prompt="blurry", true_cfg_scale=3.0,
@@ -112,12 +112,12 @@ def test_infer_matches_pipeline(pipe: QwenImage21Pipeline, tmp_path: Path, count
 def test_cache_holds_the_pipeline_values_and_the_rgba_target_keeps_its_alpha(data: dict, pipe) -> None:
     cfg = compose("precompute", data["base"][:4])
     samples = {s.id: s for s in scan_dataset(data["manifest"]).samples}
-    source = build_source(cfg, mode="cached")
+    source = source_for(cfg, mode="cached")
     (three,) = source.get([samples["s6"]])
     assert len(three.control_latents) == 3 and three.prompt_image_mask.sum() == 3 * 4  # 4 slots per 64² image
     # qie reads the target with its alpha channel, exactly...
     image = Image.open(samples["s6"].target)
-    target = prepare_sample(samples["s6"], image_sizes(cfg)).target
+    target = prepare_sample(samples["s6"], sizes_for(cfg)).target
     alpha = torch.from_numpy(np.asarray(image)[..., 3].astype(np.float32))
     assert target.shape == (4, RES, RES) and torch.equal(target[3], alpha / 127.5 - 1)
     # ...and the VAE encoded all four channels: equal to encoding the RGBA pixels, not the opaque ones.
@@ -156,7 +156,7 @@ def test_changing_a_reference_or_the_order_recomputes_exactly_the_dependent_entr
     assert run() == dict.fromkeys(REFERENCE_DEPENDENT, 1)
     samples = scan_dataset(manifest).samples
     cfg = compose("precompute", base)
-    keys = [sample_keys(s, model_key_context(cfg), file_hasher(cfg)) for s in samples]
+    keys = [sample_keys(s, key_context_for(cfg), hasher_for(cfg)) for s in samples]
     backend = SsdBackend(tmp_path / "cache")
     assert all(backend.exists(t, k[t]) for k in keys for t in k if t in STORED_TYPES)
 
@@ -181,7 +181,7 @@ def test_batch_of_equal_prompt_lengths_equals_single_samples(data: dict, pipe) -
 
     cfg = compose("train", data["base"])
     samples = {s.id: s for s in scan_dataset(data["manifest"]).samples}
-    source = build_source(cfg, mode="cached")
+    source = source_for(cfg, mode="cached")
     items = source.get([samples[i] for i in ("s0", "s1", "s2")])  # prompts "A red cat number i.": one length
     assert items[0].prompt_embed.shape == items[1].prompt_embed.shape
     noise = torch.randn(2, *items[0].pixel_latent.shape, generator=torch.Generator().manual_seed(0))
@@ -209,7 +209,7 @@ def test_validation_samples_the_cached_inputs_as_the_pipeline_does(data: dict, p
     cfg = compose("train", data["base"] + ["predict.seed=4"])
     sample = next(s for s in scan_dataset(data["manifest"]).samples if s.id == "s6")  # three references
     chosen = validation_samples(cfg.validation, [sample], 1, model_spec(cfg.model))
-    inputs, negatives = validation_inputs(build_source(cfg, mode="cached"), chosen, "")
+    inputs, negatives = validation_inputs(source_for(cfg, mode="cached"), chosen, "")
     parts = load_parts(cfg.model, ["vae", "transformer", "scheduler"])
     options = sampling_options(cfg.predict)
     validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, model_spec(cfg.model),
@@ -268,7 +268,7 @@ def test_a_qwen_image_21_folder_qie_did_not_build(data: dict, pipe: QwenImage21P
              f"model.vae_image_pixels={RES * RES}", f"model.vl_image_pixels={RES * RES}"]  # fmt: skip
     image = write_rgba(tmp_path / "ref.png", 3, (64, 64))
     cfg = compose("infer", [*model, "predict.negative_prompt=blurry", "predict.true_cfg_scale=3.0", "predict.seed=5"])
-    mine = build_predictor(cfg).predict([image], "A red cat.", sampling_options(cfg.predict), output_type="np")
+    mine = predictor_for(cfg).predict([image], "A red cat.", sampling_options(cfg.predict), output_type="np")
     reloaded = QwenImage21Pipeline.from_pretrained(
         folder, processor=load_processor(folder, processor_class=Qwen3VLProcessorNoVideo)
     )

@@ -29,6 +29,8 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     """`qie.infer ... predict.layers=2 predict.output=DIR` writes DIR/layer_0.png, layer_1.png: RGBA, in the
     pipeline's order, equal to `QwenImageLayeredPipeline` (same seed, steps, CFG and negative prompt); a
     non-square input keeps its aspect (the pipeline's 640-bucket size, 704x576)."""
+    from stage_edges import predictor_for
+
     from qie.config import compose
     from qie.stages import infer
 
@@ -50,7 +52,7 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     assert out.shape == (2, 704, 576, 4)
     assert np.abs(mine.astype(int) - np.rint(out * 255).astype(int)).max() <= 1  # PNG rounding
 
-    predictor = infer.build_predictor(cfg)
+    predictor = predictor_for(cfg)
     direct = predictor.predict([Image.open(image)], PROMPT, output_type="np", layers=2, **SAMPLING)
     assert np.abs(direct - out).max() <= 1e-5
     # output_type="latent": the frames before decoding (the composite, then the layers), which decode to the same.
@@ -95,10 +97,10 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     """A LoRA trained a few steps on `layered_loss` and written by qie loads with the Layered pipeline's
     `load_lora_weights`, and the pipeline's output then equals qie's inference with `predict.lora`."""
     from diffusers import QwenImageTransformer2DModel
+    from stage_edges import predictor_for
 
     from qie.config import compose
     from qie.config.model import ModelConfig
-    from qie.stages.infer import build_predictor
     from qie.training.lora import add_lora, save_lora
 
     torch.manual_seed(0)
@@ -127,7 +129,7 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     with_lora = pipeline_output()
     assert np.abs(with_lora - base).max() > 1e-4  # the LoRA moves the output
-    predictor = build_predictor(compose("infer", ["model=tiny_qwen_image_layered", f"predict.lora={lora}"]))
+    predictor = predictor_for(compose("infer", ["model=tiny_qwen_image_layered", f"predict.lora={lora}"]))
     mine = predictor.predict([image], PROMPT, output_type="np", layers=1, **SAMPLING)
     assert mine.shape == with_lora.shape == (1, 640, 640, 4)
     assert np.abs(mine - with_lora).max() <= 1e-5

@@ -13,6 +13,7 @@ import torch
 from diffusers import QwenImagePipeline
 from helpers import write_noise_image
 from PIL import Image
+from stage_edges import encoder_for, hasher_for, key_context_for, predictor_for, source_for
 from transformers import Qwen2Tokenizer
 
 from qie.components.tiny import system_prefix
@@ -23,8 +24,6 @@ from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.stages import infer, precompute
 from qie.stages import train as train_stage
-from qie.stages.common import build_encoder, build_source, file_hasher, model_key_context
-from qie.stages.infer import build_predictor
 
 PROMPTS = ["a red circle on a blue ground", "a green square", "two yellow stripes", "a white cat"]
 NEGATIVE = "blurry and dark"
@@ -86,7 +85,7 @@ def test_the_tiny_model_is_a_text_to_image_pipeline(tiny_t2i_path: Path) -> None
 
 
 def test_the_encoder_builds_no_processor_and_encodes_as_the_pipeline(data: dict) -> None:
-    encoder = build_encoder(compose("precompute", ["model=tiny_t2i"]))
+    encoder = encoder_for(compose("precompute", ["model=tiny_t2i"]))
     assert sorted(encoder.parts.built()) == ["text_encoder", "tokenizer", "vae"]
     pipe = _pipeline(data["tiny"])
     with torch.no_grad():
@@ -111,14 +110,14 @@ def test_precompute_writes_no_control_entries(data: dict) -> None:
     cfg = compose("train", data["base"])
     samples = scan_dataset(cfg.data.path).samples
     assert all(s.controls == () for s in samples)
-    source = build_source(cfg, mode="cached")
+    source = source_for(cfg, mode="cached")
     pipe = _pipeline(data["tiny"])
     for sample, item in zip(samples, source.get(samples)):
         with torch.no_grad():
             want = pipe.encode_prompt(sample.prompt, device=torch.device("cpu"))[0][0]
         assert item.control_latents == ()
         torch.testing.assert_close(item.prompt_embed, want, atol=1e-5, rtol=0)
-        assert "control_latent" not in sample_keys(sample, model_key_context(cfg), file_hasher(cfg))
+        assert "control_latent" not in sample_keys(sample, key_context_for(cfg), hasher_for(cfg))
 
 
 def test_validation_samples_at_the_targets_size(cached_run: dict) -> None:
@@ -137,7 +136,7 @@ def test_infer_run_equals_the_pipeline_with_cfg_and_a_negative_prompt(data: dict
     pipe = _pipeline(data["tiny"])
     (ref,) = _reference(pipe, PROMPTS[1], 3, output_type="pil", height=64, width=96)
     assert np.array_equal(np.asarray(Image.open(written)), np.asarray(ref))
-    mine = build_predictor(compose("infer", overrides)).predict(
+    mine = predictor_for(compose("infer", overrides)).predict(
         [], PROMPTS[1], negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=2, seed=3,
         height=64, width=96, output_type="np",
     )  # fmt: skip
@@ -156,7 +155,7 @@ def test_a_folder_qie_did_not_build_runs_through_the_same_stages(data: dict, for
     folder = tmp_path / "foreign"
     QwenImagePipeline(tokenizer=tokenizer, **foreign_parts(tokenizer)).save_pretrained(folder)
     model = ["model=tiny_t2i", "model.tiny=null", f"model.pretrained_model_name_or_path={folder}"]
-    mine = build_predictor(compose("infer", model)).predict(
+    mine = predictor_for(compose("infer", model)).predict(
         None, PROMPTS[2], negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=2, seed=5,
         height=64, width=64, output_type="np",
     )  # fmt: skip

@@ -17,6 +17,7 @@ from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline
 from helpers import CachedData, count_constructions, small_config, small_overrides, tiny_pipeline
 from PIL import Image
 from safetensors.torch import load_file
+from stage_edges import source_for
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qie.data.buckets import BucketBatchSampler
@@ -24,7 +25,6 @@ from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError
 from qie.stages import precompute
 from qie.stages import train as train_stage
-from qie.stages.common import build_source
 
 # Shared by every run compared here: what decides the losses.
 TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7"]
@@ -59,7 +59,7 @@ def cached_run(cached_data: CachedData, tmp_path_factory: pytest.TempPathFactory
         )
         result = train(cached_data, overrides, run_dir)
         during_run = Counter(counts)
-        build_source(small_config("train", *cached_data.overrides), "live")  # the counters do see an encoder
+        source_for(small_config("train", *cached_data.overrides), "live")  # the counters do see an encoder
         when_live = Counter(counts)
     return {"dir": run_dir, "result": result, "counts": during_run, "counts_live": when_live}
 

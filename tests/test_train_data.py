@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CachedData, small_config, write_solid_image
+from stage_edges import source_for
 
 from qie.components.tiny import VAE_CONFIG
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.collate import collate
 from qie.data.scan import scan_dataset
 from qie.embeddings import CachedSource, LiveSource, SampleEmbeddings
-from qie.stages.common import build_source
 from qie.training.batches import EmbeddingDataset
 from qie.types import pad_prompt_embeds
 
@@ -32,7 +32,7 @@ def test_pad_embeds_pads_to_the_longest_with_a_mask() -> None:
 @pytest.mark.parametrize("mode", ["cached", "live"])
 def test_caption_dropout_swaps_in_the_samples_own_empty_prompt(cached_data: CachedData, mode: str) -> None:
     cfg = small_config("train", *cached_data.overrides)
-    source = build_source(cfg, mode)
+    source = source_for(cfg, mode)
     assert isinstance(source, CachedSource if mode == "cached" else LiveSource)
     samples = scan_dataset(cfg.data.path).samples
     own = source.get(samples[:2])
@@ -48,7 +48,7 @@ def test_caption_dropout_swaps_in_the_samples_own_empty_prompt(cached_data: Cach
         assert tokens == n and not dropped.prompt_embeds[i, n:].any()
         assert torch.equal(kept.prompt_embeds[i, :m], e.prompt_embed)
     # Both sources hand the step the same tensors.
-    other = build_source(cfg, "live" if mode == "cached" else "cached").get(samples[:2])
+    other = source_for(cfg, "live" if mode == "cached" else "cached").get(samples[:2])
     for a, b in zip(own, other):
         torch.testing.assert_close(a.empty_prompt_embed, b.empty_prompt_embed, rtol=0, atol=1e-6)
         torch.testing.assert_close(a.pixel_latent, b.pixel_latent, rtol=0, atol=1e-6)
@@ -111,7 +111,7 @@ def test_buckets_never_mix_shapes(two_shapes: Path) -> None:
 def test_bucket_keys_are_the_latent_shapes_and_collate_refuses_a_mix(two_shapes: Path, small_cfg) -> None:
     cfg = small_cfg("train", f"data.path={two_shapes}", "cache.mode=live")
     samples = scan_dataset(two_shapes).samples[:2]
-    embeds = build_source(cfg).get(samples)
+    embeds = source_for(cfg).get(samples)
     for e, key in zip(embeds, bucket_keys(samples, 4096, 4096, 32)):
         for latent, (w, h) in zip((e.pixel_latent, *e.control_latents), key):
             assert latent.shape[-2:] == (h // SCALE, w // SCALE)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cached_set
+from stage_edges import source_for
 
 from qie.cache.entries import write_entries
 from qie.cache.failures import update_failures
@@ -22,7 +23,6 @@ from qie.config import compose
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ModelLoadError, StorageError
 from qie.stages import train as train_stage
-from qie.stages.common import build_source
 from qie.training.guards import NonFiniteLoss
 from qie.training.state_io import load_tree
 
@@ -114,7 +114,7 @@ def test_each_step_is_logged_once_after_a_resume(data: dict, tmp_path: Path) -> 
 def _poison(data: dict, sample_id: str) -> None:
     """Store NaN in the sample's target latent (a valid entry, checksum and all, holding NaN)."""
     cfg = compose("train", data["base"])
-    source = build_source(cfg)
+    source = source_for(cfg)
     sample = next(s for s in scan_dataset(data["root"] / "train").samples if s.id == sample_id)
     keys = source.keys(sample)
     latent = source.backend.get("pixel_latent", keys["pixel_latent"])["latent"].clone()
@@ -152,7 +152,7 @@ def test_the_whole_cache_is_checked_while_the_model_loads_before_training(data: 
     shutil.copytree(data["root"], root)
     base = [b.replace(str(data["root"]), str(root)) for b in data["base"]]
     cfg = compose("train", base)
-    source = build_source(cfg)
+    source = source_for(cfg)
     samples = scan_dataset(root / "train").samples
     keys = [source.keys(s) for s in samples]
     backend = SsdBackend(root / "cache")

@@ -105,10 +105,10 @@ def test_a_long_prompt_reaching_the_transformer_is_refused_naming_the_sample(tin
 
 
 def test_infer_refuses_a_prompt_longer_than_the_text_positions(tiny_path: Path, tmp_path: Path) -> None:
-    from qie.stages.infer import build_predictor
+    from stage_edges import predictor_for
 
     image = write_noise_image(tmp_path / "in.png", 1, (64, 64))
-    predictor = build_predictor(small_config("infer", "model=tiny", "predict.true_cfg_scale=1.0"))
+    predictor = predictor_for(small_config("infer", "model=tiny", "predict.true_cfg_scale=1.0"))
     with pytest.raises(PromptTooLong, match=r"^predict.prompt: the prompt is [\d,]+ tokens, more than the 4,094 "
                                             r"text positions .* at this size: shorten it$"):  # fmt: skip
         predictor.predict([image], LONG)
@@ -157,13 +157,14 @@ def nan_transformer(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_nan_base_weights_are_named_by_infer_and_training(data: dict, nan_transformer: Path, tmp_path: Path) -> None:
+    from stage_edges import predictor_for
+
     from qie.errors import ModelLoadError
-    from qie.stages.infer import build_predictor
     from qie.training.guards import NonFiniteLoss
 
     image = write_noise_image(tmp_path / "in.png", 1, (64, 64))
     cfg = small_config("infer", "model=tiny", "predict.true_cfg_scale=1.0", f"model.transformer_path={nan_transformer}")
-    predictor = build_predictor(cfg)
+    predictor = predictor_for(cfg)
     with pytest.raises(ModelLoadError) as info:
         predictor.predict([image], "Make the sky blue.", num_inference_steps=2)
     assert str(info.value) == (

@@ -31,8 +31,8 @@ def prepare_model(model_cfg: Any) -> ModelSpec:
     """
     spec = model_spec(model_cfg)
     check_checkpoint(spec, model_cfg, ensure_model(model_cfg))
-    own = model_cfg.get("transformer_path")
-    if own and model_cfg.get("check", True) and is_single_file(own):
+    own = getattr(model_cfg, "transformer_path", None)
+    if own and getattr(model_cfg, "check", True) and is_single_file(own):
         check_transformer_file(spec, str(own))
     return spec
 
@@ -41,7 +41,7 @@ def ensure_model(model_cfg: Any) -> str:
     """The model's source, after building qie's tiny model there when `model.tiny` names a preset and it is
     not there yet (what loading parts needs; nothing is read or checked)."""
     source = model_source(model_cfg)
-    if model_cfg.get("tiny"):
+    if getattr(model_cfg, "tiny", None):
         from qie.components.tiny import ensure_tiny_model
 
         ensure_tiny_model(source, variant=str(model_cfg.tiny))
@@ -76,14 +76,14 @@ def load_parts(
     spec = spec or model_spec(model_cfg)
     devices = devices or {}
     names = list(names)
-    if "transformer" in names and model_cfg.get("fuse_loras") and fuse is None:
+    if "transformer" in names and getattr(model_cfg, "fuse_loras", None) and fuse is None:
         from qie.errors import ConfigError
 
         raise ConfigError("model.fuse_loras is set, but the transformer is being built without fusing them: pass "
                           "fuse=FusedBase.of(...).fuse_into (qie.training.fused_base) to load_parts")  # fmt: skip
     dtype = resolve_dtype(str(value(model_cfg.dtype)))
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
-    own = model_cfg.get("transformer_path")
+    own = getattr(model_cfg, "transformer_path", None)
     folders = {"transformer": transformer_folder(own)} if own and "transformer" in names else {}
     source = ensure_model(model_cfg)
     parts = build_parts(
@@ -96,8 +96,8 @@ def load_parts(
         folders=folders,
         keep_full_precision=spec.family.keep_full_precision,
         text_encoder_quantize=str(value(getattr(model_cfg, "text_encoder_quantize", "none"))),
-        single_file_fp8=str(value(model_cfg.get("single_file_fp8", "upcast"))),
-        fp8_compute=str(value(model_cfg.get("fp8_compute", "auto"))),
+        single_file_fp8=str(value(getattr(model_cfg, "single_file_fp8", "upcast"))),
+        fp8_compute=str(value(getattr(model_cfg, "fp8_compute", "auto"))),
         compiled=compiled,
         fuse=fuse,
     )

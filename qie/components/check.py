@@ -44,9 +44,9 @@ def check_checkpoint(spec: ModelSpec, model_cfg: Any, source: str) -> None:
     Raises:
         ConfigError: naming the config, what the checkpoint is, the `model=` that fits it, and the override.
     """
-    if not model_cfg.get("check", True):
+    if not getattr(model_cfg, "check", True):
         return
-    revision = model_cfg.get("revision")
+    revision = getattr(model_cfg, "revision", None)
     found = read_facts(source, revision)
     problems = spec.mismatches(found)
     if not problems:

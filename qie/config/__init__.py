@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -174,6 +176,45 @@ def for_stage(cfg: DictConfig, stage: str) -> DictConfig:
     return OmegaConf.merge(root, {k: cfg[k] for k in root.keys() if k in cfg})
 
 
+def updated(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
+    """A copy of `cfg` with the dotted keys of `values` set (each replacing what was there)."""
+    out = cfg.copy()
+    for key, val in values.items():
+        OmegaConf.update(out, key, val, merge=False)
+    return out
+
+
+def typed(node: Any) -> Any:
+    """A composed config group as its schema's dataclass (`OmegaConf.to_object`: enums as enums, interpolations
+    resolved), what a stage's edge hands to the code below it; a value that is no config node as it is. A `cache`
+    group keeps its schema's keys only: the backend's own keys go to the backend (`qie.config.backend`), which
+    the stage builds from the node itself."""
+    if not OmegaConf.is_config(node):
+        return node
+    if OmegaConf.get_type(node) is CacheConfig:
+        schema_keys = {k: node[k] for k in node.keys() if k in _CACHE_KEYS}
+        node = OmegaConf.merge(OmegaConf.structured(CacheConfig), schema_keys)
+    return OmegaConf.to_object(node)
+
+
+_CACHE_KEYS = frozenset(f.name for f in fields(CacheConfig))
+
+
+def precompute_command(cfg: DictConfig) -> str:
+    """The precompute command that fills the cache a run of `cfg` reads: the CLI's model/data/cache overrides
+    (read from Hydra's; rebuilt from `cfg` outside the Hydra CLI)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        given = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under the Hydra CLI: rebuild the essentials from the config
+        given = [f"model={cfg.model.name}", f"data.path={cfg.data.path}", f"cache={cfg.cache.name}"]
+        given.append(f"cache.dir={cfg.cache.dir}")
+    groups = ("model", "data", "cache", "experiment")
+    keep = [o for o in given if o.lstrip("+~").split("=")[0].split(".")[0] in groups and "cache.mode" not in o]
+    return " ".join(["python -m qie.precompute", *(shlex.quote(o) for o in keep)])
+
+
 def validate(cfg: DictConfig) -> None:
     """Check a composed config against its schema and ranges, building nothing.
 
@@ -328,4 +369,15 @@ def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | Non
         raise ConfigError(f"{key}={value} is out of range: it must lie in {bounds}")
 
 
-__all__ = ["CACHE_TYPES", "STAGES", "compose", "for_stage", "qie_home", "register", "validate"]
+__all__ = [
+    "CACHE_TYPES",
+    "STAGES",
+    "compose",
+    "for_stage",
+    "precompute_command",
+    "qie_home",
+    "register",
+    "typed",
+    "updated",
+    "validate",
+]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from qie.config import qie_home
 from qie.demo.synthetic import make_dataset
-from qie.models import model_spec
+from qie.models import ModelSpec, model_spec
 
 SAMPLES = 64
 IMAGE_SIZE = 64
@@ -50,21 +50,20 @@ def builtin_data(kind: str, samples: int = SAMPLES) -> tuple[Path, bool]:
     return folder, True
 
 
-def data_kind(model: DictConfig) -> str:
+def data_kind(spec: ModelSpec) -> str:
     """Which demo data set a model trains on: layers, edits (it takes a control image) or text to image."""
-    spec = model_spec(model)
     if spec.family.layered:
         return "layered"
     return "edit" if spec.max_control_images > 0 else "t2i"
 
 
 def with_builtin_data(cfg: DictConfig) -> DictConfig:
-    """`cfg` itself, or, on a tiny model (`model.tiny`) without `data.path`, a copy whose `data.path` is the
-    built-in demo data set (said in one line). A real model without `data.path` is left to the stage, which
-    names the missing key."""
+    """The CLI's step before a stage's edge (`qie.cli.run_stage`'s `prepare`): `cfg` itself, or, on a tiny model
+    (`model.tiny`) without `data.path`, a copy whose `data.path` is the built-in demo data set (said in one line). A
+    real model without `data.path` is left to the stage, which names the missing key."""
     if cfg.data.get("path") or not cfg.model.get("tiny"):
         return cfg
-    kind = data_kind(cfg.model)
+    kind = data_kind(model_spec(cfg.model))
     folder, written = builtin_data(kind)
     how = "generated in" if written else "in"
     print(f"qie: data.path is not set: using the built-in demo data set of the tiny model ({SAMPLES} {kind} samples, "
@@ -74,4 +73,4 @@ def with_builtin_data(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-__all__ = ["builtin_data", "with_builtin_data"]
+__all__ = ["SAMPLES", "builtin_data", "data_kind", "with_builtin_data"]

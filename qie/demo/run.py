@@ -23,17 +23,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from PIL import Image
 
 from qie.components import prepare_model
-from qie.config import for_stage
+from qie.config import DemoConfig, for_stage, typed, updated
+from qie.config.backend import build_backend
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
@@ -44,9 +45,11 @@ from qie.demo.synthetic import composite, make_dataset
 from qie.models import ModelSpec
 from qie.sampling import SamplingOptions
 from qie.stages import infer, precompute, train
-from qie.stages.common import build_source, sampling_options, value
+from qie.stages.settings import loss_masks, sampling_options, source_settings
+from qie.stages.sources import build_source
 from qie.training.evaluate import heldout_loss
 from qie.training.logging import MetricsLogger
+from qie.types import value
 
 REQUIRED_LOSS_DROP = 0.2
 REQUIRED_PIXEL_DROP = 0.3
@@ -55,13 +58,6 @@ COLUMNS = ("control", "target", "base model", "LoRA")
 LAYERED_COLUMNS = ("image",)
 TILE = 128
 GRID_TAG = "demo/heldout"
-
-
-def _with(cfg: DictConfig, **updates) -> DictConfig:
-    out = cfg.copy()
-    for key, val in updates.items():
-        OmegaConf.update(out, key, val, merge=False)
-    return out
 
 
 @contextmanager
@@ -77,33 +73,42 @@ def _threads(count: int) -> Iterator[None]:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Run the demo in `run_dir`; returns the report also written to `run_dir/demo_report.json`."""
-    with _threads(int(cfg.demo.threads)):
-        return _run(cfg, Path(run_dir))
+    """Run the demo in `run_dir`; returns the report also written to `run_dir/demo_report.json`.
+
+    The demo's edge: it reads `cfg` here, and runs the precompute and train stages on configs made of it (each
+    stage's `run` its own edge)."""
+    d, model, run_dir = typed(cfg.demo), typed(cfg.model), Path(run_dir)
+    with _threads(int(d.threads)):
+        spec = prepare_model(model)
+        kind = data_kind(spec)  # an image and its layers; else edits, or shapes from their descriptions
+        output = OUTPUTS[kind]
+        data_root = make_dataset(run_dir / "data", d.train_samples, d.heldout_samples, d.image_size, d.seed,
+                                 kind == "edit", kind == "layered")  # fmt: skip
+        train_cfg = updated(cfg, {"data.path": str(data_root / "train"), "cache.dir": str(run_dir / "cache"),
+                                  "cache.mode": "cached"})  # fmt: skip
+        heldout_cfg = updated(train_cfg, {"data.path": str(data_root / "heldout")})
+        for split_cfg, name in ((train_cfg, "train"), (heldout_cfg, "heldout")):
+            precompute.run(for_stage(split_cfg, "precompute"), run_dir / f"precompute_{name}")
+
+        result = train.run(train_cfg, run_dir / "train")
+
+        data, predict = typed(heldout_cfg.data), typed(cfg.predict)
+        masks = loss_masks(typed(cfg.train), data, spec)
+        settings = source_settings(model, data, typed(heldout_cfg.cache), spec, masks).with_mode("cached")
+        source = build_source(settings, spec, build_backend(heldout_cfg.cache))
+        predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
+        return _measure(spec, output, source, predictor, sampling_options(predict), d, data_root, result,
+                        int(data.target_pixels), str(value(cfg.logging.report_to)), run_dir)  # fmt: skip
 
 
-def _run(cfg: DictConfig, run_dir: Path) -> dict:
-    d = cfg.demo
-    spec = prepare_model(cfg.model)
-    kind = data_kind(cfg.model)  # an image and its layers; else edits, or shapes from their descriptions
-    output = OUTPUTS[kind]
-    data_root = make_dataset(run_dir / "data", d.train_samples, d.heldout_samples, d.image_size, d.seed,
-                             kind == "edit", kind == "layered")  # fmt: skip
-    cache_dir = str(run_dir / "cache")
-    train_cfg = _with(cfg, **{"data.path": str(data_root / "train"), "cache.dir": cache_dir, "cache.mode": "cached"})
-    heldout_cfg = _with(train_cfg, **{"data.path": str(data_root / "heldout")})
-
-    for split_cfg, name in ((train_cfg, "train"), (heldout_cfg, "heldout")):
-        precompute.run(for_stage(split_cfg, "precompute"), run_dir / f"precompute_{name}")
-
-    result = train.run(train_cfg, run_dir / "train")
-
+def _measure(spec: ModelSpec, output: Output, source: Any, predictor: infer.Predictor, options: SamplingOptions,
+             d: DemoConfig, data_root: Path, result: dict, pixels: int, report_to: str,
+             run_dir: Path) -> dict:  # fmt: skip
+    """Measure the base model and the LoRA on the held-out samples (targets at `pixels`); write the picture (logged
+    to `report_to`) and the report."""
     samples = scan_dataset(data_root / "heldout").samples
-    source = build_source(heldout_cfg, mode="cached", spec=spec)
-    predictor = infer.build_predictor(_with(heldout_cfg, **{"predict.lora": None}), spec)
-    pixels = int(cfg.data.target_pixels)
     heldout = Heldout(
-        samples, source, predictor, sampling_options(cfg.predict), int(d.seed), int(d.image_size),
+        samples, source, predictor, options, int(d.seed), int(d.image_size),
         # Each sample's frames as the model sees them: the target (a layered sample's composite), then its layers.
         [[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in samples],
         # The frames' normalised latents (C, frames, h, w) as training sees them: the held-out cache's entries.
@@ -116,7 +121,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     lora = _evaluate(heldout, output, run_dir / "predictions" / "lora")
 
     compared = output.compare(heldout, base, lora)
-    picture = _picture(cfg, run_dir, compared.rows, compared.captions, compared.titles, int(result["step"]))
+    picture = _picture(report_to, run_dir, compared.rows, compared.captions, compared.titles, int(result["step"]))
     report = _report(base.loss, lora.loss, psnr, compared, result, picture, run_dir)
     (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
     print(format_report(report, run_dir))
@@ -305,12 +310,12 @@ def _layer_rows(
     return rows, captions
 
 
-def _picture(cfg: DictConfig, run_dir: Path, rows: list, captions: list[str], titles: tuple, step: int) -> Path:
+def _picture(report_to: str, run_dir: Path, rows: list, captions: list[str], titles: tuple, step: int) -> Path:
     """Write demo.png and log the same grid to the tracker (TensorBoard by default) of the training run."""
     grid = captioned_grid(rows, captions, titles, TILE)
     path = run_dir / "demo.png"
     grid.save(path)
-    logger = MetricsLogger(run_dir / "train", str(value(cfg.logging.report_to)))
+    logger = MetricsLogger(run_dir / "train", report_to)
     logger.log_image(GRID_TAG, grid, step)
     logger.close()
     return path

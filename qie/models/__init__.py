@@ -258,9 +258,9 @@ def model_spec(model: Any) -> ModelSpec:
         max_control_images=int(model.max_control_images),
         vae_image_pixels=int(model.vae_image_pixels),
         vl_image_pixels=int(model.vl_image_pixels),
-        zero_cond_t=bool(model.get("zero_cond_t", False)),
-        true_cfg_scale=float(model.get("true_cfg_scale", 4.0)),
-        num_inference_steps=int(model.get("num_inference_steps", 50)),
+        zero_cond_t=bool(getattr(model, "zero_cond_t", False)),
+        true_cfg_scale=float(getattr(model, "true_cfg_scale", 4.0)),
+        num_inference_steps=int(getattr(model, "num_inference_steps", 50)),
     )
 
 

@@ -22,19 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher, entry_key
 from qie.captioning import Captioner, CaptionPrompt, GenerationSettings
 from qie.config.caption import CaptionConfig
+from qie.config.model import ModelConfig
 from qie.data.keys import KeyContext
 from qie.data.samples import DataProblem, Sample
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec
 from qie.stages import caption as caption_stage
 from qie.stages.caption import prompt_settings, shown_images
-from qie.stages.common import file_hasher, model_key_context, precompute_command
+from qie.stages.settings import SourceSettings, file_hasher
+from qie.stages.sources import model_key_context
 
 CAPTION_TYPE = "caption"
 
@@ -59,21 +61,21 @@ def preset_folder() -> Path:
     return Path(qie.conf.__file__).parent / "caption"
 
 
-def caption_settings(data: DictConfig, spec: ModelSpec) -> CaptionSettings:
-    """The preset `data.auto_caption_prompt` names (or the yaml file it names, with the fields of the `caption`
-    group), else the model's own (`Variant.caption`).
+def caption_settings(prompt: str | None, spec: ModelSpec) -> CaptionSettings:
+    """The preset `prompt` (`data.auto_caption_prompt`) names (or the yaml file it names, with the fields of the
+    `caption` group), else the model's own (`Variant.caption`).
 
     Raises:
         ConfigError: a name that is no preset, a file that is missing or has fields the group does not.
     """
-    name = str(data.get("auto_caption_prompt") or spec.pipe.caption)
+    name = str(prompt or spec.pipe.caption)
     is_file = name.endswith((".yaml", ".yml"))
     path = Path(name).expanduser() if is_file else preset_folder() / f"{name}.yaml"
     if not path.is_file():
         what = "is not a file" if is_file else f"is no caption preset: choose one of {', '.join(presets())}"
         raise ConfigError(f"data.auto_caption_prompt={name!r} {what} (or give a .yaml file of caption fields)")
     try:
-        node = OmegaConf.merge(OmegaConf.structured(CaptionConfig), OmegaConf.load(path))
+        node = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CaptionConfig), OmegaConf.load(path)))
     except Exception as e:  # OmegaConf's errors for an unknown field or a wrong type
         raise ConfigError(f"data.auto_caption_prompt={name!r}: {' '.join(str(e).split())}") from None
     prompt, generation = prompt_settings(node)
@@ -234,28 +236,25 @@ def _unreadable(sample: Sample) -> DataProblem | None:
     return None
 
 
-def build_captioner(cfg: DictConfig, spec: ModelSpec) -> Callable[[CaptionSettings], Captioner]:
-    """A function building the caption stage's captioner (the text encoder and its processor) for `cfg`'s model."""
+def build_captioner(model: ModelConfig, spec: ModelSpec, device: str) -> Callable[[CaptionSettings], Captioner]:
+    """A function building the caption stage's captioner (the text encoder and its processor, on `device`) for
+    `model`."""
     def make(settings: CaptionSettings) -> Any:
-        return caption_stage.build_captioner(cfg, spec, settings)  # reads settings.prompt and .generation
+        return caption_stage.build_captioner(model, spec, device, settings)  # reads settings.prompt and .generation
 
     return make
 
 
-def auto_captions(
-    cfg: DictConfig, spec: ModelSpec, generate: bool, backend: CacheBackend, hasher: FileHasher | None = None
-) -> AutoCaptions | None:
-    """What fills in missing captions when `data.auto_caption` is set (else None): captions are read from the
-    cache (`backend`, where it stores anything) and, when `generate`, the missing ones are written by the model's
-    own text encoder (built on the first one) and stored; without `generate`, a caption not cached is a miss.
-
-    Raises:
-        ConfigError: `data.auto_caption_prompt` names no caption preset.
-    """
-    if not cfg.data.get("auto_caption", False):
+def auto_captions(settings: CaptionSettings | None, source: SourceSettings, spec: ModelSpec, generate: bool,
+                  backend: CacheBackend, hasher: FileHasher | None = None) -> AutoCaptions | None:  # fmt: skip
+    """What fills in missing captions when `data.auto_caption` is set (`settings`, else None: None): captions are
+    read from the cache (`backend`, where it stores anything) and, when `generate`, the missing ones are written by
+    the model's own text encoder (built on the first one, where `source` builds its encoders) and stored; without
+    `generate`, a caption not cached is a miss (naming `source.precompute_command`)."""
+    if settings is None:
         return None
-    settings = caption_settings(cfg.data, spec)
-    hint = f"fill the cache with {precompute_command(cfg)} or train with cache.mode=lazy"
-    return AutoCaptions(settings, model_key_context(cfg, spec), hasher or file_hasher(cfg),
-                        backend if backend.stores else None,
-                        build_captioner(cfg, spec) if generate else None, spec, hint)  # fmt: skip
+    hint = f"fill the cache with {source.precompute_command} or train with cache.mode=lazy"
+    make = build_captioner(source.model, spec, source.devices["text_encoder"]) if generate else None
+    return AutoCaptions(settings, model_key_context(source.model, spec, source.sizes),
+                        hasher or file_hasher(source.cache_dir), backend if backend.stores else None, make, spec,
+                        hint)  # fmt: skip

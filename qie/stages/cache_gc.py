@@ -10,14 +10,21 @@ teacher outputs (`teacher_latent`) are keyed by the tensors training reads, not 
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from dataclasses import dataclass
 
 from qie.cache.admin import AdminReport, format_bytes
 from qie.cache.base import CacheBackend
 from qie.components import prepare_model
+from qie.config.cache import CacheConfig, GcConfig
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
+from qie.data.formats import DataSource
 from qie.errors import ConfigError
-from qie.stages.auto_caption import CAPTION_TYPE, auto_captions
-from qie.stages.common import build_source, read_data
+from qie.models import ModelSpec
+from qie.stages.auto_caption import CAPTION_TYPE, CaptionSettings, auto_captions, caption_settings
+from qie.stages.datasets import read_data
+from qie.stages.settings import SourceSettings, at_path, data_source, source_settings
+from qie.stages.sources import build_source
 from qie.types import CACHE_TYPES
 
 # Types no sample's keys name: never collected.
@@ -25,21 +32,56 @@ KEPT_TYPES = ("teacher_latent",)
 COLLECTED_TYPES = [t for t in CACHE_TYPES if t not in KEPT_TYPES]
 
 
-def used_keys(cfg: DictConfig, backend: CacheBackend) -> tuple[dict[str, set[str]], int]:
+@dataclass(frozen=True)
+class GcSetup:
+    """What `action=gc` reads: the model, how its entries are keyed, the data sets whose entries are kept."""
+
+    spec: ModelSpec
+    source: SourceSettings  # the model, the image sizes and the cache folder the keys are made with
+    samples: DataSource  # `data.path`, read with the `data` group's settings
+    keep_data: tuple[str, ...]  # `gc.keep_data`: more data sets read with the same settings
+    captions: CaptionSettings | None  # `data.auto_caption`: the cached captions are used too
+    dry_run: bool
+    force: bool
+
+
+def check_gc_data(data: DataConfig) -> None:
+    """Raise ConfigError when no data set is named (before the model is read)."""
+    if not data.path:
+        raise ConfigError(
+            "action=gc needs the data set(s) whose entries to keep: add data.path=... (more: gc.keep_data=[...]) "
+            "and the model=NAME precompute was given"
+        )
+
+
+def gc_setup(model: ModelConfig, data: DataConfig, cache: CacheConfig, gc: GcConfig, command: str) -> GcSetup:
+    """The gc action's setup (the model prepared).
+
+    Raises:
+        ConfigError: a checkpoint that is not the model, or a caption prompt that cannot be read.
+    """
+    spec = prepare_model(model)
+    captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
+    source = source_settings(model, data, cache, spec, None, command).with_mode("cached")
+    return GcSetup(spec, source, data_source(data, cache.dir), tuple(str(p) for p in gc.keep_data), captions,
+                   bool(gc.dry_run), bool(gc.force))  # fmt: skip
+
+
+def used_keys(setup: GcSetup, backend: CacheBackend) -> tuple[dict[str, set[str]], int]:
     """The keys (per type) of every sample of `data.path` and `gc.keep_data`, and how many samples that is.
 
     Raises:
         ConfigError: `backend` stores nothing (there is nothing to collect).
     """
-    spec = prepare_model(cfg.model)
-    cache = build_source(cfg, mode="cached", spec=spec, backend=backend).cache
+    cache = build_source(setup.source, setup.spec, backend).cache
     if cache is None:
         raise ConfigError(f"action=gc needs a cache that stores entries; {backend!r} stores none")
-    captions = auto_captions(cfg, spec, False, backend)  # data.auto_caption: the cached captions are used too
+    # data.auto_caption: the cached captions are used too
+    captions = auto_captions(setup.captions, setup.source, setup.spec, False, backend)
     keep: dict[str, set[str]] = {}
     count = 0
-    for path in [cfg.data.path, *cfg.gc.keep_data]:
-        for sample in read_data(cfg, path=str(path), captions=captions).samples:
+    for path in [setup.samples.path, *setup.keep_data]:
+        for sample in read_data(at_path(setup.samples, path), captions=captions).samples:
             count += 1
             for type, key in cache.keys(sample).items():
                 keep.setdefault(type, set()).add(key)
@@ -48,20 +90,15 @@ def used_keys(cfg: DictConfig, backend: CacheBackend) -> tuple[dict[str, set[str
     return keep, count
 
 
-def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
+def collect_garbage(setup: GcSetup, backend: CacheBackend) -> AdminReport:
     """List (and unless `gc.dry_run`, remove) the entries no sample of the named data sets uses.
 
     Raises:
-        ConfigError: no data set named; or, when removing without `gc.force`, none of the data sets' entries of
-            a type the cache holds is in the cache (another model or other sizes were named: nothing is removed).
+        ConfigError: when removing without `gc.force`, none of the data sets' entries of a type the cache holds is
+            in the cache (another model or other sizes were named: nothing is removed).
     """
-    if not cfg.data.path:
-        raise ConfigError(
-            "action=gc needs the data set(s) whose entries to keep: add data.path=... (more: gc.keep_data=[...]) "
-            "and the model=NAME precompute was given"
-        )
-    keep, samples = used_keys(cfg, backend)
-    remove = not bool(cfg.gc.dry_run)
+    keep, samples = used_keys(setup, backend)
+    remove = not setup.dry_run
     unused = backend.unused(keep, COLLECTED_TYPES, remove=False)
     total = backend.stats(COLLECTED_TYPES)
     kept = sum(s["count"] for s in total.values()) - sum(s["count"] for s in unused.values())
@@ -69,7 +106,7 @@ def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
     # says the settings differ from precompute's (another text encoder: every prompt entry; another VAE area:
     # every latent), even when other types match.
     unmatched = [t for t, s in total.items() if keep.get(t) and s["count"] and unused[t]["count"] == s["count"]]
-    if remove and unmatched and not cfg.gc.get("force", False):
+    if remove and unmatched and not setup.force:
         which = "" if kept == 0 else f"{', '.join(unmatched)} "
         raise ConfigError(
             f"none of the {samples} samples' {which}entries is in {backend!r}: were they encoded with another model "
@@ -80,7 +117,7 @@ def collect_garbage(cfg: DictConfig, backend: CacheBackend) -> AdminReport:
         unused = backend.unused(keep, COLLECTED_TYPES, remove=True)
     count, size = sum(s["count"] for s in unused.values()), sum(s["bytes"] for s in unused.values())
     verb = "removed" if remove else "would remove"
-    lines = [f"cache: {backend!r}", f"{samples} samples of model={cfg.model.name} use {kept:,} entries"]
+    lines = [f"cache: {backend!r}", f"{samples} samples of model={setup.spec.name} use {kept:,} entries"]
     lines += [f"  {t:<20} {verb} {s['count']:,} ({format_bytes(s['bytes'])})" for t, s in unused.items() if s["count"]]
     lines.append(f"{verb} {count:,} unused entries, {format_bytes(size)}")
     if not remove and count:

@@ -23,16 +23,22 @@ from omegaconf import DictConfig
 from qie.captioning import Captioner, CaptionPrompt, GenerationSettings, caption_processor
 from qie.cli import check_writable
 from qie.components import load_parts, model_source, prepare_model
+from qie.config import typed
+from qie.config.caption import CaptionConfig
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
 from qie.data.formats import detect_format
 from qie.data.images import fit_area, open_image, resize
 from qie.data.samples import DataProblem, Sample
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec
 from qie.progress import progress
-from qie.stages import common
 from qie.stages.caption_output import FolderOutput, ManifestOutput
-from qie.stages.common import value
+from qie.stages.datasets import read_data, sample_range, write_failures
 from qie.stages.precompute_work import share
+from qie.stages.processes import leave_process_group, warn_single_process
+from qie.stages.settings import data_source
+from qie.types import value
 
 
 @dataclass
@@ -68,18 +74,15 @@ class Settings:
     output: str | None
 
 
-def read_settings(cfg: DictConfig) -> Settings:
-    """The stage's settings, checked.
+def read_settings(c: CaptionConfig) -> Settings:
+    """The stage's settings (of the `caption` group), checked.
 
     Raises:
-        ConfigError: no data.path, a batch size or token count below 1, a prompt with nothing to ask.
+        ConfigError: a batch size or token count below 1, a prompt with nothing to ask.
     """
-    if not cfg.data.path:
-        raise ConfigError("data.path is not set: point it at the data set folder or manifest to caption")
-    c = cfg.caption
     for key in ("batch_size", "max_new_tokens", "dry_run_samples"):
-        if int(c[key]) < 1:
-            raise ConfigError(f"caption.{key}={c[key]} is out of range: it must be at least 1")
+        if int(getattr(c, key)) < 1:
+            raise ConfigError(f"caption.{key}={getattr(c, key)} is out of range: it must be at least 1")
     prompt, generation = prompt_settings(c)
     dry = int(c.dry_run_samples) if c.dry_run else 0
     raise_errors = str(value(c.on_error)) == "raise"
@@ -87,7 +90,7 @@ def read_settings(cfg: DictConfig) -> Settings:
                     c.output)  # fmt: skip
 
 
-def prompt_settings(c: DictConfig) -> tuple[CaptionPrompt, GenerationSettings]:
+def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings]:
     """What a `caption` node asks and how the text is generated.
 
     Raises:
@@ -102,7 +105,8 @@ def prompt_settings(c: DictConfig) -> tuple[CaptionPrompt, GenerationSettings]:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
-    """Caption `cfg.data` with `cfg.model`'s text encoder; returns (and, unless a dry run, writes) the summary.
+    """Caption `cfg.data` with `cfg.model`'s text encoder; returns (and, unless a dry run, writes) the summary. The
+    stage's edge: the one place that reads `cfg`.
 
     Raises:
         ConfigError: bad settings. DataError: no usable sample; with on_error=raise, the first bad sample.
@@ -110,15 +114,16 @@ def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
     """
     from accelerate import PartialState
 
-    settings = read_settings(cfg)
-    spec = prepare_model(cfg.model)
+    if not cfg.data.path:
+        raise ConfigError("data.path is not set: point it at the data set folder or manifest to caption")
+    model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
+    settings = read_settings(typed(cfg.caption))
+    spec = prepare_model(model)
     state = PartialState(cpu=not torch.cuda.is_available())  # see qie.stages.precompute.run
-    common.warn_single_process(state.num_processes, "qie.caption")
-    everything = common.read_data(cfg, require_prompt=False)
-    items = common.sample_range(
-        cfg, settings.start, settings.end, settings.raise_errors, "caption.on_error", everything
-    )
-    output = make_output(cfg, settings, state.process_index)
+    warn_single_process(state.num_processes, "qie.caption")
+    everything = read_data(data_source(data, cache.dir), require_prompt=False)
+    items = sample_range(everything, settings.start, settings.end, settings.raise_errors, "caption.on_error")
+    output = make_output(data, settings, state.process_index)
     if not settings.dry_run:
         check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
     main = state.is_main_process
@@ -129,20 +134,20 @@ def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
         mine = mine[: settings.dry_run] if main else []
     summary.samples = len(mine)
     if mine:
-        captioner = build_captioner(cfg, spec, settings)
-        caption_all(captioner, mine, spec, cfg, settings, output, summary, run_info(cfg, settings))
+        captioner = build_captioner(model, spec, str(cache.text_encoder_device), settings)
+        caption_all(captioner, mine, spec, settings, output, summary, run_info(model, settings))
     summary.processes = [{"process": state.process_index, "captioned": summary.captioned}]
     summary = finish(state, summary, output, everything.samples, settings, Path(run_dir))
-    common.leave_process_group(state)
+    leave_process_group(state)
     return summary
 
 
-def make_output(cfg: DictConfig, settings: Settings, process: int) -> FolderOutput | ManifestOutput:
+def make_output(data: DataConfig, settings: Settings, process: int) -> FolderOutput | ManifestOutput:
     """Where captions go: the data set folder, or a manifest (`caption.output`, else `<name>.captioned.jsonl`
     beside the input manifest or Hugging Face data set, `captions.jsonl` beside a glob of parquet files); checked
     writable unless a dry run."""
-    path = Path(str(cfg.data.path)).expanduser()
-    kind = detect_format(path) if str(value(cfg.data.format)) == "auto" else str(value(cfg.data.format))
+    path = Path(str(data.path)).expanduser()
+    kind = detect_format(path) if str(value(data.format)) == "auto" else str(value(data.format))
     if kind == "folder":
         out: FolderOutput | ManifestOutput = FolderOutput(path)
         folder = path / "training_images"
@@ -174,18 +179,18 @@ def pick(items: list, output, settings: Settings, summary: CaptionSummary, repor
     return todo
 
 
-def build_captioner(cfg: DictConfig, spec: ModelSpec, settings: Settings) -> Captioner:
-    """The text encoder and processor, built through the registry as precompute builds them."""
+def build_captioner(model: ModelConfig, spec: ModelSpec, device: str, settings: Any) -> Captioner:
+    """The text encoder (on `device`: `cache.text_encoder_device`) and processor, built through the registry as
+    precompute builds them; `settings` has the caption prompt and generation settings (`.prompt`, `.generation`)."""
     names = ["text_encoder", *spec.prompt_parts]
-    parts = load_parts(cfg.model, names, {"text_encoder": cfg.cache.text_encoder_device}, spec)
+    parts = load_parts(model, names, {"text_encoder": device}, spec)
     processor_class = spec.part_classes["processor"]
     return Captioner(parts.text_encoder, caption_processor(parts, processor_class), settings.prompt,
                      settings.generation)  # fmt: skip
 
 
-def run_info(cfg: DictConfig, settings: Settings) -> dict[str, Any]:
+def run_info(m: ModelConfig, settings: Settings) -> dict[str, Any]:
     """What a caption's sidecar records besides the prompt text: enough to redo it."""
-    m = cfg.model
     return {
         "prompt_name": settings.prompt.name,
         "generation": settings.generation.to_dict(),
@@ -213,10 +218,10 @@ def shown_images(sample: Sample, captioner: Captioner, spec: ModelSpec, vl_pixel
     return images
 
 
-def caption_all(captioner: Captioner, samples: list[Sample], spec: ModelSpec, cfg: DictConfig,
-                settings: Settings, output, summary: CaptionSummary, info: dict) -> None:  # fmt: skip
+def caption_all(captioner: Captioner, samples: list[Sample], spec: ModelSpec, settings: Settings, output,
+                summary: CaptionSummary, info: dict) -> None:  # fmt: skip
     """Caption `samples` in batches; write each caption (or keep it for the dry run's preview)."""
-    vl_pixels = int(cfg.model.vl_image_pixels)
+    vl_pixels = int(spec.vl_image_pixels)
     info = {**info, "checkpoint_generation": captioner.checkpoint_generation()}
     with progress(len(samples), "caption", unit="sample") as bar:
         for start in range(0, len(samples), settings.batch_size):
@@ -269,7 +274,7 @@ def finish(state, summary: CaptionSummary, output, samples: list[Sample], settin
     where = output.finish(samples)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "caption_summary.json").write_text(json.dumps(asdict(summary), indent=2))
-    common.write_failures(run_dir, summary.failures)
+    write_failures(run_dir, summary.failures)
     print(format_summary(summary, run_dir, where))
     return summary
 

@@ -10,7 +10,7 @@ another fused base is refused (`qie.training.fused_base.check_lora_base`) unless
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -20,16 +20,22 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
+from qie.config import typed
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
+from qie.config.predict import PredictConfig
 from qie.data.images import as_image, condition_images
 from qie.data.samples import prompt_problem
 from qie.encode import Encoder, text_tokens
 from qie.errors import ConfigError, ModelLoadError, QieError
 from qie.models import ModelSpec, text_positions
 from qie.sampling import SamplingOptions, latent_sizes
-from qie.stages.common import fused_base, read_data, sampling_options, value
+from qie.stages.datasets import read_data
+from qie.stages.settings import data_source, fused_base, sampling_options
 from qie.training.fused_base import FusedBase, check_lora_base
 from qie.training.guards import damaged_weights, nonfinite_weights
 from qie.training.lora import load_lora, merge_lora, save_transformer
+from qie.types import value
 
 
 class Predictor:
@@ -169,31 +175,31 @@ def open_images(images: Any, alpha: bool = False) -> list[Image.Image]:
     return [as_image(im, alpha) for im in images]
 
 
-def build_predictor(cfg: DictConfig, spec: ModelSpec | None = None) -> Predictor:
-    """Build the parts of the model's pipeline on `predict.devices` and the Predictor; loads `predict.lora`.
+def build_predictor(model: ModelConfig, predict: PredictConfig, spec: ModelSpec) -> Predictor:
+    """Build the parts of `model`'s pipeline on `predict.devices` (with `model.fuse_loras` fused) and the Predictor;
+    loads `predict.lora`.
 
     Args:
-        spec: the model's description, its checkpoint checked (`prepare_model`, which runs when not given).
+        spec: the model's description, its checkpoint checked (`prepare_model`).
 
     Raises:
         ConfigError: a device that does not exist, a checkpoint that is not the configured model;
         ModelLoadError: a part or LoRA that cannot be loaded.
     """
-    spec = spec or prepare_model(cfg.model)
-    base, allow_other = fused_base(cfg.model, spec), bool(cfg.predict.get("allow_other_base", False))
-    if cfg.predict.lora:  # before anything is built
-        check_lora_base(cfg.predict.lora, base, allow_other)
-    devices, swap = dict(cfg.predict.devices), int(cfg.predict.blocks_to_swap)
+    base, allow_other = fused_base(model, spec), bool(predict.allow_other_base)
+    if predict.lora:  # before anything is built
+        check_lora_base(predict.lora, base, allow_other)
+    devices, swap = asdict(predict.devices), int(predict.blocks_to_swap)
     device = resolve_device(devices["transformer"])
     if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
         devices["transformer"] = "cpu"
-    parts = load_parts(cfg.model, spec.part_names, devices, spec, bool(cfg.predict.compile), base.fuse_into)
+    parts = load_parts(model, spec.part_names, devices, spec, bool(predict.compile), base.fuse_into)
     predictor = Predictor(parts, spec, base)
-    if cfg.predict.lora:
-        predictor.load_lora(cfg.predict.lora, float(cfg.predict.lora_scale), allow_other)
+    if predict.lora:
+        predictor.load_lora(predict.lora, float(predict.lora_scale), allow_other)
     if swap:
         predictor.swap_blocks(swap, device)
-    if cfg.predict.get("compile", False):  # after the LoRA: the compiled block runs its layers
+    if predict.compile:  # after the LoRA: the compiled block runs its layers
         from qie.training.compile import compile_blocks
 
         print(compile_blocks(predictor.parts.transformer, "predict.compile"))
@@ -244,15 +250,16 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     Raises:
         QieError subclasses naming the key, file or device at fault.
     """
-    p = cfg.predict
-    spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
+    model, p = typed(cfg.model), typed(cfg.predict)  # the stage's edge: the one place that reads `cfg`
+    spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
     if p.merge_to:
-        return [merge(cfg, run_dir, spec)]
-    for note in spec.family.sampling_notes(spec, pipeline_config(str(cfg.model.pretrained_model_name_or_path),
-                                                                  cfg.model.revision), sampling_options(p)):
+        return [merge(model, p, run_dir, spec)]
+    options = sampling_options(p)
+    for note in spec.family.sampling_notes(spec, pipeline_config(str(model.pretrained_model_name_or_path),
+                                                                  model.revision), options):  # fmt: skip
         print(f"infer: warning: {note}")
     if p.input:
-        return run_batch(cfg, run_dir, spec)
+        return run_batch(model, typed(cfg.data), p, run_dir, spec)
     sources = list(p.images) if p.images else ([p.image] if p.image else [])
     if not sources and spec.needs_controls:
         raise ConfigError(
@@ -262,13 +269,13 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
-    if p.get("layers") is not None and not spec.family.layered:
+    if p.layers is not None and not spec.family.layered:
         raise ConfigError(f"predict.layers={p.layers}: model={spec.name} makes one image, not layers; remove it")
-    if p.get("layers") is not None and int(p.layers) < 1:
+    if p.layers is not None and int(p.layers) < 1:
         raise ConfigError(f"predict.layers={p.layers}: set it to 1 or more layers")
     images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
-    predictor = build_predictor(cfg, spec)
-    made = predictor.predict(images, p.prompt, sampling_options(p), progress=True)
+    predictor = build_predictor(model, p, spec)
+    made = predictor.predict(images, p.prompt, options, progress=True)
     out = resolve_output(p.output, run_dir)
     written = _save_layers(made, out, int(p.num_images)) if spec.family.layered else _save(made, out)
     for path in written:
@@ -276,24 +283,25 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     return written
 
 
-def run_batch(cfg: DictConfig, run_dir: Path, spec: ModelSpec) -> list[Path]:
-    """One output per row of the data set `predict.input`, at `<output_dir>/<id>.png`; bad rows are reported."""
-    data = read_data(cfg, require_target=False, path=cfg.predict.input)
-    out_dir = resolve_output(cfg.predict.output_dir, run_dir)
-    predictor = build_predictor(cfg, spec)
+def run_batch(model: ModelConfig, data_settings: DataConfig, predict: PredictConfig, run_dir: Path,
+              spec: ModelSpec) -> list[Path]:  # fmt: skip
+    """One output per row of the data set `predict.input` (read with the `data` group's settings), at
+    `<output_dir>/<id>.png`; bad rows are reported."""
+    data = read_data(data_source(data_settings, None, predict.input), require_target=False)
+    out_dir = resolve_output(predict.output_dir, run_dir)
+    predictor = build_predictor(model, predict, spec)
+    options = sampling_options(predict)
     written: list[Path] = []
     failures = [f"{d.id}: {d.path}: {d.reason}" for d in data.problems]
     for sample in data.samples:
         try:
-            images = predictor.predict(
-                list(sample.controls), sample.prompt, sampling_options(cfg.predict), progress=True
-            )
+            images = predictor.predict(list(sample.controls), sample.prompt, options, progress=True)
         except QieError as e:  # one bad row must not stop the others
             failures.append(f"{sample.id}: {e}")
             continue
         name = _safe_relative(sample.id)
         if spec.family.layered:  # <output_dir>/<id>/layer_0.png, ...
-            written += _save_layers(images, out_dir / name, int(cfg.predict.num_images))
+            written += _save_layers(images, out_dir / name, int(predict.num_images))
         else:
             written += _save(images, out_dir / name.with_suffix(".png"))
     print(f"infer: wrote {len(written)} image(s) for {len(data.samples)} row(s) to {out_dir}")
@@ -308,18 +316,17 @@ def _safe_relative(sample_id: str) -> Path:
     return Path(*parts) if parts else Path("sample")
 
 
-def merge(cfg: DictConfig, run_dir: Path, spec: ModelSpec) -> Path:
+def merge(model: ModelConfig, p: PredictConfig, run_dir: Path, spec: ModelSpec) -> Path:
     """Fuse `predict.lora` into the transformer (the LoRAs of `model.fuse_loras` fused first) and save it to
     `<merge_to>/transformer`."""
-    p = cfg.predict
     if not p.lora:
         raise ConfigError("predict.merge_to needs predict.lora: the LoRA to merge")
-    if str(value(cfg.model.quantize)) != "none":
+    if str(value(model.quantize)) != "none":
         raise ConfigError("predict.merge_to needs the full-precision transformer: set model.quantize=none")
-    base = fused_base(cfg.model, spec)
-    if warning := check_lora_base(p.lora, base, bool(p.get("allow_other_base", False))):
+    base = fused_base(model, spec)
+    if warning := check_lora_base(p.lora, base, bool(p.allow_other_base)):
         print(f"infer: warning: {warning}")
-    parts = load_parts(cfg.model, ["transformer"], {"transformer": p.devices.transformer}, spec, False, base.fuse_into)
+    parts = load_parts(model, ["transformer"], {"transformer": p.devices.transformer}, spec, False, base.fuse_into)
     load_lora(parts.transformer, p.lora, float(p.lora_scale))
     out = save_transformer(merge_lora(parts.transformer), resolve_output(p.merge_to, run_dir))
     print(f"infer: merged {p.lora} (scale {p.lora_scale}) into the transformer, saved to {out}")

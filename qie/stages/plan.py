@@ -15,6 +15,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from qie.components import model_source, resolve_dtype
+from qie.config import typed
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
 from qie.memory_plan import (
     GIB,
     OPTIMIZER_STATE_BYTES,
@@ -26,21 +29,22 @@ from qie.memory_plan import (
     weight_bytes,
 )
 from qie.models import ModelSpec, model_spec
-from qie.stages.common import value
+from qie.types import value
 
 # The transformer's weight quantizations the planner tries, most precise first (the recommendation's tie-break).
 QUANTIZE = ("none", "fp8", "int4", "nf4")
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
-    """Print the plan; returns one Estimate per combination of levers tried."""
-    spec = model_spec(cfg.model)
+    """Print the plan; returns one Estimate per combination of levers tried. The stage's edge: the one place that
+    reads `cfg`."""
+    model, train = typed(cfg.model), typed(cfg.train)
+    spec = model_spec(model)
     family = spec.family
-    config, where = transformer_config(cfg.model, spec)
-    work = workload(cfg, spec)
-    lora = cfg.train.lora
-    rank, targets = int(lora.rank), list(lora.target_modules)
-    state = OPTIMIZER_STATE_BYTES.get(str(cfg.train.optimizer.get("_target_")), 8)
+    config, where = transformer_config(model, spec)
+    work = workload(model, typed(cfg.data), spec)
+    rank, targets = int(train.lora.rank), list(train.lora.target_modules)
+    state = OPTIMIZER_STATE_BYTES.get(str(train.optimizer.get("_target_")), 8)
     weights = {q: weight_bytes(family, config, work.dtype, q, rank, targets) for q in QUANTIZE}
     step = {
         (gc, off): step_memory(family, config, work, rank, targets, gc, off)
@@ -60,7 +64,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
     return rows
 
 
-def transformer_config(model: DictConfig, spec: ModelSpec) -> tuple[dict, str]:
+def transformer_config(model: ModelConfig, spec: ModelSpec) -> tuple[dict, str]:
     """The transformer's config (sizes only) and where it was read: the checkpoint's, else the family's
     published sizes (offline, or no such repository)."""
     from qie.components.fingerprint import part_folder
@@ -74,10 +78,10 @@ def transformer_config(model: DictConfig, spec: ModelSpec) -> tuple[dict, str]:
     return dict(keys), str(model.name)
 
 
-def workload(cfg: DictConfig, spec: ModelSpec) -> Workload:
+def workload(m: ModelConfig, d: DataConfig, spec: ModelSpec) -> Workload:
     """The step's token counts: the target and each control image in the family's latent tokens, the prompt in
     the text encoder's vision tokens of each control image plus the template."""
-    m, d, facts = cfg.model, cfg.data, spec.family.planner
+    facts = spec.family.planner
     controls = int(m.max_control_images)
     return Workload(
         batch=int(d.batch_size),

@@ -27,14 +27,18 @@ from omegaconf import DictConfig
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
 from qie.components import prepare_model
+from qie.config import precompute_command, typed
 from qie.config.backend import build_backend
+from qie.config.cache import CacheConfig, PrecomputeConfig
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
+from qie.data.formats import DataSource
 from qie.data.samples import DataProblem, Dataset, Sample, without_controls
 from qie.encode import Encoder, ImageSizes
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
-from qie.stages import common
-from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions, auto_captions
-from qie.stages.common import build_encoder, control_dropout, file_hasher, image_sizes, model_key_context, value
+from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions, CaptionSettings, auto_captions, caption_settings
+from qie.stages.datasets import read_data, sample_range, write_failures
 from qie.stages.precompute_work import (
     Keyed,
     PrecomputeSummary,
@@ -45,7 +49,19 @@ from qie.stages.precompute_work import (
     record_failure,
     share,
 )
+from qie.stages.processes import leave_process_group, warn_single_process
 from qie.stages.recipes import regularization_samples
+from qie.stages.settings import (
+    Regularization,
+    SourceSettings,
+    control_dropout,
+    data_source,
+    file_hasher,
+    regularization,
+    source_settings,
+)
+from qie.stages.sources import build_encoder, model_key_context
+from qie.types import value
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -63,10 +79,16 @@ class Settings:
     repair: bool
     sizes: ImageSizes  # the target and condition sizes images are encoded at
     make_encoder: Callable[[], Encoder]  # builds the encoders (on the first batch that needs them)
+    source: SourceSettings  # the model, sizes, cache folder and encoder devices (cache keys, captions)
+    samples: DataSource  # where `data.path`'s samples come from
+    dropout: float  # `data.control_dropout_rate`: the text-only prompts are cached too
+    regularization: Regularization | None  # cached like the main set
+    captions: CaptionSettings | None  # `data.auto_caption`
 
 
 def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
-    """Fill the cache for `cfg.data` with `cfg.model`; returns (and writes) the summary.
+    """Fill the cache for `cfg.data` with `cfg.model`; returns (and writes) the summary. The stage's edge: the one
+    place that reads `cfg` (`read_settings`).
 
     Raises:
         ConfigError: no data.path, no persistent cache, a bad batch size.
@@ -75,23 +97,27 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     """
     from accelerate import PartialState
 
-    settings = read_settings(cfg)
+    if not cfg.data.path:
+        raise ConfigError("data.path is not set: point it at a data set folder or manifest")
+    groups = (typed(cfg[k]) for k in ("model", "data", "cache", "precompute"))
+    settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), precompute_command(cfg))
     backend = settings.backend
     backend.check_access(write=True)
     check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
     # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
     # the CPU; otherwise each would think it is alone and encode everything.
     state = PartialState(cpu=not torch.cuda.is_available())
-    common.warn_single_process(state.num_processes, "qie.precompute")
-    hasher = file_hasher(cfg)
-    captions = auto_captions(cfg, settings.model, True, backend, hasher)
+    warn_single_process(state.num_processes, "qie.precompute")
+    hasher = file_hasher(settings.source.cache_dir)
+    captions = auto_captions(settings.captions, settings.source, settings.model, True, backend, hasher)
     with state.main_process_first():  # the main process writes the missing captions, the others read them
-        items = dataset_range(cfg, settings, captions)
+        items = dataset_range(settings, captions)
     summary = PrecomputeSummary.of(items)
     main = state.is_main_process
     if main:  # what every process finds alike, the main one reports
         summary.temp_files_removed = backend.sweep_temp()
-    keyed = key_samples(items, model_key_context(cfg, settings.model), hasher, settings, summary, report=main)
+    context = model_key_context(settings.source.model, settings.model, settings.sizes)
+    keyed = key_samples(items, context, hasher, settings, summary, report=main)
     mine = share(keyed, state.num_processes, state.process_index)
     # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
     summary.samples = len(mine) + (len(items) - len(keyed) if main else 0)
@@ -103,8 +129,8 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     if captions is not None and main:  # the main process wrote them (the others read them afterwards)
         c = captions.counts
         summary.types[CAPTION_TYPE] = TypeSummary(c.new, c.cached, c.failed, c.bytes_written)
-    summary = finish(state, summary, backend, cfg.cache.dir, Path(run_dir))
-    common.leave_process_group(state)
+    summary = finish(state, summary, backend, settings.source.cache_dir, Path(run_dir))
+    leave_process_group(state)
     if main:
         refuse_if_none_encoded(summary, Path(run_dir))
     return summary
@@ -120,41 +146,44 @@ def refuse_if_none_encoded(summary: PrecomputeSummary, run_dir: Path) -> None:
                         f"{run_dir / 'failures.jsonl'}); the first, {first.id!r}: {first.reason}")  # fmt: skip
 
 
-def read_settings(cfg: DictConfig) -> Settings:
-    """The stage's settings, checked, and the cache backend built: ConfigError for a missing data set, a cache
-    that does not outlive the process, or a batch size below 1."""
-    if not cfg.data.path:
-        raise ConfigError("data.path is not set: point it at a data set folder or manifest")
-    p = cfg.precompute
+def read_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, p: PrecomputeConfig,
+                  make_backend: Callable[..., CacheBackend], command: str) -> Settings:  # fmt: skip
+    """The stage's settings, checked, and the cache backend built (`make_backend`, given the stage's
+    `verify_reads`): ConfigError for a cache that does not outlive the process, or a batch size below 1, a
+    reference dropout or caption prompt the model cannot take.
+
+    Args:
+        command: the precompute command that fills this cache (what a training run's miss names).
+    """
     if int(p.batch_size) < 1:
         raise ConfigError(f"precompute.batch_size={p.batch_size} is out of range: it must be at least 1")
     # `cache.repair`: every existing entry is read once, and those whose checksum fails are encoded again.
-    repair = bool(cfg.cache.get("repair", False))
-    backend = build_backend(cfg.cache, verify_reads=repair)
+    repair = bool(cache.repair)
+    backend = make_backend(verify_reads=repair)
     if not backend.persists:
         raise ConfigError(f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
                           "ends: use cache=ssd cache.dir=FOLDER")  # fmt: skip
     raise_errors = str(value(p.on_error)) == "raise"
-    spec = prepare_model(cfg.model)
-    return Settings(int(p.batch_size), raise_errors, p.start, p.end, spec, backend, repair, image_sizes(cfg, spec),
-                    functools.partial(build_encoder, cfg, spec))  # fmt: skip
+    spec = prepare_model(model)
+    source = source_settings(model, data, cache, spec, None, command)
+    captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
+    return Settings(int(p.batch_size), raise_errors, p.start, p.end, spec, backend, repair, source.sizes,
+                    functools.partial(build_encoder, model, spec, source.devices), source, data_source(data, cache.dir),
+                    control_dropout(data, spec), regularization(data), captions)  # fmt: skip
 
 
-def dataset_range(
-    cfg: DictConfig, settings: Settings, captions: AutoCaptions | None = None
-) -> list[Sample | DataProblem]:
-    """The samples and scan problems of `precompute.start`..`end`, in id order (see `common.sample_range`), with
-    what training also reads: the regularisation set and, with reference dropout, the text-only variants.
+def dataset_range(settings: Settings, captions: AutoCaptions | None = None) -> list[Sample | DataProblem]:
+    """The samples and scan problems of `precompute.start`..`end`, in id order (see `sample_range`), with what
+    training also reads: the regularisation set and, with reference dropout, the text-only variants.
     `captions` (`data.auto_caption`) gives the samples without a caption theirs."""
-    data = common.read_data(cfg, captions=captions)
+    data = read_data(settings.samples, captions=captions)
     # Reference dropout trains samples on their text-only prompts too: those are entries of their own.
-    text_only = [without_controls(s, "#text_only") for s in data.samples if s.controls] if control_dropout(cfg) else []
-    reg = regularization_samples(cfg, settings.model, captions)  # cached like the main set
+    text_only = [without_controls(s, "#text_only") for s in data.samples if s.controls] if settings.dropout else []
+    # cached like the main set
+    reg = regularization_samples(settings.regularization, settings.samples, settings.model, captions)
     reg_text_only = [without_controls(s, "#text_only") for s in reg if s.controls] if text_only else []
     everything = Dataset([*data.samples, *text_only, *reg, *reg_text_only], data.problems)
-    return common.sample_range(
-        cfg, settings.start, settings.end, settings.raise_errors, "precompute.on_error", everything
-    )
+    return sample_range(everything, settings.start, settings.end, settings.raise_errors, "precompute.on_error")
 
 
 def key_samples(items: list, ctx, hasher, settings: Settings, summary: PrecomputeSummary, report: bool) -> list[Keyed]:
@@ -204,7 +233,7 @@ def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path)
         update_failures(cache_dir, summary.failed_entries, summary.written)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "precompute_summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-        common.write_failures(run_dir, summary.failures)
+        write_failures(run_dir, summary.failures)
         print(format_summary(summary, run_dir))
     return summary
 

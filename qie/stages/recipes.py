@@ -1,6 +1,7 @@
-"""The train and precompute stages' glue for the training recipes: the checks of `train.mask`, `train.ema` and
-`data.control_dropout_rate` before anything is built, the EMA, the LoRA exports, and regularisation data
-(`data.regularization`: its samples, the loss weight and its own loss in the logs)."""
+"""The train and precompute stages' glue for the training recipes: the check of `train.ema` before anything is
+built, the EMA, the LoRA exports, and regularisation data (`data.regularization`: its samples and its own loss in
+the logs). `train.mask`, `data.control_dropout_rate` and `data.regularization`'s settings are read and checked in
+`qie.stages.settings`."""
 
 from __future__ import annotations
 
@@ -8,77 +9,57 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from omegaconf import DictConfig
-
+from qie.config.train import TrainConfig
+from qie.data.formats import DataSource
 from qie.data.mixing import REG_PREFIX
 from qie.data.samples import Sample
-from qie.errors import ConfigError, DataError
+from qie.errors import DataError
 from qie.models import ModelSpec
-from qie.stages.common import control_dropout, mask_settings, read_data
+from qie.stages.datasets import read_data
+from qie.stages.settings import Regularization, at_path
 from qie.training.ema import Ema, check_ema
 
 
-def check_recipes(cfg: DictConfig, lora: bool) -> None:
-    """Check `train.mask`, `data.control_dropout_rate`, `train.ema` and `data.regularization` against the model
-    and the mode (`lora`: a LoRA is trained), before the data is read.
+def check_ema_settings(train: TrainConfig, use_ema: bool, lora: bool) -> None:
+    """Check `train.ema` against the mode (`lora`: a LoRA is trained), FSDP and `validation.use_ema` (`use_ema`),
+    before the data is read.
 
     Raises:
         ConfigError: naming the key and what to do.
     """
-    mask_settings(cfg)
-    control_dropout(cfg)
-    ema = cfg.train.get("ema")
+    ema = train.ema
     if ema is not None:
-        fsdp, use = bool(cfg.train.get("fsdp", False)), bool(cfg.get("validation", {}).get("use_ema", False))
-        check_ema(float(ema.decay), int(ema.every), lora, fsdp, use)
-    regularization_settings(cfg)
+        check_ema(float(ema.decay), int(ema.every), lora, bool(train.fsdp), use_ema)
 
 
-def make_ema(train: DictConfig, params: list) -> Ema | None:
+def make_ema(train: TrainConfig, params: list) -> Ema | None:
     """The EMA of the trained weights that `train.ema` asks for, or None."""
-    ema = train.get("ema")
+    ema = train.ema
     if ema is None or not float(ema.decay):
         return None
     return Ema(params, float(ema.decay), int(ema.every), bool(ema.cpu))
 
 
-def lora_exports(train: DictConfig) -> tuple[str, ...]:
+def lora_exports(train: TrainConfig) -> tuple[str, ...]:
     """The LoRA files for other tools written beside the diffusers one: `train.export_comfyui`, `export_kohya`."""
-    return tuple(name for name in ("comfyui", "kohya") if bool(train.get(f"export_{name}", False)))
+    return tuple(name for name, on in (("comfyui", train.export_comfyui), ("kohya", train.export_kohya)) if on)
 
 
-def regularization_settings(cfg: DictConfig) -> tuple[str, float, float] | None:
-    """(path, weight, ratio) of `data.regularization`, or None when it has no path.
-
-    Raises:
-        ConfigError: a weight below 0 or a ratio outside (0, 1).
-    """
-    reg = cfg.data.get("regularization")
-    if reg is None or not reg.path:
-        return None
-    weight, ratio = float(reg.weight), float(reg.ratio)
-    if weight < 0:
-        raise ConfigError(f"data.regularization.weight={weight} is out of range: give 0 or more")
-    if not 0.0 < ratio < 1.0:
-        raise ConfigError(f"data.regularization.ratio={ratio} is out of range: give the share of steps, above 0 "
-                          "and below 1")  # fmt: skip
-    return str(reg.path), weight, ratio
-
-
-def regularization_samples(cfg: DictConfig, spec: ModelSpec | None = None, captions: Any = None) -> list[Sample]:
-    """The regularisation set's samples (ids under `reg/`), those the model takes; [] without one. `captions`
-    (`data.auto_caption`, see `qie.stages.auto_caption.auto_captions`) gives those without a caption theirs.
+def regularization_samples(reg: Regularization | None, source: DataSource, spec: ModelSpec,
+                           captions: Any = None) -> list[Sample]:  # fmt: skip
+    """The regularisation set's samples (ids under `reg/`, read with `source`'s settings), those the model takes;
+    [] without one. `captions` (`data.auto_caption`, see `qie.stages.auto_caption.auto_captions`) gives those
+    without a caption theirs.
 
     Raises:
         DataError: the set holds no sample the model can train on.
     """
-    found = regularization_settings(cfg)
-    if found is None:
+    if reg is None:
         return []
-    dataset = read_data(cfg, path=found[0], captions=captions)
-    samples = [s for s in dataset.samples if spec is None or not spec.control_problem(len(s.controls))]
+    dataset = read_data(at_path(source, reg.path), captions=captions)
+    samples = [s for s in dataset.samples if not spec.control_problem(len(s.controls))]
     if not samples:
-        raise DataError(f"data.regularization.path {found[0]!r} holds no sample model={cfg.model.name} can train on")
+        raise DataError(f"data.regularization.path {reg.path!r} holds no sample model={spec.name} can train on")
     return [replace(s, id=REG_PREFIX + s.id) for s in samples]
 
 

@@ -22,28 +22,26 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
+from qie.cache.base import CacheBackend
 from qie.components import load_parts, prepare_model, resolve_dtype
+from qie.config import precompute_command, typed
 from qie.config.backend import build_backend
+from qie.config.model import ModelConfig
+from qie.config.train import LoggingConfig, TrainConfig
 from qie.data.samples import Sample
 from qie.errors import ConfigError, check_writable
 from qie.models import ModelSpec
-from qie.stages.auto_caption import auto_captions, caption_settings
-from qie.stages.common import (
-    build_source,
-    control_dropout,
-    fused_base,
-    in_background,
-    precompute_command,
-    value,
-    warn_single_process,
-)
+from qie.stages.auto_caption import auto_captions
+from qie.stages.background import in_background
 from qie.stages.heldout import heldout_hook, measure_heldout, split_heldout
-from qie.stages.recipes import check_recipes, lora_exports, make_ema, regularization_logging
+from qie.stages.processes import warn_single_process
+from qie.stages.recipes import lora_exports, make_ema, regularization_logging
+from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
 from qie.stages.train_hooks import step_hooks
+from qie.stages.train_setup import TrainSetup, objective_options, train_setup
 from qie.training import checkpoint as ckpt
-from qie.training.adapters import check_options
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
@@ -51,25 +49,20 @@ from qie.training.fused_base import FusedBase
 from qie.training.logging import MetricsLogger
 from qie.training.lookups import remember_package_lookups
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
-from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
-from qie.training.modes import FullMode, LoraMode, TrainMode
-from qie.training.objectives import (
-    Objective,
-    ObjectiveInputs,
-    ObjectiveUse,
-    build_objective,
-    check_use,
-    objective_requires,
-)
+from qie.training.modes import TrainMode
+from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
+from qie.types import value
 
 RESULT_FILE = "train_result.json"
 
 
 def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] | None = None) -> dict:
     """Train as `cfg` says, writing metrics, TensorBoard logs, checkpoints and the weights under `run_dir`.
+
+    The stage's edge: the one place that reads `cfg`, turned into a `TrainSetup` (checked before anything loads).
 
     Args:
         on_step_end: an extra hook after each optimizer step (benchmarks time steps with it).
@@ -84,113 +77,113 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
-    spec = prepare_model(cfg.model)  # first: a checkpoint of another model is named before anything else
-    fused = fused_base(cfg.model, spec)  # model.fuse_loras read and fingerprinted before anything is built
-    # checks train.lora.init and reads train.init_lora before anything is built
-    mode = train_mode(cfg.train, spec, fused)
-    check_recipes(cfg, mode.lora)  # train.mask, ema, data.control_dropout_rate, regularization: before reading
-    use = ObjectiveUse(spec.family, mode.lora, bool(cfg.data.regularization.path), objective_options(cfg.train))
-    check_use(str(cfg.train.objective), use)  # e.g. preference pairs on a layered model: before anything loads
-    if cfg.data.get("auto_caption", False):
-        caption_settings(cfg.data, spec)  # a caption prompt that cannot be read: before anything is built
-    accelerator = make_accelerator(cfg.train, str(value(cfg.model.dtype)), run_dir, spec)
+    model = typed(cfg.model)
+    spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
+    groups = (typed(cfg[k]) for k in ("data", "cache", "train", "predict", "logging", "validation"))
+    setup = train_setup(spec, model, *groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
+    accelerator = make_accelerator(setup.train, setup.memory, str(value(model.dtype)), run_dir)
     writer = accelerator.is_main_process
     if writer:
         check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
-        return _train(cfg, run_dir, accelerator, spec, mode, fused, on_step_end)
+        return _train(setup, run_dir, accelerator, build_backend(cfg.cache), on_step_end)
     finally:
         if writer:
             run_lock.release(run_dir)
 
 
-def _train(cfg: DictConfig, run_dir: Path, accelerator: Any, spec: ModelSpec, mode: TrainMode, fused: FusedBase,
+def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend,
            on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
-    resume_from = ckpt.resolve_resume(cfg.train.resume, run_dir)
+    train = s.train
+    resume_from = ckpt.resolve_resume(train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
-    backend = build_backend(cfg.cache)
-    source = build_source(cfg, precompute_command=precompute_command(cfg), spec=spec, backend=backend)
-    # The model's weights load in the background while the data set is scanned and every sample's entries are
-    # checked (later misses stop the run too); training starts only once both are done.
-    MemorySettings.of(cfg.train, spec.family).check(mode.lora, str(value(cfg.model.quantize)))
-    # Captions written while the data is read build the VL text encoder: the transformer then loads after the data
-    # is ready, not beside it (loading builds modules on the meta device through a process-wide switch, which a
-    # model built meanwhile would catch).
-    writes_captions = bool(cfg.data.get("auto_caption", False)) and source.encodes
-    loading = None if writes_captions else in_background(load_model, cfg.model, cfg.train, accelerator, spec, fused)
-    try:
-        # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
-        # process first, the others then read them).
-        captions = auto_captions(cfg, spec, source.encodes, backend)
-        with accelerator.main_process_first():
-            samples = load_samples(cfg, spec, accelerator.is_main_process, captions)
-        records = run_records(cfg, spec, samples, fused)
-        if resume_from is not None:
-            warning = check_resume(resumed, resume_from, *records, bool(cfg.train.resume_inexact))
-            if warning:
-                accelerator.print(f"qie: warning: {warning}")
-        samples, reg = ready_data(cfg, spec, source, samples, run_dir, accelerator.is_main_process, captions)
-        samples, heldout = split_heldout(samples, int(cfg.validation.heldout_samples))
-        if loading is None:  # the captions are written (for the regularisation data too)
-            loading = in_background(load_model, cfg.model, cfg.train, accelerator, spec, fused)
-    except BaseException:
-        if loading is not None:
-            loading.wait()  # a thread still inside torch when the interpreter exits aborts it
-        raise
-    parts = loading.result()
-    teachers = teacher_store(backend, str(value(cfg.cache.mode)))
-    objective = make_objective(cfg.train, parts.scheduler, spec, parts.pipeline_config, teachers,
-                               base_model_key(cfg.model, records[0]))  # fmt: skip
-    state, scheduler = build_train_state(cfg.model, cfg.train, mode, accelerator, spec, parts, objective)
-    ema = make_ema(cfg.train, state.params)
-    sampler = make_sampler(cfg, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
+    source = build_source(s.source, s.spec, backend)
+    samples, reg, heldout, parts, records = _data_and_model(s, source, backend, accelerator, run_dir, resume_from,
+                                                             resumed)  # fmt: skip
+    teachers = teacher_store(backend, s.source.mode)
+    objective = make_objective(train, parts.scheduler, s.spec, parts.pipeline_config, teachers,
+                               base_model_key(s.model, records[0]))  # fmt: skip
+    state, scheduler = build_train_state(s.model, train, s.memory, s.mode, accelerator, s.spec, parts, objective)
+    ema = make_ema(train, state.params)
+    sampler = make_sampler(s, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
     if resume_from is not None:
-        state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(cfg.train.resume_inexact))["step"])
+        state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(train.resume_inexact))["step"])
         if ema is not None:
-            resume_ema(ema, resume_from, bool(cfg.train.resume_inexact))
+            resume_ema(ema, resume_from, bool(train.resume_inexact))
         accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
-    elif cfg.train.resume == "latest":
+    elif train.resume == "latest":
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
 
-    reg_weight = float(cfg.data.regularization.weight) if reg else 1.0
-    negatives = "empty_prompt" in objective_requires(str(cfg.train.objective))
-    dataset = EmbeddingDataset(samples + reg, source, float(cfg.data.caption_dropout_rate), int(cfg.train.seed),
-                               control_dropout(cfg), len(samples) if reg else None, reg_weight,
-                               negatives)  # fmt: skip
-    workers, prefetch, parallel = loader_settings(cfg.data, source)
-    loader = make_loader(dataset, sampler, workers, int(cfg.train.seed), prefetch, parallel)
-    logger = MetricsLogger(run_dir, str(value(cfg.logging.report_to)), accelerator.is_main_process,
-                           OmegaConf.to_container(cfg, resolve=True),
-                           resume_step=state.start_step if cfg.train.resume else None)  # fmt: skip
-    hooks = step_hooks(cfg, spec, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
-    if heldout and int(cfg.validation.every) > 0:
-        hooks.append(heldout_hook(state, source, heldout, objective, logger, int(cfg.validation.every), negatives))
+    reg_weight = s.regularization.weight if reg else 1.0
+    negatives = "empty_prompt" in objective_requires(str(train.objective))
+    dataset = EmbeddingDataset(samples + reg, source, float(s.data.caption_dropout_rate), int(train.seed),
+                               s.dropout, len(samples) if reg else None, reg_weight, negatives)  # fmt: skip
+    workers, prefetch, parallel = loader_settings(int(s.data.num_workers), int(s.data.prefetch), source)
+    loader = make_loader(dataset, sampler, workers, int(train.seed), prefetch, parallel)
+    logger = MetricsLogger(run_dir, str(value(s.logging.report_to)), accelerator.is_main_process, s.run_config,
+                           resume_step=state.start_step if train.resume else None)  # fmt: skip
+    hooks = step_hooks(s, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
+    if heldout and int(s.validation.every) > 0:
+        hooks.append(heldout_hook(state, source, heldout, objective, logger, int(s.validation.every), negatives))
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
-    save = functools.partial(_save_checkpoint, state, run_dir, mode, cfg.train, records, ema)
+    save = functools.partial(_save_checkpoint, state, run_dir, s.mode, train, records, ema)
     # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
     # garbage collector's full passes (each a few seconds at a million samples, on the training thread).
     gc.freeze()
     try:
-        settings = loop_settings(cfg.train, cfg.logging, objective)
+        settings = loop_settings(train, s.logging, objective)
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
         measure_heldout(result, state, source, heldout, objective, logger, negatives)
     finally:
         logger.close()
         gc.unfreeze()  # collectable again once the run is over
-    finish(state, mode, run_dir, result, lora_exports(cfg.train), ema)
+    finish(state, s.mode, run_dir, result, lora_exports(train), ema)
     return result
 
 
-def make_accelerator(train: DictConfig, model_dtype: str, run_dir: Path, spec: ModelSpec) -> Any:
-    """The run's Accelerator, seeded with `train.seed` (FSDP shards the family's transformer blocks)."""
+def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, run_dir: Path,
+                    resume_from: Path | None, resumed: dict) -> tuple:  # fmt: skip
+    """The training samples, the regularisation samples, the held-out samples, the loaded model parts and the run
+    records. The model's weights load in the background while the data set is scanned and every sample's entries
+    are checked (later misses stop the run too); training starts only once both are done."""
+    # Captions written while the data is read build the VL text encoder: the transformer then loads after the data
+    # is ready, not beside it (loading builds modules on the meta device through a process-wide switch, which a
+    # model built meanwhile would catch).
+    writes_captions = s.captions is not None and source.encodes
+    load = (s.model, s.memory, bool(s.train.compile), accelerator, s.spec, s.fused)
+    loading = None if writes_captions else in_background(load_model, *load)
+    try:
+        # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
+        # process first, the others then read them).
+        captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
+        pairs = "rejected" in objective_requires(str(s.train.objective))
+        with accelerator.main_process_first():
+            samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing)
+        records = run_records(s.model, s.train, s.spec, samples, s.fused)
+        if resume_from is not None:
+            warning = check_resume(resumed, resume_from, *records, bool(s.train.resume_inexact))
+            if warning:
+                accelerator.print(f"qie: warning: {warning}")
+        samples, reg = ready_data(s, source, samples, run_dir, accelerator.is_main_process, captions)
+        samples, heldout = split_heldout(samples, int(s.validation.heldout_samples))
+        if loading is None:  # the captions are written (for the regularisation data too)
+            loading = in_background(load_model, *load)
+    except BaseException:
+        if loading is not None:
+            loading.wait()  # a thread still inside torch when the interpreter exits aborts it
+        raise
+    return samples, reg, heldout, loading.result(), records
+
+
+def make_accelerator(train: TrainConfig, memory: MemorySettings, model_dtype: str, run_dir: Path) -> Any:
+    """The run's Accelerator, seeded with `train.seed` (FSDP shards the family's transformer blocks, `memory`)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     remember_package_lookups()
-    memory = MemorySettings.of(train, spec.family)
     accelerator = Accelerator(
         # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
         # is on the CPU; otherwise each process would train alone.
@@ -213,35 +206,7 @@ def mixed_precision(setting: str, model_dtype: str) -> str:
     return setting
 
 
-def train_mode(train: DictConfig, spec: ModelSpec, fused: FusedBase | None = None) -> TrainMode:
-    """The strategy `train.mode` names, with `train.lora`'s settings for a LoRA (or `train.init_lora`'s file); a
-    LoRA's files name the base `fused` (the plain base when None).
-
-    Raises:
-        ConfigError, ModelLoadError: a `train.lora.init` peft does not know; an unreadable `train.init_lora`.
-    """
-    if str(value(train.mode)) == "full":
-        if train.get("init_lora"):
-            raise ConfigError("train.init_lora needs train.mode=lora (it names a LoRA to go on training)")
-        return FullMode()
-    lora, init_lora = train.lora, train.get("init_lora")
-    adapter, use_dora = str(value(train.get("adapter", "lora"))), bool(lora.get("use_dora", False))
-    check_init_name(str(lora.init))
-    check_options(adapter, float(lora.dropout), str(lora.init), use_dora)
-    if init_lora:
-        check_lora_file(init_lora, spec.family.lora_loader_class())  # before any model is built
-    return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init),
-                    str(init_lora) if init_lora else None, adapter, use_dora,
-                    tuple((fused or FusedBase()).record()))  # fmt: skip
-
-
-def objective_options(train: DictConfig) -> dict:
-    """The `train.<objective>` node of the objective's own settings, as plain values ({} where there is none)."""
-    node = train.get(str(train.objective))
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else {}
-
-
-def make_objective(train: DictConfig, scheduler: Any, spec: ModelSpec, pipeline_config: dict | None = None,
+def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline_config: dict | None = None,
                    teachers: Any = None, model_key: dict | None = None) -> Objective:  # fmt: skip
     """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift).
 
@@ -264,14 +229,14 @@ def make_objective(train: DictConfig, scheduler: Any, spec: ModelSpec, pipeline_
     return build_objective(str(train.objective), inputs)
 
 
-def base_model_key(model: DictConfig, record: dict) -> dict:
+def base_model_key(model: ModelConfig, record: dict) -> dict:
     """What the base transformer computes with: the run's model record but what training changes, and the settings
     that change its outputs at load (weight quantization, `zero_cond_t`)."""
     key = {k: v for k, v in record.items() if k not in ("mode", "lora")}
-    return {**key, "quantize": str(value(model.quantize)), "zero_cond_t": bool(model.get("zero_cond_t", False))}
+    return {**key, "quantize": str(value(model.quantize)), "zero_cond_t": bool(model.zero_cond_t)}
 
 
-def loop_settings(train: DictConfig, logging: DictConfig, objective: Objective) -> LoopSettings:
+def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objective) -> LoopSettings:
     return LoopSettings(
         max_steps=int(train.max_steps),
         seed=int(train.seed),
@@ -283,33 +248,30 @@ def loop_settings(train: DictConfig, logging: DictConfig, objective: Objective) 
     )
 
 
-def load_model(model: DictConfig, train: DictConfig, accelerator: Any, spec: ModelSpec,
-               fused: FusedBase | None = None) -> Any:  # fmt: skip
-    """The transformer, with the LoRAs `fused` (`model.fuse_loras`' when None) fused into it, and the noise
-    scheduler, built where `train`'s memory settings build them."""
-    device = MemorySettings.of(train, spec.family).build_device(accelerator.device)
-    compiled = bool(train.get("compile", False))
-    fused = fused if fused is not None else fused_base(model, spec)
+def load_model(model: ModelConfig, memory: MemorySettings, compiled: bool, accelerator: Any, spec: ModelSpec,
+               fused: FusedBase) -> Any:  # fmt: skip
+    """The transformer, with the LoRAs `fused` (`model.fuse_loras`) fused into it, and the noise scheduler, built
+    where the `memory` settings build them (`compiled`: `train.compile`)."""
+    device = memory.build_device(accelerator.device)
     return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec, compiled, fused.fuse_into)
 
 
-def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, accelerator: Any, spec: ModelSpec,
-                      parts: Any = None, objective: Objective | None = None) -> tuple:  # fmt: skip
+def build_train_state(model: ModelConfig, train: TrainConfig, memory: MemorySettings, mode: TrainMode,
+                      accelerator: Any, spec: ModelSpec, parts: Any,
+                      objective: Objective | None = None) -> tuple:  # fmt: skip
     """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
 
     Args:
-        parts: what `load_model` gave (loaded here when None).
+        memory: `train`'s memory settings (`MemorySettings.of`), checked against the mode.
+        parts: what `load_model` gave.
         objective: adds what it needs to the model (`Objective.prepare`) before it is wrapped.
     """
-    memory = MemorySettings.of(train, spec.family)
-    memory.check(mode.lora, str(value(model.quantize)))
-    parts = parts if parts is not None else load_model(model, train, accelerator, spec)
     transformer = parts.transformer
     params = mode.trainable(transformer)
     if objective is not None:
         objective.prepare(transformer)
     place = apply_memory(transformer, memory, accelerator.device)
-    if train.get("compile", False):
+    if train.compile:
         accelerator.print(compile_blocks(transformer))
     optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
     lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
@@ -320,19 +282,19 @@ def build_train_state(model: DictConfig, train: DictConfig, mode: TrainMode, acc
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
-def run_records(cfg: DictConfig, spec: ModelSpec, samples: list[Sample], fused: FusedBase) -> tuple[dict, dict]:
+def run_records(m: ModelConfig, train: TrainConfig, spec: ModelSpec, samples: list[Sample],
+                fused: FusedBase) -> tuple[dict, dict]:  # fmt: skip
     """The model and data records checkpoints keep, and resume compares (see `qie.training.run_record`)."""
-    m, train = cfg.model, cfg.train
-    fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.get("transformer_path"), m.revision)
+    fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.transformer_path, m.revision)
     lora = None
     if str(value(train.mode)) != "full":
         keys = ("rank", "alpha", "target_modules", "dropout", "init")
-        lora = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v := train.lora[k]) else value(v) for k in keys}
+        lora = {k: list(v) if isinstance(v := getattr(train.lora, k), list) else value(v) for k in keys}
     record = model_record(spec, fingerprint, str(value(train.mode)), lora, fused.record())
     return record, data_record([s.id for s in samples])
 
 
-def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: DictConfig, records: tuple[dict, dict],
+def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: TrainConfig, records: tuple[dict, dict],
                      ema: Ema | None, step: int, consumed: int) -> Path:  # fmt: skip
     info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes,
             "model": records[0], "data": records[1]}  # fmt: skip
@@ -384,4 +346,4 @@ def _gather_checksums(accelerator: Any, params: list[torch.nn.Parameter]) -> lis
     return gathered.cpu().tolist()
 
 
-__all__ = ["RESULT_FILE", "precompute_command", "run"]
+__all__ = ["RESULT_FILE", "run"]

@@ -12,8 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
+from qie.config.train import ValidationConfig
 from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource
 from qie.errors import ConfigError
@@ -22,7 +22,7 @@ from qie.training.validation import Reference
 from qie.types import SampleEmbeddings
 
 
-def validation_samples(v: DictConfig, training: list[Sample], count: int, spec: ModelSpec) -> list[Sample]:
+def validation_samples(v: ValidationConfig, training: list[Sample], count: int, spec: ModelSpec) -> list[Sample]:
     """`validation.images` with `validation.prompts` (an Edit-Plus entry joins its images with '|'; no
     images for text to image), or, when none are given, the first `count` training samples. Those keep
     their targets: for the metrics, and, without a control image, for the output size (`validation_inputs`

@@ -1,0 +1,200 @@
+"""What the stages read from their config, as typed settings.
+
+A stage's `run(cfg, run_dir)` is its edge: it turns the config groups into their schemas' dataclasses
+(`qie.config.typed`) and, with the functions here, into the settings its parts take (image sizes, where the samples
+come from, loss masks, reference dropout, the embedding source's settings, the fused base, sampling options). The
+rules these settings must keep that need no model loaded are checked here, once, before anything is built; the
+code below takes the settings, never a config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from qie.cache.keys import FileHasher
+from qie.config.cache import CacheConfig
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
+from qie.config.predict import PredictConfig
+from qie.config.train import TrainConfig
+from qie.data.formats import Columns, DataSource
+from qie.data.masks import MaskSettings
+from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND
+from qie.encode import ImageSizes
+from qie.errors import ConfigError
+from qie.models import ModelSpec
+from qie.sampling import SamplingOptions
+from qie.training.fused_base import FusedBase
+from qie.types import value
+
+
+@dataclass(frozen=True)
+class LossMasks:
+    """`train.mask`: how loss masks are made, and the loss weight outside them."""
+
+    settings: MaskSettings
+    outside_weight: float
+
+
+@dataclass(frozen=True)
+class Regularization:
+    """`data.regularization`: the second data set, its loss weight and its share of the steps."""
+
+    path: str
+    weight: float
+    ratio: float
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    """What an embedding source is built from (`qie.stages.sources.build_source`).
+
+    Args:
+        model: the `model` group (its encoders are built from it; its checkpoint is part of the cache keys).
+        sizes: the areas images are encoded at.
+        mode: `cache.mode`: cached, lazy or live.
+        cache_dir: `cache.dir` (the image-hash index and the remembered sample keys live there), or None.
+        devices: where the encoders go: `{"vae": ..., "text_encoder": ...}` (`cache.*_encoder_device`).
+        masks: `train.mask`, or None when the run has no loss masks.
+        precompute_command: the command a cache miss names.
+    """
+
+    model: ModelConfig
+    sizes: ImageSizes
+    mode: str = "cached"
+    cache_dir: str | None = None
+    devices: Mapping[str, str] = field(default_factory=dict)
+    masks: LossMasks | None = None
+    precompute_command: str = DEFAULT_PRECOMPUTE_COMMAND
+
+    def with_mode(self, mode: str) -> SourceSettings:
+        return replace(self, mode=mode)
+
+
+def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
+    """The target area (`data`) and the condition areas (the model's) images are encoded at."""
+    return ImageSizes(
+        alpha=spec.alpha,
+        target_pixels=int(data.target_pixels),
+        vae_image_pixels=int(spec.vae_image_pixels),
+        vl_image_pixels=int(spec.vl_image_pixels),
+        resize_mode=str(value(data.resize_mode)),
+        multiple_of=int(data.multiple_of),
+    )
+
+
+def file_hasher(cache_dir: str | None) -> FileHasher:
+    """The image-hash index, kept in the cache folder when there is one."""
+    return FileHasher(Path(cache_dir) / "file_hashes.json" if cache_dir else None)
+
+
+def data_source(data: DataConfig, cache_dir: str | None = None, path: str | None = None) -> DataSource:
+    """Where `data` (or `path`, read with the same settings) takes its samples from. Images stored inside a
+    Hugging Face data set are written under `cache_dir/images` (or `$QIE_HOME/images`)."""
+    from qie.config import qie_home
+
+    c = data.columns
+    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.mask, c.layers, c.rejected)
+    folder = Path(cache_dir) if cache_dir else None
+    return DataSource(str(path or data.path), str(value(data.format)) if path is None else "auto", str(data.split),
+                      columns, (folder or qie_home()) / "images", bool(data.allow_outside_paths),
+                      folder / "manifests" if folder is not None else None)  # fmt: skip
+
+
+def at_path(source: DataSource, path: str) -> DataSource:
+    """`source`'s settings for another data set (`path`, its format found from it)."""
+    return replace(source, path=str(path), format="auto")
+
+
+def loss_masks(train: TrainConfig | None, data: DataConfig, spec: ModelSpec) -> LossMasks | None:
+    """`train.mask`'s settings and outside weight, or None when masks are off (or the stage has no `train`).
+
+    Raises:
+        ConfigError: a value out of range, or `source=edit` for a model without control images.
+    """
+    mask = train.mask if train is not None else None
+    if mask is None or str(value(mask.source)) == "none":
+        return None
+    source, outside = str(value(mask.source)), float(mask.outside_weight)
+    for name, v, low, high in (("outside_weight", outside, 0, 1), ("threshold", float(mask.threshold), 0, 1),
+                               ("dilation", int(mask.dilation), 0, 10**6)):  # fmt: skip
+        if not low <= v <= high:
+            raise ConfigError(f"train.mask.{name}={v} is out of range: give a value from {low} to {high}")
+    if source == "edit" and spec.max_control_images == 0:
+        raise ConfigError(f"train.mask.source=edit compares each target with its control image, and "
+                          f"model={spec.name} takes none: use train.mask.source=file")  # fmt: skip
+    settings = MaskSettings(source, float(mask.threshold), int(mask.dilation), int(data.target_pixels),
+                            str(value(data.resize_mode)), int(data.multiple_of))  # fmt: skip
+    return LossMasks(settings, outside)
+
+
+def control_dropout(data: DataConfig, spec: ModelSpec) -> float:
+    """`data.control_dropout_rate`, checked against the model.
+
+    Raises:
+        ConfigError: out of 0..1, or a model that cannot train without control images.
+    """
+    rate = float(data.control_dropout_rate)
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"data.control_dropout_rate={rate} is out of range: give a value from 0 to 1")
+    if rate and (spec.max_control_images == 0 or spec.min_control_images > 0):
+        why = "takes no control images" if spec.max_control_images == 0 else "needs a control image in every sample"
+        raise ConfigError(f"data.control_dropout_rate: model={spec.name} {why}; reference dropout is for the "
+                          "models that also edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)")  # fmt: skip
+    return rate
+
+
+def regularization(data: DataConfig) -> Regularization | None:
+    """`data.regularization`, or None when it has no path.
+
+    Raises:
+        ConfigError: a weight below 0 or a ratio outside (0, 1).
+    """
+    reg = data.regularization
+    if reg is None or not reg.path:
+        return None
+    weight, ratio = float(reg.weight), float(reg.ratio)
+    if weight < 0:
+        raise ConfigError(f"data.regularization.weight={weight} is out of range: give 0 or more")
+    if not 0.0 < ratio < 1.0:
+        raise ConfigError(f"data.regularization.ratio={ratio} is out of range: give the share of steps, above 0 "
+                          "and below 1")  # fmt: skip
+    return Regularization(str(reg.path), weight, ratio)
+
+
+def encoder_devices(cache: CacheConfig) -> dict[str, str]:
+    """Where the encoders go: the VAE on `cache.vae_encoder_device`, the VL model on `cache.text_encoder_device`."""
+    return {"vae": str(cache.vae_encoder_device), "text_encoder": str(cache.text_encoder_device)}
+
+
+def source_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, spec: ModelSpec,
+                    masks: LossMasks | None = None, command: str | None = None) -> SourceSettings:  # fmt: skip
+    """The embedding source's settings of a stage's `model`, `data` and `cache` groups (`masks`: `loss_masks`'s;
+    `command`: the precompute command a miss names)."""
+    return SourceSettings(model, image_sizes(data, spec), str(value(cache.mode)), cache.dir, encoder_devices(cache),
+                          masks, command or DEFAULT_PRECOMPUTE_COMMAND)  # fmt: skip
+
+
+def fused_base(model: ModelConfig, spec: ModelSpec) -> FusedBase:
+    """The LoRAs `model.fuse_loras` fuses into the transformer, read and fingerprinted (before anything is built)."""
+    files = [str(f) for f in model.fuse_loras or []]
+    return FusedBase.of(files, [float(s) for s in model.fuse_lora_scales or []], spec.family.lora_loader_class())
+
+
+def sampling_options(predict: PredictConfig, **overrides: Any) -> SamplingOptions:
+    """SamplingOptions from the `predict` group; `overrides` whose value is None keep predict's value."""
+    base = {
+        "negative_prompt": predict.negative_prompt,
+        "true_cfg_scale": None if predict.true_cfg_scale is None else float(predict.true_cfg_scale),
+        "num_inference_steps": None if predict.num_inference_steps is None else int(predict.num_inference_steps),
+        "seed": int(predict.seed),
+        "height": predict.height,
+        "width": predict.width,
+        "num_images": int(predict.num_images),
+        "layers": None if predict.layers is None else int(predict.layers),
+    }
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingOptions(**base)

@@ -1,0 +1,92 @@
+"""What a stage's edge does with a composed config, for tests that build one part of a stage from `compose(...)`:
+the config groups turned into typed settings (`qie.config.typed`, `qie.stages.settings`), then the part built from
+those, as the stages build it. Each takes the config once, as a stage's `run` does; the library below never does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from omegaconf import DictConfig
+
+from qie.cache.keys import FileHasher
+from qie.config import typed
+from qie.config.backend import build_backend
+from qie.data.keys import KeyContext
+from qie.data.samples import Dataset
+from qie.embeddings import EmbeddingSource
+from qie.encode import Encoder, ImageSizes
+from qie.models import ModelSpec, model_spec
+from qie.stages.datasets import read_data
+from qie.stages.infer import Predictor, build_predictor
+from qie.stages.settings import (
+    SourceSettings,
+    data_source,
+    encoder_devices,
+    file_hasher,
+    image_sizes,
+    loss_masks,
+    source_settings,
+)
+from qie.stages.sources import build_encoder, build_source, model_key_context
+
+
+def spec_of(cfg: DictConfig) -> ModelSpec:
+    return model_spec(typed(cfg.model))
+
+
+def cache_dir_of(cfg: DictConfig) -> str | None:
+    return typed(cfg.cache).dir if "cache" in cfg else None
+
+
+def sizes_for(cfg: DictConfig, spec: ModelSpec | None = None) -> ImageSizes:
+    return image_sizes(typed(cfg.data), spec or spec_of(cfg))
+
+
+def hasher_for(cfg: DictConfig) -> FileHasher:
+    return file_hasher(cache_dir_of(cfg))
+
+
+def key_context_for(cfg: DictConfig, spec: ModelSpec | None = None) -> KeyContext:
+    spec = spec or spec_of(cfg)
+    return model_key_context(typed(cfg.model), spec, sizes_for(cfg, spec))
+
+
+def encoder_for(cfg: DictConfig, spec: ModelSpec | None = None) -> Encoder:
+    return build_encoder(typed(cfg.model), spec or spec_of(cfg), encoder_devices(typed(cfg.cache)))
+
+
+def source_settings_for(cfg: DictConfig, spec: ModelSpec | None = None, mode: str | None = None) -> SourceSettings:
+    """The embedding source's settings a stage makes of `cfg` (loss masks from `train.mask` where it has one)."""
+    spec = spec or spec_of(cfg)
+    model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
+    masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data, spec)
+    settings = source_settings(model, data, cache, spec, masks)
+    return settings.with_mode(mode) if mode else settings
+
+
+def source_for(cfg: DictConfig, mode: str | None = None, encoder: Encoder | None = None, spec: ModelSpec | None = None,
+               backend: Any = None) -> EmbeddingSource:  # fmt: skip
+    """The EmbeddingSource `cache.mode` (or `mode`) names for `cfg`, over `backend` (built from `cfg.cache` when None
+    and the source reads a cache)."""
+    settings = source_settings_for(cfg, spec, mode)
+    if backend is None and settings.mode != "live":
+        backend = build_backend(cfg.cache)
+    return build_source(settings, spec or spec_of(cfg), backend, encoder)
+
+
+def data_for(cfg: DictConfig, require_target: bool = True, path: str | None = None, require_prompt: bool = True,
+             captions: Any = None) -> Dataset:  # fmt: skip
+    """The samples of `cfg`'s `data.path` (or of `path`, read with the same settings)."""
+    source = data_source(typed(cfg.data), cache_dir_of(cfg), path)
+    return read_data(source, require_target, require_prompt, captions)
+
+
+def predictor_for(cfg: DictConfig, spec: ModelSpec | None = None, **predict: Any) -> Predictor:
+    """The Predictor `cfg`'s `model` and `predict` groups build (`predict`: fields replaced); the model is prepared
+    (`prepare_model`: its checkpoint built or checked) when `spec` is not given, as the infer stage prepares it."""
+    from qie.components import prepare_model
+
+    model = typed(cfg.model)
+    settings = replace(typed(cfg.predict), **predict) if predict else typed(cfg.predict)
+    return build_predictor(model, settings, spec or prepare_model(model))
