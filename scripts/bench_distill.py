@@ -7,11 +7,13 @@ teacher outputs are filled on first use (`cache.mode=lazy`). Then, on held-out e
 `--seeds` seeds each, `qie.infer`'s pipeline (`build_predictor`) makes the teacher's image and the student-steps image
 of the base and of the distilled LoRA; the script prints the mean absolute pixel error (0..1) of each student-steps
 image against the teacher's, their ratio (target: the LoRA at most half the base's) and the seconds per image of the
-teacher and of the student (encoding, sampling and decoding, one image at a time).
+teacher and of the student (encoding, sampling and decoding, one image at a time). `distill_edits.png` shows each
+held-out edit (seed 0) side by side: the control image, the base and the distilled LoRA at `--student-steps`, and the
+teacher.
 
     python scripts/bench_distill.py [--steps 200] [--samples 32] [--heldout 8] [--out DIR]
 
-Prints one line per measure and a summary line; writes `summary.json` in the output folder.
+Prints one line per measure and a summary line; writes `summary.json` and `distill_edits.png` in the output folder.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from qie.components import prepare_model
 from qie.config import compose, typed
+from qie.demo.grid import captioned_grid
 from qie.demo.synthetic import make_dataset
 from qie.stages import precompute, train
 from qie.stages.infer import Predictor, build_predictor
@@ -57,6 +61,15 @@ def images(predictor, edits: list[tuple[Path, str]], seeds: int, **options) -> t
 def error(images: list[np.ndarray], reference: list[np.ndarray]) -> float:
     """Mean absolute pixel difference (0..1) of each image to its reference."""
     return float(np.mean([np.abs(a - b).mean() for a, b in zip(images, reference)]))
+
+
+def picture(path: Path, edits: list[tuple[Path, str]], seeds: int, columns: dict[str, list[np.ndarray]]) -> None:
+    """Each edit's control image and, for its first seed, each column's image, a row per edit."""
+    rows = [[Image.open(control).convert("RGB")] for control, _ in edits]
+    for images in columns.values():
+        for row, image in zip(rows, images[::seeds]):
+            row.append(Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8)))
+    captioned_grid(rows, [prompt for _, prompt in edits], ["control", *columns]).save(path)
 
 
 def main() -> None:
@@ -102,6 +115,9 @@ def main() -> None:
         "first_loss": result["losses"][0], "last_loss": result["losses"][-1], "train_seconds": round(train_seconds, 1),
     }  # fmt: skip
     summary["error_ratio"] = summary["error_lora"] / summary["error_base"]
+    steps = f"{args.student_steps} steps"
+    picture(out / "distill_edits.png", edits, args.seeds, {f"base, {steps}": base_images,
+            f"distilled, {steps}": lora_images, f"teacher, {args.teacher_steps}": teacher})  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"teacher ({args.teacher_steps} steps, cfg {args.teacher_cfg}): {teacher_s:.3f} s/image")
     print(f"base at {args.student_steps} steps, cfg 1: pixel error to the teacher {summary['error_base']:.4f}, "

@@ -103,3 +103,25 @@ def test_the_distilled_lora_loads_in_the_diffusers_pipeline_and_gives_qie_infer_
     mine = predictor.predict([control], prompt, output_type="np", negative_prompt=None, seed=3, **student)
     assert np.abs(expected - base).max() > 1e-6  # the distilled LoRA moves the output
     assert np.abs(mine - expected).max() <= 1e-5
+
+
+def test_the_benchmarks_picture_shows_each_edit_beside_base_distilled_and_teacher(tmp_path: Path) -> None:
+    """`bench_distill.picture`: a row per held-out edit, its control then each column's image of the edit's first
+    seed (the images are listed edit by edit, `seeds` each)."""
+    from test_bench_scripts import script
+
+    from qie.demo.grid import CAPTION_HEIGHT, TITLE_HEIGHT
+
+    controls = []
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        controls.append((tmp_path / f"c{i}.png", f"edit {i}"))
+        Image.new("RGB", (8, 8), colour).save(controls[-1][0])
+    seeds, shade = 2, lambda v: np.full((8, 8, 3), v, np.float32)
+    columns = {"base": [shade(0.0), shade(0.1), shade(0.2), shade(0.3)], "teacher": [shade(1.0)] * 4}
+    script("bench_distill").picture(tmp_path / "p.png", controls, seeds, columns)
+    grid = np.asarray(Image.open(tmp_path / "p.png").convert("RGB"))
+    assert grid.shape == (TITLE_HEIGHT + 2 * (128 + CAPTION_HEIGHT), 3 * 128, 3)
+    second_row = TITLE_HEIGHT + 128 + CAPTION_HEIGHT + 64
+    assert tuple(grid[second_row, 64]) == (0, 0, 255)  # the second edit's control
+    assert tuple(grid[second_row, 128 + 64]) == (51, 51, 51)  # its first seed's base image (0.2), not the second's
+    assert tuple(grid[TITLE_HEIGHT + 64, 256 + 64]) == (255, 255, 255)  # the teacher column
