@@ -120,6 +120,29 @@ def test_two_processes_keep_the_lora_identical(one_node: Path) -> None:
     assert (one_node / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()
 
 
+def test_distillation_on_two_processes_keeps_the_lora_identical(data: dict, tmp_path: Path) -> None:
+    """`train.objective=distill` under torchrun: the student runs the model several times before one backward
+    pass (each step's prediction recomputed in it), which data-parallel training must reduce once; each process
+    fills the teacher outputs of its own samples into the one cache (`cache.mode=lazy`)."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(Path(data["root"]) / "cache", cache)
+    distill = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
+               "train.distill.teacher_cfg=4", "cache.mode=lazy", f"cache.dir={cache}"]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    base = [a for a in data["base"] if not a.startswith("cache.dir=")]  # the copy's, where teachers are written
+    args = [*base, *SHORT, *distill, f"hydra.run.dir={tmp_path / 'run'}"]
+    with qie_train(args, tmp_path / "logs", launcher=launcher) as proc:
+        proc.wait(timeout=300)
+    assert proc.returncode == 0, output(tmp_path / "logs")[1][-3000:]
+    result = json.loads((tmp_path / "run" / "train_result.json").read_text())
+    checksums = result["param_checksums"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1] and result["ranks_agree"]
+    assert len(result["losses"]) == 3 and all(0 < loss < 1 for loss in result["losses"])
+    assert list((cache / "teacher_latent").rglob("*.safetensors"))  # written by the processes as they went
+
+
 def _free_port() -> int:
     import socket
 
