@@ -233,6 +233,13 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
     assert resumed["losses"] == cached["losses"][2:] and resumed["param_checksums"] == cached["param_checksums"]
     logged = [json.loads(line) for line in (cached["dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_accuracy"] for r in logged if "loss" in r][0] == 0.5  # a tie at the first step
+    # The trained LoRA (no reference adapter in it) loads whole into the family's diffusers pipeline.
+    from qie.config import compose
+
+    lora = Path(cached["lora"])
+    pipe = pipeline_of(Path(compose("infer", [f"model={family}"]).model.pretrained_model_name_or_path))
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    assert len([k for k in pipe.transformer.state_dict() if "lora_" in k]) == len(load_file(lora)) > 0
 
 
 @pytest.mark.parametrize("family", families("distill"))
