@@ -11,7 +11,11 @@ teacher and of the student (encoding, sampling and decoding, one image at a time
 held-out edit (seed 0) side by side: the control image, the base and the distilled LoRA at `--student-steps`, and the
 teacher.
 
-    python scripts/bench_distill.py [--steps 200] [--samples 32] [--heldout 8] [--out DIR]
+With `--sft-steps N` the base first learns the edits: a flow-matching LoRA of N steps (the demo's settings) is fused
+into it (`model.fuse_loras`) for the teacher, the student and every image, so the teacher makes the edits and the
+picture shows whether the few-step student makes them too (the random tiny base makes the same blur of every edit).
+
+    python scripts/bench_distill.py [--steps 200] [--samples 32] [--heldout 8] [--sft-steps 0] [--out DIR]
 
 Prints one line per measure and a summary line; writes `summary.json` and `distill_edits.png` in the output folder.
 """
@@ -82,12 +86,20 @@ def main() -> None:
     parser.add_argument("--teacher-steps", type=int, default=20)
     parser.add_argument("--teacher-cfg", type=float, default=4.0)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--sft-steps", type=int, default=0, help="a flow-matching LoRA fused into the base first")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="qie-bench-distill-"))
     root = make_dataset(out / "data", train=args.samples, heldout=args.heldout, seed=0)
     base = ["model=tiny_demo", f"cache.dir={out / 'cache'}"]
     precompute.run(compose("precompute", [*base, f"data.path={root / 'train'}"]), out / "precompute")
+    model = ["model=tiny_demo"]
+    if args.sft_steps:
+        sft = train.run(compose("train", [*base, f"data.path={root / 'train'}", "experiment=demo",
+                                          f"train.max_steps={args.sft_steps}", "train.checkpoint_every=100000",
+                                          "logging.report_to=none"]), out / "sft")  # fmt: skip
+        model.append(f"model.fuse_loras=[{sft['lora']}]")
+        base.append(model[-1])
     distill = [f"train.distill.student_steps={args.student_steps}", f"train.distill.teacher_steps={args.teacher_steps}",
                f"train.distill.teacher_cfg={args.teacher_cfg}", f"train.distill.seeds={args.seeds}"]  # fmt: skip
     overrides = [*base, f"data.path={root / 'train'}", "experiment=demo", "train.objective=distill", *distill,
@@ -99,7 +111,6 @@ def main() -> None:
     train_seconds = time.perf_counter() - t0
 
     edits = heldout_edits(root / "heldout")
-    model = ["model=tiny_demo"]
     plain = _predictor(compose("infer", model))
     distilled = _predictor(compose("infer", [*model, f"predict.lora={result['lora']}"]))
     teacher, teacher_s = images(plain, edits, args.seeds, negative_prompt="", true_cfg_scale=args.teacher_cfg,
@@ -110,6 +121,7 @@ def main() -> None:
     summary = {
         "samples": args.samples, "heldout": len(edits), "seeds": args.seeds, "steps": args.steps,
         "student_steps": args.student_steps, "teacher_steps": args.teacher_steps, "teacher_cfg": args.teacher_cfg,
+        "sft_steps": args.sft_steps,
         "error_base": error(base_images, teacher), "error_lora": error(lora_images, teacher),
         "seconds_per_image_teacher": teacher_s, "seconds_per_image_base": base_s, "seconds_per_image_lora": lora_s,
         "first_loss": result["losses"][0], "last_loss": result["losses"][-1], "train_seconds": round(train_seconds, 1),
