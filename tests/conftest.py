@@ -143,6 +143,13 @@ def tiny_layered_path(qie_home: Path) -> Path:
     return ensure_tiny_model(default_tiny_path("qwen_image_layered"), "qwen_image_layered")
 
 
+@pytest.fixture(scope="session")
+def tiny_demo_layered_path(qie_home: Path) -> Path:
+    from qie.components.tiny import default_tiny_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_path("demo_layered"), "demo_layered")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's `--dist loadgroup` (the README's test command runs the tests on every core): a

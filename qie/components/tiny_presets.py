@@ -1,8 +1,10 @@
-"""The demo's tiny model sizes and its VAE, trained on the demo's synthetic shapes and shipped with qie.
+"""The demo's tiny model sizes and its VAEs, trained on the demo's synthetic shapes and shipped with qie.
 
-The weights (`tiny_demo_vae.safetensors`, written by `scripts/train_demo_vae.py`) carry the VAE config and
-the latent statistics of the trained encoder in their metadata; those become the VAE's `latents_mean` /
-`latents_std`. The `demo` preset of `qie.components.tiny` uses them, so the demo's images show what the
+Two VAEs: an RGB one for the Edit demo (`tiny_demo_vae.safetensors`, written by `scripts/train_demo_vae.py`) and
+an RGBA one for the Layered demo (`tiny_demo_layered_vae.safetensors`, written by `scripts/train_demo_vae.py
+--layered`). Each file carries its VAE config and the latent statistics of the trained encoder in its metadata;
+those become the VAE's `latents_mean` / `latents_std`. The `demo` preset of `qie.components.tiny` and the
+`demo_layered` preset of `qie.components.tiny_qwen_image_layered` use them, so the demos' images show what the
 LoRA learned.
 """
 
@@ -30,6 +32,15 @@ DEMO_TRANSFORMER: dict[str, Any] = {
     "attention_head_dim": 32, "num_attention_heads": 4, "axes_dims_rope": (8, 12, 12),
 }  # fmt: skip
 DEMO_VAE_FILE = "tiny_demo_vae.safetensors"
+# The Layered demo's RGBA VAE: the tiny Layered model's VAE (RGBA in and out, 16x down without temporal
+# downsampling, 8 latent channels; `qie.components.tiny_qwen_image_layered`), trained. At the pipeline's 640² bucket
+# it encodes a frame in ~0.5 s and decodes one in ~0.8 s on one CPU core. (Twice as wide, it stayed at the frames'
+# mean colour for longer than its training takes.)
+DEMO_LAYERED_VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 4, "z_dim": DEMO_Z_DIM, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
+    "temperal_downsample": [False, False, False, False], "input_channels": 4,
+}  # fmt: skip
+DEMO_LAYERED_VAE_FILE = "tiny_demo_layered_vae.safetensors"
 
 
 def load_shipped_vae(config: dict[str, Any], name: str) -> AutoencoderKLQwenImage:

@@ -6,6 +6,10 @@ processor=load_processor(path))` loads. The pipeline works at 640² or 1024² on
 so the VAE is what makes a tiny model quick: an RGBA VAE (`input_channels=4`) of 4 base channels that
 downsamples 16x (five levels), which encodes a 640² image in ~1.3 s on one CPU core and turns each frame into
 20x20 transformer tokens. The transformer is Qwen-Image's with layer-aware rope and the extra timestep condition.
+
+Two presets: `qwen_image_layered` (every part random) and `demo_layered`, the Layered demo's model, whose VAE is
+the RGBA VAE trained on the demo's shapes and shipped with qie (`qie.components.tiny_presets`), so that the
+demo's decoded layers show what the LoRA learned.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from qie.components.tiny import (
     _text_encoder_config,
     _write_json,
 )
+from qie.components.tiny_presets import DEMO_LAYERED_VAE_CONFIG, DEMO_LAYERED_VAE_FILE, load_shipped_vae
 from qie.components.tiny_tokenizer import build_tokenizer
 
 # Not 4 latent channels: the pipeline takes an input with as many channels as the latents for latents (and an
@@ -51,15 +56,22 @@ VAE_CONFIG: dict[str, Any] = {
 }  # fmt: skip
 
 
+# Preset -> (VAE config, weights shipped with qie) for a trained VAE; a preset not named here has a random one.
+SHIPPED_VAES: dict[str, tuple[dict[str, Any], str]] = {
+    "demo_layered": (DEMO_LAYERED_VAE_CONFIG, DEMO_LAYERED_VAE_FILE),
+}
+
+
 def build_tiny_qwen_image_layered(path: str | Path, preset: str = "qwen_image_layered", seed: int = 0) -> Path:
-    """The tiny Layered checkpoint in `path` (the same seed gives bitwise identical weights)."""
+    """The tiny Layered checkpoint of `preset` in `path` (the same seed gives bitwise identical weights)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer((QwenImageLayeredPipeline,))
     with _seeded(seed):
         transformer = QwenImageTransformer2DModel(**TRANSFORMER)
     with _seeded(seed + 1):
-        vae = AutoencoderKLQwenImage(**VAE_CONFIG)
+        shipped = SHIPPED_VAES.get(preset)
+        vae = load_shipped_vae(*shipped) if shipped else AutoencoderKLQwenImage(**VAE_CONFIG)
     with _seeded(seed + 2):
         text_encoder = Qwen2_5_VLForConditionalGeneration(_text_encoder_config(tokenizer)).eval()
     transformer.save_pretrained(out / "transformer")

@@ -242,7 +242,10 @@ FAMILY = ModelFamily(
     # matches Qwen-Image's signature too, so the longest matching signature names the family.
     weight_signature=("txt_norm.weight", "transformer_blocks.0.txt_mlp.net.0.proj.weight",
                       "time_text_embed.addition_t_embedding.weight"),
-    tiny_presets={"qwen_image_layered": "qie.components.tiny_qwen_image_layered:build_tiny_qwen_image_layered"},
+    tiny_presets={
+        preset: "qie.components.tiny_qwen_image_layered:build_tiny_qwen_image_layered"
+        for preset in ("qwen_image_layered", "demo_layered")
+    },
     real_size={
         "transformer": TRANSFORMER,
         "vae": {**real_size.VAE, "input_channels": 4},
