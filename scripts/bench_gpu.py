@@ -517,7 +517,7 @@ def dataset(setup: Setup, args: argparse.Namespace) -> Path | dict:
 
     cfg = stage_config("precompute", setup.base)
     spec = model_spec(cfg.model)
-    if spec.family.layered:
+    if spec.family.outputs.layers:
         return {"error": "skipped", "detail": "the synthetic data set has no layers (a layered model trains on them)"}
     if setup.real and (why := no_checkpoint(cfg.model)):
         return {"error": "skipped", "detail": why}

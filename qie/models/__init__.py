@@ -206,15 +206,9 @@ class ModelSpec:
         return None
 
     def layers_problem(self, count: int) -> str | None:
-        """Why a training sample with `count` layers cannot be used with this model (None: it can)."""
-        if self.family.layered and not count:
-            return (
-                f"no layers, but model {self.name!r} learns to split an image into layers: give each sample its "
-                "ordered layers (manifest 'layers', layers/<stem>_<N>.png, or data.columns.layers)"
-            )
-        if count and not self.family.layered:
-            return f"{count} layers, but model {self.name!r} makes one image: use a layered model or drop the layers"
-        return None
+        """Why a training sample with `count` layers cannot be used with this model (None: it can): the rule of
+        the family's outputs."""
+        return self.family.outputs.layers_problem(self.name, count)
 
     def mismatches(self, found: CheckpointFacts) -> list[str]:
         """How a checkpoint differs from this description (empty: it fits). A checkpoint of another pipeline

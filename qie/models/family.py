@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from qie.models.outputs import Outputs
+
 
 class FamilyError(TypeError):
     """A family module that does not provide the interface."""
@@ -107,8 +109,9 @@ class ModelFamily:
         tiny_presets: tiny preset name -> "module:function" building it (path, seed) -> folder.
         real_size: part -> its published config (kwargs of its class), for the planner and benchmarks.
         planner: `PlannerFacts`.
-        layered: the output is the layers of one image (`predict.layers` sets how many; inference writes them to
-            a folder as layer_0.png, layer_1.png, ...), not one image per sample.
+        outputs: what the sampler makes of one input (`qie.models.outputs`: `IMAGES`, one image per sample, or
+            `LAYERS`, an image's layers): how inference writes them, the demo data set the models train on, and
+            whether layer counts apply (`predict.layers`, a training sample's layers).
 
     Pieces (callables; parameters as `SIGNATURES` lists them):
         pipeline: the diffusers pipeline over the built parts (parts not built stay None).
@@ -145,7 +148,7 @@ class ModelFamily:
     tiny_presets: Mapping[str, str]
     real_size: Mapping[str, dict]
     planner: PlannerFacts
-    layered: bool
+    outputs: Outputs
     pipeline: Callable[..., Any]
     prompt_template: Callable[..., str]
     default_size: Callable[..., tuple[int, int]]
@@ -167,6 +170,8 @@ class ModelFamily:
             raise FamilyError(f"family {self.name!r}: part_classes lacks {sorted(missing)}")
         if not self.variants:
             raise FamilyError(f"family {self.name!r} names no variant")
+        if not isinstance(self.outputs, Outputs):
+            raise FamilyError(f"family {self.name!r}: outputs is not a qie.models.outputs.Outputs")
         for f in fields(self):
             if f.name in SIGNATURES:
                 _check_piece(self.name, f.name, getattr(self, f.name))

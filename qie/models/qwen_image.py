@@ -26,6 +26,7 @@ from diffusers import QwenImageEditPipeline
 from qie.models import pipeline_parts, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, velocity_loss
+from qie.models.outputs import IMAGES
 from qie.models.qwen_image_sampling import decode_latents, denoise_latents, pack_latents, sample, vae_scale
 from qie.types import Batch
 
@@ -235,7 +236,7 @@ FAMILY = ModelFamily(
     real_size={"transformer": real_size.TRANSFORMER, "vae": real_size.VAE, "text_encoder": real_size.TEXT_ENCODER},
     # 8x VAE, 2x2 patches; Qwen2.5-VL sees 28x28-pixel tokens (14 px patches merged 2x2); the template adds ~64.
     planner=PlannerFacts(16, 28 * 28, 64, "Qwen2.5-VL-7B", step_inputs),
-    layered=False,
+    outputs=IMAGES,
     pipeline=pipeline,
     prompt_template=prompt_template,
     default_size=default_size,

@@ -28,6 +28,7 @@ from diffusers import QwenImage21Pipeline
 from qie.models import real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import noisy_latents, velocity_loss
+from qie.models.outputs import IMAGES
 from qie.models.qwen_image_21_pipeline import (
     TOKENS_PER_SLOT,
     VAE_SCALE,
@@ -224,7 +225,7 @@ FAMILY = ModelFamily(
                "text_encoder": real_size.TEXT_ENCODER_21},  # fmt: skip
     # 16x VAE, one token per latent pixel; Qwen3-VL sees 32x32-pixel tokens (16 px patches merged 2x2).
     planner=PlannerFacts(16, 32 * 32, 32, "Qwen3-VL-8B", step_inputs),
-    layered=False,
+    outputs=IMAGES,
     pipeline=pipeline,
     prompt_template=prompt_template,
     default_size=default_size,

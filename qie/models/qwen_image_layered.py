@@ -29,6 +29,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import retrieve_ti
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flow import predict
+from qie.models.outputs import LAYERS
 from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise
 from qie.types import Batch, pad_prompt_embeds
 
@@ -267,5 +268,5 @@ FAMILY = ModelFamily(
     checkpoint_problems=checkpoint_problems,
     sampling_notes=sampling_notes,
     text_positions=lambda spec, frames: text_positions.qwen_image(frames, layered=True),
-    layered=True,
+    outputs=LAYERS,
 )
