@@ -269,7 +269,7 @@ def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
     from qie.stages.plan import transformer_config as plan_config
 
     if setup.real:
-        config = dict(spec.family.real_size["transformer"])
+        config = dict(spec.family.published.transformer)
         if spec.zero_cond_t:  # the variant's transformer gives control tokens timestep 0 (Edit-2511)
             config["zero_cond_t"] = True
     else:

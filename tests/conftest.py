@@ -55,7 +55,7 @@ def foreign_parts():
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from qie.components.tiny import SCHEDULER_CONFIG
+    from qie.models.qwen_image import SCHEDULER_CONFIG
 
     def build(tokenizer, **transformer) -> dict:
         pad = tokenizer.pad_token_id

@@ -44,6 +44,13 @@ def test_every_family_registers_with_every_piece() -> None:
         assert family.block_classes(), family.name  # what FSDP wraps: the transformer's own _no_split_modules
 
 
+def test_flavours_hold_one_published_size_and_the_tiny_presets() -> None:
+    for family in families().values():
+        assert family.published.tiny is None and family.tiny_flavours, family.name
+        with pytest.raises(FamilyError, match="published size"):
+            ModelFamily(**_without(family, flavours=family.tiny_flavours))
+
+
 def _without(family: ModelFamily, **changes) -> dict:
     fields = {f.name: getattr(family, f.name) for f in dataclasses.fields(family)}
     return {**fields, **changes}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
 
 from qie.components.processor import QwenImageProcessorNoVideo, load_processor
-from qie.components.tiny import LATENTS_MEAN, build_tiny_model, default_tiny_path, ensure_tiny_model, system_prefix
+from qie.components.tiny import build_tiny_model, default_tiny_path, ensure_tiny_model, system_prefix
 from qie.components.tiny_presets import (
     DEMO_LAYERED_VAE_CONFIG,
     DEMO_LAYERED_VAE_FILE,
@@ -26,6 +26,7 @@ from qie.components.tiny_presets import (
     read_vae_weights,
 )
 from qie.errors import ModelLoadError
+from qie.models import qwen_image
 
 WEIGHT_FILES = (
     "transformer/diffusion_pytorch_model.safetensors",
@@ -67,7 +68,7 @@ def _run(pipe, image) -> torch.Tensor:
 def test_edit_pipeline_runs(tiny_edit: Path, tmp_path: Path) -> None:
     pipe = tiny_pipeline(QwenImageEditPipeline, tiny_edit)
     assert isinstance(pipe.processor, QwenImageProcessorNoVideo)
-    assert pipe.vae.config.latents_mean == LATENTS_MEAN
+    assert pipe.vae.config.latents_mean == qwen_image.TINY_VAE["latents_mean"]
     images = _run(pipe, _image((200, 40, 90)))
     assert images.shape == (1, 3, 64, 64)
     assert torch.isfinite(images).all()

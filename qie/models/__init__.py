@@ -20,6 +20,7 @@ from typing import Any
 
 from qie.errors import ConfigError
 from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
+from qie.models.flavour import Flavour
 from qie.types import value
 
 # The model families qie knows, by module. The only list of family names: variants and tiny presets are
@@ -46,9 +47,9 @@ def variants() -> dict[str, tuple[ModelFamily, Variant]]:
 
 
 @cache
-def tiny_presets() -> dict[str, tuple[ModelFamily, str]]:
-    """tiny preset name (a model yaml's `tiny`, `python -m qie.tiny PRESET`) -> (its family, its builder)."""
-    return {name: (f, builder) for f in families().values() for name, builder in f.tiny_presets.items()}
+def tiny_presets() -> dict[str, tuple[ModelFamily, Flavour]]:
+    """tiny preset name (a model yaml's `tiny`, `python -m qie.tiny PRESET`) -> (its family, its flavour)."""
+    return {name: (f, flavour) for f in families().values() for name, flavour in f.tiny_flavours.items()}
 
 
 def family_of(transformer: Any) -> ModelFamily:
@@ -272,6 +273,7 @@ __all__ = [
     "FAMILY_MODULES",
     "CheckpointFacts",
     "FamilyError",
+    "Flavour",
     "ModelFamily",
     "ModelSpec",
     "PlannerFacts",
