@@ -53,16 +53,26 @@ def tiny_presets() -> dict[str, tuple[ModelFamily, Flavour]]:
 
 
 def family_of(transformer: Any) -> ModelFamily:
-    """The family whose transformer class `transformer` is an instance of (adapters, quantization and FSDP keep
-    the class, or subclass it).
+    """The family of a transformer: of the families whose transformer class it is an instance of, the one whose
+    `weight_signature` its modules hold; where several do (a Layered transformer holds Qwen-Image's modules too),
+    the longest signature names it, as for a single file. Adapters, quantization and FSDP keep the class (or
+    subclass it) and the module names.
 
     Raises:
-        FamilyError: a transformer of no family qie knows.
+        FamilyError: a transformer of no family qie knows, or one two families' signatures fit alike.
     """
-    for family in families().values():
-        if isinstance(transformer, family.part_class("transformer")):
-            return family
-    raise FamilyError(f"{type(transformer).__name__} is the transformer of no model family qie knows")
+    modules = {name for name, _ in transformer.named_modules()}
+    matches = sorted(
+        (f for f in families().values() if isinstance(transformer, f.part_class("transformer"))
+         and all(key.rpartition(".")[0] in modules for key in f.weight_signature)),
+        key=lambda f: len(f.weight_signature), reverse=True,
+    )  # fmt: skip
+    if not matches:
+        raise FamilyError(f"{type(transformer).__name__} is the transformer of no model family qie knows")
+    if len(matches) > 1 and len(matches[0].weight_signature) == len(matches[1].weight_signature):
+        raise FamilyError(f"{type(transformer).__name__} fits the families {matches[0].name!r} and "
+                          f"{matches[1].name!r} alike: their weight signatures do not tell them apart")  # fmt: skip
+    return matches[0]
 
 
 @dataclass(frozen=True)
