@@ -69,6 +69,14 @@ def test_flavours_hold_one_published_size_and_the_tiny_presets() -> None:
             ModelFamily(**_without(family, flavours=family.tiny_flavours))
 
 
+def test_the_model_schema_and_the_spec_default_the_sampling_options_alike() -> None:
+    from qie.config.model import ModelConfig
+    from qie.models import ModelSpec
+
+    spec = {f.name: f.default for f in dataclasses.fields(ModelSpec) if f.default is not dataclasses.MISSING}
+    assert spec == {key: getattr(ModelConfig(), key) for key in spec}
+
+
 def _without(family: ModelFamily, **changes) -> dict:
     fields = {f.name: getattr(family, f.name) for f in dataclasses.fields(family)}
     return {**fields, **changes}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any
 
@@ -100,7 +100,8 @@ class ModelSpec:
     vae_image_pixels: int
     vl_image_pixels: int
     zero_cond_t: bool = False
-    # The pipeline's own sampling defaults (its `__call__`'s), the `predict` group's defaults.
+    # The pipeline's own sampling defaults (its `__call__`'s), the `predict` group's defaults (`call_defaults`);
+    # the model schema's (`qie.config.model.ModelConfig`) are the same, as a test checks.
     true_cfg_scale: float = 4.0
     num_inference_steps: int = 50
 
@@ -263,10 +264,12 @@ def model_spec(model: Any) -> ModelSpec:
         max_control_images=int(model.max_control_images),
         vae_image_pixels=int(model.vae_image_pixels),
         vl_image_pixels=int(model.vl_image_pixels),
-        zero_cond_t=bool(getattr(model, "zero_cond_t", False)),
-        true_cfg_scale=float(getattr(model, "true_cfg_scale", 4.0)),
-        num_inference_steps=int(getattr(model, "num_inference_steps", 50)),
+        # A model yaml read without the schema (the start-up check's hint) may leave these out: the spec's defaults.
+        **{key: kind(getattr(model, key, default)) for key, (kind, default) in _SPEC_DEFAULTS.items()},
     )
+
+
+_SPEC_DEFAULTS = {f.name: (type(f.default), f.default) for f in fields(ModelSpec) if f.default is not MISSING}
 
 
 @cache
