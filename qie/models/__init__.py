@@ -5,8 +5,9 @@ named `FAMILY`, with every piece qie needs of it. `model_spec(model_cfg)` joins 
 condition sizes, control counts, what the transformer config must say) with its family and variant into the
 `ModelSpec` every stage reads. A stage builds the spec once, at its edge, and passes it down.
 
-Adding a family: one module here (its `FAMILY`), its name in `FAMILY_MODULES`, one model yaml per variant in
-`conf/model/`, one tiny preset, and its tiny model's name in the test battery.
+Adding a family: one module here (its `FAMILY`, with its flavours: the published size and at least one tiny
+preset), its name in `FAMILY_MODULES`, one model yaml per variant in `conf/model/`, and its tiny model's name in
+the test battery.
 """
 
 from __future__ import annotations
