@@ -1,6 +1,6 @@
 """python -m qie.tiny PRESET OUT_DIR: write one of qie's tiny random models (each model family names its
-presets: edit, edit_plus, edit_2511, t2i, demo, qwen_image_21, ...) as a diffusers folder, e.g. to try a command
-offline with `model.pretrained_model_name_or_path=OUT_DIR`."""
+presets: edit, edit_plus, edit_2511, t2i, demo, qwen_image_21, qwen_image_layered, demo_layered, ...) as a diffusers
+folder, e.g. to try a command offline with `model.pretrained_model_name_or_path=OUT_DIR`."""
 
 from __future__ import annotations
 

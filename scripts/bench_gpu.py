@@ -269,7 +269,7 @@ def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
     from qie.stages.plan import transformer_config as plan_config
 
     if setup.real:
-        config = dict(spec.family.real_size["transformer"])
+        config = dict(spec.family.published.transformer)
         if spec.zero_cond_t:  # the variant's transformer gives control tokens timestep 0 (Edit-2511)
             config["zero_cond_t"] = True
     else:
@@ -517,7 +517,7 @@ def dataset(setup: Setup, args: argparse.Namespace) -> Path | dict:
 
     cfg = stage_config("precompute", setup.base)
     spec = model_spec(cfg.model)
-    if spec.family.layered:
+    if spec.family.outputs.layers:
         return {"error": "skipped", "detail": "the synthetic data set has no layers (a layered model trains on them)"}
     if setup.real and (why := no_checkpoint(cfg.model)):
         return {"error": "skipped", "detail": why}

@@ -13,43 +13,42 @@ import argparse
 import torch
 from peft import LoraConfig
 
-from qie.models import families, real_size
+from qie.models import ModelFamily, variants
 
 GIB = 2**30
 MODELS = ("qwen_image_edit", "qwen_image_21")
 
 
-def lora_targets(model: str) -> list[str]:
-    """`model.lora_target_modules` of the model yaml (the schema's default where the yaml sets none)."""
+def model_yaml(model: str):
+    """The model yaml `conf/model/<model>.yaml`, as written."""
     from importlib.resources import files
 
     from omegaconf import OmegaConf
 
+    return OmegaConf.load(str(files("qie.conf").joinpath("model", f"{model}.yaml")))
+
+
+def lora_targets(model: str) -> list[str]:
+    """`model.lora_target_modules` of the model yaml (the schema's default where the yaml sets none)."""
     from qie.config.model import ModelConfig
 
-    node = OmegaConf.load(str(files("qie.conf").joinpath("model", f"{model}.yaml")))
-    return list(node.get("lora_target_modules") or ModelConfig().lora_target_modules)
+    return list(model_yaml(model).get("lora_target_modules") or ModelConfig().lora_target_modules)
+
+
+def family(model: str) -> ModelFamily:
+    """The family of the model yaml's variant."""
+    return variants()[str(model_yaml(model).variant)][0]
 
 
 def build(model: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
-    """(transformer, VAE, text encoder) of `model` at real size, on the meta device."""
+    """(transformer, VAE, text encoder) of `model` at its family's published size, on the meta device."""
+    of = family(model)
+    sizes, text_encoder = of.published, of.part_class("text_encoder")
     with torch.device("meta"):
-        if model == "qwen_image_21":
-            from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
-            from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-            return (
-                QwenImage21Transformer2DModel(**real_size.TRANSFORMER_21),
-                AutoencoderKLQwenImage21(**real_size.VAE_21),
-                Qwen3VLForConditionalGeneration(Qwen3VLConfig(**real_size.TEXT_ENCODER_21)),
-            )
-        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
         return (
-            QwenImageTransformer2DModel(**real_size.TRANSFORMER),
-            AutoencoderKLQwenImage(**real_size.VAE),
-            Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**real_size.TEXT_ENCODER)),
+            of.part_class("transformer")(**sizes.transformer),
+            of.part_class("vae")(**sizes.vae),
+            text_encoder(text_encoder.config_class(**sizes.text_encoder)),
         )
 
 
@@ -80,8 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     transformer, vae, text_encoder = build(args.model)
     total = count(transformer)
-    family = families()["qwen_image_21" if args.model == "qwen_image_21" else "qwen_image"]
-    kept = [n.rstrip("*") for n in family.keep_full_precision]
+    kept = [n.rstrip("*") for n in family(args.model).keep_full_precision]
     quantizable = sum(
         m.weight.numel()
         for name, m in transformer.named_modules()

@@ -77,7 +77,7 @@ def control_counts(spec) -> list[int]:
 
 def write_dataset(root: Path, spec) -> Path:
     """Write the data set `spec`'s family reads under `root`; returns what `data.path` names."""
-    if spec.family.layered:
+    if spec.family.outputs.layers:
         return _write_layered(root)
     counts, alpha = control_counts(spec), bool(spec.alpha)
     if len(set(counts)) == 1 and not alpha:

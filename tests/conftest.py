@@ -55,7 +55,7 @@ def foreign_parts():
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from qie.components.tiny import SCHEDULER_CONFIG
+    from qie.models.qwen_image import SCHEDULER_CONFIG
 
     def build(tokenizer, **transformer) -> dict:
         pad = tokenizer.pad_token_id
@@ -141,6 +141,13 @@ def tiny_layered_path(qie_home: Path) -> Path:
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
 
     return ensure_tiny_model(default_tiny_path("qwen_image_layered"), "qwen_image_layered")
+
+
+@pytest.fixture(scope="session")
+def tiny_demo_layered_path(qie_home: Path) -> Path:
+    from qie.components.tiny import default_tiny_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_path("demo_layered"), "demo_layered")
 
 
 @pytest.hookimpl(tryfirst=True)

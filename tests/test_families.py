@@ -44,6 +44,39 @@ def test_every_family_registers_with_every_piece() -> None:
         assert family.block_classes(), family.name  # what FSDP wraps: the transformer's own _no_split_modules
 
 
+def test_a_transformer_resolves_to_one_family_with_or_without_an_adapter() -> None:
+    """A Layered transformer is Qwen-Image's class with one more module: its signature, the longer, names it."""
+    import torch
+    from peft import LoraConfig
+
+    from qie.models import family_of
+
+    for name, family in families().items():
+        config = next(iter(family.tiny_flavours.values())).transformer
+        with torch.device("meta"):
+            transformer = family.part_class("transformer")(**config)
+        assert family_of(transformer) is family, name
+        transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q", "txt_mlp.net.0.proj"]))
+        assert family_of(transformer) is family, name
+    with pytest.raises(FamilyError, match="Linear is the transformer of no model family"):
+        family_of(torch.nn.Linear(1, 1))
+
+
+def test_flavours_hold_one_published_size_and_the_tiny_presets() -> None:
+    for family in families().values():
+        assert family.published.tiny is None and family.tiny_flavours, family.name
+        with pytest.raises(FamilyError, match="published size"):
+            ModelFamily(**_without(family, flavours=family.tiny_flavours))
+
+
+def test_the_model_schema_and_the_spec_default_the_sampling_options_alike() -> None:
+    from qie.config.model import ModelConfig
+    from qie.models import ModelSpec
+
+    spec = {f.name: f.default for f in dataclasses.fields(ModelSpec) if f.default is not dataclasses.MISSING}
+    assert spec == {key: getattr(ModelConfig(), key) for key in spec}
+
+
 def _without(family: ModelFamily, **changes) -> dict:
     fields = {f.name: getattr(family, f.name) for f in dataclasses.fields(family)}
     return {**fields, **changes}

@@ -162,7 +162,7 @@ class Battery:
         spec = model_spec(small_config("precompute", f"model={family}").model)
         data = write_dataset(root / "data", spec)
         base = [f"model={family}", f"data.path={data}", f"cache.dir={root / 'cache'}"]
-        if spec.family.layered:  # the frames at the condition's size, as the pipeline makes them
+        if spec.family.outputs.layers:  # the frames at the condition's size, as the pipeline makes them
             base.append(f"data.target_pixels={spec.vae_image_pixels}")
         summary = precompute.run(small_config("precompute", *base), root / "precompute")
         assert summary.failures == []
@@ -210,7 +210,7 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
 
     prepared = battery[family]
     spec = model_spec(small_config("precompute", f"model={family}").model)
-    if spec.family.layered:
+    if spec.family.outputs.layers:
         with pytest.raises(ConfigError, match="train.objective=dpo does not train a layered model") as info:
             prepared.train("dpo_refused", "train.objective=dpo")
         assert "\n" not in str(info.value)
@@ -301,7 +301,7 @@ def test_validation_saves_images_and_metrics(battery: Battery, family: str) -> N
     prepared = battery[family]
     folder = prepared.cached["dir"] / "validation"
     # Layered: the pipeline's default 4 layers at its 640 bucket; the others one 64 px image.
-    size, count = ((640, 640), 4) if prepared.spec.family.layered else ((64, 64), 1)
+    size, count = ((640, 640), 4) if prepared.spec.family.outputs.layers else ((64, 64), 1)
     images = sorted((folder / "step-000004").glob("*.png"))
     assert len(images) == count
     for image in images:
@@ -393,7 +393,7 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
     model = f"model={family}"
     lora = Path(prepared.cached["lora"])
 
-    layered = prepared.spec.family.layered
+    layered = prepared.spec.family.outputs.layers
     sampling = {**SAMPLING, "layers": LAYERS} if layered else SAMPLING
 
     def mine(*overrides: str) -> np.ndarray:

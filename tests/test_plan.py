@@ -141,7 +141,7 @@ def test_step_flops_count_the_linear_layers_and_the_attention_of_every_block() -
     from qie.memory_plan import step_flops
 
     family = families()["qwen_image"]
-    config = dict(family.real_size["transformer"])  # 60 blocks, width 3072: counted with 2 and 4, extrapolated
+    config = dict(family.published.transformer)  # 60 blocks, width 3072: counted with 2 and 4, extrapolated
     work = Workload(batch=1, target_tokens=4096, control_tokens=(4096,), prompt_tokens=252, dtype=torch.bfloat16)
     flops = step_flops(family, config, work, 16, ["to_q", "to_k", "to_v", "to_out.0"])
     d, tokens = 3072, 4096 + 4096 + 252

@@ -12,7 +12,7 @@ from qie.components import load_parts
 from qie.data.collate import collate
 from qie.models.qwen_image import flow_matching_loss, pack_latents, packed
 from qie.training.lora import add_lora
-from qie.training.timesteps import loss_weights, sample_sigmas
+from qie.training.timesteps import SigmaSampling, loss_weights
 from qie.types import Batch, SampleEmbeddings, pad_prompt_embeds
 
 C, H, W = 4, 8, 8  # tiny latents: 4 channels, 64 px / 8
@@ -138,8 +138,8 @@ def test_loss_weighting_scales_each_sample() -> None:
 
 
 def test_timestep_sampling_methods() -> None:
-    def draw(method: str, **kw) -> torch.Tensor:
-        return sample_sigmas(4096, torch.Generator().manual_seed(0), method, **kw)
+    def draw(method: str, image_seq_len: int = 4096, **kw) -> torch.Tensor:
+        return SigmaSampling(method, **kw).sample(4096, torch.Generator().manual_seed(0), image_seq_len)
 
     uniform, logit = draw("uniform"), draw("logit_normal")
     assert 0 < uniform.min() and uniform.max() <= 1 and abs(uniform.mean() - 0.5) < 0.03

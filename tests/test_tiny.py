@@ -16,9 +16,17 @@ from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
 
 from qie.components.processor import QwenImageProcessorNoVideo, load_processor
-from qie.components.tiny import LATENTS_MEAN, build_tiny_model, default_tiny_path, ensure_tiny_model, system_prefix
-from qie.components.tiny_presets import DEMO_VAE_CONFIG, DEMO_VAE_FILE, DEMO_Z_DIM, read_vae_weights
+from qie.components.tiny import build_tiny_model, default_tiny_path, ensure_tiny_model, system_prefix
+from qie.components.tiny_presets import (
+    DEMO_LAYERED_VAE_CONFIG,
+    DEMO_LAYERED_VAE_FILE,
+    DEMO_VAE_CONFIG,
+    DEMO_VAE_FILE,
+    DEMO_Z_DIM,
+    read_vae_weights,
+)
 from qie.errors import ModelLoadError
+from qie.models import qwen_image
 
 WEIGHT_FILES = (
     "transformer/diffusion_pytorch_model.safetensors",
@@ -60,7 +68,7 @@ def _run(pipe, image) -> torch.Tensor:
 def test_edit_pipeline_runs(tiny_edit: Path, tmp_path: Path) -> None:
     pipe = tiny_pipeline(QwenImageEditPipeline, tiny_edit)
     assert isinstance(pipe.processor, QwenImageProcessorNoVideo)
-    assert pipe.vae.config.latents_mean == LATENTS_MEAN
+    assert pipe.vae.config.latents_mean == qwen_image.TINY_VAE["latents_mean"]
     images = _run(pipe, _image((200, 40, 90)))
     assert images.shape == (1, 3, 64, 64)
     assert torch.isfinite(images).all()
@@ -204,6 +212,51 @@ def test_demo_preset_ships_a_trained_vae_and_a_matching_transformer(tiny_demo_pa
     ensure_tiny_model(default)
     for name in ("text_encoder/model.safetensors", "tokenizer/tokenizer.json"):
         assert (tiny_demo_path / name).read_bytes() == (default / name).read_bytes()
+
+
+def test_demo_layered_preset_ships_a_trained_rgba_vae(tiny_demo_layered_path: Path, tiny_layered_path: Path) -> None:
+    """The Layered demo's model is the tiny Layered model with the shipped RGBA VAE: its own statistics, the
+    shipped weights, and every other part byte for byte the tiny model's (whose pinned losses do not move)."""
+    tensors, meta = read_vae_weights(DEMO_LAYERED_VAE_FILE)
+    shipped = resources.files("qie.components") / DEMO_LAYERED_VAE_FILE
+    assert shipped.is_file() and shipped.stat().st_size < 2**20
+    assert json.loads(meta["config"]) == DEMO_LAYERED_VAE_CONFIG and DEMO_LAYERED_VAE_CONFIG["input_channels"] == 4
+    vae_config = json.loads((tiny_demo_layered_path / "vae" / "config.json").read_text())
+    assert vae_config["latents_mean"] == json.loads(meta["latents_mean"]) != [0.0] * DEMO_Z_DIM
+    assert vae_config["latents_std"] == json.loads(meta["latents_std"])
+    built = load_file(tiny_demo_layered_path / "vae" / "diffusion_pytorch_model.safetensors")
+    assert built.keys() == tensors.keys() and all(torch.equal(built[k], tensors[k].float()) for k in built)
+    for name in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
+                 "tokenizer/tokenizer.json", "model_index.json"):  # fmt: skip
+        assert (tiny_demo_layered_path / name).read_bytes() == (tiny_layered_path / name).read_bytes()
+    random_vae = load_file(tiny_layered_path / "vae" / "diffusion_pytorch_model.safetensors")
+    assert random_vae.keys() != built.keys()  # the tiny model's own VAE is another, smaller one
+
+
+def test_the_shipped_rgba_vae_reconstructs_the_demos_layers() -> None:
+    """Frames of a demo sample as precompute sizes them for the Layered model (640²): the shipped VAE gives them back
+    at PSNR >= 24 dB, a VAE of its config at its random initialisation does not come near (< 12 dB). One
+    sample's image and its top layer, a 320² window about the middle of each (the whole frame costs 4x)."""
+    import random
+
+    from diffusers import AutoencoderKLQwenImage
+
+    from qie.components.tiny_presets import load_shipped_vae
+    from qie.data.images import prepare_target
+    from qie.demo.synthetic import random_layers
+
+    image, layers, _ = random_layers(random.Random(3), 64)
+    frames = torch.stack([prepare_target(f, 640 * 640)[:, 160:480, 160:480] for f in (image, layers[-1])])
+    x = frames.unsqueeze(2)
+
+    def psnr(vae: AutoencoderKLQwenImage) -> float:
+        with torch.no_grad():
+            out = vae.decode(vae.encode(x).latent_dist.mode()).sample
+        return float(10 * torch.log10(4 / (out - x).pow(2).mean()))
+
+    torch.manual_seed(0)
+    random_vae = AutoencoderKLQwenImage(**DEMO_LAYERED_VAE_CONFIG).eval()
+    assert psnr(load_shipped_vae(DEMO_LAYERED_VAE_CONFIG, DEMO_LAYERED_VAE_FILE)) >= 24 > 12 > psnr(random_vae)
 
 
 def test_unknown_preset_is_refused(tmp_path: Path) -> None:

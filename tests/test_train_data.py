@@ -11,15 +11,15 @@ import torch
 from helpers import CachedData, small_config, write_solid_image
 from stage_edges import source_for
 
-from qie.components.tiny import VAE_CONFIG
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.collate import collate
 from qie.data.scan import scan_dataset
 from qie.embeddings import CachedSource, LiveSource, SampleEmbeddings
+from qie.models.qwen_image import TINY_VAE
 from qie.training.batches import EmbeddingDataset
 from qie.types import pad_prompt_embeds
 
-SCALE = 2 ** len(VAE_CONFIG["temperal_downsample"])  # pixels per latent of the tiny VAE, as diffusers counts
+SCALE = 2 ** len(TINY_VAE["temperal_downsample"])  # pixels per latent of the tiny VAE, as diffusers counts
 
 
 def test_pad_embeds_pads_to_the_longest_with_a_mask() -> None:

@@ -1,15 +1,12 @@
 """Tiny, randomly initialised checkpoints made of the real classes, for tests, the demo and dry runs.
 
-Each model family names its tiny presets and their builders (`ModelFamily.tiny_presets`, read through
-`qie.models.tiny_presets()`); `build_tiny_model(path, preset)` runs the preset's builder and `ensure_tiny_model`
-builds one in place once, atomically. The same seed gives bitwise identical weights. `python -m qie.tiny
-PRESET DIR` writes one.
-
-This module also holds the Qwen-Image family's builder (`build_qwen_image_tiny`): a normal diffusers folder
-(model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/, and processor/ for the Edit
-pipelines) that the preset's pipeline loads with `from_pretrained` (Edit pipelines with
-`processor=load_processor(path)`). One generic builder takes the sizes; its presets (`PRESETS`: edit, edit_plus,
-edit_2511, t2i, demo) fill in the pipeline and the numbers that differ.
+Each model family's tiny presets are flavours of it (`ModelFamily.flavours`, `qie.models.flavour`: the sizes, and
+`Tiny`, what is written besides), read through `qie.models.tiny_presets()`. One builder writes them all:
+`build_tiny(path, family, flavour, seed)` writes a normal diffusers folder (model_index.json, transformer/, vae/,
+text_encoder/, scheduler/, and tokenizer/ and processor/ as the pipeline takes them) that the preset's pipeline loads
+with `from_pretrained` (with `processor=load_processor(path)` where it has a processor). `build_tiny_model(path,
+preset)` builds a preset by name and `ensure_tiny_model` builds one in place once, atomically. The same seed gives
+bitwise identical weights. `python -m qie.tiny PRESET DIR` writes one.
 """
 
 from __future__ import annotations
@@ -20,130 +17,30 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import diffusers
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImageEditPipeline,
-    QwenImageEditPlusPipeline,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-)
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from qie.components.tiny_presets import DEMO_TRANSFORMER, DEMO_VAE_CONFIG, DEMO_VAE_FILE, load_shipped_vae
-from qie.components.tiny_tokenizer import build_tokenizer, system_prefix
+from qie.components.tiny_presets import load_shipped_vae
+from qie.components.tiny_tokenizer import system_prefix
 from qie.errors import ModelLoadError
-from qie.models import pipeline_parts, tiny_presets
+from qie.models import ModelFamily, pipeline_parts, tiny_presets
 from qie.models.family import import_named
+from qie.models.flavour import Flavour
 
 TINY_VERSION = "v1"
-EDIT_PIPELINES = (QwenImageEditPipeline, QwenImageEditPlusPipeline)
+VISION_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                 "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class TinyPreset:
-    """What one tiny Qwen-Image model is: its pipeline, the pipelines whose templates its tokenizer learns, and
-    the transformer config entries that differ from `TRANSFORMER_CONFIG`."""
-
-    pipeline: type
-    tokenizer_pipelines: tuple[type, ...]
-    transformer: tuple[tuple[str, Any], ...] = ()
-    # A VAE config and weights shipped with qie (`qie.components.tiny_presets`) instead of a random VAE.
-    vae: tuple[tuple[str, Any], ...] = ()
-    vae_weights: str | None = None
-
-
-PRESETS: dict[str, TinyPreset] = {
-    "edit": TinyPreset(QwenImageEditPipeline, EDIT_PIPELINES),
-    "edit_plus": TinyPreset(QwenImageEditPlusPipeline, EDIT_PIPELINES),
-    # The Edit-Plus weights (same seed), with control tokens at timestep 0 as in Qwen-Image-Edit-2511.
-    "edit_2511": TinyPreset(QwenImageEditPlusPipeline, EDIT_PIPELINES, (("zero_cond_t", True),)),
-    "t2i": TinyPreset(QwenImagePipeline, (QwenImagePipeline,)),
-    # The demo's Edit model: a larger transformer and a VAE trained on the demo's shapes.
-    "demo": TinyPreset(
-        QwenImageEditPipeline, EDIT_PIPELINES, tuple(DEMO_TRANSFORMER.items()), tuple(DEMO_VAE_CONFIG.items()),
-        DEMO_VAE_FILE,
-    ),  # fmt: skip
-}
-# Where each part comes from, as model_index.json names it; a pipeline lists the parts it takes.
-MODEL_INDEX: dict[str, list[str]] = {
-    "processor": ["transformers", "Qwen2VLProcessor"],
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-    "tokenizer": ["transformers", "Qwen2Tokenizer"],
-    "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKLQwenImage"],
-}
-
-# Qwen-Image's scheduler/scheduler_config.json.
-SCHEDULER_CONFIG: dict[str, Any] = {
-    "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False, "max_image_seq_len": 8192,
-    "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
-    "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
-    "use_dynamic_shifting": True, "use_exponential_sigmas": False, "use_karras_sigmas": False,
-}  # fmt: skip
-TRANSFORMER_CONFIG: dict[str, Any] = {
-    "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-    "num_attention_heads": 3, "joint_attention_dim": 16, "guidance_embeds": False,
-    "axes_dims_rope": (8, 4, 4),
-}  # fmt: skip
-Z_DIM = 4
-# Fixed, deliberately non-trivial latent statistics so normalisation bugs change results.
-LATENTS_MEAN = [-0.35, 0.2, 0.45, -0.1]
-LATENTS_STD = [0.6, 1.35, 0.85, 1.2]
-VAE_CONFIG: dict[str, Any] = {
-    "base_dim": 24, "z_dim": Z_DIM, "dim_mult": [1, 2, 4], "num_res_blocks": 1,
-    "temperal_downsample": [False, True], "latents_mean": LATENTS_MEAN, "latents_std": LATENTS_STD,
-}  # fmt: skip
-TEXT_HIDDEN = 16  # == transformer joint_attention_dim
-# Qwen's CLIP normalisation; pixel bounds sized for 64 px test images (56x56 -> 4 image tokens).
-IMAGE_PROCESSOR_CONFIG: dict[str, Any] = {
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
-    "min_pixels": 56 * 56, "max_pixels": 128 * 128, "merge_size": 2, "patch_size": 14,
-    "resample": 3, "rescale_factor": 1 / 255, "temporal_patch_size": 2,
-}  # fmt: skip
-
-
-def preset(variant: str) -> tuple[Any, str]:
-    """(family, builder) of the tiny preset named `variant`. Raises ValueError naming the presets for an unknown one."""
+def preset(variant: str) -> tuple[ModelFamily, Flavour]:
+    """(family, flavour) of the tiny preset named `variant`. Raises ValueError naming the presets for an unknown one."""
     presets = tiny_presets()
     if variant not in presets:
         raise ValueError(f"unknown tiny model variant {variant!r}; expected one of {sorted(presets)}")
     return presets[variant]
-
-
-def _text_encoder_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
-    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad")}
-    start, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
-    text_config = {
-        "vocab_size": len(tokenizer), "hidden_size": TEXT_HIDDEN, "intermediate_size": 32,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 4096, "bos_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-        # head_dim 8 -> 4 rotary frequencies, split over (temporal, height, width)
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
-    }  # fmt: skip
-    vision_config = {
-        "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-        "out_hidden_size": TEXT_HIDDEN, "patch_size": 14, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [1],
-    }  # fmt: skip
-    return Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=ids["image_pad"],
-        video_token_id=ids["video_pad"],
-        vision_start_token_id=start,
-        vision_end_token_id=end,
-    )
 
 
 @contextmanager
@@ -159,66 +56,71 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
-    """Build the tiny random checkpoint of preset `variant` into `path` and return it (the builder its family
-    names: "module:function" taking (path, preset, seed))."""
-    return import_named(preset(variant)[1])(path, variant, seed)
+    """Build the tiny random checkpoint of preset `variant` into `path` and return it."""
+    return build_tiny(path, *preset(variant), seed)
 
 
-def build_qwen_image_tiny(path: str | os.PathLike, variant: str = "edit", seed: int = 0) -> Path:
-    """The Qwen-Image family's builder: the tiny checkpoint of `PRESETS[variant]` in `path`."""
-    spec = PRESETS[variant]
-    parts = pipeline_parts(spec.pipeline.__name__)
+def _text_encoder_config(family: ModelFamily, flavour: Flavour, tokenizer: Any) -> Any:
+    """The text encoder's config: the flavour's sizes, the tokenizer's vocabulary size and token ids."""
+    te, tiny = dict(flavour.text_encoder), flavour.tiny
+    text = {**te.pop("text_config"), "vocab_size": len(tokenizer),
+            **{key: getattr(tokenizer, attr) for key, attr in tiny.text_tokens.items()}}  # fmt: skip
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in VISION_TOKENS.items()}
+    return family.part_class("text_encoder").config_class(text_config=text, **te, **ids)
+
+
+def build_tiny(path: str | os.PathLike, family: ModelFamily, flavour: Flavour, seed: int = 0) -> Path:
+    """Write the tiny checkpoint of `flavour` (one of `family`'s tiny presets) into `path`: the transformer seeded
+    with `seed`, the VAE with `seed + 1` (or shipped weights), the text encoder with `seed + 2`."""
+    tiny = flavour.tiny
+    parts = pipeline_parts(tiny.pipeline)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(spec.tokenizer_pipelines)
+    tokenizer = import_named(tiny.tokenizer)(*(getattr(diffusers, name) for name in tiny.tokenizer_pipelines))
     with _seeded(seed):
-        transformer = QwenImageTransformer2DModel(**{**TRANSFORMER_CONFIG, **dict(spec.transformer)})
+        transformer = family.part_class("transformer")(**flavour.transformer)
     with _seeded(seed + 1):
-        if spec.vae_weights:
-            vae = load_shipped_vae(dict(spec.vae), spec.vae_weights)
+        if tiny.vae_weights:
+            vae = load_shipped_vae(dict(flavour.vae), tiny.vae_weights)
         else:
-            vae = AutoencoderKLQwenImage(**VAE_CONFIG)
+            vae = family.part_class("vae")(**flavour.vae)
     with _seeded(seed + 2):
-        text_encoder = Qwen2_5_VLForConditionalGeneration(_text_encoder_config(tokenizer)).eval()
+        text_encoder = family.part_class("text_encoder")(_text_encoder_config(family, flavour, tokenizer)).eval()
     transformer.save_pretrained(out / "transformer")
     vae.save_pretrained(out / "vae")
     text_encoder.save_pretrained(out / "text_encoder")
-    FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out / "scheduler")
-    tokenizer.save_pretrained(out / "tokenizer")
+    family.part_class("scheduler")(**tiny.scheduler).save_pretrained(out / "scheduler")
+    if "tokenizer" in parts:
+        tokenizer.save_pretrained(out / "tokenizer")
     if "processor" in parts:
         tokenizer.save_pretrained(out / "processor")
-        _write_json(out / "processor" / "preprocessor_config.json", IMAGE_PROCESSOR_CONFIG)
-        # Like the real repos, also ship a video processor config, which load_processor must ignore.
-        video = {k: v for k, v in IMAGE_PROCESSOR_CONFIG.items() if k != "image_processor_type"}
-        _write_json(
-            out / "processor" / "video_preprocessor_config.json",
-            {**video, "video_processor_type": "Qwen2VLVideoProcessor"},
-        )
-    index = {"_class_name": spec.pipeline.__name__, "_diffusers_version": diffusers.__version__}
-    _write_json(out / "model_index.json", {**index, **{name: MODEL_INDEX[name] for name in parts}})
+        _write_json(out / "processor" / "preprocessor_config.json", dict(tiny.processor))
+        if tiny.video_processor:
+            video = {k: v for k, v in tiny.processor.items() if k != "image_processor_type"}
+            _write_json(out / "processor" / "video_preprocessor_config.json",
+                        {**video, "video_processor_type": "Qwen2VLVideoProcessor"})  # fmt: skip
+    index = {"_class_name": tiny.pipeline, "_diffusers_version": diffusers.__version__, **tiny.index_extra}
+    _write_json(out / "model_index.json", {**index, **{name: list(tiny.model_index[name]) for name in parts}})
     return out
 
 
 def _check_existing(path: Path, variant: str) -> Path:
-    """`path`, when the model there is the tiny `variant`: one of its family's pipelines (a Qwen-Image preset:
-    its own pipeline class and transformer settings)."""
-    family, _ = preset(variant)
+    """`path`, when the model there is the tiny `variant`: its pipeline class, and the transformer settings that set
+    it apart from its family's first tiny preset (Edit-2511's `zero_cond_t`, the demo's sizes)."""
+    family, flavour = preset(variant)
     found = json.loads((path / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
     if not isinstance(found, str):
         raise ModelLoadError(f"{path / 'model_index.json'}: _class_name is {found!r}, not a pipeline class name: "
                              f"remove {path} to rebuild it")  # fmt: skip
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
-    spec = PRESETS.get(variant)
-    if spec is None:
-        wanted, overrides = {v.pipeline_class for v in family.variants.values()}, {}
-    else:
-        wanted, overrides = {spec.pipeline.__name__}, dict(spec.transformer)
+    first = next(iter(family.tiny_flavours.values())).transformer
+    overrides = {k: v for k, v in flavour.transformer.items() if k not in first or first[k] != v}
     # Compared as JSON stores them (tuples come back as lists).
     differs = {k: config.get(k) for k, v in overrides.items() if config.get(k) != json.loads(json.dumps(v))}
-    if found not in wanted or differs:
+    if found != flavour.tiny.pipeline or differs:
         raise ModelLoadError(
             f"{path} holds a tiny {found} model {differs or ''}, not the {variant} one asked for "
-            f"({' or '.join(sorted(wanted))} {overrides or ''}): remove it to rebuild"
+            f"({flavour.tiny.pipeline} {overrides or ''}): remove it to rebuild"
         )
     return path
 
@@ -284,11 +186,8 @@ def default_tiny_path(variant: str = "edit") -> Path:
 
 
 __all__ = [
-    "PRESETS",
-    "TinyPreset",
-    "build_qwen_image_tiny",
+    "build_tiny",
     "build_tiny_model",
-    "build_tokenizer",
     "default_tiny_path",
     "ensure_tiny_model",
     "preset",

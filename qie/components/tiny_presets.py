@@ -1,9 +1,10 @@
-"""The demo's tiny model sizes and its VAE, trained on the demo's synthetic shapes and shipped with qie.
+"""The VAEs shipped with qie for the demos' tiny models, trained on the demo's synthetic shapes.
 
-The weights (`tiny_demo_vae.safetensors`, written by `scripts/train_demo_vae.py`) carry the VAE config and
-the latent statistics of the trained encoder in their metadata; those become the VAE's `latents_mean` /
-`latents_std`. The `demo` preset of `qie.components.tiny` uses them, so the demo's images show what the
-LoRA learned.
+Two VAEs: an RGB one for the Edit demo (the Qwen-Image family's `demo` flavour) and an RGBA one for the Layered demo
+(Qwen-Image-Layered's `demo_layered`), written by `scripts/train_demo_vae.py` (`--layered`). Their sizes and file
+names are the flavours' (`qie.models.qwen_image.FLAVOURS`, `qie.models.qwen_image_layered.FLAVOURS`; named below for
+the training script). Each file carries its VAE config and the latent statistics of the trained encoder in its
+metadata; those become the VAE's `latents_mean` / `latents_std`, so the demos' images show what the LoRA learned.
 """
 
 from __future__ import annotations
@@ -17,19 +18,14 @@ from diffusers import AutoencoderKLQwenImage
 from safetensors import safe_open
 
 from qie.errors import ModelLoadError
+from qie.models import qwen_image, qwen_image_layered
 
-DEMO_Z_DIM = 8
-# Images only (one frame), so no temporal downsampling: no unused time convolutions in the file.
-DEMO_VAE_CONFIG: dict[str, Any] = {
-    "base_dim": 16, "z_dim": DEMO_Z_DIM, "dim_mult": [1, 2, 2], "num_res_blocks": 1,
-    "temperal_downsample": [False, False],
-}  # fmt: skip
-# Entries that differ from the tiny transformer's config.
-DEMO_TRANSFORMER: dict[str, Any] = {
-    "in_channels": 4 * DEMO_Z_DIM, "out_channels": DEMO_Z_DIM, "num_layers": 4,
-    "attention_head_dim": 32, "num_attention_heads": 4, "axes_dims_rope": (8, 12, 12),
-}  # fmt: skip
-DEMO_VAE_FILE = "tiny_demo_vae.safetensors"
+_DEMO, _DEMO_LAYERED = qwen_image.FLAVOURS["demo"], qwen_image_layered.FLAVOURS["demo_layered"]
+DEMO_VAE_CONFIG: dict[str, Any] = dict(_DEMO.vae)
+DEMO_VAE_FILE: str = _DEMO.tiny.vae_weights
+DEMO_LAYERED_VAE_CONFIG: dict[str, Any] = dict(_DEMO_LAYERED.vae)
+DEMO_LAYERED_VAE_FILE: str = _DEMO_LAYERED.tiny.vae_weights
+DEMO_Z_DIM: int = DEMO_VAE_CONFIG["z_dim"]
 
 
 def load_shipped_vae(config: dict[str, Any], name: str) -> AutoencoderKLQwenImage:

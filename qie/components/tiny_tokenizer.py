@@ -1,8 +1,11 @@
-"""The tiny models' tokenizer: a byte-level BPE trained offline on the pipelines' prompt templates.
+"""The tiny models' tokenizers: byte-level BPEs trained offline on the pipelines' prompt templates.
 
-Trained on the templates of the pipelines that share it (the Edit pipelines, or the text-to-image one),
-it tokenises each template's system-prompt prefix to exactly the pipeline's drop index
-(`prompt_template_encode_start_idx`), so the pipelines' real prefix dropping runs on the tiny models.
+A tiny flavour names its tokenizer's builder and the pipelines whose templates it learns
+(`qie.models.flavour.Tiny`). `build_tokenizer`, trained on the templates of the Qwen-Image pipelines that share it
+(the Edit pipelines, the text-to-image one, or the Layered one), tokenises each template's system-prompt prefix to
+exactly the pipeline's drop index (`prompt_template_encode_start_idx`), so the pipelines' real prefix dropping runs
+on the tiny models. `build_tokenizer_21` is Qwen-Image-2.1's, trained on its templates (written out here) with
+a Qwen-VL chat template, from which the pipeline derives its drop index.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def without_special_tokens(texts: Sequence[str]) -> list[str]:
     return [part for text in texts for part in special.split(text) if part]
 
 
-def build_tokenizer(pipelines: Sequence[type]) -> Qwen2Tokenizer:
+def build_tokenizer(*pipelines: type) -> Qwen2Tokenizer:
     """Train the tiny byte-level BPE on `pipelines`' templates and some edit instructions.
 
     Raises:
@@ -105,4 +108,32 @@ def build_tokenizer(pipelines: Sequence[type]) -> Qwen2Tokenizer:
         prefix, drop_idx = system_prefix(pipeline_cls)
         if (n := len(tokenizer(prefix)["input_ids"])) != drop_idx:
             raise RuntimeError(f"{pipeline_cls.__name__}: system prefix is {n} tokens, pipeline drops {drop_idx}")
+    return tokenizer
+
+
+# Qwen-VL's chat template, reduced to what a prompt of text and images needs.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MAX_REFERENCES = 10  # Qwen-Image-2.1's reference images
+
+
+def _templates_21() -> list[str]:
+    """The text of 2.1's prompt templates (training text for the tokenizer, not read by the pipeline)."""
+    system = "Comprehend and analyze the provided prompt."
+    images = "".join(f" <image{i}><|vision_start|><|image_pad|><|vision_end|>" for i in range(1, MAX_REFERENCES + 1))
+    return [
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n",
+        f"<|im_start|>user\n{images}<|im_end|>\n",
+    ]
+
+
+def build_tokenizer_21() -> Qwen2Tokenizer:
+    """A byte-level BPE (Qwen2 pre-tokenizer, Qwen special tokens) trained on 2.1's templates and some prompts."""
+    tokenizer = train_bpe(without_special_tokens(_templates_21() + EDIT_INSTRUCTIONS), vocab_size=768)
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -78,9 +78,9 @@ class ModelConfig:
     # fingerprints and scales; inference refuses it on another base unless `predict.allow_other_base=true`.
     fuse_loras: list[str] = field(default_factory=list)
     fuse_lora_scales: list[float] = field(default_factory=list)
-    # A tiny preset (edit, edit_plus, edit_2511, t2i, demo, qwen_image_21: each family names its own): qie builds
-    # that tiny random model at
-    # `pretrained_model_name_or_path` when it is not there yet. null for real checkpoints.
+    # A tiny preset (edit, edit_plus, edit_2511, t2i, demo, qwen_image_21, qwen_image_layered, demo_layered: each
+    # family names its own): qie builds that tiny model at `pretrained_model_name_or_path` when it is not there yet.
+    # null for real checkpoints.
     tiny: str | None = None
     dtype: Dtype = Dtype.bfloat16
     quantize: Quantize = Quantize.none

@@ -51,10 +51,9 @@ def builtin_data(kind: str, samples: int = SAMPLES) -> tuple[Path, bool]:
 
 
 def data_kind(spec: ModelSpec) -> str:
-    """Which demo data set a model trains on: layers, edits (it takes a control image) or text to image."""
-    if spec.family.layered:
-        return "layered"
-    return "edit" if spec.max_control_images > 0 else "t2i"
+    """Which demo data set a model trains on: layers, edits (it takes a control image) or text to image, as its
+    family's outputs say."""
+    return spec.family.outputs.demo_data(spec)
 
 
 def with_builtin_data(cfg: DictConfig) -> DictConfig:

@@ -7,13 +7,13 @@ after, the VAE's reconstruction PSNR on the held-out targets, and the pixel erro
 outputs against the targets. It says the LoRA learned only when the held-out loss fell by
 REQUIRED_LOSS_DROP and the pixel error by REQUIRED_PIXEL_DROP.
 
-The data set is of the kind the model takes (`qie.demo.builtin.data_kind`), and `OUTPUTS` says how the demo predicts
-and measures that kind's outputs. For a model that splits an image into layers (`ModelFamily.layered`) the data set
-is the layered one (an image of shapes and its layers, `qie.demo.synthetic`), and each held-out image is split into
-as many layers as its sample has (`predict.layers`). Each layer is measured twice, per layer and over all of them:
-the latent error (the sampled layer's normalised latent against the encoded target layer) and the pixel error
-(premultiplied RGBA: a transparent pixel's colour does not count). The verdict takes the latent error in place of
-the pixel error: decoded layers are only as good as the VAE, and the tiny layered model's is untrained. Its picture
+The data set is of the kind the model takes (`qie.demo.builtin.data_kind`, its family's outputs say which), and
+`OUTPUTS` says how the demo predicts and measures that kind's outputs. For a model that splits an image into layers
+the data set is the layered one (an image of shapes and its layers, `qie.demo.synthetic`), and each held-out image
+is split into as many layers as its sample has (`predict.layers`). Each layer is measured twice, per layer and over
+all of them: the latent error (the sampled layer's normalised latent against the encoded target layer) and the pixel
+error (premultiplied RGBA: a transparent pixel's colour does not count). The verdict takes the latent error in place
+of the pixel error: decoded layers are only as good as the VAE, and the tiny layered model's is untrained. Its picture
 has three rows per sample (the image and its layers, the base model's, the LoRA's), each starting with the composite
 of its layers, layers on a checkerboard where they are transparent.
 """

@@ -5,8 +5,9 @@ named `FAMILY`, with every piece qie needs of it. `model_spec(model_cfg)` joins 
 condition sizes, control counts, what the transformer config must say) with its family and variant into the
 `ModelSpec` every stage reads. A stage builds the spec once, at its edge, and passes it down.
 
-Adding a family: one module here (its `FAMILY`), its name in `FAMILY_MODULES`, one model yaml per variant in
-`conf/model/`, one tiny preset, and its tiny model's name in the test battery.
+Adding a family: one module here (its `FAMILY`, with its flavours: the published size and at least one tiny
+preset), its name in `FAMILY_MODULES`, one model yaml per variant in `conf/model/`, and its tiny model's name in
+the test battery.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any
 
 from qie.errors import ConfigError
 from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
+from qie.models.flavour import Flavour
 from qie.types import value
 
 # The model families qie knows, by module. The only list of family names: variants and tiny presets are
@@ -46,22 +48,32 @@ def variants() -> dict[str, tuple[ModelFamily, Variant]]:
 
 
 @cache
-def tiny_presets() -> dict[str, tuple[ModelFamily, str]]:
-    """tiny preset name (a model yaml's `tiny`, `python -m qie.tiny PRESET`) -> (its family, its builder)."""
-    return {name: (f, builder) for f in families().values() for name, builder in f.tiny_presets.items()}
+def tiny_presets() -> dict[str, tuple[ModelFamily, Flavour]]:
+    """tiny preset name (a model yaml's `tiny`, `python -m qie.tiny PRESET`) -> (its family, its flavour)."""
+    return {name: (f, flavour) for f in families().values() for name, flavour in f.tiny_flavours.items()}
 
 
 def family_of(transformer: Any) -> ModelFamily:
-    """The family whose transformer class `transformer` is an instance of (adapters, quantization and FSDP keep
-    the class, or subclass it).
+    """The family of a transformer: of the families whose transformer class it is an instance of, the one whose
+    `weight_signature` its modules hold; where several do (a Layered transformer holds Qwen-Image's modules too),
+    the longest signature names it, as for a single file. Adapters, quantization and FSDP keep the class (or
+    subclass it) and the module names.
 
     Raises:
-        FamilyError: a transformer of no family qie knows.
+        FamilyError: a transformer of no family qie knows, or one two families' signatures fit alike.
     """
-    for family in families().values():
-        if isinstance(transformer, family.part_class("transformer")):
-            return family
-    raise FamilyError(f"{type(transformer).__name__} is the transformer of no model family qie knows")
+    modules = {name for name, _ in transformer.named_modules()}
+    matches = sorted(
+        (f for f in families().values() if isinstance(transformer, f.part_class("transformer"))
+         and all(key.rpartition(".")[0] in modules for key in f.weight_signature)),
+        key=lambda f: len(f.weight_signature), reverse=True,
+    )  # fmt: skip
+    if not matches:
+        raise FamilyError(f"{type(transformer).__name__} is the transformer of no model family qie knows")
+    if len(matches) > 1 and len(matches[0].weight_signature) == len(matches[1].weight_signature):
+        raise FamilyError(f"{type(transformer).__name__} fits the families {matches[0].name!r} and "
+                          f"{matches[1].name!r} alike: their weight signatures do not tell them apart")  # fmt: skip
+    return matches[0]
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,8 @@ class ModelSpec:
     vae_image_pixels: int
     vl_image_pixels: int
     zero_cond_t: bool = False
-    # The pipeline's own sampling defaults (its `__call__`'s), the `predict` group's defaults.
+    # The pipeline's own sampling defaults (its `__call__`'s), the `predict` group's defaults (`call_defaults`);
+    # the model schema's (`qie.config.model.ModelConfig`) are the same, as a test checks.
     true_cfg_scale: float = 4.0
     num_inference_steps: int = 50
 
@@ -206,15 +219,9 @@ class ModelSpec:
         return None
 
     def layers_problem(self, count: int) -> str | None:
-        """Why a training sample with `count` layers cannot be used with this model (None: it can)."""
-        if self.family.layered and not count:
-            return (
-                f"no layers, but model {self.name!r} learns to split an image into layers: give each sample its "
-                "ordered layers (manifest 'layers', layers/<stem>_<N>.png, or data.columns.layers)"
-            )
-        if count and not self.family.layered:
-            return f"{count} layers, but model {self.name!r} makes one image: use a layered model or drop the layers"
-        return None
+        """Why a training sample with `count` layers cannot be used with this model (None: it can): the rule of
+        the family's outputs."""
+        return self.family.outputs.layers_problem(self.name, count)
 
     def mismatches(self, found: CheckpointFacts) -> list[str]:
         """How a checkpoint differs from this description (empty: it fits). A checkpoint of another pipeline
@@ -258,10 +265,12 @@ def model_spec(model: Any) -> ModelSpec:
         max_control_images=int(model.max_control_images),
         vae_image_pixels=int(model.vae_image_pixels),
         vl_image_pixels=int(model.vl_image_pixels),
-        zero_cond_t=bool(getattr(model, "zero_cond_t", False)),
-        true_cfg_scale=float(getattr(model, "true_cfg_scale", 4.0)),
-        num_inference_steps=int(getattr(model, "num_inference_steps", 50)),
+        # A model yaml read without the schema (the start-up check's hint) may leave these out: the spec's defaults.
+        **{key: kind(getattr(model, key, default)) for key, (kind, default) in _SPEC_DEFAULTS.items()},
     )
+
+
+_SPEC_DEFAULTS = {f.name: (type(f.default), f.default) for f in fields(ModelSpec) if f.default is not MISSING}
 
 
 @cache
@@ -278,6 +287,7 @@ __all__ = [
     "FAMILY_MODULES",
     "CheckpointFacts",
     "FamilyError",
+    "Flavour",
     "ModelFamily",
     "ModelSpec",
     "PlannerFacts",

@@ -16,6 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from qie.models.flavour import Flavour
+from qie.models.outputs import Outputs
+
 
 class FamilyError(TypeError):
     """A family module that does not provide the interface."""
@@ -104,11 +107,13 @@ class ModelFamily:
         keep_full_precision: transformer module name patterns that weight quantization leaves alone.
         weight_signature: keys (diffusers module names) every transformer file of the family holds and no other
             family's does: how a single file (`model.transformer_path=FILE.safetensors`) is recognised.
-        tiny_presets: tiny preset name -> "module:function" building it (path, seed) -> folder.
-        real_size: part -> its published config (kwargs of its class), for the planner and benchmarks.
+        flavours: the family's sizes (`qie.models.flavour`): name -> `Flavour`, its one published size
+            ("published", `published`: for the planner and benchmarks) and its tiny presets (`tiny_flavours`:
+            a model yaml's `tiny`, written by `qie.components.tiny.build_tiny`).
         planner: `PlannerFacts`.
-        layered: the output is the layers of one image (`predict.layers` sets how many; inference writes them to
-            a folder as layer_0.png, layer_1.png, ...), not one image per sample.
+        outputs: what the sampler makes of one input (`qie.models.outputs`: `IMAGES`, one image per sample, or
+            `LAYERS`, an image's layers): how inference writes them, the demo data set the models train on, and
+            whether layer counts apply (`predict.layers`, a training sample's layers).
 
     Pieces (callables; parameters as `SIGNATURES` lists them):
         pipeline: the diffusers pipeline over the built parts (parts not built stay None).
@@ -142,10 +147,9 @@ class ModelFamily:
     lora_loader: str
     keep_full_precision: tuple[str, ...]
     weight_signature: tuple[str, ...]
-    tiny_presets: Mapping[str, str]
-    real_size: Mapping[str, dict]
+    flavours: Mapping[str, Flavour]
     planner: PlannerFacts
-    layered: bool
+    outputs: Outputs
     pipeline: Callable[..., Any]
     prompt_template: Callable[..., str]
     default_size: Callable[..., tuple[int, int]]
@@ -167,9 +171,24 @@ class ModelFamily:
             raise FamilyError(f"family {self.name!r}: part_classes lacks {sorted(missing)}")
         if not self.variants:
             raise FamilyError(f"family {self.name!r} names no variant")
+        if [name for name, f in self.flavours.items() if f.tiny is None] != ["published"] or not self.tiny_flavours:
+            raise FamilyError(f"family {self.name!r}: flavours must hold its published size, named 'published', "
+                              "and at least one tiny preset")  # fmt: skip
+        if not isinstance(self.outputs, Outputs):
+            raise FamilyError(f"family {self.name!r}: outputs is not a qie.models.outputs.Outputs")
         for f in fields(self):
             if f.name in SIGNATURES:
                 _check_piece(self.name, f.name, getattr(self, f.name))
+
+    @property
+    def published(self) -> Flavour:
+        """The published size: the parts' configs the planner and the benchmarks build."""
+        return self.flavours["published"]
+
+    @property
+    def tiny_flavours(self) -> dict[str, Flavour]:
+        """tiny preset name -> its flavour."""
+        return {name: f for name, f in self.flavours.items() if f.tiny is not None}
 
     def block_classes(self) -> list[str]:
         """Class names of the transformer's repeated blocks: what FSDP wraps one by one."""
@@ -184,8 +203,8 @@ class ModelFamily:
 
 
 def import_named(name: str) -> Any:
-    """What "module:attribute" names (a part's class, a tiny preset's builder): the one way qie resolves such
-    names."""
+    """What "module:attribute" names (a part's class, a tiny preset's tokenizer builder): the one way qie resolves
+    such names."""
     import importlib
 
     module, _, attr = name.partition(":")

@@ -28,7 +28,9 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import retrieve_ti
 
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
+from qie.models.flavour import Flavour
 from qie.models.flow import predict
+from qie.models.outputs import LAYERS
 from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise
 from qie.types import Batch, pad_prompt_embeds
 
@@ -226,7 +228,46 @@ def sampling_notes(spec: Any, pipeline_config: dict, options: Any) -> list[str]:
     return []
 
 
-TRANSFORMER = {**real_size.TRANSFORMER, "use_layer3d_rope": True, "use_additional_t_cond": True}
+# --- flavours: the published size and the tiny presets -------------------------------------------------
+
+# The tiny transformer is Qwen-Image's with layer-aware rope and the extra timestep condition. Not 4 latent channels:
+# the pipeline takes an input with as many channels as the latents for latents (and an RGBA image has 4), so a
+# 4-channel VAE would never encode the input.
+TINY_Z_DIM = 8
+# The pipeline works at 640² or 1024² only, so the VAE is what makes a tiny model quick: an RGBA VAE of 4 base
+# channels that downsamples 16x (five levels, no temporal downsampling: images only), which encodes a 640² image in
+# ~1.3 s on one CPU core and turns each frame into 20x20 transformer tokens. Fixed, deliberately non-trivial latent
+# statistics so normalisation bugs change results.
+TINY_VAE: dict[str, Any] = {
+    "base_dim": 4, "z_dim": TINY_Z_DIM, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
+    "temperal_downsample": [False, False, False, False], "input_channels": 4,
+    "latents_mean": [-0.35, 0.2, 0.45, -0.1, 0.05, -0.25, 0.3, 0.1],
+    "latents_std": [0.6, 1.35, 0.85, 1.2, 0.95, 1.1, 0.7, 1.25],
+}  # fmt: skip
+# The Layered demo's RGBA VAE: the tiny VAE's shape, trained on the demo's layers and shipped with qie (written by
+# scripts/train_demo_vae.py --layered). At the pipeline's 640² bucket it encodes a frame in ~0.5 s and decodes one in
+# ~0.8 s on one CPU core. (Twice as wide, it stayed at the frames' mean colour for longer than its training takes.)
+DEMO_VAE: dict[str, Any] = {
+    "base_dim": 4, "z_dim": TINY_Z_DIM, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
+    "temperal_downsample": [False, False, False, False], "input_channels": 4,
+}  # fmt: skip
+TINY = qwen_image.TINY.but(
+    transformer={"in_channels": 4 * TINY_Z_DIM, "out_channels": TINY_Z_DIM, "use_layer3d_rope": True,
+                 "use_additional_t_cond": True},
+    vae=TINY_VAE, pipeline="QwenImageLayeredPipeline", tokenizer_pipelines=("QwenImageLayeredPipeline",),
+    video_processor=False,
+)  # fmt: skip
+FLAVOURS = {
+    "published": Flavour(
+        {**real_size.TRANSFORMER, "use_layer3d_rope": True, "use_additional_t_cond": True},
+        {**real_size.VAE, "input_channels": 4}, real_size.TEXT_ENCODER,
+    ),
+    "qwen_image_layered": TINY,
+    # The Layered demo's model: the tiny one with the shipped RGBA VAE, so the demo's decoded layers show what the
+    # LoRA learned.
+    "demo_layered": TINY.but(vae=DEMO_VAE, vae_weights="tiny_demo_layered_vae.safetensors"),
+}
+
 
 FAMILY = ModelFamily(
     name="qwen_image_layered",
@@ -242,12 +283,7 @@ FAMILY = ModelFamily(
     # matches Qwen-Image's signature too, so the longest matching signature names the family.
     weight_signature=("txt_norm.weight", "transformer_blocks.0.txt_mlp.net.0.proj.weight",
                       "time_text_embed.addition_t_embedding.weight"),
-    tiny_presets={"qwen_image_layered": "qie.components.tiny_qwen_image_layered:build_tiny_qwen_image_layered"},
-    real_size={
-        "transformer": TRANSFORMER,
-        "vae": {**real_size.VAE, "input_channels": 4},
-        "text_encoder": real_size.TEXT_ENCODER,
-    },  # fmt: skip
+    flavours=FLAVOURS,
     # 8x VAE, 2x2 patches; the text-only template adds ~34 tokens.
     planner=PlannerFacts(16, 28 * 28, 34, "Qwen2.5-VL-7B", qwen_image.step_inputs),
     pipeline=qwen_image.pipeline,
@@ -264,5 +300,5 @@ FAMILY = ModelFamily(
     checkpoint_problems=checkpoint_problems,
     sampling_notes=sampling_notes,
     text_positions=lambda spec, frames: text_positions.qwen_image(frames, layered=True),
-    layered=True,
+    outputs=LAYERS,
 )

@@ -212,35 +212,6 @@ def resolve_output(path: str, run_dir: Path) -> Path:
     return p if p.is_absolute() else run_dir / p
 
 
-def numbered(path: Path, count: int) -> list[Path]:
-    """`out.png` for one image, `out_0.png, out_1.png, ...` for several."""
-    if count == 1:
-        return [path]
-    return [path.with_name(f"{path.stem}_{i}{path.suffix or '.png'}") for i in range(count)]
-
-
-def _save(images: list[Image.Image], path: Path) -> list[Path]:
-    paths = numbered(path, len(images))
-    for image, p in zip(images, paths):
-        p.parent.mkdir(parents=True, exist_ok=True)
-        image.save(p)
-    return paths
-
-
-def _save_layers(images: list[Image.Image], folder: Path, count: int) -> list[Path]:
-    """A layered model's output: `folder/layer_0.png, layer_1.png, ...` in the pipeline's order (with several
-    images, `folder/<n>/layer_0.png, ...` for the n-th)."""
-    per = len(images) // count
-    written = []
-    for n in range(count):
-        target = folder if count == 1 else folder / str(n)
-        target.mkdir(parents=True, exist_ok=True)
-        for i, image in enumerate(images[n * per : (n + 1) * per]):
-            image.save(target / f"layer_{i}.png")
-            written.append(target / f"layer_{i}.png")
-    return written
-
-
 def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     """Run inference (single image, or batch with `predict.input`) or the LoRA merge (`predict.merge_to`).
 
@@ -269,15 +240,13 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
-    if p.layers is not None and not spec.family.layered:
-        raise ConfigError(f"predict.layers={p.layers}: model={spec.name} makes one image, not layers; remove it")
-    if p.layers is not None and int(p.layers) < 1:
-        raise ConfigError(f"predict.layers={p.layers}: set it to 1 or more layers")
+    if problem := spec.family.outputs.option_problem(spec.name, p.layers):
+        raise ConfigError(problem)
     images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(model, p, spec)
     made = predictor.predict(images, p.prompt, options, progress=True)
     out = resolve_output(p.output, run_dir)
-    written = _save_layers(made, out, int(p.num_images)) if spec.family.layered else _save(made, out)
+    written = spec.family.outputs.write(made, out, int(p.num_images))
     for path in written:
         print(f"infer: wrote {path}")
     return written
@@ -299,11 +268,8 @@ def run_batch(model: ModelConfig, data_settings: DataConfig, predict: PredictCon
         except QieError as e:  # one bad row must not stop the others
             failures.append(f"{sample.id}: {e}")
             continue
-        name = _safe_relative(sample.id)
-        if spec.family.layered:  # <output_dir>/<id>/layer_0.png, ...
-            written += _save_layers(images, out_dir / name, int(predict.num_images))
-        else:
-            written += _save(images, out_dir / name.with_suffix(".png"))
+        outputs = spec.family.outputs  # <output_dir>/<id>.png, or a layered model's <output_dir>/<id>/layer_0.png...
+        written += outputs.write(images, out_dir / outputs.row_path(_safe_relative(sample.id)), int(predict.num_images))
     print(f"infer: wrote {len(written)} image(s) for {len(data.samples)} row(s) to {out_dir}")
     for failure in failures:
         print(f"infer: skipped {failure}")

@@ -56,7 +56,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
           f"{work.target_tokens} target + {sum(work.control_tokens)} control + {work.prompt_tokens} prompt tokens; "
           f"GPU {cfg.gpu_memory_gb} GiB")  # fmt: skip
     print(report(rows, budget))
-    text_config = family.real_size["text_encoder"]
+    text_config = family.published.text_encoder
     te = {q: text_encoder_bytes(family, text_config, q) / GIB for q in ("none", "fp8")}
     print(f"precompute / caption / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB in "
           f"bf16, {te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8 (caption: plus its key/value "
@@ -73,7 +73,7 @@ def transformer_config(model: ModelConfig, spec: ModelSpec) -> tuple[dict, str]:
         folder = part_folder(model_source(model), "transformer", model.revision)
         raw = json.loads((folder / "config.json").read_text())
     except Exception:  # offline, no such repository, no tiny model built yet: the published sizes
-        return dict(spec.family.real_size["transformer"]), f"{model.name} (published {spec.family.name} sizes)"
+        return dict(spec.family.published.transformer), f"{model.name} (published {spec.family.name} sizes)"
     keys = spec.family.part_class("transformer").extract_init_dict(raw)[0]
     return dict(keys), str(model.name)
 

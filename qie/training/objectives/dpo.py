@@ -67,7 +67,7 @@ def use_problem(use: ObjectiveUse) -> str | None:
     if not use.lora:
         return ("train.objective=dpo needs train.mode=lora: its reference is the base model with the adapter turned "
                 "off (or train.dpo.reference_lora), which training the whole transformer does not keep")  # fmt: skip
-    if use.family.layered:
+    if use.family.outputs.layers:  # the output is an image's layers
         return ("train.objective=dpo does not train a layered model: a preference pair of layer stacks is not read; "
                 "use train.objective=flow_matching")  # fmt: skip
     if use.regularization:
