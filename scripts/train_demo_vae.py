@@ -48,6 +48,7 @@ LAYERED_PIXELS = 640 * 640  # the Layered pipeline's smaller resolution bucket, 
 SEED = 0
 HELDOUT_SEED = 1_000_003  # a different stream of images than training draws
 STATS_SEED = 2_000_003
+POOL_SEED = 3_000_017  # the frames the layered VAE learns from
 
 
 def images(rng: random.Random, count: int) -> torch.Tensor:
@@ -66,21 +67,37 @@ def layered_frames(rng: random.Random, count: int) -> torch.Tensor:
     return torch.stack(frames).unsqueeze(2)
 
 
-def layered_crops(rng: random.Random, count: int, crop: int, edge_share: float = 0.75) -> torch.Tensor:
-    """(count, 4, 1, crop, crop): a square of each of `count` fresh frames, most of them (`edge_share`) about a
-    pixel where the frame changes (a shape's edge): a frame is mostly flat, and flat squares teach little."""
-    squares = []
-    for frame in layered_frames(rng, count):
-        pixels, side = frame[:, 0], frame.shape[-1]
-        changes = (pixels[:, 1:, :-1] - pixels[:, :-1, :-1]).abs() + (pixels[:, :-1, 1:] - pixels[:, :-1, :-1]).abs()
-        ys, xs = (changes.amax(0) > 0.1).nonzero(as_tuple=True)
-        if len(ys) and rng.random() < edge_share:
-            i = rng.randrange(len(ys))
-            y, x = (min(max(int(c) - crop // 2, 0), side - crop) for c in (ys[i], xs[i]))
-        else:
-            y, x = rng.randrange(side - crop + 1), rng.randrange(side - crop + 1)
-        squares.append(frame[..., y : y + crop, x : x + crop])
-    return torch.stack(squares)
+class LayeredCrops:
+    """Squares of layered frames: `__call__(rng, count)` gives (count, 4, 1, crop, crop), each a square of a frame
+    drawn from a pool of `pool` fresh frames (made on first use; a frame costs ~40x its square's training), most of
+    them (`edge_share`) about a pixel where the frame changes (a shape's edge): a frame is mostly flat, and flat
+    squares teach little."""
+
+    def __init__(self, crop: int, pool: int, edge_share: float = 0.75) -> None:
+        self.crop, self.size, self.edge_share = crop, pool, edge_share
+        self.frames: list[tuple[torch.Tensor, torch.Tensor]] = []  # (frame in float16, its edge pixels (n, 2))
+
+    def _fill(self) -> None:
+        rng = random.Random(POOL_SEED)
+        for _ in range(self.size):
+            frame = layered_frames(rng, 1)[0]
+            p = frame[:, 0]
+            changes = (p[:, 1:, :-1] - p[:, :-1, :-1]).abs() + (p[:, :-1, 1:] - p[:, :-1, :-1]).abs()
+            self.frames.append((frame.half(), (changes.amax(0) > 0.1).nonzero()))
+
+    def __call__(self, rng: random.Random, count: int) -> torch.Tensor:
+        if not self.frames:
+            self._fill()
+        squares = []
+        for _ in range(count):
+            frame, edges = self.frames[rng.randrange(len(self.frames))]
+            side, crop = frame.shape[-1], self.crop
+            if len(edges) and rng.random() < self.edge_share:
+                y, x = (min(max(int(c) - crop // 2, 0), side - crop) for c in edges[rng.randrange(len(edges))])
+            else:
+                y, x = rng.randrange(side - crop + 1), rng.randrange(side - crop + 1)
+            squares.append(frame[..., y : y + crop, x : x + crop].float())
+        return torch.stack(squares)
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,7 @@ KINDS = {
     # 2e-3, or 8 squares of 128² a step, the reconstructions stayed at the frames' mean colour (~12 dB) for 750
     # steps; so did a VAE twice as wide.
     "layered": DemoVae(
-        DEMO_LAYERED_VAE_CONFIG, DEMO_LAYERED_VAE_FILE, lambda rng, n: layered_crops(rng, n, 64), layered_frames,
+        DEMO_LAYERED_VAE_CONFIG, DEMO_LAYERED_VAE_FILE, LayeredCrops(64, 384), layered_frames,
         12, 32, 3000, 32, 1e-3, 250,
     ),  # fmt: skip
 }
