@@ -67,6 +67,10 @@ def test_a_stage_names_an_unreachable_endpoint_before_building_a_model(
     run, builds, what = {"precompute": (precompute.run, precompute, "build_encoder"),
                          "train": (train_stage.run, train_stage, "load_parts")}[stage]  # fmt: skip
     monkeypatch.setattr(builds, what, lambda *a, **k: pytest.fail("a model was built"))
+    # Credentials of their own (not the S3 server fixture's, which may be gone by now): the endpoint is what fails.
+    credentials = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    for key, v in credentials.items():
+        monkeypatch.setenv(key, v)
     endpoint = f"http://127.0.0.1:{free_port()}"
     overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
                  f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2", f"cache.dir={tmp_path}",
