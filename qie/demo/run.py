@@ -13,8 +13,8 @@ the data set is the layered one (an image of shapes and its layers, `qie.demo.sy
 is split into as many layers as its sample has (`predict.layers`). Each layer is measured twice, per layer and over
 all of them: the latent error (the sampled layer's normalised latent against the encoded target layer) and the pixel
 error (premultiplied RGBA: a transparent pixel's colour does not count). The verdict takes the latent error in place
-of the pixel error: decoded layers are only as good as the VAE (`tiny_qwen_image_layered`'s is untrained;
-`tiny_demo_layered` ships a trained one, so its pixel error moves too). Its picture has three rows per sample
+of the pixel error: decoded layers are only as good as the VAE (a tiny model's is untrained; the Layered demo's model
+ships a trained one, so its pixel error moves too). Its picture has three rows per sample
 (the image and its layers, the base model's, the LoRA's), each starting with the composite of its layers, layers on
 a checkerboard where they are transparent.
 """
