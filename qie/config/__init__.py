@@ -44,14 +44,6 @@ def qie_home() -> Path:
 
 
 @dataclass
-class PrecomputeRoot:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
-
-
-@dataclass
 class TrainRoot:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -60,6 +52,14 @@ class TrainRoot:
     predict: PredictConfig = field(default_factory=PredictConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+@dataclass
+class PrecomputeRoot(TrainRoot):
+    """The training run's groups too: an experiment preset composes here as it does for training, and the
+    teacher outputs of a distillation run (`precompute.teachers=true`) are computed with its `train.*` settings."""
+
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
 
 
 @dataclass
