@@ -9,10 +9,14 @@ from the steady state the target is judged on. `--prefetch-thread off` sets `dat
     python scripts/bench_data_wait.py --samples 32 --steps 100
     python scripts/bench_data_wait.py --workers 0 1 2 --repeats 2      # compare loader worker counts
     python scripts/bench_data_wait.py --backend remote --latency-ms 20 --steps 100   # a bucket, 20 ms per request
+    python scripts/bench_data_wait.py --backend remote --latency-ms 20 --step-ms 100  # ... under a 100 ms step
 
 `--backend remote` uploads the cache into a bucket of an S3 server it starts on 127.0.0.1 (moto's; the dev extra)
 and trains with `cache=remote` and a fresh node-local copy per run (the first epoch fetches every entry);
-`--latency-ms` makes the server hold every request that many milliseconds before answering.
+`--latency-ms` makes the server hold every request that many milliseconds before answering. `--step-ms N` makes
+each step last at least N ms (the hook sleeps out the rest, as the host waits on a device that computes): the
+tiny model's own step is far shorter than a real one, and the read-ahead overlaps the step it is given. The target
+is a wait under 2 % of the step on a local disk, under 5 % with `--backend remote`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import child_env, header, median, table, target_line  # noqa: E402
 
 TARGET = 0.02
+REMOTE_TARGET = 0.05
 
 
 def prepare(work: Path, samples: int, image_size: int, overrides: list[str] = ()) -> tuple[Path, Path]:
@@ -51,8 +56,9 @@ def prepare(work: Path, samples: int, image_size: int, overrides: list[str] = ()
     return data, cache
 
 
-def measure(overrides: list[str], run_dir: Path) -> dict:
-    """Run the train stage once in this process; per step, the data wait and the wall time (seconds)."""
+def measure(overrides: list[str], run_dir: Path, step_s: float = 0.0) -> dict:
+    """Run the train stage once in this process; per step, the data wait and the wall time (seconds), each step
+    lasting at least `step_s` (slept out after it ends, counted in its time)."""
     from qie.config import compose
     from qie.stages import train
 
@@ -60,8 +66,11 @@ def measure(overrides: list[str], run_dir: Path) -> dict:
     steps: list[float] = []
 
     def record(info) -> None:  # a qie.training.loop.StepInfo
+        pad = max(0.0, step_s - info.seconds)
+        if pad:
+            time.sleep(pad)
         waits.append(info.data_seconds)
-        steps.append(info.seconds)
+        steps.append(info.seconds + pad)
 
     cfg = compose("train", overrides)
     t0 = time.perf_counter()
@@ -71,7 +80,7 @@ def measure(overrides: list[str], run_dir: Path) -> dict:
 
 def child(args: argparse.Namespace) -> None:
     """Run `measure` for the overrides after `--`; write the timings as JSON to args.out."""
-    Path(args.out).write_text(json.dumps(measure(args.overrides, Path(args.run_dir))))
+    Path(args.out).write_text(json.dumps(measure(args.overrides, Path(args.run_dir), args.step_ms / 1e3)))
 
 
 def _remote(args: argparse.Namespace, cache: Path) -> tuple:
@@ -124,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=1, help="runs per variant, interleaved (default 1)")
     p.add_argument("--backend", choices=["ssd", "remote"], default="ssd", help="where training reads the cache")
     p.add_argument("--latency-ms", type=float, default=0.0, help="added to every remote request (--backend remote)")
+    p.add_argument("--step-ms", type=float, default=0.0, help="each step lasts at least this long (default: as is)")
     p.add_argument("--threads", type=int, default=None, help="OMP/torch threads of the training process")
     p.add_argument("--work", default=None, help="work folder, reused when it holds a data set (default: temp)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
@@ -173,7 +183,8 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
                 *args.overrides,
             ]
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--run-dir", str(run_dir),
-                   "--latency-ms", str(args.latency_ms), "--", *overrides]  # fmt: skip
+                   "--latency-ms", str(args.latency_ms), "--step-ms", str(args.step_ms), "--",
+                   *overrides]  # fmt: skip
             proc = subprocess.run(cmd, env=child_env(args.threads), capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
@@ -208,6 +219,7 @@ def _report(args: argparse.Namespace, results: dict[tuple, list[dict]], remote: 
             )
         best[v] = median([res["share"] for res in runs])
     where = f"; cache in a bucket, {args.latency_ms:g} ms added per request" if remote else ""
+    where += f"; each step at least {args.step_ms:g} ms" if args.step_ms else ""
     print(
         f"\n{args.steps} steps per run, batch size {args.batch_size}; steady state = steps after the first "
         f"{args.warmup}; times in ms unless marked{where}"
@@ -230,9 +242,9 @@ def _report(args: argparse.Namespace, results: dict[tuple, list[dict]], remote: 
         )
     )
     print()
-    ok = True
+    ok, target = True, REMOTE_TARGET if remote else TARGET
     for v, share in best.items():
-        ok &= target_line(f"data wait share of a cached step ({label(v)})", 100 * share, "<=", 100 * TARGET, unit="%")
+        ok &= target_line(f"data wait share of a cached step ({label(v)})", 100 * share, "<=", 100 * target, unit="%")
     return {
         "shares": {label(k): v for k, v in best.items()},
         "results": {label(k): v for k, v in results.items()},

@@ -320,9 +320,11 @@ def test_ordered_read_ahead_reads_in_parallel_hands_out_in_order_and_raises_in_t
 
 def test_data_wait_and_startup_benches_read_the_steps_of_a_real_run(cached_data: CachedData, tmp_path: Path) -> None:
     overrides = small_overrides("train", *cached_data.overrides, "train.max_steps=3", "data.prefetch=0")
-    timings = script("bench_data_wait").measure(overrides, tmp_path / "wait")
+    timings = script("bench_data_wait").measure(overrides, tmp_path / "wait", step_s=0.25)
     assert len(timings["waits"]) == len(timings["steps"]) == 3
     assert all(0 <= w <= s for w, s in zip(timings["waits"], timings["steps"]))
+    assert min(timings["steps"]) >= 0.25  # each step lasts the emulated step at least
+    assert timings["total"] >= 0.75
     summary = script("bench_data_wait").summarise(timings["waits"], timings["steps"], warmup=1)
     assert summary["steps"] == 2 and 0 <= summary["share"] <= 1
     marks = script("bench_startup").measure(overrides, tmp_path / "start")
