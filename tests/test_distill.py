@@ -4,6 +4,7 @@ cached entries and exact resume are in the family battery (`test_family_battery.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -12,13 +13,14 @@ import pytest
 import torch
 from distill_checks import check_teacher_and_student
 from PIL import Image
+from safetensors.torch import load_file
 from stage_edges import predictor_for
 
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.errors import CacheMissError, ConfigError
 from qie.models import model_spec
-from qie.stages import train
+from qie.stages import precompute, train
 from qie.stages.cache_admin import run as cache_cli
 from qie.training.objectives import ObjectiveUse, check_use
 
@@ -40,6 +42,41 @@ def test_a_cached_run_without_teacher_outputs_names_the_sample_and_lazy_mode(sma
         train.run(cfg, tmp_path / "run")
     assert "\n" not in str(info.value)
     assert not (tmp_path / "cache" / "teacher_latent").exists()  # cached mode computes and writes none
+
+
+def test_precompute_fills_every_teacher_output_a_cached_run_reads_as_lazy_mode_writes_them(
+    small_cfg, cached_data, tmp_path
+) -> None:
+    """`precompute.teachers=true` with the training run's overrides: one output per sample and seed (and per
+    caption-dropped prompt), under the keys training looks up, bit for bit what a lazy run computes; the cached run
+    then samples no teacher and repeats the lazy run's losses."""
+    filled, lazy_cache = tmp_path / "filled", tmp_path / "lazy"
+    shutil.copytree(cached_data.cache, filled)
+    shutil.copytree(cached_data.cache, lazy_cache)
+    run = [*DISTILL, "train.distill.seeds=2", "data.caption_dropout_rate=0.5", "train.max_steps=3"]
+    fill = small_cfg("precompute", *cached_data.overrides, *run, f"cache.dir={filled}", "precompute.teachers=true")
+    summary = precompute.run(fill, tmp_path / "pre")
+    assert (summary.types["teacher_latent"].new, summary.types["teacher_latent"].skipped) == (8 * 2 * 2, 0)
+    stored = {p.name: load_file(p)["latent"] for p in (filled / "teacher_latent").rglob("*.safetensors")}
+    assert len(stored) == 8 * 2 * 2
+    again = precompute.run(fill, tmp_path / "pre_again")  # all present: none computed
+    assert (again.types["teacher_latent"].new, again.types["teacher_latent"].skipped) == (0, 32)
+
+    cached = train.run(small_cfg("train", *cached_data.overrides, *run, f"cache.dir={filled}"), tmp_path / "cached")
+    lazy = train.run(small_cfg("train", *cached_data.overrides, *run, f"cache.dir={lazy_cache}", "cache.mode=lazy"),
+                     tmp_path / "lazy_run")  # fmt: skip
+    assert cached["losses"] == lazy["losses"] and len(lazy["losses"]) == 3
+    written = list((lazy_cache / "teacher_latent").rglob("*.safetensors"))
+    assert written and all(torch.equal(load_file(p)["latent"], stored[p.name]) for p in written)
+    logged = [json.loads(line) for line in (tmp_path / "cached" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["teacher_computed"] for r in logged if "teacher_computed" in r] == [0.0] * 3
+
+
+def test_precompute_teachers_needs_the_distillation_runs_overrides(small_cfg, cached_data, tmp_path) -> None:
+    fill = small_cfg("precompute", *cached_data.overrides, f"cache.dir={tmp_path}", "precompute.teachers=true")
+    with pytest.raises(ConfigError, match=r"precompute.teachers=true fills distillation's .* train.objective=flow_matching"):
+        precompute.run(fill, tmp_path / "pre")
+    assert not (tmp_path / "pixel_latent").exists()  # refused before anything was encoded
 
 
 @pytest.mark.parametrize(

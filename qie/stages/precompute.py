@@ -61,6 +61,8 @@ from qie.stages.settings import (
     source_settings,
 )
 from qie.stages.sources import build_encoder, model_key_context
+from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
+from qie.stages.teacher_fill import fill_teachers, teacher_setup
 from qie.types import value
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
@@ -101,6 +103,10 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     groups = (typed(cfg[k]) for k in ("model", "data", "cache", "precompute"))
     settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), precompute_command(cfg))
+    teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
+    if cfg.precompute.teachers:
+        train_groups = (typed(cfg[k]) for k in ("model", "data", "cache", "train", "predict", "logging", "validation"))
+        teachers = teacher_setup(settings.model, *train_groups, precompute_command(cfg))
     backend = settings.backend
     backend.check_access(write=True)
     check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
@@ -122,8 +128,11 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
     summary.samples = len(mine) + (len(items) - len(keyed) if main else 0)
     groups = plan(mine, backend, summary, settings.repair)
-    encode(groups, summary, settings, f"precompute[{state.process_index}]" * (state.num_processes > 1))
+    desc = f"precompute[{state.process_index}]" * (state.num_processes > 1)
+    encode(groups, summary, settings, desc)
     hasher.save()
+    if teachers is not None:  # this process's share is encoded: its embeddings are in the cache
+        summary.types[TEACHER_TYPE] = fill_teachers(teachers, [s for s, _ in mine], backend, Path(run_dir), desc)
     totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
     summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
     if captions is not None and main:  # the main process wrote them (the others read them afterwards)

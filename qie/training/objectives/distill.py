@@ -201,14 +201,30 @@ class Distill:
                 return found.to(noise.device, noise.dtype).unsqueeze(0)
             if fill and not self.store.fills:
                 raise CacheMissError(
-                    f"sample {batch.ids[i]!r}: its teacher output (seed {seed}) is not in the cache: train with "
-                    "cache.mode=lazy once to compute and store the teacher outputs (or keep training lazy)"
+                    f"sample {batch.ids[i]!r}: its teacher output (seed {seed}) is not in the cache: fill them with "
+                    "this run's overrides and `python -m qie.precompute precompute.teachers=true`, or train with "
+                    "cache.mode=lazy once to compute and store them (or keep training lazy)"
                 )
         latents = self.teach(model, batch, i, noise)
         self.computed += 1
         if self.store is not None and self.store.fills:
             self.store.write(fields, latents[0])
         return latents
+
+    def fill(self, model: torch.nn.Module, batch: Batch) -> int:
+        """Make sure every sample of `batch` has its teacher output for each of the `seeds` seeds in the store,
+        computing the missing ones (`precompute.teachers=true`); returns how many were computed."""
+        if self.store is None:
+            raise ValueError("Distill.fill needs a store to fill")
+        shape, device, dtype = batch.latents.shape[1:], batch.latents.device, batch.prompt_embeds.dtype
+        computed, samples = self.computed, self.samples
+        for seed in range(int(self.settings.seeds)):
+            noise = seed_noise(shape, seed, device, dtype)
+            for i in range(batch.latents.shape[0]):
+                self.teacher(model, batch, i, seed, noise, fill=True)
+        out = self.computed - computed
+        self.computed, self.samples = computed, samples  # not a training step's measure
+        return out
 
     def student(self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor) -> torch.Tensor:
         """The student's latents (B, C, F, h, w) from `noise`: `student_steps` steps without CFG, with the gradient

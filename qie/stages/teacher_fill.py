@@ -1,0 +1,100 @@
+"""Distillation's teacher outputs computed by the precompute stage (`precompute.teachers=true`).
+
+The precompute run takes the training run's overrides; the teacher is built exactly as that run builds it (its
+setup, the base with its fused LoRAs, quantization, memory levers and mixed precision, the adapter added and turned
+off), so each output lands under the key the training run looks up (`qie.training.objectives.distill`). Every
+sample of this process's share gets one output per seed, and, where the run drops captions, one for its empty
+prompt as well; the text-only variants precompute encodes for reference dropout are samples of the share too.
+A cached training run then reads them all instead of sampling the teacher on first use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qie.cache.base import CacheBackend
+from qie.config.cache import CacheConfig
+from qie.config.data import DataConfig
+from qie.config.model import ModelConfig
+from qie.config.predict import PredictConfig
+from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
+from qie.data.collate import collate
+from qie.data.samples import Sample
+from qie.errors import ConfigError, QieError
+from qie.models import ModelSpec
+from qie.progress import progress
+from qie.stages.precompute_work import TypeSummary
+from qie.stages.sources import build_source
+from qie.stages.teacher_store import BackendTeacherStore
+from qie.stages.train import (
+    base_model_key,
+    build_train_state,
+    load_model,
+    make_accelerator,
+    make_objective,
+    run_records,
+)
+from qie.stages.train_setup import TrainSetup, train_setup
+from qie.training.objectives.distill import ENTRY_TYPE
+
+__all__ = ["ENTRY_TYPE", "fill_teachers", "teacher_setup"]
+
+
+def teacher_setup(spec: ModelSpec, model: ModelConfig, data: DataConfig, cache: CacheConfig, train: TrainConfig,
+                  predict: PredictConfig, logging: LoggingConfig, validation: ValidationConfig,
+                  command: str) -> TrainSetup:  # fmt: skip
+    """The training run's setup, checked at precompute's edge before anything is encoded.
+
+    Raises:
+        ConfigError: `train.objective` is not distill, or what the training run itself would refuse.
+    """
+    if str(train.objective) != "distill":
+        raise ConfigError(f"precompute.teachers=true fills distillation's teacher outputs, and train.objective="
+                          f"{train.objective}: give the training run's overrides (train.objective=distill, "
+                          "train.distill.*)")  # fmt: skip
+    return train_setup(spec, model, data, cache, train, predict, logging, validation, command, {})
+
+
+def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBackend, run_dir: Path,
+                  desc: str = "") -> TypeSummary:  # fmt: skip
+    """Compute the missing teacher outputs of `samples` into `backend` (their embeddings are cached by now);
+    returns their counts: new (computed), skipped (present), failed (a sample whose embeddings cannot be read).
+
+    Raises:
+        ConfigError: FSDP over several processes (each process fills its own share, and FSDP needs every process
+            in each forward pass).
+    """
+    accelerator = make_accelerator(setup.train, setup.memory, str(setup.model.dtype), run_dir)
+    if setup.memory.fsdp and accelerator.num_processes > 1:
+        raise ConfigError("precompute.teachers=true fills each process's share on its own, which train.fsdp=true "
+                          "cannot (every process takes part in each forward pass): fill them with one process per "
+                          "whole model, or train with cache.mode=lazy")  # fmt: skip
+    source = build_source(setup.source.with_mode("cached"), setup.spec, backend)
+    parts = load_model(setup.model, setup.memory, bool(setup.train.compile), accelerator, setup.spec, setup.fused)
+    record = run_records(setup.model, setup.train, setup.spec, [], setup.fused)[0]
+    store = BackendTeacherStore(backend, fills=True)
+    objective: Any = make_objective(setup.train, parts.scheduler, setup.spec, parts.pipeline_config, store,
+                                    base_model_key(setup.model, record))  # fmt: skip
+    state, _ = build_train_state(setup.model, setup.train, setup.memory, setup.mode, accelerator, setup.spec, parts,
+                                 objective)  # fmt: skip
+    state.model.train()  # as in a training step
+    drops = [False, True] if float(setup.data.caption_dropout_rate) > 0 else [False]
+    seeds = int(objective.settings.seeds)
+    summary = TypeSummary()
+    with progress(len(samples) * len(drops), desc or "teacher outputs", unit="sample") as bar:
+        for sample in samples:
+            try:
+                embeds = source.get([sample])
+            except QieError:  # its embeddings failed to encode (recorded there); training skips it too
+                summary.failed += len(drops) * seeds
+                bar.update(len(drops))
+                continue
+            for drop in drops:
+                batch = collate(embeds, [drop], negatives=True).to(accelerator.device, state.dtype)
+                computed = objective.fill(state.model, batch)
+                summary.new += computed
+                summary.bytes_written += computed * batch.latents[0].numel() * batch.prompt_embeds.element_size()
+                summary.skipped += seeds - computed
+                bar.update()
+    return summary
