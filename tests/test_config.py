@@ -57,7 +57,8 @@ def test_the_precompute_a_preset_names_composes_with_it(option: str) -> None:
     """A training run's miss names `python -m qie.precompute experiment=...`: that command composes, with the
     preset's model and its training settings (which `precompute.teachers` reads)."""
     needs = NEEDS.get(("experiment", option), [])
-    run, pre = compose("train", [f"experiment={option}", *needs]), compose("precompute", [f"experiment={option}", *needs])
+    run = compose("train", [f"experiment={option}", *needs])
+    pre = compose("precompute", [f"experiment={option}", *needs])
     assert pre.model == run.model and pre.train == run.train and pre.precompute.teachers is False
 
 
