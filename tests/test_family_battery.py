@@ -248,8 +248,11 @@ def test_distillation_is_the_samplers_own_loop_pinned_cached_as_lazy_and_resumes
 ) -> None:
     """`train.objective=distill` on a copy of the family's cache: the teacher and the student are the family's
     sampler; a lazy run writes the teacher outputs, a cached run reading them repeats its losses exactly, and a
-    resume from its checkpoint repeats the rest."""
+    resume from its checkpoint repeats the rest. Precompute with the run's overrides (`precompute.teachers=true`)
+    fills every sample's outputs, bit for bit those the lazy run wrote, and a cached run on them computes none."""
     from distill_checks import check_teacher_and_student
+
+    from qie.stages import precompute
 
     prepared = battery[family]
     cache = prepared.root / "distill_cache"
@@ -271,6 +274,18 @@ def test_distillation_is_the_samplers_own_loop_pinned_cached_as_lazy_and_resumes
     assert resumed["losses"] == lazy["losses"][2:] and resumed["param_checksums"] == lazy["param_checksums"]
     logged = [json.loads(line) for line in (lazy["dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["teacher_computed"] for r in logged if "loss" in r][0] == 1.0  # lazy: the first step computes
+
+    filled = prepared.root / "distill_filled"
+    shutil.copytree(prepared.root / "cache", filled)
+    fill = [*prepared.base, *TRAINING, *DISTILL, f"cache.dir={filled}", "precompute.teachers=true"]
+    summary = precompute.run(small_config("precompute", *fill), prepared.root / "distill_fill")
+    stored = {p.name: load_file(p)["latent"] for p in (filled / "teacher_latent").rglob("*.safetensors")}
+    assert summary.types["teacher_latent"].new == len(stored) >= 2 * summary.samples > 0
+    assert summary.types["teacher_latent"].failed == 0
+    lazily = list((cache / "teacher_latent").rglob("*.safetensors"))
+    assert all(torch.equal(load_file(p)["latent"], stored[p.name]) for p in lazily)
+    on_filled = prepared.train("distill_on_filled", *DISTILL, f"cache.dir={filled}", "cache.mode=cached")
+    assert on_filled["losses"] == lazy["losses"][:2]
 
 
 @pytest.mark.parametrize("family", families("memory_levers"))
