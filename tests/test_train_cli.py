@@ -53,12 +53,14 @@ def env() -> dict[str, str]:
 
 
 @contextmanager
-def qie_train(args: list[str], logs: Path, launcher: list[str] | None = None) -> Iterator[subprocess.Popen]:
-    """Start `python -m qie.train ARGS` (or under `launcher`), output to files; kill what is left at exit."""
+def qie_train(args: list[str], logs: Path, launcher: list[str] | None = None,
+              module: str = "qie.train") -> Iterator[subprocess.Popen]:  # fmt: skip
+    """Start `python -m qie.train ARGS` (or `module`; or under `launcher`), output to files; kill what is left at
+    exit."""
     launcher = launcher or [sys.executable, "-m"]
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
-        proc = subprocess.Popen([*launcher, "qie.train", *args], env=env(), stdout=out, stderr=err)
+        proc = subprocess.Popen([*launcher, module, *args], env=env(), stdout=out, stderr=err)
         try:
             yield proc
         finally:
@@ -121,18 +123,26 @@ def test_two_processes_keep_the_lora_identical(one_node: Path) -> None:
 
 
 def test_distillation_on_two_processes_keeps_the_lora_identical(data: dict, tmp_path: Path) -> None:
-    """`train.objective=distill` under torchrun: the student runs the model several times before one backward
-    pass (each step's prediction recomputed in it), which data-parallel training must reduce once; each process
-    fills the teacher outputs of its own samples into the one cache (`cache.mode=lazy`)."""
+    """`train.objective=distill` under torchrun: two precompute processes fill the teacher outputs of 7 of the 8
+    samples (shares of 4 and 3: each process runs the teacher apart), then training, where the student runs the
+    model several times before one backward pass (each step's prediction recomputed in it), which data-parallel
+    training must reduce once; each process fills the missing teacher outputs of its own samples (lazy)."""
     import shutil
 
     cache = tmp_path / "cache"
     shutil.copytree(Path(data["root"]) / "cache", cache)
     distill = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
-               "train.distill.teacher_cfg=4", "cache.mode=lazy", f"cache.dir={cache}"]  # fmt: skip
+               "train.distill.teacher_cfg=4", "train.distill.seeds=2", f"cache.dir={cache}"]  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
     base = [a for a in data["base"] if not a.startswith("cache.dir=")]  # the copy's, where teachers are written
-    args = [*base, *SHORT, *distill, f"hydra.run.dir={tmp_path / 'run'}"]
+    fill = [*base, *distill, "precompute.teachers=true", "precompute.end=7", f"hydra.run.dir={tmp_path / 'pre'}"]
+    with qie_train(fill, tmp_path / "pre_logs", launcher=launcher, module="qie.precompute") as proc:
+        proc.wait(timeout=300)
+    assert proc.returncode == 0, output(tmp_path / "pre_logs")[1][-3000:]
+    summary = json.loads((tmp_path / "pre" / "precompute_summary.json").read_text())
+    assert summary["types"]["teacher_latent"]["new"] == 7 * 2 == len(list((cache / "teacher_latent").rglob("*.s*")))
+    assert sorted(p["samples"] for p in summary["processes"]) == [3, 4]
+    args = [*base, *SHORT, *distill, "cache.mode=lazy", f"hydra.run.dir={tmp_path / 'run'}"]
     with qie_train(args, tmp_path / "logs", launcher=launcher) as proc:
         proc.wait(timeout=300)
     assert proc.returncode == 0, output(tmp_path / "logs")[1][-3000:]

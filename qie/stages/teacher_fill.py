@@ -78,7 +78,10 @@ def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBacken
                                     base_model_key(setup.model, record))  # fmt: skip
     state, _ = build_train_state(setup.model, setup.train, setup.memory, setup.mode, accelerator, setup.spec, parts,
                                  objective)  # fmt: skip
-    state.model.train()  # as in a training step
+    # The model under its mixed-precision autocast as training calls it, without the data-parallel wrapper: its
+    # forward would sync buffers with the other processes, which fill shares of other lengths.
+    model = accelerator.unwrap_model(state.model)
+    model.train()  # as in a training step
     drops = [False, True] if float(setup.data.caption_dropout_rate) > 0 else [False]
     seeds = int(objective.settings.seeds)
     summary = TypeSummary()
@@ -92,7 +95,7 @@ def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBacken
                 continue
             for drop in drops:
                 batch = collate(embeds, [drop], negatives=True).to(accelerator.device, state.dtype)
-                computed = objective.fill(state.model, batch)
+                computed = objective.fill(model, batch)
                 summary.new += computed
                 summary.bytes_written += computed * batch.latents[0].numel() * batch.prompt_embeds.element_size()
                 summary.skipped += seeds - computed
