@@ -4,6 +4,9 @@ The YAML tree in `conf/` (the package `qie.conf`) fills these schemas; a key tha
 value of the wrong type or outside an enum, fails while composing, before anything is built. The schemas are registered
 with Hydra by `register()`, which `compose()` and the stage entry points call: importing this package
 loads no Hydra.
+
+The schemas' enums are `StrEnum`s: a member is its plain value (`str(m)`, an f-string, `m == "none"`, JSON), so the
+code below a stage's edge takes them as the strings they are, with nothing to unwrap.
 """
 
 from __future__ import annotations
@@ -185,10 +188,10 @@ def updated(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
 
 
 def typed(node: Any) -> Any:
-    """A composed config group as its schema's dataclass (`OmegaConf.to_object`: enums as enums, interpolations
-    resolved), what a stage's edge hands to the code below it; a value that is no config node as it is. A `cache`
-    group keeps its schema's keys only: the backend's own keys go to the backend (`qie.config.backend`), which
-    the stage builds from the node itself."""
+    """A composed config group as its schema's dataclass (`OmegaConf.to_object`: enums as their `StrEnum` members,
+    interpolations resolved), what a stage's edge hands to the code below it; a value that is no config node as it
+    is. A `cache` group keeps its schema's keys only: the backend's own keys go to the backend
+    (`qie.config.backend`), which the stage builds from the node itself."""
     if not OmegaConf.is_config(node):
         return node
     if OmegaConf.get_type(node) is CacheConfig:
@@ -244,8 +247,7 @@ def validate(cfg: DictConfig) -> None:
         _check_model(cfg.model)
     if problem := weight_problem(cfg):
         raise ConfigError(problem)
-    fp8_compute = OmegaConf.select(cfg, "model.fp8_compute", default="auto")
-    if getattr(fp8_compute, "value", fp8_compute) == "always" and (
+    if OmegaConf.select(cfg, "model.fp8_compute", default="auto") == "always" and (
         OmegaConf.select(cfg, "train.blocks_to_swap", default=0) or OmegaConf.select(cfg, "train.fsdp", default=False)
     ):
         raise ConfigError(

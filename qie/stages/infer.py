@@ -35,7 +35,6 @@ from qie.stages.settings import data_source, fused_base, sampling_options
 from qie.training.fused_base import FusedBase, check_lora_base
 from qie.training.guards import damaged_weights, nonfinite_weights
 from qie.training.lora import load_lora, merge_lora, save_transformer
-from qie.types import value
 
 
 class Predictor:
@@ -287,7 +286,7 @@ def merge(model: ModelConfig, p: PredictConfig, run_dir: Path, spec: ModelSpec) 
     `<merge_to>/transformer`."""
     if not p.lora:
         raise ConfigError("predict.merge_to needs predict.lora: the LoRA to merge")
-    if str(value(model.quantize)) != "none":
+    if model.quantize != "none":
         raise ConfigError("predict.merge_to needs the full-precision transformer: set model.quantize=none")
     base = fused_base(model, spec)
     if warning := check_lora_base(p.lora, base, bool(p.allow_other_base)):

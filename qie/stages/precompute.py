@@ -61,7 +61,6 @@ from qie.stages.settings import (
     source_settings,
 )
 from qie.stages.sources import build_encoder, model_key_context
-from qie.types import value
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -163,7 +162,7 @@ def read_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, p: P
     if not backend.persists:
         raise ConfigError(f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
                           "ends: use cache=ssd cache.dir=FOLDER")  # fmt: skip
-    raise_errors = str(value(p.on_error)) == "raise"
+    raise_errors = p.on_error == "raise"
     spec = prepare_model(model)
     source = source_settings(model, data, cache, spec, None, command)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None

@@ -28,7 +28,6 @@ from qie.errors import ConfigError
 from qie.models import ModelSpec
 from qie.sampling import SamplingOptions
 from qie.training.fused_base import FusedBase
-from qie.types import value
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
         target_pixels=int(data.target_pixels),
         vae_image_pixels=int(spec.vae_image_pixels),
         vl_image_pixels=int(spec.vl_image_pixels),
-        resize_mode=str(value(data.resize_mode)),
+        resize_mode=str(data.resize_mode),
         multiple_of=int(data.multiple_of),
     )
 
@@ -99,7 +98,7 @@ def data_source(data: DataConfig, cache_dir: str | None = None, path: str | None
     c = data.columns
     columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.mask, c.layers, c.rejected)
     folder = Path(cache_dir) if cache_dir else None
-    return DataSource(str(path or data.path), str(value(data.format)) if path is None else "auto", str(data.split),
+    return DataSource(str(path or data.path), str(data.format) if path is None else "auto", str(data.split),
                       columns, (folder or qie_home()) / "images", bool(data.allow_outside_paths),
                       folder / "manifests" if folder is not None else None)  # fmt: skip
 
@@ -116,9 +115,9 @@ def loss_masks(train: TrainConfig | None, data: DataConfig, spec: ModelSpec) -> 
         ConfigError: a value out of range, or `source=edit` for a model without control images.
     """
     mask = train.mask if train is not None else None
-    if mask is None or str(value(mask.source)) == "none":
+    if mask is None or mask.source == "none":
         return None
-    source, outside = str(value(mask.source)), float(mask.outside_weight)
+    source, outside = str(mask.source), float(mask.outside_weight)
     for name, v, low, high in (("outside_weight", outside, 0, 1), ("threshold", float(mask.threshold), 0, 1),
                                ("dilation", int(mask.dilation), 0, 10**6)):  # fmt: skip
         if not low <= v <= high:
@@ -127,7 +126,7 @@ def loss_masks(train: TrainConfig | None, data: DataConfig, spec: ModelSpec) -> 
         raise ConfigError(f"train.mask.source=edit compares each target with its control image, and "
                           f"model={spec.name} takes none: use train.mask.source=file")  # fmt: skip
     settings = MaskSettings(source, float(mask.threshold), int(mask.dilation), int(data.target_pixels),
-                            str(value(data.resize_mode)), int(data.multiple_of))  # fmt: skip
+                            str(data.resize_mode), int(data.multiple_of))  # fmt: skip
     return LossMasks(settings, outside)
 
 
@@ -174,7 +173,7 @@ def source_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, sp
                     masks: LossMasks | None = None, command: str | None = None) -> SourceSettings:  # fmt: skip
     """The embedding source's settings of a stage's `model`, `data` and `cache` groups (`masks`: `loss_masks`'s;
     `command`: the precompute command a miss names)."""
-    return SourceSettings(model, image_sizes(data, spec), str(value(cache.mode)), cache.dir, encoder_devices(cache),
+    return SourceSettings(model, image_sizes(data, spec), str(cache.mode), cache.dir, encoder_devices(cache),
                           masks, command or DEFAULT_PRECOMPUTE_COMMAND)  # fmt: skip
 
 

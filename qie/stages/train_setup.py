@@ -36,7 +36,6 @@ from qie.training.lora import check_init_name, check_lora_file
 from qie.training.memory import MemorySettings
 from qie.training.modes import FullMode, LoraMode, TrainMode
 from qie.training.objectives import ObjectiveUse, check_use
-from qie.types import value
 
 
 @dataclass(frozen=True)
@@ -86,10 +85,10 @@ def train_setup(spec: ModelSpec, model: ModelConfig, data: DataConfig, cache: Ca
     check_use(str(train.objective), use)  # e.g. preference pairs on a layered model: before anything loads
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
     memory = MemorySettings.of(train, spec.family)
-    memory.check(mode.lora, str(value(model.quantize)))
+    memory.check(mode.lora, str(model.quantize))
     return TrainSetup(model, data, train, predict, logging, validation, spec, fused, mode, memory,
                       source_settings(model, data, cache, spec, masks, command), data_source(data, cache.dir),
-                      dropout, reg, captions, str(value(cache.on_missing)), run_config)  # fmt: skip
+                      dropout, reg, captions, str(cache.on_missing), run_config)  # fmt: skip
 
 
 def train_mode(train: TrainConfig, spec: ModelSpec, fused: FusedBase) -> TrainMode:
@@ -99,12 +98,12 @@ def train_mode(train: TrainConfig, spec: ModelSpec, fused: FusedBase) -> TrainMo
     Raises:
         ConfigError, ModelLoadError: a `train.lora.init` peft does not know; an unreadable `train.init_lora`.
     """
-    if str(value(train.mode)) == "full":
+    if train.mode == "full":
         if train.init_lora:
             raise ConfigError("train.init_lora needs train.mode=lora (it names a LoRA to go on training)")
         return FullMode()
     lora, init_lora = train.lora, train.init_lora
-    adapter, use_dora = str(value(train.adapter)), bool(lora.use_dora)
+    adapter, use_dora = str(train.adapter), bool(lora.use_dora)
     check_init_name(str(lora.init))
     check_options(adapter, float(lora.dropout), str(lora.init), use_dora)
     if init_lora:
