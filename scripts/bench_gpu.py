@@ -399,7 +399,6 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     memory = MemorySettings.of(train, spec.family)
     accelerator = make_accelerator(train, memory, str(model.dtype), run_dir)
     mode = train_mode(train, spec, fused_base(model, spec))
-    memory.check(mode.lora, str(model.quantize))
     parts = build_parts(cfg, spec, setup, accelerator, depth)
     block_params = sum(p.numel() for p in getattr(parts.transformer, spec.family.blocks)[0].parameters())
     state, scheduler = build_train_state(model, train, memory, mode, accelerator, spec, parts)

@@ -93,7 +93,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         result = train.run(train_cfg, run_dir / "train")
 
         data, predict = typed(heldout_cfg.data), typed(cfg.predict)
-        masks = loss_masks(typed(cfg.train), data, spec)
+        masks = loss_masks(typed(cfg.train), data)
         settings = source_settings(model, data, typed(heldout_cfg.cache), spec, masks).with_mode("cached")
         source = build_source(settings, spec, build_backend(heldout_cfg.cache))
         predictor = infer.build_predictor(model, replace(predict, lora=None), spec)

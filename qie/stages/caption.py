@@ -74,14 +74,11 @@ class Settings:
 
 
 def read_settings(c: CaptionConfig) -> Settings:
-    """The stage's settings (of the `caption` group), checked.
+    """The stage's settings (of the `caption` group; its counts were checked when the config was composed).
 
     Raises:
-        ConfigError: a batch size or token count below 1, a prompt with nothing to ask.
+        ConfigError: a prompt with nothing to ask.
     """
-    for key in ("batch_size", "max_new_tokens", "dry_run_samples"):
-        if int(getattr(c, key)) < 1:
-            raise ConfigError(f"caption.{key}={getattr(c, key)} is out of range: it must be at least 1")
     prompt, generation = prompt_settings(c)
     dry = int(c.dry_run_samples) if c.dry_run else 0
     raise_errors = c.on_error == "raise"

@@ -27,6 +27,7 @@ from qie.components import load_parts, prepare_model, resolve_dtype
 from qie.config import precompute_command, typed
 from qie.config.backend import build_backend
 from qie.config.model import ModelConfig
+from qie.config.rules import objective_options
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data.samples import Sample
 from qie.errors import ConfigError, check_writable
@@ -40,7 +41,7 @@ from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
 from qie.stages.train_hooks import step_hooks
-from qie.stages.train_setup import TrainSetup, objective_options, train_setup
+from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.compile import compile_blocks
