@@ -63,7 +63,7 @@ class EditDataset:
 
         model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
         spec, backend = prepare_model(model), build_backend(cfg.cache)
-        masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data, spec)
+        masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data)
         settings = source_settings(model, data, cache, spec, masks)
         self.source = build_source(settings, spec, backend)
         # data.auto_caption: samples without a caption get theirs (generated where the source may encode)

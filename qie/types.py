@@ -1,25 +1,16 @@
 """Plain data types shared across the library: cache type names, the schema version, a sample's
 embeddings and a collated batch, and the one way prompt embeddings are padded.
 
-Also `value`, the one way a config enum is turned into its plain value. A leaf module: it imports torch and
-nothing of qie, so the training step, the cache and the data code
-can all use these types without importing each other (or Hydra).
+A leaf module: it imports torch and nothing of qie, so the training step, the cache and the data code can all use
+these types without importing each other (or Hydra).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any
 
 import torch
-
-
-def value(x: Any) -> Any:
-    """The plain value of a config enum member (what OmegaConf gives for an enum-typed key); anything else as is."""
-    return x.value if isinstance(x, Enum) else x
-
 
 # The public names of the entry types: stats, clear and verify take these.
 CACHE_TYPES = [

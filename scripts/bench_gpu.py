@@ -289,24 +289,23 @@ def build_parts(cfg, spec, setup: Setup, accelerator, num_layers: int | None):
     from qie.stages.settings import fused_base
     from qie.stages.train import load_model
     from qie.training.memory import MemorySettings
-    from qie.types import value
 
     if not setup.real:
         model, train = typed(cfg.model), typed(cfg.train)
         memory = MemorySettings.of(train, spec.family)
         return load_model(model, memory, bool(train.compile), accelerator, spec, fused_base(model, spec))
     family = spec.family
-    quantize = str(value(cfg.model.quantize))
+    quantize = str(cfg.model.quantize)
     device = MemorySettings.of(cfg.train, family).build_device(accelerator.device)
     config = transformer_config(cfg, spec, setup, num_layers)
-    cls, dtype = family.part_class("transformer"), resolve_dtype(str(value(cfg.model.dtype)))
+    cls, dtype = family.part_class("transformer"), resolve_dtype(str(cfg.model.dtype))
     if quantize == "nf4":
         model = nf4_model(cls, config, device, dtype, family.keep_full_precision, setup.work)
     else:
         # Host-memory models (swap) are drawn on the GPU where there is one: a CPU draws gigabytes slowly.
         model = random_model(cls, config, accelerator.device, dtype).to(device)
         if quantize != "none":
-            fp8_compute, compiled = str(value(cfg.model.fp8_compute)), bool(cfg.train.compile)
+            fp8_compute, compiled = str(cfg.model.fp8_compute), bool(cfg.train.compile)
             quantize_transformer(model, quantize, family.keep_full_precision, fp8_compute, device, compiled)
     return Parts(transformer=model, scheduler=family.part_class("scheduler")())
 
@@ -392,16 +391,14 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit
     from qie.training.memory import MemorySettings
-    from qie.types import value
 
     cfg = stage_config("train", setup.train, overrides)
     model, train = typed(cfg.model), typed(cfg.train)
     spec = model_spec(model) if setup.real else prepare_model(model)
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=setup.work))
     memory = MemorySettings.of(train, spec.family)
-    accelerator = make_accelerator(train, memory, str(value(model.dtype)), run_dir)
+    accelerator = make_accelerator(train, memory, str(model.dtype), run_dir)
     mode = train_mode(train, spec, fused_base(model, spec))
-    memory.check(mode.lora, str(value(model.quantize)))
     parts = build_parts(cfg, spec, setup, accelerator, depth)
     block_params = sum(p.numel() for p in getattr(parts.transformer, spec.family.blocks)[0].parameters())
     state, scheduler = build_train_state(model, train, memory, mode, accelerator, spec, parts)

@@ -60,7 +60,7 @@ def source_settings_for(cfg: DictConfig, spec: ModelSpec | None = None, mode: st
     """The embedding source's settings a stage makes of `cfg` (loss masks from `train.mask` where it has one)."""
     spec = spec or spec_of(cfg)
     model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
-    masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data, spec)
+    masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data)
     settings = source_settings(model, data, cache, spec, masks)
     return settings.with_mode(mode) if mode else settings
 

@@ -96,10 +96,10 @@ def test_what_distillation_refuses_in_one_line(small_cfg, lora, regularization, 
     assert "\n" not in str(info.value)
 
 
-def test_a_full_model_run_is_refused_before_anything_loads(small_cfg, cached_data, tmp_path) -> None:
-    cfg = small_cfg("train", *cached_data.overrides, *DISTILL, "train.mode=full")
+def test_a_full_model_run_is_refused_before_anything_loads(small_cfg, cached_data) -> None:
+    """Refused when the config is composed (`qie.config.validate` asks the objective), before the stage runs."""
     with pytest.raises(ConfigError, match="train.objective=distill needs train.mode=lora"):
-        train.run(cfg, tmp_path / "run")
+        small_cfg("train", *cached_data.overrides, *DISTILL, "train.mode=full")
 
 
 def test_gc_keeps_teacher_outputs_and_clear_removes_them(cached_data, tiny_path, tmp_path) -> None:

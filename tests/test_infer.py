@@ -233,7 +233,7 @@ def test_infer_api_and_validation_give_the_same_image(images: dict[str, Path], t
                             num_inference_steps=v.num_inference_steps, seed=v.seed) == options  # fmt: skip
     assert options.guidance and options == sampling_options(run.predict)
     spec = model_spec(cfg.model)
-    samples = validation_samples(v, [], 0, spec)
+    samples = validation_samples(v, [], 0)
     inputs, negatives = validation_inputs(source_for(cfg), samples, options.negative_prompt)
     parts = load_parts(cfg.model, ["transformer", "scheduler", "vae"])
     validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, spec)

@@ -20,7 +20,6 @@ from qie.errors import CacheMissError, ConfigError
 from qie.stages import precompute
 from qie.stages import train as train_stage
 from qie.training import memory, offload
-from qie.training.memory import MemorySettings
 
 # What decides the losses of every run compared here. Checkpointing on: block swap needs it.
 TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7",
@@ -114,17 +113,18 @@ def test_a_block_the_schedule_did_not_bring_in_cannot_be_used(tiny_path: Path) -
 
 
 @pytest.mark.parametrize(
-    "settings,lora,quantize,message",
+    "overrides,message",
     [
-        (MemorySettings(blocks_to_swap=4), True, "none", "needs train.gradient_checkpointing=true"),
-        (MemorySettings(True, blocks_to_swap=4), False, "none", "train.mode=lora only"),
-        (MemorySettings(True, blocks_to_swap=4, fsdp=True), True, "none", "cannot be combined"),
-        (MemorySettings(fsdp=True), True, "fp8", "set model.quantize=none"),
+        (["train.blocks_to_swap=4"], "needs train.gradient_checkpointing=true"),
+        (["train.gradient_checkpointing=true", "train.blocks_to_swap=4", "train.mode=full"], "train.mode=lora only"),
+        (["train.gradient_checkpointing=true", "train.blocks_to_swap=4", "train.fsdp=true"], "cannot be combined"),
+        (["train.fsdp=true", "model.quantize=fp8"], "set model.quantize=none"),
     ],
 )
-def test_combinations_that_cannot_work_are_refused(settings, lora: bool, quantize: str, message: str) -> None:
+def test_combinations_that_cannot_work_are_refused(overrides: list[str], message: str) -> None:
+    """Refused when the config is composed (`qie.config.validate`), before the stage builds anything."""
     with pytest.raises(ConfigError, match=message):
-        settings.check(lora, quantize)
+        compose("train", overrides)
 
 
 def test_quantized_text_encoder_entries_key_apart(data: dict, tmp_path: Path) -> None:

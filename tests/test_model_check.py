@@ -150,17 +150,16 @@ def test_validation_inputs_follow_the_models_control_counts() -> None:
     from qie.stages.validation import validation_samples
 
     t2i = compose("train", ["model=tiny_t2i", "validation.prompts=[a cat,a dog]"])
-    chosen = validation_samples(t2i.validation, [], 2, model_spec(t2i.model))
+    chosen = validation_samples(t2i.validation, [], 2)
     assert [(s.id, s.controls, s.prompt) for s in chosen] == [
         ("validation_0", (), "a cat"),
         ("validation_1", (), "a dog"),
     ]
-    edit = compose("train", ["model=tiny", "validation.prompts=[a cat]"])
+    # Refused when the config is composed (`qie.config.validate`).
     with pytest.raises(ConfigError, match=r"validation.prompts\[0\].*needs at least 1"):
-        validation_samples(edit.validation, [], 2, model_spec(edit.model))
+        compose("train", ["model=tiny", "validation.prompts=[a cat]"])
     with pytest.raises(ConfigError, match="takes none"):
-        validation_samples(compose("train", ["model=tiny_t2i", "validation.prompts=[a]", "validation.images=[x.png]"])
-                           .validation, [], 2, model_spec(t2i.model))  # fmt: skip
+        compose("train", ["model=tiny_t2i", "validation.prompts=[a]", "validation.images=[x.png]"])
 
 
 def test_channel_counts_are_checked() -> None:

@@ -208,7 +208,7 @@ def test_validation_samples_the_cached_inputs_as_the_pipeline_does(data: dict, p
     """Validation during training (defaults: no CFG, the checkpoint's sigmas) from cached inputs."""
     cfg = compose("train", data["base"] + ["predict.seed=4"])
     sample = next(s for s in scan_dataset(data["manifest"]).samples if s.id == "s6")  # three references
-    chosen = validation_samples(cfg.validation, [sample], 1, model_spec(cfg.model))
+    chosen = validation_samples(cfg.validation, [sample], 1)
     inputs, negatives = validation_inputs(source_for(cfg, mode="cached"), chosen, "")
     parts = load_parts(cfg.model, ["vae", "transformer", "scheduler"])
     options = sampling_options(cfg.predict)

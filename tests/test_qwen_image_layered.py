@@ -150,14 +150,13 @@ def test_config_outside_the_pipelines_rules_is_refused(override: str, message: s
         compose("infer", ["model=tiny_qwen_image_layered", override])
 
 
-def test_layers_on_a_model_without_layers_is_refused(tmp_path: Path) -> None:
+def test_layers_on_a_model_without_layers_is_refused() -> None:
+    """Refused when the config is composed (`qie.config.validate`), before the stage builds anything."""
     from qie.config import compose
     from qie.errors import ConfigError
-    from qie.stages import infer
 
-    cfg = compose("infer", ["model=tiny_t2i", "predict.prompt=x", "predict.layers=2"])
     with pytest.raises(ConfigError, match="makes one image, not layers"):
-        infer.run(cfg, tmp_path)
+        compose("infer", ["model=tiny_t2i", "predict.prompt=x", "predict.layers=2"])
 
 
 def write_layered_data(root: Path, count: int = 2) -> Path:

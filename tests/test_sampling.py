@@ -11,6 +11,7 @@ import torch
 from diffusers import QwenImageEditPipeline
 from helpers import noise_image, tiny_pipeline
 
+from qie.models.flow import inference_sigmas
 from qie.models.qwen_image_sampling import decode_latents, sample_latents
 from qie.models.qwen_image_sampling import vae_scale as vae_scale_factor
 from qie.sampling import true_cfg_enabled
@@ -36,6 +37,16 @@ def test_pad_prompt_embeds_drops_an_all_ones_mask() -> None:
     assert batch.shape == (2, 5, 4)
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert torch.equal(batch[0, :3], a) and not batch[0, 3:].any() and torch.equal(batch[1], b)
+
+
+def test_the_inference_sigma_schedules_are_the_pipelines_spellings() -> None:
+    """`qie.models.flow.inference_sigmas` spells both schedules the pipelines use; they give the same numbers in exact
+    arithmetic but not the same bits, so each family's sampling names its own pipeline's."""
+    for steps in (1, 3, 7, 40, 50):
+        assert np.array_equal(inference_sigmas("linspace_to_1_over_n", steps), np.linspace(1.0, 1 / steps, steps))
+        assert np.array_equal(inference_sigmas("linspace_to_0_dropped", steps), np.linspace(1.0, 0, steps + 1)[:-1])
+    apart = [inference_sigmas(name, 7) for name in ("linspace_to_1_over_n", "linspace_to_0_dropped")]
+    assert np.allclose(*apart, rtol=0, atol=1e-15) and not np.array_equal(*apart)
 
 
 def test_true_cfg_needs_scale_and_negative(caplog: pytest.LogCaptureFixture) -> None:

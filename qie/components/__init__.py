@@ -17,7 +17,6 @@ from qie.components.registry import (
 )
 from qie.components.single_file import check_transformer_file, is_single_file
 from qie.models import ModelSpec, model_spec
-from qie.types import value
 
 
 def prepare_model(model_cfg: Any) -> ModelSpec:
@@ -81,7 +80,7 @@ def load_parts(
 
         raise ConfigError("model.fuse_loras is set, but the transformer is being built without fusing them: pass "
                           "fuse=FusedBase.of(...).fuse_into (qie.training.fused_base) to load_parts")  # fmt: skip
-    dtype = resolve_dtype(str(value(model_cfg.dtype)))
+    dtype = resolve_dtype(str(model_cfg.dtype))
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
     own = getattr(model_cfg, "transformer_path", None)
     folders = {"transformer": transformer_folder(own)} if own and "transformer" in names else {}
@@ -92,12 +91,12 @@ def load_parts(
         classes=spec.part_classes,
         placements=placements,
         revision=model_cfg.revision,
-        quantize=str(value(model_cfg.quantize)),
+        quantize=str(model_cfg.quantize),
         folders=folders,
         keep_full_precision=spec.family.keep_full_precision,
-        text_encoder_quantize=str(value(getattr(model_cfg, "text_encoder_quantize", "none"))),
-        single_file_fp8=str(value(getattr(model_cfg, "single_file_fp8", "upcast"))),
-        fp8_compute=str(value(getattr(model_cfg, "fp8_compute", "auto"))),
+        text_encoder_quantize=str(getattr(model_cfg, "text_encoder_quantize", "none")),
+        single_file_fp8=str(getattr(model_cfg, "single_file_fp8", "upcast")),
+        fp8_compute=str(getattr(model_cfg, "fp8_compute", "auto")),
         compiled=compiled,
         fuse=fuse,
     )

@@ -4,6 +4,9 @@ The YAML tree in `conf/` (the package `qie.conf`) fills these schemas; a key tha
 value of the wrong type or outside an enum, fails while composing, before anything is built. The schemas are registered
 with Hydra by `register()`, which `compose()` and the stage entry points call: importing this package
 loads no Hydra.
+
+The schemas' enums are `StrEnum`s: a member is its plain value (`str(m)`, an f-string, `m == "none"`, JSON), so the
+code below a stage's edge takes them as the strings they are, with nothing to unwrap.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
+from qie.config.rules import objective_options, setting_problem, trains_lora
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
@@ -185,10 +189,10 @@ def updated(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
 
 
 def typed(node: Any) -> Any:
-    """A composed config group as its schema's dataclass (`OmegaConf.to_object`: enums as enums, interpolations
-    resolved), what a stage's edge hands to the code below it; a value that is no config node as it is. A `cache`
-    group keeps its schema's keys only: the backend's own keys go to the backend (`qie.config.backend`), which
-    the stage builds from the node itself."""
+    """A composed config group as its schema's dataclass (`OmegaConf.to_object`: enums as their `StrEnum` members,
+    interpolations resolved), what a stage's edge hands to the code below it; a value that is no config node as it
+    is. A `cache` group keeps its schema's keys only: the backend's own keys go to the backend
+    (`qie.config.backend`), which the stage builds from the node itself."""
     if not OmegaConf.is_config(node):
         return node
     if OmegaConf.get_type(node) is CacheConfig:
@@ -239,13 +243,11 @@ def validate(cfg: DictConfig) -> None:
     _check_range(cfg, "predict.blocks_to_swap", 0, None)
     _check_group_choice(cfg, "train.optimizer")
     _check_installed(cfg, "train.optimizer")
-    _check_objective(cfg)
-    if isinstance(cfg.get("model"), DictConfig):
-        _check_model(cfg.model)
-    if problem := weight_problem(cfg):
+    spec = _check_model(cfg.model) if isinstance(cfg.get("model"), DictConfig) else None
+    if problem := weight_problem(cfg) or setting_problem(cfg, spec):
         raise ConfigError(problem)
-    fp8_compute = OmegaConf.select(cfg, "model.fp8_compute", default="auto")
-    if getattr(fp8_compute, "value", fp8_compute) == "always" and (
+    _check_objective(cfg, spec)
+    if OmegaConf.select(cfg, "model.fp8_compute", default="auto") == "always" and (
         OmegaConf.select(cfg, "train.blocks_to_swap", default=0) or OmegaConf.select(cfg, "train.fsdp", default=False)
     ):
         raise ConfigError(
@@ -302,19 +304,25 @@ def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
             _check_keys(child, f"{path}.{key}")
 
 
-def _check_objective(cfg: DictConfig) -> None:
+def _check_objective(cfg: DictConfig, spec: Any) -> None:
     """`train.objective` names a module of `qie.training.objectives` (looked up by name, as a `_target_` is: the
-    config layer imports no training code)."""
+    config layer imports no training code), and that objective can train this run (its `use_problem`: the model's
+    family, the mode, regularisation data, its own `train.<name>` settings)."""
     name = OmegaConf.select(cfg, "train.objective", default=None)
     if name is None:
         return
-    if problem := importlib.import_module("qie.training.objectives").objective_problem(str(name)):
+    objectives = importlib.import_module("qie.training.objectives")
+    if problem := objectives.objective_problem(str(name)):
         raise ConfigError(problem)
+    if spec is not None:
+        regularization = bool(OmegaConf.select(cfg, "data.regularization.path", default=None))
+        use = objectives.ObjectiveUse(spec.family, trains_lora(cfg), regularization, objective_options(cfg.train))
+        objectives.check_use(str(name), use)
 
 
-def _check_model(model: DictConfig) -> None:
+def _check_model(model: DictConfig) -> Any:
     """The model's variant and tiny preset exist, and its family's rules hold (`ModelFamily.config_problems`),
-    before anything is built."""
+    before anything is built. Returns the model's spec."""
     from qie.models import model_spec, tiny_presets
 
     spec = model_spec(model)
@@ -324,6 +332,7 @@ def _check_model(model: DictConfig) -> None:
     problems = spec.family.config_problems(spec)
     if problems:
         raise ConfigError(problems[0])
+    return spec
 
 
 # Optional packages that a `_target_` may need, and the qie extra that installs each.

@@ -1,13 +1,13 @@
 """Schemas of the `cache` group, the precompute stage and the cache admin command."""
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from qie.types import CACHE_TYPES
 
 
-class SourceMode(str, Enum):
+class SourceMode(StrEnum):
     """Where training gets embeddings: the cache only, live encoders, or the cache filled on a miss."""
 
     cached = "cached"
@@ -17,10 +17,10 @@ class SourceMode(str, Enum):
 
 # What precompute does with a sample it cannot read. Built with the functional API because `raise` is a
 # keyword: OmegaConf matches strings to member *names*, so the member must be named "raise" itself.
-OnError = Enum("OnError", [("skip", "skip"), ("raise", "raise")], type=str, module=__name__)
+OnError = StrEnum("OnError", [("skip", "skip"), ("raise", "raise")], module=__name__)
 
 
-class CacheAction(str, Enum):
+class CacheAction(StrEnum):
     stats = "stats"
     clear = "clear"
     verify = "verify"
@@ -28,7 +28,7 @@ class CacheAction(str, Enum):
     sync = "sync"
 
 
-class OnMissing(str, Enum):
+class OnMissing(StrEnum):
     """What cached training does when samples have no (or damaged) entries: stop, or train on the rest."""
 
     stop = "stop"

@@ -1,10 +1,10 @@
 """Schema of the `data` group: where samples come from and how images are prepared."""
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class DataFormat(str, Enum):
+class DataFormat(StrEnum):
     # A folder in the folder layout, a .jsonl/.csv manifest, or else a Hugging Face data set.
     auto = "auto"
     folder = "folder"
@@ -12,7 +12,7 @@ class DataFormat(str, Enum):
     hf = "hf"  # `save_to_disk` folder, parquet file(s) or glob, or an `imagefolder` folder (qie[hf])
 
 
-class ResizeMode(str, Enum):
+class ResizeMode(StrEnum):
     """How a target image reaches the target area: keep aspect and resize, or center-crop."""
 
     resize = "resize"

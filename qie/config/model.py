@@ -5,18 +5,18 @@ every stage reads (pipeline class, prompt template, control counts, output size,
 """
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from omegaconf import MISSING
 
 
-class Dtype(str, Enum):
+class Dtype(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
 
 
-class Quantize(str, Enum):
+class Quantize(StrEnum):
     """Weight quantization of the frozen transformer's linear layers: 8 bits (fp8, int8) or 4 bits through
     optimum-quanto (int4: any device), 4-bit NormalFloat through bitsandbytes (nf4: CUDA only, `qie[bnb]`)."""
 
@@ -27,7 +27,7 @@ class Quantize(str, Enum):
     nf4 = "nf4"
 
 
-class Fp8Compute(str, Enum):
+class Fp8Compute(StrEnum):
     """Whether `model.quantize=fp8` weights also compute in fp8 (torchao's float8 products, `qie[fp8]`)."""
 
     # where it pays: the transformer on a GPU with fp8 tensor cores (compute capability 8.9+), its blocks compiled
@@ -36,7 +36,7 @@ class Fp8Compute(str, Enum):
     never = "never"  # optimum-quanto's fp8 weights, widened to bf16 for each product
 
 
-class TextEncoderQuantize(str, Enum):
+class TextEncoderQuantize(StrEnum):
     """Weight quantization of the frozen text encoder (optimum-quanto): its linear layers in 8 bits."""
 
     none = "none"
@@ -44,7 +44,7 @@ class TextEncoderQuantize(str, Enum):
     int8 = "int8"
 
 
-class SingleFileFp8(str, Enum):
+class SingleFileFp8(StrEnum):
     """What becomes of fp8 weights in a `model.transformer_path` file."""
 
     upcast = "upcast"  # times their scales, in `model.dtype`

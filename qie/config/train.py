@@ -1,16 +1,16 @@
 """Schemas of the `train` group and of the training run's logging and validation."""
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class TrainMode(str, Enum):
+class TrainMode(StrEnum):
     lora = "lora"
     full = "full"
 
 
-class Adapter(str, Enum):
+class Adapter(StrEnum):
     """What `train.mode=lora` trains, through peft; `train.lora` sizes each."""
 
     lora = "lora"
@@ -18,14 +18,14 @@ class Adapter(str, Enum):
     lokr = "lokr"
 
 
-class MixedPrecision(str, Enum):
+class MixedPrecision(StrEnum):
     auto = "auto"  # bf16 on CUDA when the model is bf16, else no
     no = "no"
     bf16 = "bf16"
     fp16 = "fp16"
 
 
-class TimestepSampling(str, Enum):
+class TimestepSampling(StrEnum):
     uniform = "uniform"
     logit_normal = "logit_normal"
     mode = "mode"
@@ -33,26 +33,26 @@ class TimestepSampling(str, Enum):
     shift = "shift"
 
 
-class LossWeighting(str, Enum):
+class LossWeighting(StrEnum):
     none = "none"
     sigma_sqrt = "sigma_sqrt"
     cosmap = "cosmap"
 
 
-class OnNonfinite(str, Enum):
+class OnNonfinite(StrEnum):
     """What training does on a NaN or infinite loss: save the last good state and stop, or skip the batch."""
 
     stop = "stop"
     skip = "skip"
 
 
-class ReportTo(str, Enum):
+class ReportTo(StrEnum):
     tensorboard = "tensorboard"
     wandb = "wandb"
     none = "none"
 
 
-class MaskSource(str, Enum):
+class MaskSource(StrEnum):
     """Where loss masks come from: none, mask images (`file`), or where the target differs from its control."""
 
     none = "none"

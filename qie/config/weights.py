@@ -11,8 +11,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from qie.types import value
-
 # Why a part cannot come from one file (`model.vae_path`, `model.text_encoder_path`).
 UNREADABLE_PARTS = {
     "vae_path": "diffusers 0.42.1's single-file loader (from_single_file) has no Qwen-Image VAE class",
@@ -43,8 +41,7 @@ def nf4_problem(cuda: bool, installed: bool) -> str | None:
 
 
 def _get(cfg: DictConfig, key: str, default: object = None) -> object:
-    found = OmegaConf.select(cfg, key, default=default)
-    return value(found)
+    return OmegaConf.select(cfg, key, default=default)
 
 
 def _source(cfg: DictConfig) -> str:

@@ -50,7 +50,6 @@ from qie.stages.settings import loss_masks, sampling_options, source_settings
 from qie.stages.sources import build_source
 from qie.training.evaluate import heldout_loss
 from qie.training.logging import MetricsLogger
-from qie.types import value
 
 REQUIRED_LOSS_DROP = 0.2
 REQUIRED_PIXEL_DROP = 0.3
@@ -94,12 +93,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         result = train.run(train_cfg, run_dir / "train")
 
         data, predict = typed(heldout_cfg.data), typed(cfg.predict)
-        masks = loss_masks(typed(cfg.train), data, spec)
+        masks = loss_masks(typed(cfg.train), data)
         settings = source_settings(model, data, typed(heldout_cfg.cache), spec, masks).with_mode("cached")
         source = build_source(settings, spec, build_backend(heldout_cfg.cache))
         predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
         return _measure(spec, output, source, predictor, sampling_options(predict), d, data_root, result,
-                        int(data.target_pixels), str(value(cfg.logging.report_to)), run_dir)  # fmt: skip
+                        int(data.target_pixels), str(cfg.logging.report_to), run_dir)  # fmt: skip
 
 
 def _measure(spec: ModelSpec, output: Output, source: Any, predictor: infer.Predictor, options: SamplingOptions,

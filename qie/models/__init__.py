@@ -22,7 +22,6 @@ from typing import Any
 from qie.errors import ConfigError
 from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour
-from qie.types import value
 
 # The model families qie knows, by module. The only list of family names: variants and tiny presets are
 # read off the families.
@@ -251,7 +250,7 @@ def model_spec(model: Any) -> ModelSpec:
     Raises:
         ConfigError: for a variant qie does not know, naming the ones it does.
     """
-    variant = str(value(model.variant))
+    variant = str(model.variant)
     known = variants()
     if variant not in known:
         raise ConfigError(f"model.variant={variant!r} is not known: choose one of {', '.join(known)}")

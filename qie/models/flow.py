@@ -1,17 +1,30 @@
-"""What every family's flow matching shares: the noisy input, the velocity loss, the sampling shift.
+"""What every family's flow matching shares: the noisy input, the velocity loss, the sampling sigmas and shift.
 
 Each family module packs latents its own way and calls its own transformer; the arithmetic around that call
 is the same for all of them and lives here once: x_t = (1 - σ)·x0 + σ·noise, the target velocity noise - x0,
-the mean (optionally weighted) squared error, and the resolution-dependent shift `mu` of the schedulers.
+the mean (optionally weighted) squared error, the inference sigmas a family names, and the resolution-dependent
+shift `mu` of the schedulers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+# How a pipeline spaces the sigmas of `steps` inference steps, from 1 down (before the scheduler's shift), by name:
+# each family's sampling names its pipeline's (`SIGMA_SCHEDULE` of its module). Both give 1, 1 - 1/N, ..., 1/N,
+# but not to the same last bits, and each family samples bitwise as its diffusers pipeline does.
+SIGMA_SCHEDULES: dict[str, Callable[[int], np.ndarray]] = {
+    # QwenImagePipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImage21Pipeline (without sample_sigmas)
+    "linspace_to_1_over_n": lambda steps: np.linspace(1.0, 1 / steps, steps),
+    # QwenImageLayeredPipeline: N + 1 points from 1 to 0, the 0 dropped
+    "linspace_to_0_dropped": lambda steps: np.linspace(1.0, 0, steps + 1)[:-1],
+}
 
 
 def noisy_latents(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
@@ -55,6 +68,11 @@ def velocity_loss(
         w = element_weights.to(error.device, torch.float32).expand_as(error)
         losses = (error * w).reshape(batch, -1).mean(dim=1) / w.reshape(batch, -1).mean(dim=1).clamp_min(1e-12)
     return losses if per_sample else losses.mean()
+
+
+def inference_sigmas(schedule: str, steps: int) -> np.ndarray:
+    """The sigmas of `steps` inference steps as the schedule named `schedule` (`SIGMA_SCHEDULES`) spaces them."""
+    return SIGMA_SCHEDULES[schedule](steps)
 
 
 def shift_mu(image_seq_len: int, scheduler_config: dict) -> float:

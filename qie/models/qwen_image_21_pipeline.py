@@ -13,14 +13,13 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import QwenImage21Pipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timesteps
 
-from qie.models.flow import predict, shift_mu
+from qie.models.flow import inference_sigmas, predict, shift_mu
 from qie.sampling import Prediction, PromptInputs, denoise, initial_noise
 
 _pack = QwenImage21Pipeline._pack_latents
@@ -28,6 +27,9 @@ _unpack = QwenImage21Pipeline._unpack_latents
 # One image slot of the prompt stands for 2x2 latent tokens; one latent token is 16x16 pixels.
 TOKENS_PER_SLOT = 4
 VAE_SCALE = 16
+# How the pipeline spaces its inference sigmas where the checkpoint has no `sample_sigmas`
+# (`qie.models.flow.SIGMA_SCHEDULES`).
+SIGMA_SCHEDULE = "linspace_to_1_over_n"
 
 
 class _NoProcessor:
@@ -187,7 +189,7 @@ def denoise_latents(
     if sigmas is None:
         sigmas = (pipeline_config or {}).get("sample_sigmas")
         if sigmas is None:
-            sigmas = np.linspace(1.0, 1 / steps, steps)
+            sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
     mu = shift_mu(latents.shape[1], scheduler.config)
     timesteps, _ = retrieve_timesteps(scheduler, None, device, sigmas=sigmas, mu=mu)
     image_mask = with_target_slots(prompt.image_mask, latents.shape[1])

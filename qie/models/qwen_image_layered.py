@@ -20,7 +20,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import QwenImageLayeredPipeline
 from diffusers.image_processor import VaeImageProcessor
@@ -29,7 +28,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import retrieve_ti
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour
-from qie.models.flow import predict
+from qie.models.flow import inference_sigmas, predict
 from qie.models.outputs import LAYERS
 from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise
 from qie.types import Batch, pad_prompt_embeds
@@ -40,6 +39,8 @@ _unpack_latents = QwenImageLayeredPipeline._unpack_latents
 # The pipeline's `resolution` buckets and its default layer count (`__call__`'s `layers`).
 RESOLUTIONS = (640, 1024)
 DEFAULT_LAYERS = 4
+# How the pipeline spaces its inference sigmas (`qie.models.flow.SIGMA_SCHEDULES`).
+SIGMA_SCHEDULE = "linspace_to_0_dropped"
 VARIANTS = {"layered": Variant("QwenImageLayeredPipeline", "none", output_image=0, caption="layered",
                                  max_prompt_tokens=512)}
 
@@ -160,7 +161,7 @@ def denoise_latents(
     img_shapes = [[(1, lat_h // 2, lat_w // 2)] * frames + cond_shapes] * batch
 
     scheduler = type(scheduler).from_config(scheduler.config)
-    sigmas = np.linspace(1.0, 0, steps + 1)[:-1]
+    sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
     mu = (cond_tokens.shape[1] / (256 * 256 / 16 / 16)) ** 0.5  # the condition's tokens, as the pipeline has it
     timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)

@@ -11,18 +11,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_timesteps
 
-from qie.models.flow import predict, shift_mu
+from qie.models.flow import inference_sigmas, predict, shift_mu
 from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise, true_cfg_enabled
 from qie.types import pad_prompt_embeds
 
 pack_latents = QwenImageEditPipeline._pack_latents
 _unpack_latents = QwenImageEditPipeline._unpack_latents
+# How the pipelines space their inference sigmas (`qie.models.flow.SIGMA_SCHEDULES`).
+SIGMA_SCHEDULE = "linspace_to_1_over_n"
 
 
 def vae_scale(vae: Any) -> int:
@@ -118,7 +119,7 @@ def denoise_latents(
     img_shapes = [[(1, lat_h // 2, lat_w // 2), *shapes]] * batch
 
     scheduler = type(scheduler).from_config(scheduler.config)
-    sigmas = np.linspace(1.0, 1 / steps, steps)
+    sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
     mu = shift_mu(latents.shape[1], scheduler.config)
     timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)

@@ -15,7 +15,6 @@ from qie.config.backend import build_backend
 from qie.config.cache import SyncConfig
 from qie.errors import ConfigError
 from qie.stages.cache_gc import check_gc_data, collect_garbage, gc_setup
-from qie.types import value
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
@@ -30,7 +29,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
     except ValueError as e:
         raise ConfigError(f"cache.types: {e}") from None
     backend = build_backend(cfg.cache)
-    action = str(value(cfg.action))
+    action = str(cfg.action)
     if action == "sync":
         report = _sync(typed(cfg.sync), backend, types)
     elif action == "gc":

@@ -38,7 +38,6 @@ from qie.stages.datasets import read_data, sample_range, write_failures
 from qie.stages.precompute_work import share
 from qie.stages.processes import leave_process_group, warn_single_process
 from qie.stages.settings import data_source
-from qie.types import value
 
 
 @dataclass
@@ -75,17 +74,14 @@ class Settings:
 
 
 def read_settings(c: CaptionConfig) -> Settings:
-    """The stage's settings (of the `caption` group), checked.
+    """The stage's settings (of the `caption` group; its counts were checked when the config was composed).
 
     Raises:
-        ConfigError: a batch size or token count below 1, a prompt with nothing to ask.
+        ConfigError: a prompt with nothing to ask.
     """
-    for key in ("batch_size", "max_new_tokens", "dry_run_samples"):
-        if int(getattr(c, key)) < 1:
-            raise ConfigError(f"caption.{key}={getattr(c, key)} is out of range: it must be at least 1")
     prompt, generation = prompt_settings(c)
     dry = int(c.dry_run_samples) if c.dry_run else 0
-    raise_errors = str(value(c.on_error)) == "raise"
+    raise_errors = c.on_error == "raise"
     return Settings(prompt, generation, int(c.batch_size), bool(c.overwrite), dry, raise_errors, int(c.start), c.end,
                     c.output)  # fmt: skip
 
@@ -147,7 +143,7 @@ def make_output(data: DataConfig, settings: Settings, process: int) -> FolderOut
     beside the input manifest or Hugging Face data set, `captions.jsonl` beside a glob of parquet files); checked
     writable unless a dry run."""
     path = Path(str(data.path)).expanduser()
-    kind = detect_format(path) if str(value(data.format)) == "auto" else str(value(data.format))
+    kind = detect_format(path) if data.format == "auto" else str(data.format)
     if kind == "folder":
         out: FolderOutput | ManifestOutput = FolderOutput(path)
         folder = path / "training_images"
@@ -195,8 +191,8 @@ def run_info(m: ModelConfig, settings: Settings) -> dict[str, Any]:
         "prompt_name": settings.prompt.name,
         "generation": settings.generation.to_dict(),
         "batch_size": 1 if settings.generation.do_sample else settings.batch_size,
-        "model": {"name": str(m.name), "source": model_source(m), "revision": m.revision, "dtype": str(value(m.dtype)),
-                  "text_encoder_quantize": str(value(m.text_encoder_quantize))},
+        "model": {"name": str(m.name), "source": model_source(m), "revision": m.revision, "dtype": str(m.dtype),
+                  "text_encoder_quantize": str(m.text_encoder_quantize)},
     }  # fmt: skip
 
 

@@ -35,7 +35,6 @@ from qie.stages.settings import data_source, fused_base, sampling_options
 from qie.training.fused_base import FusedBase, check_lora_base
 from qie.training.guards import damaged_weights, nonfinite_weights
 from qie.training.lora import load_lora, merge_lora, save_transformer
-from qie.types import value
 
 
 class Predictor:
@@ -240,8 +239,6 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
-    if problem := spec.family.outputs.option_problem(spec.name, p.layers):
-        raise ConfigError(problem)
     images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(model, p, spec)
     made = predictor.predict(images, p.prompt, options, progress=True)
@@ -284,11 +281,7 @@ def _safe_relative(sample_id: str) -> Path:
 
 def merge(model: ModelConfig, p: PredictConfig, run_dir: Path, spec: ModelSpec) -> Path:
     """Fuse `predict.lora` into the transformer (the LoRAs of `model.fuse_loras` fused first) and save it to
-    `<merge_to>/transformer`."""
-    if not p.lora:
-        raise ConfigError("predict.merge_to needs predict.lora: the LoRA to merge")
-    if str(value(model.quantize)) != "none":
-        raise ConfigError("predict.merge_to needs the full-precision transformer: set model.quantize=none")
+    `<merge_to>/transformer` (a config `qie.config.validate` passed: it names a LoRA, the weights unquantized)."""
     base = fused_base(model, spec)
     if warning := check_lora_base(p.lora, base, bool(p.allow_other_base)):
         print(f"infer: warning: {warning}")

@@ -29,7 +29,6 @@ from qie.memory_plan import (
     weight_bytes,
 )
 from qie.models import ModelSpec, model_spec
-from qie.types import value
 
 # The transformer's weight quantizations the planner tries, most precise first (the recommendation's tie-break).
 QUANTIZE = ("none", "fp8", "int4", "nf4")
@@ -88,7 +87,7 @@ def workload(m: ModelConfig, d: DataConfig, spec: ModelSpec) -> Workload:
         target_tokens=int(d.target_pixels) // facts.latent_pixels**2,
         control_tokens=(int(m.vae_image_pixels) // facts.latent_pixels**2,) * controls,
         prompt_tokens=controls * int(m.vl_image_pixels) // facts.vl_pixels_per_token + facts.template_tokens,
-        dtype=resolve_dtype(str(value(m.dtype))),
+        dtype=resolve_dtype(str(m.dtype)),
     )
 
 

@@ -54,7 +54,6 @@ from qie.stages.recipes import regularization_samples
 from qie.stages.settings import (
     Regularization,
     SourceSettings,
-    control_dropout,
     data_source,
     file_hasher,
     regularization,
@@ -63,7 +62,6 @@ from qie.stages.settings import (
 from qie.stages.sources import build_encoder, model_key_context
 from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
 from qie.stages.teacher_fill import fill_teachers, teacher_setup
-from qie.types import value
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -93,7 +91,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     place that reads `cfg` (`read_settings`).
 
     Raises:
-        ConfigError: no data.path, no persistent cache, a bad batch size.
+        ConfigError: no data.path, no persistent cache.
         DataError: no usable sample, or none could be encoded; with on_error=raise, the first unreadable sample.
         StorageError: a cache or run folder that cannot be written (found before any model is built).
     """
@@ -157,28 +155,25 @@ def refuse_if_none_encoded(summary: PrecomputeSummary, run_dir: Path) -> None:
 
 def read_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, p: PrecomputeConfig,
                   make_backend: Callable[..., CacheBackend], command: str) -> Settings:  # fmt: skip
-    """The stage's settings, checked, and the cache backend built (`make_backend`, given the stage's
-    `verify_reads`): ConfigError for a cache that does not outlive the process, or a batch size below 1, a
-    reference dropout or caption prompt the model cannot take.
+    """The stage's settings, and the cache backend built (`make_backend`, given the stage's `verify_reads`):
+    ConfigError for a cache that does not outlive the process, or a caption prompt that cannot be read.
 
     Args:
         command: the precompute command that fills this cache (what a training run's miss names).
     """
-    if int(p.batch_size) < 1:
-        raise ConfigError(f"precompute.batch_size={p.batch_size} is out of range: it must be at least 1")
     # `cache.repair`: every existing entry is read once, and those whose checksum fails are encoded again.
     repair = bool(cache.repair)
     backend = make_backend(verify_reads=repair)
     if not backend.persists:
         raise ConfigError(f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
                           "ends: use cache=ssd cache.dir=FOLDER")  # fmt: skip
-    raise_errors = str(value(p.on_error)) == "raise"
+    raise_errors = p.on_error == "raise"
     spec = prepare_model(model)
     source = source_settings(model, data, cache, spec, None, command)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
     return Settings(int(p.batch_size), raise_errors, p.start, p.end, spec, backend, repair, source.sizes,
                     functools.partial(build_encoder, model, spec, source.devices), source, data_source(data, cache.dir),
-                    control_dropout(data, spec), regularization(data), captions)  # fmt: skip
+                    float(data.control_dropout_rate), regularization(data), captions)  # fmt: skip
 
 
 def dataset_range(settings: Settings, captions: AutoCaptions | None = None) -> list[Sample | DataProblem]:

@@ -1,7 +1,7 @@
-"""The train and precompute stages' glue for the training recipes: the check of `train.ema` before anything is
-built, the EMA, the LoRA exports, and regularisation data (`data.regularization`: its samples and its own loss in
-the logs). `train.mask`, `data.control_dropout_rate` and `data.regularization`'s settings are read and checked in
-`qie.stages.settings`."""
+"""The train and precompute stages' glue for the training recipes: the EMA, the LoRA exports, and regularisation
+data (`data.regularization`: its samples and its own loss in the logs). `train.mask` and `data.regularization`'s
+settings are read in `qie.stages.settings`; their rules, and `train.ema`'s, are checked when the config is composed
+(`qie.config.rules`)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,7 @@ from qie.errors import DataError
 from qie.models import ModelSpec
 from qie.stages.datasets import read_data
 from qie.stages.settings import Regularization, at_path
-from qie.training.ema import Ema, check_ema
-
-
-def check_ema_settings(train: TrainConfig, use_ema: bool, lora: bool) -> None:
-    """Check `train.ema` against the mode (`lora`: a LoRA is trained), FSDP and `validation.use_ema` (`use_ema`),
-    before the data is read.
-
-    Raises:
-        ConfigError: naming the key and what to do.
-    """
-    ema = train.ema
-    if ema is not None:
-        check_ema(float(ema.decay), int(ema.every), lora, bool(train.fsdp), use_ema)
+from qie.training.ema import Ema
 
 
 def make_ema(train: TrainConfig, params: list) -> Ema | None:

@@ -2,9 +2,9 @@
 
 A stage's `run(cfg, run_dir)` is its edge: it turns the config groups into their schemas' dataclasses
 (`qie.config.typed`) and, with the functions here, into the settings its parts take (image sizes, where the samples
-come from, loss masks, reference dropout, the embedding source's settings, the fused base, sampling options). The
-rules these settings must keep that need no model loaded are checked here, once, before anything is built; the
-code below takes the settings, never a config.
+come from, loss masks, the embedding source's settings, the fused base, sampling options). The rules these settings
+must keep that need no model loaded were checked when the config was composed (`qie.config.validate`, with
+`qie.config.rules`); the code below takes the settings, never a config.
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ from qie.data.formats import Columns, DataSource
 from qie.data.masks import MaskSettings
 from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND
 from qie.encode import ImageSizes
-from qie.errors import ConfigError
 from qie.models import ModelSpec
 from qie.sampling import SamplingOptions
 from qie.training.fused_base import FusedBase
-from qie.types import value
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,7 @@ def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
         target_pixels=int(data.target_pixels),
         vae_image_pixels=int(spec.vae_image_pixels),
         vl_image_pixels=int(spec.vl_image_pixels),
-        resize_mode=str(value(data.resize_mode)),
+        resize_mode=str(data.resize_mode),
         multiple_of=int(data.multiple_of),
     )
 
@@ -99,7 +97,7 @@ def data_source(data: DataConfig, cache_dir: str | None = None, path: str | None
     c = data.columns
     columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.mask, c.layers, c.rejected)
     folder = Path(cache_dir) if cache_dir else None
-    return DataSource(str(path or data.path), str(value(data.format)) if path is None else "auto", str(data.split),
+    return DataSource(str(path or data.path), str(data.format) if path is None else "auto", str(data.split),
                       columns, (folder or qie_home()) / "images", bool(data.allow_outside_paths),
                       folder / "manifests" if folder is not None else None)  # fmt: skip
 
@@ -109,60 +107,22 @@ def at_path(source: DataSource, path: str) -> DataSource:
     return replace(source, path=str(path), format="auto")
 
 
-def loss_masks(train: TrainConfig | None, data: DataConfig, spec: ModelSpec) -> LossMasks | None:
-    """`train.mask`'s settings and outside weight, or None when masks are off (or the stage has no `train`).
-
-    Raises:
-        ConfigError: a value out of range, or `source=edit` for a model without control images.
-    """
+def loss_masks(train: TrainConfig | None, data: DataConfig) -> LossMasks | None:
+    """`train.mask`'s settings and outside weight, or None when masks are off (or the stage has no `train`)."""
     mask = train.mask if train is not None else None
-    if mask is None or str(value(mask.source)) == "none":
+    if mask is None or mask.source == "none":
         return None
-    source, outside = str(value(mask.source)), float(mask.outside_weight)
-    for name, v, low, high in (("outside_weight", outside, 0, 1), ("threshold", float(mask.threshold), 0, 1),
-                               ("dilation", int(mask.dilation), 0, 10**6)):  # fmt: skip
-        if not low <= v <= high:
-            raise ConfigError(f"train.mask.{name}={v} is out of range: give a value from {low} to {high}")
-    if source == "edit" and spec.max_control_images == 0:
-        raise ConfigError(f"train.mask.source=edit compares each target with its control image, and "
-                          f"model={spec.name} takes none: use train.mask.source=file")  # fmt: skip
-    settings = MaskSettings(source, float(mask.threshold), int(mask.dilation), int(data.target_pixels),
-                            str(value(data.resize_mode)), int(data.multiple_of))  # fmt: skip
-    return LossMasks(settings, outside)
-
-
-def control_dropout(data: DataConfig, spec: ModelSpec) -> float:
-    """`data.control_dropout_rate`, checked against the model.
-
-    Raises:
-        ConfigError: out of 0..1, or a model that cannot train without control images.
-    """
-    rate = float(data.control_dropout_rate)
-    if not 0.0 <= rate <= 1.0:
-        raise ConfigError(f"data.control_dropout_rate={rate} is out of range: give a value from 0 to 1")
-    if rate and (spec.max_control_images == 0 or spec.min_control_images > 0):
-        why = "takes no control images" if spec.max_control_images == 0 else "needs a control image in every sample"
-        raise ConfigError(f"data.control_dropout_rate: model={spec.name} {why}; reference dropout is for the "
-                          "models that also edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)")  # fmt: skip
-    return rate
+    settings = MaskSettings(str(mask.source), float(mask.threshold), int(mask.dilation), int(data.target_pixels),
+                            str(data.resize_mode), int(data.multiple_of))  # fmt: skip
+    return LossMasks(settings, float(mask.outside_weight))
 
 
 def regularization(data: DataConfig) -> Regularization | None:
-    """`data.regularization`, or None when it has no path.
-
-    Raises:
-        ConfigError: a weight below 0 or a ratio outside (0, 1).
-    """
+    """`data.regularization`, or None when it has no path."""
     reg = data.regularization
     if reg is None or not reg.path:
         return None
-    weight, ratio = float(reg.weight), float(reg.ratio)
-    if weight < 0:
-        raise ConfigError(f"data.regularization.weight={weight} is out of range: give 0 or more")
-    if not 0.0 < ratio < 1.0:
-        raise ConfigError(f"data.regularization.ratio={ratio} is out of range: give the share of steps, above 0 "
-                          "and below 1")  # fmt: skip
-    return Regularization(str(reg.path), weight, ratio)
+    return Regularization(str(reg.path), float(reg.weight), float(reg.ratio))
 
 
 def encoder_devices(cache: CacheConfig) -> dict[str, str]:
@@ -174,7 +134,7 @@ def source_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, sp
                     masks: LossMasks | None = None, command: str | None = None) -> SourceSettings:  # fmt: skip
     """The embedding source's settings of a stage's `model`, `data` and `cache` groups (`masks`: `loss_masks`'s;
     `command`: the precompute command a miss names)."""
-    return SourceSettings(model, image_sizes(data, spec), str(value(cache.mode)), cache.dir, encoder_devices(cache),
+    return SourceSettings(model, image_sizes(data, spec), str(cache.mode), cache.dir, encoder_devices(cache),
                           masks, command or DEFAULT_PRECOMPUTE_COMMAND)  # fmt: skip
 
 

@@ -18,7 +18,6 @@ from qie.errors import DataError
 from qie.masked_source import MaskedSource
 from qie.models import ModelSpec
 from qie.stages.settings import LossMasks, SourceSettings, file_hasher
-from qie.types import value
 
 
 def build_encoder(model: ModelConfig, spec: ModelSpec, devices: Mapping[str, str]) -> Encoder:
@@ -30,8 +29,8 @@ def build_encoder(model: ModelConfig, spec: ModelSpec, devices: Mapping[str, str
 def model_key_context(model: ModelConfig, spec: ModelSpec, sizes: ImageSizes) -> KeyContext:
     """The cache-key context of `model` (fingerprints, template, dtype, quantization) and the image sizes.
     Reads the checkpoint's configs and weight headers; builds and writes nothing."""
-    quantize = str(value(model.text_encoder_quantize))
-    return key_context(model_source(model), model.revision, spec, sizes, str(value(model.dtype)), quantize)
+    quantize = str(model.text_encoder_quantize)
+    return key_context(model_source(model), model.revision, spec, sizes, str(model.dtype), quantize)
 
 
 def build_source(

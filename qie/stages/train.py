@@ -27,6 +27,7 @@ from qie.components import load_parts, prepare_model, resolve_dtype
 from qie.config import precompute_command, typed
 from qie.config.backend import build_backend
 from qie.config.model import ModelConfig
+from qie.config.rules import objective_options
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data.samples import Sample
 from qie.errors import ConfigError, check_writable
@@ -40,7 +41,7 @@ from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
 from qie.stages.train_hooks import step_hooks
-from qie.stages.train_setup import TrainSetup, objective_options, train_setup
+from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.compile import compile_blocks
@@ -54,7 +55,6 @@ from qie.training.modes import TrainMode
 from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
-from qie.types import value
 
 RESULT_FILE = "train_result.json"
 
@@ -81,7 +81,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
     groups = (typed(cfg[k]) for k in ("data", "cache", "train", "predict", "logging", "validation"))
     setup = train_setup(spec, model, *groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
-    accelerator = make_accelerator(setup.train, setup.memory, str(value(model.dtype)), run_dir)
+    accelerator = make_accelerator(setup.train, setup.memory, str(model.dtype), run_dir)
     writer = accelerator.is_main_process
     if writer:
         check_writable(run_dir, "the run directory (hydra.run.dir)")
@@ -121,7 +121,7 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
                                s.dropout, len(samples) if reg else None, reg_weight, negatives)  # fmt: skip
     workers, prefetch, parallel = loader_settings(int(s.data.num_workers), int(s.data.prefetch), source)
     loader = make_loader(dataset, sampler, workers, int(train.seed), prefetch, parallel)
-    logger = MetricsLogger(run_dir, str(value(s.logging.report_to)), accelerator.is_main_process, s.run_config,
+    logger = MetricsLogger(run_dir, str(s.logging.report_to), accelerator.is_main_process, s.run_config,
                            resume_step=state.start_step if train.resume else None)  # fmt: skip
     hooks = step_hooks(s, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
     if heldout and int(s.validation.every) > 0:
@@ -188,7 +188,7 @@ def make_accelerator(train: TrainConfig, memory: MemorySettings, model_dtype: st
         # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
         # is on the CPU; otherwise each process would train alone.
         cpu=not torch.cuda.is_available(),
-        mixed_precision=mixed_precision(str(value(train.mixed_precision)), model_dtype),
+        mixed_precision=mixed_precision(str(train.mixed_precision), model_dtype),
         gradient_accumulation_steps=int(train.gradient_accumulation_steps),
         project_dir=str(run_dir),
         **memory.accelerator_kwargs(),
@@ -215,7 +215,7 @@ def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline
         teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
     """
     sigmas = SigmaSampling(
-        method=str(value(train.timestep_sampling)),
+        method=str(train.timestep_sampling),
         logit_mean=float(train.logit_mean),
         logit_std=float(train.logit_std),
         mode_scale=float(train.mode_scale),
@@ -223,7 +223,7 @@ def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline
         dynamic_shift=bool(train.dynamic_shift),
         scheduler_config=dict(scheduler.config),
     )
-    inputs = ObjectiveInputs(spec.family, sigmas, str(value(train.loss_weighting)), objective_options(train),
+    inputs = ObjectiveInputs(spec.family, sigmas, str(train.loss_weighting), objective_options(train),
                              scheduler, pipeline_config or {}, spec.call_defaults(), teachers,
                              model_key or {})  # fmt: skip
     return build_objective(str(train.objective), inputs)
@@ -233,7 +233,7 @@ def base_model_key(model: ModelConfig, record: dict) -> dict:
     """What the base transformer computes with: the run's model record but what training changes, and the settings
     that change its outputs at load (weight quantization, `zero_cond_t`)."""
     key = {k: v for k, v in record.items() if k not in ("mode", "lora")}
-    return {**key, "quantize": str(value(model.quantize)), "zero_cond_t": bool(model.zero_cond_t)}
+    return {**key, "quantize": str(model.quantize), "zero_cond_t": bool(model.zero_cond_t)}
 
 
 def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objective) -> LoopSettings:
@@ -244,7 +244,7 @@ def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objecti
         max_grad_norm=float(train.max_grad_norm),
         checkpoint_every=int(train.checkpoint_every),
         log_every=int(logging.log_every),
-        on_nonfinite=str(value(train.on_nonfinite)),
+        on_nonfinite=str(train.on_nonfinite),
     )
 
 
@@ -278,7 +278,7 @@ def build_train_state(model: ModelConfig, train: TrainConfig, memory: MemorySett
     # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
     prepared, optimizer = accelerator.prepare(transformer, optimizer, device_placement=[place, True])
     params = [p for p in prepared.parameters() if p.requires_grad]  # FSDP replaces them by their shards
-    dtype = resolve_dtype(str(value(model.dtype)))
+    dtype = resolve_dtype(str(model.dtype))
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
@@ -287,10 +287,10 @@ def run_records(m: ModelConfig, train: TrainConfig, spec: ModelSpec, samples: li
     """The model and data records checkpoints keep, and resume compares (see `qie.training.run_record`)."""
     fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.transformer_path, m.revision)
     lora = None
-    if str(value(train.mode)) != "full":
+    if train.mode != "full":
         keys = ("rank", "alpha", "target_modules", "dropout", "init")
-        lora = {k: list(v) if isinstance(v := getattr(train.lora, k), list) else value(v) for k in keys}
-    record = model_record(spec, fingerprint, str(value(train.mode)), lora, fused.record())
+        lora = {k: list(v) if isinstance(v := getattr(train.lora, k), list) else v for k in keys}
+    record = model_record(spec, fingerprint, str(train.mode), lora, fused.record())
     return record, data_record([s.id for s in samples])
 
 

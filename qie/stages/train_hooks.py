@@ -50,7 +50,7 @@ def _validation_hook(s: TrainSetup, state: TrainState, source: Any, samples: lis
         num_inference_steps=v.num_inference_steps, seed=v.seed,
     )  # fmt: skip
     vae_parts = load_parts(s.model, ["vae"], {"vae": str(accelerator.device)}, spec)
-    chosen = validation_samples(v, samples, int(s.logging.log_images_count), spec)
+    chosen = validation_samples(v, samples, int(s.logging.log_images_count))
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
     references, out = validation_references(chosen, spec), run_dir / "validation"
 

@@ -16,36 +16,23 @@ import torch
 from qie.config.train import ValidationConfig
 from qie.data.samples import Sample
 from qie.embeddings import EmbeddingSource
-from qie.errors import ConfigError
 from qie.models import ModelSpec
 from qie.training.validation import Reference
 from qie.types import SampleEmbeddings
 
 
-def validation_samples(v: ValidationConfig, training: list[Sample], count: int, spec: ModelSpec) -> list[Sample]:
+def validation_samples(v: ValidationConfig, training: list[Sample], count: int) -> list[Sample]:
     """`validation.images` with `validation.prompts` (an Edit-Plus entry joins its images with '|'; no
     images for text to image), or, when none are given, the first `count` training samples. Those keep
     their targets: for the metrics, and, without a control image, for the output size (`validation_inputs`
-    encodes the others without theirs).
-
-    Raises:
-        ConfigError: images given, but not one entry per prompt, or a number of images the model does not take.
+    encodes the others without theirs). One entry per prompt, each with as many images as the model takes, was
+    checked when the config was composed (`qie.config.validate`).
     """
     if not v.prompts:
         return list(training[:count])
     images = list(v.images) or [""] * len(v.prompts)
-    if len(images) != len(v.prompts):
-        raise ConfigError(
-            f"validation.images has {len(v.images)} entries and validation.prompts {len(v.prompts)}: "
-            "give one image (or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image"
-        )
-    chosen = []
-    for i, (image, prompt) in enumerate(zip(images, v.prompts)):
-        controls = tuple(Path(p) for p in str(image).split("|") if p)
-        if problem := spec.control_problem(len(controls)):
-            raise ConfigError(f"validation.prompts[{i}] comes with {problem}")
-        chosen.append(Sample(f"validation_{i}", None, controls, str(prompt)))
-    return chosen
+    return [Sample(f"validation_{i}", None, tuple(Path(p) for p in str(image).split("|") if p), str(prompt))
+            for i, (image, prompt) in enumerate(zip(images, v.prompts))]  # fmt: skip
 
 
 def validation_inputs(

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from qie.errors import ConfigError, ModelLoadError
+from qie.errors import ModelLoadError
 
-KINDS = ("lora", "loha", "lokr")
 # A parameter of an adapter (what training unfreezes), by peft's attribute names.
 PARAM_MARKERS = ("lora_", "hada_", "lokr_")
 _PART = re.compile(
@@ -46,20 +45,6 @@ def kind_of(keys: Sequence[str]) -> str:
 def is_adapter_param(name: str) -> bool:
     """True for a parameter of an adapter (of any kind) in `named_parameters()`."""
     return any(marker in name for marker in PARAM_MARKERS)
-
-
-def check_options(kind: str, dropout: float, init: str, use_dora: bool) -> None:
-    """Raise ConfigError for `train.lora` options the adapter kind does not have."""
-    if kind not in KINDS:
-        raise ConfigError(f"train.adapter={kind!r} is not one of {list(KINDS)}")
-    if kind == "lora":
-        return
-    if use_dora:
-        raise ConfigError(f"train.lora.use_dora=true is for train.adapter=lora, not {kind}")
-    if dropout:
-        raise ConfigError(f"train.lora.dropout is for train.adapter=lora; set it to 0 with train.adapter={kind}")
-    if init.lower() not in ("true", "false"):
-        raise ConfigError(f"train.lora.init={init!r} is for train.adapter=lora; {kind} takes true or false")
 
 
 def peft_config(

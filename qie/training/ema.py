@@ -67,22 +67,6 @@ class Ema:
                     p.copy_(k)
 
 
-def check_ema(decay: float, every: int, lora: bool, fsdp: bool, use_in_validation: bool) -> None:
-    """Raise ConfigError for `train.ema` settings that cannot work (checked before a model is built)."""
-    from qie.errors import ConfigError
-
-    if not 0.0 <= decay < 1.0:
-        raise ConfigError(f"train.ema.decay={decay} is out of range: 0 (off) or a value below 1, e.g. 0.999")
-    if decay and every < 1:
-        raise ConfigError(f"train.ema.every={every}: give a number of optimizer steps, 1 or more")
-    if decay and not lora:
-        raise ConfigError("train.ema averages LoRA weights: it needs train.mode=lora")
-    if decay and fsdp:
-        raise ConfigError("train.ema does not work with train.fsdp=true (each process holds only its shards)")
-    if use_in_validation and not decay:
-        raise ConfigError("validation.use_ema=true needs an EMA: set train.ema.decay (e.g. 0.999)")
-
-
 def export_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str],
                base: Sequence[dict] | None = None) -> Path:  # fmt: skip
     """Write the average as LoRA files in `folder/ema/` (main process), naming the fused `base` it was trained on

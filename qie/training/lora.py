@@ -32,22 +32,8 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 PREFIX = "transformer."
 
 
-# peft's `init_lora_weights` names (peft/tuners/lora/config.py); "pissa_niter_N" too.
-INIT_NAMES = ("true", "false", "gaussian", "eva", "olora", "pissa", "corda", "loftq", "orthogonal", "mica")
-
-
 def _init_value(init: str) -> bool | str:
     return {"true": True, "false": False}.get(init.lower(), init)
-
-
-def check_init_name(init: str) -> None:
-    """Raise ConfigError unless `init` (`train.lora.init`) is one of peft's initialisations."""
-    from qie.errors import ConfigError
-
-    if init.lower() in INIT_NAMES or init.lower().startswith("pissa_niter_"):
-        return
-    hint = " (to start from a LoRA file, use train.init_lora=PATH)" if "/" in init or "." in init else ""
-    raise ConfigError(f"train.lora.init={init!r} is not one of peft's initialisations {list(INIT_NAMES)}{hint}")
 
 
 def check_lora_file(path: str | Path, loader: type) -> Path:

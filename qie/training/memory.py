@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from qie.errors import ConfigError
 from qie.training.offload import BlockSwapper, offload_activations
 
 
@@ -32,30 +31,6 @@ class MemorySettings:
         """From the `train` config node (any object with the lever names as attributes) and the model family."""
         levers = {f.name: type(f.default)(getattr(train, f.name)) for f in fields(cls) if hasattr(train, f.name)}
         return cls(**levers, blocks=family.blocks, block_classes=tuple(family.block_classes()))
-
-    def check(self, lora: bool, quantize: str) -> None:
-        """Refuse combinations that cannot work, naming the keys to change.
-
-        Raises:
-            ConfigError
-        """
-        if self.blocks_to_swap and not self.gradient_checkpointing:
-            raise ConfigError(
-                f"train.blocks_to_swap={self.blocks_to_swap} needs train.gradient_checkpointing=true: without it "
-                "the backward pass keeps every block's weights on the GPU, and swapping saves nothing"
-            )
-        if self.blocks_to_swap and not lora:
-            raise ConfigError(
-                "train.blocks_to_swap works with train.mode=lora only: full fine-tuning updates the weights that "
-                "swapping keeps in CPU memory; shard them over several GPUs with train.fsdp=true instead"
-            )
-        if self.fsdp and self.blocks_to_swap:
-            raise ConfigError("train.fsdp=true and train.blocks_to_swap cannot be combined: choose one")
-        if self.fsdp and quantize != "none":
-            raise ConfigError(
-                f"train.fsdp=true shards plain weights; model.quantize={quantize} weights (optimum-quanto tensors) "
-                "cannot be sharded: set model.quantize=none (sharding divides the bf16 weights by the GPU count)"
-            )
 
     def build_device(self, device: torch.device) -> str:
         """Where to build the transformer: the CPU when it must not reach the device whole (swap, FSDP)."""

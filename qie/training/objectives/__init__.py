@@ -7,7 +7,8 @@ objective is one module of this package named as `train.objective` names it, hol
 - `REQUIRES`: the sample fields it trains on beyond a target (`("rejected",)` for preference pairs); the train
   stage refuses samples without them and drops such fields where the objective does not read them
   (`"empty_prompt"`, which every sample has: batches carry each sample's empty-prompt embedding);
-- `use_problem(use)`: why it cannot train this run (`ObjectiveUse`, known before any model loads), or None;
+- `use_problem(use)`: why it cannot train this run (`ObjectiveUse`, known before any model loads: `qie.config.validate`
+  asks it when the config is composed), or None;
 - `build(inputs)`: the `Objective`, its own settings read from `inputs.options` (the `train.<name>` node).
 
 `flow_matching` (the default) is the family's flow-matching loss with loss masks and regularisation weights;
