@@ -76,6 +76,9 @@ CASES = [
     # the precompute and caption stages' counts
     ("precompute", "tiny", {"precompute.batch_size": 0},
      "precompute.batch_size=0 is out of range: it must be at least 1"),
+    ("precompute", "tiny", {"precompute.teachers": True},
+     "precompute.teachers=true fills distillation's teacher outputs, and train.objective=flow_matching: give the "
+     "training run's overrides (train.objective=distill, train.distill.*)"),
     ("caption", "tiny", {"caption.batch_size": 0}, "caption.batch_size=0 is out of range: it must be at least 1"),
     ("caption", "tiny", {"caption.max_new_tokens": 0},
      "caption.max_new_tokens=0 is out of range: it must be at least 1"),
@@ -143,3 +146,19 @@ def test_settings_within_the_rules_pass() -> None:
               "validation.prompts": ["a|b"], "validation.images": ["a.png|b.png"]}  # fmt: skip
     validate(updated(passing("train", "tiny_plus"), within))
     validate(updated(passing("infer", "tiny_qwen_image_layered"), {"predict.layers": 3}))
+
+
+@pytest.mark.parametrize("stage", ["train", "precompute", "infer", "plan"])
+def test_a_stage_run_checks_a_config_changed_after_it_was_composed(stage: str, tmp_path) -> None:
+    """Code that composes a config, then sets keys on it, reaches the same rules at the stage's edge."""
+    import importlib
+
+    bad = {"train": {"data.path": "/data", "train.ema.decay": 1.5},
+           "precompute": {"data.path": "/data", "precompute.batch_size": 0},
+           "infer": {"predict.merge_to": str(tmp_path / "merged")},
+           "plan": {"train.ema.decay": 1.5}}[stage]  # fmt: skip
+    cfg = updated(passing(stage, "tiny"), bad)
+    with pytest.raises(ConfigError) as info:
+        importlib.import_module(f"qie.stages.{stage}").run(cfg, tmp_path)
+    assert "\n" not in str(info.value) and not list(tmp_path.iterdir())  # refused before anything was written
+

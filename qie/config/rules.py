@@ -152,9 +152,14 @@ def _memory(cfg: DictConfig, spec: Any) -> str | None:
 
 
 def _precompute(cfg: DictConfig, spec: Any) -> str | None:
+    """`precompute.batch_size`; `precompute.teachers` only with a distillation run's settings."""
     size = _get(cfg, "precompute.batch_size")
     if size is not None and int(size) < 1:
         return f"precompute.batch_size={size} is out of range: it must be at least 1"
+    objective = _get(cfg, "train.objective")
+    if _get(cfg, "precompute.teachers", False) and objective != "distill":
+        return (f"precompute.teachers=true fills distillation's teacher outputs, and train.objective={objective}: "
+                "give the training run's overrides (train.objective=distill, train.distill.*)")  # fmt: skip
     return None
 
 

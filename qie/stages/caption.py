@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from qie.captioning import Captioner, CaptionPrompt, GenerationSettings, caption_processor
 from qie.cli import check_writable
 from qie.components import load_parts, model_source, prepare_model
-from qie.config import typed
+from qie.config import typed, validate
 from qie.config.caption import CaptionConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
@@ -108,6 +108,7 @@ def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
         ConfigError: bad settings. DataError: no usable sample; with on_error=raise, the first bad sample.
         StorageError: an output or run folder that cannot be written (found before any model is built).
     """
+    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     from accelerate import PartialState
 
     if not cfg.data.path:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
-from qie.config import typed
+from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
@@ -220,6 +220,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     Raises:
         QieError subclasses naming the key, file or device at fault.
     """
+    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     model, p = typed(cfg.model), typed(cfg.predict)  # the stage's edge: the one place that reads `cfg`
     spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
     if p.merge_to:

@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from qie.components import model_source, resolve_dtype
-from qie.config import typed
+from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.memory_plan import (
@@ -37,6 +37,7 @@ QUANTIZE = ("none", "fp8", "int4", "nf4")
 def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
     """Print the plan; returns one Estimate per combination of levers tried. The stage's edge: the one place that
     reads `cfg`."""
+    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     model, train = typed(cfg.model), typed(cfg.train)
     spec = model_spec(model)
     family = spec.family

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
 from qie.components import prepare_model
-from qie.config import precompute_command, typed
+from qie.config import precompute_command, typed, validate
 from qie.config.backend import build_backend
 from qie.config.cache import CacheConfig, PrecomputeConfig
 from qie.config.data import DataConfig
@@ -95,6 +95,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
         DataError: no usable sample, or none could be encoded; with on_error=raise, the first unreadable sample.
         StorageError: a cache or run folder that cannot be written (found before any model is built).
     """
+    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     from accelerate import PartialState
 
     if not cfg.data.path:

@@ -44,15 +44,12 @@ __all__ = ["ENTRY_TYPE", "fill_teachers", "teacher_setup"]
 def teacher_setup(spec: ModelSpec, model: ModelConfig, data: DataConfig, cache: CacheConfig, train: TrainConfig,
                   predict: PredictConfig, logging: LoggingConfig, validation: ValidationConfig,
                   command: str) -> TrainSetup:  # fmt: skip
-    """The training run's setup, checked at precompute's edge before anything is encoded.
+    """The training run's setup, checked at precompute's edge before anything is encoded (that the run is a
+    distillation is a rule of `qie.config.validate`).
 
     Raises:
-        ConfigError: `train.objective` is not distill, or what the training run itself would refuse.
+        ConfigError: what the training run itself would refuse.
     """
-    if str(train.objective) != "distill":
-        raise ConfigError(f"precompute.teachers=true fills distillation's teacher outputs, and train.objective="
-                          f"{train.objective}: give the training run's overrides (train.objective=distill, "
-                          "train.distill.*)")  # fmt: skip
     return train_setup(spec, model, data, cache, train, predict, logging, validation, command, {})
 
 

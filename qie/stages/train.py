@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from qie import run_lock
 from qie.cache.base import CacheBackend
 from qie.components import load_parts, prepare_model, resolve_dtype
-from qie.config import precompute_command, typed
+from qie.config import precompute_command, typed, validate
 from qie.config.backend import build_backend
 from qie.config.model import ModelConfig
 from qie.config.rules import objective_options
@@ -74,6 +74,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         QieError subclasses for what a user can fix (config, data, cache misses, models), and StorageError when
         another process trains in `run_dir` (one writer per run folder, see `qie.run_lock`).
     """
+    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     run_dir = Path(run_dir)
