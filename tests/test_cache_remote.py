@@ -255,6 +255,26 @@ def test_the_start_up_check_reads_the_index_not_each_entry(s3: str, url: str, tm
     assert fresh.intact_all(more) == [True] * 41 and fresh.store.requests <= 4
 
 
+def test_the_index_of_every_type_a_start_up_checks_is_two_requests(s3: str, url: str, tmp_path: Path) -> None:
+    """One listing of the index folder and one read of all the types' segments at once, however many segments
+    (several writers) and types there are; each entry's record as its writer indexed it."""
+    types = ["pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed"]
+    items = [(t, key(f"{t}{n}")) for t in types for n in range(3)]
+    for w in range(3):  # three writers: three segments of each type
+        writer = writing(url, s3, tmp_path / f"w{w}")
+        for t, k in items[w::3]:
+            writer.put(t, k, make_entry(t))
+        writer.flush()
+    assert len(raw_fs(s3).find(f"{url}/.index/")) == 12
+    reader = remote(url, s3, tmp_path / "r")
+    assert reader.intact_all(items) == [True] * len(items)
+    assert reader.store.requests == 2
+    one_by_one = remote(url, s3, tmp_path / "o")
+    assert {t: one_by_one.index.records(t) for t in types} == {t: reader.index.records(t) for t in types}
+    assert one_by_one.store.requests == len(types) + 3 * len(types)  # per type a listing, per segment a read
+    assert reader.intact_all([*items, ("pixel_latent", key("x"))])[-1] is False
+
+
 def test_precompute_plans_from_the_index_and_checks_the_store_under_a_claim(s3: str, url: str, tmp_path: Path) -> None:
     writer = writing(url, s3, tmp_path / "a")
     writer.put("pixel_latent", key(0), make_entry("pixel_latent"))

@@ -61,6 +61,22 @@ class RemoteIndex:
                 self._records[type] = self._load(type)
             return self._records[type]
 
+    def preload(self, types: list[str]) -> None:
+        """Read the index of each of `types` not read yet: one listing of the index folder for all of them, and
+        their segments read at once (a start-up's round trips: two, not two per type and one per segment)."""
+        with self._lock:
+            todo = [t for t in dict.fromkeys(types) if t not in self._records]
+            if len(todo) < 2:
+                return
+            listed: dict[str, list[str]] = {t: [] for t in todo}
+            for name in sorted(self.store.listing(FOLDER)):
+                parts = name.split("/")
+                if len(parts) == 3 and parts[1] in listed and name.endswith(".json"):
+                    listed[parts[1]].append(name)
+            fetched = self.store.read_many([n for names in listed.values() for n in names])
+            for t, segments in listed.items():
+                self._records[t] = self._load(t, segments, fetched)
+
     def get(self, type: str, key: str) -> Record | None:
         return self.records(type).get(key)
 
@@ -68,7 +84,9 @@ class RemoteIndex:
         """Whether the index lists every (type, key) of `items`, each with its base (if any) listed under the
         checksum it records: the start-up check of a whole set in one pass (no base of a base is followed: such
         an entry answers False, and the caller checks entry by entry)."""
-        records = {t: self.records(t) for t in {t for t, _ in items}}
+        types = list(dict.fromkeys(t for t, _ in items))
+        self.preload(types)
+        records = {t: self.records(t) for t in types}
         get = {t: r.get for t, r in records.items()}
         for type, key in items:
             record = get[type](key)
@@ -139,20 +157,29 @@ class RemoteIndex:
     def _segments(self, type: str) -> list[str]:
         return sorted(n for n in self.store.listing(f"{FOLDER}/{type}") if n.endswith(".json"))
 
-    def _load(self, type: str) -> dict[str, Record]:
-        segments = self._segments(type)
-        merged = self._read_all(type, segments)
+    def _load(self, type: str, segments: list[str] | None = None,
+              fetched: dict[str, bytes | None] | None = None) -> dict[str, Record]:  # fmt: skip
+        """The index of `type`: its `segments` (listed when not given) read (or taken from `fetched`), and merged
+        into one when there are many."""
+        segments = self._segments(type) if segments is None else segments
+        merged = self._read_all(type, segments, fetched)
         if len(segments) > MERGE_ABOVE:
             self._replace(type, merged, segments)
         return merged
 
-    def _read_all(self, type: str, segments: list[str]) -> dict[str, Record]:
-        """The union of the segments' entries; a segment that vanished (merged meanwhile) or is unreadable is
-        dropped from `segments`, so that only segments read whole are ever replaced."""
+    def _read_all(self, type: str, segments: list[str], fetched: dict[str, bytes | None] | None = None
+                  ) -> dict[str, Record]:  # fmt: skip
+        """The union of the segments' entries (their bytes from `fetched` where it has them, else read); a segment
+        that vanished (merged meanwhile) or is unreadable is dropped from `segments`, so that only segments read
+        whole are ever replaced."""
         merged: dict[str, Record] = {}
+        fetched = fetched or {}
         for name in list(segments):
             try:
-                doc = json.loads(self.store.read(name))
+                data = fetched[name] if name in fetched else self.store.read(name)
+                if data is None:
+                    raise FileNotFoundError(name)
+                doc = json.loads(data)
                 if doc.get("format") != FORMAT or doc.get("type") != type:
                     raise ValueError("not an index segment of this type")
                 merged.update({k: (int(v[0]), str(v[1]), str(v[2])) for k, v in doc["entries"].items()})

@@ -133,6 +133,27 @@ class Store:
         """The object's bytes (FileNotFoundError when there is none)."""
         return self.call(f"reading {name}", self.fs.cat_file, self.path(name))
 
+    def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        """Each object's bytes (None where there is none), the reads made at once (one call of the file system);
+        an object whose read failed otherwise is read again alone, with retries (`read`)."""
+        paths = {self.fs._strip_protocol(self.path(n)): n for n in names}
+        got = self.call(f"reading {len(names)} objects", self.fs.cat, list(paths), on_error="return") if names else {}
+        if len(names) == 1 and not isinstance(got, dict):  # a single path gives its bytes, not a mapping
+            got = {next(iter(paths)): got}
+        out: dict[str, bytes | None] = {}
+        for path, name in paths.items():
+            data = got.get(path)
+            if isinstance(data, FileNotFoundError):
+                out[name] = None
+            elif isinstance(data, bytes | bytearray):
+                out[name] = bytes(data)
+            else:  # an error of its own (or none reported): through the retries
+                try:
+                    out[name] = self.read(name)
+                except FileNotFoundError:
+                    out[name] = None
+        return out
+
     def read_range(self, name: str, start: int, end: int) -> bytes:
         return self.call(f"reading {name}", self.fs.cat_file, self.path(name), start=start, end=end)
 
