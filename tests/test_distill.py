@@ -78,6 +78,18 @@ def test_precompute_teachers_needs_the_distillation_runs_overrides(small_cfg, ca
     assert "\n" not in str(e.value)  # one line, when the config is composed: before anything is built
 
 
+def test_precompute_teachers_refuses_fsdp_over_several_processes_before_encoding() -> None:
+    from types import SimpleNamespace
+
+    from qie.stages.teacher_fill import check_processes
+
+    sharded = SimpleNamespace(memory=SimpleNamespace(fsdp=True))
+    check_processes(sharded, 1)  # one process holds the whole model
+    with pytest.raises(ConfigError, match=r"precompute.teachers=true fills each process's share .* train.fsdp=true"):
+        check_processes(sharded, 2)
+    check_processes(SimpleNamespace(memory=SimpleNamespace(fsdp=False)), 2)
+
+
 @pytest.mark.parametrize(
     ("lora", "regularization", "options", "message"),
     [

@@ -61,7 +61,8 @@ from qie.stages.settings import (
 )
 from qie.stages.sources import build_encoder, model_key_context
 from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
-from qie.stages.teacher_fill import fill_teachers, teacher_setup
+from qie.stages.teacher_fill import check_processes, fill_teachers
+from qie.stages.train_setup import train_setup
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -105,7 +106,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
     if cfg.precompute.teachers:
         train_groups = (typed(cfg[k]) for k in ("model", "data", "cache", "train", "predict", "logging", "validation"))
-        teachers = teacher_setup(settings.model, *train_groups, precompute_command(cfg))
+        teachers = train_setup(settings.model, *train_groups, precompute_command(cfg), {})
     backend = settings.backend
     backend.check_access(write=True)
     check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
@@ -113,6 +114,8 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     # the CPU; otherwise each would think it is alone and encode everything.
     state = PartialState(cpu=not torch.cuda.is_available())
     warn_single_process(state.num_processes, "qie.precompute")
+    if teachers is not None:
+        check_processes(teachers, state.num_processes)
     hasher = file_hasher(settings.source.cache_dir)
     captions = auto_captions(settings.captions, settings.source, settings.model, True, backend, hasher)
     with state.main_process_first():  # the main process writes the missing captions, the others read them

@@ -14,15 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from qie.cache.base import CacheBackend
-from qie.config.cache import CacheConfig
-from qie.config.data import DataConfig
-from qie.config.model import ModelConfig
-from qie.config.predict import PredictConfig
-from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.data.collate import collate
 from qie.data.samples import Sample
 from qie.errors import ConfigError, QieError
-from qie.models import ModelSpec
 from qie.progress import progress
 from qie.stages.precompute_work import TypeSummary
 from qie.stages.sources import build_source
@@ -35,38 +29,31 @@ from qie.stages.train import (
     make_objective,
     run_records,
 )
-from qie.stages.train_setup import TrainSetup, train_setup
+from qie.stages.train_setup import TrainSetup
 from qie.training.objectives.distill import ENTRY_TYPE
 
-__all__ = ["ENTRY_TYPE", "fill_teachers", "teacher_setup"]
+__all__ = ["ENTRY_TYPE", "check_processes", "fill_teachers"]
 
 
-def teacher_setup(spec: ModelSpec, model: ModelConfig, data: DataConfig, cache: CacheConfig, train: TrainConfig,
-                  predict: PredictConfig, logging: LoggingConfig, validation: ValidationConfig,
-                  command: str) -> TrainSetup:  # fmt: skip
-    """The training run's setup, checked at precompute's edge before anything is encoded (that the run is a
-    distillation is a rule of `qie.config.validate`).
+def check_processes(setup: TrainSetup, processes: int) -> None:
+    """Refuse FSDP over several processes, before anything is encoded: each process fills its own share, and FSDP
+    needs every process in each forward pass.
 
     Raises:
-        ConfigError: what the training run itself would refuse.
+        ConfigError: naming what to do instead.
     """
-    return train_setup(spec, model, data, cache, train, predict, logging, validation, command, {})
+    if setup.memory.fsdp and processes > 1:
+        raise ConfigError("precompute.teachers=true fills each process's share on its own, which train.fsdp=true "
+                          "cannot (every process takes part in each forward pass): fill them with one process per "
+                          "whole model, or train with cache.mode=lazy")  # fmt: skip
 
 
 def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBackend, run_dir: Path,
                   desc: str = "") -> TypeSummary:  # fmt: skip
-    """Compute the missing teacher outputs of `samples` into `backend` (their embeddings are cached by now);
-    returns their counts: new (computed), skipped (present), failed (a sample whose embeddings cannot be read).
-
-    Raises:
-        ConfigError: FSDP over several processes (each process fills its own share, and FSDP needs every process
-            in each forward pass).
-    """
+    """Compute the missing teacher outputs of `samples` into `backend` (their embeddings are cached by now) with
+    the training run's `setup` (`train_setup`, `check_processes`); returns their counts: new (computed), skipped
+    (present), failed (a sample whose embeddings cannot be read)."""
     accelerator = make_accelerator(setup.train, setup.memory, str(setup.model.dtype), run_dir)
-    if setup.memory.fsdp and accelerator.num_processes > 1:
-        raise ConfigError("precompute.teachers=true fills each process's share on its own, which train.fsdp=true "
-                          "cannot (every process takes part in each forward pass): fill them with one process per "
-                          "whole model, or train with cache.mode=lazy")  # fmt: skip
     source = build_source(setup.source.with_mode("cached"), setup.spec, backend)
     parts = load_model(setup.model, setup.memory, bool(setup.train.compile), accelerator, setup.spec, setup.fused)
     record = run_records(setup.model, setup.train, setup.spec, [], setup.fused)[0]
