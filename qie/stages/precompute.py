@@ -96,17 +96,18 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
         DataError: no usable sample, or none could be encoded; with on_error=raise, the first unreadable sample.
         StorageError: a cache or run folder that cannot be written (found before any model is built).
     """
-    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     from accelerate import PartialState
 
+    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     groups = (typed(cfg[k]) for k in ("model", "data", "cache", "precompute"))
-    settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), precompute_command(cfg))
+    command = precompute_command(cfg)
+    settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), command)
     teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
     if cfg.precompute.teachers:
         train_groups = (typed(cfg[k]) for k in ("model", "data", "cache", "train", "predict", "logging", "validation"))
-        teachers = train_setup(settings.model, *train_groups, precompute_command(cfg), {})
+        teachers = train_setup(settings.model, *train_groups, command, {})
     backend = settings.backend
     backend.check_access(write=True)
     check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
