@@ -63,10 +63,10 @@ class RemoteIndex:
 
     def preload(self, types: list[str]) -> None:
         """Read the index of each of `types` not read yet: one listing of the index folder for all of them, and
-        their segments read at once (a start-up's round trips: two, not two per type and one per segment)."""
+        their segments read at once (a start-up's round trips: two, not two per type)."""
         with self._lock:
             todo = [t for t in dict.fromkeys(types) if t not in self._records]
-            if len(todo) < 2:
+            if len(todo) < 2:  # one type: its own listing and one read (`_load`) is as few requests
                 return
             listed: dict[str, list[str]] = {t: [] for t in todo}
             for name in sorted(self.store.listing(FOLDER)):
@@ -169,14 +169,14 @@ class RemoteIndex:
 
     def _read_all(self, type: str, segments: list[str], fetched: dict[str, bytes | None] | None = None
                   ) -> dict[str, Record]:  # fmt: skip
-        """The union of the segments' entries (their bytes from `fetched` where it has them, else read); a segment
-        that vanished (merged meanwhile) or is unreadable is dropped from `segments`, so that only segments read
-        whole are ever replaced."""
+        """The union of the segments' entries (their bytes from `fetched`, else all read at once); a segment that
+        vanished (merged meanwhile) or is unreadable is dropped from `segments`, so that only segments read whole are
+        ever replaced."""
         merged: dict[str, Record] = {}
-        fetched = fetched or {}
+        fetched = self.store.read_many(segments) if fetched is None else fetched
         for name in list(segments):
             try:
-                data = fetched[name] if name in fetched else self.store.read(name)
+                data = fetched.get(name)
                 if data is None:
                     raise FileNotFoundError(name)
                 doc = json.loads(data)

@@ -138,8 +138,6 @@ class Store:
         an object whose read failed otherwise is read again alone, with retries (`read`)."""
         paths = {self.fs._strip_protocol(self.path(n)): n for n in names}
         got = self.call(f"reading {len(names)} objects", self.fs.cat, list(paths), on_error="return") if names else {}
-        if len(names) == 1 and not isinstance(got, dict):  # a single path gives its bytes, not a mapping
-            got = {next(iter(paths)): got}
         out: dict[str, bytes | None] = {}
         for path, name in paths.items():
             data = got.get(path)
