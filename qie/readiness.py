@@ -102,8 +102,11 @@ def ready_samples(
     cache_dir: str | None,
     report: bool = True,
     precompute_command: str = "python -m qie.precompute ...",
+    remember: bool | None = None,
 ) -> list[Sample]:
     """The samples to train on, after checking the run and cache folders and (cached mode) every entry.
+    `report`: print and write the report; `remember` (default: `report`): save what was learnt about the
+    samples' keys in the cache folder (one process does).
 
     Raises:
         StorageError: the run directory cannot be written, or the cache folder is missing or a file.
@@ -129,7 +132,7 @@ def ready_samples(
     finally:
         if gc_was_on:
             gc.enable()
-    if report:
+    if report if remember is None else remember:
         cache.remember_keys()  # the next start stats images instead of hashing them
     path = run_dir / REPORT_FILE
     if report:

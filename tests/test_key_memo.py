@@ -104,3 +104,82 @@ def test_a_memo_written_in_any_order_is_found_row_by_row(tmp_path: Path) -> None
     warm.save()  # written sorted: the next start finds it so
     again, _ = _memo(cache)
     assert not again._load().resorted and again.keys_all(samples) == expected and again.misses == 0
+
+
+def _rows_of(keys: list[dict[str, str]]):
+    """The rows `rows_all` gives for these keys (ROW_TYPES in order, zeros for a type a sample lacks)."""
+    import numpy as np
+
+    from qie.data.key_memo import KEY_BYTES, ROW_TYPES
+
+    blob = b"".join(bytes.fromhex(k[t]) if t in k else bytes(KEY_BYTES) for k in keys for t in ROW_TYPES)
+    return np.frombuffer(blob, np.uint8).reshape(len(keys), -1)
+
+
+def test_a_whole_list_found_again_takes_no_signature_per_sample(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A list of samples is remembered with its rows: found again (same prompts, the same images in each role,
+    each image's stat unchanged) it is answered from one file; any change to one of them looks samples up one
+    by one again, and a sample whose input changed is not remembered (None)."""
+    import numpy as np
+
+    import qie.data.key_memo as km
+
+    samples, cache = _samples(tmp_path / "ds", 4), tmp_path / "cache"
+    memo, _ = _memo(cache)
+    expected = memo.keys_all(samples)
+    memo.save()
+    warm, _ = _memo(cache)
+    assert np.array_equal(warm.rows_all(samples), _rows_of(expected))  # by signature, row by row
+    assert not list((cache / "sample_keys" / "lists").glob("*"))  # learnt, not yet saved
+    warm.save()
+    assert len(list((cache / "sample_keys" / "lists").glob("*.safetensors"))) == 1
+
+    real = km._signatures
+    calls: list[int] = []
+    monkeypatch.setattr(km, "_signatures", lambda s, seen=None: calls.append(len(s)) or real(s, seen))
+    again, _ = _memo(cache)
+    assert np.array_equal(again.rows_all(samples), _rows_of(expected)) and calls == []
+    # Another order is another list: looked up sample by sample, its rows in its own order.
+    shuffled = samples[::-1]
+    assert np.array_equal(again.rows_all(shuffled), _rows_of(expected[::-1])) and calls == [5]
+    # A sample naming another image in a role (the target as its control): another list.
+    swapped = [*samples[:-2], Sample("s3", samples[3].target, (samples[3].target,), samples[3].prompt), samples[-1]]
+    assert again.rows_all(swapped) is None and calls == [5, 5]
+    # An image rewritten in place, its size and mtime put back: its ctime moves, so the list is looked up again
+    # and the sample naming it is no longer remembered.
+    control = samples[1].controls[0]
+    st = os.stat(control)
+    write_solid_image(control, (77, 77, 77))
+    os.utime(control, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert again.rows_all(samples) is None and calls == [5, 5, 5]
+
+    # A damaged list file is reported and ignored.
+    calls.clear()
+    write_solid_image(control, (0, 1, 0))  # the pixels it had: keyed as before, under a new signature
+    fresh, _ = _memo(cache)
+    fresh.keys_all(samples)
+    fresh.save()
+    fresh2, _ = _memo(cache)
+    fresh2.rows_all(samples)
+    fresh2.save()
+    newest = max((cache / "sample_keys" / "lists").glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    newest.write_bytes(b"damaged")
+    last, _ = _memo(cache)
+    with caplog.at_level("WARNING"):
+        assert np.array_equal(last.rows_all(samples), _rows_of(expected))
+    assert "unreadable" in caplog.text and calls == [5, 5, 5]  # keys_all, the save, and the damaged list
+
+
+def test_only_the_newest_lists_are_kept(tmp_path: Path) -> None:
+    import qie.data.key_memo as km
+
+    samples, cache = _samples(tmp_path / "ds", 6), tmp_path / "cache"
+    memo, _ = _memo(cache)
+    memo.keys_all(samples)
+    memo.save()
+    for n in range(2, 2 + km.LISTS_KEPT + 2):  # six different lists, each saved
+        warm, _ = _memo(cache)
+        assert warm.rows_all(samples[:n]) is not None
+        warm.save()
+    kept = list((cache / "sample_keys" / "lists").glob("*.safetensors"))
+    assert len(kept) == km.LISTS_KEPT

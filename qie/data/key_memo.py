@@ -9,6 +9,11 @@ keys are computed again, exactly as without the memo.
 
 Kept in the cache folder as `sample_keys/<context token>.safetensors`: one row of fixed-size bytes per
 sample (a 16-byte signature digest; the 32-byte keys of its stored entry types, zeros for a type it lacks).
+
+A whole list of samples is remembered too (`sample_keys/lists/<context token>-<list digest>.safetensors`, the
+rows of the list in its order): the digest covers every prompt, which image each sample names in each role, and
+each distinct image's path and stat signature, so a list found again costs one stat per distinct image and a
+pass over the samples' fields, not a signature and a lookup per sample (at a million samples, seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Sequence
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 
 from qie.data.keys import KeyContext
@@ -34,6 +41,8 @@ MASK_OF = {"prompt_embed": "prompt_embeds_mask", "empty_prompt_embed": "empty_pr
 SIG_BYTES, KEY_BYTES = 16, 32
 ROW_BYTES = KEY_BYTES * len(ROW_TYPES)
 _ABSENT = bytes(KEY_BYTES)
+LIST_FORMAT = "qie-sample-list/1"
+LISTS_KEPT = 4  # remembered lists per context (the training set, its regularisation set, their text-only forms)
 
 
 def context_token(ctx: KeyContext) -> str:
@@ -81,10 +90,11 @@ def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | N
     return text
 
 
-def _signatures(samples: Sequence[Sample]) -> list[bytes | OSError]:
+def _signatures(samples: Sequence[Sample], seen: dict[str, str | OSError] | None = None) -> list[bytes | OSError]:
     """`input_signature` of each sample (or the OSError of its first image that cannot be stat'ed), each image
-    stat'ed once: samples that share an image share its path object (a manifest's scan), found by identity."""
-    seen: dict[str, str | OSError] = {}
+    stat'ed once: samples that share an image share its path object (a manifest's scan), found by identity.
+    `seen`: image signatures already taken in this pass (see `input_signature`)."""
+    seen = {} if seen is None else seen
     held = []  # the path objects looked up, alive until the end of the pass (their ids stay theirs)
     known: tuple[dict[int, str], ...] = ({}, {}, {}, {})  # target, control, layer, rejected texts
 
@@ -113,6 +123,45 @@ def _signatures(samples: Sequence[Sample]) -> list[bytes | OSError]:
             continue
         out.append(blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest())
     return out
+
+
+def list_digest(samples: Sequence[Sample], seen: dict[str, str | OSError] | None = None) -> bytes | None:
+    """A digest of everything the keys of `samples`, in their order, depend on besides the key context: each
+    prompt, the images each sample names in each role (target, controls, layers, rejected), and each distinct
+    image's `input_signature` text (absolute path, size, mtime_ns, ctime_ns, inode). None when an image cannot
+    be stat'ed. Column-wise (C-level maps over the samples' fields), each distinct image stat'ed once; `seen` as
+    in `input_signature`."""
+    import numpy as np
+
+    seen = {} if seen is None else seen
+    h = hashlib.blake2b(LIST_FORMAT.encode(), digest_size=SIG_BYTES)
+    prompts = list(map(attrgetter("prompt"), samples))
+    h.update(np.fromiter(map(len, prompts), np.int64, len(prompts)).tobytes())
+    h.update("\0".join(prompts).encode("utf-8", "surrogatepass"))
+    number: dict[int, int] = {id(None): -1}
+    images: list = []  # the distinct images, numbered in the order they are first named
+
+    def refs(column: list) -> bytes:
+        """The number of each path of `column` (-1 for None), new paths numbered as they come."""
+        for key, path in dict(zip(map(id, column), column)).items():
+            if key not in number:
+                number[key] = len(images)
+                images.append(path)
+        return np.fromiter(map(number.__getitem__, map(id, column)), np.int64, len(column)).tobytes()
+
+    for role in ("target", "controls", "layers", "rejected"):
+        column = list(map(attrgetter(role), samples))
+        if role in ("controls", "layers"):  # tuples: their lengths, then their paths in a row
+            h.update(np.fromiter(map(len, column), np.int64, len(column)).tobytes())
+            column = list(chain.from_iterable(column))
+        h.update(role.encode())
+        h.update(refs(column))
+    try:
+        texts = [_image_signature(path, seen) for path in images]
+    except OSError:
+        return None
+    h.update("\0".join(texts).encode("utf-8", "surrogatepass"))
+    return h.digest()
 
 
 def _row(keys: dict[str, str]) -> bytes | None:
@@ -158,6 +207,7 @@ class KeyMemo:
         self.compute = compute
         self._table: _Table | None = None
         self._new: dict[bytes, bytes] = {}  # rows learnt by this object, not yet in the table
+        self._lists: dict[bytes, object] = {}  # list digest -> its rows ((n, ROW_BYTES) array), not yet saved
         self.hits = self.misses = 0
 
     def keys(self, sample: Sample) -> dict[str, str]:
@@ -179,8 +229,15 @@ class KeyMemo:
         or unreadable image, a new sample: `keys_all` then keys them)."""
         import numpy as np
 
-        sigs = _signatures(samples)
-        if self._new or not all(isinstance(s, bytes) for s in sigs):  # an OSError: an image cannot be stat'ed
+        if self._new:
+            return None
+        seen: dict[str, str | OSError] = {}
+        digest = list_digest(samples, seen) if samples else None
+        if digest is not None and (rows := self._list_rows(digest, len(samples))) is not None:
+            self.hits += len(samples)
+            return rows
+        sigs = _signatures(samples, seen)
+        if not all(isinstance(s, bytes) for s in sigs):  # an OSError: an image cannot be stat'ed
             return None
         table = self._load()
         if not len(table.sigs) and sigs:
@@ -192,6 +249,36 @@ class KeyMemo:
                 return None
             rows[lo : lo + len(pos)] = table.rows[pos]
         self.hits += len(sigs)
+        if digest is not None:
+            self._lists[digest] = rows
+        return rows
+
+    def _list_file(self, digest: bytes) -> Path | None:
+        return self.path.parent / "lists" / f"{self.path.stem}-{digest.hex()}.safetensors" if self.path else None
+
+    def _list_rows(self, digest: bytes, count: int):
+        """The rows of the list with `digest`, remembered by this object or in its file; None when neither holds
+        them (an unreadable file is logged and ignored)."""
+        if digest in self._lists:
+            return self._lists[digest]
+        path = self._list_file(digest)
+        if path is None:
+            return None
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != LIST_FORMAT:
+                    raise ValueError("unknown format")
+                rows = f.get_tensor("keys")
+            if rows.shape != (count, ROW_BYTES) or int(meta.get("samples", -1)) != count:
+                raise ValueError("unexpected shape")
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            log.warning("remembered sample list %s is unreadable (%s); looking its samples up one by one", path, e)
+            return None
         return rows
 
     def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
@@ -229,6 +316,7 @@ class KeyMemo:
     def save(self) -> None:
         """Write the memo (atomically) when this object learnt new rows; a failure is logged, not raised: the
         memo only saves time."""
+        self._save_lists()
         if self.path is None or not (self._new or (self._table is not None and self._table.resorted)):
             return
         import numpy as np
@@ -252,6 +340,29 @@ class KeyMemo:
             log.warning("could not save the sample key memo %s (%s)", self.path, e)
             tmp.unlink(missing_ok=True)
 
+    def _save_lists(self) -> None:
+        """Write the lists learnt by this object (atomically), keeping the `LISTS_KEPT` newest of this context."""
+        if self.path is None or not self._lists:
+            return
+        from safetensors.numpy import save_file
+
+        folder = self.path.parent / "lists"
+        for digest, rows in list(self._lists.items()):
+            path = self._list_file(digest)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                save_file({"keys": rows}, str(tmp), metadata={"format": LIST_FORMAT, "samples": str(len(rows))})
+                os.replace(tmp, path)
+            except OSError as e:
+                log.warning("could not save the remembered sample list %s (%s)", path, e)
+                tmp.unlink(missing_ok=True)
+                return
+            del self._lists[digest]
+        kept = sorted(folder.glob(f"{self.path.stem}-*.safetensors"), key=_mtime, reverse=True)
+        for old in kept[LISTS_KEPT:]:
+            old.unlink(missing_ok=True)
+
     def _load(self) -> _Table:
         if self._table is None:
             self._table = _read(self.path) if self.path is not None else _Table.empty()
@@ -259,6 +370,13 @@ class KeyMemo:
 
 
 _CHUNK = 1 << 16  # samples looked up at once
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 class _Table:

@@ -102,6 +102,25 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
     source = build_source(s.source, s.spec, backend)
     samples, reg, heldout, parts, records = _data_and_model(s, source, backend, accelerator, run_dir, resume_from,
                                                              resumed)  # fmt: skip
+    # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
+    # garbage collector's full passes (each a second or more at a million samples: while the adapter is added,
+    # the first epoch's order is drawn, and on the training thread).
+    gc.freeze()
+    try:
+        result, state, ema = _fit(s, run_dir, accelerator, backend, source, (samples, reg, heldout), parts, records,
+                                  resume_from, resumed, on_step_end)  # fmt: skip
+    finally:
+        gc.unfreeze()  # collectable again once the run is over
+    finish(state, s.mode, run_dir, result, lora_exports(train), ema)
+    return result
+
+
+def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, source: Any, data: tuple,
+         parts: Any, records: tuple, resume_from: Path | None, resumed: dict,
+         on_step_end: Callable[[StepInfo], None] | None) -> tuple[dict, Any, Any]:  # fmt: skip
+    """Build the training state and the batch stream from `data` (the training, regularisation and held-out
+    samples), and train; returns (the result, the state, the EMA weights or None) for `finish`."""
+    train, (samples, reg, heldout) = s.train, data
     teachers = teacher_store(backend, s.source.mode)
     objective = make_objective(train, parts.scheduler, s.spec, parts.pipeline_config, teachers,
                                base_model_key(s.model, records[0]))  # fmt: skip
@@ -130,9 +149,6 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
     save = functools.partial(_save_checkpoint, state, run_dir, s.mode, train, records, ema)
-    # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
-    # garbage collector's full passes (each a few seconds at a million samples, on the training thread).
-    gc.freeze()
     try:
         settings = loop_settings(train, s.logging, objective)
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
@@ -140,9 +156,7 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
         measure_heldout(result, state, source, heldout, objective, logger, negatives)
     finally:
         logger.close()
-        gc.unfreeze()  # collectable again once the run is over
-    finish(state, s.mode, run_dir, result, lora_exports(train), ema)
-    return result
+    return result, state, ema
 
 
 def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, run_dir: Path,

@@ -72,10 +72,10 @@ def ready_data(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], ru
     on_missing, cache_dir, command = s.on_missing, s.source.cache_dir, s.source.precompute_command
     samples = ready_samples(source, samples, run_dir, on_missing, cache_dir, report, command)
     reg = regularization_samples(s.regularization, s.samples, s.spec, captions)
-    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command) if reg else []
+    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command, report) if reg else []
     if s.dropout:  # the text-only entries too
         kept = {x.id for x in ready_samples(source, [without_controls(x) for x in samples + reg], run_dir,
-                                            on_missing, cache_dir, False, command)}  # fmt: skip
+                                            on_missing, cache_dir, False, command, report)}  # fmt: skip
         samples, reg = [x for x in samples if x.id in kept], [x for x in reg if x.id in kept]
     return check_masks(source, samples, report), reg  # each loss mask read and checked at start
 
