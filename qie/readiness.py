@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qie.cache.base import EntryCounts
 from qie.cache.failures import read_failures
 from qie.data.samples import Sample
 from qie.embeddings import CacheReader, EmbeddingSource, sample_types
@@ -82,16 +83,33 @@ def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
     needed = np.array(masks, dtype=bool)[np.asarray(index)]
     if (needed & ~keys.any(axis=2)).any():  # a needed key not remembered: keyed sample by sample
         return False
-    counts: dict[tuple[str, str], int] = {}
+    by_type = {}
     for j, t in enumerate(TRAINING_TYPES):
         column = np.ascontiguousarray(keys[needed[:, j], j])
         if not len(column):
             continue
-        distinct, times = np.unique(column.view(f"S{width}").reshape(-1), return_counts=True)
-        text = np.ascontiguousarray(distinct).view(np.uint8).tobytes().hex()
-        step = 2 * width
-        counts.update(((t, text[i * step : (i + 1) * step]), n) for i, n in enumerate(times.tolist()))
-    return bool(cache.backend.intact_counted(counts, remember=True))
+        distinct, times = distinct_rows(column)
+        text, step = distinct.tobytes().hex(), 2 * width
+        prefixes = np.ascontiguousarray(distinct[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
+        by_type[t] = ([text[i * step : (i + 1) * step] for i in range(len(distinct))], times, prefixes)
+    return bool(cache.backend.intact_counted(EntryCounts(by_type), remember=True))
+
+
+def distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of a (n, width >= 8) uint8 array and how often each occurs (`np.unique(axis=0)` with
+    counts, in another order): sorted by their first 8 bytes as a number, the full rows compared only where those
+    are equal (a million 32-byte keys in a fraction of `np.unique`'s time)."""
+    prefix = np.ascontiguousarray(rows[:, :8]).view(">u8").reshape(-1)
+    order = np.argsort(prefix, kind="stable")
+    ordered, sorted_prefix = rows[order], prefix[order]
+    new = np.ones(len(rows), dtype=bool)
+    new[1:] = sorted_prefix[1:] != sorted_prefix[:-1]
+    same = ~new[1:]
+    if same.any() and not (ordered[1:][same] == ordered[:-1][same]).all():  # two keys share 8 bytes: row by row
+        distinct, times = np.unique(rows, axis=0, return_counts=True)
+        return distinct, times
+    starts = np.flatnonzero(new)
+    return ordered[starts], np.diff(np.append(starts, len(rows)))
 
 
 def ready_samples(

@@ -185,3 +185,30 @@ def test_the_check_token_counts_each_entry_as_often_as_it_is_named() -> None:
     assert folders.checked_token([a, b]) != folders.checked_token([a, b, a])
     memo = KeyMemo(None, CTX, lambda s: {})
     assert memo.keys_all([]) == []
+
+
+def test_the_bulk_check_counts_and_names_entries_as_the_item_by_item_one() -> None:
+    """The bulk check's distinct keys and counts equal `np.unique`'s (also when two keys share their first 8
+    bytes), and the token of its per-type arrays is the one the mapping of the same entries gives."""
+    import numpy as np
+
+    from qie.cache.base import EntryCounts
+    from qie.readiness import distinct_rows
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, (300, 32), dtype=np.uint8)[rng.integers(0, 300, 2000)]
+    rows[5, :8] = rows[6, :8]  # the same first 8 bytes, other keys
+    rows[5, 31] = rows[6, 31] ^ 1
+    for case in (rows, rows[7:]):
+        distinct, times = distinct_rows(case)
+        expected, counts = np.unique(case, axis=0, return_counts=True)
+        order = np.lexsort(distinct.T[::-1])
+        assert np.array_equal(distinct[order], expected) and np.array_equal(times[order], counts)
+    distinct, times = distinct_rows(rows[7:])
+    keys = [bytes(r).hex() for r in distinct]
+    prefixes = np.ascontiguousarray(distinct[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
+    bulk = EntryCounts({"prompt_embed": (keys, times, prefixes), "pixel_latent": (keys[:3], times[:3] * 0 + 7, prefixes[:3])})
+    plain = {("prompt_embed", k): int(n) for k, n in zip(keys, times)}
+    plain.update({("pixel_latent", k): 7 for k in keys[:3]})
+    assert folders.counted_token(bulk) == folders.counted_token(plain) == folders.counted_token(EntryCounts.of(plain))
+    assert dict(bulk) == plain and len(bulk) == len(plain)

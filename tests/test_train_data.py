@@ -165,3 +165,25 @@ def test_the_start_up_summary_and_a_one_sample_bucket_is_trained_on(
     assert "1 bucket(s) smaller than a batch of 2: each trains as one smaller batch" in out
     # One epoch is four steps: three batches of two square samples, and the wide sample alone.
     assert sorted(seen) == ["00", "01", "03", "05", "07", "09", "11"]
+
+
+@pytest.mark.parametrize(
+    ("keys", "batch_size", "seed", "replicas", "digest"),
+    [
+        (["a"] * 5 + ["b"] + ["c"] * 7, 2, 3, 1, "afa8f3453afc19f0"),
+        (["a"] * 5 + ["b"] + ["c"] * 7, 2, 3, 2, "70de55815076625f"),
+        ([0] * 50, 1, 7, 1, "d582ca532a6bcf8a"),
+        (["x", "y"] * 20 + ["z"], 3, 11, 2, "255447d314627f95"),
+    ],
+)
+def test_the_batch_stream_is_the_one_runs_resume_into(keys, batch_size, seed, replicas, digest) -> None:
+    """The first 120 batches of each process, pinned: a checkpoint taken by an earlier run resumes into exactly
+    the batches it would have trained on (the stream's order may not change however epochs are made)."""
+    import hashlib
+    import json
+
+    out = []
+    for rank in range(replicas):
+        s = BucketBatchSampler(keys, [i % 4 for i in range(len(keys))], batch_size, seed, True, replicas, rank)
+        out.append([b for _, b in zip(range(120), s)])
+    assert hashlib.sha256(json.dumps(out).encode()).hexdigest()[:16] == digest

@@ -28,6 +28,50 @@ class CorruptEntry:
     reason: str
 
 
+class EntryCounts(Mapping[tuple[str, str], int]):
+    """Distinct entries (type, key) and how often a set of samples names each: a mapping, held per type as a list
+    of keys and an array of counts, so a million distinct entries need no tuple each unless one is asked for.
+
+    Args:
+        by_type: type -> (keys, counts) or (keys, counts, prefixes): `prefixes`, where given, are the first 8
+            bytes of each hex key as a big-endian uint64 array (what `int(key[:16], 16)` gives).
+    """
+
+    def __init__(self, by_type: Mapping[str, tuple]) -> None:
+        self._by_type = {t: tuple(v) + (None,) * (3 - len(v)) for t, v in by_type.items() if len(v[0])}
+        self._lookup: dict[tuple[str, str], int] | None = None
+
+    @classmethod
+    def of(cls, counts: Mapping[tuple[str, str], int]) -> EntryCounts:
+        """`counts` as EntryCounts (itself when it is one)."""
+        if isinstance(counts, EntryCounts):
+            return counts
+        grouped: dict[str, tuple[list[str], list[int]]] = {}
+        for (type, key), n in counts.items():
+            keys, times = grouped.setdefault(type, ([], []))
+            keys.append(key)
+            times.append(n)
+        return cls({t: (keys, times) for t, (keys, times) in grouped.items()})
+
+    def by_type(self) -> dict[str, tuple]:
+        """type -> (keys, counts, prefixes or None), in this mapping's order."""
+        return self._by_type
+
+    def __iter__(self):
+        for type, (keys, _, _) in self._by_type.items():
+            for key in keys:
+                yield type, key
+
+    def __len__(self) -> int:
+        return sum(len(v[0]) for v in self._by_type.values())
+
+    def __getitem__(self, item: tuple[str, str]) -> int:
+        if self._lookup is None:
+            self._lookup = {(t, k): int(n) for t, (keys, times, _) in self._by_type.items()
+                            for k, n in zip(keys, times)}  # fmt: skip
+        return self._lookup[item]
+
+
 @dataclass
 class VerifyReport:
     """What `verify` found: entries checked, the corrupt ones, and how many files it removed."""

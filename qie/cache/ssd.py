@@ -10,7 +10,6 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from operator import itemgetter
 from pathlib import Path
 
 import safetensors
@@ -21,6 +20,7 @@ from qie.cache.base import (
     CorruptEntry,
     CorruptError,
     Entry,
+    EntryCounts,
     VerifyReport,
     base_of,
     check_entry,
@@ -111,7 +111,7 @@ class SsdBackend:
         (the kernel sets a file's ctime on every change, and no tool can set it back), the check is one stat
         per file. With `remember`, a check that found every existing entry whole writes the stamp."""
         # Samples share entries (the prompts of one image pair share its latents): each file is looked at once.
-        counts = Counter(items)
+        counts = EntryCounts.of(Counter(items))
         ok = self._intact_counted(counts, remember)
         if all(ok):
             return [True] * len(items)
@@ -120,29 +120,34 @@ class SsdBackend:
 
     def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
         """Whether every entry `counts` counts is intact: `all(intact_all(items))` for the items it counts (the
-        same stamp), without the list of items (a million samples name four million entries)."""
-        return all(self._intact_counted(counts, remember))
+        same stamp), without the list of items (a million samples name four million entries); an `EntryCounts`
+        is taken type by type, without a tuple per entry."""
+        return all(self._intact_counted(EntryCounts.of(counts), remember))
 
-    def _intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool) -> list[bool]:
+    def _intact_counted(self, counts: EntryCounts, remember: bool) -> list[bool]:
         """`intact` of each entry of `counts`, in its order (see `intact_all`)."""
-        unique = list(counts)
-        for t in set(map(itemgetter(0), unique)):
+        by_type = counts.by_type()
+        for t in by_type:
             check_type(t)
-        check_keys(list(map(itemgetter(1), unique)))
+        check_keys([k for keys, _, _ in by_type.values() for k in keys])
         stamp = f"{self._root}/.checked/{folders.counted_token(counts)}"
         # The stamp's time is read from the clock that sets the entries' ctimes (the file system's own, which
         # may be another machine's): a file created now tells it.
         start = folders.file_system_now(f"{self._root}/.checked") if remember and os.path.isdir(self._root) else None
         since = folders.read_stamp(stamp)
-        root = self._root
-        ctimes = folders.ctimes([f"{root}/{t}/{k[:2]}/{k}{SUFFIX}" for t, k in unique])
+        ctimes = folders.ctimes([p for t, (keys, _, _) in by_type.items() for p in self._paths(t, keys)])
         if since is not None and all(c is None or c < since for c in ctimes):
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
-        ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(unique, ctimes)]
+        ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(counts, ctimes)]
         if start is not None and any(ok) and all(good or c is None for good, c in zip(ok, ctimes)):
             files.write_small(stamp, str(start))
         return ok
+
+    def _paths(self, type: str, keys: list[str]) -> list[str]:
+        """The entry files of `keys` of `type` (one string each, the folder's part made once)."""
+        folder = f"{self._root}/{type}/"
+        return [f"{folder}{k[:2]}/{k}{SUFFIX}" for k in keys]
 
     def _intact(self, type: str, key: str, memo: dict) -> bool:
         if (type, key) not in memo:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import itertools
 import json
 import os
 import random
@@ -64,7 +65,7 @@ class BucketBatchSampler:
         self._starts: list[int] = [0]
         self._carried: list[dict[int, list[int]]] = [{}]
         # The last epoch's batches: one epoch is computed once, however many iterators read it.
-        self._epoch: tuple[int, list[list[int]]] | None = None
+        self._epoch: tuple[int, _Batches] | None = None
 
     @property
     def global_size(self) -> int:
@@ -74,8 +75,8 @@ class BucketBatchSampler:
         """(bucket key, number of samples) per bucket, in the stream's bucket order."""
         return [(key, len(idx)) for key, idx in zip(self.bucket_order, self._buckets)]
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """Global batches of one epoch (full ones hold batch_size * num_replicas indices); do not modify."""
+    def epoch_batches(self, epoch: int) -> Sequence[list[int]]:
+        """Global batches of one epoch (full ones hold batch_size * num_replicas indices), each a new list."""
         if self._epoch is not None and self._epoch[0] == epoch:
             return self._epoch[1]
         while len(self._carried) <= epoch:  # the epochs before: their leftovers start this one
@@ -87,9 +88,9 @@ class BucketBatchSampler:
         self._epoch = (epoch, batches)
         return batches
 
-    def _no_gc(self, epoch: int, carried: dict[int, list[int]]) -> tuple[list[list[int]], dict[int, list[int]]]:
-        # No garbage collection passes while one small list per batch is made (100k of them: a GC pass
-        # each few hundred would walk every object of the process); none of them is cyclic.
+    def _no_gc(self, epoch: int, carried: dict[int, list[int]]) -> tuple[_Batches, dict[int, list[int]]]:
+        # No garbage collection passes while the epoch's lists of indices are made (a GC pass each few hundred
+        # objects would walk every object of the process); none of them is cyclic.
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
@@ -98,17 +99,18 @@ class BucketBatchSampler:
             if gc_was_on:
                 gc.enable()
 
-    def _make_epoch(self, epoch: int, carried: dict[int, list[int]]) -> tuple[list[list[int]], dict[int, list[int]]]:
+    def _make_epoch(self, epoch: int, carried: dict[int, list[int]]) -> tuple[_Batches, dict[int, list[int]]]:
         rng = random.Random(self.seed * 1_000_003 + epoch)
         size = self.global_size
-        batches, leftovers = [], {}
+        parts, leftovers = [], {}  # (run, batch size, batches cut from it) in batch order
         for b, bucket in enumerate(self._buckets):
             idx = list(bucket)
             if self.shuffle:
                 rng.shuffle(idx)
             if len(idx) < size:  # one smaller batch, split evenly between the processes
                 per_process = -(-len(idx) // self.num_replicas)
-                batches.append((idx * self.num_replicas)[: per_process * self.num_replicas])
+                batch = (idx * self.num_replicas)[: per_process * self.num_replicas]
+                parts.append((batch, len(batch), 1))
                 continue
             first = []
             held = carried.get(b, [])
@@ -127,12 +129,15 @@ class BucketBatchSampler:
                 ]
             run = first + idx
             full = len(run) - len(run) % size
-            batches += [run[k : k + size] for k in range(0, full, size)]
+            if full:
+                parts.append((run, size, full // size))
             if full < len(run):
                 leftovers[b] = run[full:]
-        if self.shuffle:
-            rng.shuffle(batches)
-        return batches, leftovers
+        order = None
+        if self.shuffle:  # the permutation a shuffle of the list of batches makes (it depends on the length only)
+            order = list(range(sum(count for _, _, count in parts)))
+            rng.shuffle(order)
+        return _Batches(parts, order), leftovers
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         n = self.start
@@ -161,6 +166,30 @@ class BucketBatchSampler:
         if any(count >= size and count % size for _, count in self.bucket_sizes()):
             lines.append("samples left over by a bucket's full batches start its next epoch")
         return "; ".join(lines)
+
+
+class _Batches(Sequence):
+    """One epoch's batches without a list object per batch (a million batches of one would take a second to
+    make): runs of indices cut into batches of a size, in the order `order` gives (the shuffled batch order)."""
+
+    def __init__(self, parts: list[tuple[list[int], int, int]], order: list[int] | None) -> None:
+        self._parts, self._order = parts, order
+        self._ends = list(itertools.accumulate(count for _, _, count in parts))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, i: int) -> list[int]:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        j = self._order[i] if self._order is not None else i % len(self)
+        p = bisect.bisect_right(self._ends, j)
+        run, size, _ = self._parts[p]
+        k = j - (self._ends[p - 1] if p else 0)
+        return run[k * size : (k + 1) * size]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
 
 
 def describe_key(key: Hashable) -> str:
