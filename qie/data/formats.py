@@ -30,7 +30,7 @@ class DataSource:
     images_dir: Path | None = None
     # Manifest rows may name files outside the manifest's folder (`data.allow_outside_paths`).
     allow_outside: bool = False
-    # Where a manifest's scan is remembered by the manifest's signature (`cache.dir/manifests`); None: nowhere.
+    # Where the scan of a manifest or data set folder is remembered (`cache.dir/manifests`); None: nowhere.
     index_dir: Path | None = None
 
 

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from qie.data import manifest_index
+from qie.data import index_file, manifest_index
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import DataError
 
@@ -172,7 +172,7 @@ def scan_manifest(
     if index_dir is None:
         return _scan_rows(path, require_target, allow_outside, require_prompt)[0]
     settings = json.dumps([str(path), require_target, allow_outside, require_prompt])
-    index = manifest_index.index_path(index_dir, path, settings)
+    index = index_file.index_path(index_dir, path, settings)
     try:
         signature = manifest_index.manifest_signature(path)
     except OSError:

@@ -98,6 +98,18 @@ def read_caption(path: Path | str) -> str:
     return text.strip()
 
 
+class CaptionFiles:
+    """How a folder scan looks at caption files: reads them, and tests whether one is a file. The folder
+    index's kind also notes what it saw of each, to know later whether it changed (`qie.data.folder_index`)."""
+
+    def read(self, path: Path | str) -> str:
+        """`read_caption(path)`."""
+        return read_caption(path)
+
+    def is_file(self, path: Path) -> bool:
+        return path.is_file()
+
+
 def _listing(folder: Path) -> list[str]:
     """Names in `folder`, sorted (as strings: sorting Path objects costs seconds at 100k files)."""
     try:
@@ -162,7 +174,7 @@ def _with_text(child, folder: str):
 _LAYER_SUFFIX = re.compile(r"^(?P<stem>.+)_(?P<n>\d+)$")
 
 
-def _scan_layered_folder(root: Path, require_prompt: bool = True) -> Dataset:
+def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFiles) -> Dataset:
     """`images/<stem>.<ext>` (+ `<stem>.txt`) and its layers `layers/<stem>_<N>.<ext>` in the order of N: the
     image is the control and the composite frame of the target, the layers follow (see `scan_manifest`)."""
     images_dir, layers_dir = root / "images", root / "layers"
@@ -181,7 +193,7 @@ def _scan_layered_folder(root: Path, require_prompt: bool = True) -> Dataset:
             continue
         caption = images_dir / f"{stem}.txt"
         try:
-            prompt = read_caption(caption) if require_prompt or caption.is_file() else ""
+            prompt = captions.read(caption) if require_prompt or captions.is_file(caption) else ""
             if require_prompt and not prompt:
                 raise DataError(f"caption {str(caption)!r} is empty: {NO_CAPTION_FIX}")
         except DataError as e:
@@ -198,9 +210,32 @@ def _scan_layered_folder(root: Path, require_prompt: bool = True) -> Dataset:
     return data
 
 
-def scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -> Dataset:
+def scan_folder(
+    root: Path, require_target: bool, require_prompt: bool = True, index_dir: str | os.PathLike | None = None
+) -> Dataset:
+    """The samples (sorted by id) and problems of a data set folder (either layout); without `require_prompt`,
+    a sample without a caption has the prompt "".
+
+    Args:
+        index_dir: where scans are remembered by the folders' and captions' signatures
+            (`qie.data.folder_index`): a repeat scan of an unchanged folder stats each caption instead of listing
+            the folders and reading the captions. Written only when its parent folder (the cache folder)
+            exists. None: every scan lists and reads.
+    """
+    if index_dir is not None:
+        from qie.data import folder_index  # function-local: the index builds on this module
+
+        return folder_index.scan_folder(root, require_target, require_prompt, index_dir)
+    return read_folder(root, require_target, require_prompt)
+
+
+def read_folder(
+    root: Path, require_target: bool, require_prompt: bool = True, captions: CaptionFiles | None = None
+) -> Dataset:
+    """`scan_folder` from the folders' listings and the captions (`captions` reads them), remembering nothing."""
+    captions = captions or CaptionFiles()
     if (root / "layers").is_dir() and (root / "images").is_dir():
-        return _scan_layered_folder(root, require_prompt)
+        return _scan_layered_folder(root, require_prompt, captions)
     targets_dir, controls_dir, masks_dir = root / "training_images", root / "control_images", root / "masks"
     rejected = _images_by_stem(root / "rejected_images", _listing(root / "rejected_images"))  # optional
     if not targets_dir.is_dir() and not controls_dir.is_dir():
@@ -213,7 +248,7 @@ def scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -
     target_names, control_names = _listing(targets_dir), _listing(controls_dir)
     target_set, control_set = set(target_names), set(control_names)
     targets_str, controls_str = str(targets_dir), str(controls_dir)
-    captions = set() if require_prompt else target_set | control_set  # a sample without one has the prompt ""
+    listed = set() if require_prompt else target_set | control_set  # a sample without a caption has the prompt ""
     targets = _images_by_stem(targets_dir, target_names)
     masks = _images_by_stem(masks_dir, _listing(masks_dir))  # optional: masks/<stem>.png
     controls: dict[str, list[tuple[int, Path]]] = {}
@@ -242,7 +277,7 @@ def scan_folder(root: Path, require_target: bool, require_prompt: bool = True) -
             data.problems.append(DataProblem(stem, str(controls_dir / f"{stem}.<ext>"), "control image is missing"))
             continue
         try:
-            prompt = read_caption(caption_path) if require_prompt or caption in captions else ""
+            prompt = captions.read(caption_path) if require_prompt or caption in listed else ""
             if require_prompt and not prompt:
                 raise DataError(f"caption {caption_path!r} is empty: {NO_CAPTION_FIX}")
         except DataError as e:

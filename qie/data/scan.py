@@ -27,6 +27,9 @@ def scan_dataset(
         require_target: whether a sample without a target image is a problem (training) or fine (infer).
         allow_outside: accept manifest rows naming files outside the manifest's folder (`..`, absolute
             paths); otherwise such a row is a problem (`data.allow_outside_paths`).
+        index_dir: where scans are remembered (`cache.dir/manifests`), a manifest's by the manifest's signature
+            (`qie.data.manifest_index`), a folder's by its folders' and captions' signatures
+            (`qie.data.folder_index`); None: every scan reads the data set.
 
     Returns:
         The samples in a stable order (sorted by id) and the problems found.
@@ -45,7 +48,7 @@ def scan_dataset(
     gc.disable()
     try:
         if format == "folder":
-            data = scan_folder(root, require_target, require_prompt)
+            data = scan_folder(root, require_target, require_prompt, index_dir)
         else:
             data = scan_manifest(root, require_target, allow_outside, require_prompt, index_dir)
     finally:
