@@ -207,7 +207,8 @@ def test_the_bulk_check_counts_and_names_entries_as_the_item_by_item_one() -> No
     distinct, times = distinct_rows(rows[7:])
     keys = [bytes(r).hex() for r in distinct]
     prefixes = np.ascontiguousarray(distinct[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
-    bulk = EntryCounts({"prompt_embed": (keys, times, prefixes), "pixel_latent": (keys[:3], times[:3] * 0 + 7, prefixes[:3])})
+    sevens = times[:3] * 0 + 7
+    bulk = EntryCounts({"prompt_embed": (keys, times, prefixes), "pixel_latent": (keys[:3], sevens, prefixes[:3])})
     plain = {("prompt_embed", k): int(n) for k, n in zip(keys, times)}
     plain.update({("pixel_latent", k): 7 for k in keys[:3]})
     assert folders.counted_token(bulk) == folders.counted_token(plain) == folders.counted_token(EntryCounts.of(plain))
