@@ -183,3 +183,44 @@ def test_only_the_newest_lists_are_kept(tmp_path: Path) -> None:
         warm.save()
     kept = list((cache / "sample_keys" / "lists").glob("*.safetensors"))
     assert len(kept) == km.LISTS_KEPT
+
+
+def test_one_start_up_stats_each_image_once_but_rechecks_after_hashing(tmp_path: Path, monkeypatch) -> None:
+    """Inside `file_stats.once()` the scan's check that an image is a file and the key memo's signature share one
+    stat; the memo's check after hashing a sample stats anew, so an image rewritten while it was hashed is not
+    remembered under the signature it had before."""
+    import time
+
+    from qie.data import file_stats
+
+    samples, cache = _samples(tmp_path / "ds", 3), tmp_path / "cache"
+    hasher = FileHasher(cache / "file_hashes.json")
+    target, rewrites = samples[0].target, [1]
+
+    def compute(s: Sample) -> dict[str, str]:
+        keys = sample_keys(s, CTX, hasher)
+        if s.target == target and rewrites:  # rewritten in place (once) while it is keyed
+            rewrites.pop()
+            time.sleep(0.02)
+            target.write_bytes(target.read_bytes())
+        return keys
+
+    memo = KeyMemo(cache / "sample_keys", CTX, compute)
+    with file_stats.once():
+        memo.keys_all(samples)
+    assert len(memo._new) == 2  # s1 and s2: not s0 nor the text-only sample, whose target changed meanwhile
+    memo.keys_all(samples)  # s0 keyed again, after the rewrite
+    memo.save()
+
+    warm, _ = _memo(cache)
+    images = {os.fspath(p) for s in samples for p in (s.target, *s.controls)}
+    real, stats = os.stat, []
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(os.fspath(p)) or real(p, *a, **k))
+    with file_stats.once():
+        assert all(file_stats.isfile(p) for s in samples for p in (s.target, *s.controls))
+        assert warm.rows_all(samples) is not None
+    assert sorted(p for p in stats if p in images) == sorted(images)  # one stat each for both
+    stats.clear()
+    file_stats.isfile(target)
+    file_stats.isfile(target)
+    assert stats == [os.fspath(target)] * 2  # outside the block every call stats

@@ -29,6 +29,7 @@ from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
+from qie.data import file_stats
 from qie.data.keys import KeyContext
 from qie.data.samples import Sample
 from qie.types import TRAINING_TYPES
@@ -51,27 +52,28 @@ def context_token(ctx: KeyContext) -> str:
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
-def input_signature(sample: Sample, seen: dict[str, str | OSError] | None = None) -> bytes:
+def input_signature(sample: Sample, seen: dict[str, str | OSError] | None = None, fresh: bool = False) -> bytes:
     """Digest of the sample's prompt and each image's absolute path and (size, mtime_ns, ctime_ns, inode).
 
     Args:
         seen: image signatures already taken in this pass (path -> signature text, or the stat's error);
             filled in. Samples sharing an image (several prompts on one image pair) stat it once per pass.
+        fresh: stat each image now, not through `qie.data.file_stats` (a check after hashing them).
 
     Raises:
         OSError: an image cannot be stat'ed.
     """
     parts = [sample.prompt]
     if sample.target is not None:
-        parts.append("t" + _image_signature(sample.target, seen))
-    parts += ["c" + _image_signature(p, seen) for p in sample.controls]
-    parts += ["l" + _image_signature(p, seen) for p in sample.layers]
+        parts.append("t" + _image_signature(sample.target, seen, fresh))
+    parts += ["c" + _image_signature(p, seen, fresh) for p in sample.controls]
+    parts += ["l" + _image_signature(p, seen, fresh) for p in sample.layers]
     if sample.rejected is not None:
-        parts.append("r" + _image_signature(sample.rejected, seen))
+        parts.append("r" + _image_signature(sample.rejected, seen, fresh))
     return hashlib.blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest()
 
 
-def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | None) -> str:
+def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | None, fresh: bool = False) -> str:
     p = os.fspath(path)
     if seen is not None and (known := seen.get(p)) is not None:
         if isinstance(known, OSError):
@@ -79,7 +81,7 @@ def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | N
         return known
     full = p if p.startswith("/") else os.path.abspath(p)
     try:
-        st = os.stat(full)
+        st = os.stat(full) if fresh else file_stats.stat(full)
     except OSError as e:
         if seen is not None:
             seen[p] = e
@@ -309,7 +311,7 @@ class KeyMemo:
         self.misses += 1
         keys = self.compute(sample)
         # Stat again after hashing: a file rewritten meanwhile is not remembered under its old signature.
-        if (row := _row(keys)) is not None and input_signature(sample) == sig:
+        if (row := _row(keys)) is not None and input_signature(sample, fresh=True) == sig:
             self._new[sig] = row
         return keys
 

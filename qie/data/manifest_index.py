@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from qie.data import index_file
+from qie.data import file_stats, index_file
 from qie.data.samples import Dataset
 
 FORMAT = "qie-manifest-index/2"
@@ -71,7 +71,7 @@ def load(path: Path, signature: str, settings: str, folder: Path) -> Dataset | N
             raise ValueError("columns differ in length")
         problems = index_file.read_problems(meta)
         paths = index_file.paths(folder, names)
-        isfile = os.path.isfile
+        isfile = file_stats.isfile  # the stat the key memo takes of each image next
         if any(isfile(p) != bool(was) for p, was in zip(paths, present)):
             return None  # an image came or went: the rows are scanned again
         return Dataset(index_file.columns_samples(arrays, int(meta["samples"]), paths), problems)

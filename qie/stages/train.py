@@ -29,6 +29,7 @@ from qie.config.backend import build_backend
 from qie.config.model import ModelConfig
 from qie.config.rules import objective_options
 from qie.config.train import LoggingConfig, TrainConfig
+from qie.data import file_stats
 from qie.data.samples import Sample
 from qie.errors import ConfigError, check_writable
 from qie.models import ModelSpec
@@ -175,14 +176,15 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
         # process first, the others then read them).
         captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
         pairs = "rejected" in objective_requires(str(s.train.objective))
-        with accelerator.main_process_first():
-            samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing)
-        records = run_records(s.model, s.train, s.spec, samples, s.fused)
-        if resume_from is not None:
-            warning = check_resume(resumed, resume_from, *records, bool(s.train.resume_inexact))
-            if warning:
-                accelerator.print(f"qie: warning: {warning}")
-        samples, reg = ready_data(s, source, samples, run_dir, accelerator.is_main_process, captions)
+        with file_stats.once():  # the scan and the key memo share each image's stat
+            with accelerator.main_process_first():
+                samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing)
+            records = run_records(s.model, s.train, s.spec, samples, s.fused)
+            if resume_from is not None:
+                warning = check_resume(resumed, resume_from, *records, bool(s.train.resume_inexact))
+                if warning:
+                    accelerator.print(f"qie: warning: {warning}")
+            samples, reg = ready_data(s, source, samples, run_dir, accelerator.is_main_process, captions)
         samples, heldout = split_heldout(samples, int(s.validation.heldout_samples))
         if loading is None:  # the captions are written (for the regularisation data too)
             loading = in_background(load_model, *load)
