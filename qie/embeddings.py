@@ -36,12 +36,13 @@ def sample_types(sample: Sample) -> tuple[str, ...]:
     """The entry types `sample` has: no pixel_latent without a target, no control_latent without controls, no
     layer_latent without layers, no rejected_latent without a rejected result. One tuple object per kind of sample
     (a million samples share a few)."""
-    return _types_of_kind(sample.target is not None, bool(sample.controls), bool(sample.layers),
-                          sample.rejected is not None)  # fmt: skip
+    return types_of_kind(sample.target is not None, bool(sample.controls), bool(sample.layers),
+                         sample.rejected is not None)  # fmt: skip
 
 
 @cache
-def _types_of_kind(target: bool, controls: bool, layers: bool, rejected: bool) -> tuple[str, ...]:
+def types_of_kind(target: bool, controls: bool, layers: bool, rejected: bool) -> tuple[str, ...]:
+    """The entry types of a sample with (or without) a target, controls, layers and a rejected result."""
     has = {"pixel_latent": target, "control_latent": controls, "layer_latent": layers, "rejected_latent": rejected}
     return tuple(t for t in TRAINING_TYPES if has.get(t, True))
 

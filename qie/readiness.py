@@ -14,6 +14,8 @@ import gc
 import json
 import time
 from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter, is_not
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ import numpy as np
 from qie.cache.base import EntryCounts
 from qie.cache.failures import read_failures
 from qie.data.samples import Sample
-from qie.embeddings import CacheReader, EmbeddingSource, sample_types
+from qie.embeddings import CacheReader, EmbeddingSource, sample_types, types_of_kind
 from qie.errors import CacheDirMissing, CacheMissError, check_writable
 from qie.types import TRAINING_TYPES
 
@@ -72,15 +74,17 @@ def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
         return False
     width = rows.shape[1] // len(TRAINING_TYPES)  # the key bytes of each type, in TRAINING_TYPES order
     keys = rows.reshape(len(samples), len(TRAINING_TYPES), width)
-    kinds: dict[tuple[str, ...], int] = {}  # each kind of sample's types (`sample_types`) -> its row of `masks`
-    masks, index = [], []
-    for sample in samples:
-        types = sample_types(sample)
-        if (k := kinds.get(types)) is None:
-            k = kinds[types] = len(masks)
-            masks.append([t in types for t in TRAINING_TYPES])
-        index.append(k)
-    needed = np.array(masks, dtype=bool)[np.asarray(index)]
+    # Which types each sample needs (`sample_types`) follows from its kind: a target, controls, layers, a rejected
+    # result or not; the kinds are read column by column, each kind's types taken once.
+    n, fields = len(samples), [("target", None), ("controls", bool), ("layers", bool), ("rejected", None)]
+    has = [np.fromiter(map(is_not, map(attrgetter(f), samples), repeat(None)) if test is None
+                       else map(test, map(attrgetter(f), samples)), bool, n) for f, test in fields]  # fmt: skip
+    code = (has[0] * 8 + has[1] * 4 + has[2] * 2 + has[3]).astype(np.int64)
+    masks = np.zeros((16, len(TRAINING_TYPES)), dtype=bool)
+    for c in np.unique(code).tolist():
+        types = types_of_kind(bool(c & 8), bool(c & 4), bool(c & 2), bool(c & 1))
+        masks[c] = [t in types for t in TRAINING_TYPES]
+    needed = masks[code]
     if (needed & ~keys.any(axis=2)).any():  # a needed key not remembered: keyed sample by sample
         return False
     by_type = {}
@@ -92,7 +96,7 @@ def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
         text, step = distinct.tobytes().hex(), 2 * width
         prefixes = np.ascontiguousarray(distinct[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
         by_type[t] = ([text[i * step : (i + 1) * step] for i in range(len(distinct))], times, prefixes)
-    return bool(cache.backend.intact_counted(EntryCounts(by_type), remember=True))
+    return bool(cache.backend.intact_counted(EntryCounts(by_type, hex_keys=True), remember=True))
 
 
 def distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

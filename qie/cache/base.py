@@ -35,11 +35,13 @@ class EntryCounts(Mapping[tuple[str, str], int]):
     Args:
         by_type: type -> (keys, counts) or (keys, counts, prefixes): `prefixes`, where given, are the first 8
             bytes of each hex key as a big-endian uint64 array (what `int(key[:16], 16)` gives).
+        hex_keys: every key was made here as the hex digits of bytes (no key needs `check_keys`).
     """
 
-    def __init__(self, by_type: Mapping[str, tuple]) -> None:
+    def __init__(self, by_type: Mapping[str, tuple], hex_keys: bool = False) -> None:
         self._by_type = {t: tuple(v) + (None,) * (3 - len(v)) for t, v in by_type.items() if len(v[0])}
         self._lookup: dict[tuple[str, str], int] | None = None
+        self.hex_keys = hex_keys
 
     @classmethod
     def of(cls, counts: Mapping[tuple[str, str], int]) -> EntryCounts:

@@ -7,10 +7,11 @@ data set (`qie.data.hf`: a `save_to_disk` folder, parquet files or a glob of the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from qie.data.hf import GLOB_CHARACTERS, Columns, scan_hf
-from qie.data.samples import DataProblem, Dataset, prompt_problem
+from qie.data.samples import MAX_PROMPT_CHARS, DataProblem, Dataset, prompt_problem
 from qie.data.scan import scan_dataset
 from qie.errors import DataError
 
@@ -90,9 +91,9 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
 
 def without_long_prompts(data: Dataset) -> Dataset:
     """`data` with the samples whose prompt is too long to encode (`prompt_problem`) turned into problems."""
+    if max(map(len, map(attrgetter("prompt"), data.samples)), default=0) <= MAX_PROMPT_CHARS:
+        return data  # none too long (the usual case, looked at without a call per sample)
     long = {s.id: why for s in data.samples if (why := prompt_problem(s.prompt))}
-    if not long:
-        return data
     kept = [s for s in data.samples if s.id not in long]
     problems = [DataProblem(s.id, str(s.target or (s.controls or ("",))[0]), long[s.id]) for s in data.samples
                 if s.id in long]  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from operator import attrgetter
 from pathlib import Path
 
 from qie.data.manifest import scan_manifest
@@ -61,6 +62,6 @@ def scan_dataset(
         if not data.problems:
             detail = f"\n  it holds no samples (images are {', '.join(IMAGE_EXTENSIONS)})"
         raise DataError(f"no usable sample in {str(root)!r}{detail}\nSee README 'Data sets' for the layouts.")
-    data.samples.sort(key=lambda s: s.id)
-    data.problems.sort(key=lambda p: p.id)
+    data.samples.sort(key=attrgetter("id"))
+    data.problems.sort(key=attrgetter("id"))
     return data

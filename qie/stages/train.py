@@ -101,12 +101,19 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
     resume_from = ckpt.resolve_resume(train.resume, run_dir)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     source = build_source(s.source, s.spec, backend)
-    samples, reg, heldout, parts, records = _data_and_model(s, source, backend, accelerator, run_dir, resume_from,
-                                                             resumed)  # fmt: skip
-    # The samples, their paths, the remembered keys and the model live as long as the run: kept out of the
-    # garbage collector's full passes (each a second or more at a million samples: while the adapter is added,
-    # the first epoch's order is drawn, and on the training thread).
-    gc.freeze()
+    # The samples, their paths, the remembered keys and the model live as long as the run: no collector pass while
+    # they are made (each pass would walk all made so far), then kept out of every later pass (`gc.freeze`; a full
+    # pass takes a second or more at a million samples: while the adapter is added, the first epoch is drawn, and
+    # on the training thread).
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        samples, reg, heldout, parts, records = _data_and_model(s, source, backend, accelerator, run_dir, resume_from,
+                                                                 resumed)  # fmt: skip
+        gc.freeze()
+    finally:
+        if gc_was_on:
+            gc.enable()
     try:
         result, state, ema = _fit(s, run_dir, accelerator, backend, source, (samples, reg, heldout), parts, records,
                                   resume_from, resumed, on_step_end)  # fmt: skip

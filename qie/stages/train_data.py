@@ -4,8 +4,12 @@ stream (bucketed by latent shapes, mixed with the regularisation set)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import repeat
+from operator import attrgetter, is_not
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.formats import DataSource
@@ -39,15 +43,23 @@ def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any 
         raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
                              f"({first.path}): {first.reason.split(': ', 1)[-1]} "
                              "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
-    problems = [
-        DataProblem(s.id, str(s.target), why)
-        for s in dataset.samples
-        if (why := spec.control_problem(len(s.controls)) or spec.layers_problem(len(s.layers))
-            or pair_problem(s, pairs))  # fmt: skip
-    ]
-    skipped = {p.id for p in problems}
-    samples = [s for s in dataset.samples if s.id not in skipped]
-    if not pairs and any(s.rejected is not None for s in samples):  # not read: no rejected latent is asked for
+    # Whether the model can take a sample depends on its kind only (control and layer counts, a rejected result):
+    # judged once per kind, a million samples looked at column by column.
+    samples, n = dataset.samples, len(dataset.samples)
+    columns = [np.fromiter(map(len, map(attrgetter("controls"), samples)), np.int64, n),
+               np.fromiter(map(len, map(attrgetter("layers"), samples)), np.int64, n),
+               np.fromiter(map(is_not, map(attrgetter("rejected"), samples), repeat(None)), np.int64, n)]  # fmt: skip
+    code = (columns[0] << 32) | (columns[1] << 1) | columns[2]  # one number per kind
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    why = [spec.control_problem(len(samples[i].controls)) or spec.layers_problem(len(samples[i].layers))
+           or pair_problem(samples[i], pairs) for i in first.tolist()]  # fmt: skip
+    problems = []
+    if any(why):
+        problems = [DataProblem(samples[i].id, str(samples[i].target), why[k])
+                    for i, k in enumerate(inverse.reshape(-1).tolist()) if why[k]]  # fmt: skip
+        skipped = {p.id for p in problems}
+        samples = [s for s in samples if s.id not in skipped]
+    if not pairs and columns[2].any():  # not read: no rejected latent is asked for
         samples = [replace(s, rejected=None) if s.rejected is not None else s for s in samples]
     problems = dataset.problems + problems
     if not samples:
