@@ -269,7 +269,7 @@ def _size(args: argparse.Namespace, work: Path, n: int, remote: tuple | None) ->
     if remote is not None:
         import _bench_remote
 
-        url = _bench_remote.upload(cache, remote[1], root.name, ENTRY_TYPES)
+        url = _bench_remote.upload(cache, remote[1], root.name, ENTRY_TYPES, remote[0])
         print(f"uploaded to {url} at {remote[1]}")
     runs = []
     for r in range(args.repeats):

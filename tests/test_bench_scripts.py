@@ -455,3 +455,35 @@ def test_random_model_builds_the_real_class_with_its_tables_and_random_weights()
     assert torch.equal(
         again.transformer_blocks[1].img_mlp.net[2].weight, model.transformer_blocks[1].img_mlp.net[2].weight
     )
+
+
+def test_a_bucket_filled_by_the_server_process_is_the_one_put_requests_fill(tiny_path: Path, tmp_path: Path,
+                                                                            monkeypatch) -> None:
+    """The remote benchmarks' big caches are put into the S3 server's store by the server process (no HTTP): the
+    objects and the index are those PUT requests give, so training reads the same entries and the index answers
+    the whole-set check."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    from qie.cache.remote import RemoteBackend
+    from qie.cache.ssd import SsdBackend
+
+    bench, remote = script("bench_startup"), script("_bench_remote")
+    _, cache, _ = bench.build(tmp_path / "set", 6, "manifest", per_image=2)
+    (tmp_path / "server").mkdir()
+    server, endpoint = remote.start_server(tmp_path / "server")
+    try:
+        url_put = remote.upload(cache, endpoint, "by-put", bench.ENTRY_TYPES, server)
+        monkeypatch.setattr(remote, "PUT_LIMIT", 0)
+        url_fill = remote.upload(cache, endpoint, "by-fill", bench.ENTRY_TYPES, server)
+        backends = [RemoteBackend(url=u, endpoint_url=endpoint, local_dir=tmp_path / f"copy{i}")
+                    for i, u in enumerate((url_put, url_fill))]  # fmt: skip
+        ssd = SsdBackend(cache)
+        items = [(t, k) for t in bench.ENTRY_TYPES for k in ssd.keys(t)]
+        assert len(items) == 6 + 3 * 3
+        put, fill = backends
+        assert fill.store.fs.find(fill.store.root) and put.keys("prompt_embed") == fill.keys("prompt_embed")
+        for t, k in items:
+            assert fill.store.read(fill.name(t, k)) == put.store.read(put.name(t, k)) == ssd.path(t, k).read_bytes()
+        assert all(fill.intact_all(items)) and fill.index.all_whole(items)
+    finally:
+        server.stop()

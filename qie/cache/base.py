@@ -144,7 +144,7 @@ class CacheBackend(Protocol):
     def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
         """Whether every entry `counts` counts (by how many samples name it) is intact: `all(intact_all(items))`
         of the items it counts, with the same memory, without the list of items (a million samples name four
-        million entries)."""
+        million entries). The start-up check passes an `EntryCounts` (a mapping held per type as arrays)."""
         ...
 
     def claim(self, type: str, key: str, wait: bool = False) -> Claim | None:
