@@ -396,3 +396,60 @@ def test_a_forked_loader_worker_reads_through_its_own_connection(s3: str, url: s
     got = out.get(timeout=60)
     child.join(timeout=60)
     assert got == writer.get("pixel_latent", key(1)).checksum and child.exitcode == 0
+
+
+def test_the_start_up_check_of_counted_entries_reads_the_index_type_by_type(s3: str, url: str, tmp_path: Path) -> None:
+    """The bulk check (`intact_counted` of per-type key lists) answers from the index in two requests, checks each
+    prompt entry's base (present, under the checksum the prompt entry recorded), and a miss falls back to the
+    entry-by-entry check, which names it."""
+    from qie.cache.base import EntryCounts
+    from qie.cache.entries import write_entries
+
+    writer = writing(url, s3, tmp_path / "w")
+    base, prompts = key("base"), [key(f"p{n}") for n in range(3)]
+    for n, k in enumerate(prompts):
+        empty = torch.arange(8.0).reshape(4, 2)
+        embeds = {"empty_prompt_embed": {"embed": empty}, "prompt_embed": {"embed": torch.cat([empty, empty + n])}}
+        write_entries(writer, {"empty_prompt_embed": base, "prompt_embed": k}, embeds)
+    writer.flush()
+    assert all(writer.index.get("prompt_embed", k)[2].startswith(f"empty_prompt_embed/{base}/") for k in prompts)
+    counts = EntryCounts({"prompt_embed": (prompts, [2, 1, 1]), "empty_prompt_embed": ([base], [4])})
+    reader = remote(url, s3, tmp_path / "r")
+    assert reader.intact_counted(counts) and reader.store.requests == 2
+    missing = EntryCounts({"prompt_embed": ([*prompts, key("gone")], [1, 1, 1, 1])})
+    assert not remote(url, s3, tmp_path / "m").intact_counted(missing)
+    # The base rewritten under another checksum: its prompt entries are no longer whole.
+    writer.put("empty_prompt_embed", base, {"embed": torch.ones(4, 2)})
+    writer.flush()
+    assert not remote(url, s3, tmp_path / "b").intact_counted(counts)
+
+
+def test_an_index_segment_of_the_json_form_is_read_and_merged_into_the_columns(s3: str, url: str, tmp_path: Path,
+                                                                                caplog) -> None:  # fmt: skip
+    """Segments written in the JSON form before are read as they were, and the next merge replaces them with a
+    segment of columns; a damaged segment is ignored with a warning (its entries then found by their headers)."""
+    import json
+
+    from qie.cache import remote_index
+
+    writer = writing(url, s3, tmp_path / "w")
+    items = [("pixel_latent", key(n)) for n in range(remote_index.MERGE_ABOVE + 2)]
+    for t, k in items:
+        writer.put(t, k, make_entry(t))
+    writer.flush()
+    records = remote(url, s3, tmp_path / "r").index.records("pixel_latent")
+    fs = raw_fs(s3)
+    for name in fs.find(f"{url}/.index/pixel_latent/"):
+        fs.rm(name)
+    for n, (k, record) in enumerate(records.items()):  # one JSON segment per entry, as writers of that form left
+        doc = {"format": remote_index.FORMAT_JSON, "type": "pixel_latent", "entries": {k: list(record)}}
+        fs.pipe(f"{url}/.index/pixel_latent/old-{n}.json", json.dumps(doc).encode())
+    reader = remote(url, s3, tmp_path / "j")
+    assert reader.index.records("pixel_latent") == records  # read, and merged (more than MERGE_ABOVE segments)
+    left = fs.find(f"{url}/.index/pixel_latent/")
+    assert len(left) == 1 and left[0].endswith(".safetensors")
+    assert remote(url, s3, tmp_path / "k").index.records("pixel_latent") == records
+    fs.pipe(f"{url}/.index/pixel_latent/bad.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with caplog.at_level(logging.WARNING):
+        assert remote(url, s3, tmp_path / "d").intact_all(items) == [True] * len(items)
+    assert "bad.safetensors is unreadable" in caplog.text

@@ -28,6 +28,7 @@ from qie.cache import remote_admin
 from qie.cache.base import (
     CorruptError,
     Entry,
+    EntryCounts,
     VerifyReport,
     check_entry,
     check_key,
@@ -306,7 +307,17 @@ class RemoteBackend:
         return out
 
     def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
-        """Whether every entry `counts` counts is stored whole (`intact_all` of its items: the index answers)."""
+        """Whether every entry `counts` counts is stored whole: the index answers, type by type (else `intact_all`
+        of its items, which looks up the entries the index does not list)."""
+        counts = EntryCounts.of(counts)
+        for t in counts.by_type():
+            check_type(t)
+        if not counts.hex_keys:
+            check_keys([k for keys, _, _ in counts.by_type().values() for k in keys])
+        if self.index.all_whole_counted(counts):
+            if remember:
+                self.index.flush()
+            return True
         return all(self.intact_all(list(counts), remember))
 
     def keys(self, type: str) -> list[str]:

@@ -1,6 +1,7 @@
 """The index of a remote cache: per entry type, which entries are stored whole, with their size, checksum and
-base, in a few JSON objects (`.index/<type>/<segment>.json`), so a start-up check reads those, never a listing
-of millions of entries.
+base, in a few objects (`.index/<type>/<segment>.safetensors`: columns of keys, sizes, checksums and the distinct
+bases; segments of the JSON form written before, `<segment>.json`, are read and merged away), so a start-up check
+reads those, never a listing of millions of entries.
 
 Objects cannot be appended to, and several writers (precompute processes on several nodes) add entries at
 once: each writer keeps segments of its own (`<writer>-<n>.json`), never rewriting another's. A flush rewrites
@@ -15,15 +16,20 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import struct
 import threading
 import time
 import weakref
+from operator import itemgetter
 
+from qie.cache.base import EntryCounts
 from qie.cache.remote_store import Store
 
 log = logging.getLogger(__name__)
 
-FORMAT = "qie-remote-index/1"
+FORMAT = "qie-remote-index/2"
+FORMAT_JSON = "qie-remote-index/1"  # segments written before: read, and replaced by the next merge
+SUFFIXES = (".safetensors", ".json")
 FOLDER = ".index"
 # More segments than this in one type are merged by the next reader.
 MERGE_ABOVE = 16
@@ -71,7 +77,7 @@ class RemoteIndex:
             listed: dict[str, list[str]] = {t: [] for t in todo}
             for name in sorted(self.store.listing(FOLDER)):
                 parts = name.split("/")
-                if len(parts) == 3 and parts[1] in listed and name.endswith(".json"):
+                if len(parts) == 3 and parts[1] in listed and name.endswith(SUFFIXES):
                     listed[parts[1]].append(name)
             fetched = self.store.read_many([n for names in listed.values() for n in names])
             for t, segments in listed.items():
@@ -97,6 +103,26 @@ class RemoteIndex:
                 base = records[base_type].get(base_key) if base_type in records else self.get(base_type, base_key)
                 if base is None or base[1] != digest or base[2]:
                     return False
+        return True
+
+    def all_whole_counted(self, counts: EntryCounts) -> bool:
+        """`all_whole` of the entries `counts` holds, type by type: each type's keys looked up at once, each distinct
+        base checked once (a million prompt entries name a hundred thousand bases)."""
+        by_type = counts.by_type()
+        self.preload(list(by_type))
+        records = {t: self.records(t) for t in by_type}
+        bases: set[str] = set()
+        for type, (keys, _, _) in by_type.items():
+            found = list(map(records[type].get, keys))
+            if None in found:
+                return False
+            bases.update(map(itemgetter(2), found))
+        bases.discard("")
+        for base in bases:
+            base_type, base_key, digest = base.split("/", 2)
+            record = records[base_type].get(base_key) if base_type in records else self.get(base_type, base_key)
+            if record is None or record[1] != digest or record[2]:
+                return False
         return True
 
     def add(self, type: str, key: str, record: Record) -> None:
@@ -155,7 +181,7 @@ class RemoteIndex:
     # --- segments ------------------------------------------------------------------------------------------
 
     def _segments(self, type: str) -> list[str]:
-        return sorted(n for n in self.store.listing(f"{FOLDER}/{type}") if n.endswith(".json"))
+        return sorted(n for n in self.store.listing(f"{FOLDER}/{type}") if n.endswith(SUFFIXES))
 
     def _load(self, type: str, segments: list[str] | None = None,
               fetched: dict[str, bytes | None] | None = None) -> dict[str, Record]:  # fmt: skip
@@ -179,13 +205,10 @@ class RemoteIndex:
                 data = fetched.get(name)
                 if data is None:
                     raise FileNotFoundError(name)
-                doc = json.loads(data)
-                if doc.get("format") != FORMAT or doc.get("type") != type:
-                    raise ValueError("not an index segment of this type")
-                merged.update({k: (int(v[0]), str(v[1]), str(v[2])) for k, v in doc["entries"].items()})
+                merged.update(decode(data, type))
             except FileNotFoundError:
                 segments.remove(name)
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            except Exception as e:  # safetensors raises its own error types for a damaged segment
                 log.warning("index segment %s is unreadable (%s); ignoring it", name, e)
                 segments.remove(name)
         return merged
@@ -197,8 +220,68 @@ class RemoteIndex:
             self.store.remove(name)
 
     def _write(self, type: str, stem: str, entries: dict[str, Record]) -> None:
-        doc = {"format": FORMAT, "type": type, "entries": {k: list(v) for k, v in entries.items()}}
-        self.store.write(f"{FOLDER}/{type}/{stem}.json", json.dumps(doc, separators=(",", ":")).encode())
+        self.store.write(f"{FOLDER}/{type}/{stem}{SUFFIXES[0]}", encode(entries, type))
+
+
+# --- segments as bytes -------------------------------------------------------------------------------------
+
+
+def encode(entries: dict[str, Record], type: str) -> bytes:
+    """A segment of `type` holding `entries`: safetensors columns (keys, sizes, checksums, each entry's number in
+    the table of distinct bases), read back by `decode` without a parse per entry."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    records = list(entries.values())
+    bases = list(dict.fromkeys(map(itemgetter(2), records)))
+    number = {b: i for i, b in enumerate(bases)}
+    tensors = {
+        "keys": _blob(list(entries)),
+        "sizes": np.fromiter(map(itemgetter(0), records), np.int64, len(records)),
+        "checksums": _blob(list(map(itemgetter(1), records))),
+        "bases": _blob(bases),
+        "base_of": np.fromiter(map(number.__getitem__, map(itemgetter(2), records)), np.int64, len(records)),
+    }
+    meta = {"format": FORMAT, "type": type, "entries": str(len(records)), "bases": str(len(bases))}
+    return save(tensors, metadata=meta)
+
+
+def decode(data: bytes, type: str) -> dict[str, Record]:
+    """The entries of a segment of `type` (either form). Raises ValueError (or safetensors' own error) for bytes
+    that are no segment of this type."""
+    if data[:1] == b"{":  # the JSON form
+        doc = json.loads(data)
+        if doc.get("format") != FORMAT_JSON or doc.get("type") != type:
+            raise ValueError("not an index segment of this type")
+        return {k: (int(v[0]), str(v[1]), str(v[2])) for k, v in doc["entries"].items()}
+    from safetensors.numpy import load
+
+    (size,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    if meta.get("format") != FORMAT or meta.get("type") != type:
+        raise ValueError("not an index segment of this type")
+    arrays, count, distinct = load(bytes(data)), int(meta["entries"]), int(meta["bases"])
+    keys, checksums = _texts(arrays["keys"], count), _texts(arrays["checksums"], count)
+    bases, base_of = _texts(arrays["bases"], distinct), arrays["base_of"].tolist()
+    sizes = arrays["sizes"].tolist()
+    if len(sizes) != count or len(base_of) != count:
+        raise ValueError("columns differ in length")
+    if base_of and (min(base_of) < 0 or max(base_of) >= distinct):
+        raise ValueError("a base number outside the table of bases")
+    return dict(zip(keys, zip(sizes, checksums, map(bases.__getitem__, base_of))))
+
+
+def _blob(texts: list[str]):
+    import numpy as np
+
+    return np.frombuffer("\n".join(texts).encode(), dtype=np.uint8)
+
+
+def _texts(array, count: int) -> list[str]:
+    texts = array.tobytes().decode().split("\n") if count else []
+    if len(texts) != count:
+        raise ValueError("a text column has the wrong count")
+    return texts
 
 
 # --- flushing when a backend goes --------------------------------------------------------------------------
