@@ -399,7 +399,7 @@ def test_folder_scan_reads_captions_as_read_text_would(tmp_path: Path) -> None:
     assert data.samples[1].controls == (c / "b_control_0.png", c / "b_control_1.png")
 
 
-def test_startup_bench_writes_entries_as_the_cache_writes_them(tmp_path: Path) -> None:
+def test_startup_bench_writes_entries_as_the_cache_writes_them(tiny_path: Path, tmp_path: Path) -> None:
     from stage_edges import key_context_for
 
     from qie.cache.entries import write_entries
