@@ -453,3 +453,31 @@ def test_an_index_segment_of_the_json_form_is_read_and_merged_into_the_columns(s
     with caplog.at_level(logging.WARNING):
         assert remote(url, s3, tmp_path / "d").intact_all(items) == [True] * len(items)
     assert "bad.safetensors is unreadable" in caplog.text
+
+
+def test_an_index_segment_round_trips_packed_or_as_text() -> None:
+    """Hex-digest keys and one-algorithm checksums are kept as their bytes (a segment half the size of text);
+    any other keys or checksums as text; every form reads back to the same records."""
+    import json
+    import struct
+
+    from qie.cache.remote_index import decode, encode
+
+    def meta(data: bytes) -> dict:
+        (n,) = struct.unpack("<Q", data[:8])
+        return json.loads(data[8 : 8 + n])["__metadata__"]
+
+    base = f"empty_prompt_embed/{key('b')}/xxh3_64:{0:016x}"
+    digests = {key(n): (100 + n, f"xxh3_64:{n:016x}", "" if n % 2 else base) for n in range(50)}
+    packed = encode(digests, "prompt_embed")
+    assert decode(packed, "prompt_embed") == digests
+    assert meta(packed)["keys"] == "hex:" and meta(packed)["checksums"] == "hex:xxh3_64:"
+    names = {f"k{n}": (n, f"xxh3_64:{n:016x}", "") for n in range(50)}  # keys that are no digests
+    mixed = {key(0): (1, "xxh3_64:00", ""), key(1): (2, "blake3:0011", "")}  # two algorithms, odd widths
+    for entries in (names, mixed, {}):
+        data = encode(entries, "pixel_latent")
+        assert decode(data, "pixel_latent") == entries
+    assert "keys" not in meta(encode(names, "pixel_latent")) and "checksums" not in meta(encode(mixed, "t"))
+    assert len(packed) < 0.7 * len(encode({k.upper(): v for k, v in digests.items()}, "prompt_embed"))  # keys as text
+    with pytest.raises(ValueError, match="not an index segment of this type"):
+        decode(packed, "pixel_latent")
