@@ -171,18 +171,18 @@ def test_a_whole_list_found_again_takes_no_signature_per_sample(tmp_path: Path, 
 
 
 def test_only_the_newest_lists_are_kept(tmp_path: Path) -> None:
-    import qie.data.key_memo as km
+    from qie.data.sample_lists import LISTS_KEPT
 
     samples, cache = _samples(tmp_path / "ds", 6), tmp_path / "cache"
     memo, _ = _memo(cache)
     memo.keys_all(samples)
     memo.save()
-    for n in range(2, 2 + km.LISTS_KEPT + 2):  # six different lists, each saved
+    for n in range(2, 2 + LISTS_KEPT + 2):  # six different lists, each saved
         warm, _ = _memo(cache)
         assert warm.rows_all(samples[:n]) is not None
         warm.save()
     kept = list((cache / "sample_keys" / "lists").glob("*.safetensors"))
-    assert len(kept) == km.LISTS_KEPT
+    assert len(kept) == LISTS_KEPT
 
 
 def test_one_start_up_stats_each_image_once_but_rechecks_after_hashing(tmp_path: Path, monkeypatch) -> None:

@@ -10,7 +10,7 @@ keys are computed again, exactly as without the memo.
 Kept in the cache folder as `sample_keys/<context token>.safetensors`: one row of fixed-size bytes per
 sample (a 16-byte signature digest; the 32-byte keys of its stored entry types, zeros for a type it lacks).
 
-A whole list of samples is remembered too (`sample_keys/lists/<context token>-<list digest>.safetensors`, the
+A whole list of samples is remembered too (`qie.data.sample_lists`, in `sample_keys/lists/`, the
 rows of the list in its order): the digest covers every prompt, which image each sample names in each role, and
 each distinct image's path and stat signature, so a list found again costs one stat per distinct image and a
 pass over the samples' fields, not a signature and a lookup per sample (at a million samples, seconds).
@@ -29,7 +29,7 @@ from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
-from qie.data import file_stats
+from qie.data import file_stats, sample_lists
 from qie.data.keys import KeyContext
 from qie.data.samples import Sample
 from qie.types import TRAINING_TYPES
@@ -42,8 +42,6 @@ MASK_OF = {"prompt_embed": "prompt_embeds_mask", "empty_prompt_embed": "empty_pr
 SIG_BYTES, KEY_BYTES = 16, 32
 ROW_BYTES = KEY_BYTES * len(ROW_TYPES)
 _ABSENT = bytes(KEY_BYTES)
-LIST_FORMAT = "qie-sample-list/1"
-LISTS_KEPT = 4  # remembered lists per context (the training set, its regularisation set, their text-only forms)
 
 
 def context_token(ctx: KeyContext) -> str:
@@ -136,7 +134,7 @@ def list_digest(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
     import numpy as np
 
     seen = {} if seen is None else seen
-    h = hashlib.blake2b(LIST_FORMAT.encode(), digest_size=SIG_BYTES)
+    h = hashlib.blake2b(sample_lists.FORMAT.encode(), digest_size=SIG_BYTES)
     prompts = list(map(attrgetter("prompt"), samples))
     h.update(np.fromiter(map(len, prompts), np.int64, len(prompts)).tobytes())
     h.update("\0".join(prompts).encode("utf-8", "surrogatepass"))
@@ -209,7 +207,8 @@ class KeyMemo:
         self.compute = compute
         self._table: _Table | None = None
         self._new: dict[bytes, bytes] = {}  # rows learnt by this object, not yet in the table
-        self._lists: dict[bytes, object] = {}  # list digest -> its rows ((n, ROW_BYTES) array), not yet saved
+        lists = self.path.parent / "lists" if self.path is not None else None
+        self.lists = sample_lists.RememberedLists(lists, context_token(context), ROW_BYTES)
         self.hits = self.misses = 0
 
     def keys(self, sample: Sample) -> dict[str, str]:
@@ -235,7 +234,7 @@ class KeyMemo:
             return None
         seen: dict[str, str | OSError] = {}
         digest = list_digest(samples, seen) if samples else None
-        if digest is not None and (rows := self._list_rows(digest, len(samples))) is not None:
+        if digest is not None and (rows := self.lists.find(digest, len(samples))) is not None:
             self.hits += len(samples)
             return rows
         sigs = _signatures(samples, seen)
@@ -252,35 +251,7 @@ class KeyMemo:
             rows[lo : lo + len(pos)] = table.rows[pos]
         self.hits += len(sigs)
         if digest is not None:
-            self._lists[digest] = rows
-        return rows
-
-    def _list_file(self, digest: bytes) -> Path | None:
-        return self.path.parent / "lists" / f"{self.path.stem}-{digest.hex()}.safetensors" if self.path else None
-
-    def _list_rows(self, digest: bytes, count: int):
-        """The rows of the list with `digest`, remembered by this object or in its file; None when neither holds
-        them (an unreadable file is logged and ignored)."""
-        if digest in self._lists:
-            return self._lists[digest]
-        path = self._list_file(digest)
-        if path is None:
-            return None
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != LIST_FORMAT:
-                    raise ValueError("unknown format")
-                rows = f.get_tensor("keys")
-            if rows.shape != (count, ROW_BYTES) or int(meta.get("samples", -1)) != count:
-                raise ValueError("unexpected shape")
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # safetensors raises its own error types for a damaged file
-            log.warning("remembered sample list %s is unreadable (%s); looking its samples up one by one", path, e)
-            return None
+            self.lists.learn(digest, rows)
         return rows
 
     def keys_all(self, samples: Sequence[Sample]) -> list[dict[str, str] | OSError]:
@@ -318,7 +289,7 @@ class KeyMemo:
     def save(self) -> None:
         """Write the memo (atomically) when this object learnt new rows; a failure is logged, not raised: the
         memo only saves time."""
-        self._save_lists()
+        self.lists.save()
         if self.path is None or not (self._new or (self._table is not None and self._table.resorted)):
             return
         import numpy as np
@@ -342,29 +313,6 @@ class KeyMemo:
             log.warning("could not save the sample key memo %s (%s)", self.path, e)
             tmp.unlink(missing_ok=True)
 
-    def _save_lists(self) -> None:
-        """Write the lists learnt by this object (atomically), keeping the `LISTS_KEPT` newest of this context."""
-        if self.path is None or not self._lists:
-            return
-        from safetensors.numpy import save_file
-
-        folder = self.path.parent / "lists"
-        for digest, rows in list(self._lists.items()):
-            path = self._list_file(digest)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                save_file({"keys": rows}, str(tmp), metadata={"format": LIST_FORMAT, "samples": str(len(rows))})
-                os.replace(tmp, path)
-            except OSError as e:
-                log.warning("could not save the remembered sample list %s (%s)", path, e)
-                tmp.unlink(missing_ok=True)
-                return
-            del self._lists[digest]
-        kept = sorted(folder.glob(f"{self.path.stem}-*.safetensors"), key=_mtime, reverse=True)
-        for old in kept[LISTS_KEPT:]:
-            old.unlink(missing_ok=True)
-
     def _load(self) -> _Table:
         if self._table is None:
             self._table = _read(self.path) if self.path is not None else _Table.empty()
@@ -372,13 +320,6 @@ class KeyMemo:
 
 
 _CHUNK = 1 << 16  # samples looked up at once
-
-
-def _mtime(path: Path) -> int:
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return 0
 
 
 class _Table:
