@@ -154,7 +154,7 @@ def ready_samples(
     finally:
         if gc_was_on:
             gc.enable()
-    if report if remember is None else remember:
+    if report if remember is None else remember:  # `remember` defaults to `report`
         cache.remember_keys()  # the next start stats images instead of hashing them
     path = run_dir / REPORT_FILE
     if report:
