@@ -269,3 +269,34 @@ def test_validation_images_are_saved_under_the_run_without_a_tracker(cached_data
         assert Image.open(folder / f"{first[0]}.png").size == (64, 64)
     steps = [json.loads(line)["step"] for line in (tmp_path / "validation" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4] and not (tmp_path / "tensorboard").exists()
+
+
+def test_the_collector_pause_of_a_start_up_leaves_it_as_it_was(cached_data: CachedData, tmp_path: Path) -> None:
+    """A train start-up pauses the garbage collector while its data is read and checked (on again inside for
+    captions a model writes) and freezes what it made; the collector is on and nothing frozen once the run is
+    over, or once its start failed."""
+    import gc
+
+    from qie.stages.train import collecting
+
+    gc.disable()
+    with collecting():
+        assert gc.isenabled()
+    assert not gc.isenabled()
+    gc.enable()
+    seen: list[tuple[bool, int]] = []
+    train(cached_data, ["train.max_steps=1"], tmp_path / "run")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    real = train_stage.split_heldout
+
+    def record(*args, **kwargs):  # inside the start-up's data part
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_stage, "split_heldout", record)
+        train(cached_data, ["train.max_steps=1"], tmp_path / "run2")
+        assert seen == [(False, 0)] and gc.isenabled() and gc.get_freeze_count() == 0
+        with pytest.raises(CacheMissError):
+            train(cached_data, ["train.max_steps=1", f"cache.dir={tmp_path / 'empty'}"], tmp_path / "run3")
+    assert gc.isenabled() and gc.get_freeze_count() == 0

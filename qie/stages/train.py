@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import gc
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,8 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
     try:
         # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
         # process first, the others then read them).
-        captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
+        with collecting():  # captions written by a model, one generation after another: their garbage collected
+            captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
         pairs = "rejected" in objective_requires(str(s.train.objective))
         with file_stats.once():  # the scan and the key memo share each image's stat
             with accelerator.main_process_first():
@@ -200,6 +202,18 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
             loading.wait()  # a thread still inside torch when the interpreter exits aborts it
         raise
     return samples, reg, heldout, loading.result(), records
+
+
+@contextmanager
+def collecting() -> Iterator[None]:
+    """The garbage collector on within the block (in a start-up that pauses it while the data is read)."""
+    was_on = gc.isenabled()
+    gc.enable()
+    try:
+        yield
+    finally:
+        if not was_on:
+            gc.disable()
 
 
 def make_accelerator(train: TrainConfig, memory: MemorySettings, model_dtype: str, run_dir: Path) -> Any:
