@@ -481,3 +481,35 @@ def test_an_index_segment_round_trips_packed_or_as_text() -> None:
     assert len(packed) < 0.7 * len(encode({k.upper(): v for k, v in digests.items()}, "prompt_embed"))  # keys as text
     with pytest.raises(ValueError, match="not an index segment of this type"):
         decode(packed, "pixel_latent")
+
+
+def test_a_backend_told_to_read_ahead_reads_the_index_once_beside_the_caller(s3: str, url: str, tmp_path: Path) -> None:
+    """With `read_ahead` the index of the named types is read on a thread of its own as the backend is built; the
+    start-up check then takes what it read (no request of its own). Against a server that is not there, building
+    still returns at once, and the check names the endpoint as before."""
+    types = ["pixel_latent", "prompt_embed"]
+    items = [(t, key(f"{t}{n}")) for t in types for n in range(3)]
+    writer = writing(url, s3, tmp_path / "w")
+    for t, k in items:
+        writer.put(t, k, make_entry(t))
+    writer.flush()
+    ahead = remote(url, s3, tmp_path / "a", read_ahead=types)
+    ahead.index._ahead[1].wait(30)
+    made = ahead.store.requests
+    assert made == 2  # one listing of the index folder, one read of all the segments
+    assert ahead.intact_all(items) == [True] * len(items) and ahead.store.requests == made
+    assert ahead.index._ahead is None  # used once
+    assert remote(url, s3, tmp_path / "b").intact_all(items) == [True] * len(items)
+
+    import time
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    dead = RemoteBackend(url=url, endpoint_url=gone, local_dir=tmp_path / "d", retries=1, backoff=0.01,
+                         read_ahead=types)  # fmt: skip
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(StorageError, match="127.0.0.1"):
+        dead.check_access()
+    dead.index._ahead[1].wait(30)
+    with pytest.raises(StorageError, match="127.0.0.1"):
+        dead.intact_all(items)

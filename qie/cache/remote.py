@@ -66,6 +66,8 @@ class RemoteBackend:
         dir: `cache.dir`, the node-local folder of what stages keep beside a cache; not used here.
         verify_reads: check the checksum of local copies on every read too (fetched objects always are).
         lease_seconds: how long a claim holds when its holder dies; retries, backoff, timeout: for each request.
+        read_ahead: entry types whose index to start reading now, in the background (a stage's decision: the
+            train stage names what its start-up check reads, so the read overlaps its data set scan).
     """
 
     stores = True
@@ -85,6 +87,7 @@ class RemoteBackend:
         retries: int = 4,
         backoff: float = 0.5,
         timeout: float = 5.0,
+        read_ahead: Sequence[str] = (),
     ) -> None:
         if not url:
             raise ConfigError("cache.url is not set: pass cache=remote cache.url=s3://BUCKET/PREFIX")
@@ -108,6 +111,8 @@ class RemoteBackend:
         host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
         self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         self.index = RemoteIndex(self.store, self.owner)
+        if read_ahead:
+            self.index.read_ahead([check_type(t) for t in read_ahead])
         self._held: set[tuple[str, str]] = set()  # entries this backend holds claims on
         # Entries added since the last segment reach the store when this backend goes, or when the process ends.
         weakref.finalize(self, flush_quietly, self.index).atexit = False

@@ -60,6 +60,7 @@ class RemoteIndex:
         self._seq = 0
         self._last_flush = time.monotonic()
         self._lock = threading.RLock()
+        self._ahead: tuple[list[str], threading.Event, dict] | None = None  # a read started by `read_ahead`
 
     def records(self, type: str) -> dict[str, Record]:
         """{key: record} of `type` (read from the store on first use)."""
@@ -70,19 +71,51 @@ class RemoteIndex:
 
     def preload(self, types: list[str]) -> None:
         """Read the index of each of `types` not read yet: one listing of the index folder for all of them, and
-        their segments read at once (a start-up's round trips: two, not two per type)."""
+        their segments read at once (a start-up's round trips: two, not two per type); what `read_ahead` read of
+        them is taken instead."""
         with self._lock:
             todo = [t for t in dict.fromkeys(types) if t not in self._records]
-            if len(todo) < 2:  # one type: its own listing and one read (`_load`) is as few requests
+            found = self._taken_ahead(todo) if todo else None
+            if found is None and len(todo) < 2:  # one type: its own listing and one read (`_load`), as few
                 return
-            listed: dict[str, list[str]] = {t: [] for t in todo}
-            for name in sorted(self.store.listing(FOLDER)):
-                parts = name.split("/")
-                if len(parts) == 3 and parts[1] in listed and name.endswith(SUFFIXES):
-                    listed[parts[1]].append(name)
-            fetched = self.store.read_many([n for names in listed.values() for n in names])
-            for t, segments in listed.items():
-                self._records[t] = self._load(t, segments, fetched)
+            listed, fetched = found or self._fetch(todo)
+            for t in todo:
+                self._records[t] = self._load(t, listed[t], fetched)
+
+    def read_ahead(self, types: list[str]) -> None:
+        """Start reading the index of `types` on a thread of its own (a start-up names what its check will read, so
+        the read overlaps its data set scan); the next `preload` of them waits for it and takes what it read. A
+        read that failed is left to that `preload`, which reads again and reports."""
+        todo = list(dict.fromkeys(types))
+        done, box = threading.Event(), {}
+
+        def read() -> None:
+            try:
+                box["found"] = self._fetch(todo)
+            except Exception as e:  # the check's own read meets it again and names it
+                log.debug("reading the index ahead failed (%s)", e)
+            finally:
+                done.set()
+
+        self._ahead = (todo, done, box)
+        threading.Thread(target=read, name="qie-index-ahead", daemon=True).start()
+
+    def _taken_ahead(self, todo: list[str]) -> tuple[dict[str, list[str]], dict] | None:
+        """What `read_ahead` read, when it covers `todo` and succeeded (waited for while it runs); used once."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or not set(todo) <= set(ahead[0]):
+            return None
+        ahead[1].wait()
+        return ahead[2].get("found")
+
+    def _fetch(self, types: list[str]) -> tuple[dict[str, list[str]], dict[str, bytes | None]]:
+        """(each type's segment names, their bytes): one listing of the index folder, the segments read at once."""
+        listed: dict[str, list[str]] = {t: [] for t in types}
+        for name in sorted(self.store.listing(FOLDER)):
+            parts = name.split("/")
+            if len(parts) == 3 and parts[1] in listed and name.endswith(SUFFIXES):
+                listed[parts[1]].append(name)
+        return listed, self.store.read_many([n for names in listed.values() for n in names])
 
     def get(self, type: str, key: str) -> Record | None:
         return self.records(type).get(key)
@@ -178,6 +211,7 @@ class RemoteIndex:
         with self._lock:
             self.flush()
             self._records.clear()
+            self._ahead = None
 
     # --- segments ------------------------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ from qie.training.modes import TrainMode
 from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
+from qie.types import TRAINING_TYPES
 
 RESULT_FILE = "train_result.json"
 
@@ -90,7 +91,9 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
-        return _train(setup, run_dir, accelerator, build_backend(cfg.cache), on_step_end)
+        # A backend whose start-up check reads an index starts reading it now, beside the data set's scan.
+        ahead = TRAINING_TYPES if str(setup.source.mode) == "cached" else ()
+        return _train(setup, run_dir, accelerator, build_backend(cfg.cache, read_ahead=ahead), on_step_end)
     finally:
         if writer:
             run_lock.release(run_dir)
