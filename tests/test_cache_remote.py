@@ -430,7 +430,7 @@ def test_an_index_segment_of_the_json_form_is_read_and_merged_into_the_columns(s
     segment of columns; a damaged segment is ignored with a warning (its entries then found by their headers)."""
     import json
 
-    from qie.cache import remote_index
+    from qie.cache import remote_index, remote_segments
 
     writer = writing(url, s3, tmp_path / "w")
     items = [("pixel_latent", key(n)) for n in range(remote_index.MERGE_ABOVE + 2)]
@@ -442,7 +442,7 @@ def test_an_index_segment_of_the_json_form_is_read_and_merged_into_the_columns(s
     for name in fs.find(f"{url}/.index/pixel_latent/"):
         fs.rm(name)
     for n, (k, record) in enumerate(records.items()):  # one JSON segment per entry, as writers of that form left
-        doc = {"format": remote_index.FORMAT_JSON, "type": "pixel_latent", "entries": {k: list(record)}}
+        doc = {"format": remote_segments.FORMAT_JSON, "type": "pixel_latent", "entries": {k: list(record)}}
         fs.pipe(f"{url}/.index/pixel_latent/old-{n}.json", json.dumps(doc).encode())
     reader = remote(url, s3, tmp_path / "j")
     assert reader.index.records("pixel_latent") == records  # read, and merged (more than MERGE_ABOVE segments)
@@ -461,7 +461,7 @@ def test_an_index_segment_round_trips_packed_or_as_text() -> None:
     import json
     import struct
 
-    from qie.cache.remote_index import decode, encode
+    from qie.cache.remote_segments import decode, encode
 
     def meta(data: bytes) -> dict:
         (n,) = struct.unpack("<Q", data[:8])

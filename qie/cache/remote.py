@@ -42,7 +42,8 @@ from qie.cache.base import (
 from qie.cache.codec import quick_header
 from qie.cache.local_copy import LocalCopy, default_local_dir
 from qie.cache.remote_claims import Lease, sweep_leases, take_lease
-from qie.cache.remote_index import Record, RemoteIndex, flush_at_exit, flush_quietly
+from qie.cache.remote_index import RemoteIndex, flush_at_exit, flush_quietly
+from qie.cache.remote_segments import Record
 from qie.cache.remote_store import Store, open_filesystem
 from qie.errors import CacheDirMissing, ConfigError, StorageError
 from qie.types import SCHEMA_VERSION
