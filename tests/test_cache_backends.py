@@ -288,6 +288,11 @@ def test_build_backend(tmp_path: Path) -> None:
     assert isinstance(build_backend(node("qie.cache.none.NoneBackend", str(tmp_path)), verify_reads=True), NoneBackend)
     with pytest.raises(ConfigError, match="cache.dir is not set"):
         build_backend(node("qie.cache.ssd.SsdBackend", None))
+    assert build_backend(node("qie.cache.ssd.SsdBackend", str(tmp_path))).startup_check == "folders"
+    files = node("qie.cache.ssd.SsdBackend", str(tmp_path), startup_check="files")
+    assert build_backend(files).startup_check == "files"
+    with pytest.raises(ConfigError, match="cache.startup_check='entries': expected one of folders, files"):
+        build_backend(node("qie.cache.ssd.SsdBackend", str(tmp_path), startup_check="entries"))
     for target in ("qie.cache.nope.Backend", "qie.cache.ssd.Nope", "SsdBackend", "qie.cache.ssd.encode"):
         with pytest.raises(ConfigError, match=rf"cache\._target_='{target}'"):
             build_backend(node(target, str(tmp_path)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from helpers import write_solid_image
 import qie.data.manifest as manifest
 from qie.cache import folders
 from qie.cache.entries import write_entries
-from qie.cache.keys import FileHasher
+from qie.cache.keys import FileHasher, entry_key
 from qie.cache.ssd import SsdBackend
 from qie.data.key_memo import KeyMemo
 from qie.data.keys import KeyContext, sample_keys
@@ -138,40 +139,103 @@ def test_keys_of_samples_sharing_images_take_one_stat_per_image(tmp_path: Path, 
     assert all(isinstance(k, FileNotFoundError) for k in got[:3]) and all(isinstance(k, dict) for k in got[3:])
 
 
-def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("check", ["folders", "files"])
+def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, monkeypatch, check: str) -> None:
     path = _data_set(tmp_path / "ds", pairs=2, per_pair=3)
     source, samples, backend = _cached(tmp_path, path)
+    source.backend = backend = SsdBackend(tmp_path / "cache", verify_reads=True, startup_check=check)
     run = tmp_path / "run"
     assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples  # stamps the set
     with monkeypatch.context() as mp:
         # Remembered keys: the set is checked in bulk, under the stamp the sample-by-sample check wrote (one
-        # stat per distinct entry file, no header read).
+        # stat per folder of the set, or per distinct entry file; no header read).
         def refuse(*args, **kwargs):
             raise AssertionError("checked sample by sample, or a header read")
 
         mp.setattr(SsdBackend, "intact_all", refuse)
         mp.setattr(SsdBackend, "_quick", refuse)
+        mp.setattr(os, "listdir", refuse)  # every entry existed: no folder is listed
         stats: list[str] = []
         real_stat = os.stat
         mp.setattr(os, "stat", lambda p, *a, **k: stats.append(os.fspath(p)) or real_stat(p, *a, **k))
         assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples
-    assert len([p for p in stats if p.endswith(".safetensors") and "/sample_keys/" not in p]) == 2 * 3 + 6
+    entry_files = [p for p in stats if p.endswith(".safetensors") and "/sample_keys/" not in p]
+    keys = [source.keys(s) for s in samples]
+    distinct = {(t, k[t]) for k in keys for t in TYPES}
+    assert len(distinct) == 2 * 3 + 6  # a prompt each, the latents and the empty prompt of each image pair
+    if check == "files":
+        assert len(entry_files) == len(distinct)
+    else:
+        folders = {f"{tmp_path}/cache/{t}" for t in TYPES} | {f"{tmp_path}/cache/{t}/{k[:2]}" for t, k in distinct}
+        assert entry_files == [] and sorted(p for p in stats if p in folders) == sorted(folders)
 
-    keys = source.keys(samples[4])
-    backend.path("prompt_embed", keys["prompt_embed"]).unlink()
-    with pytest.raises(CacheMissError, match="1 of 6 samples .* the first is 's1_1' \\(prompt_embed\\)"):
+    # A shared entry rewritten in place (damaged): found before the first step file by file, else by its read
+    # (header and size, or the checksum alone for the same size).
+    shared = backend.path("control_latent", keys[0]["control_latent"])
+    good = shared.read_bytes()
+    shared.write_bytes(good[:40])
+    if check == "files":
+        with pytest.raises(CacheMissError, match="3 of 6 samples"):
+            ready_samples(source, samples, run, "stop", str(tmp_path / "cache"))
+    else:
+        assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples
+    with pytest.raises(CacheMissError, match="(?s)'s0_0' .* a damaged cached control_latent .* cache.repair=true"):
+        source.get(samples[:1])
+    shared.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # the same size: only the checksum can tell
+    with pytest.raises(CacheMissError, match="'s0_1' .* a damaged cached control_latent"):
+        source.get(samples[1:2])
+    shared.write_bytes(good[:40])
+
+    # An entry removed changes its shard folder: the set is looked at file by file, the rewrite found too.
+    backend.path("prompt_embed", keys[4]["prompt_embed"]).unlink()
+    with pytest.raises(CacheMissError, match="4 of 6 samples .* the first is 's1_1' \\(prompt_embed\\)"):
         ready_samples(source, samples, run, "stop", str(tmp_path / "cache"))
     report = json.loads((run / "cache_report.json").read_text())
     assert report["missing"] == [{"id": "s1_1", "types": ["prompt_embed"]}]
-
-    # A shared entry rewritten in place (damaged): every sample that uses it is named.
-    shared = backend.path("control_latent", source.keys(samples[0])["control_latent"])
-    shared.write_bytes(shared.read_bytes()[:40])
-    with pytest.raises(CacheMissError, match="4 of 6 samples"):
-        ready_samples(source, samples, run, "stop", str(tmp_path / "cache"))
-    report = json.loads((run / "cache_report.json").read_text())
     assert [r["id"] for r in report["damaged"]] == ["s0_0", "s0_1", "s0_2"]
     assert report["damaged"][0]["types"] == ["control_latent"]
+
+
+def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_set_with_gaps(tmp_path: Path) -> None:
+    b = SsdBackend(tmp_path)
+    items = [(t, entry_key(t, {"i": i})) for t in ("pixel_latent", "prompt_embed") for i in range(6)]
+    for t, k in items[:-1]:  # the last is never written
+        b.put(t, k, {"x" if t == "pixel_latent" else "embed": torch.zeros(2)})
+    time.sleep(0.05)  # past the file system clock's tick: a folder's ctime equal to the stamp's is read as a change
+    assert b.intact_all(items, remember=True) == [True] * 11 + [False]
+    stamp = next((tmp_path / ".checked").iterdir())
+    assert folders.read_stamp(str(stamp))[1] is False  # a set with a gap: its folders are listed
+    listed: list[str] = []
+    real = os.listdir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "listdir", lambda p: listed.append(p) or real(p))
+        mp.setattr(SsdBackend, "_quick", lambda *a: pytest.fail("a header was read"))
+        assert b.intact_all(items) == [True] * 11 + [False]
+    assert sorted(listed) == sorted({str(b.path(t, k).parent) for t, k in items[:-1]})  # an absent one: not listed
+    assert not b.path(*items[-1]).parent.exists()
+
+    # Replaced (a finished file renamed over it), removed, or added: that set is checked file by file again.
+    t, k = items[0]
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b.path(t, k).read_bytes()[:30])
+    os.replace(other, b.path(t, k))
+    assert b.intact_all(items, remember=True) == [False] * 1 + [True] * 10 + [False]
+    b.put(t, k, {"x": torch.zeros(2)})
+    b.put(*items[-1], {"embed": torch.zeros(2)})
+    time.sleep(0.05)
+    assert b.intact_all(items, remember=True) == [True] * 12
+    assert folders.read_stamp(str(stamp))[1] is True  # every entry there: nothing is listed
+    # A stamp of before (its time alone) is read as a set with gaps: the folders are listed, and found whole
+    # and unchanged, the stamp says that every entry is there.
+    since = int(stamp.read_text().split()[0])
+    stamp.write_text(str(since))
+    assert folders.read_stamp(str(stamp)) == (since, False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SsdBackend, "_quick", lambda *a: pytest.fail("a header was read"))
+        assert b.intact_all(items, remember=True) == [True] * 12
+    assert folders.read_stamp(str(stamp)) == (since, True)
+    b.path(*items[5]).unlink()
+    assert b.intact_all(items) == [True] * 5 + [False] + [True] * 6
 
 
 def test_the_check_token_counts_each_entry_as_often_as_it_is_named() -> None:

@@ -1,5 +1,5 @@
 """The ssd backend's folders: which type and shard folders admin actions may look into, which files in
-them are entries, and the stamps that let a repeat whole-set check cost one stat per entry."""
+them are entries, and the stamps that let a repeat whole-set check cost one stat per folder (or per entry)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from qie.cache.base import EntryCounts, VerifyReport
-from qie.cache.files import entry_key
+from qie.cache.files import SUFFIX, entry_key
 from qie.types import CACHE_TYPES
 
 log = logging.getLogger("qie.cache.ssd")
@@ -119,12 +119,44 @@ def file_system_now(folder: str) -> int | None:
         return time.time_ns() - CHECK_MARGIN_NS
 
 
-def read_stamp(path: str) -> int | None:
+def read_stamp(path: str) -> tuple[int | None, bool]:
+    """(the time before which every entry of the set that existed was whole, or None; whether all existed)."""
     try:
         with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
+            words = f.read().split()
+        return int(words[0]), words[1:] == ["all"]
+    except (OSError, ValueError, IndexError):
+        return None, False
+
+
+def stamp_text(since: int, all_exist: bool) -> str:
+    return f"{since} all" if all_exist else str(since)
+
+
+def unchanged_entries(root: str, keys: Mapping[str, Sequence[str]], since: int, all_exist: bool) -> list[bool] | None:
+    """Which entries exist (for the types' `keys`, in their order), when no entry was added, removed or replaced
+    in their type and shard folders since `since`; None when one of the folders changed (or is gone).
+
+    Every writer puts an entry by renaming a finished file into its shard folder, and every removal unlinks it:
+    both set the folder's ctime, which no tool can set back. A file rewritten in place leaves the folder as it
+    was: it is found when read (its header, size and base; with cache.verify_reads its checksum)."""
+    shards = {t: {k[:2] for k in ks} for t, ks in keys.items()}
+    folders = [f"{root}/{t}" for t in shards] + [f"{root}/{t}/{s}" for t, ss in shards.items() for s in ss]
+    times = ctimes(folders)
+    if any(c is not None and c >= since for c in times):
         return None
+    absent = {f for f, c in zip(folders, times) if c is None}  # holding none of the set's entries
+    if all_exist:
+        return None if absent else [True] * sum(len(ks) for ks in keys.values())
+    found: list[bool] = []
+    for type, ks in keys.items():
+        try:
+            names = {s: set() if f"{root}/{type}/{s}" in absent else set(os.listdir(f"{root}/{type}/{s}"))
+                     for s in shards[type]}  # fmt: skip
+        except OSError:
+            return None
+        found.extend(f"{k}{SUFFIX}" in names[k[:2]] for k in ks)
+    return found
 
 
 def ctimes(paths: Sequence[str]) -> list[int | None]:

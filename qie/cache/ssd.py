@@ -39,7 +39,9 @@ from qie.errors import CacheDirMissing, ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MMAP_MIN_BYTES", "SsdBackend", "load_file", "read_file", "temp_name"]
+__all__ = ["MMAP_MIN_BYTES", "STARTUP_CHECKS", "SsdBackend", "load_file", "read_file", "temp_name"]
+
+STARTUP_CHECKS = ("folders", "files")
 
 
 class SsdBackend:
@@ -48,18 +50,27 @@ class SsdBackend:
     Args:
         dir: the cache folder (`cache.dir`); writers create it (and its subfolders) on their first put.
         verify_reads: check every entry's checksum when it is read (`cache.verify_reads`).
+        startup_check: how a whole set checked whole before is checked again (`cache.startup_check`): "folders",
+            one stat per type and shard folder its entries are in (an entry added, removed or replaced since
+            makes it check file by file); "files", one stat per entry file, which also finds an entry rewritten
+            in place before the first step rather than when it is read.
 
     Raises:
-        ConfigError: when `dir` is not set.
+        ConfigError: when `dir` is not set, or `startup_check` is neither.
     """
 
     stores = True
     persists = True
     remote_reads = False
 
-    def __init__(self, dir: str | os.PathLike | None = None, verify_reads: bool = False) -> None:
+    def __init__(
+        self, dir: str | os.PathLike | None = None, verify_reads: bool = False, startup_check: str = "folders"
+    ) -> None:
         if dir is None or str(dir) == "":
             raise ConfigError("cache.dir is not set: pass cache.dir=/path/to/cache for the ssd backend")
+        if startup_check not in STARTUP_CHECKS:
+            raise ConfigError(f"cache.startup_check={startup_check!r}: expected one of {', '.join(STARTUP_CHECKS)}")
+        self.startup_check = startup_check
         self.root = Path(dir).expanduser().absolute()
         self._root = str(self.root)
         self.verify_reads = bool(verify_reads)
@@ -109,7 +120,8 @@ class SsdBackend:
         """`intact` of each entry. A stamp per set of entries (`.checked/<token>`) records a time before which
         every file of the set that existed was whole: while no file of the set was changed or written since
         (the kernel sets a file's ctime on every change, and no tool can set it back), the check is one stat
-        per file. With `remember`, a check that found every existing entry whole writes the stamp."""
+        per folder of the set (`startup_check="folders"`) or per file. With `remember`, a check that found
+        every existing entry whole writes the stamp."""
         # Samples share entries (the prompts of one image pair share its latents): each file is looked at once.
         counts = EntryCounts.of(Counter(items))
         ok = self._intact_counted(counts, remember)
@@ -135,14 +147,21 @@ class SsdBackend:
         # The stamp's time is read from the clock that sets the entries' ctimes (the file system's own, which
         # may be another machine's): a file created now tells it.
         start = folders.file_system_now(f"{self._root}/.checked") if remember and os.path.isdir(self._root) else None
-        since = folders.read_stamp(stamp)
+        since, all_exist = folders.read_stamp(stamp)
+        if since is not None and self.startup_check == "folders":
+            keys = {t: keys for t, (keys, _, _) in by_type.items()}
+            found = folders.unchanged_entries(self._root, keys, since, all_exist)
+            if found is not None:
+                if remember and not all_exist and all(found):  # the same files as then: all there then too
+                    files.write_small(stamp, folders.stamp_text(since, True))
+                return found
         ctimes = folders.ctimes([p for t, (keys, _, _) in by_type.items() for p in self._paths(t, keys)])
         if since is not None and all(c is None or c < since for c in ctimes):
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
         ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(counts, ctimes)]
         if start is not None and any(ok) and all(good or c is None for good, c in zip(ok, ctimes)):
-            files.write_small(stamp, str(start))
+            files.write_small(stamp, folders.stamp_text(start, all(ok)))
         return ok
 
     def _paths(self, type: str, keys: list[str]) -> list[str]:

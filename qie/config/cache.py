@@ -53,6 +53,11 @@ class CacheConfig:
     # (listing them in cache_report.json with the precompute command), or train on the rest with a warning.
     on_missing: OnMissing = OnMissing.stop
     types: list[str] = field(default_factory=lambda: list(CACHE_TYPES))
+    # cache=ssd: how training checks again a set of entries it found whole before. "folders" stats each type and
+    # shard folder the set's entries are in (an entry added, removed or replaced there since makes it look file by
+    # file); "files" stats every entry file, which also finds one rewritten in place before the first step (else
+    # its read does, by its checksum). Other backends ignore it.
+    startup_check: str = "folders"
     # cache=remote (`qie.cache.remote.RemoteBackend`): the object store (`s3://BUCKET/PREFIX`, any fsspec URL), its
     # endpoint (MinIO, R2, a local server), more fsspec options; the node-local copy (default under $QIE_HOME) and
     # its size limit in GiB; how long a dead precompute's claim holds; tries per request. Other backends ignore them.
