@@ -264,3 +264,18 @@ def test_a_caption_link_whose_file_appears_is_read(tmp_path: Path) -> None:
     _next_tick()
     _write(elsewhere / "nocaption.txt", "found")
     assert {s.id: s.prompt for s in _scan(edit, cache).samples}["nocaption"] == "found"
+
+
+ODD_NAMES = [None, "/abs/x.png", "a//b.png", "./c.png", "a/./d.png", "a/../e.png", ".f.png", "g/", ""]
+
+
+@pytest.mark.parametrize("odd", ODD_NAMES)
+def test_index_paths_equal_pathlib_joins(tmp_path: Path, odd: str | None) -> None:
+    """The remembered names made paths again: what `folder / name` gives, text included, for plain names (built
+    by the child constructor) and for any odd one among them (every name then checked on its own)."""
+    from qie.data.index_file import paths
+
+    names = ["targets/0.png", "controls/a/1.png", "2.png", "targets/3.png.png"] + ([odd] if odd is not None else [])
+    got = paths(tmp_path, names)
+    assert got == [tmp_path / n for n in names]
+    assert [str(p) for p in got] == [str(tmp_path / n) for n in names]

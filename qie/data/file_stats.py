@@ -46,6 +46,22 @@ def stat(path: str) -> os.stat_result:
     return found
 
 
+def stat_all(paths: list[str]) -> list[os.stat_result | OSError]:
+    """`stat` of each path, or the OSError it raised, in one loop (200k images of a folder data set)."""
+    taken, os_stat, out = _TAKEN.get(), os.stat, []
+    for path in paths:
+        found = taken.get(path) if taken is not None else None
+        if found is None:
+            try:
+                found = os_stat(path)
+            except OSError as e:
+                found = e
+            if taken is not None:
+                taken[path] = found
+        out.append(found)
+    return out
+
+
 def isfile(path: str | os.PathLike) -> bool:
     """`os.path.isfile(path)` through `stat` (the path made absolute, as signatures name it)."""
     p = os.fspath(path)

@@ -147,9 +147,11 @@ def paths(folder: Path, names: list[str]) -> list[Path]:
     child constructor of their folder, built once per folder (what `qie.data.samples` uses for listings)."""
     makers: dict[str, object] = {}
     out = []
+    text = "\0/" + "\0/".join(names) + "\0/"  # each name between "\0/" and "\0": one look for all of them
+    plain = not any(bad in text for bad in ("//", "/.", "/\0"))
     for name in names:
         head, _, base = name.rpartition("/")
-        if name.startswith("/") or "//" in name or "/." in f"/{name}" or not base:
+        if not plain and (name.startswith("/") or "//" in name or "/." in f"/{name}" or not base):
             out.append(folder / name)
             continue
         make = makers.get(head)

@@ -90,6 +90,17 @@ def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | N
     return text
 
 
+def _image_signatures(paths: list, seen: dict[str, str | OSError]) -> list[str] | None:
+    """`_image_signature` of each path (None when one cannot be stat'ed), in one loop."""
+    names = list(map(os.fspath, paths))
+    todo = [p for p in names if p not in seen]
+    full = [p if p.startswith("/") else os.path.abspath(p) for p in todo]
+    for p, f, st in zip(todo, full, file_stats.stat_all(full)):
+        seen[p] = st if isinstance(st, OSError) else f"{f}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+    texts = [seen[p] for p in names]
+    return None if any(isinstance(t, OSError) for t in texts) else texts  # type: ignore[return-value]
+
+
 def _signatures(samples: Sequence[Sample], seen: dict[str, str | OSError] | None = None) -> list[bytes | OSError]:
     """`input_signature` of each sample (or the OSError of its first image that cannot be stat'ed), each image
     stat'ed once: samples that share an image share its path object (a manifest's scan), found by identity.
@@ -156,9 +167,8 @@ def list_digest(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
             column = list(chain.from_iterable(column))
         h.update(role.encode())
         h.update(refs(column))
-    try:
-        texts = [_image_signature(path, seen) for path in images]
-    except OSError:
+    texts = _image_signatures(images, seen)
+    if texts is None:
         return None
     h.update("\0".join(texts).encode("utf-8", "surrogatepass"))
     return h.digest()
