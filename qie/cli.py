@@ -13,13 +13,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qie.config import register, validate
+from qie.config import validate
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
 from qie.sweep import ERROR_FILE  # where a sweep job's user error is written, in that job's run directory
 from qie.sweep import write_summary as sweep_summary
-
-# The stage schemas must be known to Hydra before an entry point's @hydra.main composes its config.
-register()
 
 # OSErrors that say the machine, not qie, is at fault: reported in one line naming the path.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}

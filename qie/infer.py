@@ -4,7 +4,10 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.cli import run_stage
+from qie.config import register
 from qie.stages import infer
+
+register("infer")  # its schema, known to Hydra before @hydra.main composes
 
 
 @hydra.main(config_path="pkg://qie.conf", config_name="infer", version_base=None)

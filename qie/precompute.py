@@ -4,8 +4,11 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.cli import run_stage
+from qie.config import register
 from qie.demo.builtin import with_builtin_data
 from qie.stages import precompute
+
+register("precompute")  # its schema, known to Hydra before @hydra.main composes
 
 
 @hydra.main(config_path="pkg://qie.conf", config_name="precompute", version_base=None)

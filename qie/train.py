@@ -4,8 +4,11 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.cli import exit_after_signal, run_stage, search_value
+from qie.config import register
 from qie.demo.builtin import with_builtin_data
 from qie.stages import train
+
+register("train")  # its schema, known to Hydra before @hydra.main composes
 
 
 @hydra.main(config_path="pkg://qie.conf", config_name="train", version_base=None)

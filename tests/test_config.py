@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from qie.config import compose
+from qie.config import compose, register
 from qie.errors import ConfigError
 
 CONF = Path(importlib.import_module("qie.conf").__file__).parent
@@ -110,6 +110,7 @@ def test_slurm_launcher_composes() -> None:
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
+    register("train")  # as the train entry point does
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module("qie.conf", version_base=None):

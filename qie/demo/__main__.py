@@ -4,7 +4,10 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.cli import run_stage
+from qie.config import register
 from qie.demo.run import run
+
+register("demo")  # its schema, known to Hydra before @hydra.main composes
 
 
 @hydra.main(config_path="pkg://qie.conf", config_name="demo", version_base=None)
