@@ -13,6 +13,7 @@ process may look for it. A reader that finds many segments merges them into one 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -84,7 +85,12 @@ class RemoteIndex:
 
         def read() -> None:
             try:
-                box["found"] = self._fetch(todo)
+                listed, fetched = self._fetch(todo)
+                for type, names in listed.items():  # decoded here too: a segment that fails stays bytes
+                    for name in names:
+                        with contextlib.suppress(Exception):
+                            fetched[name] = decode(fetched[name], type) if fetched.get(name) is not None else None
+                box["found"] = (listed, fetched)
             except Exception as e:  # the check's own read meets it again and names it
                 log.debug("reading the index ahead failed (%s)", e)
             finally:
@@ -212,7 +218,7 @@ class RemoteIndex:
         return sorted(n for n in self.store.listing(f"{FOLDER}/{type}") if n.endswith(SUFFIXES))
 
     def _load(self, type: str, segments: list[str] | None = None,
-              fetched: dict[str, bytes | None] | None = None) -> dict[str, Record]:  # fmt: skip
+              fetched: dict[str, bytes | dict | None] | None = None) -> dict[str, Record]:  # fmt: skip
         """The index of `type`: its `segments` (listed when not given) read (or taken from `fetched`), and merged
         into one when there are many."""
         segments = self._segments(type) if segments is None else segments
@@ -221,11 +227,11 @@ class RemoteIndex:
             self._replace(type, merged, segments)
         return merged
 
-    def _read_all(self, type: str, segments: list[str], fetched: dict[str, bytes | None] | None = None
+    def _read_all(self, type: str, segments: list[str], fetched: dict[str, bytes | dict | None] | None = None
                   ) -> dict[str, Record]:  # fmt: skip
-        """The union of the segments' entries (their bytes from `fetched`, else all read at once); a segment that
-        vanished (merged meanwhile) or is unreadable is dropped from `segments`, so that only segments read whole are
-        ever replaced."""
+        """The union of the segments' entries (their bytes, or entries decoded ahead, from `fetched`, else all read at
+        once); a segment that vanished (merged meanwhile) or is unreadable is dropped from `segments`, so that only
+        segments read whole are ever replaced."""
         merged: dict[str, Record] = {}
         fetched = self.store.read_many(segments) if fetched is None else fetched
         for name in list(segments):
@@ -233,7 +239,10 @@ class RemoteIndex:
                 data = fetched.get(name)
                 if data is None:
                     raise FileNotFoundError(name)
-                merged.update(decode(data, type))
+                found = data if isinstance(data, dict) else decode(data, type)
+                if len(segments) == 1:
+                    return found
+                merged.update(found)
             except FileNotFoundError:
                 segments.remove(name)
             except Exception as e:  # safetensors raises its own error types for a damaged segment
