@@ -192,6 +192,8 @@ def child(args: argparse.Namespace) -> None:
     import qie.config  # noqa: F401
     import qie.stages.train  # noqa: F401
 
+    if "cache=remote" in args.overrides:  # the object store's client library, imported when the backend is built
+        import s3fs  # noqa: F401
     imports = time.perf_counter() - t_import
     out = measure(args.overrides, Path(args.run_dir), args.profile_out)
     Path(args.out).write_text(json.dumps({"imports": imports, **out}))
