@@ -257,7 +257,8 @@ def test_a_backends_own_keys_pass_validation_and_others_are_named() -> None:
     from qie.errors import ConfigError
 
     assert compose("cache", BACKENDS["flat"]).cache.suffix == ".entry"
-    with pytest.raises(ConfigError, match=r"unknown key cache\.bucket: .*SsdBackend's parameters: dir, verify_reads"):
+    ssd_parameters = "SsdBackend's parameters: dir, startup_check, verify_reads"
+    with pytest.raises(ConfigError, match=rf"unknown key cache\.bucket: .*{ssd_parameters}"):
         compose("cache", ["+cache.bucket=x"])
     with pytest.raises(ConfigError, match="flat_backend.FlatBackend's parameters: dir, suffix"):
         compose("cache", [*BACKENDS["flat"], "+cache.bucket=x"])
