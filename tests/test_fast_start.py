@@ -204,7 +204,7 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
     time.sleep(0.05)  # past the file system clock's tick: a folder's ctime equal to the stamp's is read as a change
     assert b.intact_all(items, remember=True) == [True] * 11 + [False]
     stamp = next((tmp_path / ".checked").iterdir())
-    assert folders.read_stamp(str(stamp))[1] is False  # a set with a gap: its folders are listed
+    assert folders.read_stamp(str(stamp))[1] == {"folders"}  # a set with a gap: its folders are listed
     listed: list[str] = []
     real = os.listdir
     with pytest.MonkeyPatch.context() as mp:
@@ -224,16 +224,36 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
     b.put(*items[-1], {"embed": torch.zeros(2)})
     time.sleep(0.05)
     assert b.intact_all(items, remember=True) == [True] * 12
-    assert folders.read_stamp(str(stamp))[1] is True  # every entry there: nothing is listed
-    # A stamp of before (its time alone) is read as a set with gaps: the folders are listed, and found whole
-    # and unchanged, the stamp says that every entry is there.
-    since = int(stamp.read_text().split()[0])
+    assert folders.read_stamp(str(stamp))[1] == {"all", "folders"}  # every entry there: nothing is listed
+    since = folders.read_stamp(str(stamp))[0]
+
+    def entry_stats(check) -> int:
+        seen: list[str] = []
+        real = os.stat
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "stat", lambda p, *a, **k: seen.append(os.fspath(p)) or real(p, *a, **k))
+            mp.setattr(SsdBackend, "_quick", lambda *a: pytest.fail("a header was read"))
+            assert check() == [True] * 12
+        return len([p for p in seen if p.endswith(".safetensors")])
+
+    # A stamp of before (its time alone): checked file by file once, then it says what it found.
     stamp.write_text(str(since))
-    assert folders.read_stamp(str(stamp)) == (since, False)
+    assert entry_stats(lambda: b.intact_all(items, remember=True)) == 12
+    assert folders.read_stamp(str(stamp)) == (since, {"all", "folders"})
+    assert entry_stats(lambda: b.intact_all(items)) == 0
+
+    # A file system that does not keep folder times (the folders older than their files): file by file, always.
+    real_ctimes = folders.ctimes
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SsdBackend, "_quick", lambda *a: pytest.fail("a header was read"))
-        assert b.intact_all(items, remember=True) == [True] * 12
-    assert folders.read_stamp(str(stamp)) == (since, True)
+        mp.setattr(folders, "ctimes", lambda ps: [0 if not p.endswith(".safetensors") else c
+                                                  for p, c in zip(ps, real_ctimes(ps))])  # fmt: skip
+        stamp.write_text(str(since))
+        assert entry_stats(lambda: b.intact_all(items, remember=True)) == 12
+        assert folders.read_stamp(str(stamp)) == (since, {"all"})
+        assert entry_stats(lambda: b.intact_all(items, remember=True)) == 12
+    assert entry_stats(lambda: SsdBackend(tmp_path, startup_check="files").intact_all(items, remember=True)) == 12
+    assert folders.read_stamp(str(stamp)) == (since, {"all"})  # the files check says nothing of folders
+
     b.path(*items[5]).unlink()
     assert b.intact_all(items) == [True] * 5 + [False] + [True] * 6
 

@@ -119,18 +119,33 @@ def file_system_now(folder: str) -> int | None:
         return time.time_ns() - CHECK_MARGIN_NS
 
 
-def read_stamp(path: str) -> tuple[int | None, bool]:
-    """(the time before which every entry of the set that existed was whole, or None; whether all existed)."""
+def read_stamp(path: str) -> tuple[int | None, frozenset[str]]:
+    """(the time before which every entry of the set that existed was whole, or None; what else the stamp says:
+    "all" when every entry existed, "folders" when the file system kept the set's folder times)."""
     try:
         with open(path) as f:
             words = f.read().split()
-        return int(words[0]), words[1:] == ["all"]
+        return int(words[0]), frozenset(words[1:])
     except (OSError, ValueError, IndexError):
-        return None, False
+        return None, frozenset()
 
 
-def stamp_text(since: int, all_exist: bool) -> str:
-    return f"{since} all" if all_exist else str(since)
+def stamp_text(since: int, flags: Iterable[str]) -> str:
+    return " ".join([str(since), *sorted(flags)])
+
+
+def folder_times_kept(root: str, keys: Mapping[str, Sequence[str]], times: Sequence[int | None]) -> bool:
+    """Whether each shard folder of the set is at least as new as the newest of its entry files (`times`, the
+    files' ctimes in the order of `keys`): a rename into a folder sets the folder's ctime, so a file system that
+    keeps folder times passes; one that does not (some FUSE mounts of object stores) fails, and its sets are
+    checked file by file."""
+    newest: dict[str, int] = {}
+    found = iter(times)
+    for type, ks in keys.items():
+        for key, c in zip(ks, found):
+            if c is not None and c > newest.get(f := f"{root}/{type}/{key[:2]}", -1):
+                newest[f] = c
+    return all(c is not None and c >= newest[f] for f, c in zip(newest, ctimes(list(newest))))
 
 
 def unchanged_entries(root: str, keys: Mapping[str, Sequence[str]], since: int, all_exist: bool) -> list[bool] | None:

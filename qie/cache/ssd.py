@@ -147,22 +147,32 @@ class SsdBackend:
         # The stamp's time is read from the clock that sets the entries' ctimes (the file system's own, which
         # may be another machine's): a file created now tells it.
         start = folders.file_system_now(f"{self._root}/.checked") if remember and os.path.isdir(self._root) else None
-        since, all_exist = folders.read_stamp(stamp)
-        if since is not None and self.startup_check == "folders":
-            keys = {t: keys for t, (keys, _, _) in by_type.items()}
-            found = folders.unchanged_entries(self._root, keys, since, all_exist)
+        since, flags = folders.read_stamp(stamp)
+        keys = {t: type_keys for t, (type_keys, _, _) in by_type.items()}
+        by_folders = self.startup_check == "folders"
+        if since is not None and by_folders and "folders" in flags:
+            found = folders.unchanged_entries(self._root, keys, since, "all" in flags)
             if found is not None:
-                if remember and not all_exist and all(found):  # the same files as then: all there then too
-                    files.write_small(stamp, folders.stamp_text(since, True))
+                if remember and "all" not in flags and all(found):  # the same files as then: all there then too
+                    files.write_small(stamp, folders.stamp_text(since, flags | {"all"}))
                 return found
-        ctimes = folders.ctimes([p for t, (keys, _, _) in by_type.items() for p in self._paths(t, keys)])
+        ctimes = folders.ctimes([p for t, type_keys in keys.items() for p in self._paths(t, type_keys)])
         if since is not None and all(c is None or c < since for c in ctimes):
+            if remember and by_folders and "folders" not in flags:  # a stamp of before: say what it did not
+                files.write_small(stamp, folders.stamp_text(since, self._flags(keys, ctimes, None not in ctimes)))
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
         ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(counts, ctimes)]
         if start is not None and any(ok) and all(good or c is None for good, c in zip(ok, ctimes)):
-            files.write_small(stamp, folders.stamp_text(start, all(ok)))
+            files.write_small(stamp, folders.stamp_text(start, self._flags(keys, ctimes, all(ok))))
         return ok
+
+    def _flags(self, keys: dict[str, list[str]], ctimes: list[int | None], all_exist: bool) -> set[str]:
+        """What a stamp of the set says besides its time (see `folders.read_stamp`)."""
+        flags = {"all"} if all_exist else set()
+        if self.startup_check == "folders" and folders.folder_times_kept(self._root, keys, ctimes):
+            flags.add("folders")
+        return flags
 
     def _paths(self, type: str, keys: list[str]) -> list[str]:
         """The entry files of `keys` of `type` (one string each, the folder's part made once)."""
