@@ -109,6 +109,7 @@ def _cached(root: Path, path: Path) -> tuple[CachedSource, list, SsdBackend]:
     for s in samples:
         write_entries(backend, sample_keys(s, CTX, FileHasher()), entries)
     source = CachedSource(backend, CTX, FileHasher(cache / "file_hashes.json"), memo_dir=str(cache / "sample_keys"))
+    time.sleep(2 * folders.TICK_NS / 1e9)  # a check's stamp is a clock tick behind it: let the writes fall before it
     return source, samples, backend
 
 
@@ -201,7 +202,7 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
     items = [(t, entry_key(t, {"i": i})) for t in ("pixel_latent", "prompt_embed") for i in range(6)]
     for t, k in items[:-1]:  # the last is never written
         b.put(t, k, {"x" if t == "pixel_latent" else "embed": torch.zeros(2)})
-    time.sleep(0.05)  # past the file system clock's tick: a folder's ctime equal to the stamp's is read as a change
+    time.sleep(2 * folders.TICK_NS / 1e9)  # a stamp is a clock tick behind its check: writes fall before it
     assert b.intact_all(items, remember=True) == [True] * 11 + [False]
     stamp = next((tmp_path / ".checked").iterdir())
     assert folders.read_stamp(str(stamp))[1] == {"folders"}  # a set with a gap: its folders are listed
@@ -222,7 +223,7 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
     assert b.intact_all(items, remember=True) == [False] * 1 + [True] * 10 + [False]
     b.put(t, k, {"x": torch.zeros(2)})
     b.put(*items[-1], {"embed": torch.zeros(2)})
-    time.sleep(0.05)
+    time.sleep(2 * folders.TICK_NS / 1e9)
     assert b.intact_all(items, remember=True) == [True] * 12
     assert folders.read_stamp(str(stamp))[1] == {"all", "folders"}  # every entry there: nothing is listed
     since = folders.read_stamp(str(stamp))[0]

@@ -19,6 +19,9 @@ log = logging.getLogger("qie.cache.ssd")
 # Kept off a stamp's time when the file system's clock cannot be read, for file systems whose clock (which
 # sets ctime) is another machine's.
 CHECK_MARGIN_NS = 600 * 10**9
+# One tick of the kernel's coarse clock: a time it sets may be this much behind a fine-grained time set just before
+# (on another file, or on the probe a stamp's time is read from), so times closer than this are not ordered.
+TICK_NS = 10**7
 _TYPE_SALT = {t: int(hashlib.sha256(t.encode()).hexdigest()[:16], 16) for t in CACHE_TYPES}
 
 
@@ -104,14 +107,14 @@ def counted_token(counts: Mapping[tuple[str, str], int]) -> str:
 
 
 def file_system_now(folder: str) -> int | None:
-    """The time of the clock that sets ctimes in `folder`, read from a file created (and removed) there; where
-    no file can be made, this machine's clock less `CHECK_MARGIN_NS`."""
+    """The time of the clock that sets ctimes in `folder`, read from a file created (and removed) there, less
+    `TICK_NS`; where no file can be made, this machine's clock less `CHECK_MARGIN_NS`."""
     probe = f"{folder}/.now.{os.getpid()}.{time.monotonic_ns()}"
     try:
         os.makedirs(folder, exist_ok=True)
         fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         try:
-            return os.fstat(fd).st_ctime_ns
+            return os.fstat(fd).st_ctime_ns - TICK_NS
         finally:
             os.close(fd)
             os.unlink(probe)
@@ -136,16 +139,16 @@ def stamp_text(since: int, flags: Iterable[str]) -> str:
 
 def folder_times_kept(root: str, keys: Mapping[str, Sequence[str]], times: Sequence[int | None]) -> bool:
     """Whether each shard folder of the set is at least as new as the newest of its entry files (`times`, the
-    files' ctimes in the order of `keys`): a rename into a folder sets the folder's ctime, so a file system that
-    keeps folder times passes; one that does not (some FUSE mounts of object stores) fails, and its sets are
-    checked file by file."""
+    files' ctimes in the order of `keys`), to within `TICK_NS`: a rename into a folder sets the folder's ctime, so a
+    file system that keeps folder times passes; one that does not (some FUSE mounts of object stores) fails, and
+    its sets are checked file by file."""
     newest: dict[str, int] = {}
     found = iter(times)
     for type, ks in keys.items():
         for key, c in zip(ks, found):
             if c is not None and c > newest.get(f := f"{root}/{type}/{key[:2]}", -1):
                 newest[f] = c
-    return all(c is not None and c >= newest[f] for f, c in zip(newest, ctimes(list(newest))))
+    return all(c is not None and c >= newest[f] - TICK_NS for f, c in zip(newest, ctimes(list(newest))))
 
 
 def unchanged_entries(root: str, keys: Mapping[str, Sequence[str]], since: int, all_exist: bool) -> list[bool] | None:
