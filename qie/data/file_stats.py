@@ -1,5 +1,6 @@
 """Each data file stat'ed once while a start-up reads its data set: the remembered scan that checks an image is
-still a file and the key memo that takes its signature share one stat (a million-sample set names 200k images).
+still a file and the key memo that takes its signature share one stat (a million-sample set names 200k images);
+and an image's signature text, from its stat.
 
 Only inside `once()` (the train stage's reading of its data); elsewhere every call stats the file.
 """
@@ -69,3 +70,44 @@ def isfile(path: str | os.PathLike) -> bool:
         return _stat.S_ISREG(stat(p if p.startswith("/") else os.path.abspath(p)).st_mode)
     except (OSError, ValueError):
         return False
+
+
+def signature(path: str | os.PathLike, seen: dict[str, str | OSError] | None, fresh: bool = False) -> str:
+    """An image's signature text: its absolute path, size, mtime_ns, ctime_ns and inode (a write changes its ctime,
+    which no tool can set back). `seen`: texts (or the OSError of the stat) already taken in this pass, by the path
+    as given; `fresh` stats anew even inside `once()`.
+
+    Raises:
+        OSError: the image cannot be stat'ed.
+    """
+    p = os.fspath(path)
+    if seen is not None and (known := seen.get(p)) is not None:
+        if isinstance(known, OSError):
+            raise known
+        return known
+    full = p if p.startswith("/") else os.path.abspath(p)
+    try:
+        st = os.stat(full) if fresh else stat(full)
+    except OSError as e:
+        if seen is not None:
+            seen[p] = e
+        raise
+    text = _text(full, st)
+    if seen is not None:
+        seen[p] = text
+    return text
+
+
+def signatures(paths: list, seen: dict[str, str | OSError]) -> list[str] | None:
+    """`signature` of each path (None when one cannot be stat'ed), in one loop; `seen` as in `signature`."""
+    names = list(map(os.fspath, paths))
+    todo = [p for p in names if p not in seen]
+    full = [p if p.startswith("/") else os.path.abspath(p) for p in todo]
+    for p, f, st in zip(todo, full, stat_all(full)):
+        seen[p] = st if isinstance(st, OSError) else _text(f, st)
+    texts = [seen[p] for p in names]
+    return None if any(isinstance(t, OSError) for t in texts) else texts  # type: ignore[return-value]
+
+
+def _text(full: str, st: os.stat_result) -> str:
+    return f"{full}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"

@@ -63,42 +63,12 @@ def input_signature(sample: Sample, seen: dict[str, str | OSError] | None = None
     """
     parts = [sample.prompt]
     if sample.target is not None:
-        parts.append("t" + _image_signature(sample.target, seen, fresh))
-    parts += ["c" + _image_signature(p, seen, fresh) for p in sample.controls]
-    parts += ["l" + _image_signature(p, seen, fresh) for p in sample.layers]
+        parts.append("t" + file_stats.signature(sample.target, seen, fresh))
+    parts += ["c" + file_stats.signature(p, seen, fresh) for p in sample.controls]
+    parts += ["l" + file_stats.signature(p, seen, fresh) for p in sample.layers]
     if sample.rejected is not None:
-        parts.append("r" + _image_signature(sample.rejected, seen, fresh))
+        parts.append("r" + file_stats.signature(sample.rejected, seen, fresh))
     return hashlib.blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest()
-
-
-def _image_signature(path: str | os.PathLike, seen: dict[str, str | OSError] | None, fresh: bool = False) -> str:
-    p = os.fspath(path)
-    if seen is not None and (known := seen.get(p)) is not None:
-        if isinstance(known, OSError):
-            raise known
-        return known
-    full = p if p.startswith("/") else os.path.abspath(p)
-    try:
-        st = os.stat(full) if fresh else file_stats.stat(full)
-    except OSError as e:
-        if seen is not None:
-            seen[p] = e
-        raise
-    text = f"{full}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
-    if seen is not None:
-        seen[p] = text
-    return text
-
-
-def _image_signatures(paths: list, seen: dict[str, str | OSError]) -> list[str] | None:
-    """`_image_signature` of each path (None when one cannot be stat'ed), in one loop."""
-    names = list(map(os.fspath, paths))
-    todo = [p for p in names if p not in seen]
-    full = [p if p.startswith("/") else os.path.abspath(p) for p in todo]
-    for p, f, st in zip(todo, full, file_stats.stat_all(full)):
-        seen[p] = st if isinstance(st, OSError) else f"{f}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
-    texts = [seen[p] for p in names]
-    return None if any(isinstance(t, OSError) for t in texts) else texts  # type: ignore[return-value]
 
 
 def _signatures(samples: Sequence[Sample], seen: dict[str, str | OSError] | None = None) -> list[bytes | OSError]:
@@ -112,7 +82,7 @@ def _signatures(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
     def image(path, role: int) -> str:
         """The role's letter and the image's signature text (raises the OSError of its stat)."""
         held.append(path)
-        text = "tclr"[role] + _image_signature(path, seen)  # an OSError is remembered in `seen`
+        text = "tclr"[role] + file_stats.signature(path, seen)  # an OSError is remembered in `seen`
         known[role][id(path)] = text
         return text
 
@@ -167,7 +137,7 @@ def list_digest(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
             column = list(chain.from_iterable(column))
         h.update(role.encode())
         h.update(refs(column))
-    texts = _image_signatures(images, seen)
+    texts = file_stats.signatures(images, seen)
     if texts is None:
         return None
     h.update("\0".join(texts).encode("utf-8", "surrogatepass"))
