@@ -240,7 +240,7 @@ class RemoteIndex:
                 if data is None:
                     raise FileNotFoundError(name)
                 found = data if isinstance(data, dict) else decode(data, type)
-                if len(segments) == 1:
+                if len(segments) == 1 and not merged:  # the only segment: its entries as decoded
                     return found
                 merged.update(found)
             except FileNotFoundError:
