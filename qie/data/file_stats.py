@@ -32,16 +32,7 @@ def stat(path: str) -> os.stat_result:
     Raises:
         OSError: as `os.stat` does.
     """
-    taken = _TAKEN.get()
-    if taken is None:
-        return os.stat(path)
-    found = taken.get(path)
-    if found is None:
-        try:
-            found = os.stat(path)
-        except OSError as e:
-            found = e
-        taken[path] = found
+    (found,) = stat_all([path])
     if isinstance(found, OSError):
         raise found
     return found
@@ -67,7 +58,7 @@ def isfile(path: str | os.PathLike) -> bool:
     """`os.path.isfile(path)` through `stat` (the path made absolute, as signatures name it)."""
     p = os.fspath(path)
     try:
-        return _stat.S_ISREG(stat(p if p.startswith("/") else os.path.abspath(p)).st_mode)
+        return _stat.S_ISREG(stat(_absolute(p)).st_mode)
     except (OSError, ValueError):
         return False
 
@@ -85,7 +76,7 @@ def signature(path: str | os.PathLike, seen: dict[str, str | OSError] | None, fr
         if isinstance(known, OSError):
             raise known
         return known
-    full = p if p.startswith("/") else os.path.abspath(p)
+    full = _absolute(p)
     try:
         st = os.stat(full) if fresh else stat(full)
     except OSError as e:
@@ -102,7 +93,7 @@ def signatures(paths: list, seen: dict[str, str | OSError]) -> list[str] | None:
     """`signature` of each path (None when one cannot be stat'ed), in one loop; `seen` as in `signature`."""
     names = list(map(os.fspath, paths))
     todo = [p for p in names if p not in seen]
-    full = [p if p.startswith("/") else os.path.abspath(p) for p in todo]
+    full = list(map(_absolute, todo))
     for p, f, st in zip(todo, full, stat_all(full)):
         seen[p] = st if isinstance(st, OSError) else _text(f, st)
     texts = [seen[p] for p in names]
@@ -111,3 +102,8 @@ def signatures(paths: list, seen: dict[str, str | OSError]) -> list[str] | None:
 
 def _text(full: str, st: os.stat_result) -> str:
     return f"{full}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+
+
+def _absolute(path: str) -> str:
+    """`path` made absolute, as signatures name it (an absolute one as it is, without a call)."""
+    return path if path.startswith("/") else os.path.abspath(path)
