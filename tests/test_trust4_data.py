@@ -13,6 +13,33 @@ from safetensors.torch import save_file
 
 from qie.errors import DataError, ModelLoadError
 
+FAST = ["train.learning_rate=1e-3", "train.seed=3", "data.batch_size=1"]
+
+
+def _pairs(root: Path, count: int = 3) -> tuple[Path, list[str]]:
+    """The demo's folder layout with `count` samples, each a preference pair (a noise image rejected):
+    (the data set folder, its sample ids)."""
+    from helpers import write_noise_image
+
+    from qie.demo.synthetic import make_dataset
+
+    make_dataset(root, train=count, heldout=0, size=64)
+    data = root / "train"
+    stems = sorted(p.stem for p in (data / "training_images").glob("*.png"))
+    for i, stem in enumerate(stems):
+        write_noise_image(data / "rejected_images" / f"{stem}.png", 100 + i, (64, 64))
+    return data, stems
+
+
+def _train(data: Path, run: Path, *overrides: str) -> dict:
+    from helpers import small_config
+
+    from qie.stages import train
+
+    return train.run(small_config("train", f"data.path={data}", f"cache.dir={run.parent / 'cache'}", *FAST,
+                                  *overrides), run)  # fmt: skip
+
+
 # --- a LoRA for another model: the file's own key --------------------------------------------------------
 
 
@@ -145,3 +172,73 @@ def test_a_hugging_face_data_set_refuses_image_paths_leading_out(tmp_path: Path,
     from dataclasses import replace
 
     assert len(read_dataset(replace(source, allow_outside=True)).samples) == 4
+
+
+# --- preference pairs whose rejected image is their target ------------------------------------------------
+
+
+def test_a_pair_whose_rejected_image_is_its_target_is_left_out_and_none_left_is_refused(
+    tiny_path: Path, tmp_path: Path, capsys
+) -> None:
+    """Such a pair's loss is ln 2 whatever the weights: it is skipped with a warning naming it (as a mask that
+    trains nothing is), the others train; with none left the run is refused in one line."""
+    import shutil
+
+    data, stems = _pairs(tmp_path / "ds")
+    same = data / "rejected_images" / f"{stems[0]}.png"
+    shutil.copy(data / "training_images" / f"{stems[0]}.png", same)
+    _train(data, tmp_path / "run", "train.objective=dpo", "cache.mode=lazy")
+    out = capsys.readouterr().out
+    why = (f"its rejected image {str(same)!r} is its target {str(data / 'training_images' / f'{stems[0]}.png')!r} "
+           "(the same bytes): a pair of equal results has the loss ln 2 whatever the weights and trains nothing; "
+           "give a worse result")  # fmt: skip
+    assert f"qie: warning: skipping sample {stems[0]!r}: {same}: {why}\n" in out
+    assert "qie: data: 2 samples" in out
+    for stem in stems[1:]:
+        shutil.copy(data / "training_images" / f"{stem}.png", data / "rejected_images" / f"{stem}.png")
+    with pytest.raises(DataError) as info:
+        _train(data, tmp_path / "run_none", "train.objective=dpo", "cache.mode=lazy")
+    assert str(info.value) == f"no preference pair can train; the first, {stems[0]!r}: {why}"
+
+
+# --- rejected images: found at start, and never the cause of a sample that does not train on them -----------
+
+
+def test_lazy_pairs_read_each_rejected_image_at_start(tiny_path: Path, tmp_path: Path, capsys) -> None:
+    """With cache.mode=lazy an unreadable rejected image, and one of another size than its target, are found
+    before the first step (their samples skipped with a warning), not when their batch comes."""
+    from helpers import write_noise_image
+
+    data, stems = _pairs(tmp_path / "ds")
+    broken = data / "rejected_images" / f"{stems[1]}.png"
+    broken.write_bytes(b"not an image")
+    other = write_noise_image(data / "rejected_images" / f"{stems[2]}.png", 7, (32, 64))
+    result = _train(data, tmp_path / "run", "train.objective=dpo", "cache.mode=lazy", "train.max_steps=4")
+    out = capsys.readouterr().out
+    assert (f"qie: warning: skipping sample {stems[1]!r}: {broken}: image {str(broken)!r} cannot be read "
+            f"(cannot identify image file {str(broken)!r}): replace or remove it\n") in out  # fmt: skip
+    assert (f"qie: warning: skipping sample {stems[2]!r}: {other}: rejected image {str(other)!r} is 32x96 once "
+            "resized, its target 64x64: make them one shape\n") in out  # fmt: skip
+    assert "qie: data: 1 samples" in out and result["step"] == 4
+
+
+def test_a_broken_rejected_image_costs_only_its_own_entry(tiny_path: Path, tmp_path: Path) -> None:
+    """Precompute fails only the rejected latent of a broken rejected image (the target's entries are written),
+    so the default objective, which reads no rejected result, trains on every sample."""
+    from helpers import small_config
+
+    from qie.stages import precompute
+
+    data, stems = _pairs(tmp_path / "ds")
+    (data / "rejected_images" / f"{stems[0]}.png").write_bytes(b"not an image")
+    overrides = [f"data.path={data}", f"cache.dir={tmp_path / 'cache'}"]
+    summary = precompute.run(small_config("precompute", *overrides), tmp_path / "pre")
+    assert {t: (s.new, s.failed) for t, s in summary.types.items() if s.new or s.failed} == {
+        "pixel_latent": (3, 0), "control_latent": (3, 0), "rejected_latent": (2, 1), "prompt_embed": (3, 0),
+        "empty_prompt_embed": (3, 0)}  # fmt: skip
+    import io
+    from contextlib import redirect_stdout
+
+    with redirect_stdout(io.StringIO()) as out:
+        _train(data, tmp_path / "run")
+    assert "qie: data: 3 samples" in out.getvalue() and "skipping" not in out.getvalue()
