@@ -49,9 +49,10 @@ class PreparedSample:
 
 
 def prepare_sample(
-    sample: Sample, sizes: ImageSizes, with_target: bool = True, with_controls: bool = True
+    sample: Sample, sizes: ImageSizes, with_target: bool = True, with_controls: bool = True, with_rejected: bool = True
 ) -> PreparedSample:
-    """Read and resize a sample's images (the target, the controls, or both).
+    """Read and resize a sample's images (the target, the controls, or both; a preference pair's rejected result
+    with the target unless not `with_rejected`, see `prepare_rejected`).
 
     Raises:
         ImageError (a DataError): naming the unreadable file in its message and in `.path`.
@@ -65,17 +66,27 @@ def prepare_sample(
         layer = prepare_target(open_image(path, sizes.alpha), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
         _check_like_target(layer, target, path, "layer", "its image")
         layers.append(layer)
-    rejected = None
-    if with_target and sample.rejected is not None:
-        image = open_image(sample.rejected, sizes.alpha)
-        rejected = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
-        _check_like_target(rejected, target, sample.rejected, "rejected image", "its target")
+    rejected = prepare_rejected(sample, sizes, target) if with_target and with_rejected else None
     pixels, vl = [], []
     for path in sample.controls if with_controls else ():
         vae_in, vl_in = condition_images(open_image(path, sizes.alpha), sizes.vae_image_pixels, sizes.vl_image_pixels)
         pixels.append(vae_in)
         vl.append(vl_in)
     return PreparedSample(sample, target, pixels, vl, layers, rejected)
+
+
+def prepare_rejected(sample: Sample, sizes: ImageSizes, target: torch.Tensor | None) -> torch.Tensor | None:
+    """A preference pair's rejected result read and resized as its (prepared) `target` is; None without one.
+
+    Raises:
+        ImageError: an unreadable rejected image, or one of another size than `target` once resized.
+    """
+    if sample.rejected is None:
+        return None
+    image = open_image(sample.rejected, sizes.alpha)
+    rejected = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
+    _check_like_target(rejected, target, sample.rejected, "rejected image", "its target")
+    return rejected
 
 
 def _check_like_target(pixels: torch.Tensor, target: torch.Tensor | None, path, what: str, other: str) -> None:

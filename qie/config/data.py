@@ -82,6 +82,6 @@ class DataConfig:
     # Batches a background thread of the training process keeps ready (cached sources only; 0: no thread).
     prefetch: int = 4
     shuffle: bool = True
-    # Manifest rows naming files outside the manifest's folder ("../x.png", "/abs/x.png") are refused
-    # unless this is true.
+    # Images outside the data set's folder (manifest rows naming "../x.png" or "/abs/x.png"; symbolic links of any
+    # layout leading elsewhere) are refused unless this is true.
     allow_outside_paths: bool = False

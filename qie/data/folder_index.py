@@ -27,7 +27,7 @@ from pathlib import Path
 from qie.data import index_file
 from qie.data.samples import CaptionFiles, Dataset, read_folder
 
-FORMAT = "qie-folder-index/1"
+FORMAT = "qie-folder-index/2"  # 2: images leading out through links are problems
 # Every folder a scan of either layout lists or tests, relative to the data set folder ("": the folder itself).
 FOLDERS = ("", "training_images", "control_images", "masks", "rejected_images", "images", "layers")
 # The signature of a caption path that was no regular file (missing, a folder, unreadable).
@@ -76,18 +76,20 @@ class _NotedCaptions(CaptionFiles):
         return super().is_file(path)
 
 
-def scan_folder(root: Path, require_target: bool, require_prompt: bool, index_dir: str | os.PathLike) -> Dataset:
+def scan_folder(
+    root: Path, require_target: bool, require_prompt: bool, index_dir: str | os.PathLike, allow_outside: bool = False
+) -> Dataset:
     """`qie.data.samples.scan_folder`'s result: remembered in `index_dir` when nothing it depends on changed,
     else scanned (and remembered, when the folders did not change during the scan and `index_dir`'s parent, the
     cache folder, exists)."""
-    settings = json.dumps(["folder", str(root), require_target, require_prompt])
+    settings = json.dumps(["folder", str(root), require_target, require_prompt, *(["outside"] * allow_outside)])
     index = index_file.index_path(index_dir, root, settings)
     folders = folder_signatures(root)
     found = load(index, settings, folders, root)
     if found is not None:
         return found
     captions = _NotedCaptions()
-    data = read_folder(root, require_target, require_prompt, captions)
+    data = read_folder(root, require_target, require_prompt, captions, allow_outside)
     if folder_signatures(root) == folders and index.parent.parent.is_dir():  # not while it changed; in a cache
         save(index, settings, folders, root, data, captions.seen)
     return data

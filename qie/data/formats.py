@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 
-from qie.data.hf import GLOB_CHARACTERS, Columns, scan_hf
+from qie.data.hf import GLOB_CHARACTERS, Columns, ImageFolder, scan_hf
 from qie.data.samples import MAX_PROMPT_CHARS, DataProblem, Dataset, prompt_problem
 from qie.data.scan import scan_dataset
 from qie.errors import DataError
@@ -29,7 +29,8 @@ class DataSource:
     split: str = "train"
     columns: Columns = field(default_factory=Columns)
     images_dir: Path | None = None
-    # Manifest rows may name files outside the manifest's folder (`data.allow_outside_paths`).
+    # Images may lie outside the data set's folder (`data.allow_outside_paths`): manifest rows naming such files,
+    # links leading out of any layout's folder.
     allow_outside: bool = False
     # Where the scan of a manifest or data set folder is remembered (`cache.dir/manifests`); None: nowhere.
     index_dir: Path | None = None
@@ -84,8 +85,9 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
         )
     if source.images_dir is None:
         raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
+    images = ImageFolder(source.images_dir, source.allow_outside)
     return without_long_prompts(
-        scan_hf(source.path, source.split, source.columns, source.images_dir, require_target, require_prompt)
+        scan_hf(source.path, source.split, source.columns, images, require_target, require_prompt)
     )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qie.data.confine import FIX, Confinement
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import ConfigError, DataError
 
@@ -122,10 +123,16 @@ def _root_cause(e: BaseException) -> str:
 
 
 def scan_hf(
-    path: str, split: str, columns: Columns, images_dir: Path, require_target: bool = True, require_prompt: bool = True
+    path: str,
+    split: str,
+    columns: Columns,
+    images: ImageFolder,
+    require_target: bool = True,
+    require_prompt: bool = True,
 ) -> Dataset:
     """The samples of a Hugging Face data set, in a stable order (by id); rows that cannot be used are problems.
-    Without `require_prompt`, a row with no prompt (or no prompt column) has the prompt "".
+    Without `require_prompt`, a row with no prompt (or no prompt column) has the prompt "". `images` writes the
+    images stored in the data set and checks those it names as files.
 
     Raises:
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
@@ -141,7 +148,6 @@ def scan_hf(
             "data.columns.target, data.columns.controls (a list) and data.columns.prompt to its columns"
         )
     base = _base_folder(path)
-    images = ImageFolder(images_dir)
     out = Dataset()
     seen: set[str] = set()
     for n, row in _rows(data, [c for c in names if c in data.column_names]):
@@ -218,10 +224,13 @@ def _base_folder(path: str) -> Path:
 
 
 class ImageFolder:
-    """Writes image bytes to `root/<sha256[:2]>/<sha256><ext>` (once) and names image files that exist."""
+    """Writes image bytes to `root/<sha256[:2]>/<sha256><ext>` (once) and names image files that exist, inside
+    the data set's folder (symbolic links followed) unless `allow_outside` (`data.allow_outside_paths`)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, allow_outside: bool = False) -> None:
         self.root = Path(root)
+        self.allow_outside = allow_outside
+        self.confines: dict[Path, Confinement] = {}
 
     def path(self, value: Any, base: Path) -> Path:
         """The file holding the image `value`: a dict with "bytes" and/or "path", bytes, or a path string.
@@ -243,6 +252,11 @@ class ImageFolder:
         file = file if file.is_absolute() else base / file
         if not file.is_file():
             raise DataError(f"image {str(file)!r} does not exist")
+        if not self.allow_outside:
+            confine = self.confines.get(base) or self.confines.setdefault(base, Confinement(base))
+            if (where := confine.leads_out(file)) is not None:
+                link = f" (a link to {where!r})" if where != os.path.abspath(file) else ""
+                raise DataError(f"image {str(file)!r}{link} lies outside the data set's folder {str(base)!r}: {FIX}")
         return file
 
     def write(self, data: bytes, suffix: str = "") -> Path:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from qie.data import index_file, manifest_index
+from qie.data.confine import Confinement
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import DataError
 
@@ -114,8 +115,7 @@ class _Files:
         self.paths: dict[str, Path] = {}
         self.present: dict[str, bool] = {}
         self.outside: dict[str, bool] = {}
-        self.real: str | None = None  # the folder, symbolic links followed
-        self.real_dirs: dict[str, str] = {}
+        self.confine = Confinement(folder)
         self.linked: dict[str, str] = {}  # names inside as written, outside once links are followed: where they lead
 
     def path(self, name: str) -> Path:
@@ -139,20 +139,10 @@ class _Files:
         return found
 
     def _inside(self, name: str) -> bool:
-        full = str(self.path(name))
-        if self.real is None:
-            self.real = os.path.realpath(self.folder)
-        parent, base = os.path.split(full)
-        real_parent = self.real_dirs.get(parent)
-        if real_parent is None:
-            real_parent = self.real_dirs[parent] = os.path.realpath(parent)
-        real = os.path.join(real_parent, base)
-        if os.path.islink(real):
-            real = os.path.realpath(real)
-        inside = real.startswith(self.real.rstrip(os.sep) + os.sep)
-        if not inside:
-            self.linked[name] = f" (a link to {real!r})"
-        return inside
+        where = self.confine.leads_out(self.path(name))
+        if where is not None:
+            self.linked[name] = f" (a link to {where!r})"
+        return where is None
 
 
 def scan_manifest(

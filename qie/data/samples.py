@@ -18,8 +18,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qie.data.confine import FIX, Confinement
 from qie.errors import DataError
 
+# Every folder of either layout that holds images, relative to the data set folder.
+FOLDERS = ("training_images", "control_images", "masks", "rejected_images", "images", "layers")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 _CONTROL_SUFFIX = re.compile(r"^(?P<stem>.+)_control_(?P<n>\d+)$")
 
@@ -110,11 +113,17 @@ class CaptionFiles:
         return path.is_file()
 
 
-def _listing(folder: Path) -> list[str]:
-    """Names in `folder`, sorted (as strings: sorting Path objects costs seconds at 100k files)."""
+def _listing(folder: Path, links: set[str]) -> list[str]:
+    """Names in `folder`, sorted (as strings: sorting Path objects costs seconds at 100k files); the paths of
+    those that are symbolic links are added to `links` (the listing says so without a stat)."""
     try:
         with os.scandir(folder) as it:
-            return sorted(e.name for e in it)
+            names = []
+            for e in it:
+                names.append(e.name)
+                if e.is_symlink():
+                    links.add(f"{folder}/{e.name}")
+            return sorted(names)
     except (FileNotFoundError, NotADirectoryError):
         return []
 
@@ -174,13 +183,13 @@ def _with_text(child, folder: str):
 _LAYER_SUFFIX = re.compile(r"^(?P<stem>.+)_(?P<n>\d+)$")
 
 
-def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFiles) -> Dataset:
+def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFiles, links: set[str]) -> Dataset:
     """`images/<stem>.<ext>` (+ `<stem>.txt`) and its layers `layers/<stem>_<N>.<ext>` in the order of N: the
     image is the control and the composite frame of the target, the layers follow (see `scan_manifest`)."""
     images_dir, layers_dir = root / "images", root / "layers"
-    images = _images_by_stem(images_dir, _listing(images_dir))
+    images = _images_by_stem(images_dir, _listing(images_dir, links))
     layers: dict[str, list[tuple[int, Path]]] = {}
-    for stem, p in _images_by_stem(layers_dir, _listing(layers_dir)).items():
+    for stem, p in _images_by_stem(layers_dir, _listing(layers_dir, links)).items():
         m = _LAYER_SUFFIX.match(stem)
         if m:
             layers.setdefault(m["stem"], []).append((int(m["n"]), p))
@@ -211,10 +220,15 @@ def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFile
 
 
 def scan_folder(
-    root: Path, require_target: bool, require_prompt: bool = True, index_dir: str | os.PathLike | None = None
+    root: Path,
+    require_target: bool,
+    require_prompt: bool = True,
+    index_dir: str | os.PathLike | None = None,
+    allow_outside: bool = False,
 ) -> Dataset:
     """The samples (sorted by id) and problems of a data set folder (either layout); without `require_prompt`,
-    a sample without a caption has the prompt "".
+    a sample without a caption has the prompt "". An image that leads outside `root` through a symbolic link
+    (a linked file or folder) is a problem of its sample unless `allow_outside` (`qie.data.confine`).
 
     Args:
         index_dir: where scans are remembered by the folders' and captions' signatures
@@ -225,19 +239,54 @@ def scan_folder(
     if index_dir is not None:
         from qie.data import folder_index  # function-local: the index builds on this module
 
-        return folder_index.scan_folder(root, require_target, require_prompt, index_dir)
-    return read_folder(root, require_target, require_prompt)
+        return folder_index.scan_folder(root, require_target, require_prompt, index_dir, allow_outside)
+    return read_folder(root, require_target, require_prompt, None, allow_outside)
 
 
 def read_folder(
-    root: Path, require_target: bool, require_prompt: bool = True, captions: CaptionFiles | None = None
+    root: Path,
+    require_target: bool,
+    require_prompt: bool = True,
+    captions: CaptionFiles | None = None,
+    allow_outside: bool = False,
 ) -> Dataset:
     """`scan_folder` from the folders' listings and the captions (`captions` reads them), remembering nothing."""
-    captions = captions or CaptionFiles()
+    links: set[str] = set()
     if (root / "layers").is_dir() and (root / "images").is_dir():
-        return _scan_layered_folder(root, require_prompt, captions)
+        data = _scan_layered_folder(root, require_prompt, captions or CaptionFiles(), links)
+    else:
+        data = _scan_edit_folder(root, require_target, require_prompt, captions or CaptionFiles(), links)
+    return data if allow_outside else confined(root, data, links)
+
+
+def confined(root: Path, data: Dataset, links: set[str]) -> Dataset:
+    """`data` with each sample that has an image leading outside `root` (in a linked folder that leads out, or
+    one of `links`, the paths that are symbolic links, leading out) made a problem of its own."""
+    confine = Confinement(root)
+    folders_out = any(confine.folder_leads_out(root / name) for name in FOLDERS)
+    if not folders_out and not links:
+        return data  # nothing can lead out: no sample looked at
+    kept = []
+    for sample in data.samples:
+        found = None
+        for path in (sample.target, *sample.controls, sample.mask, *sample.layers, sample.rejected):
+            if path is not None and (folders_out or str(path) in links) and (where := confine.leads_out(path)):
+                found = path
+                break
+        if found is None:
+            kept.append(sample)
+            continue
+        why = f"image {str(found)!r} leads to {where!r} through a symbolic link, outside the data set folder"
+        data.problems.append(DataProblem(sample.id, str(found), f"{why} {str(root)!r}: {FIX}"))
+    return Dataset(kept, data.problems)
+
+
+def _scan_edit_folder(
+    root: Path, require_target: bool, require_prompt: bool, captions: CaptionFiles, links: set[str]
+) -> Dataset:
+    """The edit (and text-to-image) layout: training_images/, control_images/, masks/, rejected_images/."""
     targets_dir, controls_dir, masks_dir = root / "training_images", root / "control_images", root / "masks"
-    rejected = _images_by_stem(root / "rejected_images", _listing(root / "rejected_images"))  # optional
+    rejected = _images_by_stem(root / "rejected_images", _listing(root / "rejected_images", links))  # optional
     if not targets_dir.is_dir() and not controls_dir.is_dir():
         raise DataError(
             f"{str(root)!r} is not a data set folder: expected training_images/ (and control_images/ for edits) inside"
@@ -245,12 +294,12 @@ def read_folder(
     # Without control_images/ the data set is text to image; with it, a target without a control is a mistake.
     controls_needed = controls_dir.is_dir()
     # One listing per folder gives the images and the captions: no stat per sample.
-    target_names, control_names = _listing(targets_dir), _listing(controls_dir)
+    target_names, control_names = _listing(targets_dir, links), _listing(controls_dir, links)
     target_set, control_set = set(target_names), set(control_names)
     targets_str, controls_str = str(targets_dir), str(controls_dir)
     listed = set() if require_prompt else target_set | control_set  # a sample without a caption has the prompt ""
     targets = _images_by_stem(targets_dir, target_names)
-    masks = _images_by_stem(masks_dir, _listing(masks_dir))  # optional: masks/<stem>.png
+    masks = _images_by_stem(masks_dir, _listing(masks_dir, links))  # optional: masks/<stem>.png
     controls: dict[str, list[tuple[int, Path]]] = {}
     for stem, p in _images_by_stem(controls_dir, control_names).items():
         m = _CONTROL_SUFFIX.match(stem)

@@ -27,7 +27,8 @@ def scan_dataset(
         format: "auto", "folder" or "manifest".
         require_target: whether a sample without a target image is a problem (training) or fine (infer).
         allow_outside: accept manifest rows naming files outside the manifest's folder (`..`, absolute
-            paths); otherwise such a row is a problem (`data.allow_outside_paths`).
+            paths), and images of either layout that lead outside its folder through a symbolic link; otherwise
+            such a sample is a problem (`data.allow_outside_paths`).
         index_dir: where scans are remembered (`cache.dir/manifests`), a manifest's by the manifest's signature
             (`qie.data.manifest_index`), a folder's by its folders' and captions' signatures
             (`qie.data.folder_index`); None: every scan reads the data set.
@@ -49,7 +50,7 @@ def scan_dataset(
     gc.disable()
     try:
         if format == "folder":
-            data = scan_folder(root, require_target, require_prompt, index_dir)
+            data = scan_folder(root, require_target, require_prompt, index_dir, allow_outside)
         else:
             data = scan_manifest(root, require_target, allow_outside, require_prompt, index_dir)
     finally:

@@ -15,7 +15,7 @@ from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, write_entries
 from qie.data.images import ImageError
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import DataProblem, Sample
-from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_sample, prompt_limit, text_tokens
+from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_rejected, prepare_sample, prompt_limit, text_tokens
 from qie.errors import DataError
 from qie.models import text_positions
 
@@ -240,11 +240,17 @@ def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summ
         control_types = [t for t in missing if t not in TARGET_TYPES]
         if target_types:
             try:
-                read = prepare_sample(sample, sizes, with_controls=False)
-                prepared.target, prepared.layers, prepared.rejected = read.target, read.layers, read.rejected
+                read = prepare_sample(sample, sizes, with_controls=False, with_rejected=False)
+                prepared.target, prepared.layers = read.target, read.layers
             except DataError as e:
                 record_failure(summary, sample, e, target_types, keys, raise_errors)
                 types = [t for t in types if t not in target_types]
+        if "rejected_latent" in types:  # a rejected image of its own fails only its entry: the rest still trains
+            try:
+                prepared.rejected = prepare_rejected(sample, sizes, prepared.target)
+            except DataError as e:
+                record_failure(summary, sample, e, ["rejected_latent"], keys, raise_errors)
+                types.remove("rejected_latent")
         if control_types:
             try:
                 read = prepare_sample(sample, sizes, with_target=False)

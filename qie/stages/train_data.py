@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qie.data.buckets import BucketBatchSampler, bucket_keys
+from qie.data.buckets import BucketBatchSampler, ImageSizeIndex, bucket_keys
 from qie.data.formats import DataSource
 from qie.data.mixing import MixedBatchSampler
+from qie.data.pairs import PairCheck
 from qie.data.samples import DataProblem, Sample, without_controls
 from qie.embeddings import EmbeddingSource
 from qie.errors import CacheMissError, DataError
@@ -21,6 +22,7 @@ from qie.models import ModelSpec
 from qie.readiness import ready_samples
 from qie.stages.datasets import read_data
 from qie.stages.recipes import regularization_samples
+from qie.stages.settings import file_hasher
 from qie.stages.sources import check_masks
 
 if TYPE_CHECKING:
@@ -89,7 +91,40 @@ def ready_data(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], ru
         kept = {x.id for x in ready_samples(source, [without_controls(x) for x in samples + reg], run_dir,
                                             on_missing, cache_dir, False, command, report)}  # fmt: skip
         samples, reg = [x for x in samples if x.id in kept], [x for x in reg if x.id in kept]
+    samples = check_pairs(s, source, samples, report)  # each pair judged at start
     return check_masks(source, samples, report), reg  # each loss mask read and checked at start
+
+
+def check_pairs(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], report: bool) -> list[Sample]:
+    """The `samples` whose preference pairs can train (`qie.data.pairs`: a rejected image that is its target
+    trains nothing; a source that encodes reads each rejected image's header now); the others are skipped with a
+    warning, as unreadable images and masks that train nothing are.
+
+    Raises:
+        DataError: no pair left.
+    """
+    if all(x.rejected is None for x in samples):
+        return samples
+    cache_dir, sizes = s.source.cache_dir, s.source.sizes
+    index = ImageSizeIndex(Path(cache_dir) / "image_sizes.json" if cache_dir else None) if source.encodes else None
+    check = PairCheck(file_hasher(cache_dir), index, sizes.target_pixels, sizes.multiple_of)
+    kept, problems = [], []
+    for sample in samples:
+        found = check.problem(sample)
+        if found is None:
+            kept.append(sample)
+        else:
+            problems.append(DataProblem(sample.id, *found))
+    if index is not None and report:
+        index.save()
+    for p in problems[:5] if report else []:
+        print(f"qie: warning: skipping sample {p.id!r}: {p.path}: {p.reason}")
+    if len(problems) > 5 and report:
+        print(f"qie: ... and {len(problems) - 5} more preference pairs that cannot train")
+    if not kept:
+        first = problems[0]
+        raise DataError(f"no preference pair can train; the first, {first.id!r}: {first.reason}")
+    return kept
 
 
 def loader_settings(num_workers: int, prefetch: int, source: EmbeddingSource) -> tuple[int, int, bool]:

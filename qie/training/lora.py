@@ -27,6 +27,7 @@ from qie.training.adapters import (
     split_key,
 )
 from qie.training.lora_files import dora_scales, fold_scales, folded_metadata, lora_scales, stamp_base, write_exports
+from qie.training.lora_keys import key_in_file
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 PREFIX = "transformer."
@@ -266,8 +267,14 @@ def match_flattened_names(transformer: torch.nn.Module, state: dict[str, torch.T
     return out
 
 
-def check_lora_fits(transformer: torch.nn.Module, state: dict[str, torch.Tensor], file: str | Path) -> None:
+def check_lora_fits(
+    transformer: torch.nn.Module, state: dict[str, torch.Tensor], file: str | Path, loader: type | None = None
+) -> None:
     """Check that every LoRA key names a linear layer of `transformer` with matching sizes and one rank.
+
+    Args:
+        loader: the diffusers LoRA loader that read `state` from `file`: a key that does not fit is named as the
+            file writes it (`key_in_file`), not as the loader converted it.
 
     Raises:
         ModelLoadError: naming the file and the first key that does not fit, and why.
@@ -286,44 +293,43 @@ def check_lora_fits(transformer: torch.nn.Module, state: dict[str, torch.Tensor]
         if not sep or rest not in ("A.weight", "B.weight", "B.bias"):
             continue  # DoRA magnitudes and the like: left to diffusers
         module = modules.get(module_name)
-        if module is None:
-            raise ModelLoadError(
-                f"LoRA {str(file)!r} does not fit this model: key {key!r} names module {module_name!r}, "
-                "which the transformer does not have (a LoRA for another model?)"
-            )
         base = getattr(module, "base_layer", module)  # a module that already carries a LoRA wraps its base
-        if not hasattr(base, "in_features"):
-            raise ModelLoadError(
-                f"LoRA {str(file)!r} does not fit this model: key {key!r} targets {module_name!r}, "
-                f"a {type(base).__name__}, not a linear layer"
-            )
-        _check_shape(key, tuple(state[key].shape), rest, base, ranks, module_name, file)
+        if module is None:
+            fault = f"names module {module_name!r}, which the transformer does not have (a LoRA for another model?)"
+        elif not hasattr(base, "in_features"):
+            fault = f"targets {module_name!r}, a {type(base).__name__}, not a linear layer"
+        else:
+            fault = _shape_fault(tuple(state[key].shape), rest, base, ranks, module_name)
+        if fault:
+            shown = key_in_file(file, loader, key) if loader is not None else key
+            if module is None and shown != key:  # the module name is the loader's guess, not the file's
+                fault = "names a module the transformer does not have (a LoRA for another model?)"
+            verb = "is inconsistent" if fault.startswith("has rank") else "does not fit this model"
+            raise ModelLoadError(f"LoRA {str(file)!r} {verb}: key {shown!r} {fault}")
 
 
-def _check_shape(key, shape, rest, base, ranks, module_name, file) -> None:
-    where = f"LoRA {str(file)!r} does not fit this model: key {key!r} has shape {shape}"
+def _shape_fault(shape: tuple[int, ...], rest: str, base: Any, ranks: dict[str, int], module_name: str) -> str | None:
+    """Why a LoRA half of `shape` (`rest`: "A.weight", "B.weight", "B.bias") does not fit the linear layer `base`
+    (`ranks`: the rank each module's other half had), or None."""
+    where = f"has shape {shape}"
     if rest == "B.bias":
-        if shape != (base.out_features,):
-            raise ModelLoadError(f"{where}, expected ({base.out_features},)")
-        return
+        return None if shape == (base.out_features,) else f"{where}, expected ({base.out_features},)"
     if len(shape) != 2:
-        raise ModelLoadError(f"{where}, expected a matrix")
+        return f"{where}, expected a matrix"
     # lora_A is (rank, in_features), lora_B is (out_features, rank).
     if rest == "A.weight":
         rank, size, side, expected = shape[0], shape[1], "in", base.in_features
     else:
         rank, size, side, expected = shape[1], shape[0], "out", base.out_features
     if size != expected:
-        raise ModelLoadError(
+        return (
             f"{where}, but {module_name} has {expected} {side}put features "
             f"(in={base.in_features}, out={base.out_features})"
         )
     other = ranks.setdefault(module_name, rank)
     if other != rank:
-        raise ModelLoadError(
-            f"LoRA {str(file)!r} is inconsistent: key {key!r} has rank {rank}, the other half of "
-            f"{module_name} has rank {other}"
-        )
+        return f"has rank {rank}, the other half of {module_name} has rank {other}"
+    return None
 
 
 def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_name: str = "default") -> Path:
@@ -337,7 +343,8 @@ def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_na
     Raises:
         ModelLoadError: a missing or unreadable file, or a LoRA that does not fit the transformer.
     """
-    state, metadata, file = read_lora(path, family_of(transformer).lora_loader_class())
+    loader = family_of(transformer).lora_loader_class()
+    state, metadata, file = read_lora(path, loader)
     state = match_flattened_names(transformer, state)
     if kind_of(list(state)) != "lora":
         if adapter_name in getattr(transformer, "peft_config", {}):
@@ -345,7 +352,7 @@ def load_lora(transformer: Any, path: str | Path, scale: float = 1.0, adapter_na
         load_lycoris(transformer, state, metadata, adapter_name, file)
         transformer.set_adapters([adapter_name], weights=[float(scale)])
         return file
-    check_lora_fits(transformer, state, file)
+    check_lora_fits(transformer, state, file, loader)
     if adapter_name in getattr(transformer, "peft_config", {}):
         transformer.delete_adapters(adapter_name)
     if metadata and f"{PREFIX}target_modules" in metadata:
