@@ -1,0 +1,141 @@
+"""Trust, fourth round: signals and odd values. Ctrl-C ends precompute, inference and captioning in one line with
+status 130; a second signal before training's stop save finished removes that save and names the checkpoints kept;
+an Optuna search whose trials all fail ends in one line with its sweep summary; odd values (demo sizes, distillation
+steps, the local copy's size, DPO weights, fused LoRA scales) are refused at compose time naming the key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import CachedData, small_config
+
+from qie.errors import Interrupted
+from qie.stages import train as train_stage
+from qie.training import checkpoint as ckpt
+
+
+def exit_code(main: Callable[[], object]) -> object:
+    """The status `main` exits with, or the exception it raised instead (never let one stop the test session)."""
+    try:
+        main()
+    except SystemExit as e:
+        return e.code
+    except BaseException as e:  # noqa: BLE001 - a KeyboardInterrupt is what a missing fix raises
+        return repr(e)
+    return None
+
+
+# --- 8: Ctrl-C -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["precompute", "infer", "caption", "train"])
+def test_ctrl_c_in_a_stage_ends_in_one_line_and_status_130(
+    stage: str, cached_data: CachedData, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    import importlib
+
+    entry, stage_module = importlib.import_module(f"qie.{stage}"), importlib.import_module(f"qie.stages.{stage}")
+
+    def interrupted(cfg, run_dir):
+        raise KeyboardInterrupt
+
+    interrupted.__module__ = stage_module.__name__
+    monkeypatch.setattr(stage_module, "run", interrupted)
+    argv = [f"qie.{stage}", f"data.path={cached_data.data}", f"hydra.run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    capsys.readouterr()
+    assert exit_code(entry.main) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qie: interrupted by SIGINT: "), err
+    assert "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_in_a_real_precompute_ends_in_one_line_and_a_rerun_finishes(tiny_path: Path, tmp_path: Path) -> None:
+    from qie.demo.synthetic import make_dataset
+
+    make_dataset(tmp_path / "ds", train=40, heldout=0, size=64)
+    args = [f"data.path={tmp_path / 'ds' / 'train'}", f"cache.dir={tmp_path / 'cache'}", "data.num_workers=0"]
+    cmd = [sys.executable, "-m", "qie.precompute", *args, f"hydra.run.dir={tmp_path / 'r0'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 120
+            while "precompute: 4/40" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGINT)  # Ctrl-C
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and text.strip().splitlines()[-1] == (
+        "qie: interrupted by SIGINT: the entries written so far are kept: run the same command again to encode the rest"
+    )
+    from qie.stages import precompute
+
+    summary = precompute.run(small_config("precompute", *args), tmp_path / "r1")
+    assert all(s.new + s.skipped == 40 and s.failed == 0 for s in summary.types.values())
+    assert 0 < summary.types["pixel_latent"].skipped < 40  # what was written before the signal is kept
+
+
+def test_a_second_signal_during_the_stop_save_removes_it_and_names_the_checkpoints_kept(
+    cached_data: CachedData, tmp_path: Path, monkeypatch
+) -> None:
+    run = tmp_path / "run"
+    write_state = ckpt.write_state
+
+    def first_signal(info) -> None:
+        if info.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def second_signal_while_saving(folder: Path, state: dict) -> None:
+        if state["step"] == 3:  # the stop save: the run stops after step 3 (see test_trust3)
+            os.kill(os.getpid(), signal.SIGINT)
+        write_state(folder, state)
+
+    monkeypatch.setattr(ckpt, "write_state", second_signal_while_saving)
+    cfg = small_config("train", *cached_data.overrides, "train.max_steps=6", "train.checkpoint_every=1")
+    try:
+        train_stage.run(cfg, run, on_step_end=first_signal)
+        raised = None
+    except BaseException as e:  # noqa: BLE001 - a bare KeyboardInterrupt is what the missing fix raises
+        raised = e
+    assert isinstance(raised, Interrupted) and raised.signum == signal.SIGINT, repr(raised)
+    assert str(raised) == (
+        f"a second signal stopped training without its stop save; 2 checkpoint(s) saved before it are kept in "
+        f"{run / 'checkpoints'}, the last step-000002: continue with train.resume=latest hydra.run.dir={run}"
+    )
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001", "step-000002"]  # no .tmp
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the stop handler is gone
+
+    from qie import train as train_entry
+
+    def stopped(cfg, run_dir):
+        raise Interrupted(str(raised), signal.SIGTERM)
+
+    monkeypatch.setattr(train_stage, "run", stopped)
+    monkeypatch.setattr(sys, "argv", ["qie.train", *cached_data.overrides, f"hydra.run.dir={tmp_path / 'cli'}"])
+    assert exit_code(train_entry.main) == 143  # 128 + SIGTERM, the second signal's
+
+
+def test_the_message_names_the_checkpoint_resumed_from_or_that_none_is_kept(tmp_path: Path) -> None:
+    assert ckpt.kept_after_interrupt(tmp_path, None) == (
+        "a second signal stopped training before any checkpoint was saved: nothing to resume from"
+    )
+    earlier = tmp_path / "old" / "checkpoints" / "step-000004"
+    assert ckpt.kept_after_interrupt(tmp_path / "new", earlier) == (
+        "a second signal stopped training without its stop save; this run saved no checkpoint; the one it resumed "
+        f"from is kept: {earlier}: continue with train.resume={earlier}"
+    )
