@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from qie.config import validate
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
@@ -29,6 +29,9 @@ _KEPT_ON_INTERRUPT = {
     "infer": "the images written so far are kept",
     "train": "the checkpoints saved so far are kept: train.resume=latest continues from the last",
 }
+
+OPTUNA = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+SEARCH_SWEEPER = "hydra_plugins.qie_search.SearchSweeper"
 
 
 def run_dir() -> Path:
@@ -103,7 +106,8 @@ class SweepSummary(Callback):
     each job's overrides, status, final loss, held-out metrics and run folder), then name the jobs that failed
     with a user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
     launchers that run the jobs elsewhere (Slurm) too. Before a search (`hydra/sweeper=optuna`) it checks that
-    the jobs measure what the search minimises."""
+    the jobs measure what the search minimises, and has Hydra build qie's Optuna sweeper
+    (`hydra_plugins.qie_search`), which ends a search where no trial finished in one line, before this summary."""
 
     def __init__(self) -> None:
         self.started = 0.0
@@ -118,6 +122,9 @@ class SweepSummary(Callback):
                 file=sys.stderr,
             )
             sys.exit(2)
+        if sweeper == OPTUNA:  # the same search, ended in one line when no trial finished
+            with read_write(config.hydra.sweeper):
+                config.hydra.sweeper._target_ = SEARCH_SWEEPER
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(config.hydra.sweep.dir)

@@ -139,3 +139,42 @@ def test_the_message_names_the_checkpoint_resumed_from_or_that_none_is_kept(tmp_
         "a second signal stopped training without its stop save; this run saved no checkpoint; the one it resumed "
         f"from is kept: {earlier}: continue with train.resume={earlier}"
     )
+
+
+# --- 9: other tracebacks -----------------------------------------------------------------------------------------
+
+
+def test_a_search_whose_every_trial_fails_ends_in_one_line_with_its_summary(
+    cached_data: CachedData, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import json
+
+    from qie import train as train_entry
+
+    sweep, missing = tmp_path / "search", tmp_path / "missing"
+    argv = [
+        "qie.train",
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=1",
+        "train.learning_rate=tag(log,interval(1e-4,1e-2))",
+        "validation.heldout_samples=2",
+        f"data.path={missing}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert exit_code(train_entry.main) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "No trials are completed yet" not in err
+    errors = [line for line in err.splitlines() if line.startswith("qie: error:")]
+    assert errors == [
+        "qie: error: no trial of the search finished (each one's error is listed below): fix it and search again; "
+        "no best parameters were chosen"
+    ]
+    assert f"qie: sweep {sweep}: 2 of 2 job(s) failed" in err
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert summary["failed"] == ["0", "1"] and summary["best"] is None
+    assert all(j["error"].startswith(f"data.path '{missing}' does not exist") for j in summary["jobs"])
+    assert not (sweep / "optimization_results.yaml").exists()
