@@ -178,3 +178,80 @@ def test_a_search_whose_every_trial_fails_ends_in_one_line_with_its_summary(
     assert summary["failed"] == ["0", "1"] and summary["best"] is None
     assert all(j["error"].startswith(f"data.path '{missing}' does not exist") for j in summary["jobs"])
     assert not (sweep / "optimization_results.yaml").exists()
+
+
+# --- 9, 11, 12 and the demo's counts: odd values refused at compose time ----------------------------------------
+
+TEACHER_DEFAULT = "the teacher's 50 (train.distill.teacher_steps unset: model.num_inference_steps)"
+DISTILL_FIX = "lower train.distill.student_steps or raise train.distill.teacher_steps"
+REFUSED = [
+    ("demo", ["demo.image_size=-64"], "demo.image_size=-64 is out of range: it must be at least 16"),
+    ("demo", ["demo.train_samples=0"], "demo.train_samples=0 is out of range: it must be at least 1"),
+    ("demo", ["demo.heldout_samples=0"], "demo.heldout_samples=0 is out of range: it must be at least 1"),
+    (
+        "train",
+        ["train.objective=distill", "train.distill.student_steps=8", "train.distill.teacher_steps=4"],
+        "train.distill.student_steps=8 is above train.distill.teacher_steps=4: the student learns to sample in fewer "
+        f"steps than its teacher; {DISTILL_FIX}",
+    ),
+    (
+        "precompute",
+        ["train.objective=distill", "train.distill.student_steps=51", "precompute.teachers=true"],
+        f"train.distill.student_steps=51 is above {TEACHER_DEFAULT}: the student learns to sample in fewer steps "
+        f"than its teacher; {DISTILL_FIX}",
+    ),
+    (
+        "train",
+        ["cache.local_max_gb=-1"],
+        "cache.local_max_gb=-1.0 is out of range: give the node-local copy's limit in GiB, above 0 (e.g. 500), or "
+        "leave it unset for no limit",
+    ),
+    (
+        "train",
+        ["train.objective=dpo", "train.dpo.sft_weight=inf"],
+        "train.dpo.sft_weight=inf is out of range: give a value from 0 to 100",
+    ),
+    (
+        "train",
+        ["train.objective=dpo", "train.dpo.beta=1e38"],
+        "train.dpo.beta=1e+38 is out of range: give a value above 0 and at most 1e+06 (e.g. 2000)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("stage", "overrides", "message"), REFUSED)
+def test_an_odd_value_is_refused_at_compose_time_naming_its_key(stage: str, overrides: list, message: str) -> None:
+    from qie.config import compose
+    from qie.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        compose(stage, overrides)
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("scale", ["nan", "1e30", "-inf", "100.5"])
+def test_a_fused_lora_scale_out_of_range_is_refused_at_compose_time(scale: str, tmp_path: Path) -> None:
+    from qie.config import compose
+    from qie.errors import ConfigError
+
+    lora = tmp_path / "lora.safetensors"
+    lora.write_bytes(b"")  # its contents are read when the model loads, not when the config is composed
+    overrides = [f"model.fuse_loras=[{lora}]", f"model.fuse_lora_scales=[{scale}]"]
+    with pytest.raises(ConfigError) as refused:
+        compose("infer", overrides)
+    assert str(refused.value) == (
+        f"model.fuse_lora_scales[0]={float(scale)} is out of range: give a scale from -100 to 100 (1.0: the LoRA as "
+        "trained; below 0 subtracts it)"
+    )
+
+
+def test_the_edges_of_the_ranges_are_taken(tmp_path: Path) -> None:
+    from qie.config import compose
+
+    lora = tmp_path / "lora.safetensors"
+    lora.write_bytes(b"")
+    compose("infer", [f"model.fuse_loras=[{lora},{lora}]", "model.fuse_lora_scales=[-100,100]"])
+    compose("train", ["train.objective=dpo", "train.dpo.beta=1e6", "train.dpo.sft_weight=100"])
+    compose("train", ["train.objective=distill", "train.distill.student_steps=4", "train.distill.teacher_steps=4"])
+    compose("train", ["cache.local_max_gb=0.5"])
+    compose("demo", ["demo.image_size=16", "demo.train_samples=1", "demo.heldout_samples=1"])
