@@ -4,6 +4,7 @@ end-of-sweep summary."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import signal
 import sys
 import time
@@ -122,7 +123,8 @@ class SweepSummary(Callback):
                 file=sys.stderr,
             )
             sys.exit(2)
-        if sweeper == OPTUNA:  # the same search, ended in one line when no trial finished
+        # The same search, ended in one line when no trial finished (where qie's plugin is installed beside it).
+        if sweeper == OPTUNA and importlib.util.find_spec(SEARCH_SWEEPER.rsplit(".", 1)[0]) is not None:
             with read_write(config.hydra.sweeper):
                 config.hydra.sweeper._target_ = SEARCH_SWEEPER
 

@@ -180,6 +180,15 @@ def test_a_search_whose_every_trial_fails_ends_in_one_line_with_its_summary(
     assert not (sweep / "optimization_results.yaml").exists()
 
 
+def test_the_search_sweeper_plugin_is_packaged(monkeypatch) -> None:
+    from setuptools import distutils  # setuptools' own distutils, whose run_setup builds its Distribution
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    packages = distutils.core.run_setup(str(root / "setup.py"), stop_after="config").packages
+    assert "hydra_plugins.qie_search" in packages
+
+
 # --- 9, 11, 12 and the demo's counts: odd values refused at compose time ----------------------------------------
 
 TEACHER_DEFAULT = "the teacher's 50 (train.distill.teacher_steps unset: model.num_inference_steps)"
