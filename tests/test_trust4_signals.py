@@ -35,10 +35,19 @@ def exit_code(main: Callable[[], object]) -> object:
 # --- 8: Ctrl-C -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["precompute", "infer", "caption", "train"])
+KEPT = {
+    "precompute": "the entries written so far are kept: run the same command again to encode the rest",
+    "infer": "the images written so far are kept",
+    "caption": "the captions written so far are kept: run the same command again to caption the rest",
+    "train": "the checkpoints saved so far are kept: train.resume=latest continues from the last",
+}
+
+
+@pytest.mark.parametrize("stage", sorted(KEPT))
 def test_ctrl_c_in_a_stage_ends_in_one_line_and_status_130(
     stage: str, cached_data: CachedData, tmp_path: Path, monkeypatch, capsys
 ) -> None:
+    """A KeyboardInterrupt in the stage (where Python raises Ctrl-C's) ends in one line saying what is kept."""
     import importlib
 
     entry, stage_module = importlib.import_module(f"qie.{stage}"), importlib.import_module(f"qie.stages.{stage}")
@@ -53,8 +62,7 @@ def test_ctrl_c_in_a_stage_ends_in_one_line_and_status_130(
     capsys.readouterr()
     assert exit_code(entry.main) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("qie: interrupted by SIGINT: "), err
-    assert "Traceback" not in "\n".join(err)
+    assert err == [f"qie: interrupted by SIGINT: {KEPT[stage]}"]
 
 
 @pytest.mark.subprocess
