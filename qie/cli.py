@@ -4,14 +4,16 @@ end-of-sweep summary."""
 from __future__ import annotations
 
 import errno
+import importlib.util
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from qie.config import validate
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
@@ -20,6 +22,17 @@ from qie.sweep import write_summary as sweep_summary
 
 # OSErrors that say the machine, not qie, is at fault: reported in one line naming the path.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
+
+# What a stage stopped by Ctrl-C keeps, and how to go on.
+_KEPT_ON_INTERRUPT = {
+    "precompute": "the entries written so far are kept: run the same command again to encode the rest",
+    "caption": "the captions written so far are kept: run the same command again to caption the rest",
+    "infer": "the images written so far are kept",
+    "train": "the checkpoints saved so far are kept: train.resume=latest continues from the last",
+}
+
+OPTUNA = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+SEARCH_SWEEPER = "hydra_plugins.qie_search.SearchSweeper"
 
 
 def run_dir() -> Path:
@@ -42,7 +55,8 @@ def run_stage(
     prepare: Callable[[DictConfig], DictConfig] | None = None,
 ) -> Any:
     """Validate `cfg` (then let `prepare` complete it, e.g. with the built-in data set), run the stage in the
-    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line.
+    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line; Ctrl-C
+    (or training's second stop signal) exits 128 + the signal with one `qie: interrupted` line saying what is kept.
 
     In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
     on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
@@ -55,6 +69,8 @@ def run_stage(
         if prepare is not None:
             cfg = prepare(cfg)
         return run(cfg, run_dir())
+    except KeyboardInterrupt as e:
+        exit_interrupted(e, run.__module__.rsplit(".", 1)[-1])
     except (QieError, OSError) as e:
         if isinstance(e, OSError) and e.errno not in _STORAGE_ERRNOS:
             raise
@@ -67,6 +83,15 @@ def run_stage(
         (folder / ERROR_FILE).write_text(f"{message}\n", encoding="utf-8")
         print(f"qie: error in job {folder}: {message}\nqie: the sweep goes on with the next job", file=sys.stderr)
         return None
+
+
+def exit_interrupted(e: KeyboardInterrupt, stage: str) -> NoReturn:
+    """One line for a stage stopped by Ctrl-C (or a second stop signal, `Interrupted`), then exit 128 + the
+    signal: the whole command stops, a sweep's later jobs included."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    kept = str(e) or _KEPT_ON_INTERRUPT.get(stage, "what was written so far is kept")
+    print(f"qie: interrupted by {signal.Signals(signum).name}: {kept}", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
 
 
 def exit_after_signal(result: Any) -> None:
@@ -82,7 +107,8 @@ class SweepSummary(Callback):
     each job's overrides, status, final loss, held-out metrics and run folder), then name the jobs that failed
     with a user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
     launchers that run the jobs elsewhere (Slurm) too. Before a search (`hydra/sweeper=optuna`) it checks that
-    the jobs measure what the search minimises."""
+    the jobs measure what the search minimises, and has Hydra build qie's Optuna sweeper
+    (`hydra_plugins.qie_search`), which ends a search where no trial finished in one line, before this summary."""
 
     def __init__(self) -> None:
         self.started = 0.0
@@ -97,6 +123,10 @@ class SweepSummary(Callback):
                 file=sys.stderr,
             )
             sys.exit(2)
+        # The same search, ended in one line when no trial finished (where qie's plugin is installed beside it).
+        if sweeper == OPTUNA and importlib.util.find_spec(SEARCH_SWEEPER.rsplit(".", 1)[0]) is not None:
+            with read_write(config.hydra.sweeper):
+                config.hydra.sweeper._target_ = SEARCH_SWEEPER
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(config.hydra.sweep.dir)

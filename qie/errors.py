@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import signal
 from pathlib import Path
 
 
@@ -34,6 +35,15 @@ class StorageError(QieError):
 
 class CacheDirMissing(StorageError):
     """The cache folder a reader needs does not exist (to training: every entry is missing)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal a stage could not end cleanly on (a second signal before training's stop save finished): its
+    message says what was kept. The CLI prints it in one line and exits 128 + the signal."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
 
 
 def describe_os_error(e: OSError) -> str:

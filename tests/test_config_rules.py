@@ -110,7 +110,7 @@ CASES = [
      "train.objective=dpo does not train a layered model: a preference pair of layer stacks is not read; use "
      "train.objective=flow_matching"),
     ("train", "tiny", {"train.objective": "dpo", "train.dpo.beta": 0},
-     "train.dpo.beta=0.0 is out of range: give a value above 0 (e.g. 2000)"),
+     "train.dpo.beta=0.0 is out of range: give a value above 0 and at most 1e+06 (e.g. 2000)"),
     ("train", "tiny", {"train.objective": "distill", "data.regularization.path": "/data/reg"},
      "train.objective=distill does not mix in data.regularization (the student learns the teacher's outputs, not "
      "targets): remove data.regularization.path"),

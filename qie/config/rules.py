@@ -24,8 +24,8 @@ def setting_problem(cfg: DictConfig, spec: Any) -> str | None:
     Args:
         spec: the model's `ModelSpec`, or None for a config without a `model` group.
     """
-    checks = (_mode, _mask, _control_dropout, _ema, _regularization, _memory, _precompute, _caption, _predict,
-              _validation)  # fmt: skip
+    checks = (_mode, _mask, _control_dropout, _ema, _regularization, _memory, _precompute, _distill, _cache, _caption,
+              _predict, _validation, _demo)  # fmt: skip
     return next((problem for check in checks if (problem := check(cfg, spec))), None)
 
 
@@ -160,6 +160,45 @@ def _precompute(cfg: DictConfig, spec: Any) -> str | None:
     if _get(cfg, "precompute.teachers", False) and objective != "distill":
         return (f"precompute.teachers=true fills distillation's teacher outputs, and train.objective={objective}: "
                 "give the training run's overrides (train.objective=distill, train.distill.*)")  # fmt: skip
+    return None
+
+
+def _distill(cfg: DictConfig, spec: Any) -> str | None:
+    """`train.distill.student_steps` at most the teacher's steps (`train.distill.teacher_steps`, unset: the model's
+    `model.num_inference_steps`): the student learns to sample in as many steps as its teacher or fewer."""
+    if _get(cfg, "train.objective") != "distill":
+        return None
+    student, teacher = _get(cfg, "train.distill.student_steps"), _get(cfg, "train.distill.teacher_steps")
+    named = f"train.distill.teacher_steps={teacher}"
+    if teacher is None:
+        teacher = _get(cfg, "model.num_inference_steps")
+        named = f"the teacher's {teacher} (train.distill.teacher_steps unset: model.num_inference_steps)"
+    if student is None or teacher is None or int(student) <= int(teacher):
+        return None
+    return (
+        f"train.distill.student_steps={student} is above {named}: the student learns to sample in fewer steps than "
+        "its teacher; lower train.distill.student_steps or raise train.distill.teacher_steps"
+    )
+
+
+def _cache(cfg: DictConfig, spec: Any) -> str | None:
+    """`cache.local_max_gb`: unset (no limit) or a size above 0."""
+    size = _get(cfg, "cache.local_max_gb")
+    if size is not None and not 0 < float(size) < float("inf"):
+        return (
+            f"cache.local_max_gb={size} is out of range: give the node-local copy's limit in GiB, above 0 (e.g. 500), "
+            "or leave it unset for no limit"
+        )
+    return None
+
+
+def _demo(cfg: DictConfig, spec: Any) -> str | None:
+    """The demo's data set: at least one training and one held-out sample, images of 16 px or more a side (the
+    synthetic shapes need the room)."""
+    for key, low in (("train_samples", 1), ("heldout_samples", 1), ("image_size", 16), ("threads", 0)):
+        value = _get(cfg, f"demo.{key}")
+        if value is not None and int(value) < low:
+            return f"demo.{key}={value} is out of range: it must be at least {low}"
     return None
 
 

@@ -16,6 +16,8 @@ UNREADABLE_PARTS = {
     "vae_path": "diffusers 0.42.1's single-file loader (from_single_file) has no Qwen-Image VAE class",
     "text_encoder_path": "transformers has no single-file loader; it reads a text encoder from its folder",
 }
+# The largest scale a LoRA is fused at, either sign: far beyond any LoRA's useful strength (about 0 to 2).
+FUSE_SCALE_MAX = 100.0
 # Quantizations whose weights are packed 4-bit tensors inside tensors, which block swap does not move.
 FOUR_BIT = ("int4", "nf4")
 
@@ -109,6 +111,12 @@ def _fused(cfg: DictConfig) -> str | None:
     if scales and len(scales) != len(files):
         return (f"model.fuse_lora_scales has {len(scales)} entries and model.fuse_loras {len(files)}: give one scale "
                 "per file, or none (each file fused at 1.0)")  # fmt: skip
+    for i, scale in enumerate(scales):
+        if not -FUSE_SCALE_MAX <= float(scale) <= FUSE_SCALE_MAX:  # NaN and inf too
+            return (
+                f"model.fuse_lora_scales[{i}]={scale} is out of range: give a scale from {-FUSE_SCALE_MAX:g} to "
+                f"{FUSE_SCALE_MAX:g} (1.0: the LoRA as trained; below 0 subtracts it)"
+            )
     for i, file in enumerate(files):
         if not Path(str(file)).expanduser().exists():
             return f"model.fuse_loras[{i}]={str(file)!r} does not exist: give a LoRA file (any format qie reads)"

@@ -32,7 +32,7 @@ from qie.config.rules import objective_options
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data import file_stats
 from qie.data.samples import Sample
-from qie.errors import ConfigError, check_writable
+from qie.errors import ConfigError, Interrupted, check_writable
 from qie.models import ModelSpec
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
@@ -166,6 +166,8 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
         measure_heldout(result, state, source, heldout, objective, logger, negatives)
+    except Interrupted as e:  # a second stop signal: name what is kept, now that an unfinished save is removed
+        raise Interrupted(ckpt.kept_after_interrupt(run_dir, resume_from), e.signum) from None
     finally:
         logger.close()
     return result, state, ema

@@ -164,9 +164,11 @@ def save_checkpoint(
             begin(folder)
         accelerator.wait_for_everyone()
         save_tree(rng_state(), tmp / STATE_DIR, f"rng_state_{accelerator.process_index}")  # every process its own
-    except (OSError, SafetensorError) as e:
+    except BaseException as e:  # a second stop signal included
         shutil.rmtree(tmp, ignore_errors=True)
-        raise save_error(e, folder) from None
+        if isinstance(e, (OSError, SafetensorError)):
+            raise save_error(e, folder) from None
+        raise
     sharded = is_sharded(accelerator)
     weights = mode.checkpoint_weights(accelerator.unwrap_model(train.model))  # FSDP: every process
     gathered = gather_state(train, not mode.saves_whole_model) if sharded else None  # collectives: every process
@@ -205,6 +207,21 @@ def _write(
         (tmp / STATE_DIR / "grad_scaler.json").write_text(json.dumps(accelerator.scaler.state_dict()))
     write_state(tmp, state)
     commit(tmp, folder)
+
+
+def kept_after_interrupt(run_dir: Path, resumed_from: Path | None) -> str:
+    """What a training stopped at once (a second stop signal, before its stop save finished) keeps: the newest
+    complete checkpoint and how to go on (an unfinished save's temporary folder is removed as it stops)."""
+    found = complete_checkpoints(run_dir)
+    if found:
+        kept = f"{len(found)} checkpoint(s) saved before it are kept in {run_dir / 'checkpoints'}"
+        kept, how = f"{kept}, the last {found[-1].name}", f"train.resume=latest hydra.run.dir={run_dir}"
+    elif resumed_from is not None:
+        kept = f"this run saved no checkpoint; the one it resumed from is kept: {resumed_from}"
+        how = f"train.resume={resumed_from}"
+    else:
+        return "a second signal stopped training before any checkpoint was saved: nothing to resume from"
+    return f"a second signal stopped training without its stop save; {kept}: continue with {how}"
 
 
 def save_error(e: Exception, folder: Path) -> StorageError:

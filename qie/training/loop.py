@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from qie.errors import QieError
+from qie.errors import Interrupted, QieError
 from qie.progress import progress
 from qie.training.guards import agree_on_step
 from qie.training.logging import MetricsLogger
@@ -97,8 +97,8 @@ class StopSignal:
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None:  # a second signal: the user does not want to wait for the save
-            raise KeyboardInterrupt
+        if self.received is not None:  # a second signal: the user does not want to wait for the step or the save
+            raise Interrupted("a second signal stopped training without its stop save", signum)
         self.received = signum
 
     def __exit__(self, *exc: object) -> None:

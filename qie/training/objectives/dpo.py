@@ -34,6 +34,10 @@ from qie.types import Batch
 
 REQUIRES = ("rejected",)
 REFERENCE_ADAPTER = "reference"
+# The largest settings taken: 500 times the default beta (z grows with it; a huge one turns the step's gradient into
+# inf), and an SFT term 100 times the DPO loss's own weight.
+BETA_MAX = 1e6
+SFT_WEIGHT_MAX = 100.0
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,20 @@ class DpoSettings:
         """The settings of a `train.dpo` node (plain values).
 
         Raises:
-            ConfigError: a beta of 0 or less, a negative sft weight, a reference LoRA that is not a file.
+            ConfigError: a beta out of (0, BETA_MAX] or an sft weight out of [0, SFT_WEIGHT_MAX] (NaN and inf
+                included), a reference LoRA that is not a file.
         """
         known = {f.name for f in fields(cls)}
         settings = cls(**{k: v for k, v in dict(options or {}).items() if k in known})
-        if not settings.beta > 0:
-            raise ConfigError(f"train.dpo.beta={settings.beta} is out of range: give a value above 0 (e.g. 2000)")
-        if settings.sft_weight < 0:
-            raise ConfigError(f"train.dpo.sft_weight={settings.sft_weight} is out of range: give 0 or more")
+        if not 0 < settings.beta <= BETA_MAX:  # NaN too
+            raise ConfigError(
+                f"train.dpo.beta={settings.beta} is out of range: give a value above 0 and at most {BETA_MAX:g} "
+                "(e.g. 2000)"
+            )
+        if not 0 <= settings.sft_weight <= SFT_WEIGHT_MAX:
+            raise ConfigError(
+                f"train.dpo.sft_weight={settings.sft_weight} is out of range: give a value from 0 to {SFT_WEIGHT_MAX:g}"
+            )
         if settings.reference_lora and not Path(settings.reference_lora).exists():
             raise ConfigError(f"train.dpo.reference_lora={settings.reference_lora!r} does not exist: give a LoRA "
                               "file or folder, or leave it unset to use the base model as the reference")  # fmt: skip
