@@ -79,9 +79,9 @@ def test_extracted_lora_moves_the_base_to_the_tuned_model(tiny_path: Path, tmp_p
     base = transformer_output(pipe.transformer)
     pipe.load_lora_weights(str(out.parent), weight_name=out.name)
     with_lora = transformer_output(pipe.transformer)
-    # What is left is the bias and norm change alone: the LoRA closes most of the gap.
+    # What is left is the bias and norm change alone: the LoRA closes all but a few thousandths of the gap.
     ratio = float((with_lora - tuned).norm() / (base - tuned).norm())
-    assert ratio < 0.1, ratio
+    assert ratio < 0.02, ratio  # measured 0.0042
 
 
 def test_extract_names_what_is_missing_or_does_not_fit(tiny_path: Path, tmp_path: Path) -> None:
