@@ -92,6 +92,8 @@ def test_extract_names_what_is_missing_or_does_not_fit(tiny_path: Path, tmp_path
         extract_lora.run(compose("extract_lora", ["model=tiny", out]))
     with pytest.raises(ConfigError, match="extract.out=.* is not a .safetensors file"):
         extract_lora.run(compose("extract_lora", ["model=tiny", f"extract.tuned={tiny_path}", "extract.out=a.pt"]))
+    with pytest.raises(ModelLoadError, match="extract.tuned=.*nowhere' does not exist"):
+        extract_lora.run(compose("extract_lora", ["model=tiny", f"extract.tuned={tmp_path / 'nowhere'}", out]))
     # Nothing changed: the base itself as the tuned model.
     with pytest.raises(ConfigError, match="has the base's linear weights"):
         extract_lora.run(compose("extract_lora", ["model=tiny", f"extract.tuned={tiny_path}", out]))

@@ -130,13 +130,14 @@ def _samples(facts: RunFacts, task: str) -> str:
         lines += ["| input | output | prompt |", "| --- | --- | --- |"]
     for s in facts.samples:
         source = "(text to image)" if task == "text-to-image" else "-"
-        source = f"![input](samples/{_input_name(s.image)})" if s.control else source
+        source = f"![input](samples/{input_name(s.image)})" if s.control else source
         prompt = s.prompt.replace("|", "\\|") or "(not recorded)"
         lines.append(f"| {source} | ![output](samples/{s.image.name}) | {prompt} |")
     return "\n".join(lines).rstrip()
 
 
-def _input_name(image: Path) -> str:
+def input_name(image: Path) -> str:
+    """The file name of the input image shown beside the sample `image` (`<stem>_input.png`)."""
     return f"{image.stem}_input{image.suffix}"
 
 

@@ -92,7 +92,8 @@ def heldout_metrics(run_dir: Path, result: dict) -> dict[str, float]:
 
 def validation_samples(folder: Path, count: int) -> list[SampleEdit]:
     """Up to `count` images of the last validation step (`step-NNNNNN/`; of several step counts, the largest
-    count's), with the prompts and input images `inputs.json` records (empty prompts where it is missing)."""
+    count's), with the prompts and input images `inputs.json` records (empty prompts where it is missing; no input
+    image where it is no longer there)."""
     folder = _validation_folder(folder)
     steps = sorted(folder.glob("step-*"))
     if not steps:
@@ -101,8 +102,9 @@ def validation_samples(folder: Path, count: int) -> list[SampleEdit]:
     out = []
     for image in sorted(steps[-1].glob("*.png"))[:count]:
         record = inputs.get(image.stem) or inputs.get(image.stem.rpartition("_")[0]) or {}
-        control = record.get("control")
-        out.append(SampleEdit(image, str(record.get("prompt", "")), Path(control) if control else None))
+        control = Path(record["control"]) if record.get("control") else None
+        shown = control if control is not None and control.is_file() else None  # moved since: shown without it
+        out.append(SampleEdit(image, str(record.get("prompt", "")), shown))
     return out
 
 

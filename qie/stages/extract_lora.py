@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from qie.components import load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.export import ExtractConfig
-from qie.errors import ConfigError, check_writable
+from qie.errors import ConfigError, ModelLoadError, check_writable
 from qie.stages.settings import fused_base
 from qie.training.lora_extract import Extraction, extract_lora, write_extraction
 
@@ -41,7 +41,10 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     fused = fused_base(model, spec)
     base = load_parts(model, ["transformer"], {"transformer": "cpu"}, spec, fuse=fused.fuse_into).transformer
     tuned_model = replace(model, transformer_path=settings.tuned, fuse_loras=[], fuse_lora_scales=[])
-    tuned = load_parts(tuned_model, ["transformer"], {"transformer": "cpu"}, spec).transformer
+    try:
+        tuned = load_parts(tuned_model, ["transformer"], {"transformer": "cpu"}, spec).transformer
+    except ModelLoadError as e:  # it is read as model.transformer_path: name the key the user set
+        raise ModelLoadError(str(e).replace("model.transformer_path=", "extract.tuned=")) from None
     extraction = extract_lora(base, tuned, settings.rank, settings.device)
     if not extraction.layers:
         raise ConfigError(
