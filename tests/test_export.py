@@ -180,3 +180,34 @@ def test_the_demo_ends_with_its_export_folder(tmp_path: Path) -> None:
     assert f"| heldout_loss | {report['heldout_loss_after']:.4g} |" in card.text
     assert (tmp_path / "export" / "samples" / "demo.png").is_file()
     assert (tmp_path / "export" / "kohya_lora.safetensors").is_file()
+
+
+def test_a_text_to_image_run_on_a_fused_base(tmp_path: Path) -> None:
+    """The card of a run of the text-to-image model on a base with a LoRA fused in: its hub id and task, and how to
+    fuse the same LoRA before loading this one (read from the LoRA file's header)."""
+    from huggingface_hub import ModelCard
+    from safetensors.torch import save_file
+
+    from qie.stages import export
+    from qie.training.lora_files import base_header
+
+    run = tmp_path / "t2i-run"
+    (run / "lora").mkdir(parents=True)
+    pair = {
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 8),
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(8, 2),
+    }
+    fused = [{"file": "lightning.safetensors", "fingerprint": "ab", "scale": 0.5}]
+    save_file(pair, str(run / "lora" / "pytorch_lora_weights.safetensors"), metadata=base_header(fused))
+    (run / ".hydra").mkdir()
+    OmegaConf.save(compose("train", ["model=qwen_image"]), run / ".hydra" / "config.yaml")
+    export.run(compose("export", [f"export.run_dir={run}", f"export.out={tmp_path / 'out'}", "export.license=mit"]))
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert (card.data.base_model, card.data.pipeline_tag, card.data.license) == (
+        "Qwen/Qwen-Image",
+        "text-to-image",
+        "mit",
+    )
+    assert "from diffusers import QwenImagePipeline" in card.text
+    assert 'pipe.load_lora_weights("lightning.safetensors")\npipe.fuse_lora(lora_scale=0.5)' in card.text
+    assert "| `lightning.safetensors` | 0.5 |" in card.text

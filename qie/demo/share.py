@@ -13,6 +13,7 @@ from qie.publish.run_facts import SampleEdit, dataset_instructions, read_run
 from qie.stages.export import export_folder
 
 EXPORT_DIR = "export"
+PICTURE_CAPTION = "the held-out samples as the demo shows them: the base model's outputs beside the LoRA's"
 # The demo report's numbers the card shows, under the card's names.
 METRICS = {
     "heldout_loss_before": "heldout_loss_before",
@@ -28,7 +29,7 @@ def export_demo(run_dir: Path, train_cfg: DictConfig, report: dict) -> Path:
     config = OmegaConf.to_container(train_cfg, resolve=True)
     facts = read_run(run_dir / "train", config)
     facts.metrics.update({name: float(report[key]) for key, name in METRICS.items() if key in report})
-    facts.pictures = [(Path(report["demo_image"]), "held-out samples: control, target, base model, LoRA")]
+    facts.pictures = [(Path(report["demo_image"]), PICTURE_CAPTION)]
     facts.samples = []
     for sample in scan_dataset(run_dir / "data" / "heldout").samples:
         edit = run_dir / "predictions" / "lora" / f"{sample.id}.png"  # a layered demo's are folders of layers

@@ -22,7 +22,7 @@ from qie.publish.hub import push_folder
 from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
 from qie.training.lora_files import recorded_base
 
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
@@ -66,7 +66,7 @@ def export_folder(facts: RunFacts, out: Path, license: str = "apache-2.0", repo_
 def run_config(run: Path) -> dict:
     """The run's config as plain values: Hydra's record in the run folder (or in the demo run holding it); {} when
     none is there (a run started from Python)."""
-    for folder in (run, run.parent):
+    for folder in (run, run.parent) if run.name == "train" else (run,):
         file = folder / ".hydra" / "config.yaml"
         if file.is_file():
             register()  # the `qie_home` resolver its model paths use
