@@ -83,6 +83,18 @@ def test_extracted_lora_moves_the_base_to_the_tuned_model(tiny_path: Path, tmp_p
     ratio = float((with_lora - tuned).norm() / (base - tuned).norm())
     assert ratio < 0.02, ratio  # measured 0.0042
 
+    # Exported, its card says how it was made.
+    from qie.stages import export
+
+    export.run(
+        compose(
+            "export", [f"export.run_dir={tmp_path / 'run'}", f"export.out={tmp_path / 'shared'}", f"export.lora={out}"]
+        )
+    )
+    card = (tmp_path / "shared" / "README.md").read_text()
+    assert "extracted at rank 4" in card and "2 changed parameters a LoRA cannot carry" in card
+    assert (tmp_path / "shared" / "extract_report.json").read_text() == (out.parent / "extract_report.json").read_text()
+
 
 def test_extract_names_what_is_missing_or_does_not_fit(tiny_path: Path, tmp_path: Path) -> None:
     from diffusers import QwenImageTransformer2DModel

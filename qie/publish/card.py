@@ -66,10 +66,20 @@ def _intro(facts: RunFacts, base: BaseModel) -> str:
     link = f"[{base.hub_id}](https://huggingface.co/{base.hub_id})" if base.hub_id else f"`{base.source}`"
     steps = facts.result.get("step")
     trained = f" for {steps} steps" if steps is not None else ""
-    return (
+    text = (
         f"# {_title(facts)}\n\nA LoRA for {link} (`{base.pipeline}`), trained with qie (`model={base.name}`)"
         f"{trained}. Every LoRA file here holds the trained strength in its weights (alpha = rank): load it at 1.0."
     )
+    x = facts.extraction
+    if x:
+        text += (
+            f"\n\nIt was extracted at rank {x.get('rank')} from the difference between the tuned transformer and its "
+            "base (`python -m qie.extract_lora`, SVD per linear layer): relative error of the "
+            f"{x.get('changed_layers')} layers' reconstructions mean {x.get('mean_relative_error', 0):.3g}, worst "
+            f"{x.get('max_relative_error', 0):.3g}; {len(x.get('not_carried') or {})} changed parameters a LoRA cannot "
+            "carry (biases, norms) are left out (`extract_report.json`)."
+        )
+    return text
 
 
 def _title(facts: RunFacts) -> str:
@@ -94,6 +104,8 @@ def _settings(facts: RunFacts) -> str:
     c = facts.config
     train, data, lora = c.get("train") or {}, c.get("data") or {}, (c.get("train") or {}).get("lora") or {}
     optimizer = (train.get("optimizer") or {}).get("_target_")
+    if train.get("mode") == "full":  # the LoRA, if any, was extracted: its rank is the extraction's
+        lora = {}
     rows = [
         ("mode", train.get("mode")),
         ("adapter", train.get("adapter")),

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from qie.errors import ConfigError
 from qie.publish.card import input_name, model_card
-from qie.publish.run_facts import BaseModel, RunFacts
+from qie.publish.run_facts import EXTRACT_REPORT, BaseModel, RunFacts
 from qie.training.lora import LORA_FILE, PREFIX
 from qie.training.lora_files import COMFYUI_FILE, KOHYA_FILE, base_header, comfyui_state, kohya_state, recorded_base
 
@@ -60,6 +60,8 @@ def write_export(facts: RunFacts, base: BaseModel, out: Path, license: str, wher
         shutil.copyfile(sample.image, samples / sample.image.name)
         if sample.control is not None:
             shutil.copyfile(sample.control, samples / input_name(sample.image))
+    if facts.extraction is not None:
+        shutil.copyfile(facts.lora.parent / EXTRACT_REPORT, out / EXTRACT_REPORT)
     readers = {f.name: READERS[f.name] for f in files}
     readers.update({name: f"not written: {why}" for name, why in missing.items()})
     card = model_card(facts, base, license, readers, where or str(out))

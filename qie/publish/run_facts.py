@@ -11,6 +11,7 @@ from pathlib import Path
 
 from qie.errors import ConfigError
 from qie.training.lora import LORA_FILE, lora_file
+from qie.training.lora_extract import REPORT_FILE as EXTRACT_REPORT
 from qie.training.validation import INPUTS_FILE, METRICS_FILE
 
 RESULT_FILE = "train_result.json"
@@ -52,6 +53,8 @@ class RunFacts:
     # Pictures shown as they are (file, caption): the demo's comparison grid.
     pictures: list[tuple[Path, str]] = field(default_factory=list)
     instructions: list[tuple[str, int]] = field(default_factory=list)  # the data set's prompts and their counts
+    # `extract_report.json` beside a LoRA made by `python -m qie.extract_lora`; None for a trained LoRA.
+    extraction: dict | None = None
 
 
 def read_run(run_dir: Path, config: dict, lora: str | None = None, samples: int = 8) -> RunFacts:
@@ -78,6 +81,7 @@ def read_run(run_dir: Path, config: dict, lora: str | None = None, samples: int 
         )
     facts = RunFacts(run_dir, found, config, result, heldout_metrics(run_dir, result))
     facts.samples = validation_samples(run_dir / "validation", samples)
+    facts.extraction = _read_json(found.parent / EXTRACT_REPORT)
     return facts
 
 

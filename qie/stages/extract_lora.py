@@ -19,9 +19,7 @@ from qie.config import typed, validate
 from qie.config.export import ExtractConfig
 from qie.errors import ConfigError, ModelLoadError, check_writable
 from qie.stages.settings import fused_base
-from qie.training.lora_extract import Extraction, extract_lora, write_extraction
-
-REPORT_FILE = "extract_report.json"
+from qie.training.lora_extract import REPORT_FILE, Extraction, extract_lora, write_extraction
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:

@@ -21,6 +21,8 @@ import torch
 from qie.errors import ModelLoadError
 from qie.training.lora_files import stamp_base, write_exports
 
+REPORT_FILE = "extract_report.json"  # beside the files: each layer's error, what is not carried
+
 
 @dataclass(frozen=True)
 class LayerFit:
