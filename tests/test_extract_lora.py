@@ -113,3 +113,22 @@ def test_extract_names_what_is_missing_or_does_not_fit(tiny_path: Path, tmp_path
         config = dict(QwenImageTransformer2DModel.load_config(tiny_path / "transformer"), num_layers=1)
         QwenImageTransformer2DModel.from_config(config).save_pretrained(tmp_path / "other")
         extract_lora.run(compose("extract_lora", ["model=tiny", f"extract.tuned={tmp_path / 'other'}", out]))
+
+
+@pytest.mark.parametrize("niter", [0, 4])
+def test_each_layers_error_is_that_of_its_reconstruction(niter: int) -> None:
+    """The exact SVD and the randomized one (`extract.niter`) report the relative error the factors really have."""
+    from qie.training.lora_extract import low_rank
+
+    gen = torch.Generator().manual_seed(3)
+    change = torch.randn(200, 3, generator=gen) @ torch.randn(3, 120, generator=gen)
+    change += 0.05 * torch.randn(200, 120, generator=gen)
+    down, up, error = low_rank(change, 3, niter=niter)
+    assert down.shape == (3, 120) and up.shape == (200, 3)
+    real = float((change - up @ down).norm() / change.norm())
+    assert abs(float(error) - real) < 1e-4 and 0.01 < real < 0.2
+    exact = low_rank(change, 3)[2]
+    assert abs(float(error) - float(exact)) < 1e-3  # the randomized SVD finds the same best factors
+    # A layer narrower than the rank: padded with zeros, exact.
+    down, up, error = low_rank(change[:, :2], 3)
+    assert down.shape == (3, 2) and torch.allclose(up @ down, change[:, :2], atol=1e-5) and float(error) < 1e-6

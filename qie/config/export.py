@@ -37,6 +37,9 @@ class ExtractConfig:
     kohya: bool = True
     # Where the SVDs run ("cpu", "cuda", ...); the weights stay on the CPU between layers.
     device: str = "cpu"
+    # 0: each layer's exact SVD; N > 0: a randomized SVD of N subspace iterations (torch.svd_lowrank), far quicker on
+    # a real model's large layers, its error reported the same way.
+    niter: int = 0
 
 
 @dataclass

@@ -43,7 +43,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
         tuned = load_parts(tuned_model, ["transformer"], {"transformer": "cpu"}, spec).transformer
     except ModelLoadError as e:  # it is read as model.transformer_path: name the key the user set
         raise ModelLoadError(str(e).replace("model.transformer_path=", "extract.tuned=")) from None
-    extraction = extract_lora(base, tuned, settings.rank, settings.device)
+    extraction = extract_lora(base, tuned, settings.rank, settings.device, settings.niter)
     if not extraction.layers:
         raise ConfigError(
             f"extract.tuned={settings.tuned!r} has the base's linear weights (model="
@@ -70,8 +70,9 @@ def _check(settings: ExtractConfig) -> Path:
             "extract.out is not set: give the LoRA file to write, e.g. "
             "extract.out=extracted/pytorch_lora_weights.safetensors"
         )
-    if settings.rank < 1:
-        raise ConfigError(f"extract.rank={settings.rank} is out of range: it must be 1 or more")
+    for key, low in (("rank", 1), ("niter", 0)):
+        if getattr(settings, key) < low:
+            raise ConfigError(f"extract.{key}={getattr(settings, key)} is out of range: it must be {low} or more")
     out = Path(settings.out).expanduser()
     if out.suffix != ".safetensors":
         raise ConfigError(f"extract.out={settings.out!r} is not a .safetensors file name: end it in .safetensors")
