@@ -87,6 +87,8 @@ def test_export_names_what_cannot_be_exported(trained_run: Path, tmp_path: Path)
 
     with pytest.raises(ConfigError, match="export.out is not set"):
         export.run(compose("export", [f"export.run_dir={trained_run}"]))
+    with pytest.raises(ConfigError, match="export.samples=-1 is out of range"):
+        export.run(compose("export", [f"export.run_dir={trained_run}", f"export.out={tmp_path}", "export.samples=-1"]))
     with pytest.raises(ConfigError, match="holds no trained LoRA"):
         export.run(compose("export", [f"export.run_dir={tmp_path}", f"export.out={tmp_path / 'x'}"]))
     (tmp_path / "full").mkdir()
