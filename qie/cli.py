@@ -185,3 +185,23 @@ def _check_or_exit(config: DictConfig, key: str) -> None:
     except StorageError as e:
         print(f"qie: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+# Hydra's own options that take the next argument as their value.
+_HYDRA_VALUE_OPTIONS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn"}
+_HYDRA_VALUE_OPTIONS |= {"--config-dir", "-cd", "--experimental-rerun"}
+
+
+def keyed_positionals(argv: list[str], keys: tuple[str, ...]) -> list[str]:
+    """`argv` (without the program) with its arguments that are no override and no option (`RUN_DIR OUT`) turned
+    into overrides of `keys`, in order (`export.run_dir='RUN_DIR'`), quoted for Hydra's grammar; any beyond
+    `keys` are left for Hydra to refuse."""
+    out, given, after_option = [], 0, False
+    for arg in argv:
+        plain = not after_option and not arg.startswith("-") and "=" not in arg
+        after_option = arg in _HYDRA_VALUE_OPTIONS
+        if plain and given < len(keys):
+            quoted = arg.replace("\\", "\\\\").replace("'", "\\'")
+            arg, given = f"{keys[given]}='{quoted}'", given + 1
+        out.append(arg)
+    return out

@@ -269,6 +269,11 @@ def test_validation_images_are_saved_under_the_run_without_a_tracker(cached_data
         assert Image.open(folder / f"{first[0]}.png").size == (64, 64)
     steps = [json.loads(line)["step"] for line in (tmp_path / "validation" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4] and not (tmp_path / "tensorboard").exists()
+    # Beside the images, what each was sampled from (what an export's model card shows with it).
+    inputs = json.loads((tmp_path / "validation" / "inputs.json").read_text())
+    samples = scan_dataset(cached_data.data).samples[:2]
+    expected = {s.id: {"prompt": s.prompt, "control": str(s.controls[0]), "target": str(s.target)} for s in samples}
+    assert inputs == expected
 
 
 def test_the_collector_pause_of_a_start_up_leaves_it_as_it_was(cached_data: CachedData, tmp_path: Path) -> None:

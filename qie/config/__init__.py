@@ -32,6 +32,7 @@ from qie.config.cache import (
 )
 from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
+from qie.config.export import ExportRoot, ExtractRoot
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.rules import objective_options, setting_problem, trains_lora
@@ -39,7 +40,7 @@ from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption")
+STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption", "export", "extract_lora")
 
 
 def qie_home() -> Path:
@@ -172,6 +173,8 @@ ROOTS = {
     "demo": DemoRoot,
     "plan": PlanRoot,
     "caption": CaptionRoot,
+    "export": ExportRoot,
+    "extract_lora": ExtractRoot,
 }
 
 

@@ -42,6 +42,7 @@ from qie.data.scan import scan_dataset
 from qie.demo.builtin import data_kind
 from qie.demo.grid import captioned_grid
 from qie.demo.measure import by_position, frame_errors, layer_error, mean_of_all, pixel_error, vae_psnr
+from qie.demo.share import export_demo
 from qie.demo.synthetic import composite, make_dataset
 from qie.models import ModelSpec
 from qie.sampling import SamplingOptions
@@ -97,8 +98,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         settings = source_settings(model, data, typed(heldout_cfg.cache), spec, masks).with_mode("cached")
         source = build_source(settings, spec, build_backend(heldout_cfg.cache))
         predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
-        return _measure(spec, output, source, predictor, sampling_options(predict), d, data_root, result,
-                        int(data.target_pixels), str(cfg.logging.report_to), run_dir)  # fmt: skip
+        report = _measure(spec, output, source, predictor, sampling_options(predict), d, data_root, result,
+                          int(data.target_pixels), str(cfg.logging.report_to), run_dir)  # fmt: skip
+        export_demo(run_dir, train_cfg, report)  # the Hub-ready folder beside the run: run_dir/export
+        return report
 
 
 def _measure(spec: ModelSpec, output: Output, source: Any, predictor: infer.Predictor, options: SamplingOptions,

@@ -64,5 +64,7 @@ def validation_inputs(
 
 def validation_references(samples: list[Sample], spec: ModelSpec) -> list[Reference]:
     """Per validation sample, what its edit metrics compare with: the control image the output's size follows
-    (`ModelSpec.output_image`) and the target, where the sample has them."""
-    return [Reference(s.controls[spec.output_image or 0] if s.controls else None, s.target) for s in samples]
+    (`ModelSpec.output_image`) and the target, where the sample has them, and its prompt."""
+    return [
+        Reference(s.controls[spec.output_image or 0] if s.controls else None, s.target, s.prompt) for s in samples
+    ]

@@ -27,15 +27,18 @@ from qie.training.logging import MetricsLogger
 from qie.types import SampleEmbeddings
 
 METRICS_FILE = "metrics.jsonl"
+# Per validation image (its file name's stem): the prompt and the input images it was sampled from.
+INPUTS_FILE = "inputs.json"
 
 
 @dataclass(frozen=True)
 class Reference:
     """What an output is measured against: the input's control image (the one the output's size follows)
-    and, when known, its target."""
+    and, when known, its target; and the prompt it was sampled with (recorded beside the images)."""
 
     control: Path | None = None
     target: Path | None = None
+    prompt: str = ""
 
 
 class Validator:
@@ -118,9 +121,19 @@ class Validator:
         return images
 
     def save(self, step: int, per_input: list[list[Image.Image]]) -> Path:
-        """Write `step-NNNNNN/<id>.png` (`<id>_<k>.png` for several images per input)."""
+        """Write `step-NNNNNN/<id>.png` (`<id>_<k>.png` for several images per input), and `inputs.json`: per
+        `<id>`, the prompt, control image and target the images were sampled for."""
         folder = self.out_dir / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
+        inputs = {
+            file_name(item.id): {
+                "prompt": ref.prompt,
+                "control": ref.control and str(ref.control),
+                "target": ref.target and str(ref.target),
+            }
+            for item, ref in zip(self.inputs, self.references)
+        }
+        (self.out_dir / INPUTS_FILE).write_text(json.dumps(inputs, indent=2), encoding="utf-8")
         for item, images in zip(self.inputs, per_input):
             name = file_name(item.id)
             for k, image in enumerate(images):

@@ -1,0 +1,25 @@
+"""python -m qie.export RUN_DIR OUT [export.push_to_hub=USER/NAME] [export.lora=...] [export.license=...]
+
+RUN_DIR and OUT, given without a key, are `export.run_dir=RUN_DIR export.out=OUT` (`qie.cli.keyed_positionals`);
+the keyed form works too."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from qie.cli import keyed_positionals, run_stage
+from qie.config import register
+from qie.stages import export
+
+register("export")  # its schema, known to Hydra before @hydra.main composes
+
+
+@hydra.main(config_path="pkg://qie.conf", config_name="export", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_stage(export.run, cfg)
+
+
+if __name__ == "__main__":
+    sys.argv[1:] = keyed_positionals(sys.argv[1:], ("export.run_dir", "export.out"))
+    main()

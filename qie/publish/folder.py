@@ -1,0 +1,95 @@
+"""The export folder of a run: the LoRA in diffusers, ComfyUI and kohya formats, the sample pictures under
+`samples/`, and the model card `README.md` (`qie.publish.card`).
+
+The ComfyUI and kohya files the run wrote beside its LoRA (`train.export_comfyui`, `train.export_kohya`) are copied;
+otherwise they are made from the diffusers file, whose weights already hold the trained strength
+(`qie.training.lora_files`). A DoRA needs its base's weights for ComfyUI's `dora_scale`: without the run's own files
+it is exported in the diffusers format alone, and the card says so.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from qie.errors import ConfigError
+from qie.publish.card import input_name, model_card
+from qie.publish.run_facts import EXTRACT_REPORT, BaseModel, RunFacts
+from qie.training.lora import LORA_FILE, PREFIX
+from qie.training.lora_files import COMFYUI_FILE, KOHYA_FILE, base_header, comfyui_state, kohya_state, recorded_base
+
+CARD_FILE = "README.md"
+READERS = {
+    LORA_FILE: "diffusers `load_lora_weights`, `qie.infer`, ai-toolkit, ComfyUI",
+    COMFYUI_FILE: "ComfyUI (`LoraLoaderModelOnly`), DiffSynth-Studio, `qie.infer`",
+    KOHYA_FILE: "musubi-tuner, kohya-style loaders, ComfyUI, `qie.infer`",
+}
+
+
+@dataclass(frozen=True)
+class Export:
+    """What `write_export` wrote: the folder, its LoRA files, and the formats it could not write (with why)."""
+
+    folder: Path
+    files: list[Path]
+    missing: dict[str, str]
+
+
+def write_export(facts: RunFacts, base: BaseModel, out: Path, license: str, where: str | None = None) -> Export:
+    """Write the export folder `out` of the run `facts` describes, for the `base` model.
+
+    Args:
+        license: the card's license field.
+        where: the repo id the card's examples load from (None: the folder's path).
+
+    Raises:
+        ConfigError: the LoRA file is not in the diffusers format (`transformer.` keys).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    files, missing = lora_files(facts.lora, out)
+    samples = out / "samples"
+    if facts.samples or facts.pictures:
+        samples.mkdir(exist_ok=True)
+    for picture, _ in facts.pictures:
+        shutil.copyfile(picture, samples / picture.name)
+    for sample in facts.samples:
+        shutil.copyfile(sample.image, samples / sample.image.name)
+        if sample.control is not None:
+            shutil.copyfile(sample.control, samples / input_name(sample.image))
+    if facts.extraction is not None:
+        shutil.copyfile(facts.lora.parent / EXTRACT_REPORT, out / EXTRACT_REPORT)
+    readers = {f.name: READERS[f.name] for f in files}
+    readers.update({name: f"not written: {why}" for name, why in missing.items()})
+    card = model_card(facts, base, license, readers, where or str(out))
+    (out / CARD_FILE).write_text(card, encoding="utf-8")
+    return Export(out, files, missing)
+
+
+def lora_files(lora: Path, out: Path) -> tuple[list[Path], dict[str, str]]:
+    """Copy the diffusers LoRA `lora` into `out` with its ComfyUI and kohya files (copied from beside it, or made
+    from it); returns the files written and the formats not written, with why."""
+    with safe_open(str(lora), "pt") as f:
+        keys = list(f.keys())
+    if not keys or not all(k.startswith(PREFIX) for k in keys):
+        raise ConfigError(
+            f"{str(lora)!r} is not a diffusers-format LoRA (keys '{PREFIX}<module>.lora_A.weight'): give export.lora "
+            f"the {LORA_FILE} qie wrote"
+        )
+    shutil.copyfile(lora, out / LORA_FILE)
+    written, missing = [out / LORA_FILE], {}
+    state = None
+    for name, convert in ((COMFYUI_FILE, comfyui_state), (KOHYA_FILE, kohya_state)):
+        if (lora.parent / name).is_file():
+            shutil.copyfile(lora.parent / name, out / name)
+        elif any("lora_magnitude_vector" in k for k in keys):
+            missing[name] = "a DoRA's ComfyUI scale needs its base weights: train with train.export_comfyui=true"
+            continue
+        else:
+            state = state if state is not None else {k[len(PREFIX) :]: v for k, v in load_file(str(lora)).items()}
+            save_file(convert(state), str(out / name), metadata=base_header(recorded_base(lora)))
+        written.append(out / name)
+    return written, missing

@@ -1,0 +1,103 @@
+"""The export stage: a Hub-ready folder of a training run (`qie.publish`), uploaded when asked.
+
+    python -m qie.export RUN_DIR OUT [export.push_to_hub=USER/NAME] [export.lora=RUN/checkpoints/step-NNNNNN]
+
+The run's config is the one Hydra recorded (`RUN_DIR/.hydra/config.yaml`; a demo's training run `RUN/train` reads its
+demo's), resolved here, at the stage's edge; the library below takes plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from qie.config import register, typed, validate
+from qie.errors import ConfigError, check_writable
+from qie.models import model_spec
+from qie.publish.folder import Export, write_export
+from qie.publish.hub import push_folder
+from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
+from qie.training.lora_files import recorded_base
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
+    """Write the export folder, print what it holds, and upload it with `export.push_to_hub`; returns
+    {"folder", "files", "missing", "url"}. The stage's edge: the one place that reads `cfg`.
+
+    Raises:
+        ConfigError: `export.run_dir` or `export.out` unset, or a run folder without a LoRA to export.
+        HubError: the upload cannot be made (offline included): the folder is kept.
+    """
+    validate(cfg)
+    settings = typed(cfg.export)
+    for key in ("run_dir", "out"):
+        if not getattr(settings, key):
+            raise ConfigError(f"export.{key} is not set: python -m qie.export RUN_DIR OUT (or export.{key}=...)")
+    if settings.samples < 0:
+        raise ConfigError(f"export.samples={settings.samples} is out of range: it must be 0 or more")
+    run, out = Path(settings.run_dir).expanduser(), Path(settings.out).expanduser()
+    if out.resolve() == run.resolve():
+        raise ConfigError(f"export.out={settings.out!r} is the run folder itself: give a new folder")
+    config = run_config(run)
+    facts = read_run(run, config, settings.lora, settings.samples)
+    facts.instructions = dataset_instructions((config.get("data") or {}).get("path"))
+    check_writable(out, "export.out")
+    written = export_folder(facts, out, settings.license, settings.push_to_hub)
+    url = push_folder(out, settings.push_to_hub, settings.private) if settings.push_to_hub else None
+    if url:
+        print(f"qie: uploaded to {url}")
+    return {"folder": str(out), "files": [str(f) for f in written.files], "missing": written.missing, "url": url}
+
+
+def export_folder(facts: RunFacts, out: Path, license: str = "apache-2.0", repo_id: str | None = None) -> Export:
+    """Write the export folder of `facts` into `out` (the demo's entry too) and print what it holds."""
+    written = write_export(facts, base_model(facts.config, facts.lora), out, license, repo_id)
+    pictures = len(facts.samples) + len(facts.pictures)
+    names = ", ".join(f.name for f in written.files)
+    print(f"qie: exported {facts.lora} to {out}: {names}, README.md (model card), {pictures} sample picture(s)")
+    for name, why in written.missing.items():
+        print(f"qie: warning: {name} not written: {why}")
+    return written
+
+
+def run_config(run: Path) -> dict:
+    """The run's config as plain values: Hydra's record in the run folder (or in the demo run holding it); {} when
+    none is there (a run started from Python)."""
+    for folder in (run, run.parent) if run.name == "train" else (run,):
+        file = folder / ".hydra" / "config.yaml"
+        if file.is_file():
+            register()  # the `qie_home` resolver its model paths use
+            return OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+    return {}
+
+
+def base_model(config: dict, lora: Path) -> BaseModel:
+    """The base the LoRA belongs to, from the run's `model` config (else the checkpoints' record of it)."""
+    fused = tuple((str(r.get("file")), float(r.get("scale", 1.0))) for r in recorded_base(lora) or [])
+    model = config.get("model")
+    if not model:
+        record = _recorded_model(lora)
+        pipeline = str(record.get("pipeline", "QwenImageEditPipeline"))
+        task = "text-to-image" if pipeline in ("QwenImagePipeline",) else "image-to-image"
+        return BaseModel("(not recorded)", None, pipeline, task, str(record.get("name", "...")), fused)
+    spec = model_spec(OmegaConf.create(model))
+    source = str(model.get("pretrained_model_name_or_path"))
+    hub_id = source if HUB_ID.match(source) and not Path(source).expanduser().exists() else None
+    task = "text-to-image" if spec.family.outputs.demo_data(spec) == "t2i" else "image-to-image"
+    return BaseModel(source, hub_id, spec.pipeline_class, task, spec.name, fused)
+
+
+def _recorded_model(lora: Path) -> dict:
+    """The model record of the run's newest checkpoint (`trainer_state.json`), or {}."""
+    run = lora.parent.parent
+    for state in sorted(run.glob("checkpoints/step-*/trainer_state.json"), reverse=True):
+        try:
+            return dict(json.loads(state.read_text(encoding="utf-8")).get("model") or {})
+        except (OSError, ValueError):
+            continue
+    return {}
