@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from test_cache_remote import s3, url  # noqa: F401 - fixtures, used as arguments
+from test_cache_remote import free_port, s3, url  # noqa: F401 - fixtures, used as arguments
 
-from qie.errors import ConfigError, ModelLoadError
+from qie.errors import ConfigError, ModelLoadError, StorageError
 
 STEPS = ["train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7", "logging.report_to=none",
          "data.num_workers=0", "train.checkpoint_every=1"]  # fmt: skip
@@ -88,3 +88,13 @@ def test_a_resume_on_another_number_of_processes_is_refused_unless_inexact(
 def test_a_bucket_without_a_prefix_is_refused_in_one_line(base: list[str], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"run.output_url='s3://bucket' names a bucket without a prefix"):
         train(base, tmp_path / "run", "train.max_steps=1", "run.output_url=s3://bucket")
+
+
+def test_an_unreachable_store_is_named_in_one_line_before_training(s3: str, base: list[str], tmp_path: Path) -> None:
+    endpoint = f"http://127.0.0.1:{free_port()}"  # not `s3`'s: no server there (the fixture sets the credentials)
+    assert endpoint != s3
+    on_bucket = ["run.output_url=s3://bucket/runs/a", f"run.endpoint_url={endpoint}", "train.resume=latest"]
+    named = f"object store s3://bucket/runs/a at {endpoint}: listing checkpoints/.*check run.endpoint_url"
+    with pytest.raises(StorageError, match=named):
+        train(base, tmp_path / "run", "train.max_steps=1", *on_bucket)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -64,6 +64,7 @@ class RunStore:
         if "/" not in root.strip("/") and self.url.startswith(("s3://", "gs://", "gcs://", "az://", "abfs://")):
             raise ConfigError(f"run.output_url={self.url!r} names a bucket without a prefix: use s3://BUCKET/PREFIX")
         self.store = Store(fs, root, where, retries, backoff, reopen)
+        self.store.settings = "run"
 
     def upload(self, local: Path, name: str) -> int:
         """Store the file `local`, or every file under the folder `local`, as `name` (`name/<relative path>`);
