@@ -216,8 +216,8 @@ def test_the_precompute_failure_list_is_in_the_bucket_for_a_training_on_another_
         return out
 
     monkeypatch.setattr(precompute_work.Encoder, "encode_entries", poisoned)
-    base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={ds}", "cache=remote", f"cache.url={url}",
-            f"cache.endpoint_url={s3}", "cache.retries=2"]  # fmt: skip
+    model = f"model.pretrained_model_name_or_path={tiny_path}"
+    base = [model, f"data.path={ds}", "cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", "cache.retries=2"]
     node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
     summary = precompute.run(compose("precompute", [*base, *node("a")]), tmp_path / "pre")
     assert [f.id for f in summary.failures] == ["00001"]

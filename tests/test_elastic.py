@@ -17,8 +17,15 @@ from test_cache_remote import s3, url  # noqa: F401 - fixtures, used as argument
 
 pytestmark = pytest.mark.subprocess
 
-STEPS = ["train.max_steps=4", "train.checkpoint_every=2", "train.learning_rate=1e-3", "data.batch_size=2",
-         "data.num_workers=0", "logging.report_to=none", "train.resume=latest"]  # fmt: skip
+STEPS = [
+    "train.max_steps=4",
+    "train.checkpoint_every=2",
+    "train.learning_rate=1e-3",
+    "data.batch_size=2",
+    "data.num_workers=0",
+    "logging.report_to=none",
+    "train.resume=latest",
+]
 
 # `python -m qie.train` whose process of rank 1 exits hard once the checkpoint of step QIE_TEST_DIE_AFTER is stored,
 # in torchrun's first attempt only.
@@ -50,9 +57,24 @@ runpy.run_module("qie.train", run_name="__main__")
 def torchrun(target: list[str], args: list[str], log: Path, restarts: int = 0) -> tuple[int, str]:
     """Two processes under torchrun; returns (exit status, output). Output goes to the file `log` (a pipe that
     torchrun's workers inherit would outlive it); what is left after the timeout is killed."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                f"--max-restarts={restarts}"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "QIE_TEST_DIE_AFTER": "2", "PYTHONUNBUFFERED": "1"}
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        f"--max-restarts={restarts}",
+    ]
+    # Each attempt's processes meet in a store of their own: in the rendezvous' shared store a restarted process
+    # may read its peer's address from the attempt before and wait for it forever (pytorch#135712).
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "QIE_TEST_DIE_AFTER": "2",
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     with open(log, "w") as out:
         proc = subprocess.Popen([*launcher, *target, *args], env=env, stdout=out, stderr=subprocess.STDOUT)
         try:

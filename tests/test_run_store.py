@@ -13,8 +13,14 @@ from test_cache_remote import free_port, s3, url  # noqa: F401 - fixtures, used 
 
 from qie.errors import ConfigError, ModelLoadError, StorageError
 
-STEPS = ["train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7", "logging.report_to=none",
-         "data.num_workers=0", "train.checkpoint_every=1"]  # fmt: skip
+STEPS = [
+    "train.learning_rate=1e-3",
+    "data.batch_size=2",
+    "train.seed=7",
+    "logging.report_to=none",
+    "data.num_workers=0",
+    "train.checkpoint_every=1",
+]
 
 
 def train(base: list[str], run_dir: Path, *overrides: str) -> dict:
@@ -49,8 +55,13 @@ def test_outputs_on_the_bucket_and_a_fresh_node_resumes_from_it_exactly(
     assert store.checkpoints() == ["step-000002", "step-000003"]  # the limit applies in the bucket
     objects = store.store.listing("")
     assert "checkpoints/step-000001/trainer_state.json" not in objects
-    for name in ("lora/pytorch_lora_weights.safetensors", "train_result.json", "metrics.jsonl",
-                 "checkpoints/step-000003/state/model.safetensors", "checkpoints/step-000003/.complete"):  # fmt: skip
+    for name in (
+        "lora/pytorch_lora_weights.safetensors",
+        "train_result.json",
+        "metrics.jsonl",
+        "checkpoints/step-000003/state/model.safetensors",
+        "checkpoints/step-000003/.complete",
+    ):
         assert name in objects, name
     assert ".qie-run.lock" not in objects
     result = json.loads(store.store.read("train_result.json"))
@@ -59,6 +70,7 @@ def test_outputs_on_the_bucket_and_a_fresh_node_resumes_from_it_exactly(
     state = json.loads(store.store.read("checkpoints/step-000003/trainer_state.json"))
     store.store.write("checkpoints/step-000004/trainer_state.json", json.dumps({**state, "step": 4}).encode())
     assert store.checkpoints()[-1] == "step-000003"
+    store.store.write("checkpoints/step-000001/state/model.safetensors", b"cut short")  # older: removed by the run
     # Another node, with an empty run folder, resumes from the bucket's step 3 and ends as one run would.
     second = train(base, tmp_path / "node_b", *on_bucket, "train.max_steps=5")
     assert "checkpoints/step-000003 copied to" in capsys.readouterr().out
@@ -68,6 +80,8 @@ def test_outputs_on_the_bucket_and_a_fresh_node_resumes_from_it_exactly(
     assert [m["step"] for m in lines] == [1, 2, 3, 4, 5]
     assert [m["loss"] for m in lines] == full["losses"]
     assert store.checkpoints() == ["step-000004", "step-000005"]
+    left = {name.split("/")[1] for name in store.store.listing("checkpoints")}
+    assert left == {"step-000004", "step-000005"}  # the older one cut short is gone too
     assert json.loads(store.store.read("checkpoints/step-000004/trainer_state.json"))["step"] == 4  # re-uploaded
 
 

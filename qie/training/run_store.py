@@ -92,19 +92,20 @@ class RunStore:
 
     def checkpoints(self) -> list[str]:
         """The names (`step-NNNNNN`) of the complete checkpoints in the store, oldest first."""
-        names = self.store.listing(FOLDER)
-        parts = (n.split("/") for n in names)
-        return sorted(p[1] for p in parts if len(p) == 3 and p[2] == COMPLETE and p[1].startswith("step-"))
+        return _complete(self.store.listing(FOLDER))
 
     def prune(self, keep: int | None) -> list[str]:
-        """Delete the oldest complete checkpoints beyond `keep` (None keeps all): each marker first, so a
-        checkpoint being deleted is no longer listed. Returns the names deleted."""
-        if not keep:
-            return []
-        old = self.checkpoints()[:-keep]
+        """Delete the oldest complete checkpoints beyond `keep` (None keeps all), each marker first so that a
+        checkpoint being deleted is no longer listed, and what uploads cut short left of checkpoints older than
+        the newest complete one (this run saves no step before it again). Returns the names deleted."""
+        objects = self.store.listing(FOLDER)
+        complete = _complete(objects)
+        old = complete[:-keep] if keep else []
+        started = {n.split("/")[1] for n in objects if n.count("/") >= 2}
+        old += sorted(n for n in started - set(complete) if complete and n < complete[-1])
         for name in old:
             self.store.remove(f"{FOLDER}/{name}/{COMPLETE}")
-            for obj in self.store.listing(f"{FOLDER}/{name}"):
+            for obj in sorted(o for o in objects if o.startswith(f"{FOLDER}/{name}/") and not o.endswith(COMPLETE)):
                 self.store.remove(obj)
         return old
 
@@ -141,6 +142,12 @@ class RunStore:
             if path.name != FOLDER and path.name not in _LOCAL_ONLY:
                 count += self.upload(path, path.name)
         return count
+
+
+def _complete(objects: dict[str, int]) -> list[str]:
+    """The checkpoint names with a marker among the `objects` of `checkpoints/`, oldest first."""
+    parts = (n.split("/") for n in objects)
+    return sorted(p[1] for p in parts if len(p) == 3 and p[2] == COMPLETE and p[1].startswith("step-"))
 
 
 __all__ = ["COMPLETE", "RunStore"]
