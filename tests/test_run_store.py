@@ -112,3 +112,13 @@ def test_an_unreachable_store_is_named_in_one_line_before_training(s3: str, base
     with pytest.raises(StorageError, match=named):
         train(base, tmp_path / "run", "train.max_steps=1", *on_bucket)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_endpoint_comes_from_aws_endpoint_url_as_boto_reads_it(
+    s3: str, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qie.training.run_store import RunStore
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
+    RunStore(url, retries=1).store.write("probe.json", b"{}")  # no run.endpoint_url: the environment's
+    assert store_of(url, s3).store.read("probe.json") == b"{}"
