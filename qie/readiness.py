@@ -150,7 +150,7 @@ def ready_samples(
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        found = check_entries(cache, samples, read_failures(cache_dir) if cache_dir else {})
+        found = check_entries(cache, samples, read_failures(cache_dir, backend))
     finally:
         if gc_was_on:
             gc.enable()

@@ -194,3 +194,37 @@ def test_training_stops_with_one_error_when_the_server_goes_away_mid_run(
     with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 2 tries"):
         train_stage.run(compose("train", overrides), tmp_path / "run", on_step_end=stop_after_the_first)
     assert len(steps) == 1
+
+
+def test_the_precompute_failure_list_is_in_the_bucket_for_a_training_on_another_node(
+    s3: str, url: str, tiny_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from qie.cache.failures import FILE_NAME, read_failures
+    from qie.config import compose
+    from qie.demo.synthetic import make_dataset
+    from qie.stages import precompute, precompute_work
+    from qie.stages import train as train_stage
+
+    ds = make_dataset(tmp_path / "data", train=3, heldout=0, size=32) / "train"
+    real = precompute_work.Encoder.encode_entries
+
+    def poisoned(self, prepared, types):
+        out = real(self, prepared, types)
+        for p, entry in zip(prepared, out):
+            if p.sample.id == "00001" and "prompt_embed" in entry:
+                entry["prompt_embed"]["embed"][0, 0] = float("inf")
+        return out
+
+    monkeypatch.setattr(precompute_work.Encoder, "encode_entries", poisoned)
+    model = f"model.pretrained_model_name_or_path={tiny_path}"
+    base = [model, f"data.path={ds}", "cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", "cache.retries=2"]
+    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
+    summary = precompute.run(compose("precompute", [*base, *node("a")]), tmp_path / "pre")
+    assert [f.id for f in summary.failures] == ["00001"]
+    assert not (tmp_path / "a" / "dir" / FILE_NAME).exists()  # not on the node: in the bucket
+    listed = read_failures(tmp_path / "b" / "dir", remote(url, s3, tmp_path / "c"))
+    assert [v["sample"] for v in listed.values()] == ["00001"]
+    monkeypatch.setattr(precompute_work.Encoder, "encode_entries", real)
+    training = [*TRAINING, "train.max_steps=1", "cache.on_missing=skip"]
+    assert train_stage.run(compose("train", [*base, *node("b"), *training]), tmp_path / "train")["step"] == 1
+    assert "skipping sample '00001': precompute could not encode it" in capsys.readouterr().out

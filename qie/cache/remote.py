@@ -2,9 +2,10 @@
 read-through copy.
 
 Objects: `<url>/<type>/<key[:2]>/<key>.safetensors` (the bytes and layout of the ssd backend, one PUT per
-entry), the index (`.index/`, see `qie.cache.remote_index`), claims (`.claims/`, `qie.cache.remote_claims`) and
-a marker that the prefix holds a cache (`.qie-cache.json`). Admin actions list and touch only these names
-under `url`'s prefix. An entry is fetched once per node, checked against its checksum, and then read from
+entry), the index (`.index/`, see `qie.cache.remote_index`), claims (`.claims/`, `qie.cache.remote_claims`), the
+documents the stages share between nodes (`.shared/`, the failure list: `qie.cache.remote_shared`) and a marker
+that the prefix holds a cache (`.qie-cache.json`). Admin actions list and touch only these names under `url`'s
+prefix. An entry is fetched once per node, checked against its checksum, and then read from
 `local_dir` (least recently used copies evicted past `local_max_gb`).
 """
 
@@ -44,6 +45,7 @@ from qie.cache.local_copy import LocalCopy, default_local_dir
 from qie.cache.remote_claims import Lease, sweep_leases, take_lease
 from qie.cache.remote_index import RemoteIndex, flush_at_exit, flush_quietly
 from qie.cache.remote_segments import Record
+from qie.cache.remote_shared import SharedDocuments
 from qie.cache.remote_store import Store, open_filesystem
 from qie.errors import CacheDirMissing, ConfigError, StorageError
 from qie.types import SCHEMA_VERSION
@@ -112,6 +114,7 @@ class RemoteBackend:
         host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
         self.owner = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         self.index = RemoteIndex(self.store, self.owner)
+        self.shared = SharedDocuments(self.store, self.owner, self.lease_seconds)  # the failure list, for every node
         if read_ahead:
             self.index.read_ahead([check_type(t) for t in read_ahead])
         self._held: set[tuple[str, str]] = set()  # entries this backend holds claims on

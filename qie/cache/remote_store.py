@@ -77,6 +77,8 @@ class Store:
         reopen: opens the file system again (as `open_filesystem`), in a forked process.
     """
 
+    settings = "cache"  # the config group errors send the user to (`run` for a run's outputs)
+
     def __init__(
         self, fs, root: str, where: str, retries: int = 4, backoff: float = 0.5, reopen: Callable | None = None
     ) -> None:
@@ -119,12 +121,13 @@ class Store:
         raise AssertionError("unreachable")
 
     def _message(self, what: str, e: Exception, kind: str) -> str:
+        group = self.settings
         if kind == "denied":
             hint = "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage_options)"
         elif kind.startswith("unreachable"):
-            hint = "check cache.endpoint_url and that the server is up and reachable from this machine"
+            hint = f"check {group}.endpoint_url and that the server is up and reachable from this machine"
         else:
-            hint = "check cache.url, cache.endpoint_url and cache.storage_options"
+            hint = f"check {group}.url, {group}.endpoint_url and {group}.storage_options"
         return f"object store {self.where}: {what} failed ({kind}: {_short(e)}): {hint}"
 
     # --- the operations the backend uses --------------------------------------------------------------------

@@ -36,7 +36,7 @@ from qie.config.export import ExportRoot, ExtractRoot
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.rules import objective_options, setting_problem, trains_lora
-from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
+from qie.config.train import LoggingConfig, RunConfig, TrainConfig, ValidationConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
@@ -57,6 +57,7 @@ class TrainRoot:
     predict: PredictConfig = field(default_factory=PredictConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
 
 @dataclass

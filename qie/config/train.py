@@ -189,6 +189,18 @@ class TrainConfig:
 
 
 @dataclass
+class RunConfig:
+    """Where the run's outputs go besides the run folder (docs/guide.md, "Outputs on an object store")."""
+
+    # s3://BUCKET/PREFIX (any fsspec URL): every checkpoint, the weights, metrics and the run record are uploaded
+    # there, and train.resume=latest resumes from its newest complete checkpoint. null: the run folder alone.
+    output_url: str | None = None
+    # The S3 endpoint (MinIO, R2, a local server) and file system options; by default those of cache=remote.
+    endpoint_url: str | None = "${oc.select:cache.endpoint_url,null}"
+    storage_options: Any = "${oc.select:cache.storage_options,null}"
+
+
+@dataclass
 class LoggingConfig:
     report_to: ReportTo = ReportTo.tensorboard
     log_every: int = 1

@@ -239,7 +239,7 @@ def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path)
             total.merge(part)
         summary = total
     if state.is_main_process:
-        update_failures(cache_dir, summary.failed_entries, summary.written)
+        update_failures(cache_dir, summary.failed_entries, summary.written, backend)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "precompute_summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         write_failures(run_dir, summary.failures)

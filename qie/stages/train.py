@@ -11,6 +11,7 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -39,6 +40,7 @@ from qie.stages.background import in_background
 from qie.stages.heldout import heldout_hook, measure_heldout, split_heldout
 from qie.stages.processes import warn_single_process
 from qie.stages.recipes import lora_exports, make_ema, regularization_logging
+from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
@@ -85,6 +87,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
     groups = (typed(cfg[k]) for k in ("data", "cache", "train", "predict", "logging", "validation"))
     setup = train_setup(spec, model, *groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
+    setup = dataclasses.replace(setup, outputs=RunOutputs.of(typed(cfg.run)))
     accelerator = make_accelerator(setup.train, setup.memory, str(model.dtype), run_dir)
     writer = accelerator.is_main_process
     if writer:
@@ -102,7 +105,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
 def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend,
            on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
     train = s.train
-    resume_from = ckpt.resolve_resume(train.resume, run_dir)
+    resume_from = s.outputs.resume_from(train.resume, run_dir, accelerator)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
     source = build_source(s.source, s.spec, backend)
     # The samples, their paths, the remembered keys and the model live as long as the run: no collector pass while
@@ -124,6 +127,7 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
     finally:
         gc.unfreeze()  # collectable again once the run is over
     finish(state, s.mode, run_dir, result, lora_exports(train), ema)
+    s.outputs.publish(run_dir, accelerator)
     return result
 
 
@@ -145,7 +149,8 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
             resume_ema(ema, resume_from, bool(train.resume_inexact))
         accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
     elif train.resume == "latest":
-        accelerator.print(f"qie: train.resume=latest: no checkpoint in {run_dir}, starting from step 0")
+        where = s.outputs.where(run_dir)
+        accelerator.print(f"qie: train.resume=latest: no checkpoint in {where}, starting from step 0")
 
     reg_weight = s.regularization.weight if reg else 1.0
     negatives = "empty_prompt" in objective_requires(str(train.objective))
@@ -161,6 +166,7 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
     if reg:
         hooks.append(regularization_logging(logger, reg_weight))
     save = functools.partial(_save_checkpoint, state, run_dir, s.mode, train, records, ema)
+    save = s.outputs.saving(save, accelerator, run_dir, train.checkpoints_total_limit)
     try:
         settings = loop_settings(train, s.logging, objective)
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,

@@ -20,6 +20,7 @@ from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.data.formats import DataSource
 from qie.models import ModelSpec
 from qie.stages.auto_caption import CaptionSettings, caption_settings
+from qie.stages.run_outputs import RunOutputs
 from qie.stages.settings import (
     Regularization,
     SourceSettings,
@@ -57,6 +58,7 @@ class TrainSetup:
     captions: CaptionSettings | None  # `data.auto_caption`'s prompt and generation settings, or None
     on_missing: str  # `cache.on_missing`
     run_config: dict  # the whole config as plain values: what the metrics logger records
+    outputs: RunOutputs = RunOutputs()  # `run.output_url`'s store, set by the stage once opened
 
 
 def train_setup(spec: ModelSpec, model: ModelConfig, data: DataConfig, cache: CacheConfig, train: TrainConfig,

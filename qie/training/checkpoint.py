@@ -264,11 +264,14 @@ def load_checkpoint(train: Any, folder: Path, inexact: bool = False) -> dict:
     refuse_pickles(folder)
     state = read_state(folder)
     saved_procs = int(state.get("num_processes", accelerator.num_processes))
-    if saved_procs != accelerator.num_processes:
-        accelerator.print(
-            f"qie: warning: {folder} was saved by {saved_procs} processes, resuming with "
-            f"{accelerator.num_processes}: the data order from here on differs from the original run's"
-        )
+    if saved_procs != accelerator.num_processes:  # another global batch and data order: not an exact resume
+        detail = f"{folder} was saved by {saved_procs} processes, resuming with {accelerator.num_processes}"
+        if not inexact:
+            raise ModelLoadError(
+                f"cannot resume exactly: {detail}. Resume with {saved_procs} processes, or set "
+                "train.resume_inexact=true to continue with another batch and data order"
+            )
+        accelerator.print(f"qie: warning: {detail}: the data order from here on differs (train.resume_inexact=true)")
     if is_sharded(accelerator):  # every process reads the whole state and keeps its shards
         _load(state_dir / MODEL_FILE, lambda: set_sharded_state(train, state_dir))
     else:
