@@ -32,6 +32,7 @@ from qie.config.cache import (
 )
 from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
+from qie.config.evaluation import EvalRoot
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.rules import objective_options, setting_problem, trains_lora
@@ -39,7 +40,7 @@ from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption")
+STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption", "eval")
 
 
 def qie_home() -> Path:
@@ -172,6 +173,7 @@ ROOTS = {
     "demo": DemoRoot,
     "plan": PlanRoot,
     "caption": CaptionRoot,
+    "eval": EvalRoot,
 }
 
 
@@ -249,6 +251,7 @@ def validate(cfg: DictConfig) -> None:
     if problem := weight_problem(cfg) or setting_problem(cfg, spec):
         raise ConfigError(problem)
     _check_objective(cfg, spec)
+    _check_rewards(cfg)
     if OmegaConf.select(cfg, "model.fp8_compute", default="auto") == "always" and (
         OmegaConf.select(cfg, "train.blocks_to_swap", default=0) or OmegaConf.select(cfg, "train.fsdp", default=False)
     ):
@@ -274,6 +277,15 @@ def _check_step_counts(cfg: DictConfig) -> None:
     for i, count in enumerate(counts):
         if count < 1:
             raise ConfigError(f"validation.step_counts[{i}]={count} is out of range: each count must be 1 or more")
+
+
+def _check_rewards(cfg: DictConfig) -> None:
+    """`eval.rewards` and `validation.rewards`: each a class its keys fit (`qie.config.rewards`), building nothing."""
+    from qie.config.rewards import rewards_problem
+
+    for key in ("eval.rewards", "validation.rewards"):
+        if problem := rewards_problem(OmegaConf.select(cfg, key, default=None), key):
+            raise ConfigError(problem)
 
 
 def _backend_keys(cache: DictConfig) -> list[str]:

@@ -1,0 +1,98 @@
+"""The rewards an `eval.rewards` (or `validation.rewards`) node names, each `<name>: {_target_: pkg.Cls, ...}`:
+checked against the class's constructor when the config is composed (building nothing), and built by
+`hydra.utils.instantiate` where a stage needs them. A reward from outside qie is configured the same way.
+
+The stage gives a constructor the keys it names of `STAGE_KEYS` (`model`: the run's `ModelConfig`, what a judge
+builds its VL model from); they are not set in the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from qie.errors import ConfigError, QieError
+
+STAGE_KEYS = ("model",)
+
+
+def reward_class(key: str, target: Any) -> type:
+    """The class `<key>._target_` names.
+
+    Raises:
+        ConfigError: no `_target_`, or no importable class at that dotted path.
+    """
+    if not target:
+        raise ConfigError(f"{key} has no _target_: set {key}._target_=pkg.module.Class (a qie.extend.Reward)")
+    module_name, _, class_name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name, None) if module_name else None
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {e}") from None
+    if not isinstance(cls, type):
+        raise ConfigError(f"{key}._target_={target!r} is not a class: expected a dotted path to a qie.extend.Reward")
+    return cls
+
+
+def rewards_problem(node: Any, path: str) -> str | None:
+    """Why the rewards of `node` (`path`: its dotted name) cannot be built as configured (one line), or None."""
+    if node is None:
+        return None
+    if not isinstance(node, DictConfig):
+        return f"{path} must map names to rewards ({{name: {{_target_: pkg.Cls, ...}}}}), got {node!r}"
+    for name, reward in node.items():
+        key = f"{path}.{name}"
+        if not isinstance(reward, DictConfig):
+            return f"{key} must be a mapping with _target_ (a qie.extend.Reward), got {reward!r}"
+        cls = reward_class(key, reward.get("_target_"))
+        params = inspect.signature(cls).parameters.values()
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            continue
+        for own in (k for k in reward.keys() if k != "_target_"):
+            if own not in named or own in STAGE_KEYS:
+                valid = ", ".join(sorted(named - set(STAGE_KEYS))) or "none"
+                return f"unknown key {key}.{own}: {reward['_target_']}'s parameters are {valid}"
+    return None
+
+
+def build_rewards(node: DictConfig, path: str, **stage: Any) -> dict[str, Any]:
+    """The rewards of `node`, by name, each built by `hydra.utils.instantiate` with its own keys and the `stage`
+    keys its constructor names (`STAGE_KEYS`).
+
+    Raises:
+        ConfigError: a reward that cannot be built or does not implement `qie.extend.Reward`; a reward's own
+            QieError as it is.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from qie.evaluation.reward import Reward
+
+    if problem := rewards_problem(node, path):
+        raise ConfigError(problem)
+    built = {}
+    for name, reward in node.items():
+        cls = reward_class(f"{path}.{name}", reward.get("_target_"))
+        named = inspect.signature(cls).parameters
+        args = {k: v for k, v in stage.items() if k in STAGE_KEYS and k in named}
+        own = OmegaConf.to_container(reward, resolve=True)
+        try:
+            obj = instantiate(own, _convert_="object", **args)
+        except InstantiationException as e:
+            if isinstance(e.__cause__, QieError):
+                raise e.__cause__ from None
+            raise ConfigError(f"{path}.{name} ({own['_target_']}) cannot be built: {e.__cause__ or e}") from None
+        if not isinstance(obj, Reward):
+            raise ConfigError(
+                f"{path}.{name}: {own['_target_']} is not a qie.extend.Reward: subclass it (its __call__(images, "
+                "controls, prompts) returns one score per image)"
+            )
+        built[str(name)] = obj
+    return built
+
+
+__all__ = ["STAGE_KEYS", "build_rewards", "reward_class", "rewards_problem"]
