@@ -1,6 +1,6 @@
 """The rewards an `eval.rewards` (or `validation.rewards`) node names, each `<name>: {_target_: pkg.Cls, ...}`:
-checked against the class's constructor when the config is composed (building nothing), and built by
-`hydra.utils.instantiate` where a stage needs them. A reward from outside qie is configured the same way.
+checked against the class's constructor when the config is composed (building nothing); built by
+`qie.evaluation.build.build_rewards` where a stage needs them. A reward from outside qie is configured the same way.
 
 The stage gives a constructor the keys it names of `STAGE_KEYS` (`model`: the run's `ModelConfig`, what a judge
 builds its VL model from); they are not set in the config.
@@ -12,9 +12,9 @@ import importlib
 import inspect
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from qie.errors import ConfigError, QieError
+from qie.errors import ConfigError
 
 STAGE_KEYS = ("model",)
 
@@ -59,40 +59,4 @@ def rewards_problem(node: Any, path: str) -> str | None:
     return None
 
 
-def build_rewards(node: DictConfig, path: str, **stage: Any) -> dict[str, Any]:
-    """The rewards of `node`, by name, each built by `hydra.utils.instantiate` with its own keys and the `stage`
-    keys its constructor names (`STAGE_KEYS`).
-
-    Raises:
-        ConfigError: a reward that cannot be built or does not implement `qie.extend.Reward`; a reward's own
-            QieError as it is.
-    """
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    from qie.evaluation.reward import Reward
-
-    if problem := rewards_problem(node, path):
-        raise ConfigError(problem)
-    built = {}
-    for name, reward in node.items():
-        cls = reward_class(f"{path}.{name}", reward.get("_target_"))
-        named = inspect.signature(cls).parameters
-        args = {k: v for k, v in stage.items() if k in STAGE_KEYS and k in named}
-        own = OmegaConf.to_container(reward, resolve=True)
-        try:
-            obj = instantiate(own, _convert_="object", **args)
-        except InstantiationException as e:
-            if isinstance(e.__cause__, QieError):
-                raise e.__cause__ from None
-            raise ConfigError(f"{path}.{name} ({own['_target_']}) cannot be built: {e.__cause__ or e}") from None
-        if not isinstance(obj, Reward):
-            raise ConfigError(
-                f"{path}.{name}: {own['_target_']} is not a qie.extend.Reward: subclass it (its __call__(images, "
-                "controls, prompts) returns one score per image)"
-            )
-        built[str(name)] = obj
-    return built
-
-
-__all__ = ["STAGE_KEYS", "build_rewards", "reward_class", "rewards_problem"]
+__all__ = ["STAGE_KEYS", "reward_class", "rewards_problem"]

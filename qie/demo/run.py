@@ -40,9 +40,9 @@ from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
 from qie.demo.builtin import data_kind
-from qie.demo.grid import captioned_grid
 from qie.demo.measure import by_position, frame_errors, layer_error, mean_of_all, pixel_error, vae_psnr
 from qie.demo.synthetic import composite, make_dataset
+from qie.evaluation.grid import captioned_grid
 from qie.models import ModelSpec
 from qie.sampling import SamplingOptions
 from qie.stages import infer, precompute, train

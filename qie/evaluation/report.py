@@ -11,7 +11,7 @@ from typing import Any
 
 from PIL import Image
 
-from qie.demo.grid import captioned_grid
+from qie.evaluation.grid import captioned_grid
 
 JSON_FILE = "eval.json"
 MARKDOWN_FILE = "eval.md"

@@ -26,13 +26,12 @@ from qie.config.data import DataConfig
 from qie.config.evaluation import EvalConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
-from qie.config.rewards import build_rewards
 from qie.data.categories import row_categories
 from qie.data.images import open_image
 from qie.data.samples import Sample
-from qie.demo.builtin import data_kind
 from qie.errors import ConfigError, check_writable
 from qie.evaluation import report as reports
+from qie.evaluation.build import build_rewards
 from qie.evaluation.reward import Reward, direction
 from qie.evaluation.scoring import Row, score_row, summarize
 from qie.models import ModelSpec
@@ -60,7 +59,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     model, data, e, p = typed(cfg.model), typed(cfg.data), typed(cfg.eval), typed(cfg.predict)
     spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
-    if data_kind(spec) == "layered":
+    if spec.family.outputs.demo_data(spec) == "layered":
         raise ConfigError(f"model {model.name!r} splits images into layers: the eval stage scores single edits")
     if not data.path:
         raise ConfigError("data.path is not set: point it at the held-out rows (a data set folder or manifest)")
