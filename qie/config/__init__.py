@@ -281,11 +281,13 @@ def _check_step_counts(cfg: DictConfig) -> None:
 
 def _check_rewards(cfg: DictConfig) -> None:
     """`eval.rewards` and `validation.rewards`: each a class its keys fit (`qie.config.rewards`), building nothing."""
-    from qie.config.rewards import rewards_problem
+    from qie.config.rewards import rewards_problem, search_problem
 
     for key in ("eval.rewards", "validation.rewards"):
         if problem := rewards_problem(OmegaConf.select(cfg, key, default=None), key):
             raise ConfigError(problem)
+    if problem := search_problem(cfg):
+        raise ConfigError(problem)
 
 
 def _backend_keys(cache: DictConfig) -> list[str]:

@@ -12,7 +12,7 @@ import importlib
 import inspect
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from qie.errors import ConfigError
 
@@ -59,4 +59,20 @@ def rewards_problem(node: Any, path: str) -> str | None:
     return None
 
 
-__all__ = ["STAGE_KEYS", "reward_class", "rewards_problem"]
+def search_problem(cfg: DictConfig) -> str | None:
+    """Why `validation.search_metric` cannot be searched on (one line), or None: it names a reward of
+    `validation.rewards`, measured by validation (`validation.every`) at the last step."""
+    name = OmegaConf.select(cfg, "validation.search_metric", default=None)
+    if name is None:
+        return None
+    rewards = list(OmegaConf.select(cfg, "validation.rewards", default=None) or {})
+    if name not in rewards:
+        return f"validation.search_metric={name} is not a reward of validation.rewards ({', '.join(rewards) or 'none'})"
+    every, steps = int(cfg.validation.every), int(cfg.train.max_steps)
+    if every <= 0 or steps % every:
+        return (f"validation.search_metric={name} is read from the last validation: set validation.every to a "
+                f"divisor of train.max_steps={steps} (now {every})")
+    return None
+
+
+__all__ = ["STAGE_KEYS", "reward_class", "rewards_problem", "search_problem"]

@@ -4,6 +4,7 @@ with its own keys (checked first, `qie.config.rewards`) and the stage's keys its
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -13,9 +14,9 @@ from qie.errors import ConfigError, QieError
 from qie.evaluation.reward import Reward
 
 
-def build_rewards(node: DictConfig, path: str, **stage: Any) -> dict[str, Any]:
-    """The rewards of `node`, by name, each built by `hydra.utils.instantiate` with its own keys and the `stage`
-    keys its constructor names (`STAGE_KEYS`).
+def build_rewards(node: Mapping[str, Any], path: str, **stage: Any) -> dict[str, Reward]:
+    """The rewards of `node` (a config node, or the plain mapping of a typed group), by name, each built by
+    `hydra.utils.instantiate` with its own keys and the `stage` keys its constructor names (`STAGE_KEYS`).
 
     Raises:
         ConfigError: a reward that cannot be built or does not implement `qie.extend.Reward`; a reward's own
@@ -24,6 +25,7 @@ def build_rewards(node: DictConfig, path: str, **stage: Any) -> dict[str, Any]:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    node = node if isinstance(node, DictConfig) else OmegaConf.create(dict(node))
     if problem := rewards_problem(node, path):
         raise ConfigError(problem)
     built = {}
