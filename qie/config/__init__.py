@@ -35,6 +35,7 @@ from qie.config.data import DataConfig
 from qie.config.evaluation import EvalRoot
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
+from qie.config.rewards import reward_settings_problem
 from qie.config.rules import objective_options, setting_problem, trains_lora
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.config.weights import weight_problem
@@ -251,7 +252,8 @@ def validate(cfg: DictConfig) -> None:
     if problem := weight_problem(cfg) or setting_problem(cfg, spec):
         raise ConfigError(problem)
     _check_objective(cfg, spec)
-    _check_rewards(cfg)
+    if problem := reward_settings_problem(cfg):  # eval.rewards, validation.rewards and search_metric
+        raise ConfigError(problem)
     if OmegaConf.select(cfg, "model.fp8_compute", default="auto") == "always" and (
         OmegaConf.select(cfg, "train.blocks_to_swap", default=0) or OmegaConf.select(cfg, "train.fsdp", default=False)
     ):
@@ -277,17 +279,6 @@ def _check_step_counts(cfg: DictConfig) -> None:
     for i, count in enumerate(counts):
         if count < 1:
             raise ConfigError(f"validation.step_counts[{i}]={count} is out of range: each count must be 1 or more")
-
-
-def _check_rewards(cfg: DictConfig) -> None:
-    """`eval.rewards` and `validation.rewards`: each a class its keys fit (`qie.config.rewards`), building nothing."""
-    from qie.config.rewards import rewards_problem, search_problem
-
-    for key in ("eval.rewards", "validation.rewards"):
-        if problem := rewards_problem(OmegaConf.select(cfg, key, default=None), key):
-            raise ConfigError(problem)
-    if problem := search_problem(cfg):
-        raise ConfigError(problem)
 
 
 def _backend_keys(cache: DictConfig) -> list[str]:

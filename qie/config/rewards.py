@@ -70,9 +70,19 @@ def search_problem(cfg: DictConfig) -> str | None:
         return f"validation.search_metric={name} is not a reward of validation.rewards ({', '.join(rewards) or 'none'})"
     every, steps = int(cfg.validation.every), int(cfg.train.max_steps)
     if every <= 0 or steps % every:
-        return (f"validation.search_metric={name} is read from the last validation: set validation.every to a "
-                f"divisor of train.max_steps={steps} (now {every})")
+        return (
+            f"validation.search_metric={name} is read from the last validation: set validation.every to a "
+            f"divisor of train.max_steps={steps} (now {every})"
+        )
     return None
 
 
-__all__ = ["STAGE_KEYS", "reward_class", "rewards_problem", "search_problem"]
+def reward_settings_problem(cfg: DictConfig) -> str | None:
+    """Why `eval.rewards`, `validation.rewards` or `validation.search_metric` cannot work (one line), or None."""
+    for key in ("eval.rewards", "validation.rewards"):
+        if problem := rewards_problem(OmegaConf.select(cfg, key, default=None), key):
+            return problem
+    return search_problem(cfg)
+
+
+__all__ = ["STAGE_KEYS", "reward_class", "reward_settings_problem", "rewards_problem", "search_problem"]

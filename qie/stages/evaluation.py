@@ -72,8 +72,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     out = resolve_output(e.output_dir, Path(run_dir))
     check_writable(out, "eval.output_dir")
     source = build_source(source_settings(model, data, cache, spec), spec, build_backend(cfg.cache))
-    options = sampling_options(p).resolved(spec.call_defaults())
-    edits = generate(model, p, spec, (source, samples), runs, options, [int(s) for s in e.seeds])
+    options = eval_options(p, spec)
+    edits = generate(model, p, spec, (source, samples), runs, [int(s) for s in e.seeds])
     categories = row_categories(data.path, samples)
     rows = [
         reference_row(s, edits[next(iter(runs))][0][i].size, spec, categories.get(s.id)) for i, s in enumerate(samples)
@@ -148,12 +148,12 @@ def generate(
     spec: ModelSpec,
     held: tuple[Any, list[Sample]],
     runs: dict[str, Path | None],
-    options: SamplingOptions,
     seeds: list[int],
 ) -> dict:
     """Run name -> per seed, each row's edit (its first image). `held`: the embedding source and the rows. The base
     model samples first, then each LoRA loaded in turn; the transformer is freed afterwards."""
     source, samples = held
+    options = eval_options(predict, spec)
     inputs, negatives = validation_inputs(source, samples, options.negative_prompt)
     devices = {"transformer": predict.devices.transformer, "vae": predict.devices.vae}
     parts = load_parts(
@@ -182,6 +182,11 @@ def generate(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return edits
+
+
+def eval_options(predict: PredictConfig, spec: ModelSpec) -> SamplingOptions:
+    """The sampling options of the `predict` group, the model's defaults where it leaves them None."""
+    return sampling_options(predict).resolved(spec.call_defaults())
 
 
 def reference_row(sample: Sample, size: tuple[int, int], spec: ModelSpec, category: str | None) -> Row:
