@@ -220,3 +220,12 @@ def test_the_cli_names_a_missing_lora_in_one_line(tmp_path: Path, rows: Path) ->
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("qie: error: ") and str(missing) in line
+
+
+def test_the_demo_preset_composes_for_eval() -> None:
+    """The guide's `python -m qie.eval experiment=demo ...`: the demo's model and sampling settings."""
+    from qie.config import compose
+
+    cfg = compose("eval", ["experiment=demo"])
+    assert (cfg.model.name, cfg.predict.num_inference_steps, cfg.predict.true_cfg_scale) == ("tiny_demo", 20, 1.0)
+    assert cfg.cache.mode == "lazy" and list(cfg.eval.loras) == ["none"]
