@@ -127,16 +127,16 @@ def heldout_rows(data: DataConfig, cache_dir: str | None, rewards: dict[str, Rew
     skipped = [f"{d.id}: {d.reason}" for d in dataset.problems]
     for line in skipped:
         print(f"eval: skipped {line}")
-    for need, lacks in (
-        ("target", lambda s: s.target is None),
-        ("mask", lambda s: s.target is None and s.mask is None),
+    for need, lacks, what in (
+        ("target", lambda s: s.target is None, "no target"),
+        ("mask", lambda s: s.target is None and s.mask is None, "neither a target nor a mask"),  # the edit region's
     ):
         users = [name for name, r in rewards.items() if need in r.needs]
         missing = [s for s in dataset.samples if lacks(s)]
         if users and missing:
             names = " ".join(f"~eval.rewards.{n}" for n in users)
             raise ConfigError(
-                f"{len(missing)} row(s) of {data.path} have no target (first: {missing[0].id!r}), which "
+                f"{len(missing)} row(s) of {data.path} have {what} (first: {missing[0].id!r}), which "
                 f"eval.rewards.{users[0]} compares with: give them targets, or drop those metrics ({names})"
             )
     return dataset.samples, skipped
