@@ -136,7 +136,7 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     """Build the config the CLI of `stage` would build, with the same overrides syntax.
 
     Args:
-        stage: one of "precompute", "train", "infer", "cache", "demo", "plan".
+        stage: one of `STAGES` ("precompute", "train", "infer", "cache", "demo", "plan", "caption", "eval").
         overrides: Hydra overrides such as ["model=tiny", "train.max_steps=10"].
 
     Returns:
