@@ -145,9 +145,10 @@ class SweepSummary(Callback):
 
 
 def search_value(result: Any) -> float | None:
-    """What the train entry point returns to a Hydra sweeper: the job's held-out loss (`heldout_loss`), or None
-    for a job that failed with a user error (the Optuna sweeper counts it as a failed trial and goes on)."""
-    value = result.get("heldout_loss") if isinstance(result, dict) else None
+    """What the train entry point returns to a Hydra sweeper: the job's `search_value` (`validation.search_metric`'s
+    last value, negated where higher is better) or else its held-out loss (`heldout_loss`); None for a job that
+    failed with a user error (the Optuna sweeper counts it as a failed trial and goes on). Lower is better."""
+    value = result.get("search_value", result.get("heldout_loss")) if isinstance(result, dict) else None
     return float(value) if value is not None else None
 
 

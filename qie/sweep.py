@@ -14,10 +14,11 @@ import yaml
 SUMMARY_MD = "sweep_summary.md"
 SUMMARY_JSON = "sweep_summary.json"
 # What a job leaves in its folder: a user error (written by qie.cli), the train stage's result, validation's
-# metrics (named here to keep this module free of the stages' imports).
+# metrics and rewards (named here to keep this module free of the stages' imports).
 ERROR_FILE = "error.txt"
 TRAIN_RESULT = "train_result.json"
 VALIDATION_METRICS = Path("validation") / "metrics.jsonl"
+VALIDATION_REWARDS = Path("validation") / "rewards.jsonl"
 
 
 def job_record(folder: Path) -> dict[str, Any]:
@@ -34,23 +35,27 @@ def job_record(folder: Path) -> dict[str, Any]:
         record["status"] = "ok" if any(folder.glob("*_summary.json")) else "no result"
     if result is not None:
         record["step"], record["loss"] = result.get("step"), result.get("loss")
-        if "heldout_loss" in result:
-            record["heldout_loss"] = result["heldout_loss"]
-    validation = _last_line(folder / VALIDATION_METRICS)
-    if validation:
-        record["validation"] = validation.get("mean", {})
+        for key in ("heldout_loss", "search_metric", "search_value"):
+            if key in result:
+                record[key] = result[key]
+    for path in (VALIDATION_METRICS, VALIDATION_REWARDS):  # the edit metrics, then `validation.rewards`
+        validation = _last_line(folder / path)
+        if validation:
+            record.setdefault("validation", {}).update(validation.get("mean", {}))
     return record
 
 
 def summarize(sweep: Path, folders: list[Path]) -> dict[str, Any]:
-    """The summary of the jobs in `folders`: the overrides all share, each job's record and, among the jobs with
-    a held-out loss, the lowest."""
+    """The summary of the jobs in `folders`: the overrides all share, each job's record and the best job: the lowest
+    `search_value` (`validation.search_metric`) or, without one, the lowest held-out loss."""
     jobs = [job_record(f) for f in sorted(folders, key=_job_order)]
     common = set.intersection(*(set(j["overrides"]) for j in jobs)) if jobs else set()
     for job in jobs:
         job["varied"] = [o for o in job["overrides"] if o not in common]
-    measured = [j for j in jobs if _number(j.get("heldout_loss")) is not None]
-    best = min(measured, key=lambda j: j["heldout_loss"])["job"] if measured else None
+    # What the sweeper minimised: `validation.search_metric`'s value where the jobs have one, else the held-out loss.
+    key = "search_value" if any(_number(j.get("search_value")) is not None for j in jobs) else "heldout_loss"
+    measured = [j for j in jobs if _number(j.get(key)) is not None]
+    best = min(measured, key=lambda j: j[key])["job"] if measured else None
     failed = [j["job"] for j in jobs if j["status"] in ("failed", "no result")]
     return {"sweep": str(sweep), "common_overrides": sorted(common), "jobs": jobs, "best": best, "failed": failed}
 

@@ -33,8 +33,8 @@ from PIL import Image
 
 from qie.components import prepare_model
 from qie.config import compose, typed
-from qie.demo.grid import captioned_grid
 from qie.demo.synthetic import make_dataset
+from qie.evaluation.grid import captioned_grid
 from qie.stages import precompute, train
 from qie.stages.infer import Predictor, build_predictor
 

@@ -32,6 +32,7 @@ ROOT_SECTIONS = {
     "infer": ("model", "data", "predict"),
     "cache": (),
     "caption": ("model", "data"),
+    "eval": ("model", "data", "predict"),
 }
 
 

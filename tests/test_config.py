@@ -20,6 +20,7 @@ ROOT_GROUPS = {
     "cache": ["cache"],
     "plan": ["model", "data", "train", "train/optimizer"],
     "caption": ["model", "data", "cache", "caption"],
+    "eval": ["model", "data", "cache", "predict"],
 }
 
 

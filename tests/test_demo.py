@@ -15,9 +15,10 @@ from PIL import Image
 from safetensors import safe_open
 
 from qie.config import compose
-from qie.demo import grid, synthetic
+from qie.demo import synthetic
 from qie.demo.measure import layer_error
 from qie.demo.run import COLUMNS, GRID_TAG, TILE, run
+from qie.evaluation import grid
 
 HELDOUT = 3
 STEPS = 300

@@ -158,7 +158,7 @@ def test_the_benchmarks_picture_shows_each_edit_beside_base_distilled_and_teache
     seed (the images are listed edit by edit, `seeds` each)."""
     from test_bench_scripts import script
 
-    from qie.demo.grid import CAPTION_HEIGHT, TITLE_HEIGHT
+    from qie.evaluation.grid import CAPTION_HEIGHT, TITLE_HEIGHT
 
     controls = []
     for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):

@@ -39,6 +39,15 @@ def test_the_cache_loads_no_model_library_config_or_data_code() -> None:
     assert _loaded("qie.cache", libs, ("qie.data", "qie.stages", "qie.encode", "qie.config")) == []
 
 
+@pytest.mark.subprocess
+def test_the_plugin_surface_loads_torch_alone() -> None:
+    """`qie.extend` (the reward protocol a plug-in or an RL objective imports) loads no model library, no config and
+    no stage."""
+    libs = ("hydra", "omegaconf", "diffusers", "transformers", "peft")
+    loaded = _loaded("qie.extend", libs, ("qie.",))
+    assert loaded == ["qie.conf", "qie.evaluation", "qie.evaluation.reward", "qie.extend"]
+
+
 def _package(module: str) -> str:
     """The package a qie module belongs to (`qie.cache.ssd` -> `cache`); top-level modules stand alone."""
     parts = module.split(".")
@@ -87,6 +96,6 @@ def test_packages_import_each_other_without_cycles() -> None:
 
 
 def test_nothing_imports_an_entry_point() -> None:
-    entry_points = {"train", "precompute", "infer"}
+    entry_points = {"train", "precompute", "infer", "eval"}
     graph = _imports()
     assert sorted(p for p, targets in graph.items() if targets & entry_points) == []

@@ -26,63 +26,28 @@ from qie.config.cache import (
     CacheAction,
     CacheConfig,
     GcConfig,
-    PrecomputeConfig,
     SyncConfig,
     VerifyConfig,
 )
 from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
+from qie.config.evaluation import EvalRoot
 from qie.config.export import ExportRoot, ExtractRoot
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
+from qie.config.rewards import reward_settings_problem
+from qie.config.roots import DemoRoot, PrecomputeRoot, TrainRoot
 from qie.config.rules import objective_options, setting_problem, trains_lora
-from qie.config.train import LoggingConfig, RunConfig, TrainConfig, ValidationConfig
+from qie.config.train import TrainConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption", "export", "extract_lora")
+STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption", "export", "extract_lora", "eval")
 
 
 def qie_home() -> Path:
     """Folder for qie's own files (tiny models, default cache): `$QIE_HOME` or `~/.cache/qie`."""
     return Path(os.environ.get("QIE_HOME") or Path.home() / ".cache" / "qie")
-
-
-@dataclass
-class TrainRoot:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    predict: PredictConfig = field(default_factory=PredictConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-
-
-@dataclass
-class PrecomputeRoot(TrainRoot):
-    """The training run's groups too: an experiment preset composes here as it does for training, and the
-    teacher outputs of a distillation run (`precompute.teachers=true`) are computed with its `train.*` settings."""
-
-    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
-
-
-@dataclass
-class DemoConfig:
-    train_samples: int = 256
-    heldout_samples: int = 8
-    image_size: int = 64
-    seed: int = 0
-    # torch's intra-op threads while the demo runs (0: torch's default). The tiny model's matrices are too
-    # small to gain from several; where other jobs share the cores, threads that wait on each other made a
-    # training step 10-20x slower than one thread alone.
-    threads: int = 1
-
-
-@dataclass
-class DemoRoot(TrainRoot):
-    demo: DemoConfig = field(default_factory=DemoConfig)
 
 
 @dataclass
@@ -136,7 +101,7 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     """Build the config the CLI of `stage` would build, with the same overrides syntax.
 
     Args:
-        stage: one of "precompute", "train", "infer", "cache", "demo", "plan".
+        stage: one of `STAGES` ("precompute", "train", "infer", "cache", "demo", "plan", "caption", "eval").
         overrides: Hydra overrides such as ["model=tiny", "train.max_steps=10"].
 
     Returns:
@@ -176,6 +141,7 @@ ROOTS = {
     "caption": CaptionRoot,
     "export": ExportRoot,
     "extract_lora": ExtractRoot,
+    "eval": EvalRoot,
 }
 
 
@@ -253,6 +219,8 @@ def validate(cfg: DictConfig) -> None:
     if problem := weight_problem(cfg) or setting_problem(cfg, spec):
         raise ConfigError(problem)
     _check_objective(cfg, spec)
+    if problem := reward_settings_problem(cfg):  # eval.rewards, validation.rewards and search_metric
+        raise ConfigError(problem)
     if OmegaConf.select(cfg, "model.fp8_compute", default="auto") == "always" and (
         OmegaConf.select(cfg, "train.blocks_to_swap", default=0) or OmegaConf.select(cfg, "train.fsdp", default=False)
     ):

@@ -228,3 +228,10 @@ class ValidationConfig:
     true_cfg_scale: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None
+    # Rewards (as `eval.rewards`: name -> {_target_: a qie.extend.Reward, its keys}) measured on the validation
+    # samples' images at each validation, which are then the held-out rows (`heldout_samples`) where there are
+    # some and no `prompts`; logged as validation/<name> and to validation/rewards.jsonl.
+    rewards: dict[str, Any] = field(default_factory=dict)
+    # The reward whose last validation the train stage returns to a sweeper (`hydra/sweeper=optuna` minimises it;
+    # a higher-is-better one negated), instead of the held-out loss.
+    search_metric: str | None = None

@@ -34,16 +34,17 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from qie.components import prepare_model
-from qie.config import DemoConfig, for_stage, typed, updated
+from qie.config import for_stage, typed, updated
 from qie.config.backend import build_backend
+from qie.config.roots import DemoConfig
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
 from qie.demo.builtin import data_kind
-from qie.demo.grid import captioned_grid
 from qie.demo.measure import by_position, frame_errors, layer_error, mean_of_all, pixel_error, vae_psnr
 from qie.demo.share import export_demo
 from qie.demo.synthetic import composite, make_dataset
+from qie.evaluation.grid import captioned_grid
 from qie.models import ModelSpec
 from qie.sampling import SamplingOptions
 from qie.stages import infer, precompute, train

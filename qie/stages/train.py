@@ -44,7 +44,7 @@ from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
-from qie.stages.train_hooks import step_hooks
+from qie.stages.train_hooks import search_result, step_hooks
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
@@ -160,7 +160,7 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
     loader = make_loader(dataset, sampler, workers, int(train.seed), prefetch, parallel)
     logger = MetricsLogger(run_dir, str(s.logging.report_to), accelerator.is_main_process, s.run_config,
                            resume_step=state.start_step if train.resume else None)  # fmt: skip
-    hooks = step_hooks(s, state, source, samples + reg, scheduler, logger, on_step_end, run_dir, ema)
+    hooks = step_hooks(s, state, source, (samples + reg, heldout), scheduler, logger, on_step_end, run_dir, ema)
     if heldout and int(s.validation.every) > 0:
         hooks.append(heldout_hook(state, source, heldout, objective, logger, int(s.validation.every), negatives))
     if reg:
@@ -172,6 +172,7 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
         result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
                      on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
         measure_heldout(result, state, source, heldout, objective, logger, negatives)
+        result.update(search_result(s.validation, run_dir))
     except Interrupted as e:  # a second stop signal: name what is kept, now that an unfinished save is removed
         raise Interrupted(ckpt.kept_after_interrupt(run_dir, resume_from), e.signum) from None
     finally:

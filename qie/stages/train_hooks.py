@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,13 +13,17 @@ from qie.training.ema import Ema
 from qie.training.logging import ImageLogger
 from qie.training.loop import StepInfo, TrainState
 
+REWARDS_FILE = "rewards.jsonl"  # in the validation folder: the rewards' means at each validation
+
 if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
 
 
-def step_hooks(s: TrainSetup, state: TrainState, source: Any, samples: list, scheduler: Any, logger, extra,
+def step_hooks(s: TrainSetup, state: TrainState, source: Any, data: tuple[list, list], scheduler: Any, logger, extra,
                run_dir: Path, ema: Ema | None = None) -> list:  # fmt: skip
-    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
+    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`.
+    `data`: the samples trained on, and the held-out ones."""
+    samples, heldout = data
     hooks = [lambda info: ema.update(info.step)] if ema is not None else []
     log = s.logging
     if log.log_images:
@@ -27,16 +32,17 @@ def step_hooks(s: TrainSetup, state: TrainState, source: Any, samples: list, sch
         hooks.append(lambda info: images(info.step, info.batch))
     if int(s.validation.every) > 0 and state.accelerator.is_main_process:
         use_ema = ema if s.validation.use_ema else None
-        hooks.append(_validation_hook(s, state, source, samples, scheduler, logger, run_dir, use_ema))
+        hooks.append(_validation_hook(s, state, source, (samples, heldout), scheduler, logger, run_dir, use_ema))
     if extra is not None:
         hooks.append(extra)
     return hooks
 
 
-def _validation_hook(s: TrainSetup, state: TrainState, source: Any, samples: list, scheduler: Any, logger,
-                     run_dir: Path, ema: Ema | None = None):  # fmt: skip
+def _validation_hook(s: TrainSetup, state: TrainState, source: Any, data: tuple[list, list], scheduler: Any,
+                     logger, run_dir: Path, ema: Ema | None = None):  # fmt: skip
     """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`;
-    with `validation.step_counts`, `run_dir/validation/steps-N` per count), measure and log them.
+    with `validation.step_counts`, `run_dir/validation/steps-N` per count), measure and log them; with
+    `validation.rewards`, score the first count's images (`RewardLog`), on the held-out rows where there are some.
 
     Builds the VAE (its decoder decodes the samples); the inputs come through the run's source.
     """
@@ -50,7 +56,10 @@ def _validation_hook(s: TrainSetup, state: TrainState, source: Any, samples: lis
         num_inference_steps=v.num_inference_steps, seed=v.seed,
     )  # fmt: skip
     vae_parts = load_parts(s.model, ["vae"], {"vae": str(accelerator.device)}, spec)
+    samples, heldout = data
     chosen = validation_samples(v, samples, int(s.logging.log_images_count))
+    if v.rewards and heldout and not v.prompts:  # rewards measure rows kept out of training
+        chosen = heldout
     inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
     references, out = validation_references(chosen, spec), run_dir / "validation"
 
@@ -61,12 +70,61 @@ def _validation_hook(s: TrainSetup, state: TrainState, source: Any, samples: lis
     counts = [int(n) for n in v.step_counts or []]
     validators = [validator(replace(options, num_inference_steps=n), f"steps-{n}") for n in counts]
     validators = validators or [validator(options, "")]
-    every = int(v.every)
+    every, scoring = int(v.every), RewardLog(s, chosen, out) if v.rewards else None
 
     def hook(info: StepInfo) -> None:
         if info.step % every == 0:
             with ema.applied() if ema is not None else contextlib.nullcontext():  # sample with the average
-                for validator in validators:
-                    validator(info.step, accelerator.unwrap_model(state.model))
+                for n, validator in enumerate(validators):
+                    images = validator(info.step, accelerator.unwrap_model(state.model))
+                    if n == 0 and scoring is not None:
+                        scoring(info.step, images[:: max(1, options.num_images)], logger)
 
     return hook
+
+
+class RewardLog:
+    """Scores validation images with `validation.rewards` (each input's first image against its sample's target and
+    edit region, as the eval stage scores); logs the means as validation/<name> and appends them (with each reward's
+    direction) to `<folder>/rewards.jsonl`."""
+
+    def __init__(self, s: TrainSetup, samples: list, folder: Path) -> None:
+        from qie.evaluation.build import build_rewards
+
+        self.rewards = build_rewards(s.validation.rewards, "validation.rewards", model=s.model)
+        self.samples, self.spec, self.file = samples, s.spec, folder / REWARDS_FILE
+
+    def __call__(self, step: int, images: list, logger) -> dict[str, float | None]:
+        from qie.evaluation.reward import direction
+        from qie.evaluation.scoring import mean, score_row
+        from qie.stages.evaluation import reference_row
+        from qie.training.image_metrics import to_tensor
+
+        scores = []
+        for sample, image in zip(self.samples, images):
+            row = reference_row(sample, image.size, self.spec, None)
+            scores.append(score_row(self.rewards, to_tensor(image).float(), row))
+        means = {name: mean([score[name] for score in scores]) for name in self.rewards}
+        logger.log_scalars({f"validation/{k}": v for k, v in means.items() if v is not None}, step)
+        directions = {name: direction(reward) for name, reward in self.rewards.items()}
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "mean": means, "directions": directions}) + "\n")
+        return means
+
+
+def search_result(validation: Any, run_dir: Path) -> dict[str, Any]:
+    """What the train stage adds to its result for `validation.search_metric`: the metric's name, its last
+    validation's value (`validation_<name>`) and `search_value`, what a sweeper minimises (a higher-is-better
+    metric negated); {} without one, or on a process that did not validate."""
+    name = validation.search_metric
+    path = run_dir / "validation" / REWARDS_FILE
+    if name is None or not path.is_file():
+        return {}
+    lines = path.read_text(encoding="utf-8").strip().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    value = last.get("mean", {}).get(name)
+    if value is None:
+        return {"search_metric": name}
+    sign = 1 if last["directions"][name] == "lower" else -1
+    return {"search_metric": name, f"validation_{name}": value, "search_value": sign * value}

@@ -1,5 +1,5 @@
-"""The demo's picture: rows of equal tiles, a title over each column, a caption under each row. Transparent
-pixels (RGBA tiles: layers, alpha outputs) show a grey checkerboard."""
+"""A picture of images side by side (the demo's, the eval stage's): rows of equal tiles, a title over each column, a
+caption under each row. Transparent pixels (RGBA tiles: layers, alpha outputs) show a grey checkerboard."""
 
 from __future__ import annotations
 

@@ -1,0 +1,88 @@
+"""The rewards an `eval.rewards` (or `validation.rewards`) node names, each `<name>: {_target_: pkg.Cls, ...}`:
+checked against the class's constructor when the config is composed (building nothing); built by
+`qie.evaluation.build.build_rewards` where a stage needs them. A reward from outside qie is configured the same way.
+
+The stage gives a constructor the keys it names of `STAGE_KEYS` (`model`: the run's `ModelConfig`, what a judge
+builds its VL model from); they are not set in the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from qie.errors import ConfigError
+
+STAGE_KEYS = ("model",)
+
+
+def reward_class(key: str, target: Any) -> type:
+    """The class `<key>._target_` names.
+
+    Raises:
+        ConfigError: no `_target_`, or no importable class at that dotted path.
+    """
+    if not target:
+        raise ConfigError(f"{key} has no _target_: set {key}._target_=pkg.module.Class (a qie.extend.Reward)")
+    module_name, _, class_name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name, None) if module_name else None
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {e}") from None
+    if not isinstance(cls, type):
+        raise ConfigError(f"{key}._target_={target!r} is not a class: expected a dotted path to a qie.extend.Reward")
+    return cls
+
+
+def rewards_problem(node: Any, path: str) -> str | None:
+    """Why the rewards of `node` (`path`: its dotted name) cannot be built as configured (one line), or None."""
+    if node is None:
+        return None
+    if not isinstance(node, DictConfig):
+        return f"{path} must map names to rewards ({{name: {{_target_: pkg.Cls, ...}}}}), got {node!r}"
+    for name, reward in node.items():
+        key = f"{path}.{name}"
+        if not isinstance(reward, DictConfig):
+            return f"{key} must be a mapping with _target_ (a qie.extend.Reward), got {reward!r}"
+        cls = reward_class(key, reward.get("_target_"))
+        params = inspect.signature(cls).parameters.values()
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            continue
+        for own in (k for k in reward.keys() if k != "_target_"):
+            if own not in named or own in STAGE_KEYS:
+                valid = ", ".join(sorted(named - set(STAGE_KEYS))) or "none"
+                return f"unknown key {key}.{own}: {reward['_target_']}'s parameters are {valid}"
+    return None
+
+
+def search_problem(cfg: DictConfig) -> str | None:
+    """Why `validation.search_metric` cannot be searched on (one line), or None: it names a reward of
+    `validation.rewards`, measured by validation (`validation.every`) at the last step."""
+    name = OmegaConf.select(cfg, "validation.search_metric", default=None)
+    if name is None:
+        return None
+    rewards = list(OmegaConf.select(cfg, "validation.rewards", default=None) or {})
+    if name not in rewards:
+        return f"validation.search_metric={name} is not a reward of validation.rewards ({', '.join(rewards) or 'none'})"
+    every, steps = int(cfg.validation.every), int(cfg.train.max_steps)
+    if every <= 0 or steps % every:
+        return (
+            f"validation.search_metric={name} is read from the last validation: set validation.every to a "
+            f"divisor of train.max_steps={steps} (now {every})"
+        )
+    return None
+
+
+def reward_settings_problem(cfg: DictConfig) -> str | None:
+    """Why `eval.rewards`, `validation.rewards` or `validation.search_metric` cannot work (one line), or None."""
+    for key in ("eval.rewards", "validation.rewards"):
+        if problem := rewards_problem(OmegaConf.select(cfg, key, default=None), key):
+            return problem
+    return search_problem(cfg)
+
+
+__all__ = ["STAGE_KEYS", "reward_class", "reward_settings_problem", "rewards_problem", "search_problem"]

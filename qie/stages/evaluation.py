@@ -1,0 +1,238 @@
+"""The eval stage (`python -m qie.eval`): edit each held-out row with the base model and with each LoRA of
+`eval.loras`, at the seeds of `eval.seeds` and the model's sampling settings (the `predict` group), score the edits
+with every reward of `eval.rewards`, and write eval.json, eval.md and eval.png.
+
+The rows are encoded through the run's embedding source, as validation's are: entries the cache holds are read
+(no encoder is built for them); `cache.mode=lazy` (the stage's default) encodes the others once and writes them. The
+edits are sampled by validation's code (`qie.training.validation.Validator`: the sampler inference runs), row i
+at seed + i. The transformer is freed before the rewards are built: a judge's VL model is not in memory beside it.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from PIL import Image
+
+from qie.components import load_parts, prepare_model
+from qie.config import typed, validate
+from qie.config.backend import build_backend
+from qie.config.data import DataConfig
+from qie.config.evaluation import EvalConfig
+from qie.config.model import ModelConfig
+from qie.config.predict import PredictConfig
+from qie.data.categories import row_categories
+from qie.data.images import open_image
+from qie.data.samples import Sample
+from qie.errors import ConfigError, check_writable
+from qie.evaluation import report as reports
+from qie.evaluation.build import build_rewards
+from qie.evaluation.reward import Reward, direction
+from qie.evaluation.scoring import Row, score_row, summarize
+from qie.models import ModelSpec
+from qie.sampling import SamplingOptions
+from qie.stages.datasets import read_data
+from qie.stages.infer import resolve_output
+from qie.stages.settings import data_source, fused_base, sampling_options, source_settings
+from qie.stages.sources import build_source
+from qie.stages.validation import validation_inputs
+from qie.training.fused_base import check_lora_base
+from qie.training.image_metrics import edit_region, to_tensor
+from qie.training.lora import load_lora, lora_file
+from qie.training.validation import Validator
+
+BASE = "base"
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict:
+    """Evaluate as `cfg` says; returns the report also written to eval.json.
+
+    Raises:
+        QieError subclasses naming the key, file or row at fault (before any model is built where the config or
+        the data says it).
+    """
+    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
+    model, data, e, p = typed(cfg.model), typed(cfg.data), typed(cfg.eval), typed(cfg.predict)
+    spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
+    if spec.family.outputs.demo_data(spec) == "layered":
+        raise ConfigError(f"model {model.name!r} splits images into layers: the eval stage scores single edits")
+    if not data.path:
+        raise ConfigError("data.path is not set: point it at the held-out rows (a data set folder or manifest)")
+    if not cfg.eval.rewards:
+        raise ConfigError("eval.rewards is empty: name at least one metric (see conf/eval.yaml)")
+    runs = lora_runs(e.loras, model, p, spec)
+    rewards = build_rewards(cfg.eval.rewards, "eval.rewards", model=model)
+    cache = typed(cfg.cache)
+    samples, skipped = heldout_rows(data, cache.dir, rewards)
+    out = resolve_output(e.output_dir, Path(run_dir))
+    check_writable(out, "eval.output_dir")
+    source = build_source(source_settings(model, data, cache, spec), spec, build_backend(cfg.cache))
+    options = eval_options(p, spec)
+    edits = generate(model, p, spec, (source, samples), runs, [int(s) for s in e.seeds])
+    categories = row_categories(data.path, samples)
+    rows = [
+        reference_row(s, edits[next(iter(runs))][0][i].size, spec, categories.get(s.id)) for i, s in enumerate(samples)
+    ]
+    report = {
+        "data": {"path": str(data.path), "rows": len(samples), "skipped": skipped},
+        "seeds": [int(s) for s in e.seeds],
+        "sampling": asdict(options),
+        "directions": {name: direction(r) for name, r in rewards.items()},
+        "rewards": {name: describe(cfg.eval.rewards[name], r) for name, r in rewards.items()},
+        "runs": {
+            name: {"lora": None if lora is None else str(lora), **score_run(rewards, rows, edits[name], e.seeds)}
+            for name, lora in runs.items()
+        },
+    }
+    write_outputs(report, rows, edits, samples, e, out)
+    return report
+
+
+def lora_runs(loras: list[str], model: ModelConfig, predict: PredictConfig, spec: ModelSpec) -> dict[str, Path | None]:
+    """Run name -> LoRA file (None: the base model), in the order of `eval.loras`; a LoRA's name is its file's stem
+    (with its folder's name where two stems are the same).
+
+    Raises:
+        ConfigError: no runs, a LoRA trained on another fused base (unless `predict.allow_other_base`);
+        ModelLoadError: a LoRA file that does not exist.
+    """
+    if not loras:
+        raise ConfigError("eval.loras is empty: list the runs, e.g. 'eval.loras=[none,lora.safetensors]'")
+    base, runs = fused_base(model, spec), {}
+    for entry in loras:
+        if str(entry).lower() in ("none", "base"):
+            runs[BASE] = None
+            continue
+        file = lora_file(entry)
+        if warning := check_lora_base(file, base, bool(predict.allow_other_base)):
+            print(f"eval: warning: {warning}")
+        name = file.stem if file.stem not in runs else f"{file.parent.name}_{file.stem}"
+        runs[name] = file
+    return runs
+
+
+def heldout_rows(data: DataConfig, cache_dir: str | None, rewards: dict[str, Reward]) -> tuple[list[Sample], list]:
+    """The rows of `data.path` (targets optional) and the rows skipped ("id: why").
+
+    Raises:
+        ConfigError: rows without a target (or, for a reward that needs the edit region, without a target or a
+            mask) while such a reward is configured, naming the first row and the rewards.
+    """
+    dataset = read_data(data_source(data, cache_dir), require_target=False)
+    skipped = [f"{d.id}: {d.reason}" for d in dataset.problems]
+    for line in skipped:
+        print(f"eval: skipped {line}")
+    for need, lacks, what in (
+        ("target", lambda s: s.target is None, "no target"),
+        ("mask", lambda s: s.target is None and s.mask is None, "neither a target nor a mask"),  # the edit region's
+    ):
+        users = [name for name, r in rewards.items() if need in r.needs]
+        missing = [s for s in dataset.samples if lacks(s)]
+        if users and missing:
+            names = " ".join(f"~eval.rewards.{n}" for n in users)
+            raise ConfigError(
+                f"{len(missing)} row(s) of {data.path} have {what} (first: {missing[0].id!r}), which "
+                f"eval.rewards.{users[0]} compares with: give them targets, or drop those metrics ({names})"
+            )
+    return dataset.samples, skipped
+
+
+def generate(
+    model: ModelConfig,
+    predict: PredictConfig,
+    spec: ModelSpec,
+    held: tuple[Any, list[Sample]],
+    runs: dict[str, Path | None],
+    seeds: list[int],
+) -> dict:
+    """Run name -> per seed, each row's edit (its first image). `held`: the embedding source and the rows. The base
+    model samples first, then each LoRA loaded in turn; the transformer is freed afterwards."""
+    source, samples = held
+    options = eval_options(predict, spec)
+    inputs, negatives = validation_inputs(source, samples, options.negative_prompt)
+    devices = {"transformer": predict.devices.transformer, "vae": predict.devices.vae}
+    parts = load_parts(
+        model, ["transformer", "scheduler", "vae"], devices, spec, False, fused_base(model, spec).fuse_into
+    )
+    edits = {}
+    for name in sorted(runs, key=lambda n: runs[n] is not None):  # the base model before any LoRA is loaded
+        if runs[name] is not None:
+            load_lora(parts.transformer, runs[name], float(predict.lora_scale))
+        edits[name] = []
+        for seed in seeds:
+            validator = Validator(
+                inputs,
+                negatives,
+                parts.scheduler,
+                parts.vae,
+                None,
+                replace(options, seed=seed),
+                spec,
+                pipeline_config=parts.pipeline_config,
+            )
+            edits[name].append([images[0] for images in validator.sample(parts.transformer)])
+        print(f"eval: {name}: edited {len(samples)} row(s) at {len(seeds)} seed(s)")
+    del parts
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return edits
+
+
+def eval_options(predict: PredictConfig, spec: ModelSpec) -> SamplingOptions:
+    """The sampling options of the `predict` group, the model's defaults where it leaves them None."""
+    return sampling_options(predict).resolved(spec.call_defaults())
+
+
+def reference_row(sample: Sample, size: tuple[int, int], spec: ModelSpec, category: str | None) -> Row:
+    """What a row's edits (of `size`, width x height) are scored against: its controls, its target at that size
+    and its edit region (the row's mask, else where target and the control the output follows differ)."""
+    controls = [to_tensor(open_image(c)).float() for c in sample.controls]
+    target = to_tensor(open_image(sample.target), size).float() if sample.target is not None else None
+    if sample.mask is not None:
+        region = to_tensor(open_image(sample.mask), size)[0] > 0.5
+    elif target is not None and sample.controls:
+        region = edit_region(target.double(), to_tensor(open_image(sample.controls[spec.output_image or 0]), size))
+    else:
+        region = None
+    return Row(sample.id, sample.prompt, category, controls, target, region)
+
+
+def score_run(rewards: dict[str, Reward], rows: list[Row], edits: list[list[Image.Image]], seeds: list[int]) -> dict:
+    """A run's `metrics`, `categories` and `samples` (`qie.evaluation.scoring.summarize`)."""
+    scores = [
+        [score_row(rewards, to_tensor(image).float(), row) for image, row in zip(images, rows)] for images in edits
+    ]
+    return summarize(rows, scores, [int(s) for s in seeds], list(rewards))
+
+
+def describe(node: DictConfig, reward: Reward) -> dict[str, Any]:
+    """What eval.json records of a reward: its class, which way is better, what it compares with, `describe()`."""
+    return {
+        "target": str(node["_target_"]),
+        "higher_is_better": bool(reward.higher_is_better),
+        "needs": sorted(reward.needs),
+        **reward.describe(),
+    }
+
+
+def write_outputs(report: dict, rows: list[Row], edits: dict, samples: list[Sample], e: EvalConfig, out: Path) -> None:
+    """eval.json, eval.md and eval.png in `out`; prints the table and where they are."""
+    blank = Image.new("RGB", edits[next(iter(edits))][0][0].size, "white")
+    pictures = []
+    for i, sample in enumerate(samples):
+        control = open_image(sample.controls[0]) if sample.controls else blank
+        target = open_image(sample.target) if sample.target is not None else blank
+        pictures.append([control, target, *(edits[name][0][i] for name in report["runs"])])
+    written = [
+        reports.write_json(report, out),
+        reports.write_markdown(report, out),
+        reports.write_picture(pictures, [r.prompt for r in rows], list(report["runs"]), int(e.tile), out),
+    ]
+    print(reports.markdown(report), end="")
+    print(f"eval: wrote {', '.join(str(p) for p in written)}")
