@@ -21,10 +21,9 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-import safetensors
 import torch
 
-from qie.cache import remote_admin
+from qie.cache import folders, remote_admin
 from qie.cache.base import (
     CorruptError,
     Entry,
@@ -142,7 +141,7 @@ class RemoteBackend:
             except FileNotFoundError:
                 return None
             try:
-                entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True)
+                entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True, key=key)
             except CorruptError as e:
                 if attempt:
                     log.warning("cache object %s is corrupt (%s); treating it as a miss: verify.fix=true removes it",
@@ -160,7 +159,7 @@ class RemoteBackend:
         if buf is None:
             return None
         try:
-            entry = decode(buf, type, verify=self.verify_reads)
+            entry = decode(buf, type, verify=self.verify_reads, key=key)
         except CorruptError as e:
             log.warning("local copy of %s/%s is unreadable (%s); fetching it again", type, key, e)
             self.local.drop(type, key)
@@ -173,7 +172,7 @@ class RemoteBackend:
     def put(self, type: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> int:
         """Store the entry in one request (and keep this node's copy); returns the bytes written."""
         check_type(type), check_key(key), check_entry(tensors)
-        data = encode(tensors, type, check_meta(meta))
+        data = encode(tensors, type, check_meta(meta), key)
         self.store.write(self.name(type, key), data)
         self.local.write(type, key, data)
         self.index.add(type, key, _record(data, type))
@@ -184,10 +183,10 @@ class RemoteBackend:
         return self.index.flush()
 
     def exists(self, type: str, key: str) -> bool:
+        """Whether this node holds a copy of the entry or the store holds its object (the index is not asked: it
+        may list an object deleted since)."""
         check_type(type), check_key(key)
-        if self.index.get(type, key) is not None or self.local.has(type, key):
-            return True
-        return self.store.size(self.name(type, key)) is not None
+        return self.local.has(type, key) or self.store.size(self.name(type, key)) is not None
 
     # --- whole-entry checks ----------------------------------------------------------------------------------
 
@@ -257,7 +256,7 @@ class RemoteBackend:
             except FileNotFoundError:
                 return None
             size = self.store.size(self.name(type, key)) or 0
-        return _record(head, type, size)
+        return _record(head, type, size, key)
 
     # --- claims and access -----------------------------------------------------------------------------------
 
@@ -303,8 +302,12 @@ class RemoteBackend:
 
     # --- admin ---------------------------------------------------------------------------------------------
 
-    def entries(self, type: str) -> dict[str, int]:
-        """{key: size} of the entry objects of `type` (a listing: admin only)."""
+    def entries(self, type: str, report: VerifyReport | None = None) -> dict[str, int]:
+        """{key: size} of the entry objects of `type` (a listing: admin only). In a `file://` store, only entry files
+        in real type and shard folders count, as in the ssd backend (a linked folder is skipped, named in `report`):
+        admin actions never reach outside the store."""
+        if self.store.local:
+            return folders.entry_sizes(self.store.root, type, report)
         out = {}
         for name, size in self.store.listing(type).items():
             m = _ENTRY_RE.fullmatch(name)
@@ -350,25 +353,12 @@ class RemoteBackend:
         self.check_access()
         return remote_admin.unused(self, keep, check_types(types), remove)
 
-    def check_object(self, type: str, key: str) -> str | None:
-        """Why the stored object is not a good entry, or None when it is."""
-        try:
-            data = self.store.read(self.name(type, key))
-            entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True)
-            safetensors.deserialize(data)  # the library itself must accept it too
-        except FileNotFoundError:
-            return "missing"
-        except CorruptError as e:
-            return str(e)
-        except Exception as e:  # any failure to read back makes it corrupt
-            return f"{e.__class__.__name__}: {e}"
-        return remote_admin.base_problem(self, entry.meta)
 
-
-def _record(head: bytes, type: str, size: int | None = None) -> Record | None:
-    """(size, checksum, base) from an entry's leading bytes; None when they are no whole entry header."""
+def _record(head: bytes, type: str, size: int | None = None, key: str | None = None) -> Record | None:
+    """(size, checksum, base) from an entry's leading bytes; None when they are no whole entry header (of `key`,
+    when given)."""
     size = len(head) if size is None else size
-    found = quick_header(bytes(head), size, type)
+    found = quick_header(bytes(head), size, type, key)
     if found is None:
         return None
     digest, meta = found

@@ -1,0 +1,143 @@
+# ruff: noqa: F811 - the tests take the imported fixtures `s3` and `url` as arguments
+"""The cache against faults of trust: another entry's file under a key's name (ssd and bucket), links out of a
+`file://` store, objects deleted from the bucket, claims left by an outage and the wait for others' claims, the
+start-up check by files, a sync into its own source, a damaged teacher output, and a `cache.url` without a
+scheme."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_cache_backends import make_entry
+from test_cache_remote import free_port, moto_server, raw_fs, remote, s3, url, writing  # noqa: F401 - fixtures
+from test_cache_remote_stages import indexed_when_the_backend_goes
+
+from qie.cache import folders
+from qie.cache.codec import encode
+from qie.cache.keys import entry_key
+from qie.cache.remote import RemoteBackend
+from qie.cache.ssd import SsdBackend
+from qie.config import compose
+from qie.errors import CacheMissError
+
+T = "pixel_latent"
+
+
+def key(n: int) -> str:
+    return entry_key(T, {"n": n})
+
+
+# --- an entry under another key's name --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["copied", "renamed"])
+@pytest.mark.parametrize("check", ["folders", "files"])
+def test_another_entrys_file_under_a_keys_name_is_refused_by_read_start_up_check_and_verify(
+    tmp_path: Path, how: str, check: str
+) -> None:
+    b = SsdBackend(tmp_path, startup_check=check)
+    b.put(T, key(0), make_entry(T, 0))
+    b.put(T, key(1), make_entry(T, 1))
+    time.sleep(2 * folders.TICK_NS / 1e9)
+    assert b.intact_all([(T, key(0))], remember=True) == [True]  # stamped whole
+    if how == "copied":
+        shutil.copy(b.path(T, key(1)), b.path(T, key(0)))
+    else:
+        os.replace(b.path(T, key(1)), b.path(T, key(0)))
+    assert b.get(T, key(0)) is None
+    assert not b.intact(T, key(0))
+    # A copy over the file writes it in place: the check by folders leaves that to the read (as any in-place write).
+    assert b.intact_all([(T, key(0))]) == [check == "folders" and how == "copied"]
+    (bad,) = b.verify().corrupt
+    assert bad.key == key(0) and f"holds the entry of key {key(1)}" in bad.reason
+
+
+def test_entries_written_before_keys_were_recorded_still_read_and_verify(tmp_path: Path) -> None:
+    b = SsdBackend(tmp_path)
+    entry = make_entry(T)
+    b.path(T, key(0)).parent.mkdir(parents=True)
+    b.path(T, key(0)).write_bytes(encode(entry, T))  # the header of before: no key
+    assert torch.equal(b.get(T, key(0))["latent"], entry["latent"])
+    assert b.intact_all([(T, key(0))], remember=True) == [True]
+    assert b.verify().corrupt == []
+
+
+def test_an_object_copied_over_another_keys_in_the_bucket_is_refused(s3: str, url: str, tmp_path: Path) -> None:
+    b = writing(url, s3, tmp_path / "a")
+    b.put(T, key(0), make_entry(T, 0))
+    b.put(T, key(1), make_entry(T, 1))
+    b.flush()
+    fs = raw_fs(s3)
+    root = url.removeprefix("s3://")
+    fs.copy(f"{root}/{b.name(T, key(1))}", f"{root}/{b.name(T, key(0))}")
+    fresh = remote(url, s3, tmp_path / "b")  # a node without a copy of its own
+    assert fresh.get(T, key(0)) is None
+    assert fresh.probe(T, key(0), local=False) is None  # what a start-up check of unindexed entries reads
+    (bad,) = fresh.verify().corrupt
+    assert bad.key == key(0) and f"holds the entry of key {key(1)}" in bad.reason
+
+
+# --- a file:// store's links, objects deleted from the bucket ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["clear", "verify", "unused"])
+def test_admin_actions_of_a_file_store_never_follow_a_linked_type_folder(tmp_path: Path, action: str) -> None:
+    store, outside = tmp_path / "store", tmp_path / "elsewhere"
+    b = RemoteBackend(url=f"file://{store}", local_dir=tmp_path / "copy")
+    b.check_access(write=True)
+    b.put("prompt_embed", entry_key("prompt_embed", {"n": 0}), make_entry("prompt_embed"))
+    victim = outside / key(0)[:2] / f"{key(0)}.safetensors"
+    victim.parent.mkdir(parents=True)
+    victim.write_bytes(b"not an entry of this store")
+    (store / T).symlink_to(outside)
+    if action == "clear":
+        assert b.clear([T]) == 0
+    elif action == "verify":
+        report = b.verify([T], fix=True)
+        assert report.corrupt == [] and report.skipped == [f"{store}/{T}"]
+    else:
+        assert b.unused({}, [T], remove=True)[T]["count"] == 0
+    assert victim.read_bytes() == b"not an entry of this store"
+    assert b.keys("prompt_embed") == [entry_key("prompt_embed", {"n": 0})]  # the store's own entries still listed
+
+
+def test_verify_reports_an_indexed_object_that_is_missing_and_fix_drops_it(s3: str, url: str, tmp_path: Path) -> None:
+    b = writing(url, s3, tmp_path / "a")
+    b.put(T, key(0), make_entry(T, 0))
+    b.put(T, key(1), make_entry(T, 1))
+    b.flush()
+    raw_fs(s3).rm_file(f"{url.removeprefix('s3://')}/{b.name(T, key(0))}")
+    fresh = remote(url, s3, tmp_path / "b")
+    report = fresh.verify([T])
+    assert report.checked == 2 and [c.key for c in report.corrupt] == [key(0)] and report.unfixed == 1
+    assert "listed in the cache's index, but its object is missing" in report.corrupt[0].reason
+    assert fresh.verify([T], fix=True).unfixed == 0
+    assert set(remote(url, s3, tmp_path / "c").index.records(T)) == {key(1)}
+    assert remote(url, s3, tmp_path / "d").verify([T]).corrupt == []
+
+
+def test_a_fresh_node_missing_a_deleted_object_is_told_it_was_deleted_and_how_to_repair(
+    s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path
+) -> None:
+    from qie.stages import precompute
+    from qie.stages import train as train_stage
+
+    base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}"]
+    on_bucket = ["cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", "cache.retries=2"]
+    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
+    precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre")
+    indexed_when_the_backend_goes(url, s3, tmp_path / "c")
+    fs, root = raw_fs(s3), url.removeprefix("s3://")
+    for victim in fs.find(f"{root}/pixel_latent"):  # whichever sample comes first
+        fs.rm_file(victim)
+    training = ["train.max_steps=1", "logging.report_to=none", "train.checkpoint_every=0", "data.num_workers=0"]
+    with pytest.raises(CacheMissError) as info:
+        train_stage.run(compose("train", [*base, *on_bucket, *node("b"), *training]), tmp_path / "run")
+    message = str(info.value)
+    assert "no cached pixel_latent (the cache lists it, but its stored object was deleted)" in message
+    assert "its bytes changed" not in message and " cache.repair=true\n" in message
