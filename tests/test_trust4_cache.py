@@ -6,6 +6,7 @@ scheme."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -23,7 +24,7 @@ from qie.cache.keys import entry_key
 from qie.cache.remote import RemoteBackend
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
-from qie.errors import CacheMissError
+from qie.errors import CacheMissError, StorageError
 
 T = "pixel_latent"
 
@@ -141,3 +142,78 @@ def test_a_fresh_node_missing_a_deleted_object_is_told_it_was_deleted_and_how_to
     message = str(info.value)
     assert "no cached pixel_latent (the cache lists it, but its stored object was deleted)" in message
     assert "its bytes changed" not in message and " cache.repair=true\n" in message
+
+
+# --- claims after an outage, and the wait for others' claims ----------------------------------------------------------
+
+
+def test_claims_left_by_an_outage_are_released_when_the_store_answers_again(s3: str, url: str, tmp_path: Path) -> None:
+    port = free_port()  # a server of its own, stopped and started again (moto's servers share their buckets)
+    endpoint = f"http://127.0.0.1:{port}"
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    kw = dict(url=url, endpoint_url=endpoint, retries=2, backoff=0.01, timeout=1)
+    a = RemoteBackend(local_dir=tmp_path / "node", **kw)
+    a.check_access(write=True)
+    held = [a.claim(T, key(n)) for n in range(3)]
+    server.stop()
+    with pytest.raises(StorageError, match="unreachable"):
+        held[0].release()
+    started = time.monotonic()
+    for lease in held[1:]:  # noted at once, without another round of retries each
+        with pytest.raises(StorageError):
+            lease.release()
+    assert time.monotonic() - started < 1
+    assert len(list((tmp_path / "node" / ".unreleased-claims").iterdir())) == 3
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        other = RemoteBackend(local_dir=tmp_path / "other-node", **kw)
+        assert other.claim(T, key(0)) is None  # still held, for 600 s
+        again = RemoteBackend(local_dir=tmp_path / "node", **kw)  # the next run of the node
+        assert again.sweep_temp() >= 3
+        assert all(other.claim(T, key(n)) is not None for n in range(3))
+        assert list((tmp_path / "node" / ".unreleased-claims").iterdir()) == []
+    finally:
+        server.stop()
+
+
+def test_a_wait_for_another_runs_claim_names_whose_and_until_when(s3: str, url: str, tmp_path: Path, caplog) -> None:
+    import socket
+
+    holder = writing(url, s3, tmp_path / "a", lease_seconds=1.0)
+    waiter = writing(url, s3, tmp_path / "b", lease_seconds=1.0)
+    assert holder.claim(T, key(0)) is not None
+    with caplog.at_level(logging.WARNING, logger="qie.cache.remote"):
+        lease = waiter.claim(T, key(0), wait=True)  # the holder never releases: its lease expires
+    assert lease is not None
+    (message,) = [r.getMessage() for r in caplog.records if "waiting for claims held by" in r.getMessage()]
+    assert f"process {os.getpid()} on {socket.gethostname()}" in message and holder.owner in message
+    assert f"{T}/{key(0)} lasts until 20" in message and " UTC" in message
+
+
+def test_precompute_says_how_many_entries_wait_for_other_runs_claims(caplog) -> None:
+    from qie.stages.precompute_work import PrecomputeSummary, encode_groups
+
+    class Busy:
+        """A backend whose every entry another run holds until the first wait."""
+
+        def claim(self, type, key, wait=False):
+            return _Released() if wait else None
+
+    class _Released:
+        def release(self) -> None:
+            pass
+
+    samples = [(f"s{i}", {"pixel_latent": "a", "prompt_embed": "b"}) for i in range(3)]
+    groups = {("pixel_latent", "prompt_embed"): samples}
+    calls = []
+
+    def claim(backend, batch, types, summary, repair=False):
+        calls.append(len(batch))
+        return ([], batch, []) if len(calls) == 1 else ([], [], [])
+
+    with caplog.at_level(logging.WARNING, logger="qie.stages.precompute_work"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("qie.stages.precompute_work.claim", claim)
+        encode_groups(lambda: None, groups, Busy(), None, PrecomputeSummary(), 8, False, lambda n: None)
+    assert "6 entries of 3 samples are claimed by other runs" in caplog.text

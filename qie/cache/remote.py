@@ -40,7 +40,7 @@ from qie.cache.base import (
 )
 from qie.cache.codec import quick_header
 from qie.cache.local_copy import LocalCopy, default_local_dir
-from qie.cache.remote_claims import Lease, sweep_leases, take_lease
+from qie.cache.remote_claims import Lease, holder, note_unreleased, release_noted, sweep_leases, take_lease
 from qie.cache.remote_index import RemoteIndex, flush_at_exit, flush_quietly
 from qie.cache.remote_segments import Record
 from qie.cache.remote_store import Store, open_filesystem
@@ -114,6 +114,9 @@ class RemoteBackend:
         if read_ahead:
             self.index.read_ahead([check_type(t) for t in read_ahead])
         self._held: set[tuple[str, str]] = set()  # entries this backend holds claims on
+        self._waited_on: set[str] = set()  # the claim holders a wait was reported for
+        self._outage: str | None = None  # why the last release failed, until a claim is taken again
+        self._notes = self.local.root / ".unreleased-claims"  # leases left held in an outage (`release_noted`)
         # Entries added since the last segment reach the store when this backend goes, or when the process ends.
         weakref.finalize(self, flush_quietly, self.index).atexit = False
         flush_at_exit(self.index)
@@ -267,20 +270,40 @@ class RemoteBackend:
 
         def released() -> None:
             self._held.discard((type, key))
+            if self._outage is not None:  # a release just met an outage: noted at once, not retried per claim
+                raise StorageError(self._outage)
             self.index.flush()
 
+        waited = False
         while True:
             lease = take_lease(self.store, type, key, self.owner, self.lease_seconds, released)
             if lease is not None:
                 self._held.add((type, key))
+                lease.on_failure = self._unreleased
+                if self._outage is not None:  # the store answers again: what was left held is released now
+                    self._outage = None
+                    release_noted(self.store, self._notes)
             if lease is not None or not wait:
                 return lease
+            who = None if waited else holder(self.store, type, key)
+            waited = True
+            if who is not None and who[0] not in self._waited_on:  # each holder named once
+                self._waited_on.add(who[0])
+                log.warning(
+                    "waiting for claims held by %s: the one on %s/%s lasts until %s (it expires then if that run died)",
+                    *(who[0], type, key, who[1]),
+                )
             time.sleep(min(2.0, self.lease_seconds / 10))
 
+    def _unreleased(self, lease: Lease, error: Exception) -> None:
+        self._outage = str(error)
+        note_unreleased(self._notes, lease)
+
     def sweep_temp(self) -> int:
-        """Remove expired leases of claimers that died, and temp files they left in this node's copy; returns
-        how many."""
-        return sweep_leases(self.store) + self.local.sweep_temp(check_types(None))
+        """Remove expired leases of claimers that died, leases this node's runs could not release in an outage, and
+        temp files left in this node's copy; returns how many."""
+        removed = release_noted(self.store, self._notes) + sweep_leases(self.store)
+        return removed + self.local.sweep_temp(check_types(None))
 
     def check_access(self, write: bool = False) -> None:
         """Reach the store (one request): a writer writes the cache marker, a reader needs it. Raises
