@@ -217,3 +217,22 @@ def test_precompute_says_how_many_entries_wait_for_other_runs_claims(caplog) -> 
         mp.setattr("qie.stages.precompute_work.claim", claim)
         encode_groups(lambda: None, groups, Busy(), None, PrecomputeSummary(), 8, False, lambda n: None)
     assert "6 entries of 3 samples are claimed by other runs" in caplog.text
+
+
+# --- the start-up check by files --------------------------------------------------------------------------------------
+
+
+def test_the_files_check_finds_a_same_size_change_before_the_first_step(tmp_path: Path) -> None:
+    for check in ("files", "folders"):
+        b = SsdBackend(tmp_path / check, verify_reads=True, startup_check=check)
+        b.put(T, key(0), make_entry(T))
+        time.sleep(2 * folders.TICK_NS / 1e9)
+        assert b.intact_all([(T, key(0))], remember=True) == [True]
+        with open(b.path(T, key(0)), "r+b") as f:  # a byte of the tensor data, in place
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 1]))
+        # files: read whole, as it changed since the check; folders: its folder is unchanged, its read finds it.
+        assert b.intact_all([(T, key(0))]) == [check == "folders"]
+        assert b.get(T, key(0)) is None

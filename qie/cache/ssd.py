@@ -52,8 +52,9 @@ class SsdBackend:
         verify_reads: check every entry's checksum when it is read (`cache.verify_reads`).
         startup_check: how a whole set checked whole before is checked again (`cache.startup_check`): "folders",
             one stat per type and shard folder its entries are in (an entry added, removed or replaced since
-            makes it check file by file); "files", one stat per entry file, which also finds an entry rewritten
-            in place before the first step rather than when it is read.
+            makes it check file by file); "files", one stat per entry file, and a file changed since is read whole
+            and its checksum checked, which also finds an entry rewritten in place (any byte of it) before the first
+            step rather than when it is read.
 
     Raises:
         ConfigError: when `dir` is not set, or `startup_check` is neither.
@@ -165,6 +166,8 @@ class SsdBackend:
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
         ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(counts, ctimes)]
+        if since is not None and not by_folders:  # changed since the last check: its bytes are read and checked too
+            ok = [good and (c < since or self._verified(t, k)) for (t, k), good, c in zip(counts, ok, ctimes)]
         if start is not None and any(ok) and all(good or c is None for good, c in zip(ok, ctimes)):
             files.write_small(stamp, folders.stamp_text(start, self._flags(keys, ctimes, all(ok))))
         return ok
@@ -194,6 +197,14 @@ class SsdBackend:
             return self._intact(check_type(base[0]), check_key(base[1]), memo) and memo[base[:2]][0] == base[2]
         except ValueError:
             return False
+
+    def _verified(self, type: str, key: str) -> bool:
+        """Whether the entry file reads back whole, its tensor bytes matching their checksum."""
+        try:
+            decode(read_file(self._path(type, key)), type, verify=True, key=key)
+        except (OSError, CorruptError):
+            return False
+        return True
 
     def _quick(self, type: str, key: str) -> tuple[str, dict] | None:
         try:
