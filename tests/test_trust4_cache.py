@@ -24,7 +24,8 @@ from qie.cache.keys import entry_key
 from qie.cache.remote import RemoteBackend
 from qie.cache.ssd import SsdBackend
 from qie.config import compose
-from qie.errors import CacheMissError, StorageError
+from qie.errors import CacheMissError, ConfigError, StorageError
+from qie.stages.cache_admin import run as cache_cli
 
 T = "pixel_latent"
 
@@ -236,3 +237,25 @@ def test_the_files_check_finds_a_same_size_change_before_the_first_step(tmp_path
         # files: read whole, as it changed since the check; folders: its folder is unchanged, its read finds it.
         assert b.intact_all([(T, key(0))]) == [check == "folders"]
         assert b.get(T, key(0)) is None
+
+
+# --- a sync into its own source ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["inside", "around", "same"])
+def test_a_sync_into_its_own_source_or_around_it_is_refused(tmp_path: Path, where: str) -> None:
+    source = tmp_path / "cache"
+    SsdBackend(source).put(T, key(0), make_entry(T))
+    to = {"inside": source / T / "zz", "around": tmp_path, "same": source}[where]
+    with pytest.raises(ConfigError, match="sync.to") as info:
+        cache_cli(compose("cache", [f"cache.dir={source}", "action=sync", f"sync.to={to}"]))
+    assert "\n" not in str(info.value)
+    assert not (source / T / "zz").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+def test_a_sync_into_a_link_of_its_own_source_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "cache"
+    SsdBackend(source).put(T, key(0), make_entry(T))
+    (tmp_path / "alias").symlink_to(source)
+    with pytest.raises(ConfigError, match="lies inside the cache it copies"):
+        cache_cli(compose("cache", [f"cache.dir={source}", "action=sync", f"sync.to={tmp_path / 'alias' / 'sub'}"]))
