@@ -259,3 +259,29 @@ def test_a_sync_into_a_link_of_its_own_source_is_refused(tmp_path: Path) -> None
     (tmp_path / "alias").symlink_to(source)
     with pytest.raises(ConfigError, match="lies inside the cache it copies"):
         cache_cli(compose("cache", [f"cache.dir={source}", "action=sync", f"sync.to={tmp_path / 'alias' / 'sub'}"]))
+
+
+# --- a damaged teacher output, a url without a scheme -----------------------------------------------------------------
+
+
+def test_a_damaged_teacher_output_is_named_with_the_repair_command(small_cfg, cached_data, tmp_path: Path) -> None:
+    from qie.stages import train
+
+    distill = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2"]
+    distill += ["train.distill.teacher_cfg=4", "train.max_steps=1"]
+    shutil.copytree(cached_data.cache, tmp_path / "cache")
+    overrides = [*cached_data.overrides, *distill, f"cache.dir={tmp_path / 'cache'}"]
+    train.run(small_cfg("train", *overrides, "cache.mode=lazy"), tmp_path / "lazy")  # writes teacher outputs
+    written = sorted((tmp_path / "cache" / "teacher_latent").rglob("*.safetensors"))
+    assert written
+    for path in written:
+        path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(CacheMissError, match=r"teacher output \(seed \d\) is damaged in the cache") as info:
+        train.run(small_cfg("train", *overrides), tmp_path / "run")
+    assert "precompute.teachers=true cache.repair=true" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["bucket/prefix", "/abs/folder", "relative"])
+def test_a_cache_url_without_a_scheme_is_refused_in_one_line(value: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cache.url=.* has no scheme: use s3://BUCKET/PREFIX .*file:///FOLDER"):
+        RemoteBackend(url=value, local_dir=tmp_path)

@@ -92,6 +92,11 @@ class RemoteBackend:
         if not url:
             raise ConfigError("cache.url is not set: pass cache=remote cache.url=s3://BUCKET/PREFIX")
         self.url, self.endpoint_url = str(url).rstrip("/"), endpoint_url or None
+        if "://" not in self.url:  # fsspec would take it as a folder of this machine: say which was meant
+            raise ConfigError(
+                f"cache.url={self.url!r} has no scheme: use s3://BUCKET/PREFIX (any fsspec URL), file:///FOLDER for "
+                "a folder standing in for a bucket, or cache=ssd cache.dir=FOLDER"
+            )
         where = self.url + (f" at {self.endpoint_url}" if self.endpoint_url else "")
 
         def reopen():
