@@ -30,7 +30,7 @@ def real_types(root: str, types: Iterable[str], report: VerifyReport | None = No
     for type in types:
         folder = f"{root}/{type}"
         if os.path.islink(folder):
-            log.warning("skipping %s: a symlink (admin actions never follow links out of cache.dir)", folder)
+            log.warning("skipping %s: a symlink (admin actions never follow links out of the cache)", folder)
             if report is not None:
                 report.skipped.append(folder)
             continue

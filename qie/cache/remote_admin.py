@@ -30,10 +30,12 @@ def clear(backend: RemoteBackend, types: list[str]) -> int:
     """Remove every entry object of `types` (and their index and local copies); returns how many went."""
     removed = 0
     for type in types:
-        for key in backend.entries(type):
+        seen = VerifyReport()
+        for key in backend.entries(type, seen):
             removed += backend.store.remove(backend.name(type, key))
             backend.local.drop(type, key)
-        backend.index.clear(type)
+        if not seen.skipped:  # a linked type folder of a `file://` store is left as it is, index and all
+            backend.index.clear(type)
     return removed
 
 
