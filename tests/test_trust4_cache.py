@@ -222,6 +222,34 @@ def test_precompute_says_how_many_entries_wait_for_other_runs_claims(caplog) -> 
     assert "6 entries of 3 samples are claimed by other runs" in caplog.text
 
 
+def test_a_batch_stopped_by_an_outage_releases_every_claim_and_tells_the_outage(monkeypatch) -> None:
+    from qie.stages import precompute_work
+
+    released = []
+
+    class Claim:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def release(self) -> None:
+            released.append(self.n)
+            if self.n == 0:
+                raise StorageError("releasing the first claim failed too")
+
+    def encode_batch(*args) -> None:
+        raise StorageError("writing an entry failed: the store stopped answering")
+
+    batch = [("s0", {"pixel_latent": "a"})]
+    monkeypatch.setattr(
+        precompute_work, "claim", lambda *a: ([(*batch[0], ("pixel_latent",))], [], [Claim(0), Claim(1)])
+    )
+    monkeypatch.setattr(precompute_work, "_encode_batch", encode_batch)
+    groups = {("pixel_latent",): batch}
+    with pytest.raises(StorageError, match="writing an entry failed"):
+        precompute_work.encode_groups(lambda: None, groups, None, None, None, 8, False, lambda n: None)
+    assert released == [0, 1]
+
+
 # --- the start-up check by files --------------------------------------------------------------------------------------
 
 
