@@ -197,11 +197,18 @@ class CachedSource:
         that changed), which precompute writes again with cache.repair=true."""
         keys = self.keys(sample)
         damaged = [t for t in missing if self.backend.exists(t, keys[t])]
-        what = f"a damaged cached {', '.join(damaged)} (its bytes changed)" if damaged else "no cached"
+        # Judged whole (an index lists it) but not stored: deleted from the store behind the cache's back.
+        gone = [t for t in missing if t not in damaged and self.backend.intact(t, keys[t])]
+        if damaged:
+            what = f"a damaged cached {', '.join(damaged)} (its bytes changed)"
+        elif gone:
+            what = f"no cached {', '.join(gone)} (the cache lists it, but its stored object was deleted)"
+        else:
+            what = f"no cached {', '.join(missing)}"
         return CacheMissError(
-            f"sample {sample.id!r} ({sample.target}) has {what}{'' if damaged else ' ' + ', '.join(missing)} in "
-            f"{self.backend!r}.\nFill the cache first with the same model, data and cache settings:\n"
-            f"  {self.precompute_command}{' cache.repair=true' if damaged else ''}\n"
+            f"sample {sample.id!r} ({sample.target}) has {what} in {self.backend!r}.\nFill the cache first with the "
+            f"same model, data and cache settings:\n  {self.precompute_command}"
+            f"{' cache.repair=true' if damaged or gone else ''}\n"
             "or train with cache.mode=lazy to encode what is missing."
         )
 

@@ -31,6 +31,9 @@ class DictStore:
     def write(self, fields, latents) -> None:
         self.entries[repr(sorted(fields.items()))] = latents.clone()
 
+    def holds(self, fields) -> bool:
+        return repr(sorted(fields.items())) in self.entries
+
 
 def distill_objective(spec, parts, options: Mapping, store=None):
     """The distill objective over `parts`' scheduler and sampling sigmas (`Parts.pipeline_config`)."""

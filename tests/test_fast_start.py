@@ -205,7 +205,7 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
     time.sleep(2 * folders.TICK_NS / 1e9)  # a stamp is a clock tick behind its check: writes fall before it
     assert b.intact_all(items, remember=True) == [True] * 11 + [False]
     stamp = next((tmp_path / ".checked").iterdir())
-    assert folders.read_stamp(str(stamp))[1] == {"folders"}  # a set with a gap: its folders are listed
+    assert folders.read_stamp(str(stamp))[1] == {"folders", "keys"}  # a set with a gap: its folders are listed
     listed: list[str] = []
     real = os.listdir
     with pytest.MonkeyPatch.context() as mp:
@@ -225,7 +225,7 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
     b.put(*items[-1], {"embed": torch.zeros(2)})
     time.sleep(2 * folders.TICK_NS / 1e9)
     assert b.intact_all(items, remember=True) == [True] * 12
-    assert folders.read_stamp(str(stamp))[1] == {"all", "folders"}  # every entry there: nothing is listed
+    assert folders.read_stamp(str(stamp))[1] == {"all", "folders", "keys"}  # every entry there: nothing is listed
     since = folders.read_stamp(str(stamp))[0]
 
     def entry_stats(check) -> int:
@@ -237,10 +237,14 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
             assert check() == [True] * 12
         return len([p for p in seen if p.endswith(".safetensors")])
 
-    # A stamp of before (its time alone): checked file by file once, then it says what it found.
+    # A stamp of before headers named their keys (its time alone): the headers are read once, and stamped anew.
     stamp.write_text(str(since))
+    assert b.intact_all(items, remember=True) == [True] * 12
+    assert folders.read_stamp(str(stamp))[1] == {"all", "folders", "keys"}
+    # A stamp that does not say what the folders showed: checked file by file once, then it says what it found.
+    stamp.write_text(f"{since} keys")
     assert entry_stats(lambda: b.intact_all(items, remember=True)) == 12
-    assert folders.read_stamp(str(stamp)) == (since, {"all", "folders"})
+    assert folders.read_stamp(str(stamp)) == (since, {"all", "folders", "keys"})
     assert entry_stats(lambda: b.intact_all(items)) == 0
 
     # A file system that does not keep folder times (the folders older than their files): file by file, always.
@@ -248,12 +252,12 @@ def test_a_folder_check_sees_entries_added_removed_or_replaced_and_lists_only_a_
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(folders, "ctimes", lambda ps: [0 if not p.endswith(".safetensors") else c
                                                   for p, c in zip(ps, real_ctimes(ps))])  # fmt: skip
-        stamp.write_text(str(since))
+        stamp.write_text(f"{since} keys")
         assert entry_stats(lambda: b.intact_all(items, remember=True)) == 12
-        assert folders.read_stamp(str(stamp)) == (since, {"all"})
+        assert folders.read_stamp(str(stamp)) == (since, {"all", "keys"})
         assert entry_stats(lambda: b.intact_all(items, remember=True)) == 12
     assert entry_stats(lambda: SsdBackend(tmp_path, startup_check="files").intact_all(items, remember=True)) == 12
-    assert folders.read_stamp(str(stamp)) == (since, {"all"})  # the files check says nothing of folders
+    assert folders.read_stamp(str(stamp)) == (since, {"all", "keys"})  # the files check says nothing of folders
 
     b.path(*items[5]).unlink()
     assert b.intact_all(items) == [True] * 5 + [False] + [True] * 6

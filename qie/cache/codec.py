@@ -1,9 +1,10 @@
 """The entry codec: an entry is the bytes of one safetensors file, whatever holds the bytes.
 
-The header metadata records the schema, the type, each tensor's dtype and shape (in insertion order), a
-checksum of the tensor bytes (`xxh3_64`, ~20 GB/s) and the entry's own facts (`Entry.meta`). A reader checks
-the header against the data; with `verify` it also recomputes the checksum, which finds any bit flip in the
-tensor bytes.
+The header metadata records the schema, the type, the entry's key, each tensor's dtype and shape (in insertion
+order), a checksum of the tensor bytes (`xxh3_64`, ~20 GB/s) and the entry's own facts (`Entry.meta`). A reader
+checks the header against the data and the key it looks up (another entry's file copied or renamed over this key's
+is refused); with `verify` it also recomputes the checksum, which finds any bit flip in the tensor bytes. Entries
+written before keys were recorded carry none and are read as before.
 """
 
 from __future__ import annotations
@@ -56,13 +57,17 @@ def cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
 
 
-def encode(tensors: dict[str, torch.Tensor], type: str, meta: dict[str, str] | None = None) -> bytes:
-    """Safetensors bytes of the entry, its header metadata describing and checksumming it."""
+def encode(
+    tensors: dict[str, torch.Tensor], type: str, meta: dict[str, str] | None = None, key: str | None = None
+) -> bytes:
+    """Safetensors bytes of the entry, its header metadata describing and checksumming it (and naming `key`)."""
     # Clones: safetensors refuses tensors sharing memory, and views of big buffers would save the rest.
     flat = {k: cpu_copy(t) for k, t in tensors.items()}
     listing = {k: [dtype_name(t.dtype), list(t.shape)] for k, t in flat.items()}
     own = {"schema": str(SCHEMA_VERSION), "type": type, "tensors": json.dumps(listing), "checksum": checksum(flat)}
     own["meta"] = json.dumps(dict(meta or {}), sort_keys=True)
+    if key is not None:
+        own["key"] = key
     return safetensors.torch.save(flat, metadata=own)
 
 
@@ -75,13 +80,16 @@ class Header:
     spans: list[tuple[int, int, str, torch.dtype, list[int]]]  # (start, end, name, dtype, shape), by offset
     names: list[str]  # in the order they were written
     meta: dict[str, str]
+    key: str | None = None  # the key it was written under (None: written before keys were recorded)
 
 
-def parse_header(head: bytes | memoryview, size: int, type: str) -> Header:
-    """Check a file's leading bytes (at least its header) against its size and the expected type.
+def parse_header(head: bytes | memoryview, size: int, type: str, key: str | None = None) -> Header:
+    """Check a file's leading bytes (at least its header) against its size, the expected type and (given) the key
+    it is read under.
 
     Raises:
-        CorruptError: with the reason, for a truncated, garbage, wrong-schema or wrong-type file.
+        CorruptError: with the reason, for a truncated, garbage, wrong-schema or wrong-type file, or one that holds
+            the entry of another key.
     """
     if size < 8 or len(head) < 8:
         raise CorruptError(f"file is {size} bytes, too short for a safetensors header")
@@ -93,13 +101,15 @@ def parse_header(head: bytes | memoryview, size: int, type: str) -> Header:
         own = header.pop("__metadata__")
         schema, stored_type, listing = own["schema"], own["type"], _json(own["tensors"])
         if schema == str(SCHEMA_VERSION):
-            digest, meta = own["checksum"], _json(own["meta"])
+            digest, meta, stored_key = own["checksum"], _json(own["meta"]), own.get("key")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptError(f"unreadable header or metadata ({e.__class__.__name__}: {e})") from None
     if schema != str(SCHEMA_VERSION):
         raise CorruptError(f"schema {schema!r}, expected {SCHEMA_VERSION}")
     if stored_type != type:
         raise CorruptError(f"holds a {stored_type!r} entry, expected {type!r}")
+    if key is not None and stored_key is not None and stored_key != key:
+        raise CorruptError(wrong_key(stored_key))
     if not isinstance(listing, dict) or set(listing) != set(header):
         raise CorruptError("header tensors do not match the metadata's tensor list")
     if not (isinstance(digest, str) and digest.startswith(f"{CHECKSUM}:")) or not isinstance(meta, dict):
@@ -115,12 +125,18 @@ def parse_header(head: bytes | memoryview, size: int, type: str) -> Header:
         pos = end
     if size - 8 - hlen != pos:
         raise CorruptError(f"data holds {size - 8 - hlen} bytes, the header describes {pos} (truncated?)")
-    return Header(hlen, digest, spans, list(listing), meta)
+    return Header(hlen, digest, spans, list(listing), meta, stored_key)
 
 
-def quick_header(head: bytes, size: int, type: str) -> tuple[str, dict[str, str]] | None:
-    """(checksum, meta) when the header names this schema and type and the file is as long as it says; None
-    otherwise. The cheap check of `intact` (a tenth of `parse_header`'s work); reads check the rest."""
+def wrong_key(stored_key: str) -> str:
+    """Why a file holding the entry of `stored_key` is no entry of the key it is stored under."""
+    return f"holds the entry of key {stored_key} (another entry's file was copied or renamed here)"
+
+
+def quick_header(head: bytes, size: int, type: str, key: str | None = None) -> tuple[str, dict[str, str]] | None:
+    """(checksum, meta) when the header names this schema, type and (when it records one) `key`, and the file is as
+    long as it says; None otherwise. The cheap check of `intact` (a tenth of `parse_header`'s work); reads check the
+    rest."""
     try:
         hlen = int.from_bytes(head[:8], "little")
         if size < 8 or hlen > size - 8 or hlen > len(head) - 8:
@@ -128,6 +144,8 @@ def quick_header(head: bytes, size: int, type: str) -> tuple[str, dict[str, str]
         header = _json(head[8 : 8 + hlen].decode("utf-8"))
         own = header.pop("__metadata__")
         if own["schema"] != str(SCHEMA_VERSION) or own["type"] != type or not header:
+            return None
+        if key is not None and own.get("key", key) != key:
             return None
         end = max(int(info["data_offsets"][1]) for info in header.values())
         if size != 8 + hlen + end or not own["checksum"].startswith(f"{CHECKSUM}:"):
@@ -137,16 +155,17 @@ def quick_header(head: bytes, size: int, type: str) -> tuple[str, dict[str, str]
         return None
 
 
-def decode(buf: torch.Tensor, type: str, verify: bool = False) -> Entry:
+def decode(buf: torch.Tensor, type: str, verify: bool = False, key: str | None = None) -> Entry:
     """Parse safetensors bytes (a uint8 tensor) into the entry; the tensors are views of `buf`, so
     reading costs one copy from the OS. With `verify`, the checksum of the tensor bytes is checked too.
 
     Raises:
-        CorruptError: with the reason, for a truncated, garbage, wrong-schema or wrong-type file, or (with
-            `verify`) tensor bytes that do not match their checksum.
+        CorruptError: with the reason, for a truncated, garbage, wrong-schema or wrong-type file, one that holds
+            the entry of another key than `key` (when given), or (with `verify`) tensor bytes that do not match
+            their checksum.
     """
     raw = buf.numpy()
-    head = parse_header(memoryview(raw), len(raw), type)
+    head = parse_header(memoryview(raw), len(raw), type, key)
     if sys.byteorder != "little":
         lib = safetensors.torch.load(raw.tobytes())
         return Entry({name: lib[name] for name in head.names}, head.meta, head.checksum)

@@ -30,7 +30,7 @@ def real_types(root: str, types: Iterable[str], report: VerifyReport | None = No
     for type in types:
         folder = f"{root}/{type}"
         if os.path.islink(folder):
-            log.warning("skipping %s: a symlink (admin actions never follow links out of cache.dir)", folder)
+            log.warning("skipping %s: a symlink (admin actions never follow links out of the cache)", folder)
             if report is not None:
                 report.skipped.append(folder)
             continue
@@ -55,6 +55,21 @@ def shard_key(entry: os.DirEntry) -> str | None:
     """The key of an entry file: key-named and in its key's shard folder; None for any other file."""
     key = entry_key(entry.name)
     return key if key is not None and os.path.basename(os.path.dirname(entry.path)) == key[:2] else None
+
+
+def entry_sizes(root: str, type: str, report: VerifyReport | None = None) -> dict[str, int]:
+    """{key: size} of the entry files of `type` in the real type and shard folders of `root`: all that admin actions
+    may touch (a symlinked type folder is skipped, and named in `report`)."""
+    out = {}
+    for t in real_types(root, [type], report):
+        for entry in scan(root, t):
+            key = shard_key(entry)
+            try:
+                if key is not None:
+                    out[key] = entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+    return out
 
 
 def remove_empty_dirs(root: str, type: str) -> None:
@@ -122,9 +137,14 @@ def file_system_now(folder: str) -> int | None:
         return time.time_ns() - CHECK_MARGIN_NS
 
 
+# A stamp's flag that its set was checked with each header's key compared with the key it is stored under (stamps of
+# before are taken as no stamp: the set is checked file by file once).
+KEYED = "keys"
+
+
 def read_stamp(path: str) -> tuple[int | None, frozenset[str]]:
     """(the time before which every entry of the set that existed was whole, or None; what else the stamp says:
-    "all" when every entry existed, "folders" when the file system kept the set's folder times)."""
+    "all" when every entry existed, "folders" when the file system kept the set's folder times, `KEYED`)."""
     try:
         with open(path) as f:
             words = f.read().split()

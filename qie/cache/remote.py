@@ -22,10 +22,9 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-import safetensors
 import torch
 
-from qie.cache import remote_admin
+from qie.cache import folders, remote_admin
 from qie.cache.base import (
     CorruptError,
     Entry,
@@ -42,7 +41,7 @@ from qie.cache.base import (
 )
 from qie.cache.codec import quick_header
 from qie.cache.local_copy import LocalCopy, default_local_dir
-from qie.cache.remote_claims import Lease, sweep_leases, take_lease
+from qie.cache.remote_claims import Lease, holder, note_unreleased, release_noted, sweep_leases, take_lease
 from qie.cache.remote_index import RemoteIndex, flush_at_exit, flush_quietly
 from qie.cache.remote_segments import Record
 from qie.cache.remote_shared import SharedDocuments
@@ -95,6 +94,11 @@ class RemoteBackend:
         if not url:
             raise ConfigError("cache.url is not set: pass cache=remote cache.url=s3://BUCKET/PREFIX")
         self.url, self.endpoint_url = str(url).rstrip("/"), endpoint_url or None
+        if "://" not in self.url:  # fsspec would take it as a folder of this machine: say which was meant
+            raise ConfigError(
+                f"cache.url={self.url!r} has no scheme: use s3://BUCKET/PREFIX (any fsspec URL), file:///FOLDER for "
+                "a folder standing in for a bucket, or cache=ssd cache.dir=FOLDER"
+            )
         where = self.url + (f" at {self.endpoint_url}" if self.endpoint_url else "")
 
         def reopen():
@@ -118,6 +122,9 @@ class RemoteBackend:
         if read_ahead:
             self.index.read_ahead([check_type(t) for t in read_ahead])
         self._held: set[tuple[str, str]] = set()  # entries this backend holds claims on
+        self._waited_on: set[str] = set()  # the claim holders a wait was reported for
+        self._outage: str | None = None  # why the last release failed, until a claim is taken again
+        self._notes = self.local.root / ".unreleased-claims"  # leases left held in an outage (`release_noted`)
         # Entries added since the last segment reach the store when this backend goes, or when the process ends.
         weakref.finalize(self, flush_quietly, self.index).atexit = False
         flush_at_exit(self.index)
@@ -145,7 +152,7 @@ class RemoteBackend:
             except FileNotFoundError:
                 return None
             try:
-                entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True)
+                entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True, key=key)
             except CorruptError as e:
                 if attempt:
                     log.warning("cache object %s is corrupt (%s); treating it as a miss: verify.fix=true removes it",
@@ -163,7 +170,7 @@ class RemoteBackend:
         if buf is None:
             return None
         try:
-            entry = decode(buf, type, verify=self.verify_reads)
+            entry = decode(buf, type, verify=self.verify_reads, key=key)
         except CorruptError as e:
             log.warning("local copy of %s/%s is unreadable (%s); fetching it again", type, key, e)
             self.local.drop(type, key)
@@ -176,7 +183,7 @@ class RemoteBackend:
     def put(self, type: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> int:
         """Store the entry in one request (and keep this node's copy); returns the bytes written."""
         check_type(type), check_key(key), check_entry(tensors)
-        data = encode(tensors, type, check_meta(meta))
+        data = encode(tensors, type, check_meta(meta), key)
         self.store.write(self.name(type, key), data)
         self.local.write(type, key, data)
         self.index.add(type, key, _record(data, type))
@@ -187,10 +194,10 @@ class RemoteBackend:
         return self.index.flush()
 
     def exists(self, type: str, key: str) -> bool:
+        """Whether this node holds a copy of the entry or the store holds its object (the index is not asked: it
+        may list an object deleted since)."""
         check_type(type), check_key(key)
-        if self.index.get(type, key) is not None or self.local.has(type, key):
-            return True
-        return self.store.size(self.name(type, key)) is not None
+        return self.local.has(type, key) or self.store.size(self.name(type, key)) is not None
 
     # --- whole-entry checks ----------------------------------------------------------------------------------
 
@@ -260,7 +267,7 @@ class RemoteBackend:
             except FileNotFoundError:
                 return None
             size = self.store.size(self.name(type, key)) or 0
-        return _record(head, type, size)
+        return _record(head, type, size, key)
 
     # --- claims and access -----------------------------------------------------------------------------------
 
@@ -271,20 +278,40 @@ class RemoteBackend:
 
         def released() -> None:
             self._held.discard((type, key))
+            if self._outage is not None:  # a release just met an outage: noted at once, not retried per claim
+                raise StorageError(self._outage)
             self.index.flush()
 
+        waited = False
         while True:
             lease = take_lease(self.store, type, key, self.owner, self.lease_seconds, released)
             if lease is not None:
                 self._held.add((type, key))
+                lease.on_failure = self._unreleased
+                if self._outage is not None:  # the store answers again: what was left held is released now
+                    self._outage = None
+                    release_noted(self.store, self._notes)
             if lease is not None or not wait:
                 return lease
+            who = None if waited else holder(self.store, type, key)
+            waited = True
+            if who is not None and who[0] not in self._waited_on:  # each holder named once
+                self._waited_on.add(who[0])
+                log.warning(
+                    "waiting for claims held by %s: the one on %s/%s lasts until %s (it expires then if that run died)",
+                    *(who[0], type, key, who[1]),
+                )
             time.sleep(min(2.0, self.lease_seconds / 10))
 
+    def _unreleased(self, lease: Lease, error: Exception) -> None:
+        self._outage = str(error)
+        note_unreleased(self._notes, lease)
+
     def sweep_temp(self) -> int:
-        """Remove expired leases of claimers that died, and temp files they left in this node's copy; returns
-        how many."""
-        return sweep_leases(self.store) + self.local.sweep_temp(check_types(None))
+        """Remove expired leases of claimers that died, leases this node's runs could not release in an outage, and
+        temp files left in this node's copy; returns how many."""
+        removed = release_noted(self.store, self._notes) + sweep_leases(self.store)
+        return removed + self.local.sweep_temp(check_types(None))
 
     def check_access(self, write: bool = False) -> None:
         """Reach the store (one request): a writer writes the cache marker, a reader needs it. Raises
@@ -306,8 +333,12 @@ class RemoteBackend:
 
     # --- admin ---------------------------------------------------------------------------------------------
 
-    def entries(self, type: str) -> dict[str, int]:
-        """{key: size} of the entry objects of `type` (a listing: admin only)."""
+    def entries(self, type: str, report: VerifyReport | None = None) -> dict[str, int]:
+        """{key: size} of the entry objects of `type` (a listing: admin only). In a `file://` store, only entry files
+        in real type and shard folders count, as in the ssd backend (a linked folder is skipped, named in `report`):
+        admin actions never reach outside the store."""
+        if self.store.local:
+            return folders.entry_sizes(self.store.root, type, report)
         out = {}
         for name, size in self.store.listing(type).items():
             m = _ENTRY_RE.fullmatch(name)
@@ -353,25 +384,12 @@ class RemoteBackend:
         self.check_access()
         return remote_admin.unused(self, keep, check_types(types), remove)
 
-    def check_object(self, type: str, key: str) -> str | None:
-        """Why the stored object is not a good entry, or None when it is."""
-        try:
-            data = self.store.read(self.name(type, key))
-            entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True)
-            safetensors.deserialize(data)  # the library itself must accept it too
-        except FileNotFoundError:
-            return "missing"
-        except CorruptError as e:
-            return str(e)
-        except Exception as e:  # any failure to read back makes it corrupt
-            return f"{e.__class__.__name__}: {e}"
-        return remote_admin.base_problem(self, entry.meta)
 
-
-def _record(head: bytes, type: str, size: int | None = None) -> Record | None:
-    """(size, checksum, base) from an entry's leading bytes; None when they are no whole entry header."""
+def _record(head: bytes, type: str, size: int | None = None, key: str | None = None) -> Record | None:
+    """(size, checksum, base) from an entry's leading bytes; None when they are no whole entry header (of `key`,
+    when given)."""
     size = len(head) if size is None else size
-    found = quick_header(bytes(head), size, type)
+    found = quick_header(bytes(head), size, type, key)
     if found is None:
         return None
     digest, meta = found

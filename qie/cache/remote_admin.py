@@ -7,7 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from qie.cache.base import CorruptEntry, VerifyReport, base_of, check_key, check_type, empty_stats
+import safetensors
+import torch
+
+from qie.cache.base import CorruptEntry, VerifyReport, base_of, check_key, check_type, decode, empty_stats
+from qie.cache.codec import CorruptError
 
 if TYPE_CHECKING:
     from qie.cache.remote import RemoteBackend
@@ -26,23 +30,36 @@ def clear(backend: RemoteBackend, types: list[str]) -> int:
     """Remove every entry object of `types` (and their index and local copies); returns how many went."""
     removed = 0
     for type in types:
-        for key in backend.entries(type):
+        seen = VerifyReport()
+        for key in backend.entries(type, seen):
             removed += backend.store.remove(backend.name(type, key))
             backend.local.drop(type, key)
-        backend.index.clear(type)
+        if not seen.skipped:  # a linked type folder of a `file://` store is left as it is, index and all
+            backend.index.clear(type)
     return removed
 
 
 def verify(backend: RemoteBackend, types: list[str], fix: bool) -> VerifyReport:
-    """Read back every entry object; with `fix`, remove the corrupt ones and rewrite the index of each type as
-    what is stored whole (entries missing from it added, removed ones dropped)."""
+    """Read back every entry object, and report the entries the index lists whose object is missing; with `fix`,
+    remove the corrupt ones and rewrite the index of each type as what is stored whole (entries missing from it
+    added, removed and missing ones dropped)."""
     report = VerifyReport()
     for type in types:
-        stored = backend.entries(type)
+        skipped = len(report.skipped)
+        stored = backend.entries(type, report)
+        if len(report.skipped) > skipped:
+            continue  # a linked type folder of a `file://` store: not looked into, its index left as it is
         bad: set[str] = set()
+        for key in sorted(set(backend.index.records(type)) - set(stored)):
+            report.checked += 1
+            reason = "listed in the cache's index, but its object is missing (verify.fix=true drops it from the index)"
+            report.corrupt.append(CorruptEntry(type, key, backend.store.path(backend.name(type, key)), reason))
+            if fix:  # the index is rewritten without it below
+                report.removed += 1
+                backend.local.drop(type, key)
         for key in sorted(stored):
             report.checked += 1
-            reason = backend.check_object(type, key)
+            reason = check_object(backend, type, key)
             if reason is None:
                 continue
             bad.add(key)
@@ -54,6 +71,21 @@ def verify(backend: RemoteBackend, types: list[str], fix: bool) -> VerifyReport:
         if fix:
             reindex(backend, type, set(stored) - bad)
     return report
+
+
+def check_object(backend: RemoteBackend, type: str, key: str) -> str | None:
+    """Why the stored object is not a good entry, or None when it is."""
+    try:
+        data = backend.store.read(backend.name(type, key))
+        entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True, key=key)
+        safetensors.deserialize(data)  # the library itself must accept it too
+    except FileNotFoundError:
+        return "missing"
+    except CorruptError as e:
+        return str(e)
+    except Exception as e:  # any failure to read back makes it corrupt
+        return f"{e.__class__.__name__}: {e}"
+    return base_problem(backend, entry.meta)
 
 
 def reindex(backend: RemoteBackend, type: str, present: set[str]) -> None:

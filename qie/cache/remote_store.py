@@ -99,6 +99,12 @@ class Store:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
+    @property
+    def local(self) -> bool:
+        """Whether the store is a folder of this machine (`file://`): its links could lead out of it."""
+        protocol = self._fs.protocol
+        return bool({"file", "local"} & ({protocol} if isinstance(protocol, str) else set(protocol)))
+
     def call(self, what: str, fn: Callable, *args, **kwargs) -> Any:
         """`fn(*args, **kwargs)` with retries on transient failures. FileNotFoundError and FileExistsError pass
         through; any other failure ends as a StorageError naming the store and `what` was done."""

@@ -52,8 +52,9 @@ class SsdBackend:
         verify_reads: check every entry's checksum when it is read (`cache.verify_reads`).
         startup_check: how a whole set checked whole before is checked again (`cache.startup_check`): "folders",
             one stat per type and shard folder its entries are in (an entry added, removed or replaced since
-            makes it check file by file); "files", one stat per entry file, which also finds an entry rewritten
-            in place before the first step rather than when it is read.
+            makes it check file by file); "files", one stat per entry file, and a file changed since is read whole
+            and its checksum checked, which also finds an entry rewritten in place (any byte of it) before the first
+            step rather than when it is read.
 
     Raises:
         ConfigError: when `dir` is not set, or `startup_check` is neither.
@@ -89,7 +90,7 @@ class SsdBackend:
         """The entry, or None on a miss or an unreadable file (logged as a warning)."""
         path = self._path(check_type(type), check_key(key))
         try:
-            return decode(load_file(path), type, verify=self.verify_reads)
+            return decode(load_file(path), type, verify=self.verify_reads, key=key)
         except FileNotFoundError:
             return None
         except (OSError, CorruptError) as e:
@@ -104,7 +105,7 @@ class SsdBackend:
         """
         path = self._path(check_type(type), check_key(key))
         check_entry(tensors)
-        data = encode(tensors, type, check_meta(meta))
+        data = encode(tensors, type, check_meta(meta), key)
         files.write_atomic(path, data, key)
         return len(data)
 
@@ -148,6 +149,8 @@ class SsdBackend:
         # may be another machine's): a file created now tells it.
         start = folders.file_system_now(f"{self._root}/.checked") if remember and os.path.isdir(self._root) else None
         since, flags = folders.read_stamp(stamp)
+        if folders.KEYED not in flags:  # a stamp of before headers named their keys: the set is checked once
+            since = None
         keys = {t: type_keys for t, (type_keys, _, _) in by_type.items()}
         by_folders = self.startup_check == "folders"
         if since is not None and by_folders and "folders" in flags:
@@ -163,13 +166,15 @@ class SsdBackend:
             return [c is not None for c in ctimes]
         memo: dict[tuple[str, str], tuple[str, dict] | None] = {}
         ok = [c is not None and self._intact(t, k, memo) for (t, k), c in zip(counts, ctimes)]
+        if since is not None and not by_folders:  # changed since the last check: its bytes are read and checked too
+            ok = [good and (c < since or self._verified(t, k)) for (t, k), good, c in zip(counts, ok, ctimes)]
         if start is not None and any(ok) and all(good or c is None for good, c in zip(ok, ctimes)):
             files.write_small(stamp, folders.stamp_text(start, self._flags(keys, ctimes, all(ok))))
         return ok
 
     def _flags(self, keys: dict[str, list[str]], ctimes: list[int | None], all_exist: bool) -> set[str]:
         """What a stamp of the set says besides its time (see `folders.read_stamp`)."""
-        flags = {"all"} if all_exist else set()
+        flags = {"all", folders.KEYED} if all_exist else {folders.KEYED}
         if self.startup_check == "folders" and folders.folder_times_kept(self._root, keys, ctimes):
             flags.add("folders")
         return flags
@@ -193,12 +198,20 @@ class SsdBackend:
         except ValueError:
             return False
 
+    def _verified(self, type: str, key: str) -> bool:
+        """Whether the entry file reads back whole, its tensor bytes matching their checksum."""
+        try:
+            decode(read_file(self._path(type, key)), type, verify=True, key=key)
+        except (OSError, CorruptError):
+            return False
+        return True
+
     def _quick(self, type: str, key: str) -> tuple[str, dict] | None:
         try:
             head, size = files.read_head(self._path(type, key))
         except OSError:
             return None
-        return quick_header(head, size, type)
+        return quick_header(head, size, type, key)
 
     def claim(self, type: str, key: str, wait: bool = False) -> files.FileClaim | None:
         """Lock (type, key) with a lock file beside its entry (`.<key>.lock`)."""
@@ -337,7 +350,7 @@ class SsdBackend:
     def _header(self, type: str, key: str) -> Header | None:
         try:
             head, size = files.read_head(self._path(type, key))
-            return parse_header(head, size, type)
+            return parse_header(head, size, type, key)
         except (OSError, CorruptError):
             return None
 
@@ -361,10 +374,10 @@ class SsdBackend:
         """Why the file is not a good entry of `type` under `key`, or None if it is."""
         try:
             buf = read_file(entry.path)
-            decode(buf, type, verify=True)
+            decode(buf, type, verify=True, key=key)
             safetensors.deserialize(buf.numpy().tobytes())  # the library itself must accept it too
             head, size = files.read_head(entry.path)
-            return self._base_problem(parse_header(head, size, type))
+            return self._base_problem(parse_header(head, size, type, key))
         except CorruptError as e:
             return str(e)
         except Exception as e:  # any failure to read back makes it corrupt

@@ -8,12 +8,14 @@ A destination with `://` is an object store (the remote backend, with `sync.endp
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from qie.cache.admin import AdminReport
 from qie.cache.base import CacheBackend, check_types
 from qie.cache.ssd import SsdBackend
+from qie.errors import ConfigError
 
 
 @dataclass
@@ -37,6 +39,33 @@ def destination(
     return SsdBackend(dir=to)
 
 
+def place(backend) -> str | None:
+    """Where a backend's entries live, to compare two caches: a folder with its links resolved (an ssd cache, a
+    `file://` store), or an object store's endpoint and URL; None for a backend held in memory."""
+    if isinstance(backend, SsdBackend):
+        return os.path.realpath(backend.root)
+    store = getattr(backend, "store", None)
+    if store is None:
+        return None
+    return os.path.realpath(store.root) if store.local else f"{backend.endpoint_url or ''} {backend.url}"
+
+
+def check_apart(source, dest) -> None:
+    """Refuse a destination inside the source cache, or a source inside the destination: a copy would nest one cache
+    in the other (entries copied into the folders they are listed from).
+
+    Raises:
+        ConfigError: naming both places and what to do.
+    """
+    src, to = place(source), place(dest)
+    if src is None or to is None:
+        return
+    if to == src or to.startswith(src.rstrip("/") + "/"):
+        raise ConfigError(f"sync.to {to!r} lies inside the cache it copies ({src!r}): point sync.to outside it")
+    if src.startswith(to.rstrip("/") + "/"):
+        raise ConfigError(f"the cache sync copies ({src!r}) lies inside sync.to {to!r}: point sync.to elsewhere")
+
+
 def _order(types: list[str]) -> list[str]:
     """Base entries first (an entry extending another is only whole once its base is there)."""
     return sorted(types, key=lambda t: not t.startswith("empty_"))
@@ -44,7 +73,12 @@ def _order(types: list[str]) -> list[str]:
 
 def sync(source, dest, types: Iterable[str] | None = None) -> SyncReport:
     """Copy the entries of `types` from `source` to `dest` (backends that list their `keys`); each copy is read
-    back and its checksum compared with the source's. Entries `dest` holds whole are skipped."""
+    back and its checksum compared with the source's. Entries `dest` holds whole are skipped.
+
+    Raises:
+        ConfigError: `dest` inside `source` or `source` inside `dest` (`check_apart`).
+    """
+    check_apart(source, dest)
     source.check_access()
     dest.check_access(write=True)
     report, done = SyncReport(), []

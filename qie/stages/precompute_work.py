@@ -6,6 +6,7 @@ Everything here reaches the cache through the backend protocol and `qie.cache.en
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,8 @@ from qie.data.samples import DataProblem, Sample
 from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_rejected, prepare_sample, prompt_limit, text_tokens
 from qie.errors import DataError
 from qie.models import text_positions
+
+log = logging.getLogger(__name__)
 
 # The stored types only some data sets have: layers (a layered model's), rejected results (preference pairs).
 OPTIONAL_TYPES = ("layer_latent", "rejected_latent")
@@ -213,17 +216,40 @@ def encode_groups(
                 try:
                     if todo:
                         _encode_batch(encoder(), todo, sizes, backend, summary, raise_errors)
-                finally:
-                    for c in held:
-                        c.release()
+                except BaseException:
+                    release_all(held, quiet=True)  # the error that stopped the batch is the one to tell
+                    raise
+                release_all(held)
                 if busy:
                     later.append((types, busy))
                 progress(len(batch) - len(busy))
+        if later:
+            entries = sum(len(group) * len(types) for types, group in later)
+            samples = sum(len(group) for _, group in later)
+            log.warning(
+                "%d entries of %d samples are claimed by other runs: waiting for each claim to be released (or to "
+                "expire, for a run that died); what those runs do not write is encoded here",
+                entries,
+                samples,
+            )
         for types, group in later:
             for _, keys in group:
                 for t in types:
                     backend.claim(t, keys[t], wait=True).release()
         pending = later
+
+
+def release_all(claims: list, quiet: bool = False) -> None:
+    """Release every claim, also after one failed (a store that stopped answering notes the rest, see
+    `qie.cache.remote_claims`); the first failure is raised after, unless `quiet`."""
+    failed = None
+    for c in claims:
+        try:
+            c.release()
+        except Exception as e:
+            failed = failed or e
+    if failed is not None and not quiet:
+        raise failed
 
 
 # The entry types read from the target's images (the target, a layered target's layers, a rejected result).

@@ -26,6 +26,9 @@ class BackendTeacherStore:
         entry = self.backend.get(ENTRY_TYPE, entry_key(ENTRY_TYPE, dict(fields)))
         return None if entry is None else entry["latent"]
 
+    def holds(self, fields: Mapping[str, Any]) -> bool:
+        return self.backend.exists(ENTRY_TYPE, entry_key(ENTRY_TYPE, dict(fields)))
+
     def write(self, fields: Mapping[str, Any], latents: torch.Tensor) -> None:
         latent = latents.detach().to("cpu", copy=True).contiguous()
         self.backend.put(ENTRY_TYPE, entry_key(ENTRY_TYPE, dict(fields)), {"latent": latent},

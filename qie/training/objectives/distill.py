@@ -93,6 +93,10 @@ class TeacherStore(Protocol):
 
     def write(self, fields: Mapping[str, Any], latents: torch.Tensor) -> None: ...
 
+    def holds(self, fields: Mapping[str, Any]) -> bool:
+        """Whether something is stored under `fields`, readable or not (a `read` of None then means damaged)."""
+        ...
+
 
 def sample_inputs(batch: Batch, i: int) -> tuple[PromptInputs, PromptInputs, list[torch.Tensor]]:
     """Sample `i` of `batch` as the sampler takes one sample: its prompt and empty prompt unpadded (no mask), its
@@ -200,9 +204,12 @@ class Distill:
             if found is not None:
                 return found.to(noise.device, noise.dtype).unsqueeze(0)
             if fill and not self.store.fills:
+                damaged = self.store.holds(fields)
                 raise CacheMissError(
-                    f"sample {batch.ids[i]!r}: its teacher output (seed {seed}) is not in the cache: fill them with "
-                    "this run's overrides and `python -m qie.precompute precompute.teachers=true`, or train with "
+                    f"sample {batch.ids[i]!r}: its teacher output (seed {seed}) is "
+                    f"{'damaged in the cache (its bytes changed)' if damaged else 'not in the cache'}: "
+                    f"{'write them again' if damaged else 'fill them'} with this run's overrides and `python -m "
+                    f"qie.precompute precompute.teachers=true{' cache.repair=true' if damaged else ''}`, or train with "
                     "cache.mode=lazy once to compute and store them (or keep training lazy)"
                 )
         latents = self.teach(model, batch, i, noise)
