@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from qie.components import prepare_model
@@ -101,7 +101,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
         report = _measure(spec, output, source, predictor, sampling_options(predict), d, data_root, result,
                           int(data.target_pixels), str(cfg.logging.report_to), run_dir)  # fmt: skip
-        export_demo(run_dir, train_cfg, report)  # the Hub-ready folder beside the run: run_dir/export
+        # the Hub-ready folder beside the run: run_dir/export
+        export_demo(run_dir, OmegaConf.to_container(train_cfg, resolve=True), report)
         return report
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from qie.data.scan import scan_dataset
 from qie.publish.run_facts import SampleEdit, dataset_instructions, read_run
 from qie.stages.export import export_folder
@@ -23,10 +21,9 @@ METRICS = {
 }
 
 
-def export_demo(run_dir: Path, train_cfg: DictConfig, report: dict) -> Path:
-    """Write `run_dir/export/` for the demo run in `run_dir` (its training run in `train/`, trained with
-    `train_cfg`; `report` its measures); returns the folder."""
-    config = OmegaConf.to_container(train_cfg, resolve=True)
+def export_demo(run_dir: Path, config: dict, report: dict) -> Path:
+    """Write `run_dir/export/` for the demo run in `run_dir` (its training run in `train/`, trained with the
+    resolved training config `config`; `report` its measures); returns the folder."""
     facts = read_run(run_dir / "train", config)
     facts.metrics.update({name: float(report[key]) for key, name in METRICS.items() if key in report})
     facts.pictures = [(Path(report["demo_image"]), PICTURE_CAPTION)]
