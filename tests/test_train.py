@@ -93,7 +93,7 @@ def test_metrics_and_tensorboard_hold_the_scalars_and_image_grids(cached_run: di
 
     rows = metrics(cached_run["dir"])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "seconds"} for r in rows)
+    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "seconds", "memory/max_rss_gib"} for r in rows)
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
     events = EventAccumulator(str(cached_run["dir"] / "tensorboard"), size_guidance={"images": 0})
     events.Reload()

@@ -43,6 +43,7 @@ from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
 from qie.stages.train_hooks import step_hooks
+from qie.stages.train_report import record_run, refresh_report
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
@@ -91,6 +92,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
+        record_run(run_dir, cfg, setup.run_config, accelerator)
         # A backend whose start-up check reads an index starts reading it now, beside the data set's scan.
         ahead = TRAINING_TYPES if str(setup.source.mode) == "cached" else ()
         return _train(setup, run_dir, accelerator, build_backend(cfg.cache, read_ahead=ahead), on_step_end)
@@ -341,7 +343,9 @@ def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: T
             "model": records[0], "data": records[1]}  # fmt: skip
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
     extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
-    return ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
+    folder = ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
+    refresh_report(run_dir, state.accelerator)
+    return folder
 
 
 def _instantiate(node: Any) -> Any:
@@ -364,6 +368,7 @@ def finish(
             model = accelerator.unwrap_model(state.model)
             result["ema_lora"] = str(export_ema(ema, path.parent, model, exports, mode.base))
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
+        report = refresh_report(run_dir, accelerator)
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
         how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
@@ -372,6 +377,8 @@ def finish(
         if result["stopped_by_signal"]:
             print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
         print(f"qie: metrics {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+        if report is not None:
+            print(f"qie: report {report}")
     # Free the DDP wrapper while the process group is still registered: a gloo group whose last owner is
     # DDP's reducer is destroyed holding the GIL, which deadlocks with gloo's threads (pytorch#56297).
     state.model = None
