@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -62,9 +63,8 @@ def section(title: str, *parts: str, anchor: str = "") -> str:
     kept = [p for p in parts if p]
     if not kept:
         return ""
-    return (
-        f'<section id="{esc(anchor or title.lower().replace(" ", "-"))}"><h2>{esc(title)}</h2>{"".join(kept)}</section>'
-    )
+    anchor = anchor or re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+    return f'<section id="{esc(anchor)}"><h2>{esc(title)}</h2>{"".join(kept)}</section>'
 
 
 def table(head: Sequence[str] | None, rows: Iterable[Sequence[object]]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from qie.reporting import charts as ch
@@ -21,21 +22,29 @@ MAX_STRIP_STEPS = 12
 PLOTTED = {"step", "loss", "lr", "grad_norm", "seconds", "reg_loss"}
 
 
-def write_report(folder: Path, out: Path | None = None) -> Path:
-    """Write the report of the run folder `folder` to `out` (default `folder/report.html`) atomically; its path."""
+def write_report(folder: Path, out: Path | None = None, extra: Sequence[str] = (), title: str = "") -> Path:
+    """Write the report of the run folder `folder` to `out` (default `folder/report.html`) atomically; its path.
+
+    Args:
+        extra: sections (HTML) shown after the overview, by a caller that knows more of the run (the demo).
+        title: the page's title (default: "qie training run" and the folder's name).
+    """
     folder = Path(folder)
     out = Path(out) if out is not None else folder / REPORT
-    text = render(read_run(folder))
+    text = render(read_run(folder), extra, title)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, out)
     return out
 
 
-def render(run: RunFiles) -> str:
-    """The report page of `run`."""
+def render(run: RunFiles, extra: Sequence[str] = (), title: str = "") -> str:
+    """The report page of `run`, with the `extra` sections after its overview."""
+    title = title or f"qie training run {run.folder.name}"
     sections = [
+        f"<h1>{esc(title)}</h1>",
         overview(run),
+        *extra,
         section("Training", charts(training_charts(run.metrics))),
         section("Step time and memory", charts(speed_charts(run.metrics))),
         section("Held-out and validation measures", charts(measure_charts(run))),
@@ -46,11 +55,11 @@ def render(run: RunFiles) -> str:
         ),
         environment(run.info.get("environment")),
     ]
-    return page(f"qie run {run.folder.name}", sections)
+    return page(title, sections)
 
 
 def overview(run: RunFiles) -> str:
-    """The title and a table of what the run is and where it stands."""
+    """A table of what the run is and where it stands."""
     last = run.metrics[-1] if run.metrics else {}
     seconds = [r["seconds"] for r in run.metrics if _number(r.get("seconds"))]
     memory = [v for r in run.metrics for k, v in r.items() if k.startswith("memory/") and _number(v)]
@@ -68,7 +77,7 @@ def overview(run: RunFiles) -> str:
         ("checkpoints", ", ".join(run.checkpoints) or None),
         ("report written", time.strftime("%Y-%m-%d %H:%M:%S %Z")),
     ]
-    return f"<h1>qie training run {esc(run.folder.name)}</h1>" + table(None, rows)
+    return table(None, rows)
 
 
 def state(run: RunFiles) -> str:
