@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,32 @@ def test_chromium_renders_the_report_with_every_picture(reported_run: dict, tmp_
     shot = tmp_path / "report.png"
     done = _chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,2400")
     assert done.returncode == 0 and Image.open(shot).size == (1400, 2400), done.stderr[-2000:]
+
+
+def test_a_report_that_cannot_be_written_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from qie.stages.train_report import refresh_report
+
+    (tmp_path / "report.html").mkdir()  # where the page would go: a folder, not a file
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')  # a torn last line
+    assert refresh_report(tmp_path, SimpleNamespace(is_main_process=True)) is None
+    assert "the report of" in caplog.text and "IsADirectoryError" in caplog.text
+    (tmp_path / "report.html").rmdir()
+    assert refresh_report(tmp_path, SimpleNamespace(is_main_process=True)) == tmp_path / "report.html"
+    assert "in progress: step 1" in (tmp_path / "report.html").read_text()
+    assert refresh_report(tmp_path, SimpleNamespace(is_main_process=False)) is None
+
+
+def test_long_curves_are_thinned_to_what_a_chart_shows() -> None:
+    from qie.reporting.charts import MAX_POINTS, _finite
+
+    xs, ys = _finite(list(range(1, 10_002)), [float(x) for x in range(1, 10_002)])
+    assert len(xs) <= MAX_POINTS + 1 and xs[0] == 1 and xs[-1] == 10_001 and xs == ys
+
+
+@pytest.mark.subprocess
+def test_the_train_stage_starts_without_matplotlib() -> None:
+    code = "import sys, qie.stages.train; print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

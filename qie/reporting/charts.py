@@ -11,6 +11,7 @@ from typing import Any
 
 Series = tuple[Sequence[float], Sequence[float]]
 SIZE = (6.4, 3.0)  # inches, at 100 dpi: a chart 640 px wide
+MAX_POINTS = 4000
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
@@ -70,7 +71,12 @@ def setting_chart(title: str, setting: str, points: list[tuple[Any, float, str]]
 
 
 def _finite(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[float]]:
+    """The finite points, thinned to at most MAX_POINTS (every k-th, the last kept): a chart 640 px wide shows no
+    more, and a long run's million steps would take seconds to draw."""
     pairs = [(x, y) for x, y in zip(xs, ys) if isinstance(y, int | float) and math.isfinite(y)]
+    if len(pairs) > MAX_POINTS:
+        every = math.ceil(len(pairs) / MAX_POINTS)
+        pairs = pairs[::every] + ([pairs[-1]] if (len(pairs) - 1) % every else [])
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
