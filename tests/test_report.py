@@ -206,3 +206,28 @@ def test_the_train_stage_starts_without_matplotlib() -> None:
     code = "import sys, qie.stages.train; print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_rebuilt_command_composes_the_same_config() -> None:
+    """Outside the Hydra CLI the overrides are rebuilt from the config: odd values quoted, another stage's own
+    section (the demo's, in the config its training runs with) left out."""
+    from qie.config import compose, for_stage
+    from qie.config.command import rebuilt_overrides
+
+    odd = [
+        "model=tiny_plus",
+        "data.path='/data/my \\'set\\''",
+        "train.learning_rate=3e-4",
+        "validation.step_counts=[2,4]",
+    ]
+    cfg = compose("train", odd + ["logging.report_to=none"])
+    overrides = rebuilt_overrides(cfg, "train")
+    assert overrides[0] == "model=tiny_plus" and "train.learning_rate=0.0003" in overrides
+    assert OmegaConf.to_container(compose("train", overrides), resolve=True) == OmegaConf.to_container(
+        cfg, resolve=True
+    )
+    demo = compose("demo", ["demo.train_samples=3", "train.max_steps=7"])
+    overrides = rebuilt_overrides(demo, "train")
+    assert not [o for o in overrides if "demo." in o] and "train.max_steps=7" in overrides
+    again = OmegaConf.to_container(compose("train", overrides), resolve=True)
+    assert again == OmegaConf.to_container(for_stage(demo, "train"), resolve=True)

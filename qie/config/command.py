@@ -45,7 +45,9 @@ def rebuilt_overrides(cfg: DictConfig, stage: str) -> list[str]:
         _leaves(OmegaConf.to_container(base, resolve=True)),
     )
     changed = [f"{k}={_value(v)}" for k, v in now.items() if k in before and before[k] != v]
-    added = [f"+{k}={_value(v)}" for k, v in now.items() if k not in before]
+    # A section the stage does not have (the demo's own, in the config it trains with) is not the stage's to read.
+    sections = {k.split(".")[0] for k in before}
+    added = [f"+{k}={_value(v)}" for k, v in now.items() if k not in before and k.split(".")[0] in sections]
     removed = [f"~{k}" for k in before if k not in now]
     return groups + changed + added + removed
 

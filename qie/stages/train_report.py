@@ -22,7 +22,12 @@ def record_run(run_dir: Path, cfg: DictConfig, run_config: dict, accelerator: An
     if not accelerator.is_main_process:
         return
     env = environment(str(accelerator.device), accelerator.num_processes, str(accelerator.mixed_precision))
-    write_run_info(run_dir, run_command(cfg, "train"), run_config, env)
+    try:
+        command = run_command(cfg, "train")
+    except Exception as e:  # a config made in code that the stage's CLI cannot compose: the run goes on without
+        log.warning("qie: no command line rebuilds this run's config (%s: %s)", e.__class__.__name__, e)
+        command = ""
+    write_run_info(run_dir, command, run_config, env)
 
 
 def refresh_report(run_dir: Path, accelerator: Any) -> Path | None:
