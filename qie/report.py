@@ -1,5 +1,6 @@
-"""python -m qie.report RUN_DIR — rebuild the report of a training run folder (`report.html`) or of a sweep folder
-(`sweep_report.html`, for a folder holding `sweep_summary.json`) from the files in it."""
+"""python -m qie.report RUN_DIR — rebuild the report of a training run folder (`report.html`), of a sweep folder
+(`sweep_report.html`, for a folder holding `sweep_summary.json`) or of a demo's folder (its `report.html`) from the
+files in it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 from qie.errors import QieError, StorageError, describe_os_error
+
+DEMO_REPORT = "demo_report.json"
 
 
 def rebuild(folder: Path) -> Path:
@@ -30,6 +33,10 @@ def rebuild(folder: Path) -> Path:
         except ValueError as e:
             raise StorageError(f"{folder / SUMMARY_JSON} is not JSON ({e}): run the sweep's summary again") from None
         return write_sweep_report(folder, summary)
+    if (folder / DEMO_REPORT).is_file() and (folder / "train" / METRICS).is_file():  # a demo's folder
+        from qie.demo.page import write_demo_page
+
+        return write_demo_page(folder, json.loads((folder / DEMO_REPORT).read_text(encoding="utf-8")))
     if not (folder / METRICS).is_file():
         raise StorageError(f"{folder} holds no {METRICS}: give the folder a training run wrote (hydra.run.dir)")
     from qie.reporting.run_report import write_report

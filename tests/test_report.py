@@ -133,15 +133,20 @@ def _job(sweep: Path, name: str, lr: str, losses: list[float], heldout: float, s
     return folder
 
 
-def test_a_sweep_writes_its_report_beside_its_summary(reported_run: dict, tmp_path: Path) -> None:
+def _sweep(sweep: Path, source: Path) -> Path:
+    """A sweep of three jobs over the learning rate, summarised; its report."""
     from qie.sweep import write_summary
 
     folders = [
-        _job(tmp_path, str(n), lr, [1.0, 0.9 - n / 10], 0.8 - n / 10, reported_run["dir"])
+        _job(sweep, str(n), lr, [1.0, 0.9 - n / 10], 0.8 - n / 10, source)
         for n, lr in enumerate(["1e-4", "3e-4", "1e-3"])
     ]
-    write_summary(tmp_path, folders)
-    text = (tmp_path / "sweep_report.html").read_text(encoding="utf-8")
+    write_summary(sweep, folders)
+    return sweep / "sweep_report.html"
+
+
+def test_a_sweep_writes_its_report_beside_its_summary(reported_run: dict, tmp_path: Path) -> None:
+    text = _sweep(tmp_path, reported_run["dir"]).read_text(encoding="utf-8")
     assert (tmp_path / "sweep_summary.md").is_file()
     alts = [alt for alt, _ in images(text)]
     assert "loss of every job" in alts and "held-out loss against train.learning_rate" in alts
@@ -162,18 +167,22 @@ def _chromium(page: Path, tmp_path: Path, *what: str) -> subprocess.CompletedPro
         "--disable-sync",
         f"--user-data-dir={tmp_path / 'profile'}",
         "--virtual-time-budget=5000",
+        "--enable-logging=stderr",  # the page's console (a script error among it) on stderr
+        "--v=0",
     ]
     return subprocess.run([CHROMIUM, *flags, *what, page.as_uri()], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt install chromium)")
-def test_chromium_renders_the_report_with_every_picture(reported_run: dict, tmp_path: Path) -> None:
+def test_chromium_renders_the_reports_with_every_picture(reported_run: dict, tmp_path: Path) -> None:
     page = reported_run["dir"] / "report.html"
-    dom = _chromium(page, tmp_path, "--dump-dom")
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    count = page.read_text(encoding="utf-8").count("<img")
-    body = re.search(r"<body([^>]*)>", dom.stdout).group(1)
-    assert f'data-images-ok="{count}"' in body and 'data-images-failed="0"' in body, body
+    for shown in (page, _sweep(tmp_path / "sweep", reported_run["dir"])):
+        dom = _chromium(shown, tmp_path, "--dump-dom")
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        assert [line for line in dom.stderr.splitlines() if ":CONSOLE" in line] == []  # no script error, no message
+        count = shown.read_text(encoding="utf-8").count("<img")
+        body = re.search(r"<body([^>]*)>", dom.stdout).group(1)
+        assert count > 5 and f'data-images-ok="{count}"' in body and 'data-images-failed="0"' in body, body
     shot = tmp_path / "report.png"
     done = _chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,2400")
     assert done.returncode == 0 and Image.open(shot).size == (1400, 2400), done.stderr[-2000:]
