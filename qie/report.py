@@ -29,10 +29,12 @@ def rebuild(folder: Path) -> Path:
         from qie.reporting.sweep_report import write_sweep_report
 
         try:
-            summary = json.loads((folder / SUMMARY_JSON).read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise StorageError(f"{folder / SUMMARY_JSON} is not JSON ({e}): run the sweep's summary again") from None
-        return write_sweep_report(folder, summary)
+            return write_sweep_report(folder, json.loads((folder / SUMMARY_JSON).read_text(encoding="utf-8")))
+        except (ValueError, KeyError, TypeError) as e:
+            raise StorageError(
+                f"{folder / SUMMARY_JSON} is not a sweep summary qie wrote ({e.__class__.__name__}: {e}): rebuild "
+                "each job's report with python -m qie.report JOB_FOLDER"
+            ) from None
     if (folder / DEMO_REPORT).is_file() and (folder / "train" / METRICS).is_file():  # a demo's folder
         from qie.demo.page import write_demo_page
 

@@ -118,6 +118,13 @@ def test_the_report_is_rebuilt_from_the_finished_folder(reported_run: dict, tmp_
         report.main([str(tmp_path / "nowhere")])
     err = capsys.readouterr().err
     assert end.value.code == 2 and err.startswith("qie: error: ") and err.count("\n") == 1 and "nowhere" in err
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "sweep_summary.json").write_text('{"jobs": 3}')
+    with pytest.raises(SystemExit) as end:
+        report.main([str(tmp_path / "sweep")])
+    err = capsys.readouterr().err
+    assert end.value.code == 2 and err.count("\n") == 1 and "sweep_summary.json is not a sweep summary" in err
+    assert not (tmp_path / "sweep" / "sweep_report.html").exists()
 
 
 def _job(sweep: Path, name: str, lr: str, losses: list[float], heldout: float, source: Path) -> dict:

@@ -181,6 +181,7 @@ def spread(steps: list[int], count: int) -> list[int]:
 
 
 def hydra_overrides(run: RunFiles) -> str:
+    """The overrides Hydra recorded in the run folder, where it did."""
     if not run.hydra_overrides:
         return ""
     return "<p>Hydra's overrides (.hydra/overrides.yaml):</p>" + preformatted(" ".join(run.hydra_overrides))

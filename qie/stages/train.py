@@ -344,7 +344,8 @@ def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: T
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
     extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
     folder = ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
-    refresh_report(run_dir, state.accelerator)
+    if step < int(train.max_steps):  # the last step's report is written by `finish`, with the run's result
+        refresh_report(run_dir, state.accelerator)
     return folder
 
 
