@@ -247,3 +247,20 @@ def test_the_rebuilt_command_composes_the_same_config() -> None:
     assert not [o for o in overrides if "demo." in o] and "train.max_steps=7" in overrides
     again = OmegaConf.to_container(compose("train", overrides), resolve=True)
     assert again == OmegaConf.to_container(for_stage(demo, "train"), resolve=True)
+
+
+def test_a_long_runs_strips_show_a_spread_of_steps_and_the_first_pictures(tmp_path: Path) -> None:
+    from qie.reporting.run_report import MAX_STRIP_ROWS, MAX_STRIP_STEPS, write_report
+
+    for step in range(10, 210, 10):  # 20 validation steps of 20 pictures each
+        folder = tmp_path / "validation" / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        for n in range(20):
+            Image.new("RGB", (8, 8), (n, step, 0)).save(folder / f"{n:02d}.png")
+    text = write_report(tmp_path).read_text(encoding="utf-8")
+    alts = [alt for alt, _ in images(text)]
+    assert len(alts) == MAX_STRIP_ROWS * MAX_STRIP_STEPS == 16 * 12
+    steps = sorted({int(alt.split("step ")[1]) for alt in alts})
+    assert steps[0] == 10 and steps[-1] == 200 and len(steps) == 12
+    assert {alt.split(" ")[0] for alt in alts} == {f"{n:02d}" for n in range(16)}
+    assert "shown: 12 of 20 validation steps; 16 of 20 pictures" in text

@@ -18,6 +18,7 @@ from qie.reporting.run_files import REPORT, RunFiles, read_run
 
 # At most this many validation steps in a strip, spread over the run (the first and the last always among them).
 MAX_STRIP_STEPS = 12
+MAX_STRIP_ROWS = 16  # and at most this many pictures of each step (the first, by name)
 # The columns of metrics.jsonl drawn on their own charts (each other number gets a chart of its own).
 PLOTTED = {"step", "loss", "lr", "grad_norm", "seconds", "reg_loss"}
 
@@ -154,21 +155,26 @@ def measure_charts(run: RunFiles) -> list[tuple[str, str | None]]:
 
 
 def validation_pictures(run: RunFiles) -> str:
-    """Per validation set, its pictures: a row per sample, a column per validation step."""
+    """Per validation set, its pictures: a row per sample (the first MAX_STRIP_ROWS), a column per validation step
+    (at most MAX_STRIP_STEPS)."""
     parts = []
     for name, by_step in run.pictures.items():
         if not by_step:
             continue
         steps = spread(list(by_step), MAX_STRIP_STEPS)
         files = sorted({f for step in steps for f in by_step[step]})
-        rows = [(Path(f).stem, [by_step[s].get(f) for s in steps]) for f in files]
+        rows = [(Path(f).stem, [by_step[s].get(f) for s in steps]) for f in files[:MAX_STRIP_ROWS]]
+        notes = [
+            f"{len(steps)} of {len(by_step)} validation steps" if len(steps) < len(by_step) else "",
+            f"{len(rows)} of {len(files)} pictures" if len(rows) < len(files) else "",
+        ]
+        shown = "; ".join(n for n in notes if n)
         title = f"<h3>{esc(name)}</h3>" if name else ""
-        shown = (
-            ""
-            if len(steps) == len(by_step)
-            else f'<p class="muted">{len(steps)} of {len(by_step)} validation steps shown</p>'
+        parts.append(
+            title
+            + (f'<p class="muted">shown: {shown}</p>' if shown else "")
+            + strip([f"step {s}" for s in steps], rows)
         )
-        parts.append(title + shown + strip([f"step {s}" for s in steps], rows))
     return section("Validation pictures", *parts)
 
 
