@@ -257,9 +257,13 @@ def test_a_long_runs_strips_show_a_spread_of_steps_and_the_first_pictures(tmp_pa
         folder.mkdir(parents=True)
         for n in range(20):
             Image.new("RGB", (8, 8), (n, step, 0)).save(folder / f"{n:02d}.png")
+    (tmp_path / "validation" / "step-000200" / "00.png").write_bytes(b"not a picture")
+    Image.new("RGBA", (8, 8), (0, 0, 0, 0)).save(tmp_path / "validation" / "step-000200" / "01.png")
     text = write_report(tmp_path).read_text(encoding="utf-8")
     alts = [alt for alt, _ in images(text)]
-    assert len(alts) == MAX_STRIP_ROWS * MAX_STRIP_STEPS == 16 * 12
+    assert "00.png: unreadable" in text and len(alts) == MAX_STRIP_ROWS * MAX_STRIP_STEPS - 1 == 16 * 12 - 1
+    kinds = {alt: kind for kind, _, alt in IMAGE.findall(text)}
+    assert kinds["01 step 200"] == "png" and kinds["01 step 10"] == "jpeg"  # PNG only where alpha shows
     steps = sorted({int(alt.split("step ")[1]) for alt in alts})
     assert steps[0] == 10 and steps[-1] == 200 and len(steps) == 12
     assert {alt.split(" ")[0] for alt in alts} == {f"{n:02d}" for n in range(16)}

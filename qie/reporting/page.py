@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from PIL import Image
+from qie.data.images import ImageError, open_image
 
 THUMBNAIL = 192  # px, the longer side of a picture in a strip
 
@@ -104,11 +104,11 @@ def picture(path: Path | None, alt: str, size: int = THUMBNAIL) -> str:
     if path is None:
         return ""
     try:
-        with Image.open(path) as image:
-            image.load()
-            shown = image.convert("RGBA" if "A" in image.getbands() else "RGB")
-    except (OSError, ValueError) as e:
-        return f'<span class="muted">{esc(path.name)}: unreadable ({esc(e.__class__.__name__)})</span>'
+        shown = open_image(path, alpha=True)
+    except ImageError:
+        return f'<span class="muted">{esc(path.name)}: unreadable</span>'
+    if shown.getchannel("A").getextrema() == (255, 255):  # opaque
+        shown = shown.convert("RGB")
     shown.thumbnail((size, size))
     buffer = io.BytesIO()
     kind = "png" if shown.mode == "RGBA" else "jpeg"  # JPEG keeps a run's many pictures small; PNG keeps alpha
