@@ -1,6 +1,7 @@
 """A sweep's summary: per job its overrides, status, final loss, held-out metrics and run folder, read from the
 job folders (so it works whichever launcher ran them, Slurm included), printed as a markdown table and written
-to the sweep folder as `sweep_summary.md` and `sweep_summary.json`."""
+to the sweep folder as `sweep_summary.md` and `sweep_summary.json`, with `sweep_report.html` beside them (the jobs
+side by side, `qie.reporting.sweep_report`)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,12 @@ def write_summary(sweep: Path, folders: list[Path]) -> dict[str, Any]:
     (sweep / SUMMARY_MD).write_text(text, encoding="utf-8")
     (sweep / SUMMARY_JSON).write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     print(f"qie: sweep summary ({sweep / SUMMARY_MD}, {SUMMARY_JSON}):\n{text}", end="")
+    try:
+        from qie.reporting.sweep_report import write_sweep_report  # draws with matplotlib: only when a sweep ends
+
+        print(f"qie: sweep report {write_sweep_report(sweep, summary)}")
+    except Exception as e:  # the summary is written; a report that cannot be drawn must not hide it
+        print(f"qie: warning: the sweep report could not be written ({e.__class__.__name__}: {e})")
     return summary
 
 

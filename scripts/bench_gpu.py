@@ -385,8 +385,9 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     from qie.components import prepare_model
     from qie.config import typed
     from qie.models import model_spec
+    from qie.stages.accelerator import make_accelerator
     from qie.stages.settings import fused_base
-    from qie.stages.train import build_train_state, loop_settings, make_accelerator, make_objective
+    from qie.stages.train import build_train_state, loop_settings, make_objective
     from qie.stages.train_setup import train_mode
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit

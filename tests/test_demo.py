@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
+from qie import report as report_cli
 from qie.config import compose
 from qie.demo import synthetic
 from qie.demo.measure import layer_error
@@ -62,6 +64,16 @@ def test_short_demo_learns_a_visible_edit(tmp_path: Path, capsys: pytest.Capture
     assert len((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()) == STEPS
     assert Path(report["lora"]).is_file()
     assert GRID_TAG in _tensorboard_image_tags(tmp_path / "train" / "tensorboard")
+    # The demo's page: its training run's report with the picture and the measures first.
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert f"page:        {tmp_path / 'report.html'}" in printed and (tmp_path / "train" / "report.html").is_file()
+    assert '<section id="demo-the-base-model-and-the-lora-on-the-held-out-samples">' in page
+    assert 'alt="demo picture"' in page and "<td>pixel error drop</td>" in page
+    assert page.index("demo picture") < page.index('<section id="training">')
+    (tmp_path / "report.html").unlink()
+    report_cli.main([str(tmp_path)])  # rebuilt from the folder: the same sections
+    sections = re.compile("<section id=[^>]*>")
+    assert sections.findall((tmp_path / "report.html").read_text()) == sections.findall(page)
 
 
 def _tensorboard_image_tags(logdir: Path) -> set[str]:

@@ -93,7 +93,7 @@ def test_metrics_and_tensorboard_hold_the_scalars_and_image_grids(cached_run: di
 
     rows = metrics(cached_run["dir"])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "seconds"} for r in rows)
+    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "seconds", "memory/max_rss_gib"} for r in rows)
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
     events = EventAccumulator(str(cached_run["dir"] / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
@@ -217,6 +217,11 @@ def test_multirun_gives_each_job_its_own_run_directory(cached_data: CachedData, 
     cli.main()
     lrs = {job.name: metrics(job)[0]["lr"] for job in sweep.iterdir() if (job / "metrics.jsonl").exists()}
     assert lrs == {"0": pytest.approx(1e-4), "1": pytest.approx(3e-4)}
+    # Each job's report, its command the job's own overrides; the sweep's report beside its summary.
+    assert (sweep / "sweep_report.html").is_file() and (sweep / "1" / "report.html").is_file()
+    command = json.loads((sweep / "1" / "run_info.json").read_text())["command"]
+    assert command.startswith("python -m qie.train model=tiny ") and command.endswith(" train.learning_rate=0.0003")
+    assert " train.max_steps=1 " in command and "0.0001" not in command and "hydra.sweep.dir" not in command
 
 
 def test_full_mode_trains_every_weight_but_the_dead_ones(

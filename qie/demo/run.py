@@ -42,6 +42,7 @@ from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
 from qie.demo.builtin import data_kind
 from qie.demo.measure import by_position, frame_errors, layer_error, mean_of_all, pixel_error, vae_psnr
+from qie.demo.page import write_demo_page
 from qie.demo.share import export_demo
 from qie.demo.synthetic import composite, make_dataset
 from qie.evaluation.grid import captioned_grid
@@ -129,7 +130,7 @@ def _measure(spec: ModelSpec, output: Output, source: Any, predictor: infer.Pred
     picture = _picture(report_to, run_dir, compared.rows, compared.captions, compared.titles, int(result["step"]))
     report = _report(base.loss, lora.loss, psnr, compared, result, picture, run_dir)
     (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
-    print(format_report(report, run_dir))
+    print(format_report(report, run_dir) + f"\n  page:        {write_demo_page(run_dir, report)}")
     return report
 
 

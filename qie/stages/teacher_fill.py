@@ -18,6 +18,7 @@ from qie.data.collate import collate
 from qie.data.samples import Sample
 from qie.errors import ConfigError, QieError
 from qie.progress import progress
+from qie.stages.accelerator import make_accelerator
 from qie.stages.precompute_work import TypeSummary
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import BackendTeacherStore
@@ -25,7 +26,6 @@ from qie.stages.train import (
     base_model_key,
     build_train_state,
     load_model,
-    make_accelerator,
     make_objective,
     run_records,
 )

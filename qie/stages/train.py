@@ -35,16 +35,17 @@ from qie.data import file_stats
 from qie.data.samples import Sample
 from qie.errors import ConfigError, Interrupted, check_writable
 from qie.models import ModelSpec
+from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
 from qie.stages.heldout import heldout_hook, measure_heldout, split_heldout
-from qie.stages.processes import warn_single_process
 from qie.stages.recipes import lora_exports, make_ema, regularization_logging
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
 from qie.stages.train_hooks import search_result, step_hooks
+from qie.stages.train_report import record_run, refresh_report
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
@@ -52,9 +53,8 @@ from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.fused_base import FusedBase
 from qie.training.logging import MetricsLogger
-from qie.training.lookups import remember_package_lookups
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
-from qie.training.memory import MemorySettings, apply_memory, enable_fsdp_on_cpu, full_tensor
+from qie.training.memory import MemorySettings, apply_memory, full_tensor
 from qie.training.modes import TrainMode
 from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
@@ -94,6 +94,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         check_writable(run_dir, "the run directory (hydra.run.dir)")
         run_lock.acquire(run_dir)
     try:
+        record_run(run_dir, cfg, setup.run_config, accelerator)
         # A backend whose start-up check reads an index starts reading it now, beside the data set's scan.
         ahead = TRAINING_TYPES if str(setup.source.mode) == "cached" else ()
         return _train(setup, run_dir, accelerator, build_backend(cfg.cache, read_ahead=ahead), on_step_end)
@@ -228,34 +229,6 @@ def collecting() -> Iterator[None]:
             gc.disable()
 
 
-def make_accelerator(train: TrainConfig, memory: MemorySettings, model_dtype: str, run_dir: Path) -> Any:
-    """The run's Accelerator, seeded with `train.seed` (FSDP shards the family's transformer blocks, `memory`)."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    remember_package_lookups()
-    accelerator = Accelerator(
-        # Without CUDA, accelerate joins the processes of torchrun / `accelerate launch` only when told it
-        # is on the CPU; otherwise each process would train alone.
-        cpu=not torch.cuda.is_available(),
-        mixed_precision=mixed_precision(str(train.mixed_precision), model_dtype),
-        gradient_accumulation_steps=int(train.gradient_accumulation_steps),
-        project_dir=str(run_dir),
-        **memory.accelerator_kwargs(),
-    )
-    enable_fsdp_on_cpu(accelerator, memory)
-    set_seed(int(train.seed))
-    warn_single_process(accelerator.num_processes, "qie.train")
-    return accelerator
-
-
-def mixed_precision(setting: str, model_dtype: str) -> str:
-    """`train.mixed_precision`, with "auto" meaning bf16 on CUDA for a bf16 model and "no" otherwise."""
-    if setting == "auto":
-        return "bf16" if torch.cuda.is_available() and model_dtype == "bfloat16" else "no"
-    return setting
-
-
 def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline_config: dict | None = None,
                    teachers: Any = None, model_key: dict | None = None) -> Objective:  # fmt: skip
     """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift).
@@ -350,7 +323,10 @@ def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: T
             "model": records[0], "data": records[1]}  # fmt: skip
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
     extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
-    return ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
+    folder = ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
+    if step < int(train.max_steps):  # the last step's report is written by `finish`, with the run's result
+        refresh_report(run_dir, state.accelerator)
+    return folder
 
 
 def _instantiate(node: Any) -> Any:
@@ -373,6 +349,7 @@ def finish(
             model = accelerator.unwrap_model(state.model)
             result["ema_lora"] = str(export_ema(ema, path.parent, model, exports, mode.base))
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
+        report = refresh_report(run_dir, accelerator)
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
         how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
@@ -381,6 +358,8 @@ def finish(
         if result["stopped_by_signal"]:
             print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
         print(f"qie: metrics {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+        if report is not None:
+            print(f"qie: report {report}")
     # Free the DDP wrapper while the process group is still registered: a gloo group whose last owner is
     # DDP's reducer is destroyed holding the GIL, which deadlocks with gloo's threads (pytorch#56297).
     state.model = None

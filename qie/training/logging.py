@@ -1,7 +1,7 @@
 """Training metrics and images: metrics.jsonl in the run directory, TensorBoard or wandb beside it.
 
-metrics.jsonl gets one line per logged optimizer step (step, loss, lr, grad_norm, seconds); the tracker
-gets the same scalars plus memory. Image grids show the training and control images of recent samples,
+metrics.jsonl gets one line per logged optimizer step (step, loss, lr, grad_norm, seconds, peak memory); the
+tracker gets the same scalars. Image grids show the training and control images of recent samples,
 read from the original files when logged and dropped right after, so cached training holds no pixels.
 """
 
@@ -96,9 +96,10 @@ class MetricsLogger:
             return
         if self._file is None:  # opened once, line-buffered: each step's line reaches the file as it is logged
             self._file = open(self.path, "a", buffering=1)
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        memory = memory_gib()  # in the line too: the run's report draws it
+        self._file.write(json.dumps({"step": step, **metrics, **memory}) + "\n")
         scalars = {f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-        scalars.update(memory_gib())
+        scalars.update(memory)
         self.log_scalars(scalars, step)
 
     def log_file(self, name: str, step: int, scalars: dict[str, float]) -> None:
