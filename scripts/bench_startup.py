@@ -131,6 +131,7 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     template = {t: backend.path(t, first[t]).read_bytes() for t in ENTRY_TYPES}
     base = first["empty_prompt_embed"].encode()
     assert template["prompt_embed"].count(base) == 1, "the prompt entry names its base once"
+    assert all(template[t].count(first[t].encode()) == 1 for t in ENTRY_TYPES), "an entry names its own key once"
     for t in ENTRY_TYPES:
         for shard in range(256):
             (cache / t / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
@@ -138,10 +139,11 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
         keys = sample_keys(_sample(root, i, per_image), ctx, hasher)
         for t in ENTRY_TYPES:
             path = backend.path(t, keys[t])
+            entry = template[t].replace(first[t].encode(), keys[t].encode())  # the key its header records
             if t == "prompt_embed":
-                path.write_bytes(template[t].replace(base, keys["empty_prompt_embed"].encode()))
+                path.write_bytes(entry.replace(base, keys["empty_prompt_embed"].encode()))
             elif not path.exists():  # shared by the prompts of one image pair
-                path.write_bytes(template[t])
+                path.write_bytes(entry)
     hasher.save()
     timings["keys + entries"] = time.perf_counter() - t0
     info = {"timings": timings, "entries": n * len(ENTRY_TYPES), "files": _count_files(cache, ENTRY_TYPES)}
