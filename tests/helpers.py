@@ -174,3 +174,17 @@ def hf_extra_image_column(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field
     columns = Columns(**{field: "extra"})
     return images["x"], read_dataset(DataSource(str(tmp_path / "ds"), "hf", columns=columns,
                                                 images_dir=tmp_path / "img")).samples  # fmt: skip
+
+
+@contextlib.contextmanager
+def optuna_logs_through_root():
+    """optuna binds its own log handler to the stderr of the test that first searched (captured, then closed): a
+    later search in the same worker would print a logging error into its own stderr. Within the block optuna's
+    records go to the root logger's handlers, which each run sets up anew."""
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    try:
+        yield
+    finally:
+        optuna.logging.enable_default_handler()

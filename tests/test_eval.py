@@ -55,9 +55,9 @@ def lora(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     transformer = load_parts(model, ["transformer"], {"transformer": "cpu"}).transformer
     add_lora(transformer, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"])
     generator = torch.Generator().manual_seed(0)
-    for name, p in transformer.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn(p.shape, generator=generator) * 2
+    for name, p in transformer.named_parameters():  # both factors seeded: the same LoRA in every process
+        if "lora_A" in name or "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=generator) * (2.0 if "lora_B" in name else 0.5)
     return save_lora(transformer, tmp_path_factory.mktemp("lora") / "random_lora")
 
 

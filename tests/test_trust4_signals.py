@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import CachedData, small_config
+from helpers import CachedData, optuna_logs_through_root, small_config
 
 from qie.errors import Interrupted
 from qie.stages import train as train_stage
@@ -173,7 +173,8 @@ def test_a_search_whose_every_trial_fails_ends_in_one_line_with_its_summary(
         f"hydra.sweep.dir={sweep}",
     ]
     monkeypatch.setattr(sys, "argv", argv)
-    assert exit_code(train_entry.main) == 1
+    with optuna_logs_through_root():
+        assert exit_code(train_entry.main) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "No trials are completed yet" not in err
     errors = [line for line in err.splitlines() if line.startswith("qie: error:")]

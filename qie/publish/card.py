@@ -164,7 +164,7 @@ def _usage(base: BaseModel, where: str) -> str:
         f'pipe.load_lora_weights("{file}")\npipe.fuse_lora(lora_scale={scale})\npipe.unload_lora_weights()\n'
         for file, scale in base.fused
     )
-    call = 'pipe(image=Image.open("in.png"), prompt="...")' if base.task == "image-to-image" else 'pipe(prompt="...")'
+    call = 'pipe(image=load_image("in.png"), prompt="...")' if base.task == "image-to-image" else 'pipe(prompt="...")'
     return f"""## Use it
 
 With diffusers:
@@ -172,7 +172,7 @@ With diffusers:
 ```python
 import torch
 from diffusers import {base.pipeline}
-from PIL import Image
+from diffusers.utils import load_image
 
 pipe = {base.pipeline}.from_pretrained("{source}", torch_dtype=torch.bfloat16).to("cuda")
 {fuse}pipe.load_lora_weights("{where}", weight_name="pytorch_lora_weights.safetensors")

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.config import register, typed, validate
 from qie.errors import ConfigError, check_writable
-from qie.models import model_spec
+from qie.models import model_spec, variants
 from qie.publish.folder import Export, write_export
 from qie.publish.hub import push_folder
 from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
@@ -82,8 +82,9 @@ def base_model(config: dict, lora: Path) -> BaseModel:
     model = config.get("model")
     if not model:
         record = _recorded_model(lora)
-        pipeline = str(record.get("pipeline", "QwenImageEditPipeline"))
-        task = "text-to-image" if pipeline in ("QwenImagePipeline",) else "image-to-image"
+        pipeline = str(record.get("pipeline", "DiffusionPipeline"))
+        takes_images = [v.output_image is not None for _, v in variants().values() if v.pipeline_class == pipeline]
+        task = "image-to-image" if any(takes_images) or not takes_images else "text-to-image"
         return BaseModel("(not recorded)", None, pipeline, task, str(record.get("name", "...")), fused)
     spec = model_spec(OmegaConf.create(model))
     source = str(model.get("pretrained_model_name_or_path"))

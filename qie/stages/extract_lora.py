@@ -1,8 +1,8 @@
 """The extract stage: a LoRA from the difference between the base transformer (the `model` group: any hub id, folder
 or single file qie reads, with its `model.fuse_loras`) and a tuned one (`extract.tuned`), by SVD per linear layer
-(`qie.training.lora_extract`).
+(`qie.training.lora_extract`); MODEL is the base's model config (the name of a `conf/model/` file).
 
-    python -m qie.extract_lora model=qwen_image_edit extract.tuned=RUN/transformer extract.rank=64 \
+    python -m qie.extract_lora model=MODEL extract.tuned=RUN/transformer extract.rank=64 \
         extract.out=extracted/pytorch_lora_weights.safetensors
 """
 
