@@ -195,6 +195,21 @@ def test_reward_keys_are_checked_against_the_constructor_when_composed(overrides
     assert str(e.value).startswith(message)
 
 
+def test_a_reward_without_a_constructor_of_its_own_takes_no_keys_before_its_first_instance() -> None:
+    """typing gives a Protocol's subclass a `(*args, **kwargs)` placeholder until it is first instantiated: the key
+    check must not take that for a constructor that accepts anything."""
+    from qie.config.rewards import constructor_parameters
+    from qie.extend import Reward
+
+    class Plain(Reward):
+        def __call__(self, images, controls, prompts, **needed):
+            return images.flatten(1).mean(dim=1)
+
+    assert constructor_parameters(Plain) == []
+    Plain()
+    assert constructor_parameters(Plain) == []
+
+
 def test_a_class_that_is_no_reward_is_refused_in_one_line(tmp_path: Path, rows: Path) -> None:
     with pytest.raises(ConfigError) as e:
         _eval(tmp_path, f"data.path={rows}", "+eval.rewards.odd._target_=pathlib.PurePath")

@@ -37,6 +37,15 @@ def reward_class(key: str, target: Any) -> type:
     return cls
 
 
+def constructor_parameters(cls: type) -> list[inspect.Parameter]:
+    """The parameters `cls(...)` takes. A subclass of a `typing.Protocol` (such as `qie.extend.Reward`) without an
+    `__init__` of its own reports typing's placeholder, `(*args, **kwargs)`, until its first instance replaces it
+    with `object.__init__`: it takes none either way."""
+    if getattr(cls.__init__, "__name__", "") == "_no_init_or_replace_init":
+        return []
+    return list(inspect.signature(cls).parameters.values())
+
+
 def rewards_problem(node: Any, path: str) -> str | None:
     """Why the rewards of `node` (`path`: its dotted name) cannot be built as configured (one line), or None."""
     if node is None:
@@ -48,7 +57,7 @@ def rewards_problem(node: Any, path: str) -> str | None:
         if not isinstance(reward, DictConfig):
             return f"{key} must be a mapping with _target_ (a qie.extend.Reward), got {reward!r}"
         cls = reward_class(key, reward.get("_target_"))
-        params = inspect.signature(cls).parameters.values()
+        params = constructor_parameters(cls)
         named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if any(p.kind is p.VAR_KEYWORD for p in params):
             continue
