@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from qie.reporting.run_files import last_line, read_json
+
 SUMMARY_MD = "sweep_summary.md"
 SUMMARY_JSON = "sweep_summary.json"
 # What a job leaves in its folder: a user error (written by qie.cli), the train stage's result, validation's
@@ -26,7 +28,7 @@ def job_record(folder: Path) -> dict[str, Any]:
     """What a job folder says about its job (see `summarize`)."""
     overrides = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text(encoding="utf-8")) or []
     record: dict[str, Any] = {"job": folder.name, "overrides": [str(o) for o in overrides], "run_dir": str(folder)}
-    result = _read_json(folder / TRAIN_RESULT)
+    result = read_json(folder / TRAIN_RESULT)
     if (folder / ERROR_FILE).is_file():
         lines = (folder / ERROR_FILE).read_text(encoding="utf-8").strip().splitlines()
         record.update(status="failed", error=lines[0] if lines else "(no message)")
@@ -40,7 +42,7 @@ def job_record(folder: Path) -> dict[str, Any]:
             if key in result:
                 record[key] = result[key]
     for path in (VALIDATION_METRICS, VALIDATION_REWARDS):  # the edit metrics, then `validation.rewards`
-        validation = _last_line(folder / path)
+        validation = last_line(folder / path)
         if validation:
             record.setdefault("validation", {}).update(validation.get("mean", {}))
     return record
@@ -100,21 +102,6 @@ def write_summary(sweep: Path, folders: list[Path]) -> dict[str, Any]:
 
 def _job_order(folder: Path) -> tuple:
     return (0, int(folder.name), "") if folder.name.isdigit() else (1, 0, folder.name)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _last_line(path: Path) -> dict | None:
-    try:
-        lines = path.read_text(encoding="utf-8").strip().splitlines()
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        return None
 
 
 def _number(value: Any) -> float | None:

@@ -57,7 +57,7 @@ def colour_fidelity(out: Path, data: Path, heldout: int, loras: dict[str, str]) 
     the target's shape pixels). Writes `heldout_edits.png`: per pair the control, each LoRA's edit, the target."""
     from qie.components import prepare_model
     from qie.config import typed
-    from qie.data.samples import scan_folder
+    from qie.data.scan import scan_folder
     from qie.sampling import SamplingOptions
     from qie.stages.heldout import split_heldout
     from qie.stages.infer import build_predictor

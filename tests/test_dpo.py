@@ -16,7 +16,7 @@ from test_step import fixed_batch
 from qie.components import load_parts
 from qie.config import compose
 from qie.data.manifest import scan_manifest
-from qie.data.samples import scan_folder
+from qie.data.scan import scan_folder
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.training.lora import add_lora, load_lora, save_lora

@@ -45,7 +45,7 @@ from qie.cache.remote_claims import Lease, holder, note_unreleased, release_note
 from qie.cache.remote_index import RemoteIndex, flush_at_exit, flush_quietly
 from qie.cache.remote_segments import Record
 from qie.cache.remote_shared import SharedDocuments
-from qie.cache.remote_store import Store, open_filesystem
+from qie.cache.remote_store import open_store
 from qie.errors import CacheDirMissing, ConfigError, StorageError
 from qie.types import SCHEMA_VERSION
 
@@ -99,19 +99,7 @@ class RemoteBackend:
                 f"cache.url={self.url!r} has no scheme: use s3://BUCKET/PREFIX (any fsspec URL), file:///FOLDER for "
                 "a folder standing in for a bucket, or cache=ssd cache.dir=FOLDER"
             )
-        where = self.url + (f" at {self.endpoint_url}" if self.endpoint_url else "")
-
-        def reopen():
-            return open_filesystem(self.url, self.endpoint_url, storage_options, float(timeout))
-
-        try:
-            fs, root = reopen()
-        except (ImportError, ValueError) as e:
-            hint = "for s3:// URLs pip install 'qie[s3]'"
-            raise ConfigError(f"cache.url={self.url!r} cannot be opened ({e}): {hint}") from None
-        if "/" not in root.strip("/") and self.url.startswith(("s3://", "gs://", "gcs://", "az://", "abfs://")):
-            raise ConfigError(f"cache.url={self.url!r} names a bucket without a prefix: use s3://BUCKET/PREFIX")
-        self.store = Store(fs, root, where, retries, backoff, reopen)
+        self.store = open_store("cache", self.url, self.endpoint_url, storage_options, (retries, backoff, timeout))
         local = Path(local_dir) if local_dir else default_local_dir(self.url, self.endpoint_url)
         self.local = LocalCopy(local, int(float(local_max_gb) * 2**30) if local_max_gb else None)
         self.verify_reads, self.lease_seconds = bool(verify_reads), float(lease_seconds)

@@ -5,16 +5,31 @@ and this node's copies of those entries)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import safetensors
 import torch
 
 from qie.cache.base import CorruptEntry, VerifyReport, base_of, check_key, check_type, decode, empty_stats
 from qie.cache.codec import CorruptError
+from qie.cache.local_copy import LocalCopy
+from qie.cache.remote_index import RemoteIndex
+from qie.cache.remote_segments import Record
+from qie.cache.remote_store import Store
 
-if TYPE_CHECKING:
-    from qie.cache.remote import RemoteBackend
+
+class RemoteBackend(Protocol):
+    """What the admin actions use of `qie.cache.remote.RemoteBackend` (which calls them: named here, not imported)."""
+
+    store: Store
+    index: RemoteIndex
+    local: LocalCopy
+
+    def name(self, type: str, key: str) -> str: ...
+
+    def probe(self, type: str, key: str, local: bool = True) -> Record | None: ...
+
+    def entries(self, type: str, report: VerifyReport | None = None) -> dict[str, int]: ...
 
 
 def stats(backend: RemoteBackend, types: list[str]) -> dict[str, dict]:

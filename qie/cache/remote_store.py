@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from qie.errors import StorageError
+from qie.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,33 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
         return [plain(v) for v in value]
     return value
+
+
+def open_store(
+    group: str, url: str, endpoint_url: str | None, storage_options: Mapping | None, requests: tuple[int, float, float]
+) -> Store:
+    """The store at `url` (the `<group>.url`-like setting named in errors: `cache.url`, `run.output_url`), its client
+    opened again in forked processes; `requests` is (retries, backoff, timeout) per request.
+
+    Raises:
+        ConfigError: a URL that cannot be opened (no s3fs), or a bucket without a prefix.
+    """
+    retries, backoff, timeout = requests
+    setting = "cache.url" if group == "cache" else f"{group}.output_url"
+    where = url + (f" at {endpoint_url}" if endpoint_url else "")
+
+    def reopen():
+        return open_filesystem(url, endpoint_url, storage_options, float(timeout))
+
+    try:
+        fs, root = reopen()
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"{setting}={url!r} cannot be opened ({e}): for s3:// URLs pip install 'qie[s3]'") from None
+    if "/" not in root.strip("/") and url.startswith(("s3://", "gs://", "gcs://", "az://", "abfs://")):
+        raise ConfigError(f"{setting}={url!r} names a bucket without a prefix: use s3://BUCKET/PREFIX")
+    store = Store(fs, root, where, retries, backoff, reopen)
+    store.settings = group
+    return store
 
 
 def open_filesystem(url: str, endpoint_url: str | None, storage_options: Mapping | None, timeout: float):

@@ -79,7 +79,7 @@ class _NotedCaptions(CaptionFiles):
 def scan_folder(
     root: Path, require_target: bool, require_prompt: bool, index_dir: str | os.PathLike, allow_outside: bool = False
 ) -> Dataset:
-    """`qie.data.samples.scan_folder`'s result: remembered in `index_dir` when nothing it depends on changed,
+    """`qie.data.scan.scan_folder`'s result: remembered in `index_dir` when nothing it depends on changed,
     else scanned (and remembered, when the folders did not change during the scan and `index_dir`'s parent, the
     cache folder, exists)."""
     settings = json.dumps(["folder", str(root), require_target, require_prompt, *(["outside"] * allow_outside)])

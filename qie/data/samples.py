@@ -219,30 +219,6 @@ def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFile
     return data
 
 
-def scan_folder(
-    root: Path,
-    require_target: bool,
-    require_prompt: bool = True,
-    index_dir: str | os.PathLike | None = None,
-    allow_outside: bool = False,
-) -> Dataset:
-    """The samples (sorted by id) and problems of a data set folder (either layout); without `require_prompt`,
-    a sample without a caption has the prompt "". An image that leads outside `root` through a symbolic link
-    (a linked file or folder) is a problem of its sample unless `allow_outside` (`qie.data.confine`).
-
-    Args:
-        index_dir: where scans are remembered by the folders' and captions' signatures
-            (`qie.data.folder_index`): a repeat scan of an unchanged folder stats each caption instead of listing
-            the folders and reading the captions. Written only when its parent folder (the cache folder)
-            exists. None: every scan lists and reads.
-    """
-    if index_dir is not None:
-        from qie.data import folder_index  # function-local: the index builds on this module
-
-        return folder_index.scan_folder(root, require_target, require_prompt, index_dir, allow_outside)
-    return read_folder(root, require_target, require_prompt, None, allow_outside)
-
-
 def read_folder(
     root: Path,
     require_target: bool,
@@ -250,7 +226,8 @@ def read_folder(
     captions: CaptionFiles | None = None,
     allow_outside: bool = False,
 ) -> Dataset:
-    """`scan_folder` from the folders' listings and the captions (`captions` reads them), remembering nothing."""
+    """`qie.data.scan.scan_folder` from the folders' listings and the captions (`captions` reads them), remembering
+    nothing."""
     links: set[str] = set()
     if (root / "layers").is_dir() and (root / "images").is_dir():
         data = _scan_layered_folder(root, require_prompt, captions or CaptionFiles(), links)

@@ -7,8 +7,9 @@ import os
 from operator import attrgetter
 from pathlib import Path
 
+from qie.data import folder_index
 from qie.data.manifest import scan_manifest
-from qie.data.samples import IMAGE_EXTENSIONS, Dataset, scan_folder
+from qie.data.samples import IMAGE_EXTENSIONS, Dataset, read_folder
 from qie.errors import DataError
 
 
@@ -66,3 +67,25 @@ def scan_dataset(
     data.samples.sort(key=attrgetter("id"))
     data.problems.sort(key=attrgetter("id"))
     return data
+
+
+def scan_folder(
+    root: Path,
+    require_target: bool,
+    require_prompt: bool = True,
+    index_dir: str | os.PathLike | None = None,
+    allow_outside: bool = False,
+) -> Dataset:
+    """The samples (sorted by id) and problems of a data set folder (either layout); without `require_prompt`,
+    a sample without a caption has the prompt "". An image that leads outside `root` through a symbolic link
+    (a linked file or folder) is a problem of its sample unless `allow_outside` (`qie.data.confine`).
+
+    Args:
+        index_dir: where scans are remembered by the folders' and captions' signatures
+            (`qie.data.folder_index`): a repeat scan of an unchanged folder stats each caption instead of listing
+            the folders and reading the captions. Written only when its parent folder (the cache folder)
+            exists. None: every scan lists and reads.
+    """
+    if index_dir is not None:
+        return folder_index.scan_folder(root, require_target, require_prompt, index_dir, allow_outside)
+    return read_folder(root, require_target, require_prompt, None, allow_outside)

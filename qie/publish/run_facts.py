@@ -4,12 +4,12 @@ them in `inputs.json`)."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qie.errors import ConfigError
+from qie.reporting.run_files import last_line, read_json
 from qie.training.lora import LORA_FILE, lora_file
 from qie.training.lora_extract import REPORT_FILE as EXTRACT_REPORT
 from qie.training.validation import INPUTS_FILE, METRICS_FILE
@@ -66,7 +66,7 @@ def read_run(run_dir: Path, config: dict, lora: str | None = None, samples: int 
     """
     if not run_dir.is_dir():
         raise ConfigError(f"export.run_dir={str(run_dir)!r} is not a folder: give a training run's folder")
-    result = _read_json(run_dir / RESULT_FILE) or {}
+    result = read_json(run_dir / RESULT_FILE) or {}
     if lora is None and "transformer" in result and "lora" not in result:
         raise ConfigError(
             f"export.run_dir={str(run_dir)!r} is a full fine-tune (its transformer/): make a LoRA of it with "
@@ -81,7 +81,7 @@ def read_run(run_dir: Path, config: dict, lora: str | None = None, samples: int 
         )
     facts = RunFacts(run_dir, found, config, result, heldout_metrics(run_dir, result))
     facts.samples = validation_samples(run_dir / "validation", samples)
-    facts.extraction = _read_json(found.parent / EXTRACT_REPORT)
+    facts.extraction = read_json(found.parent / EXTRACT_REPORT)
     return facts
 
 
@@ -89,7 +89,7 @@ def heldout_metrics(run_dir: Path, result: dict) -> dict[str, float]:
     """The run's measured numbers: the last training loss, the held-out loss (`validation.heldout_samples`) and
     the means of the last validation metrics (`validation/metrics.jsonl`)."""
     metrics = {key: float(result[key]) for key in ("loss", "heldout_loss") if result.get(key) is not None}
-    last = _last_line(_validation_folder(run_dir / "validation") / METRICS_FILE)
+    last = last_line(_validation_folder(run_dir / "validation") / METRICS_FILE)
     metrics.update({f"validation/{k}": float(v) for k, v in (last or {}).get("mean", {}).items()})
     return metrics
 
@@ -102,7 +102,7 @@ def validation_samples(folder: Path, count: int) -> list[SampleEdit]:
     steps = sorted(folder.glob("step-*"))
     if not steps:
         return []
-    inputs = _read_json(folder / INPUTS_FILE) or {}
+    inputs = read_json(folder / INPUTS_FILE) or {}
     out = []
     for image in sorted(steps[-1].glob("*.png"))[:count]:
         record = inputs.get(image.stem) or inputs.get(image.stem.rpartition("_")[0]) or {}
@@ -116,21 +116,6 @@ def _validation_folder(folder: Path) -> Path:
     """`validation/`, or with several step counts (`validation.step_counts`) its `steps-N/` of the largest N."""
     counts = sorted(folder.glob("steps-*"), key=lambda p: int(p.name.split("-")[1]) if p.name[6:].isdigit() else 0)
     return counts[-1] if counts and not any(folder.glob("step-*")) else folder
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _last_line(path: Path) -> dict | None:
-    try:
-        lines = path.read_text(encoding="utf-8").strip().splitlines()
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        return None
 
 
 def dataset_instructions(path: str | None, limit: int = 20) -> list[tuple[str, int]]:

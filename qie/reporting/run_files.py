@@ -69,8 +69,8 @@ def read_run(folder: Path) -> RunFiles:
     for name, sub in validation_sets(folder / VALIDATION).items():
         run.validation[name] = read_lines(sub / "metrics.jsonl")
         run.pictures[name] = pictures_by_step(sub)
-    run.info = _read_json(folder / RUN_INFO) or {}
-    run.result = _read_json(folder / RESULT)
+    run.info = read_json(folder / RUN_INFO) or {}
+    run.result = read_json(folder / RESULT)
     overrides = folder / ".hydra" / "overrides.yaml"
     if overrides.is_file():
         loaded = yaml.safe_load(overrides.read_text(encoding="utf-8")) or []
@@ -122,9 +122,20 @@ def read_lines(path: Path) -> list[dict]:
     return list(rows.values())
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`; None where it is missing, unreadable or not an object."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def last_line(path: Path) -> dict | None:
+    """The last line of a JSON-lines file as an object; None where it is missing, empty or unreadable."""
+    try:
+        lines = path.read_text(encoding="utf-8").strip().splitlines()
+        value = json.loads(lines[-1]) if lines else None
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None

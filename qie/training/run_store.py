@@ -6,7 +6,7 @@ file: `<url>/checkpoints/step-NNNNNN/...` and, at the end, the rest of the run f
 `train_result.json`, `.hydra/`, ...). A checkpoint is visible only once all its files are stored: its marker
 `checkpoints/step-NNNNNN/.complete` is written last, by a conditional create (as the cache's claims are), so a
 checkpoint whose upload was cut short is never listed, never resumed from, and uploaded again by the run that
-saves that step next. The file system is the one the `remote` cache backend opens (`open_filesystem`): the same
+saves that step next. The file system is the one the `remote` cache backend opens (`open_store`): the same
 endpoint and storage options, credentials from the `AWS_*` environment (`AWS_ENDPOINT_URL` included) or a profile.
 """
 
@@ -18,8 +18,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from qie.cache.remote_store import Store, open_filesystem
-from qie.errors import ConfigError
+from qie.cache.remote_store import open_store
 from qie.training import checkpoint as ckpt
 
 COMPLETE = ".complete"
@@ -51,20 +50,7 @@ class RunStore:
         timeout: float = 5.0,
     ) -> None:
         self.url, self.endpoint_url = str(url).rstrip("/"), endpoint_url or None
-        where = self.url + (f" at {self.endpoint_url}" if self.endpoint_url else "")
-
-        def reopen():
-            return open_filesystem(self.url, self.endpoint_url, storage_options, float(timeout))
-
-        try:
-            fs, root = reopen()
-        except (ImportError, ValueError) as e:
-            hint = "for s3:// URLs pip install 'qie[s3]'"
-            raise ConfigError(f"run.output_url={self.url!r} cannot be opened ({e}): {hint}") from None
-        if "/" not in root.strip("/") and self.url.startswith(("s3://", "gs://", "gcs://", "az://", "abfs://")):
-            raise ConfigError(f"run.output_url={self.url!r} names a bucket without a prefix: use s3://BUCKET/PREFIX")
-        self.store = Store(fs, root, where, retries, backoff, reopen)
-        self.store.settings = "run"
+        self.store = open_store("run", self.url, self.endpoint_url, storage_options, (retries, backoff, timeout))
 
     def upload(self, local: Path, name: str) -> int:
         """Store the file `local`, or every file under the folder `local`, as `name` (`name/<relative path>`);
