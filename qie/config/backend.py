@@ -9,7 +9,6 @@ key the schema does not know is the backend's own, so a backend from outside qie
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import fields
 from typing import Any
@@ -18,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie.cache.base import CacheBackend
 from qie.config.cache import CacheConfig
+from qie.config.targets import target_class
 from qie.errors import ConfigError, QieError
 
 # Schema keys passed to a constructor that takes any keyword (`**kwargs`); others only where named.
@@ -31,16 +31,7 @@ def backend_class(target: str) -> type:
     Raises:
         ConfigError: no importable class at that dotted path.
     """
-    module_name, _, class_name = str(target).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name, None) if module_name else None
-    except (ImportError, ValueError) as e:
-        raise ConfigError(f"cache._target_={target!r} cannot be imported: {e}") from None
-    if not isinstance(cls, type):
-        raise ConfigError(
-            f"cache._target_={target!r} is not a class: expected a dotted path such as 'qie.cache.ssd.SsdBackend'"
-        )
-    return cls
+    return target_class("cache._target_", target, "a dotted path such as 'qie.cache.ssd.SsdBackend'")
 
 
 def _parameters(cls: type) -> tuple[set[str], bool]:

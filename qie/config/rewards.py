@@ -8,12 +8,12 @@ builds its VL model from); they are not set in the config.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from qie.config.targets import target_class
 from qie.errors import ConfigError
 
 STAGE_KEYS = ("model",)
@@ -27,14 +27,7 @@ def reward_class(key: str, target: Any) -> type:
     """
     if not target:
         raise ConfigError(f"{key} has no _target_: set {key}._target_=pkg.module.Class (a qie.extend.Reward)")
-    module_name, _, class_name = str(target).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name, None) if module_name else None
-    except (ImportError, ValueError) as e:
-        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {e}") from None
-    if not isinstance(cls, type):
-        raise ConfigError(f"{key}._target_={target!r} is not a class: expected a dotted path to a qie.extend.Reward")
-    return cls
+    return target_class(f"{key}._target_", target, "a dotted path to a qie.extend.Reward")
 
 
 def constructor_parameters(cls: type) -> list[inspect.Parameter]:
