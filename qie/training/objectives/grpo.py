@@ -1,0 +1,284 @@
+"""Online reinforcement learning of edits: Flow-GRPO (`train.objective=grpo`).
+
+Each step, for each sample of the batch, the policy (the base with the trained adapter) samples `group_size` edits
+from the sample's cached prompt and control embeddings through the family's own sampling loop with its ODE step
+made an SDE (`qie.training.flow_sde`: `sampling_steps` steps, noise `noise_level`), recording each step's
+log-probability. The final latents are decoded (the VAE's decoder) to images in [0, 1] and scored by the reward
+(`qie.extend.Reward`, higher is better after `reward_value`); each reward is normalised within its group
+((r - mean) / (std + eps)): the advantage. Then `train_timesteps` of the steps, drawn per sample, are replayed with
+the gradient:
+
+    ratio = exp(log p_new(step) - log p_rollout(step))
+    loss = mean(max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))) + kl_weight * KL
+
+with KL that of the step's Gaussian under the policy to the one under the reference (the base with the adapter
+turned off: `dpo.Reference`), (mean - mean_ref)^2 / (2 scale^2) averaged over the latent. One optimisation per
+rollout: the ratio is 1 and the policy-gradient term is -A (its gradient A d log p), as in Flow-GRPO. Every draw
+(the starting noise, the steps' noise, the chosen steps) comes from the batch's generator.
+
+Logged: `reward_mean`, `reward_std` (within groups), `reward_best` (the groups' mean best), `kl`, `clip_fraction`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from qie.errors import ConfigError
+from qie.evaluation.reward import Reward, reward_value
+from qie.sampling import PromptInputs, initial_noise
+from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse
+from qie.training.objectives.distill import sample_inputs
+from qie.training.objectives.dpo import Reference
+from qie.types import Batch
+
+NAME = "grpo"
+
+
+@dataclass(frozen=True)
+class GrpoSettings:
+    """The objective's settings (`conf/train/objective/grpo.yaml`)."""
+
+    group_size: int = 4
+    sampling_steps: int = 10
+    noise_level: float = 0.7
+    clip_range: float = 1e-4
+    kl_weight: float = 0.04
+    train_timesteps: int = 2
+    true_cfg_scale: float = 1.0
+    reward: Any = None  # a {_target_: ..., keys} node, or a built Reward
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any] | None) -> GrpoSettings:
+        """The settings of `options` (plain values).
+
+        Raises:
+            ConfigError: a setting out of range, or no reward.
+        """
+        known = {f.name for f in fields(cls)}
+        s = cls(**{k: v for k, v in dict(options or {}).items() if k in known})
+        checks = [
+            ("group_size", s.group_size >= 2, "give 2 or more (advantages compare edits within a group)"),
+            ("sampling_steps", s.sampling_steps >= 1, "give 1 or more"),
+            (
+                "train_timesteps",
+                1 <= s.train_timesteps <= s.sampling_steps,
+                f"give 1 to sampling_steps ({s.sampling_steps})",
+            ),
+            ("noise_level", s.noise_level > 0, "give a value above 0 (e.g. 0.7)"),
+            ("clip_range", s.clip_range > 0, "give a value above 0 (e.g. 1e-4)"),
+            ("kl_weight", s.kl_weight >= 0, "give 0 or more (e.g. 0.04)"),
+            ("true_cfg_scale", s.true_cfg_scale >= 1, "give 1 (no CFG) or more"),
+        ]
+        for name, ok, hint in checks:
+            if not ok:  # NaN fails every comparison
+                raise ConfigError(f"train.objective.{name}={getattr(s, name)} is out of range: {hint}")
+        if s.reward is None:
+            raise ConfigError(
+                f"train.objective={NAME} needs a reward: set train.objective.reward._target_ (e.g. "
+                "qie.demo.reward.RecolourReward, or a qie.extend.Reward of your own)"
+            )
+        return s
+
+
+def build_reward(node: Any) -> Reward:
+    """The reward of a settings node (`qie.evaluation.build`), or `node` itself where it is built already."""
+    if isinstance(node, Reward) and not isinstance(node, Mapping):
+        return node
+    from qie.evaluation.build import build_rewards
+
+    reward = build_rewards({"reward": node}, "train.objective")["reward"]
+    if reward.needs:
+        raise ConfigError(
+            f"train.objective.reward ({type(reward).__name__}) needs {sorted(reward.needs)}: a "
+            f"rollout has no target or mask to give it; choose a reward that reads the edit, its "
+            "controls and its prompt"
+        )
+    return reward
+
+
+class Grpo:
+    """The Flow-GRPO objective (see the module's text).
+
+    Args:
+        inputs: the family (its `denoise` and `decode`), the scheduler, the decoder (`needs_decoder`) and
+            `sample_views` (a sample id's prompt and control images for the reward).
+        settings: `GrpoSettings`' fields.
+    """
+
+    requires: ClassVar[frozenset[str]] = frozenset({"empty_prompt"})  # no target; CFG's negative when asked
+    needs_decoder: ClassVar[bool] = True
+
+    def __init__(self, inputs: ObjectiveInputs, **settings: Any) -> None:
+        self.settings = s = GrpoSettings.of(settings)
+        if inputs.scheduler is None or inputs.decoder is None:
+            raise ValueError(f"train.objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
+        self.family, self.scheduler, self.decoder = inputs.family, inputs.scheduler, inputs.decoder
+        self.pipeline_config = dict(inputs.pipeline_config or {})
+        self.views: Callable[[str], tuple[str, list[torch.Tensor]]] | None = inputs.sample_views
+        self.reward = build_reward(s.reward)
+        self.reference = Reference(objective=NAME)
+        self._sums: dict[str, float] = {}
+        self._count = 0
+
+    @classmethod
+    def use_problem(cls, use: ObjectiveUse) -> str | None:
+        if not use.lora:
+            return (
+                f"train.objective={NAME} needs train.mode=lora: its reference is the base model with the "
+                "adapter turned off, which training the whole transformer does not keep"
+            )
+        if use.family.outputs.layers:
+            return (
+                f"train.objective={NAME} does not train a layered model: its rewards score one image per edit; "
+                "use train.objective=flow_matching"
+            )
+        if use.regularization:
+            return (
+                f"train.objective={NAME} does not mix in data.regularization (its batches are rollouts, not "
+                "targets): remove data.regularization.path"
+            )
+        GrpoSettings.of(use.options)
+        return None
+
+    def prepare(self, transformer: torch.nn.Module) -> None:
+        self.reference.prepare(transformer)
+
+    def _inputs(self, batch: Batch, i: int, copies: int) -> tuple[PromptInputs, PromptInputs | None, list]:
+        prompt, negative, controls = sample_inputs(batch, i)
+
+        def repeated(p: PromptInputs) -> PromptInputs:
+            image_mask = None if p.image_mask is None else p.image_mask.expand(copies, -1)
+            return PromptInputs(p.embeds.expand(copies, -1, -1), None, image_mask)
+
+        cfg = self.settings.true_cfg_scale > 1
+        return (
+            repeated(prompt),
+            (repeated(negative) if cfg else None),
+            [c.expand(copies, -1, -1, -1, -1) for c in controls],
+        )
+
+    def _run(self, model: Any, run: SdeRun, noise: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        prompt, negative, controls = inputs
+        caller = run.skipping(model) if run.mode == "replay" else model
+        return self.family.denoise(
+            caller,
+            run.scheduler(self.scheduler),
+            noise,
+            prompt,
+            negative,
+            controls,
+            int(self.settings.sampling_steps),
+            float(self.settings.true_cfg_scale),
+            False,
+            self.pipeline_config,
+        )
+
+    def _rewards(self, batch: Batch, i: int, latents: torch.Tensor) -> torch.Tensor:
+        """The group's rewards (higher is better) of its final latents."""
+        images = self.family.decode(self.decoder, latents, "pt").float().clamp(0, 1)
+        sample_id = batch.ids[i]
+        if self.views is not None:
+            prompt, controls = self.views(sample_id)
+        else:  # the controls as their latents decode
+            prompt, controls = (
+                "",
+                [self.family.decode(self.decoder, c[i : i + 1], "pt")[0].float() for c in batch.control_latents],
+            )
+        n = latents.shape[0]
+        scores = self.reward(images, [list(controls)] * n, [prompt] * n)
+        return reward_value(self.reward, torch.as_tensor(scores, dtype=torch.float64).reshape(n))
+
+    def rollout(self, model: Any, batch: Batch, i: int, generator: torch.Generator) -> tuple[SdeRun, torch.Tensor]:
+        """Sample `i`'s group of edits under `model` (no gradient): the recorded run and the rewards."""
+        g = int(self.settings.group_size)
+        inputs = self._inputs(batch, i, g)
+        shape, device = batch.latents.shape[1:], batch.latents.device
+        noise = initial_noise((g, *shape), generator, device, batch.prompt_embeds.dtype)
+        run = SdeRun("rollout", self.settings.noise_level, generator)
+        run.start = noise  # where a replay starts
+        with torch.no_grad():
+            latents = self._run(model, run, noise, inputs)
+        return run, self._rewards(batch, i, latents)
+
+    def _sample_loss(self, model: Any, batch: Batch, i: int, generator: torch.Generator) -> torch.Tensor:
+        s = self.settings
+        rollout, rewards = self.rollout(model, batch, i, generator)
+        advantages = group_advantages(rewards, s.group_size).to(batch.latents.device)
+        chosen = sorted(torch.randperm(int(s.sampling_steps), generator=generator)[: int(s.train_timesteps)].tolist())
+        inputs, noise = self._inputs(batch, i, s.group_size), rollout.start
+        policy = SdeRun("replay", s.noise_level, states=rollout.states, chosen=chosen)
+        self._run(model, policy, noise, inputs)
+        reference = SdeRun("replay", s.noise_level, states=rollout.states, chosen=chosen)
+        with torch.no_grad(), self.reference.active():
+            self._run(model, reference, noise, inputs)
+        new = torch.stack([policy.log_probs[c] for c in chosen], 1)
+        old = torch.stack([rollout.log_probs[c] for c in chosen], 1)
+        pg, clipped = clipped_loss(advantages, new, old, float(s.clip_range))
+        kl = torch.stack(
+            [
+                ((policy.means[c] - reference.means[c]) ** 2).flatten(1).mean(1) / (2 * policy.scales[c] ** 2)
+                for c in chosen
+            ]
+        ).mean()
+        groups = rewards.reshape(-1, s.group_size)
+        for name, value in (
+            ("reward_mean", rewards.mean()),
+            ("reward_std", groups.std(1, unbiased=False).mean()),
+            ("reward_best", groups.max(1).values.mean()),
+            ("kl", kl.detach()),
+            ("clip_fraction", clipped),
+        ):
+            self._sums[name] = self._sums.get(name, 0.0) + float(value)
+        self._count += 1
+        return pg + s.kl_weight * kl
+
+    def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
+        losses = [self._sample_loss(model, batch, i, generator) for i in range(len(batch.ids))]
+        return torch.stack(losses).mean()
+
+    def step_metrics(self) -> dict[str, float]:
+        out = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+        self._sums, self._count = {}, 0
+        return out
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+    ) -> dict[str, float]:
+        """The reward of each sample's edit sampled without noise in its steps (the family's ODE loop) from
+        `noise`; "loss" is its negative (lower is better, as every objective's). `sigmas` is not used."""
+        rewards = []
+        for i in range(len(batch.ids)):
+            prompt, negative, controls = self._inputs(batch, i, 1)
+            latents = self.family.denoise(
+                model,
+                self.scheduler,
+                noise[i : i + 1],
+                prompt,
+                negative,
+                controls,
+                int(self.settings.sampling_steps),
+                float(self.settings.true_cfg_scale),
+                False,
+                self.pipeline_config,
+            )
+            rewards.append(self._rewards(batch, i, latents))
+        reward = float(torch.cat(rewards).mean())
+        return {"loss": -reward, "reward": reward}
+
+
+# Today's objective seam (a module's REQUIRES, use_problem and build); the class above is the component.
+REQUIRES = tuple(sorted(Grpo.requires))
+
+
+def use_problem(use: ObjectiveUse) -> str | None:
+    return Grpo.use_problem(use)
+
+
+def build(inputs: ObjectiveInputs) -> Grpo:
+    return Grpo(inputs, **dict(inputs.options))

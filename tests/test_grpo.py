@@ -1,0 +1,173 @@
+"""Online RL (`train.objective=grpo`): the SDE step's log-probability, the group advantages, the objective's loss on
+the tiny edit model (pinned), the demo's reward, and what the objective refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from test_step import fixed_batch
+
+from qie.components import load_parts
+from qie.demo.reward import RecolourReward, named_colour, shape_region
+from qie.errors import ConfigError
+from qie.models import model_spec
+from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
+from qie.training.lora import add_lora
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse, check_use
+from qie.training.objectives.grpo import Grpo
+from qie.training.timesteps import SigmaSampling
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+SETTINGS = {
+    "group_size": 3,
+    "sampling_steps": 3,
+    "train_timesteps": 2,
+    "noise_level": 0.7,
+    "kl_weight": 0.04,
+    "reward": {"_target_": "qie.demo.reward.RecolourReward"},
+}
+
+
+def demo_control(size: int = 64) -> torch.Tensor:
+    """A white control image with a blue square in the middle, (3, size, size) in [0, 1]."""
+    image = torch.full((3, size, size), 245 / 255)
+    image[:, size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = torch.tensor([40, 80, 220])[:, None, None] / 255
+    return image
+
+
+def views(sample_id: str) -> tuple[str, list[torch.Tensor]]:
+    return "make the square red", [demo_control()]
+
+
+@pytest.fixture(scope="module")
+def tiny(small_cfg):
+    cfg = small_cfg("train")
+    spec = model_spec(cfg.model)
+    return cfg, spec, load_parts(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
+
+
+def grpo_objective(spec, parts, **options) -> Grpo:
+    inputs = ObjectiveInputs(
+        spec.family,
+        SigmaSampling(method="uniform"),
+        "none",
+        {},
+        parts.scheduler,
+        parts.pipeline_config,
+        spec.call_defaults(),
+        decoder=parts.vae,
+        sample_views=views,
+    )
+    return Grpo(inputs, **{**SETTINGS, **options})
+
+
+def rollout_batch(batch_size: int = 1, seed: int = 0):
+    batch = fixed_batch(batch_size, seed)
+    return dataclasses.replace(
+        batch,
+        latents=torch.zeros_like(batch.latents),
+        negative_prompt_embeds=torch.zeros_like(batch.prompt_embeds),
+        negative_prompt_embeds_mask=batch.prompt_embeds_mask,
+    )
+
+
+def lora_model(cfg, seed: int = 1):
+    transformer = load_parts(cfg.model, ["transformer"]).transformer
+    torch.manual_seed(seed)  # the A matrices' initialisation
+    add_lora(transformer, 4, 4, TARGETS)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in transformer.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.05
+    return transformer
+
+
+def test_the_sde_steps_log_probability_is_the_gaussian_log_density_of_the_step_taken() -> None:
+    g = torch.Generator().manual_seed(0)
+    sigmas = torch.tensor([1.0, 0.6, 0.25, 0.0])
+    run = SdeRun("rollout", 0.7, g)
+    sample, velocity = torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 3, generator=g)
+    taken = run.step(sigmas, velocity, sample)
+    std = sde_std(sigmas[0], sigmas[1], 0.7)
+    assert float(std) == pytest.approx(0.7 * math.sqrt(1 / (1 - 0.6)))  # sigma = 1 taken as sigma_1
+    mean = sde_mean(sample, velocity, sigmas[0], sigmas[1], std)
+    normal = torch.distributions.Normal(mean, std * math.sqrt(1.0 - 0.6))
+    torch.testing.assert_close(run.log_probs[0], normal.log_prob(taken).flatten(1).mean(1))
+    torch.testing.assert_close(gaussian_log_prob(taken, mean, run.scales[0]), run.log_probs[0])
+    # noise_level -> 0: the ODE's Euler step x + v dt
+    torch.testing.assert_close(
+        sde_mean(sample, velocity, sigmas[1], sigmas[2], torch.tensor(0.0)), sample + velocity * (0.25 - 0.6)
+    )
+
+
+def test_advantages_are_normalised_within_each_group_and_the_ratio_clipped() -> None:
+    rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 10.0])
+    adv = group_advantages(rewards, 3)
+    first = torch.tensor([1.0, 2.0, 3.0])
+    torch.testing.assert_close(adv[:3], (first - 2) / (first.std(unbiased=False) + 1e-4))
+    assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # a group of equal rewards teaches nothing
+    old = torch.zeros(2, 1)
+    loss, fraction = clipped_loss(torch.tensor([1.0, -1.0]), old + torch.tensor([[0.5], [0.0]]), old, 0.1)
+    assert float(fraction) == 0.5 and float(loss) == pytest.approx((-1.1 + 1.0) / 2)
+
+
+def test_the_demo_reward_reads_the_instruction_and_the_control() -> None:
+    control = demo_control()
+    region = shape_region(control)
+    assert int(region.sum()) == 32 * 32
+    red = named_colour("make the square red")
+    perfect = torch.where(region, red[:, None, None].float(), control)
+    reward = RecolourReward()
+    scores = reward(torch.stack([perfect, control]), [[control]] * 2, ["make the square red"] * 2)
+    assert float(scores[0]) == pytest.approx(1.0) and float(scores[1]) < 0.9
+    assert math.isnan(float(reward(control[None], [[control]], ["no colour named"])[0]))
+
+
+def test_the_first_loss_of_the_edit_family_is_pinned_and_trains_the_lora_only(tiny) -> None:
+    cfg, spec, parts = tiny
+    policy = lora_model(cfg)
+    objective = grpo_objective(spec, parts)
+    objective.prepare(policy)
+    loss = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(7))
+    loss.backward()
+    assert all(p.grad is not None for n, p in policy.named_parameters() if "lora_B" in n)
+    assert all(p.grad is None for n, p in policy.named_parameters() if "lora" not in n)
+    metrics = objective.step_metrics()
+    assert set(metrics) == {"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction"}
+    assert metrics["clip_fraction"] == 0.0 and metrics["kl"] > 0  # one optimisation per rollout: the ratio is 1
+    # The policy-gradient term is -mean(A) = 0 up to rounding at the first optimisation; the KL term is the loss.
+    assert loss.item() == pytest.approx(0.04 * metrics["kl"], abs=1e-7)
+    assert metrics["kl"] == pytest.approx(8.974571755970828e-06, rel=1e-4)
+    assert metrics["reward_mean"] == pytest.approx(0.618298403929776, rel=1e-6)
+    assert metrics["reward_best"] == pytest.approx(0.6246518317215888, rel=1e-6)
+    assert metrics["reward_std"] == pytest.approx(0.005332133030543949, rel=1e-4)
+
+
+def test_the_same_generator_gives_the_same_loss(tiny) -> None:
+    cfg, spec, parts = tiny
+    policy = lora_model(cfg)
+    objective = grpo_objective(spec, parts)
+    objective.prepare(policy)
+    first = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(3))
+    again = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(3))
+    assert float(first) == float(again)
+
+
+@pytest.mark.parametrize(
+    ("lora", "regularization", "options", "message"),
+    [
+        (False, False, SETTINGS, "train.objective=grpo needs train.mode=lora"),
+        (True, True, SETTINGS, "train.objective=grpo does not mix in data.regularization"),
+        (True, False, {**SETTINGS, "group_size": 1}, r"train.objective.group_size=1 is out of range"),
+        (True, False, {**SETTINGS, "train_timesteps": 4}, r"train.objective.train_timesteps=4 is out of range"),
+        (True, False, {"group_size": 2}, r"train.objective=grpo needs a reward"),
+    ],
+)
+def test_what_grpo_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:
+    family = model_spec(small_cfg("train").model).family
+    with pytest.raises(ConfigError, match=message) as info:
+        check_use("grpo", ObjectiveUse(family, lora, regularization, options))
+    assert "\n" not in str(info.value)
