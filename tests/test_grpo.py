@@ -12,7 +12,7 @@ from test_step import fixed_batch
 
 from qie.components import load_parts
 from qie.demo.reward import RecolourReward, named_colour, shape_region
-from qie.errors import ConfigError
+from qie.errors import ConfigError, DataError
 from qie.models import model_spec
 from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
 from qie.training.lora import add_lora
@@ -171,3 +171,54 @@ def test_what_grpo_refuses_in_one_line(small_cfg, lora, regularization, options,
     with pytest.raises(ConfigError, match=message) as info:
         check_use("grpo", ObjectiveUse(family, lora, regularization, options))
     assert "\n" not in str(info.value)
+
+
+# --- the stages: rows without targets ---------------------------------------------------------------------------
+
+GRPO = ["train.objective=grpo", "train.grpo.group_size=2", "train.grpo.sampling_steps=2",
+        "train.grpo.train_timesteps=1", "+train.grpo.reward._target_=qie.demo.reward.RecolourReward",
+        "train.max_steps=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def targetless(tmp_path_factory):
+    """Four demo edits as manifest rows without targets (controls and prompts only)."""
+    import json
+
+    from qie.demo.synthetic import make_dataset
+
+    root = tmp_path_factory.mktemp("targetless")
+    make_dataset(root, train=4, heldout=0, size=64)
+    rows = []
+    for control in sorted((root / "train" / "control_images").glob("*.png")):
+        prompt = (root / "train" / "training_images" / f"{control.stem}.txt").read_text().strip()
+        rows.append({"controls": [str(control.relative_to(root))], "prompt": prompt})
+    manifest = root / "rows.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest
+
+
+def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_train_with_the_decoder_alone(
+    small_cfg, targetless, tmp_path, monkeypatch
+) -> None:
+    from qie.stages import precompute, sources, train
+
+    cache = tmp_path / "cache"
+    data = [f"data.path={targetless}", f"cache.dir={cache}"]
+    precompute.run(small_cfg("precompute", *data, *GRPO), tmp_path / "pre")
+    filled = {p.name for p in cache.iterdir() if any(p.rglob("*.safetensors"))} - {"manifests"}
+    assert filled == {"prompt_embed", "control_latent", "empty_prompt_embed"}, filled
+    plain = tmp_path / "plain"  # a run that trains on targets skips every such row
+    with pytest.raises(DataError, match="target"):
+        precompute.run(small_cfg("precompute", f"data.path={targetless}", f"cache.dir={plain}"), tmp_path / "pre2")
+
+    loaded = []
+    real = train.load_parts
+    monkeypatch.setattr(train, "load_parts", lambda m, names, *a: loaded.append(list(names)) or real(m, names, *a))
+    monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
+    result = train.run(small_cfg("train", *data, *GRPO), tmp_path / "run")
+    assert loaded == [["transformer", "scheduler", "vae"]] and len(result["losses"]) == 2
+    import json
+
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction"} <= set(logged[-1])

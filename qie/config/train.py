@@ -119,6 +119,20 @@ class DistillConfig:
 
 
 @dataclass
+class GrpoConfig:
+    """`train.objective=grpo`: online RL of edits scored by a reward (`qie.training.objectives.grpo`)."""
+
+    group_size: int = 4
+    sampling_steps: int = 10
+    noise_level: float = 0.7
+    clip_range: float = 1e-4
+    kl_weight: float = 0.04
+    train_timesteps: int = 2
+    true_cfg_scale: float = 1.0
+    reward: Any = None
+
+
+@dataclass
 class TrainConfig:
     mode: TrainMode = TrainMode.lora
     # lora, loha or lokr (LyCORIS' LoHa / LoKr through peft), of train.lora's rank, alpha and modules
@@ -167,6 +181,7 @@ class TrainConfig:
     objective: str = "flow_matching"
     dpo: DpoConfig = field(default_factory=lambda: DpoConfig())
     distill: DistillConfig = field(default_factory=lambda: DistillConfig())
+    grpo: GrpoConfig = field(default_factory=lambda: GrpoConfig())
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Loss masks (docs/guide.md, "Masked and edit-region loss").
     mask: MaskConfig = field(default_factory=MaskConfig)

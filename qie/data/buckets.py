@@ -214,7 +214,9 @@ def bucket_keys(
     sizes = ImageSizeIndex(index)
     keys = []
     for s in samples:
-        pairs = [(s.target, target_pixels, multiple)] + [(c, vae_pixels, 32) for c in s.controls]
+        # A sample without a target (an objective that samples its results) is sized by its controls alone.
+        pairs = [(s.target, target_pixels, multiple)] if s.target is not None else []
+        pairs += [(c, vae_pixels, 32) for c in s.controls]
         key = [fit_area(*sizes.size(path), area, mult) for path, area, mult in pairs]
         if s.layers:
             key[0] = (*key[0], 1 + len(s.layers))

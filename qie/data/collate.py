@@ -1,5 +1,7 @@
 """Collate: stack latents (and preference pairs' rejected ones) and loss masks, pad prompt embeddings to the
-batch's longest (`pad_prompt_embeds`)."""
+batch's longest (`pad_prompt_embeds`). A batch of samples without targets (an objective that samples its own
+results, `train/objective=grpo`) holds zeros as its latents, shaped as the output's: its last control image's
+latents (the output image of every edit family: Edit's one, Edit-Plus' and 2.1's last)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,19 @@ def collate(
     `negatives`, each sample's empty-prompt embedding is padded beside them (`Batch.negative_prompt_embeds`).
 
     Raises:
-        ValueError: samples whose latent shapes differ (they cannot share rotary positions), or a sample
-            without a target latent.
+        ValueError: samples whose latent shapes differ (they cannot share rotary positions), a batch that mixes
+            samples with and without targets, or a sample with neither a target nor a control image.
     """
     drop = list(drop_caption) if drop_caption is not None else [False] * len(items)
-    if any(s.pixel_latent is None for s in items):
-        raise ValueError(f"samples {[s.id for s in items if s.pixel_latent is None]} have no target latent")
-    shapes = {(tuple(s.pixel_latent.shape), tuple(tuple(c.shape) for c in s.control_latents)) for s in items}
+    latents = [s.pixel_latent for s in items]
+    if any(x is None for x in latents):
+        if not all(x is None for x in latents) or not all(s.control_latents for s in items):
+            raise ValueError(
+                f"samples {[s.id for s in items if s.pixel_latent is None]} have no target latent "
+                "(and no control image to take the output's size from, or others in the batch have)"
+            )
+        latents = [torch.zeros_like(s.control_latents[-1]) for s in items]
+    shapes = {(tuple(x.shape), tuple(tuple(c.shape) for c in s.control_latents)) for x, s in zip(latents, items)}
     if len(shapes) > 1:
         raise ValueError(f"a batch mixes latent shapes {sorted(shapes)}: batch by bucket (see qie.data.buckets)")
     embeds, mask = pad_prompt_embeds([s.empty_prompt_pieces if d else s.prompt_pieces for s, d in zip(items, drop)])
@@ -36,7 +44,7 @@ def collate(
                              "beside preference pairs that have one")  # fmt: skip
         rejected = torch.stack([s.rejected_latent for s in items])
     if any(s.loss_mask is not None for s in items):
-        ones = torch.ones(1, 1, *items[0].pixel_latent.shape[-2:])
+        ones = torch.ones(1, 1, *latents[0].shape[-2:])
         loss_mask = torch.stack([s.loss_mask if s.loss_mask is not None else ones for s in items])
     negative = negative_mask = negative_image_mask = None
     if negatives:
@@ -44,7 +52,7 @@ def collate(
         negative_image_mask = pad_image_masks([s.empty_prompt_image_mask for s in items], negative.shape[1])
     return Batch(
         ids=[s.id for s in items],
-        latents=torch.stack([s.pixel_latent for s in items]),
+        latents=torch.stack(latents),
         control_latents=[torch.stack([s.control_latents[k] for s in items]) for k in range(n_controls)],
         prompt_embeds=embeds,
         prompt_embeds_mask=mask,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ from qie.stages.sources import build_encoder, model_key_context
 from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
 from qie.stages.teacher_fill import check_processes, fill_teachers
 from qie.stages.train_setup import train_setup
+from qie.training.objectives import objective_traits
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -85,6 +86,9 @@ class Settings:
     dropout: float  # `data.control_dropout_rate`: the text-only prompts are cached too
     regularization: Regularization | None  # cached like the main set
     captions: CaptionSettings | None  # `data.auto_caption`
+    # Whether the training run's objective trains on targets: else rows without one are filled (their prompt and
+    # control entries) instead of skipped.
+    targets: bool = True
 
 
 def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
@@ -104,6 +108,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     groups = (typed(cfg[k]) for k in ("model", "data", "cache", "precompute"))
     command = precompute_command(cfg)
     settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), command)
+    settings = replace(settings, targets=objective_traits(str(cfg.train.objective))[0])
     teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
     if cfg.precompute.teachers:
         train_groups = (typed(cfg[k]) for k in ("model", "data", "cache", "train", "predict", "logging", "validation"))
@@ -185,7 +190,7 @@ def dataset_range(settings: Settings, captions: AutoCaptions | None = None) -> l
     """The samples and scan problems of `precompute.start`..`end`, in id order (see `sample_range`), with what
     training also reads: the regularisation set and, with reference dropout, the text-only variants.
     `captions` (`data.auto_caption`) gives the samples without a caption theirs."""
-    data = read_data(settings.samples, captions=captions)
+    data = read_data(settings.samples, require_target=settings.targets, captions=captions)
     # Reference dropout trains samples on their text-only prompts too: those are entries of their own.
     text_only = [without_controls(s, "#text_only") for s in data.samples if s.controls] if settings.dropout else []
     # cached like the main set

@@ -32,6 +32,7 @@ from qie.config.model import ModelConfig
 from qie.config.rules import objective_options
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data import file_stats
+from qie.data.images import open_image
 from qie.data.samples import Sample
 from qie.errors import ConfigError, Interrupted, check_writable
 from qie.models import ModelSpec
@@ -52,11 +53,12 @@ from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.fused_base import FusedBase
+from qie.training.image_metrics import to_tensor
 from qie.training.logging import MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.memory import MemorySettings, apply_memory, full_tensor
 from qie.training.modes import TrainMode
-from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires
+from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires, objective_traits
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 from qie.types import TRAINING_TYPES
@@ -139,8 +141,8 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
     samples), and train; returns (the result, the state, the EMA weights or None) for `finish`."""
     train, (samples, reg, heldout) = s.train, data
     teachers = teacher_store(backend, s.source.mode)
-    objective = make_objective(train, parts.scheduler, s.spec, parts.pipeline_config, teachers,
-                               base_model_key(s.model, records[0]))  # fmt: skip
+    key, views = base_model_key(s.model, records[0]), sample_views(samples + heldout)
+    objective = make_objective(train, parts.scheduler, s.spec, parts.pipeline_config, teachers, key, parts.vae, views)
     state, scheduler = build_train_state(s.model, train, s.memory, s.mode, accelerator, s.spec, parts, objective)
     ema = make_ema(train, state.params)
     sampler = make_sampler(s, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
@@ -190,7 +192,8 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
     # is ready, not beside it (loading builds modules on the meta device through a process-wide switch, which a
     # model built meanwhile would catch).
     writes_captions = s.captions is not None and source.encodes
-    load = (s.model, s.memory, bool(s.train.compile), accelerator, s.spec, s.fused)
+    targets, decodes = objective_traits(str(s.train.objective))
+    load = (s.model, s.memory, bool(s.train.compile), accelerator, s.spec, s.fused, decodes)
     loading = None if writes_captions else in_background(load_model, *load)
     try:
         # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
@@ -200,7 +203,8 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
         pairs = "rejected" in objective_requires(str(s.train.objective))
         with file_stats.once():  # the scan and the key memo share each image's stat
             with accelerator.main_process_first():
-                samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing)
+                samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing,
+                                       targets)  # fmt: skip
             records = run_records(s.model, s.train, s.spec, samples, s.fused)
             if resume_from is not None:
                 warning = check_resume(resumed, resume_from, *records, bool(s.train.resume_inexact))
@@ -230,12 +234,15 @@ def collecting() -> Iterator[None]:
 
 
 def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline_config: dict | None = None,
-                   teachers: Any = None, model_key: dict | None = None) -> Objective:  # fmt: skip
+                   teachers: Any = None, model_key: dict | None = None, decoder: Any = None,
+                   views: Any = None) -> Objective:  # fmt: skip
     """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift).
 
     Args:
         pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`), for an objective that samples.
         teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
+        decoder: the VAE (its decoder alone), for an objective that decodes; views: its samples' prompts and
+            control images (`sample_views`).
     """
     sigmas = SigmaSampling(
         method=str(train.timestep_sampling),
@@ -248,8 +255,20 @@ def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline
     )
     inputs = ObjectiveInputs(spec.family, sigmas, str(train.loss_weighting), objective_options(train),
                              scheduler, pipeline_config or {}, spec.call_defaults(), teachers,
-                             model_key or {})  # fmt: skip
+                             model_key or {}, decoder, views)  # fmt: skip
     return build_objective(str(train.objective), inputs)
+
+
+def sample_views(samples: list[Sample]) -> Callable[[str], tuple[str, list[torch.Tensor]]]:
+    """A sample id's prompt and control images (float (3, h, w) in [0, 1], each read when asked) for an objective
+    that scores its own results; an id of a variant (`#text_only`) is its sample's."""
+    by_id = {s.id: s for s in samples}
+
+    def view(sample_id: str) -> tuple[str, list[torch.Tensor]]:
+        sample = by_id.get(sample_id) or by_id[sample_id.split("#")[0]]
+        return sample.prompt, [to_tensor(open_image(c)) for c in sample.controls]
+
+    return view
 
 
 def base_model_key(model: ModelConfig, record: dict) -> dict:
@@ -272,11 +291,16 @@ def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objecti
 
 
 def load_model(model: ModelConfig, memory: MemorySettings, compiled: bool, accelerator: Any, spec: ModelSpec,
-               fused: FusedBase) -> Any:  # fmt: skip
+               fused: FusedBase, decoder: bool = False) -> Any:  # fmt: skip
     """The transformer, with the LoRAs `fused` (`model.fuse_loras`) fused into it, and the noise scheduler, built
-    where the `memory` settings build them (`compiled`: `train.compile`)."""
+    where the `memory` settings build them (`compiled`: `train.compile`); with `decoder`, the VAE without its
+    encoder (an objective that decodes its samples)."""
     device = memory.build_device(accelerator.device)
-    return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec, compiled, fused.fuse_into)
+    names = ["transformer", "scheduler", *(["vae"] if decoder else [])]
+    parts = load_parts(model, names, {"transformer": device}, spec, compiled, fused.fuse_into)
+    if decoder:
+        parts.vae.encoder = torch.nn.Module()  # latents are decoded, never encoded: its weights freed
+    return parts
 
 
 def build_train_state(model: ModelConfig, train: TrainConfig, memory: MemorySettings, mode: TrainMode,

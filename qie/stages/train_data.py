@@ -30,16 +30,17 @@ if TYPE_CHECKING:
 
 
 def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any = None, pairs: bool = False,
-                 on_missing: str = "stop") -> list[Sample]:  # fmt: skip
+                 on_missing: str = "stop", targets: bool = True) -> list[Sample]:  # fmt: skip
     """The samples of `data` the model can take; the first problems found are printed when `report`.
     `captions` (`data.auto_caption`) gives samples without a caption theirs; with `pairs` (an objective of
-    preference pairs) a sample needs its rejected result; `on_missing` is `cache.on_missing`.
+    preference pairs) a sample needs its rejected result; `on_missing` is `cache.on_missing`; without `targets`
+    (an objective that samples its own results) a sample needs no target.
 
     Raises:
         DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
         CacheMissError: a caption the cache lacks (cache-only captions, `cache.on_missing=stop`).
     """
-    dataset = read_data(data, captions=captions)
+    dataset = read_data(data, require_target=targets, captions=captions)
     if captions is not None and captions.misses and on_missing == "stop":
         first = captions.misses[0]
         raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "

@@ -120,6 +120,13 @@ def objective_requires(name: str) -> tuple[str, ...]:
     return tuple(_module(name).REQUIRES)
 
 
+def objective_traits(name: str) -> tuple[bool, bool]:
+    """(whether `train.objective={name}` trains on each sample's target, whether it decodes latents to images):
+    an objective that samples and scores its own results (GRPO) needs no target and the VAE's decoder."""
+    module = _module(name)
+    return bool(getattr(module, "TARGETS", True)), bool(getattr(module, "NEEDS_DECODER", False))
+
+
 def check_use(name: str, use: ObjectiveUse) -> None:
     """Raise ConfigError (one line, naming the setting) when the objective cannot train as `use` says."""
     if problem := _module(name).use_problem(use):
@@ -136,4 +143,4 @@ def build_objective(name: str, inputs: ObjectiveInputs) -> Objective:
 
 
 __all__ = ["Objective", "ObjectiveInputs", "ObjectiveUse", "build_objective", "check_use", "objective_names",
-           "objective_problem", "objective_requires"]  # fmt: skip
+           "objective_problem", "objective_requires", "objective_traits"]  # fmt: skip

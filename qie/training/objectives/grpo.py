@@ -274,6 +274,7 @@ class Grpo:
 
 # Today's objective seam (a module's REQUIRES, use_problem and build); the class above is the component.
 REQUIRES = tuple(sorted(Grpo.requires))
+TARGETS, NEEDS_DECODER = False, Grpo.needs_decoder
 
 
 def use_problem(use: ObjectiveUse) -> str | None:
