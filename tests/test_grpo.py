@@ -4,7 +4,9 @@ the tiny edit model (pinned), the demo's reward, and what the objective refuses.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,16 +177,19 @@ def test_what_grpo_refuses_in_one_line(small_cfg, lora, regularization, options,
 
 # --- the stages: rows without targets ---------------------------------------------------------------------------
 
-GRPO = ["train.objective=grpo", "train.grpo.group_size=2", "train.grpo.sampling_steps=2",
-        "train.grpo.train_timesteps=1", "+train.grpo.reward._target_=qie.demo.reward.RecolourReward",
-        "train.max_steps=2"]  # fmt: skip
+GRPO = [
+    "train.objective=grpo",
+    "train.grpo.group_size=2",
+    "train.grpo.sampling_steps=2",
+    "train.grpo.train_timesteps=1",
+    "+train.grpo.reward._target_=qie.demo.reward.RecolourReward",
+    "train.max_steps=2",
+]
 
 
 @pytest.fixture(scope="module")
 def targetless(tmp_path_factory):
     """Four demo edits as manifest rows without targets (controls and prompts only)."""
-    import json
-
     from qie.demo.synthetic import make_dataset
 
     root = tmp_path_factory.mktemp("targetless")
@@ -218,7 +223,62 @@ def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_tra
     monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
     result = train.run(small_cfg("train", *data, *GRPO), tmp_path / "run")
     assert loaded == [["transformer", "scheduler", "vae"]] and len(result["losses"]) == 2
-    import json
-
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction"} <= set(logged[-1])
+
+
+@pytest.fixture(scope="module")
+def targetless_cache(small_cfg, targetless, tmp_path_factory):
+    """The targetless rows precomputed for a GRPO run: (the data and cache overrides)."""
+    from qie.stages import precompute
+
+    cache = tmp_path_factory.mktemp("targetless_cache")
+    data = [f"data.path={targetless}", f"cache.dir={cache}"]
+    precompute.run(small_cfg("precompute", *data, *GRPO), cache / "run")
+    return data
+
+
+def test_a_resumed_run_repeats_the_straight_runs_steps(small_cfg, targetless_cache, tmp_path) -> None:
+    from qie.stages import train
+
+    run = [*targetless_cache, *GRPO, "train.max_steps=4", "train.checkpoint_every=2", "train.learning_rate=1e-2"]
+    straight = train.run(small_cfg("train", *run), tmp_path / "straight")
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step-000002"
+    resumed = train.run(small_cfg("train", *run, f"train.resume={checkpoint}"), tmp_path / "resumed")
+    assert resumed["losses"] == straight["losses"][2:]
+    assert resumed["param_checksums"] == straight["param_checksums"]
+
+
+@pytest.mark.usefixtures("small_conditions")
+def test_the_trained_lora_loads_in_the_diffusers_pipeline_and_a_reward_from_outside_qie_trains(
+    small_cfg, targetless_cache, tiny_path, tmp_path
+) -> None:
+    """A reward named by its `_target_` from outside qie (tests/plugins/colour.py) scores the rollouts; the LoRA
+    the run writes loads into the family's diffusers pipeline and changes its output."""
+    import numpy as np
+    from PIL import Image
+    from test_family_battery import pipeline_of
+
+    from qie.stages import train
+
+    outside = ["train.grpo.reward._target_=plugins.colour.Colour", "+train.grpo.reward.rgb=[0,0,255]"]
+    run = [*targetless_cache, *GRPO, *outside, "train.learning_rate=1e-2"]
+    lora = Path(train.run(small_cfg("train", *run), tmp_path / "run")["lora"])
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["reward_mean"] <= 1 for r in logged if "reward_mean" in r)
+
+    control = Image.new("RGB", (64, 64), (245, 245, 240))
+    sampling = dict(
+        prompt="make the square red",
+        image=[control],
+        true_cfg_scale=1.0,
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        output_type="np",
+    )
+    pipe = pipeline_of(tiny_path)
+    base = pipe(generator=torch.Generator().manual_seed(3), **sampling).images
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    tuned = pipe(generator=torch.Generator().manual_seed(3), **sampling).images
+    assert np.abs(tuned - base).max() > 1e-6
