@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--sampling-steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--kl-weight", type=float, default=0.04)
+    parser.add_argument("--sft-lora", type=Path, default=None, help="start from this LoRA instead of training one")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="qie-bench-grpo-"))
@@ -93,9 +94,12 @@ def main() -> None:
     base = ["model=tiny_demo", f"cache.dir={out / 'cache'}", "logging.report_to=none"]
     common = [*base, "experiment=demo", f"validation.heldout_samples={args.heldout}", "train.checkpoint_every=100000"]
     precompute.run(compose("precompute", [*base, f"data.path={data}"]), out / "precompute")
-    t0 = time.perf_counter()
-    sft = train.run(compose("train", [*common, f"data.path={data}", f"train.max_steps={args.sft_steps}"]), out / "sft")
-    sft_seconds = time.perf_counter() - t0
+    sft_seconds, sft_lora = 0.0, str(args.sft_lora or "")
+    if not args.sft_lora:
+        t0 = time.perf_counter()
+        sft_run = compose("train", [*common, f"data.path={data}", f"train.max_steps={args.sft_steps}"])
+        sft_lora = train.run(sft_run, out / "sft")["lora"]
+        sft_seconds = time.perf_counter() - t0
 
     rows = targetless_manifest(data)
     grpo = [
@@ -110,7 +114,7 @@ def main() -> None:
         *common,
         *grpo,
         f"data.path={rows}",
-        f"train.init_lora={sft['lora']}",
+        f"train.init_lora={sft_lora}",
         f"train.max_steps={args.steps}",
         f"data.batch_size={args.batch_size}",
         f"train.learning_rate={args.lr}",
@@ -123,7 +127,7 @@ def main() -> None:
     curve = [(r["step"], r["reward_mean"]) for r in logged if "reward_mean" in r]
     for step, value in curve[:: max(1, len(curve) // 10)]:
         print(f"step {step:5d}  reward_mean {value:.4f}")
-    scores = heldout_scores(data, args.heldout, {"base": "", "sft": sft["lora"], "grpo": result["lora"]}, 20)
+    scores = heldout_scores(data, args.heldout, {"base": "", "sft": sft_lora, "grpo": result["lora"]}, 20)
     per_step = seconds / args.steps
     summary = {
         "samples": args.samples,

@@ -54,13 +54,13 @@ class GrpoSettings:
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> GrpoSettings:
-        """The settings of `options` (plain values).
-
-        Raises:
-            ConfigError: a setting out of range, or no reward.
-        """
+        """The settings of `options` (plain values), checked."""
         known = {f.name for f in fields(cls)}
-        s = cls(**{k: v for k, v in dict(options or {}).items() if k in known})
+        return cls(**{k: v for k, v in dict(options or {}).items() if k in known}).checked()
+
+    def checked(self) -> GrpoSettings:
+        """These settings, or ConfigError (one line) for one out of range or a missing reward."""
+        s = self
         checks = [
             ("group_size", s.group_size >= 2, "give 2 or more (advantages compare edits within a group)"),
             ("sampling_steps", s.sampling_steps >= 1, "give 1 or more"),
@@ -107,14 +107,27 @@ class Grpo:
     Args:
         inputs: the family (its `denoise` and `decode`), the scheduler, the decoder (`needs_decoder`) and
             `sample_views` (a sample id's prompt and control images for the reward).
-        settings: `GrpoSettings`' fields.
+        group_size, ...: the settings (`GrpoSettings`, `conf/train/objective/grpo.yaml`).
     """
 
     requires: ClassVar[frozenset[str]] = frozenset({"empty_prompt"})  # no target; CFG's negative when asked
     needs_decoder: ClassVar[bool] = True
 
-    def __init__(self, inputs: ObjectiveInputs, **settings: Any) -> None:
-        self.settings = s = GrpoSettings.of(settings)
+    def __init__(
+        self,
+        inputs: ObjectiveInputs,
+        group_size: int = 4,
+        sampling_steps: int = 10,
+        noise_level: float = 0.7,
+        clip_range: float = 1e-4,
+        kl_weight: float = 0.04,
+        train_timesteps: int = 2,
+        true_cfg_scale: float = 1.0,
+        reward: Any = None,
+    ) -> None:
+        self.settings = s = GrpoSettings(
+            group_size, sampling_steps, noise_level, clip_range, kl_weight, train_timesteps, true_cfg_scale, reward
+        ).checked()
         if inputs.scheduler is None or inputs.decoder is None:
             raise ValueError(f"train.objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
         self.family, self.scheduler, self.decoder = inputs.family, inputs.scheduler, inputs.decoder
