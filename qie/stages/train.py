@@ -32,7 +32,6 @@ from qie.config.model import ModelConfig
 from qie.config.rules import objective_options
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data import file_stats
-from qie.data.images import open_image
 from qie.data.samples import Sample
 from qie.errors import ConfigError, Interrupted, check_writable
 from qie.models import ModelSpec
@@ -44,7 +43,7 @@ from qie.stages.recipes import lora_exports, make_ema, regularization_logging
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
-from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data
+from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_views
 from qie.stages.train_hooks import search_result, step_hooks
 from qie.stages.train_report import record_run, refresh_report
 from qie.stages.train_setup import TrainSetup, train_setup
@@ -53,7 +52,6 @@ from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.fused_base import FusedBase
-from qie.training.image_metrics import to_tensor
 from qie.training.logging import MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.memory import MemorySettings, apply_memory, full_tensor
@@ -257,18 +255,6 @@ def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline
                              scheduler, pipeline_config or {}, spec.call_defaults(), teachers,
                              model_key or {}, decoder, views)  # fmt: skip
     return build_objective(str(train.objective), inputs)
-
-
-def sample_views(samples: list[Sample]) -> Callable[[str], tuple[str, list[torch.Tensor]]]:
-    """A sample id's prompt and control images (float (3, h, w) in [0, 1], each read when asked) for an objective
-    that scores its own results; an id of a variant (`#text_only`) is its sample's."""
-    by_id = {s.id: s for s in samples}
-
-    def view(sample_id: str) -> tuple[str, list[torch.Tensor]]:
-        sample = by_id.get(sample_id) or by_id[sample_id.split("#")[0]]
-        return sample.prompt, [to_tensor(open_image(c)) for c in sample.controls]
-
-    return view
 
 
 def base_model_key(model: ModelConfig, record: dict) -> dict:

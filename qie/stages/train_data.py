@@ -3,6 +3,7 @@ stream (bucketed by latent shapes, mixed with the regularisation set)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import repeat
 from operator import attrgetter, is_not
@@ -10,9 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from qie.data.buckets import BucketBatchSampler, ImageSizeIndex, bucket_keys
 from qie.data.formats import DataSource
+from qie.data.images import open_image
 from qie.data.mixing import MixedBatchSampler
 from qie.data.pairs import PairCheck
 from qie.data.samples import DataProblem, Sample, without_controls
@@ -24,6 +27,7 @@ from qie.stages.datasets import read_data
 from qie.stages.recipes import regularization_samples
 from qie.stages.settings import file_hasher
 from qie.stages.sources import check_masks
+from qie.training.image_metrics import to_tensor
 
 if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
@@ -160,3 +164,15 @@ def make_sampler(
                                  start=start)  # fmt: skip
     accelerator.print(f"qie: data: {sampler.summary()}")
     return sampler
+
+
+def sample_views(samples: list[Sample]) -> Callable[[str], tuple[str, list[torch.Tensor]]]:
+    """A sample id's prompt and control images (float (3, h, w) in [0, 1], each read when asked) for an objective
+    that scores its own results; an id of a variant (`#text_only`) is its sample's."""
+    by_id = {s.id: s for s in samples}
+
+    def view(sample_id: str) -> tuple[str, list[torch.Tensor]]:
+        sample = by_id.get(sample_id) or by_id[sample_id.split("#")[0]]
+        return sample.prompt, [to_tensor(open_image(c)) for c in sample.controls]
+
+    return view
