@@ -16,6 +16,7 @@ from qie.components import load_parts
 from qie.demo.reward import RecolourReward, named_colour, shape_region
 from qie.errors import ConfigError, DataError
 from qie.models import model_spec
+from qie.stages.train import objective_reward
 from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
 from qie.training.lora import add_lora
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse, check_use
@@ -62,6 +63,7 @@ def grpo_objective(spec, parts, **options) -> Grpo:
         spec.call_defaults(),
         decoder=parts.vae,
         sample_views=views,
+        build_reward=objective_reward,
     )
     return Grpo(inputs, **{**SETTINGS, **options})
 

@@ -34,6 +34,7 @@ from qie.config.train import LoggingConfig, TrainConfig
 from qie.data import file_stats
 from qie.data.samples import Sample
 from qie.errors import ConfigError, Interrupted, check_writable
+from qie.evaluation.build import build_rewards
 from qie.models import ModelSpec
 from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
@@ -253,8 +254,13 @@ def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline
     )
     inputs = ObjectiveInputs(spec.family, sigmas, str(train.loss_weighting), objective_options(train),
                              scheduler, pipeline_config or {}, spec.call_defaults(), teachers,
-                             model_key or {}, decoder, views)  # fmt: skip
+                             model_key or {}, decoder, views, objective_reward)  # fmt: skip
     return build_objective(str(train.objective), inputs)
+
+
+def objective_reward(node: Any) -> Any:
+    """The reward an objective's `reward` node names (`qie.evaluation.build`)."""
+    return build_rewards({"reward": node}, "train.objective")["reward"]
 
 
 def base_model_key(model: ModelConfig, record: dict) -> dict:

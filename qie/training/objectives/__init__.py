@@ -91,10 +91,12 @@ class ObjectiveInputs:
     # backend; None: kept nowhere), and what the base model is (the run's model record, part of their keys).
     teacher_store: Any = None
     model_key: Mapping[str, Any] = field(default_factory=dict)
-    # What an objective that scores its own samples needs (`needs_decoder`): the VAE (its decoder), and a sample
-    # id's prompt and control images (float (3, h, w) in [0, 1]) for its reward; None where not asked for.
+    # What an objective that scores its own samples needs (`needs_decoder`): the VAE (its decoder), a sample id's
+    # prompt and control images (float (3, h, w) in [0, 1]) for its reward, and what builds a reward from its
+    # config node (`qie.evaluation.build`); None where not asked for.
     decoder: Any = None
     sample_views: Any = None
+    build_reward: Any = None
 
 
 def objective_names() -> list[str]:

@@ -28,7 +28,6 @@ from typing import Any, ClassVar
 import torch
 
 from qie.errors import ConfigError
-from qie.evaluation.reward import Reward, reward_value
 from qie.sampling import PromptInputs, initial_noise
 from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse
@@ -50,7 +49,7 @@ class GrpoSettings:
     kl_weight: float = 0.04
     train_timesteps: int = 2
     true_cfg_scale: float = 1.0
-    reward: Any = None  # a {_target_: ..., keys} node, or a built Reward
+    reward: Any = None  # a {_target_: ..., keys} node
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> GrpoSettings:
@@ -85,18 +84,12 @@ class GrpoSettings:
         return s
 
 
-def build_reward(node: Any) -> Reward:
-    """The reward of a settings node (`qie.evaluation.build`), or `node` itself where it is built already."""
-    if isinstance(node, Reward) and not isinstance(node, Mapping):
-        return node
-    from qie.evaluation.build import build_rewards
-
-    reward = build_rewards({"reward": node}, "train.objective")["reward"]
+def checked_reward(reward: Any) -> Any:
+    """`reward` (a built `qie.extend.Reward`), or ConfigError where it needs what a rollout lacks."""
     if reward.needs:
         raise ConfigError(
-            f"train.objective.reward ({type(reward).__name__}) needs {sorted(reward.needs)}: a "
-            f"rollout has no target or mask to give it; choose a reward that reads the edit, its "
-            "controls and its prompt"
+            f"train.objective.reward ({type(reward).__name__}) needs {sorted(reward.needs)}: a rollout has no "
+            "target or mask to give it; choose a reward that reads the edit, its controls and its prompt"
         )
     return reward
 
@@ -106,7 +99,8 @@ class Grpo:
 
     Args:
         inputs: the family (its `denoise` and `decode`), the scheduler, the decoder (`needs_decoder`) and
-            `sample_views` (a sample id's prompt and control images for the reward).
+            `sample_views` (a sample id's prompt and control images for the reward), `build_reward` (the reward
+            of the `reward` node).
         group_size, ...: the settings (`GrpoSettings`, `conf/train/objective/grpo.yaml`).
     """
 
@@ -133,7 +127,9 @@ class Grpo:
         self.family, self.scheduler, self.decoder = inputs.family, inputs.scheduler, inputs.decoder
         self.pipeline_config = dict(inputs.pipeline_config or {})
         self.views: Callable[[str], tuple[str, list[torch.Tensor]]] | None = inputs.sample_views
-        self.reward = build_reward(s.reward)
+        if inputs.build_reward is None:
+            raise ValueError(f"train.objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
+        self.reward = checked_reward(inputs.build_reward(s.reward))
         self.reference = Reference(objective=NAME)
         self._sums: dict[str, float] = {}
         self._count = 0
@@ -204,7 +200,8 @@ class Grpo:
             )
         n = latents.shape[0]
         scores = self.reward(images, [list(controls)] * n, [prompt] * n)
-        return reward_value(self.reward, torch.as_tensor(scores, dtype=torch.float64).reshape(n))
+        scores = torch.as_tensor(scores, dtype=torch.float64).reshape(n)
+        return scores if self.reward.higher_is_better else -scores  # `reward_value`
 
     def rollout(self, model: Any, batch: Batch, i: int, generator: torch.Generator) -> tuple[SdeRun, torch.Tensor]:
         """Sample `i`'s group of edits under `model` (no gradient): the recorded run and the rewards."""
