@@ -24,7 +24,7 @@ CACHE_TYPES = [
     "layer_latent",  # the target's further frames, in order (a layered model's layers): only for such samples
     "rejected_latent",  # a preference pair's rejected result, encoded as a target is: only for such samples
     "caption",  # a caption the model's own VL text encoder wrote (UTF-8 bytes, uint8): only with data.auto_caption
-    # a distillation teacher's final latents for one seed (train.objective=distill): keyed by the tensors training
+    # a distillation teacher's final latents for one seed (train/objective=distill): keyed by the tensors training
     # reads, not by a sample's files, so `gc` keeps them (`action=clear cache.types=[teacher_latent]` removes them)
     "teacher_latent",
 ]

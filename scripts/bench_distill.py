@@ -1,4 +1,4 @@
-"""Distillation on the demo's shapes: does `train.objective=distill` bring a few-step student close to its teacher?
+"""Distillation on the demo's shapes: does `train/objective=distill` bring a few-step student close to its teacher?
 
 The tiny demo model (`model=tiny_demo`) trains a LoRA with distillation on the demo's recolouring set
 (`qie.demo.synthetic`): the teacher is the base sampling with `--teacher-steps` steps and true CFG at
@@ -100,9 +100,13 @@ def main() -> None:
                                           "logging.report_to=none"]), out / "sft")  # fmt: skip
         model.append(f"model.fuse_loras=[{sft['lora']}]")
         base.append(model[-1])
-    distill = [f"train.distill.student_steps={args.student_steps}", f"train.distill.teacher_steps={args.teacher_steps}",
-               f"train.distill.teacher_cfg={args.teacher_cfg}", f"train.distill.seeds={args.seeds}"]  # fmt: skip
-    overrides = [*base, f"data.path={root / 'train'}", "experiment=demo", "train.objective=distill", *distill,
+    distill = [
+        f"train.objective.student_steps={args.student_steps}",
+        f"train.objective.teacher_steps={args.teacher_steps}",
+        f"train.objective.teacher_cfg={args.teacher_cfg}",
+        f"train.objective.seeds={args.seeds}",
+    ]
+    overrides = [*base, f"data.path={root / 'train'}", "experiment=demo", "train/objective=distill", *distill,
                  "cache.mode=lazy", f"train.max_steps={args.steps}", f"train.learning_rate={args.learning_rate}",
                  f"train.lr_scheduler.num_warmup_steps={max(args.steps // 10, 1)}", "train.checkpoint_every=100000",
                  "logging.report_to=none"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Preference training on the demo's shapes: does `train.objective=dpo` learn which of two recolourings is wanted?
+"""Preference training on the demo's shapes: does `train/objective=dpo` learn which of two recolourings is wanted?
 
 Each sample of the demo's recolouring set (`qie.demo.synthetic`) becomes a preference pair: its target (the shape
 in the colour the instruction names) is preferred, the same shape in another of the demo's colours is rejected.
@@ -112,11 +112,11 @@ def main() -> None:
     t0 = time.perf_counter()
     if args.sft_steps:  # the held-out pairs are the same: held out by their ids
         sft = train.run(compose("train", [*common, f"train.max_steps={args.sft_steps}"]), out / "sft")
-        start = [f"train.init_lora={sft['lora']}", f"train.dpo.reference_lora={sft['lora']}"]
+        start = [f"train.init_lora={sft['lora']}", f"train.objective.reference_lora={sft['lora']}"]
         loras["flow_matching"] = sft["lora"]
         print(f"flow matching: held-out loss {sft['heldout_loss']:.4f} after {args.sft_steps} steps")
-    overrides = [*common, *start, "train.objective=dpo", f"train.dpo.beta={args.beta}", "train.mask.source=edit",
-                 f"train.learning_rate={args.lr}", f"train.dpo.sft_weight={args.sft_weight}",
+    overrides = [*common, *start, "train/objective=dpo", f"train.objective.beta={args.beta}", "train.mask.source=edit",
+                 f"train.learning_rate={args.lr}", f"train.objective.sft_weight={args.sft_weight}",
                  f"train.max_steps={args.steps}", f"validation.every={args.every}", "validation.num_inference_steps=4",
                  "logging.log_images_count=1"]  # fmt: skip
     result = train.run(compose("train", overrides), out / "run")

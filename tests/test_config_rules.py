@@ -15,6 +15,9 @@ INITS = "['true', 'false', 'gaussian', 'eva', 'olora', 'pissa', 'corda', 'loftq'
 TEXT_ALONE = "reference dropout is for the models that also edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)"
 
 # (stage, model, the keys set on a config that passes, the message validate gives)
+DPO = {"_target_": "qie.training.objectives.dpo.Dpo"}
+DISTILL = {"_target_": "qie.training.objectives.distill.Distill"}
+
 CASES = [
     # train.mode, train.lora.init and the options of train.adapter's kind
     ("train", "tiny", {"train.mode": "full", "train.init_lora": "/runs/a/lora"},
@@ -77,8 +80,8 @@ CASES = [
     ("precompute", "tiny", {"precompute.batch_size": 0},
      "precompute.batch_size=0 is out of range: it must be at least 1"),
     ("precompute", "tiny", {"precompute.teachers": True},
-     "precompute.teachers=true fills distillation's teacher outputs, and train.objective=flow_matching: give the "
-     "training run's overrides (train.objective=distill, train.distill.*)"),
+     "precompute.teachers=true computes an objective's targets ahead of training, and FlowMatching "
+     "(train.objective) computes none: give the training run's overrides (e.g. train/objective=distill)"),
     ("caption", "tiny", {"caption.batch_size": 0}, "caption.batch_size=0 is out of range: it must be at least 1"),
     ("caption", "tiny", {"caption.max_new_tokens": 0},
      "caption.max_new_tokens=0 is out of range: it must be at least 1"),
@@ -103,19 +106,19 @@ CASES = [
      "validation.prompts[0] comes with 1 control images, but model 'tiny_t2i' is text-to-image and takes none: use "
      "an edit model (e.g. model=qwen_image_edit_2511) or a data set without control images"),
     # train.objective's own rules (its use_problem) and settings
-    ("train", "tiny", {"train.objective": "dpo", "train.mode": "full"},
-     "train.objective=dpo needs train.mode=lora: its reference is the base model with the adapter turned off (or "
-     "train.dpo.reference_lora), which training the whole transformer does not keep"),
-    ("train", "tiny_qwen_image_layered", {"train.objective": "dpo"},
-     "train.objective=dpo does not train a layered model: a preference pair of layer stacks is not read; use "
-     "train.objective=flow_matching"),
-    ("train", "tiny", {"train.objective": "dpo", "train.dpo.beta": 0},
-     "train.dpo.beta=0.0 is out of range: give a value above 0 and at most 1e+06 (e.g. 2000)"),
-    ("train", "tiny", {"train.objective": "distill", "data.regularization.path": "/data/reg"},
-     "train.objective=distill does not mix in data.regularization (the student learns the teacher's outputs, not "
+    ("train", "tiny", {"train.objective": DPO, "train.mode": "full"},
+     "train/objective=dpo needs train.mode=lora: its reference is the base model with the adapter turned off (or "
+     "train.objective.reference_lora), which training the whole transformer does not keep"),
+    ("train", "tiny_qwen_image_layered", {"train.objective": DPO},
+     "train/objective=dpo does not train a layered model: a preference pair of layer stacks is not read; use "
+     "train/objective=flow_matching"),
+    ("train", "tiny", {"train.objective": {**DPO, "beta": 0}},
+     "train.objective.beta=0 is out of range: give a value above 0 and at most 1e+06 (e.g. 2000)"),
+    ("train", "tiny", {"train.objective": DISTILL, "data.regularization.path": "/data/reg"},
+     "train/objective=distill does not mix in data.regularization (the student learns the teacher's outputs, not "
      "targets): remove data.regularization.path"),
-    ("train", "tiny", {"train.objective": "distill", "train.distill.student_steps": 0},
-     "train.distill.student_steps=0 is out of range: give 1 or more"),
+    ("train", "tiny", {"train.objective": {**DISTILL, "student_steps": 0}},
+     "train.objective.student_steps=0 is out of range: give 1 or more"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Preference training (`train.objective=dpo`): the pair data, the objective against its formula computed by hand
+"""Preference training (`train/objective=dpo`): the pair data, the objective against its formula computed by hand
 with separate models, the reference switch, and the refusals."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from qie.data.scan import scan_folder
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.training.lora import add_lora, load_lora, save_lora
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse, build_objective, check_use, objective_requires
-from qie.training.objectives.dpo import DpoSettings, accuracy
-from qie.training.objectives.flow_matching import noise_and_sigmas
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse, build_objective, check_use, field_names
+from qie.training.objectives.dpo import Dpo, DpoSettings, accuracy
+from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
 from qie.training.timesteps import SigmaSampling
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -59,6 +59,10 @@ def by_hand(policy, reference, family, batch, noise, sigmas, beta: float, sft: f
     return -torch.nn.functional.logsigmoid(z).mean() + sft * won.mean()
 
 
+DPO = {"_target_": "qie.training.objectives.dpo.Dpo"}
+FLOW_MATCHING = {"_target_": "qie.training.objectives.flow_matching.FlowMatching"}
+
+
 @pytest.fixture(scope="module")
 def tiny(small_cfg):
     cfg = small_cfg("train")
@@ -66,8 +70,8 @@ def tiny(small_cfg):
 
 
 def objective(family, **options):
-    inputs = ObjectiveInputs(family, SigmaSampling(method="uniform"), "none", options)
-    return build_objective("dpo", inputs)
+    inputs = ObjectiveInputs(family, SigmaSampling(method="uniform"), "none")
+    return build_objective({**DPO, **options}, inputs)
 
 
 def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_trained_set_alone(tiny) -> None:
@@ -87,9 +91,11 @@ def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_t
     assert abs(loss.item() - math.log(2)) > 1e-3  # the adapter made policy and reference differ
     loss.backward()  # the gradient reaches the trained weights only, through the policy pass
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)
-    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trained == {
-        n for n, p in policy.named_parameters() if any(p is q for q in params)
-    }
+    assert (
+        {n for n, p in policy.named_parameters() if p.requires_grad}
+        == trained
+        == {n for n, p in policy.named_parameters() if any(p is q for q in params)}
+    )
     metrics = dpo.step_metrics()
     assert set(metrics) == {"reward_accuracy", "reward_margin"} and dpo.step_metrics() == {}  # read once
     assert metrics["reward_accuracy"] in (0.0, 0.5, 1.0)
@@ -139,23 +145,24 @@ def test_accuracy_counts_ties_half() -> None:
 
 def test_dpo_settings_and_uses_are_refused_in_one_line(tiny, tmp_path: Path) -> None:
     cfg, family = tiny
-    assert compose("train", ["train.objective=dpo"]).train.dpo.beta == DpoSettings().beta
-    assert objective_requires("dpo") == ("rejected",) and objective_requires("flow_matching") == ()
-    check_use("dpo", ObjectiveUse(family, lora=True, regularization=False))
+    assert compose("train", ["train/objective=dpo"]).train.objective.beta == DpoSettings().beta
+    assert field_names(Dpo) == {"target", "rejected"} and field_names(FlowMatching) == {"target"}
+    check_use(DPO, ObjectiveUse(family, lora=True, regularization=False))
     layered = model_spec(compose("train", ["model=tiny_qwen_image_layered"]).model).family
     cases = [
-        (ObjectiveUse(family, False, False), "train.objective=dpo needs train.mode=lora"),
-        (ObjectiveUse(layered, True, False), "train.objective=dpo does not train a layered model"),
+        (ObjectiveUse(family, False, False), "train/objective=dpo needs train.mode=lora"),
+        (ObjectiveUse(layered, True, False), "train/objective=dpo does not train a layered model"),
         (ObjectiveUse(family, True, True), "does not mix in data.regularization"),
-        (ObjectiveUse(family, True, False, {"beta": 0}), r"train.dpo.beta=0 is out of range"),
-        (ObjectiveUse(family, True, False, {"sft_weight": -1}), r"train.dpo.sft_weight=-1 is out of range"),
-        (ObjectiveUse(family, True, False, {"reference_lora": str(tmp_path / "no.safetensors")}), "does not exist"),
+        (ObjectiveUse(family, True, False), r"train.objective.beta=0 is out of range", {"beta": 0}),
+        (ObjectiveUse(family, True, False), r"train.objective.sft_weight=-1 is out of range", {"sft_weight": -1}),
+        (ObjectiveUse(family, True, False), "does not exist", {"reference_lora": str(tmp_path / "no.safetensors")}),
+        (ObjectiveUse(family, True, False), "unknown key train.objective.bta: .*Dpo takes beta", {"bta": 1}),
     ]
-    for use, message in cases:
+    for use, message, *settings in cases:
         with pytest.raises(ConfigError, match=message) as info:
-            check_use("dpo", use)
+            check_use({**DPO, **(settings[0] if settings else {})}, use)
         assert "\n" not in str(info.value)
-    check_use("flow_matching", ObjectiveUse(layered, False, True))  # the default takes everything
+    check_use(FLOW_MATCHING, ObjectiveUse(layered, False, True))  # the default takes everything
 
 
 def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_its_target(tmp_path: Path) -> None:

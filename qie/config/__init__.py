@@ -37,7 +37,7 @@ from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.rewards import reward_settings_problem
 from qie.config.roots import DemoRoot, PrecomputeRoot, TrainRoot
-from qie.config.rules import objective_options, setting_problem, trains_lora
+from qie.config.rules import setting_problem, trains_lora
 from qie.config.train import TrainConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
@@ -279,19 +279,21 @@ def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
 
 
 def _check_objective(cfg: DictConfig, spec: Any) -> None:
-    """`train.objective` names a module of `qie.training.objectives` (looked up by name, as a `_target_` is: the
-    config layer imports no training code), and that objective can train this run (its `use_problem`: the model's
-    family, the mode, regularisation data, its own `train.<name>` settings)."""
-    name = OmegaConf.select(cfg, "train.objective", default=None)
-    if name is None:
+    """`train.objective` names an objective class by `_target_` (imported, not built), its settings fit the class's
+    constructor, and that objective can train this run (its `use_problem`: the model's family, the mode,
+    regularisation data, its own settings)."""
+    if OmegaConf.select(cfg, "train.objective", default=None) is None:
         return
     objectives = importlib.import_module("qie.training.objectives")
-    if problem := objectives.objective_problem(str(name)):
+    node = cfg.train.objective
+    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    cls = objectives.objective_class(node)
+    if problem := objectives.settings_problem(cls, objectives.settings_of(node)):
         raise ConfigError(problem)
     if spec is not None:
         regularization = bool(OmegaConf.select(cfg, "data.regularization.path", default=None))
-        use = objectives.ObjectiveUse(spec.family, trains_lora(cfg), regularization, objective_options(cfg.train))
-        objectives.check_use(str(name), use)
+        use = objectives.ObjectiveUse(spec.family, trains_lora(cfg), regularization, {}, spec.call_defaults())
+        objectives.check_use(node, use)
 
 
 def _check_model(model: DictConfig) -> Any:

@@ -9,7 +9,8 @@ where those are read.
 
 from __future__ import annotations
 
-from dataclasses import asdict, is_dataclass
+import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -24,7 +25,7 @@ def setting_problem(cfg: DictConfig, spec: Any) -> str | None:
     Args:
         spec: the model's `ModelSpec`, or None for a config without a `model` group.
     """
-    checks = (_mode, _mask, _control_dropout, _ema, _regularization, _memory, _precompute, _distill, _cache, _caption,
+    checks = (_mode, _mask, _control_dropout, _ema, _regularization, _memory, _precompute, _cache, _caption,
               _predict, _validation, _demo)  # fmt: skip
     return next((problem for check in checks if (problem := check(cfg, spec))), None)
 
@@ -35,12 +36,12 @@ def trains_lora(cfg: DictConfig) -> bool:
 
 
 def objective_options(train: Any) -> dict:
-    """The objective's own settings (`train.<train.objective>`, e.g. `train.dpo`) as plain values ({} where there are
-    none), of the `train` group as a config node or as its schema's dataclass."""
-    own = getattr(train, str(train.objective), None)
-    if OmegaConf.is_config(own):
-        return OmegaConf.to_container(own, resolve=True)
-    return asdict(own) if is_dataclass(own) else {}
+    """The objective's own settings (`train.objective`'s keys but `_target_`) as plain values, of the `train` group
+    as a config node or as its schema's dataclass."""
+    node = train.objective
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=True)
+    return {k: v for k, v in dict(node).items() if k != "_target_"} if isinstance(node, Mapping) else {}
 
 
 def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
@@ -146,38 +147,28 @@ def _memory(cfg: DictConfig, spec: Any) -> str | None:
     if fsdp and swap:
         return "train.fsdp=true and train.blocks_to_swap cannot be combined: choose one"
     if fsdp and quantize != "none":
-        return (f"train.fsdp=true shards plain weights; model.quantize={quantize} weights (optimum-quanto tensors) "
-                "cannot be sharded: set model.quantize=none (sharding divides the bf16 weights by the GPU count)")
+        return (
+            f"train.fsdp=true shards plain weights; model.quantize={quantize} weights (optimum-quanto tensors) "
+            "cannot be sharded: set model.quantize=none (sharding divides the bf16 weights by the GPU count)"
+        )
     return None
 
 
 def _precompute(cfg: DictConfig, spec: Any) -> str | None:
-    """`precompute.batch_size`; `precompute.teachers` only with a distillation run's settings."""
+    """`precompute.batch_size`; `precompute.teachers` only with an objective that computes targets ahead of training
+    (`PrecomputesTargets`: distillation's teacher outputs)."""
     size = _get(cfg, "precompute.batch_size")
     if size is not None and int(size) < 1:
         return f"precompute.batch_size={size} is out of range: it must be at least 1"
-    objective = _get(cfg, "train.objective")
-    if _get(cfg, "precompute.teachers", False) and objective != "distill":
-        return (f"precompute.teachers=true fills distillation's teacher outputs, and train.objective={objective}: "
-                "give the training run's overrides (train.objective=distill, train.distill.*)")  # fmt: skip
-    return None
-
-
-def _distill(cfg: DictConfig, spec: Any) -> str | None:
-    """`train.distill.student_steps` at most the teacher's steps (`train.distill.teacher_steps`, unset: the model's
-    `model.num_inference_steps`): the student learns to sample in as many steps as its teacher or fewer."""
-    if _get(cfg, "train.objective") != "distill":
+    if not _get(cfg, "precompute.teachers", False):
         return None
-    student, teacher = _get(cfg, "train.distill.student_steps"), _get(cfg, "train.distill.teacher_steps")
-    named = f"train.distill.teacher_steps={teacher}"
-    if teacher is None:
-        teacher = _get(cfg, "model.num_inference_steps")
-        named = f"the teacher's {teacher} (train.distill.teacher_steps unset: model.num_inference_steps)"
-    if student is None or teacher is None or int(student) <= int(teacher):
+    objectives = importlib.import_module("qie.training.objectives")
+    cls = objectives.objective_class(OmegaConf.to_container(cfg.train.objective, resolve=True))
+    if issubclass(cls, objectives.PrecomputesTargets):
         return None
     return (
-        f"train.distill.student_steps={student} is above {named}: the student learns to sample in fewer steps than "
-        "its teacher; lower train.distill.student_steps or raise train.distill.teacher_steps"
+        f"precompute.teachers=true computes an objective's targets ahead of training, and {cls.__qualname__} "
+        "(train.objective) computes none: give the training run's overrides (e.g. train/objective=distill)"
     )
 
 

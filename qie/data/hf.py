@@ -38,7 +38,7 @@ class Columns:
     id: str | None = None
     mask: str | None = None  # a column of loss mask images
     layers: str | None = None  # a column holding each row's layers (a list of images), for a layered model
-    rejected: str | None = None  # a column of preference pairs' rejected results (`train.objective=dpo`)
+    rejected: str | None = None  # a column of preference pairs' rejected results (`train/objective=dpo`)
 
 
 def is_hf_save_folder(path: Path) -> bool:

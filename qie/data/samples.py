@@ -40,7 +40,7 @@ class Sample:
     mask: Path | None = None
     # A target of several frames (a layered model's): the frames after `target`, in order (its layers).
     layers: tuple[Path, ...] = ()
-    # A preference pair's rejected result (`train.objective=dpo`): the same edit done worse than `target`.
+    # A preference pair's rejected result (`train/objective=dpo`): the same edit done worse than `target`.
     rejected: Path | None = None
 
 

@@ -29,7 +29,6 @@ from qie.components import load_parts, prepare_model, resolve_dtype
 from qie.config import precompute_command, typed, validate
 from qie.config.backend import build_backend
 from qie.config.model import ModelConfig
-from qie.config.rules import objective_options
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data import file_stats
 from qie.data.samples import Sample
@@ -56,7 +55,7 @@ from qie.training.logging import MetricsLogger
 from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
 from qie.training.memory import MemorySettings, apply_memory, full_tensor
 from qie.training.modes import TrainMode
-from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires
+from qie.training.objectives import Objective, ObjectiveInputs, build_objective, field_names, objective_class
 from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 from qie.types import TRAINING_TYPES
@@ -154,7 +153,7 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {where}, starting from step 0")
 
     reg_weight = s.regularization.weight if reg else 1.0
-    negatives = "empty_prompt" in objective_requires(str(train.objective))
+    negatives = "empty_prompt" in field_names(objective_class(train.objective))
     dataset = EmbeddingDataset(samples + reg, source, float(s.data.caption_dropout_rate), int(train.seed),
                                s.dropout, len(samples) if reg else None, reg_weight, negatives)  # fmt: skip
     workers, prefetch, parallel = loader_settings(int(s.data.num_workers), int(s.data.prefetch), source)
@@ -197,7 +196,7 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
         # process first, the others then read them).
         with collecting():  # captions written by a model, one generation after another: their garbage collected
             captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
-        pairs = "rejected" in objective_requires(str(s.train.objective))
+        pairs = "rejected" in field_names(objective_class(s.train.objective))
         with file_stats.once():  # the scan and the key memo share each image's stat
             with accelerator.main_process_first():
                 samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing)
@@ -231,7 +230,8 @@ def collecting() -> Iterator[None]:
 
 def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline_config: dict | None = None,
                    teachers: Any = None, model_key: dict | None = None) -> Objective:  # fmt: skip
-    """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift).
+    """The objective `train.objective` names (its `_target_` and settings), with the run's noise-level sampling
+    (the scheduler's shift).
 
     Args:
         pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`), for an objective that samples.
@@ -246,10 +246,17 @@ def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline
         dynamic_shift=bool(train.dynamic_shift),
         scheduler_config=dict(scheduler.config),
     )
-    inputs = ObjectiveInputs(spec.family, sigmas, str(train.loss_weighting), objective_options(train),
-                             scheduler, pipeline_config or {}, spec.call_defaults(), teachers,
-                             model_key or {})  # fmt: skip
-    return build_objective(str(train.objective), inputs)
+    inputs = ObjectiveInputs(
+        spec.family,
+        sigmas,
+        str(train.loss_weighting),
+        scheduler,
+        pipeline_config or {},
+        spec.call_defaults(),
+        teachers,
+        model_key or {},
+    )
+    return build_objective(train.objective, inputs)
 
 
 def base_model_key(model: ModelConfig, record: dict) -> dict:

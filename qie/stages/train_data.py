@@ -74,7 +74,7 @@ def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any 
 def pair_problem(sample: Sample, pairs: bool) -> str | None:
     """Why `sample` cannot train an objective of preference pairs (`pairs`): it has no rejected result."""
     if pairs and sample.rejected is None:
-        return ("it has no rejected result, which train.objective=dpo trains on: give one (a manifest row's "
+        return ("it has no rejected result, which train/objective=dpo trains on: give one (a manifest row's "
                 "'rejected', rejected_images/<stem>.png, data.columns.rejected)")  # fmt: skip
     return None
 
