@@ -33,7 +33,8 @@ def pairs_batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed + 100)
     mask = torch.ones(2, 1, 1, 8, 8)
     mask[..., :4] = 0.25  # a loss mask: the left half counts a quarter
-    return dataclasses.replace(batch, fields={"rejected": torch.randn(batch.latents.shape, generator=g)}, loss_mask=mask)
+    rejected = torch.randn(batch.latents.shape, generator=g)
+    return dataclasses.replace(batch, fields={"rejected": rejected}, loss_mask=mask)
 
 
 def randomised(transformer, seed: int) -> None:

@@ -57,8 +57,11 @@ def _indexes(cache: Path) -> list[Path]:
 def _same(got: Dataset, fresh: Dataset) -> None:
     """Equal, and each path spelled the same."""
     assert got == fresh
-    texts = [[str(p) for p in (s.target, *s.controls, s.mask, *s.layers, s.field_images)] for s in got.samples]
-    assert texts == [[str(p) for p in (s.target, *s.controls, s.mask, *s.layers, s.field_images)] for s in fresh.samples]
+
+    def texts(samples):
+        return [[str(p) for p in (s.target, *s.controls, s.mask, *s.layers, s.field_images)] for s in samples]
+
+    assert texts(got.samples) == texts(fresh.samples)
 
 
 @contextmanager
