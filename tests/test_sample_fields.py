@@ -191,3 +191,26 @@ def test_rejected_entries_keep_their_cache_key(tmp_path: Path) -> None:
     assert keys["rejected_latent"] == "86f9bac88559749a52ea54f6f6bd9878002a175ece8d26debfc923b9e0a66446"
     assert keys["pixel_latent"] == "348b96688efe33300718af052d39c2ab0c821ee4a676a0629606fa55b81f6547"
     assert dataclasses.replace(sample, field_images=()).fields == {}
+
+
+def test_a_field_image_leading_out_of_the_data_set_folder_is_a_problem(tmp_path: Path) -> None:
+    """A depth image that is a link to a file outside the data set folder makes its sample a problem, in a folder
+    (plain and remembered) and in a manifest, as any other image kind does."""
+    secret = write_noise_image(tmp_path / "secret.png", 5)
+    root = tmp_path / "ds"
+    for stem in ("a", "b"):
+        write_noise_image(root / "training_images" / f"{stem}.png", 1)
+        (root / "training_images" / f"{stem}.txt").write_text(f"edit {stem}")
+    (root / "training_images" / "a_depth.png").symlink_to(secret)
+    (tmp_path / "cache").mkdir()
+    for index_dir in (None, tmp_path / "cache" / "manifests", tmp_path / "cache" / "manifests"):
+        data = scan_dataset(root, index_dir=index_dir, fields=(DEPTH,))
+        assert [s.id for s in data.samples] == ["b"]
+        assert [p.id for p in data.problems] == ["a"] and "outside the data set folder" in data.problems[0].reason
+
+    manifest = _manifest(tmp_path / "m")
+    (tmp_path / "m" / "d0.png").unlink()
+    (tmp_path / "m" / "d0.png").symlink_to(secret)
+    data = scan_dataset(manifest, fields=(DEPTH,))
+    assert [s.id for s in data.samples] == ["t1"]
+    assert "'d0.png' (a link to" in data.problems[0].reason and "lies outside" in data.problems[0].reason
