@@ -20,7 +20,23 @@ from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
 from qie.encode import prepare_sample
 
-DEPTH = SampleField("depth")
+DEPTH: SampleField  # declared for this module's tests only (`_depth_declared`)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _depth_declared():
+    """Declare the field `depth` for these tests, and forget it after them: declaring a field makes its entry type
+    a cache type, which other tests count."""
+    import qie.data.fields as fields
+    import qie.types as types
+
+    global DEPTH
+    saved = list(types.CACHE_TYPES), list(types.FIELD_TYPES), dict(fields._DECLARED)
+    DEPTH = SampleField("depth")
+    yield
+    types.CACHE_TYPES[:], types.FIELD_TYPES[:] = saved[0], saved[1]
+    fields._DECLARED.clear()
+    fields._DECLARED.update(saved[2])
 
 
 def _manifest(root: Path, count: int = 2, depth: bool = True) -> Path:
