@@ -6,10 +6,12 @@ alone then wires in (`_target_`). docs/extending.md walks through each.
   `use_problem(ObjectiveUse)` may refuse a run in one line;
 - a cache backend: subclass `CacheBackend`, chosen by `cache._target_=pkg.Cls`;
 - a reward (for `qie.eval`, validation and the sweep objective): subclass `Reward`;
-- what an objective receives: a `Batch`.
+- an extra image per sample: a `SampleField`, named in an objective's `requires`;
+- what an objective receives: a `Batch` (a field's latents in `batch.fields[name]`).
 """
 
 from qie.cache.base import CacheBackend
+from qie.data.fields import SampleField
 from qie.evaluation.reward import Reward
 from qie.training.objectives import Objective, ObjectiveInputs, ObjectiveUse, PrecomputesTargets
 from qie.training.objectives.flow_matching import FlowMatching
@@ -24,4 +26,5 @@ __all__ = [
     "ObjectiveUse",
     "PrecomputesTargets",
     "Reward",
+    "SampleField",
 ]

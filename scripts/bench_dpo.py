@@ -69,7 +69,7 @@ def colour_fidelity(out: Path, data: Path, heldout: int, loras: dict[str, str]) 
     rows, share = [], dict.fromkeys(loras, 0.0)
     for i, sample in enumerate(held):
         target = np.asarray(Image.open(sample.target).convert("RGB"), dtype=np.float32)
-        rejected = np.asarray(Image.open(sample.rejected).convert("RGB"), dtype=np.float32)
+        rejected = np.asarray(Image.open(sample.fields["rejected"]).convert("RGB"), dtype=np.float32)
         shape = (target != rejected).any(axis=-1)
         row = [Image.open(sample.controls[0]).convert("RGB")]
         for name, lora in loras.items():

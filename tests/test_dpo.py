@@ -33,7 +33,8 @@ def pairs_batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed + 100)
     mask = torch.ones(2, 1, 1, 8, 8)
     mask[..., :4] = 0.25  # a loss mask: the left half counts a quarter
-    return dataclasses.replace(batch, rejected_latents=torch.randn(batch.latents.shape, generator=g), loss_mask=mask)
+    rejected = torch.randn(batch.latents.shape, generator=g)
+    return dataclasses.replace(batch, fields={"rejected": rejected}, loss_mask=mask)
 
 
 def randomised(transformer, seed: int) -> None:
@@ -46,10 +47,10 @@ def randomised(transformer, seed: int) -> None:
 
 def by_hand(policy, reference, family, batch, noise, sigmas, beta: float, sft: float = 0.0) -> torch.Tensor:
     """The DPO loss from four separate per-sample errors: each result on its own batch, each model on its own."""
-    preferred, rejected = batch, dataclasses.replace(batch, latents=batch.rejected_latents)
+    preferred, rejected = batch, dataclasses.replace(batch, latents=batch.fields["rejected"])
 
     def err(model, b):
-        return family.loss(model, dataclasses.replace(b, rejected_latents=None), noise, sigmas, "none",
+        return family.loss(model, dataclasses.replace(b, fields={}), noise, sigmas, "none",
                            per_sample=True)  # fmt: skip
 
     with torch.no_grad():
@@ -173,7 +174,7 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
     (root / "training_images" / "a.txt").write_text("edit a")
     write_noise_image(root / "rejected_images" / "orphan.png", 4)
     data = scan_folder(root, require_target=True)
-    assert [(s.id, s.rejected) for s in data.samples] == [("a", root / "rejected_images" / "a.png")]
+    assert [(s.id, s.fields.get("rejected")) for s in data.samples] == [("a", root / "rejected_images" / "a.png")]
     assert [(p.id, p.reason) for p in data.problems] == [("orphan", "target image is missing (rejected image found)")]
 
     (tmp_path / "m").mkdir()
@@ -186,7 +187,7 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
     manifest = tmp_path / "m" / "pairs.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = scan_manifest(manifest, require_target=True)
-    assert [s.rejected for s in data.samples] == [tmp_path / "m" / "r.png", None]
+    assert [s.fields.get("rejected") for s in data.samples] == [tmp_path / "m" / "r.png", None]
     reasons = [p.reason for p in data.problems]
     assert reasons == [f"manifest row 3: image {str(tmp_path / 'm' / 'gone.png')!r} does not exist",
                        "manifest row 4 'rejected' must be a path, got 3"]  # fmt: skip
@@ -194,7 +195,7 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
 
 def test_a_hugging_face_data_set_gives_rejected_results_from_its_column(tmp_path: Path, monkeypatch) -> None:
     rejected, (first, second) = hf_extra_image_column(tmp_path, monkeypatch, "rejected")
-    assert first.rejected.read_bytes() == rejected and second.rejected is None
+    assert first.fields["rejected"].read_bytes() == rejected and "rejected" not in second.fields
 
 
 def test_the_benchmark_makes_each_demo_edit_a_pair_whose_rejected_shape_has_a_wrong_colour(tmp_path: Path) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qie.data.confine import FIX, Confinement
+from qie.data.fields import DEFAULT_FIELDS, REJECTED, SampleField
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import ConfigError, DataError
 
@@ -38,7 +39,14 @@ class Columns:
     id: str | None = None
     mask: str | None = None  # a column of loss mask images
     layers: str | None = None  # a column holding each row's layers (a list of images), for a layered model
-    rejected: str | None = None  # a column of preference pairs' rejected results (`train/objective=dpo`)
+    # A column of preference pairs' rejected results (`train/objective=dpo`); None: the column `rejected`, if any.
+    rejected: str | None = None
+
+    def field_column(self, f: SampleField, present: Iterable[str]) -> str | None:
+        """The column of the sample field `f`'s images: the one named in `data.columns` (for `rejected`), else the
+        column named like the field when the data set has one (`present`), else None."""
+        named = self.rejected if f is REJECTED else None
+        return named or (f.name if f.name in present else None)
 
 
 def is_hf_save_folder(path: Path) -> bool:
@@ -129,8 +137,10 @@ def scan_hf(
     images: ImageFolder,
     require_target: bool = True,
     require_prompt: bool = True,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
 ) -> Dataset:
     """The samples of a Hugging Face data set, in a stable order (by id); rows that cannot be used are problems.
+    The images of each of `fields` are read from its column (`Columns.field_column`).
     Without `require_prompt`, a row with no prompt (or no prompt column) has the prompt "". `images` writes the
     images stored in the data set and checks those it names as files.
 
@@ -138,8 +148,9 @@ def scan_hf(
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
     """
     data = load_hf(path, split)
+    extra = [(f.name, c) for f in fields if (c := columns.field_column(f, data.column_names))]
     names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers,
-                         columns.rejected) if c]  # fmt: skip
+                         *(c for _, c in extra)) if c]  # fmt: skip
     missing = [c for c in names if c not in data.column_names]
     optional = ([] if require_target else [columns.target]) + ([] if require_prompt else [columns.prompt])
     if any(c not in optional for c in missing):
@@ -162,8 +173,7 @@ def scan_hf(
             mask = row.get(columns.mask) if columns.mask else None
             mask_path = images.path(mask, base) if mask is not None else None
             layers = [images.path(v, base) for v in _as_list(row[columns.layers])] if columns.layers else []
-            rejected = row.get(columns.rejected) if columns.rejected else None
-            rejected_path = images.path(rejected, base) if rejected is not None else None
+            field_images = tuple((name, images.path(row[c], base)) for name, c in extra if row.get(c) is not None)
         except DataError as e:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", str(e)))
             continue
@@ -182,8 +192,9 @@ def scan_hf(
         if why:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", f"row {n} {why}"))
             continue
-        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers),
-                                  rejected_path))
+        out.samples.append(
+            Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers), field_images)
+        )
     if not out.samples:
         detail = "".join(f"\n  {p.path}: {p.reason}" for p in out.problems[:5]) or "\n  it has no rows"
         raise DataError(f"no usable sample in {path!r}{detail}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from qie.data import file_stats, index_file
 from qie.data.samples import Dataset
 
-FORMAT = "qie-manifest-index/2"
+FORMAT = "qie-manifest-index/3"  # 3: the images of sample fields, a column each
 
 
 def manifest_signature(path: Path) -> str:

@@ -65,8 +65,8 @@ def mask_key(sample: Sample, settings: MaskSettings, hasher: FileHasher) -> str 
     elif settings.source == "edit" and sample.controls and sample.target is not None:
         fields |= {"control": hasher.hash(sample.controls[0]), "threshold": settings.threshold,
                    "dilation": settings.dilation}  # fmt: skip
-        if sample.rejected is not None:  # absent otherwise: the masks of other samples keep their keys
-            fields["rejected"] = hasher.hash(sample.rejected)
+        if (rejected := sample.fields.get("rejected")) is not None:  # absent otherwise: other masks keep their keys
+            fields["rejected"] = hasher.hash(rejected)
     else:
         return None
     return entry_key(MASK_TYPE, fields)
@@ -110,7 +110,8 @@ def make_mask(sample: Sample, settings: MaskSettings) -> torch.Tensor:
         return _grey(mask, size, settings)
     # edit: where the target (or a rejected result) differs from its control, all at the target's size
     control = _pixels(open_image(sample.controls[0]), size, settings)
-    results = [target] + ([open_image(sample.rejected)] if sample.rejected is not None else [])
+    rejected = sample.fields.get("rejected")
+    results = [target] + ([open_image(rejected)] if rejected is not None else [])
     changed = torch.zeros(control.shape[:2])
     for result in results:
         changed = torch.maximum(changed, ((_pixels(result, size, settings) - control).abs().amax(dim=-1)

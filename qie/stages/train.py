@@ -31,6 +31,7 @@ from qie.config.backend import build_backend
 from qie.config.model import ModelConfig
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data import file_stats
+from qie.data.fields import run_fields, with_defaults
 from qie.data.samples import Sample
 from qie.errors import ConfigError, Interrupted, check_writable
 from qie.models import ModelSpec
@@ -196,10 +197,11 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
         # process first, the others then read them).
         with collecting():  # captions written by a model, one generation after another: their garbage collected
             captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
-        pairs = "rejected" in field_names(objective_class(s.train.objective))
+        fields = run_fields(objective_class(s.train.objective).requires)  # the sample fields it trains on
         with file_stats.once():  # the scan and the key memo share each image's stat
             with accelerator.main_process_first():
-                samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing)
+                data = dataclasses.replace(s.samples, fields=with_defaults(fields))
+                samples = load_samples(data, s.spec, accelerator.is_main_process, captions, fields, s.on_missing)
             records = run_records(s.model, s.train, s.spec, samples, s.fused)
             if resume_from is not None:
                 warning = check_resume(resumed, resume_from, *records, bool(s.train.resume_inexact))

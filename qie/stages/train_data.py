@@ -4,14 +4,14 @@ stream (bucketed by latent shapes, mixed with the regularisation set)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import repeat
-from operator import attrgetter, is_not
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qie.data.buckets import BucketBatchSampler, ImageSizeIndex, bucket_keys
+from qie.data.fields import SampleField, missing_problem
 from qie.data.formats import DataSource
 from qie.data.mixing import MixedBatchSampler
 from qie.data.pairs import PairCheck
@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
 
 
-def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any = None, pairs: bool = False,
-                 on_missing: str = "stop") -> list[Sample]:  # fmt: skip
+def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any = None,
+                 fields: tuple[SampleField, ...] = (), on_missing: str = "stop") -> list[Sample]:  # fmt: skip
     """The samples of `data` the model can take; the first problems found are printed when `report`.
-    `captions` (`data.auto_caption`) gives samples without a caption theirs; with `pairs` (an objective of
-    preference pairs) a sample needs its rejected result; `on_missing` is `cache.on_missing`.
+    `captions` (`data.auto_caption`) gives samples without a caption theirs; a sample needs the image of each of
+    `fields` (the objective's: `REJECTED` for preference pairs), and keeps no other field's; `on_missing` is
+    `cache.on_missing`.
 
     Raises:
         DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
@@ -45,24 +46,26 @@ def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any 
         raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
                              f"({first.path}): {first.reason.split(': ', 1)[-1]} "
                              "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
-    # Whether the model can take a sample depends on its kind only (control and layer counts, a rejected result):
-    # judged once per kind, a million samples looked at column by column.
+    # Whether the model can take a sample depends on its kind only (control and layer counts, the fields' images
+    # it has): judged once per kind, a million samples looked at column by column.
     samples, n = dataset.samples, len(dataset.samples)
+    images = list(map(attrgetter("field_images"), samples))
+    has = np.fromiter(map(_has_bits(fields), images), np.int64, n) if any(images) else np.zeros(n, np.int64)
     columns = [np.fromiter(map(len, map(attrgetter("controls"), samples)), np.int64, n),
-               np.fromiter(map(len, map(attrgetter("layers"), samples)), np.int64, n),
-               np.fromiter(map(is_not, map(attrgetter("rejected"), samples), repeat(None)), np.int64, n)]  # fmt: skip
-    code = (columns[0] << 32) | (columns[1] << 1) | columns[2]  # one number per kind
+               np.fromiter(map(len, map(attrgetter("layers"), samples)), np.int64, n), has]  # fmt: skip
+    code = (columns[0] << 40) | (columns[1] << 20) | columns[2]  # one number per kind
     _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
     why = [spec.control_problem(len(samples[i].controls)) or spec.layers_problem(len(samples[i].layers))
-           or pair_problem(samples[i], pairs) for i in first.tolist()]  # fmt: skip
+           or field_problem(samples[i], fields) for i in first.tolist()]  # fmt: skip
     problems = []
     if any(why):
         problems = [DataProblem(samples[i].id, str(samples[i].target), why[k])
                     for i, k in enumerate(inverse.reshape(-1).tolist()) if why[k]]  # fmt: skip
         skipped = {p.id for p in problems}
         samples = [s for s in samples if s.id not in skipped]
-    if not pairs and columns[2].any():  # not read: no rejected latent is asked for
-        samples = [replace(s, rejected=None) if s.rejected is not None else s for s in samples]
+    names = {f.name for f in fields}
+    if any(images) and any(name not in names for x in images for name, _ in x):  # not read: the objective's only
+        samples = [_only(s, names) if s.field_images else s for s in samples]
     problems = dataset.problems + problems
     if not samples:
         raise DataError(f"no sample of {data.path} can train model={spec.name}: {problems[0].reason}")
@@ -71,12 +74,27 @@ def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any 
     return samples
 
 
-def pair_problem(sample: Sample, pairs: bool) -> str | None:
-    """Why `sample` cannot train an objective of preference pairs (`pairs`): it has no rejected result."""
-    if pairs and sample.rejected is None:
-        return ("it has no rejected result, which train/objective=dpo trains on: give one (a manifest row's "
-                "'rejected', rejected_images/<stem>.png, data.columns.rejected)")  # fmt: skip
-    return None
+def _has_bits(fields: tuple[SampleField, ...]):
+    """A function of a sample's field images: bit j set when it has the image of `fields[j]`."""
+    names = [f.name for f in fields]
+
+    def bits(images: tuple) -> int:
+        have = {name for name, _ in images}
+        return sum(1 << j for j, name in enumerate(names) if name in have)
+
+    return bits
+
+
+def _only(sample: Sample, names: set[str]) -> Sample:
+    """`sample` with the images of the fields `names` only."""
+    return replace(sample, field_images=tuple((n, p) for n, p in sample.field_images if n in names))
+
+
+def field_problem(sample: Sample, fields: tuple[SampleField, ...]) -> str | None:
+    """Why `sample` cannot train an objective that requires `fields`: it has no image of one of them."""
+    have = sample.fields
+    missing = [f for f in fields if f.name not in have]
+    return missing_problem(missing[0]) if missing else None
 
 
 def ready_data(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], run_dir: Path, report: bool,
@@ -103,7 +121,7 @@ def check_pairs(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], r
     Raises:
         DataError: no pair left.
     """
-    if all(x.rejected is None for x in samples):
+    if not any(x.field_images for x in samples):
         return samples
     cache_dir, sizes = s.source.cache_dir, s.source.sizes
     index = ImageSizeIndex(Path(cache_dir) / "image_sizes.json" if cache_dir else None) if source.encodes else None

@@ -73,7 +73,7 @@ class DpoSettings:
 
 def paired(batch: Batch) -> Batch:
     """One batch of the preferred results, then the rejected ones: every other input repeated."""
-    if batch.rejected_latents is None:
+    if "rejected" not in batch.fields:
         raise ValueError(f"batch {batch.ids} holds no rejected results: train/objective=dpo trains preference pairs")
 
     def twice(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -82,13 +82,13 @@ def paired(batch: Batch) -> Batch:
     return replace(
         batch,
         ids=[*batch.ids, *batch.ids],
-        latents=torch.cat([batch.latents, batch.rejected_latents]),
+        latents=torch.cat([batch.latents, batch.fields["rejected"]]),
         control_latents=[twice(c) for c in batch.control_latents],
         prompt_embeds=twice(batch.prompt_embeds),
         prompt_embeds_mask=twice(batch.prompt_embeds_mask),
         prompt_image_mask=twice(batch.prompt_image_mask),
         loss_mask=twice(batch.loss_mask),
-        rejected_latents=None,
+        fields={},
     )
 
 
