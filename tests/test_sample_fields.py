@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import small_config, write_noise_image
+from helpers import fields_forgotten, small_config, write_noise_image
 from stage_edges import encoder_for, sizes_for, source_for, spec_of
 
 from qie.cache.keys import FileHasher
@@ -26,19 +25,11 @@ DEPTH: SampleField  # declared for this module's tests only (`_depth_declared`)
 
 @pytest.fixture(autouse=True, scope="module")
 def _depth_declared():
-    """Declare the field `depth` for these tests, and forget it after them: declaring a field makes its entry type
-    a cache type, which other tests count."""
-    import qie.data.fields as fields
-    import qie.types as types
-
+    """Declare the field `depth` for these tests, and forget it after them (`fields_forgotten`)."""
     global DEPTH
-    saved = list(types.CACHE_TYPES), list(types.FIELD_TYPES), dict(fields._DECLARED)
-    DEPTH = SampleField("depth")
-    yield
-    sys.modules.pop("plugins.depth", None)  # its import declared the field too
-    types.CACHE_TYPES[:], types.FIELD_TYPES[:] = saved[0], saved[1]
-    fields._DECLARED.clear()
-    fields._DECLARED.update(saved[2])
+    with fields_forgotten():
+        DEPTH = SampleField("depth")
+        yield
 
 
 def _manifest(root: Path, count: int = 2, depth: bool = True) -> Path:

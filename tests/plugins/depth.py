@@ -26,7 +26,7 @@ class DepthAware(FlowMatching):
 
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         depth = super().loss(model, replace(batch, latents=batch.fields["depth"]), generator)
-        self.depth_losses.append(float(depth))
+        self.depth_losses.append(float(depth.detach()))
         return super().loss(model, batch, generator) + self.depth_weight * depth
 
     def step_metrics(self) -> dict[str, float]:
