@@ -81,8 +81,16 @@ def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
     images = list(map(attrgetter("field_images"), samples))
     if any(images) and {name for x in images for name, _ in x} - {"rejected"}:
         return False
-    has = [np.fromiter(map(is_not, map(attrgetter(f), samples), repeat(None)) if test is None
-                       else map(test, map(attrgetter(f), samples)), bool, n) for f, test in fields]  # fmt: skip
+    has = [
+        np.fromiter(
+            map(is_not, map(attrgetter(f), samples), repeat(None))
+            if test is None
+            else map(test, map(attrgetter(f), samples)),
+            bool,
+            n,
+        )
+        for f, test in fields
+    ]
     has.append(np.fromiter(map(bool, images), bool, n))
     code = (has[0] * 8 + has[1] * 4 + has[2] * 2 + has[3]).astype(np.int64)
     masks = np.zeros((16, len(TRAINING_TYPES)), dtype=bool)
@@ -179,8 +187,10 @@ def ready_samples(
             f"  {precompute_command}\nor train on the other samples with cache.on_missing=skip."
         )
     if missing and report:
-        print(f"qie: warning: training without {len(missing):,} samples whose cache entries are missing or damaged "
-              f"(cache.on_missing=skip; listed in {path})")  # fmt: skip
+        print(
+            f"qie: warning: training without {len(missing):,} samples whose cache entries are missing or damaged "
+            f"(cache.on_missing=skip; listed in {path})"
+        )
     skip |= {row["id"] for row in missing}
     kept = [s for s in samples if s.id not in skip]
     if not kept:

@@ -176,8 +176,16 @@ class Batch:
             *self.fields.values(),
             *([self.negative_prompt_embeds] if self.negative_prompt_embeds is not None else []),
         ]
-        others = [t for t in (self.prompt_embeds_mask, self.prompt_image_mask, self.negative_prompt_embeds_mask,
-                              self.negative_prompt_image_mask) if t is not None]  # fmt: skip
+        others = [
+            t
+            for t in (
+                self.prompt_embeds_mask,
+                self.prompt_image_mask,
+                self.negative_prompt_embeds_mask,
+                self.negative_prompt_image_mask,
+            )
+            if t is not None
+        ]
         if self.loss_mask is not None and self.loss_mask.dtype != torch.float32:
             return False
         return all(t.dtype == dtype for t in floats) and all(

@@ -136,12 +136,18 @@ def main() -> None:
             f"distilled, {steps}": lora_images, f"teacher, {args.teacher_steps}": teacher})  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"teacher ({args.teacher_steps} steps, cfg {args.teacher_cfg}): {teacher_s:.3f} s/image")
-    print(f"base at {args.student_steps} steps, cfg 1: pixel error to the teacher {summary['error_base']:.4f}, "
-          f"{base_s:.3f} s/image")
-    print(f"distilled LoRA at {args.student_steps} steps, cfg 1: pixel error to the teacher "
-          f"{summary['error_lora']:.4f}, {lora_s:.3f} s/image")
-    print(f"error ratio {summary['error_ratio']:.3f} (target <= 0.5) after {args.steps} steps, loss "
-          f"{summary['first_loss']:.5f} -> {summary['last_loss']:.5f} ({train_seconds:.0f} s); {out}")
+    print(
+        f"base at {args.student_steps} steps, cfg 1: pixel error to the teacher {summary['error_base']:.4f}, "
+        f"{base_s:.3f} s/image"
+    )
+    print(
+        f"distilled LoRA at {args.student_steps} steps, cfg 1: pixel error to the teacher "
+        f"{summary['error_lora']:.4f}, {lora_s:.3f} s/image"
+    )
+    print(
+        f"error ratio {summary['error_ratio']:.3f} (target <= 0.5) after {args.steps} steps, loss "
+        f"{summary['first_loss']:.5f} -> {summary['last_loss']:.5f} ({train_seconds:.0f} s); {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -125,8 +125,10 @@ def main() -> None:
     lines = (out / "run" / HELDOUT_FILE).read_text().splitlines()
     measured = [json.loads(line) for line in lines]
     for r in measured:
-        print(f"step {r['step']:5d}  held-out reward accuracy {r['heldout/reward_accuracy']:.3f}  "
-              f"margin {r['heldout/reward_margin']:+.3f}  loss {r['heldout/loss']:.4f}")
+        print(
+            f"step {r['step']:5d}  held-out reward accuracy {r['heldout/reward_accuracy']:.3f}  "
+            f"margin {r['heldout/reward_margin']:+.3f}  loss {r['heldout/loss']:.4f}"
+        )
     summary = {"pairs": pairs, "heldout": args.heldout, "sft_steps": args.sft_steps, "steps": args.steps,
                "beta": args.beta, "lr": args.lr,
                "sft_weight": args.sft_weight,
@@ -136,8 +138,10 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for name, share in follows.items():
         print(f"held-out edits whose shape is nearer the preferred colour than the rejected one, {name}: {share:.2f}")
-    print(f"held-out reward accuracy 0.500 -> {summary['accuracy_end']:.3f} after {args.steps} DPO steps "
-          f"({pairs - args.heldout} training pairs, {args.heldout} held out, {seconds:.0f} s in all); {out}")
+    print(
+        f"held-out reward accuracy 0.500 -> {summary['accuracy_end']:.3f} after {args.steps} DPO steps "
+        f"({pairs - args.heldout} training pairs, {args.heldout} held out, {seconds:.0f} s in all); {out}"
+    )
 
 
 if __name__ == "__main__":

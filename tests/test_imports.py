@@ -28,9 +28,12 @@ def _loaded(module: str, libs: tuple[str, ...], packages: tuple[str, ...]) -> li
 @pytest.mark.subprocess
 def test_the_training_step_loads_no_hydra_cache_or_encoder() -> None:
     for step in ("qie.training.loop", "qie.models.qwen_image", "qie.models.qwen_image_21"):
-        assert _loaded(
-            step, ("hydra", "omegaconf"), ("qie.cache", "qie.encode", "qie.embeddings", "qie.stages", "qie.cli")
-        ) == [], step
+        assert (
+            _loaded(
+                step, ("hydra", "omegaconf"), ("qie.cache", "qie.encode", "qie.embeddings", "qie.stages", "qie.cli")
+            )
+            == []
+        ), step
 
 
 @pytest.mark.subprocess
@@ -74,8 +77,10 @@ def _imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             for name in names:
-                if name.startswith("qie.") and (QIE / Path(*name.split(".")[1:2])).exists() or (
-                    name.startswith("qie.") and (QIE / f"{name.split('.')[1]}.py").exists()
+                if (
+                    name.startswith("qie.")
+                    and (QIE / Path(*name.split(".")[1:2])).exists()
+                    or (name.startswith("qie.") and (QIE / f"{name.split('.')[1]}.py").exists())
                 ):
                     target = name.split(".")[1]
                     if target != here:

@@ -199,8 +199,10 @@ def unchanged_entries(root: str, keys: Mapping[str, Sequence[str]], since: int, 
     found: list[bool] = []
     for type, ks in keys.items():
         try:
-            names = {s: set() if f"{root}/{type}/{s}" in absent else set(os.listdir(f"{root}/{type}/{s}"))
-                     for s in shards[type]}  # fmt: skip
+            names = {
+                s: set() if f"{root}/{type}/{s}" in absent else set(os.listdir(f"{root}/{type}/{s}"))
+                for s in shards[type]
+            }
         except OSError:
             return None
         found.extend(f"{k}{SUFFIX}" in names[k[:2]] for k in ks)

@@ -241,8 +241,10 @@ def _check_step_counts(cfg: DictConfig) -> None:
     """`validation.step_counts`: whole numbers from 1, instead of `validation.num_inference_steps` (not beside it)."""
     counts = list(OmegaConf.select(cfg, "validation.step_counts", default=None) or [])
     if counts and OmegaConf.select(cfg, "validation.num_inference_steps", default=None) is not None:
-        raise ConfigError("validation.step_counts and validation.num_inference_steps are both set: keep one "
-                          "(step_counts samples at each of its counts)")  # fmt: skip
+        raise ConfigError(
+            "validation.step_counts and validation.num_inference_steps are both set: keep one "
+            "(step_counts samples at each of its counts)"
+        )
     for i, count in enumerate(counts):
         if count < 1:
             raise ConfigError(f"validation.step_counts[{i}]={count} is out of range: each count must be 1 or more")

@@ -25,8 +25,20 @@ def setting_problem(cfg: DictConfig, spec: Any) -> str | None:
     Args:
         spec: the model's `ModelSpec`, or None for a config without a `model` group.
     """
-    checks = (_mode, _mask, _control_dropout, _ema, _regularization, _memory, _precompute, _cache, _caption,
-              _predict, _validation, _demo)  # fmt: skip
+    checks = (
+        _mode,
+        _mask,
+        _control_dropout,
+        _ema,
+        _regularization,
+        _memory,
+        _precompute,
+        _cache,
+        _caption,
+        _predict,
+        _validation,
+        _demo,
+    )
     return next((problem for check in checks if (problem := check(cfg, spec))), None)
 
 
@@ -75,14 +87,18 @@ def _mask(cfg: DictConfig, spec: Any) -> str | None:
     source = _get(cfg, "train.mask.source")
     if source is None or source == "none":
         return None
-    for name, v, low, high in (("outside_weight", float(_get(cfg, "train.mask.outside_weight")), 0, 1),
-                               ("threshold", float(_get(cfg, "train.mask.threshold")), 0, 1),
-                               ("dilation", int(_get(cfg, "train.mask.dilation")), 0, 10**6)):  # fmt: skip
+    for name, v, low, high in (
+        ("outside_weight", float(_get(cfg, "train.mask.outside_weight")), 0, 1),
+        ("threshold", float(_get(cfg, "train.mask.threshold")), 0, 1),
+        ("dilation", int(_get(cfg, "train.mask.dilation")), 0, 10**6),
+    ):
         if not low <= v <= high:
             return f"train.mask.{name}={v} is out of range: give a value from {low} to {high}"
     if source == "edit" and spec is not None and spec.max_control_images == 0:
-        return (f"train.mask.source=edit compares each target with its control image, and model={spec.name} takes "
-                "none: use train.mask.source=file")  # fmt: skip
+        return (
+            f"train.mask.source=edit compares each target with its control image, and model={spec.name} takes "
+            "none: use train.mask.source=file"
+        )
     return None
 
 
@@ -96,8 +112,10 @@ def _control_dropout(cfg: DictConfig, spec: Any) -> str | None:
         return f"data.control_dropout_rate={rate} is out of range: give a value from 0 to 1"
     if rate and spec is not None and (spec.max_control_images == 0 or spec.min_control_images > 0):
         why = "takes no control images" if spec.max_control_images == 0 else "needs a control image in every sample"
-        return (f"data.control_dropout_rate: model={spec.name} {why}; reference dropout is for the models that also "
-                "edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)")  # fmt: skip
+        return (
+            f"data.control_dropout_rate: model={spec.name} {why}; reference dropout is for the models that also "
+            "edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)"
+        )
     return None
 
 
@@ -139,11 +157,15 @@ def _memory(cfg: DictConfig, spec: Any) -> str | None:
     checkpointing, fsdp = bool(_get(cfg, "train.gradient_checkpointing", False)), bool(_get(cfg, "train.fsdp", False))
     quantize = str(_get(cfg, "model.quantize", "none"))
     if swap and not checkpointing:
-        return (f"train.blocks_to_swap={swap} needs train.gradient_checkpointing=true: without it the backward pass "
-                "keeps every block's weights on the GPU, and swapping saves nothing")  # fmt: skip
+        return (
+            f"train.blocks_to_swap={swap} needs train.gradient_checkpointing=true: without it the backward pass "
+            "keeps every block's weights on the GPU, and swapping saves nothing"
+        )
     if swap and not trains_lora(cfg):
-        return ("train.blocks_to_swap works with train.mode=lora only: full fine-tuning updates the weights that "
-                "swapping keeps in CPU memory; shard them over several GPUs with train.fsdp=true instead")  # fmt: skip
+        return (
+            "train.blocks_to_swap works with train.mode=lora only: full fine-tuning updates the weights that "
+            "swapping keeps in CPU memory; shard them over several GPUs with train.fsdp=true instead"
+        )
     if fsdp and swap:
         return "train.fsdp=true and train.blocks_to_swap cannot be combined: choose one"
     if fsdp and quantize != "none":
@@ -221,8 +243,10 @@ def _validation(cfg: DictConfig, spec: Any) -> str | None:
     given = list(_get(cfg, "validation.images") or [])
     images = given or [""] * len(prompts)
     if len(images) != len(prompts):
-        return (f"validation.images has {len(given)} entries and validation.prompts {len(prompts)}: give one image "
-                "(or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image")  # fmt: skip
+        return (
+            f"validation.images has {len(given)} entries and validation.prompts {len(prompts)}: give one image "
+            "(or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image"
+        )
     for i, image in enumerate(images):
         count = len([p for p in str(image).split("|") if p])
         if spec is not None and (problem := spec.control_problem(count)):

@@ -103,8 +103,9 @@ def scan_folder(
     return data
 
 
-def save(path: Path, settings: str, folders: str, root: Path, data: Dataset,
-         captions: dict[str, tuple[int, int, int, int]]) -> None:  # fmt: skip
+def save(
+    path: Path, settings: str, folders: str, root: Path, data: Dataset, captions: dict[str, tuple[int, int, int, int]]
+) -> None:
     """Remember `data`, scanned from `root` under `settings` while its folders had the signatures `folders`.
 
     Args:
@@ -136,8 +137,14 @@ def save(path: Path, settings: str, folders: str, root: Path, data: Dataset,
         }
     except (KeyError, ValueError):  # a path outside the scanned folders, or a NUL in a prompt: not kept
         return
-    meta = {"format": FORMAT, "settings": settings, "folders": folders, "names": str(len(table)),
-            "samples": str(len(data.samples)), "captions": str(len(captions))}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "settings": settings,
+        "folders": folders,
+        "names": str(len(table)),
+        "samples": str(len(data.samples)),
+        "captions": str(len(captions)),
+    }
     index_file.save(path, tensors, meta, data.problems, "folder index")
 
 

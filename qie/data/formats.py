@@ -92,7 +92,7 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
                 require_prompt,
                 source.index_dir,
                 source.fields,
-            )  # fmt: skip
+            )
         )
     if source.images_dir is None:
         raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
@@ -108,8 +108,9 @@ def without_long_prompts(data: Dataset) -> Dataset:
         return data  # none too long (the usual case, looked at without a call per sample)
     long = {s.id: why for s in data.samples if (why := prompt_problem(s.prompt))}
     kept = [s for s in data.samples if s.id not in long]
-    problems = [DataProblem(s.id, str(s.target or (s.controls or ("",))[0]), long[s.id]) for s in data.samples
-                if s.id in long]  # fmt: skip
+    problems = [
+        DataProblem(s.id, str(s.target or (s.controls or ("",))[0]), long[s.id]) for s in data.samples if s.id in long
+    ]
     if not kept:
         raise DataError(f"no usable sample: the first, {problems[0].id!r}: {problems[0].reason}")
     return Dataset(kept, data.problems + problems)

@@ -25,8 +25,14 @@ from qie.errors import ConfigError, DataError
 
 GLOB_CHARACTERS = "*?["
 ROWS_PER_READ = 256  # rows read per slice: bounds the image bytes held in memory at once
-_MAGIC = ((b"\x89PNG", ".png"), (b"\xff\xd8", ".jpg"), (b"GIF8", ".gif"), (b"BM", ".bmp"), (b"II*\x00", ".tif"),
-          (b"MM\x00*", ".tif"))  # fmt: skip
+_MAGIC = (
+    (b"\x89PNG", ".png"),
+    (b"\xff\xd8", ".jpg"),
+    (b"GIF8", ".gif"),
+    (b"BM", ".bmp"),
+    (b"II*\x00", ".tif"),
+    (b"MM\x00*", ".tif"),
+)
 
 
 @dataclass(frozen=True)
@@ -148,16 +154,8 @@ def scan_hf(
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
     """
     data = load_hf(path, split)
-    extra = [(f.name, c) for f in fields if (c := columns.field_column(f, data.column_names))]
-    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers,
-                         *(c for _, c in extra)) if c]  # fmt: skip
-    missing = [c for c in names if c not in data.column_names]
     optional = ([] if require_target else [columns.target]) + ([] if require_prompt else [columns.prompt])
-    if any(c not in optional for c in missing):
-        raise DataError(
-            f"{path!r} has no column {missing[0]!r} (columns: {', '.join(data.column_names)}): set "
-            "data.columns.target, data.columns.controls (a list) and data.columns.prompt to its columns"
-        )
+    names, extra = _read_columns(path, data.column_names, columns, fields, optional)
     base = _base_folder(path)
     out = Dataset()
     seen: set[str] = set()
@@ -181,14 +179,20 @@ def scan_hf(
         if prompt is None and not require_prompt:
             prompt = ""
         why = (
-            "has no control image" if not controls
-            else f"has no layers in column {columns.layers!r}" if columns.layers and not layers
-            else "has no target image" if require_target and target_path is None
-            else f"has no prompt text: {NO_CAPTION_FIX}" if prompt is None
-            else f"has no prompt text (got {prompt!r})" if not isinstance(prompt, str)
-            else f"has an empty prompt: {NO_CAPTION_FIX}" if require_prompt and not prompt.strip()
+            "has no control image"
+            if not controls
+            else f"has no layers in column {columns.layers!r}"
+            if columns.layers and not layers
+            else "has no target image"
+            if require_target and target_path is None
+            else f"has no prompt text: {NO_CAPTION_FIX}"
+            if prompt is None
+            else f"has no prompt text (got {prompt!r})"
+            if not isinstance(prompt, str)
+            else f"has an empty prompt: {NO_CAPTION_FIX}"
+            if require_prompt and not prompt.strip()
             else None
-        )  # fmt: skip
+        )
         if why:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", f"row {n} {why}"))
             continue
@@ -201,6 +205,27 @@ def scan_hf(
     out.samples.sort(key=lambda s: s.id)
     out.problems.sort(key=lambda p: p.id)
     return out
+
+
+def _read_columns(
+    path: str, present: list[str], columns: Columns, fields: tuple[SampleField, ...], optional: list[str | None]
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The columns a scan reads of a data set with the columns `present`, and the (field name, column) of each of
+    `fields` it has.
+
+    Raises:
+        DataError: a named column that is not there and not `optional`.
+    """
+    extra = [(f.name, c) for f in fields if (c := columns.field_column(f, present))]
+    named = (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers)
+    names = [c for c in (*named, *(c for _, c in extra)) if c]
+    missing = [c for c in names if c not in present]
+    if any(c not in optional for c in missing):
+        raise DataError(
+            f"{path!r} has no column {missing[0]!r} (columns: {', '.join(present)}): set "
+            "data.columns.target, data.columns.controls (a list) and data.columns.prompt to its columns"
+        )
+    return names, extra
 
 
 def _rows(data: Any, names: list[str]) -> Iterator[tuple[int, dict]]:

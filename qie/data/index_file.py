@@ -110,8 +110,9 @@ def columns_samples(arrays: dict, count: int, paths: list[Path]) -> list[Sample]
     by_field = [arrays[f"field:{n}"].tolist() for n in names]
     control_offsets, controls = arrays["control_offsets"].tolist(), arrays["controls"].tolist()
     layer_offsets, layers = arrays["layer_offsets"].tolist(), arrays["layers"].tolist()
-    if not (len(target) == len(mask) == count == len(control_offsets) - 1
-            == len(layer_offsets) - 1) or any(len(c) != count for c in by_field):  # fmt: skip
+    if not (len(target) == len(mask) == count == len(control_offsets) - 1 == len(layer_offsets) - 1) or any(
+        len(c) != count for c in by_field
+    ):
         raise ValueError("columns differ in length")
     none, empty = [None] * count, ()
     targets, masks = (

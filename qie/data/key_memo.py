@@ -200,8 +200,9 @@ class KeyMemo:
         compute: the sample's keys the slow way (image hashes + entry keys); called on a miss.
     """
 
-    def __init__(self, folder: str | os.PathLike | None, context: KeyContext,
-                 compute: Callable[[Sample], dict[str, str]]) -> None:  # fmt: skip
+    def __init__(
+        self, folder: str | os.PathLike | None, context: KeyContext, compute: Callable[[Sample], dict[str, str]]
+    ) -> None:
         self.path = Path(folder) / f"{context_token(context)}.safetensors" if folder is not None else None
         self.compute = compute
         self._table: _Table | None = None

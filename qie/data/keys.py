@@ -53,8 +53,13 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
             "control_latent",
             {"controls": controls, "area": ctx.vae_image_pixels, "vae": ctx.vae_fingerprint, "dtype": ctx.dtype},
         )
-    encoded_as_target = {"area": ctx.target_pixels, "mode": ctx.resize_mode, "multiple": ctx.multiple_of,
-                         "vae": ctx.vae_fingerprint, "dtype": ctx.dtype}  # fmt: skip
+    encoded_as_target = {
+        "area": ctx.target_pixels,
+        "mode": ctx.resize_mode,
+        "multiple": ctx.multiple_of,
+        "vae": ctx.vae_fingerprint,
+        "dtype": ctx.dtype,
+    }
     if sample.target is not None:
         keys["pixel_latent"] = entry_key("pixel_latent", {"target": hasher.hash(sample.target), **encoded_as_target})
     for name, image in sample.field_images:

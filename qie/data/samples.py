@@ -221,8 +221,13 @@ def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFile
         numbers = sorted(layers[stem])
         if [n for n, _ in numbers] != list(range(len(numbers))):  # a layer missing, or one numbered twice
             found = ", ".join(str(n) for n, _ in numbers)
-            data.problems.append(DataProblem(stem, str(numbers[0][1]), f"its layers are numbered {found}: number "
-                                             f"them 0 to {len(numbers) - 1} with none missing"))  # fmt: skip
+            data.problems.append(
+                DataProblem(
+                    stem,
+                    str(numbers[0][1]),
+                    f"its layers are numbered {found}: number them 0 to {len(numbers) - 1} with none missing",
+                )
+            )
             continue
         ordered = tuple(p for _, p in numbers)
         data.samples.append(Sample(stem, image, (image,), prompt, None, ordered))

@@ -158,13 +158,21 @@ def refuse_if_none_encoded(summary: PrecomputeSummary, run_dir: Path) -> None:
     failed = {p.id for p in summary.failures}
     if summary.samples and len(failed) >= summary.samples:
         first = summary.failures[0]
-        raise DataError(f"none of the {summary.samples} samples could be encoded (all listed in "
-                        f"{run_dir / 'failures.jsonl'}); the first, {first.id!r}: {first.reason}")  # fmt: skip
+        raise DataError(
+            f"none of the {summary.samples} samples could be encoded (all listed in "
+            f"{run_dir / 'failures.jsonl'}); the first, {first.id!r}: {first.reason}"
+        )
 
 
-def read_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, p: PrecomputeConfig,
-                  make_backend: Callable[..., CacheBackend], command: str,
-                  fields: tuple[SampleField, ...] = DEFAULT_FIELDS) -> Settings:  # fmt: skip
+def read_settings(
+    model: ModelConfig,
+    data: DataConfig,
+    cache: CacheConfig,
+    p: PrecomputeConfig,
+    make_backend: Callable[..., CacheBackend],
+    command: str,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
+) -> Settings:
     """The stage's settings, and the cache backend built (`make_backend`, given the stage's `verify_reads`):
     ConfigError for a cache that does not outlive the process, or a caption prompt that cannot be read.
 
@@ -176,16 +184,30 @@ def read_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, p: P
     repair = bool(cache.repair)
     backend = make_backend(verify_reads=repair)
     if not backend.persists:
-        raise ConfigError(f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
-                          "ends: use cache=ssd cache.dir=FOLDER")  # fmt: skip
+        raise ConfigError(
+            f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
+            "ends: use cache=ssd cache.dir=FOLDER"
+        )
     raise_errors = p.on_error == "raise"
     spec = prepare_model(model)
     source = source_settings(model, data, cache, spec, None, command)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
-    return Settings(int(p.batch_size), raise_errors, p.start, p.end, spec, backend, repair, source.sizes,
-                    functools.partial(build_encoder, model, spec, source.devices), source,
-                    replace(data_source(data, cache.dir), fields=fields),
-                    float(data.control_dropout_rate), regularization(data), captions)  # fmt: skip
+    return Settings(
+        int(p.batch_size),
+        raise_errors,
+        p.start,
+        p.end,
+        spec,
+        backend,
+        repair,
+        source.sizes,
+        functools.partial(build_encoder, model, spec, source.devices),
+        source,
+        replace(data_source(data, cache.dir), fields=fields),
+        float(data.control_dropout_rate),
+        regularization(data),
+        captions,
+    )
 
 
 def dataset_range(settings: Settings, captions: AutoCaptions | None = None) -> list[Sample | DataProblem]:
@@ -232,8 +254,17 @@ def encode(groups: dict, summary, settings: Settings, desc: str) -> None:
 
     todo = sum(len(g) for g in groups.values())
     with progress(todo, desc or "precompute", unit="sample", disable=not todo) as bar:
-        encode_groups(get_encoder, groups, settings.backend, settings.sizes, summary, settings.batch_size,
-                      settings.raise_errors, bar.update, settings.repair)  # fmt: skip
+        encode_groups(
+            get_encoder,
+            groups,
+            settings.backend,
+            settings.sizes,
+            summary,
+            settings.batch_size,
+            settings.raise_errors,
+            bar.update,
+            settings.repair,
+        )
 
 
 def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path) -> PrecomputeSummary:

@@ -23,7 +23,7 @@ from qie.stages.accelerator import make_accelerator
 from qie.stages.precompute_work import TypeSummary
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import ENTRY_TYPE, BackendTeacherStore
-from qie.stages.train import (
+from qie.stages.train_model import (
     base_model_key,
     build_train_state,
     load_model,
@@ -44,13 +44,16 @@ def check_processes(setup: TrainSetup, processes: int) -> None:
         ConfigError: naming what to do instead.
     """
     if setup.memory.fsdp and processes > 1:
-        raise ConfigError("precompute.teachers=true fills each process's share on its own, which train.fsdp=true "
-                          "cannot (every process takes part in each forward pass): fill them with one process per "
-                          "whole model, or train with cache.mode=lazy")  # fmt: skip
+        raise ConfigError(
+            "precompute.teachers=true fills each process's share on its own, which train.fsdp=true "
+            "cannot (every process takes part in each forward pass): fill them with one process per "
+            "whole model, or train with cache.mode=lazy"
+        )
 
 
-def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBackend, run_dir: Path,
-                  desc: str = "") -> TypeSummary:  # fmt: skip
+def fill_teachers(
+    setup: TrainSetup, samples: list[Sample], backend: CacheBackend, run_dir: Path, desc: str = ""
+) -> TypeSummary:
     """Compute the missing teacher outputs of `samples` into `backend` (their embeddings are cached by now) with
     the training run's `setup` (`train_setup`, `check_processes`); returns their counts: new (computed), skipped
     (present), failed (a sample whose embeddings cannot be read)."""
@@ -59,10 +62,12 @@ def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBacken
     parts = load_model(setup.model, setup.memory, bool(setup.train.compile), accelerator, setup.spec, setup.fused)
     record = run_records(setup.model, setup.train, setup.spec, [], setup.fused)[0]
     store = BackendTeacherStore(backend, fills=True)
-    objective: Any = make_objective(setup.train, parts.scheduler, setup.spec, parts.pipeline_config, store,
-                                    base_model_key(setup.model, record))  # fmt: skip
-    state, _ = build_train_state(setup.model, setup.train, setup.memory, setup.mode, accelerator, setup.spec, parts,
-                                 objective)  # fmt: skip
+    objective: Any = make_objective(
+        setup.train, parts.scheduler, setup.spec, parts.pipeline_config, store, base_model_key(setup.model, record)
+    )
+    state, _ = build_train_state(
+        setup.model, setup.train, setup.memory, setup.mode, accelerator, setup.spec, parts, objective
+    )
     # The model under its mixed-precision autocast as training calls it, without the data-parallel wrapper: its
     # forward would sync buffers with the other processes, which fill shares of other lengths.
     model = accelerator.unwrap_model(state.model)

@@ -34,8 +34,9 @@ class BackendTeacherStore:
 
     def write(self, fields: Mapping[str, Any], latents: torch.Tensor) -> None:
         latent = latents.detach().to("cpu", copy=True).contiguous()
-        self.backend.put(ENTRY_TYPE, entry_key(ENTRY_TYPE, dict(fields)), {"latent": latent},
-                         {"seed": str(fields.get("seed"))})  # fmt: skip
+        self.backend.put(
+            ENTRY_TYPE, entry_key(ENTRY_TYPE, dict(fields)), {"latent": latent}, {"seed": str(fields.get("seed"))}
+        )
 
 
 def teacher_store(backend: CacheBackend | None, mode: str) -> BackendTeacherStore | None:

@@ -29,8 +29,14 @@ if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
 
 
-def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any = None,
-                 fields: tuple[SampleField, ...] = (), on_missing: str = "stop") -> list[Sample]:  # fmt: skip
+def load_samples(
+    data: DataSource,
+    spec: ModelSpec,
+    report: bool,
+    captions: Any = None,
+    fields: tuple[SampleField, ...] = (),
+    on_missing: str = "stop",
+) -> list[Sample]:
     """The samples of `data` the model can take; the first problems found are printed when `report`.
     `captions` (`data.auto_caption`) gives samples without a caption theirs; a sample needs the image of each of
     `fields` (the objective's: `REJECTED` for preference pairs), and keeps no other field's; `on_missing` is
@@ -43,24 +49,36 @@ def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any 
     dataset = read_data(data, captions=captions)
     if captions is not None and captions.misses and on_missing == "stop":
         first = captions.misses[0]
-        raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
-                             f"({first.path}): {first.reason.split(': ', 1)[-1]} "
-                             "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
+        raise CacheMissError(
+            f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
+            f"({first.path}): {first.reason.split(': ', 1)[-1]} "
+            "(or cache.on_missing=skip trains on the rest)"
+        )
     # Whether the model can take a sample depends on its kind only (control and layer counts, the fields' images
     # it has): judged once per kind, a million samples looked at column by column.
     samples, n = dataset.samples, len(dataset.samples)
     images = list(map(attrgetter("field_images"), samples))
     has = np.fromiter(map(_has_bits(fields), images), np.int64, n) if any(images) else np.zeros(n, np.int64)
-    columns = [np.fromiter(map(len, map(attrgetter("controls"), samples)), np.int64, n),
-               np.fromiter(map(len, map(attrgetter("layers"), samples)), np.int64, n), has]  # fmt: skip
+    columns = [
+        np.fromiter(map(len, map(attrgetter("controls"), samples)), np.int64, n),
+        np.fromiter(map(len, map(attrgetter("layers"), samples)), np.int64, n),
+        has,
+    ]
     code = (columns[0] << 40) | (columns[1] << 20) | columns[2]  # one number per kind
     _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-    why = [spec.control_problem(len(samples[i].controls)) or spec.layers_problem(len(samples[i].layers))
-           or field_problem(samples[i], fields) for i in first.tolist()]  # fmt: skip
+    why = [
+        spec.control_problem(len(samples[i].controls))
+        or spec.layers_problem(len(samples[i].layers))
+        or field_problem(samples[i], fields)
+        for i in first.tolist()
+    ]
     problems = []
     if any(why):
-        problems = [DataProblem(samples[i].id, str(samples[i].target), why[k])
-                    for i, k in enumerate(inverse.reshape(-1).tolist()) if why[k]]  # fmt: skip
+        problems = [
+            DataProblem(samples[i].id, str(samples[i].target), why[k])
+            for i, k in enumerate(inverse.reshape(-1).tolist())
+            if why[k]
+        ]
         skipped = {p.id for p in problems}
         samples = [s for s in samples if s.id not in skipped]
     names = {f.name for f in fields}
@@ -97,8 +115,9 @@ def field_problem(sample: Sample, fields: tuple[SampleField, ...]) -> str | None
     return missing_problem(missing[0]) if missing else None
 
 
-def ready_data(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], run_dir: Path, report: bool,
-               captions: Any = None) -> tuple[list[Sample], list[Sample]]:  # fmt: skip
+def ready_data(
+    s: TrainSetup, source: EmbeddingSource, samples: list[Sample], run_dir: Path, report: bool, captions: Any = None
+) -> tuple[list[Sample], list[Sample]]:
     """The `samples` and the regularisation set's samples whose cache entries are all there (`ready_samples`;
     with reference dropout, their text-only entries too)."""
     on_missing, cache_dir, command = s.on_missing, s.source.cache_dir, s.source.precompute_command
@@ -106,8 +125,19 @@ def ready_data(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], ru
     reg = regularization_samples(s.regularization, s.samples, s.spec, captions)
     reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command, report) if reg else []
     if s.dropout:  # the text-only entries too
-        kept = {x.id for x in ready_samples(source, [without_controls(x) for x in samples + reg], run_dir,
-                                            on_missing, cache_dir, False, command, report)}  # fmt: skip
+        kept = {
+            x.id
+            for x in ready_samples(
+                source,
+                [without_controls(x) for x in samples + reg],
+                run_dir,
+                on_missing,
+                cache_dir,
+                False,
+                command,
+                report,
+            )
+        }
         samples, reg = [x for x in samples if x.id in kept], [x for x in reg if x.id in kept]
     samples = check_pairs(s, source, samples, report)  # each pair judged at start
     return check_masks(source, samples, report), reg  # each loss mask read and checked at start
@@ -172,8 +202,15 @@ def make_sampler(
         index = Path(s.source.cache_dir) / "image_sizes.json" if s.source.cache_dir else None
         areas = (int(data.target_pixels), int(s.spec.vae_image_pixels), int(data.multiple_of))
         keys = bucket_keys(samples, *areas, index=index)
-    sampler = BucketBatchSampler(keys, [len(x.prompt) for x in samples], batch_size, int(s.train.seed),
-                                 bool(data.shuffle), accelerator.num_processes, accelerator.process_index,
-                                 start=start)  # fmt: skip
+    sampler = BucketBatchSampler(
+        keys,
+        [len(x.prompt) for x in samples],
+        batch_size,
+        int(s.train.seed),
+        bool(data.shuffle),
+        accelerator.num_processes,
+        accelerator.process_index,
+        start=start,
+    )
     accelerator.print(f"qie: data: {sampler.summary()}")
     return sampler

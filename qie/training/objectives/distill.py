@@ -110,8 +110,9 @@ def sample_inputs(batch: Batch, i: int) -> tuple[PromptInputs, PromptInputs, lis
         return PromptInputs(embeds[i : i + 1, :n], None, None if image_mask is None else image_mask[i : i + 1, :n])
 
     prompt = unpadded(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
-    negative = unpadded(batch.negative_prompt_embeds, batch.negative_prompt_embeds_mask,
-                        batch.negative_prompt_image_mask)  # fmt: skip
+    negative = unpadded(
+        batch.negative_prompt_embeds, batch.negative_prompt_embeds_mask, batch.negative_prompt_image_mask
+    )
     return prompt, negative, [c[i : i + 1] for c in batch.control_latents]
 
 
@@ -215,8 +216,13 @@ class Distill:
         """The fields of sample `i`'s teacher entry for `seed` (`noise` its starting noise)."""
         prompt, negative, controls = sample_inputs(batch, i)
         inputs = digest([prompt.embeds, prompt.image_mask, negative.embeds, negative.image_mask, *controls])
-        return {**self.teacher_key, "seed": int(seed), "shape": list(noise.shape[1:]), "dtype": str(noise.dtype),
-                "inputs": inputs}  # fmt: skip
+        return {
+            **self.teacher_key,
+            "seed": int(seed),
+            "shape": list(noise.shape[1:]),
+            "dtype": str(noise.dtype),
+            "inputs": inputs,
+        }
 
     def teach(self, model: torch.nn.Module, batch: Batch, i: int, noise: torch.Tensor) -> torch.Tensor:
         """The teacher's latents (1, C, F, h, w) of sample `i` from `noise`: the base model sampling with
@@ -224,11 +230,22 @@ class Distill:
         prompt, negative, controls = sample_inputs(batch, i)
         cfg = float(self.settings.teacher_cfg or 1.0)
         with torch.no_grad(), self.reference.active():
-            return self.family.denoise(model, self.scheduler, noise, prompt, negative if cfg > 1 else None, controls,
-                                       int(self.settings.teacher_steps), cfg, False, self.pipeline_config)  # fmt: skip
+            return self.family.denoise(
+                model,
+                self.scheduler,
+                noise,
+                prompt,
+                negative if cfg > 1 else None,
+                controls,
+                int(self.settings.teacher_steps),
+                cfg,
+                False,
+                self.pipeline_config,
+            )
 
-    def teacher(self, model: torch.nn.Module, batch: Batch, i: int, seed: int, noise: torch.Tensor,
-                fill: bool = True) -> torch.Tensor:  # fmt: skip
+    def teacher(
+        self, model: torch.nn.Module, batch: Batch, i: int, seed: int, noise: torch.Tensor, fill: bool = True
+    ) -> torch.Tensor:
         """Sample `i`'s teacher latents for `seed`: read from the store, else computed (and written where the store
         fills). Without `fill`, a miss is computed even where the store does not fill (held-out measures).
 
@@ -275,8 +292,18 @@ class Distill:
         """The student's latents (B, C, F, h, w) from `noise`: `student_steps` steps without CFG, with the gradient
         where it is on (each prediction recomputed in the backward pass)."""
         prompt = PromptInputs(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
-        return self.family.denoise(model, self.scheduler, noise, prompt, None, batch.control_latents,
-                                   int(self.settings.student_steps), 1.0, True, self.pipeline_config)  # fmt: skip
+        return self.family.denoise(
+            model,
+            self.scheduler,
+            noise,
+            prompt,
+            None,
+            batch.control_latents,
+            int(self.settings.student_steps),
+            1.0,
+            True,
+            self.pipeline_config,
+        )
 
     def _errors(self, model: torch.nn.Module, batch: Batch, seeds: Sequence[int], fill: bool) -> torch.Tensor:
         shape, device, dtype = batch.latents.shape[1:], batch.latents.device, batch.prompt_embeds.dtype

@@ -121,8 +121,9 @@ class Reference:
 
         before = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
         if not before:
-            raise ConfigError(f"train/objective={self.objective} needs the trained adapter on the transformer: "
-                              "train.mode=lora")  # fmt: skip
+            raise ConfigError(
+                f"train/objective={self.objective} needs the trained adapter on the transformer: train.mode=lora"
+            )
         self.trained = list(before[0].active_adapters)
         flags = {p: p.requires_grad for p in transformer.parameters()}
         if self.lora:
@@ -201,8 +202,9 @@ class Dpo(FlowMatching):
     def prepare(self, transformer: torch.nn.Module) -> None:
         self.reference.prepare(transformer)
 
-    def _terms(self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor,
-               weighting: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _terms(
+        self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor, weighting: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, margins z, the policy's per-sample errors) of a batch of pairs at the given noise."""
         pairs, noise2, sigmas2 = paired(batch), torch.cat([noise, noise]), torch.cat([sigmas, sigmas])
         with torch.no_grad(), self.reference.active():
