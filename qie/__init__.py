@@ -50,5 +50,11 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "compose", "Trainer", "EditDataset", "cache_manager", "EmbeddingCacheManager", "check_cache_exists", "__version__"
-]  # fmt: skip
+    "compose",
+    "Trainer",
+    "EditDataset",
+    "cache_manager",
+    "EmbeddingCacheManager",
+    "check_cache_exists",
+    "__version__",
+]

@@ -21,11 +21,11 @@ from qie.cache.keys import FileHasher, entry_key
 from qie.config.backend import default_backend
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
-from qie.types import TRAINING_TYPES
+from qie.types import FIELD_TYPES, TRAINING_TYPES
 
 # The tensor name each type's single tensor is stored under (control_latent: one per control image).
-TENSOR_NAMES = {"pixel_latent": "latent", "rejected_latent": "latent", "prompt_embed": "embed",
-                "empty_prompt_embed": "embed"}
+# The tensor's name in an entry of each type holding one; a sample field's (`<name>_latent`) is "latent" too.
+TENSOR_NAMES = {"pixel_latent": "latent", "prompt_embed": "embed", "empty_prompt_embed": "embed"}
 
 
 class EmbeddingCacheManager:
@@ -56,7 +56,7 @@ class EmbeddingCacheManager:
         if cache_type in ("control_latent", "layer_latent"):
             tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
             return self.backend.put(cache_type, key, {str(i): t for i, t in enumerate(tensors)})
-        return self.backend.put(cache_type, key, {TENSOR_NAMES[cache_type]: tensor})
+        return self.backend.put(cache_type, key, {TENSOR_NAMES.get(cache_type, "latent"): tensor})
 
     def load_cache(self, cache_type: str, key: str) -> torch.Tensor | list[torch.Tensor] | None:
         """The stored tensor (a list for control_latent), or None on a miss or an unreadable entry."""
@@ -105,6 +105,6 @@ def check_cache_exists(cache_dir: str | os.PathLike) -> bool:
     path = Path(cache_dir)
     if not path.is_dir():
         return False
-    needed = [t for t in TRAINING_TYPES if t not in ("layer_latent", "rejected_latent")]
+    needed = [t for t in TRAINING_TYPES if t != "layer_latent" and t not in FIELD_TYPES]
     stats = default_backend(str(path)).stats(needed)
     return all(stats[t]["count"] > 0 for t in needed)

@@ -25,7 +25,7 @@ from qie.data.samples import Sample
 from qie.encode import Encoder, ImageSizes, prepare_sample
 from qie.errors import CacheMissError
 from qie.models import ModelSpec
-from qie.types import TRAINING_TYPES, SampleEmbeddings
+from qie.types import FIELD_TYPES, TRAINING_TYPES, SampleEmbeddings, field_of_type
 
 log = logging.getLogger(__name__)
 EncoderFactory = Callable[[], Encoder]
@@ -34,17 +34,20 @@ DEFAULT_PRECOMPUTE_COMMAND = "python -m qie.precompute model=... data.path=... c
 
 def sample_types(sample: Sample) -> tuple[str, ...]:
     """The entry types `sample` has: no pixel_latent without a target, no control_latent without controls, no
-    layer_latent without layers, no rejected_latent without a rejected result. One tuple object per kind of sample
-    (a million samples share a few)."""
-    return types_of_kind(sample.target is not None, bool(sample.controls), bool(sample.layers),
-                         sample.rejected is not None)  # fmt: skip
+    layer_latent without layers, no `<field>_latent` without the field's image (`qie.data.fields`: rejected_latent
+    without a rejected result). One tuple object per kind of sample (a million samples share a few)."""
+    fields = tuple(name for name, _ in sample.field_images) if sample.field_images else ()
+    return types_of_kind(sample.target is not None, bool(sample.controls), bool(sample.layers), fields)
 
 
 @cache
-def types_of_kind(target: bool, controls: bool, layers: bool, rejected: bool) -> tuple[str, ...]:
-    """The entry types of a sample with (or without) a target, controls, layers and a rejected result."""
-    has = {"pixel_latent": target, "control_latent": controls, "layer_latent": layers, "rejected_latent": rejected}
-    return tuple(t for t in TRAINING_TYPES if has.get(t, True))
+def types_of_kind(target: bool, controls: bool, layers: bool, fields: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The entry types of a sample with (or without) a target, controls, layers, and the images of `fields`
+    (their names): TRAINING_TYPES' order, then the other fields' types."""
+    field_types = {f"{name}_latent" for name in fields}
+    has = {"pixel_latent": target, "control_latent": controls, "layer_latent": layers}
+    base = tuple(t for t in TRAINING_TYPES if has.get(t, t not in FIELD_TYPES or t in field_types))
+    return base + tuple(sorted(field_types - set(base)))
 
 
 def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbeddings:
@@ -66,8 +69,9 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
         prompt_image_mask=entries["prompt_embed"].get("image_mask"),
         empty_prompt_image_mask=entries["empty_prompt_embed"].get("image_mask"),
     )
-    if "rejected_latent" in entries:
-        embeds.rejected_latent = entries["rejected_latent"]["latent"]
+    for type, tensors in entries.items():
+        if (name := field_of_type(type)) is not None:
+            embeds.fields[name] = tensors["latent"]
     return embeds
 
 

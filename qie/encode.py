@@ -18,6 +18,7 @@ from qie.components import Parts
 from qie.data.images import ImageError, condition_images, open_image, prepare_target
 from qie.data.samples import Sample
 from qie.models import ModelSpec
+from qie.types import field_of_type
 
 # The empty prompt stands in for a dropped caption and is the default negative prompt.
 EMPTY_PROMPT = ""
@@ -45,14 +46,16 @@ class PreparedSample:
     control_pixels: list[torch.Tensor]  # each (3 or 4, H, W) in [-1, 1]
     vl_images: list[Image.Image]
     layers: list[torch.Tensor] = field(default_factory=list)  # the target's further frames, like `target`
-    rejected: torch.Tensor | None = None  # a preference pair's rejected result, like `target`
+    # Each sample field's image by the field's name (`qie.data.fields`), like `target`: a preference pair's rejected
+    # result is fields["rejected"].
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def prepare_sample(
-    sample: Sample, sizes: ImageSizes, with_target: bool = True, with_controls: bool = True, with_rejected: bool = True
+    sample: Sample, sizes: ImageSizes, with_target: bool = True, with_controls: bool = True, with_fields: bool = True
 ) -> PreparedSample:
-    """Read and resize a sample's images (the target, the controls, or both; a preference pair's rejected result
-    with the target unless not `with_rejected`, see `prepare_rejected`).
+    """Read and resize a sample's images (the target, the controls, or both; its sample fields' images (a preference
+    pair's rejected result) with the target unless not `with_fields`, see `prepare_field`).
 
     Raises:
         ImageError (a DataError): naming the unreadable file in its message and in `.path`.
@@ -66,27 +69,30 @@ def prepare_sample(
         layer = prepare_target(open_image(path, sizes.alpha), sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
         _check_like_target(layer, target, path, "layer", "its image")
         layers.append(layer)
-    rejected = prepare_rejected(sample, sizes, target) if with_target and with_rejected else None
+    fields = {}
+    if with_target and with_fields:
+        fields = {name: prepare_field(sample, name, sizes, target) for name, _ in sample.field_images}
     pixels, vl = [], []
     for path in sample.controls if with_controls else ():
         vae_in, vl_in = condition_images(open_image(path, sizes.alpha), sizes.vae_image_pixels, sizes.vl_image_pixels)
         pixels.append(vae_in)
         vl.append(vl_in)
-    return PreparedSample(sample, target, pixels, vl, layers, rejected)
+    return PreparedSample(sample, target, pixels, vl, layers, fields)
 
 
-def prepare_rejected(sample: Sample, sizes: ImageSizes, target: torch.Tensor | None) -> torch.Tensor | None:
-    """A preference pair's rejected result read and resized as its (prepared) `target` is; None without one.
+def prepare_field(sample: Sample, name: str, sizes: ImageSizes, target: torch.Tensor | None) -> torch.Tensor:
+    """The image of the sample field `name` (a preference pair's rejected result: "rejected") read and resized as
+    its (prepared) `target` is.
 
     Raises:
-        ImageError: an unreadable rejected image, or one of another size than `target` once resized.
+        ImageError: an unreadable image, or one of another size than `target` once resized.
+        KeyError: the sample has no image of that field.
     """
-    if sample.rejected is None:
-        return None
-    image = open_image(sample.rejected, sizes.alpha)
-    rejected = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
-    _check_like_target(rejected, target, sample.rejected, "rejected image", "its target")
-    return rejected
+    path = sample.fields[name]
+    image = open_image(path, sizes.alpha)
+    pixels = prepare_target(image, sizes.target_pixels, sizes.resize_mode, sizes.multiple_of)
+    _check_like_target(pixels, target, path, f"{name} image", "its target")
+    return pixels
 
 
 def _check_like_target(pixels: torch.Tensor, target: torch.Tensor | None, path, what: str, other: str) -> None:
@@ -179,7 +185,7 @@ class Encoder:
         # own, so an image or prompt is encoded as the pipeline encodes it alone, whatever else the sample misses.
         together = len(prepared) > 1
         items: list[tuple[dict, str, torch.Tensor]] = []
-        for kind in ("pixel_latent", "control_latent", "layer_latent", "rejected_latent"):
+        for kind in ("pixel_latent", "control_latent", "layer_latent", *(t for t in types if field_of_type(t))):
             if kind not in types:
                 continue
             for i, p in enumerate(prepared):
@@ -238,8 +244,8 @@ def text_tokens(entry: dict[str, torch.Tensor]) -> int:
 
 def _vae_inputs(prepared: PreparedSample, kind: str) -> dict[str, torch.Tensor]:
     """The images of a latent entry type, by the name each latent has in the entry."""
-    if kind in ("pixel_latent", "rejected_latent"):
-        pixels = prepared.target if kind == "pixel_latent" else prepared.rejected
+    if kind == "pixel_latent" or (name := field_of_type(kind)) is not None:
+        pixels = prepared.target if kind == "pixel_latent" else prepared.fields.get(name)
         return {} if pixels is None else {"latent": pixels}
     images = prepared.control_pixels if kind == "control_latent" else prepared.layers
     return {str(k): t for k, t in enumerate(images)}

@@ -79,10 +79,19 @@ class MaskedSource:
                 continue
             if grid is not None and self.outside_weight == 0 and not bool((grid > 0).any()):
                 path = sample.mask if self.settings.source == "file" else sample.target
-                why = ("its loss mask is black all over" if self.settings.source == "file" else
-                       "its target equals its control image (within train.mask.threshold): its edit mask is empty")
-                problems.append(DataProblem(sample.id, str(path), f"{why}, so with train.mask.outside_weight=0 it "
-                                            "would train nothing: paint white what should train"))  # fmt: skip
+                why = (
+                    "its loss mask is black all over"
+                    if self.settings.source == "file"
+                    else "its target equals its control image (within train.mask.threshold): its edit mask is empty"
+                )
+                problems.append(
+                    DataProblem(
+                        sample.id,
+                        str(path),
+                        f"{why}, so with train.mask.outside_weight=0 it "
+                        "would train nothing: paint white what should train",
+                    )
+                )
                 continue
             kept.append(sample)
         return kept, problems

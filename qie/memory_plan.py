@@ -26,8 +26,13 @@ from torch.utils._pytree import tree_flatten
 
 GIB = 2**30
 # Bytes of optimizer state per trained parameter (fp32 LoRA weights), by `_target_`.
-OPTIMIZER_STATE_BYTES = {"torch.optim.AdamW": 8, "torch.optim.Adam": 8, "bitsandbytes.optim.AdamW8bit": 2,
-                         "torch.optim.SGD": 4, "transformers.optimization.Adafactor": 0}  # fmt: skip
+OPTIMIZER_STATE_BYTES = {
+    "torch.optim.AdamW": 8,
+    "torch.optim.Adam": 8,
+    "bitsandbytes.optim.AdamW8bit": 2,
+    "torch.optim.SGD": 4,
+    "transformers.optimization.Adafactor": 0,
+}
 
 
 @dataclass(frozen=True)

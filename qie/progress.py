@@ -41,10 +41,12 @@ def quiet_library_bars() -> None:
         return
     import importlib
 
-    for module, function in (("transformers.utils.logging", "disable_progress_bar"),
-                             ("diffusers.utils.logging", "disable_progress_bar"),
-                             ("huggingface_hub.utils", "disable_progress_bars"),
-                             ("datasets.utils", "disable_progress_bars")):  # fmt: skip
+    for module, function in (
+        ("transformers.utils.logging", "disable_progress_bar"),
+        ("diffusers.utils.logging", "disable_progress_bar"),
+        ("huggingface_hub.utils", "disable_progress_bars"),
+        ("datasets.utils", "disable_progress_bars"),
+    ):
         if module.startswith("datasets") and "datasets" not in sys.modules:
             continue  # a heavy import that only Hugging Face data sets need: done when one is read
         try:

@@ -75,14 +75,27 @@ def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
     width = rows.shape[1] // len(TRAINING_TYPES)  # the key bytes of each type, in TRAINING_TYPES order
     keys = rows.reshape(len(samples), len(TRAINING_TYPES), width)
     # Which types each sample needs (`sample_types`) follows from its kind: a target, controls, layers, a rejected
-    # result or not; the kinds are read column by column, each kind's types taken once.
-    n, fields = len(samples), [("target", None), ("controls", bool), ("layers", bool), ("rejected", None)]
-    has = [np.fromiter(map(is_not, map(attrgetter(f), samples), repeat(None)) if test is None
-                       else map(test, map(attrgetter(f), samples)), bool, n) for f, test in fields]  # fmt: skip
+    # result or not; the kinds are read column by column, each kind's types taken once. A sample field's image
+    # beyond the rejected result (`qie.data.fields`) has no place in the rows: such samples are checked one by one.
+    n, fields = len(samples), [("target", None), ("controls", bool), ("layers", bool)]
+    images = list(map(attrgetter("field_images"), samples))
+    if any(images) and {name for x in images for name, _ in x} - {"rejected"}:
+        return False
+    has = [
+        np.fromiter(
+            map(is_not, map(attrgetter(f), samples), repeat(None))
+            if test is None
+            else map(test, map(attrgetter(f), samples)),
+            bool,
+            n,
+        )
+        for f, test in fields
+    ]
+    has.append(np.fromiter(map(bool, images), bool, n))
     code = (has[0] * 8 + has[1] * 4 + has[2] * 2 + has[3]).astype(np.int64)
     masks = np.zeros((16, len(TRAINING_TYPES)), dtype=bool)
     for c in np.unique(code).tolist():
-        types = types_of_kind(bool(c & 8), bool(c & 4), bool(c & 2), bool(c & 1))
+        types = types_of_kind(bool(c & 8), bool(c & 4), bool(c & 2), ("rejected",) if c & 1 else ())
         masks[c] = [t in types for t in TRAINING_TYPES]
     needed = masks[code]
     if (needed & ~keys.any(axis=2)).any():  # a needed key not remembered: keyed sample by sample
@@ -174,8 +187,10 @@ def ready_samples(
             f"  {precompute_command}\nor train on the other samples with cache.on_missing=skip."
         )
     if missing and report:
-        print(f"qie: warning: training without {len(missing):,} samples whose cache entries are missing or damaged "
-              f"(cache.on_missing=skip; listed in {path})")  # fmt: skip
+        print(
+            f"qie: warning: training without {len(missing):,} samples whose cache entries are missing or damaged "
+            f"(cache.on_missing=skip; listed in {path})"
+        )
     skip |= {row["id"] for row in missing}
     kept = [s for s in samples if s.id not in skip]
     if not kept:

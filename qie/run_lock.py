@@ -44,8 +44,10 @@ def acquire(folder: Path) -> None:
     try:
         fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise StorageError(f"cannot open the run lock {str(folder / LOCK_FILE)!r} ({e.strerror}): it must be a "
-                           "file qie may write; remove what is there, or give this run its own hydra.run.dir") from None
+        raise StorageError(
+            f"cannot open the run lock {str(folder / LOCK_FILE)!r} ({e.strerror}): it must be a "
+            "file qie may write; remove what is there, or give this run its own hydra.run.dir"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -58,8 +60,11 @@ def acquire(folder: Path) -> None:
             "one folder would mix their records, metrics and checkpoints. Wait for it to end, or give this run its "
             "own hydra.run.dir"
         ) from None
-    me = {"pid": os.getpid(), "host": socket.gethostname(),
-          "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     _HELD[key] = [fd, 1]

@@ -72,8 +72,15 @@ def markdown(summary: dict[str, Any]) -> str:
         status = j["status"] if j["status"] != "failed" else f"failed: {j['error']}"
         metrics = [_fmt(j.get("validation", {}).get(k)) for k in validation]
         best = " (best)" if j["job"] == summary["best"] else ""
-        cells = [j["job"], " ".join(j["varied"]) or "-", status, _fmt(j.get("loss")),
-                 _fmt(j.get("heldout_loss")) + best, *metrics, j["run_dir"]]  # fmt: skip
+        cells = [
+            j["job"],
+            " ".join(j["varied"]) or "-",
+            status,
+            _fmt(j.get("loss")),
+            _fmt(j.get("heldout_loss")) + best,
+            *metrics,
+            j["run_dir"],
+        ]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     common = " ".join(summary["common_overrides"]) or "none"
     lines = [f"# Sweep {summary['sweep']}", "", f"Overrides of every job: {common}", ""]

@@ -8,7 +8,7 @@ these types without importing each other (or Hydra).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,10 +24,28 @@ CACHE_TYPES = [
     "layer_latent",  # the target's further frames, in order (a layered model's layers): only for such samples
     "rejected_latent",  # a preference pair's rejected result, encoded as a target is: only for such samples
     "caption",  # a caption the model's own VL text encoder wrote (UTF-8 bytes, uint8): only with data.auto_caption
-    # a distillation teacher's final latents for one seed (train.objective=distill): keyed by the tensors training
+    # a distillation teacher's final latents for one seed (train/objective=distill): keyed by the tensors training
     # reads, not by a sample's files, so `gc` keeps them (`action=clear cache.types=[teacher_latent]` removes them)
     "teacher_latent",
 ]
+
+# The entry types of sample fields (`qie.data.fields`: `<name>_latent`, an extra image encoded as the target is),
+# each added to CACHE_TYPES when its field is declared; rejected_latent is the built-in one's.
+FIELD_TYPES: list[str] = ["rejected_latent"]
+
+
+def register_field_type(type: str) -> None:
+    """Make `type` (a sample field's `<name>_latent`) a cache type."""
+    if type not in CACHE_TYPES:
+        CACHE_TYPES.append(type)
+    if type not in FIELD_TYPES:
+        FIELD_TYPES.append(type)
+
+
+def field_of_type(type: str) -> str | None:
+    """The sample field whose entries `type` holds (`"rejected"` for rejected_latent), None for other types."""
+    return type.removesuffix("_latent") if type in FIELD_TYPES else None
+
 
 # Bump when the meaning or layout of stored entries changes: it is part of every key and file header,
 # so old entries become misses instead of being read wrongly. 2: checksums in the header, the image-token
@@ -36,7 +54,12 @@ SCHEMA_VERSION = 2
 
 # What a training step needs of a sample (the masks are implied: embeddings are stored unpadded).
 TRAINING_TYPES = (
-    "pixel_latent", "control_latent", "layer_latent", "rejected_latent", "prompt_embed", "empty_prompt_embed"
+    "pixel_latent",
+    "control_latent",
+    "layer_latent",
+    "rejected_latent",
+    "prompt_embed",
+    "empty_prompt_embed",
 )
 
 
@@ -73,8 +96,9 @@ class SampleEmbeddings:
         self.prompt_image_mask, self.empty_prompt_image_mask = prompt_image_mask, empty_prompt_image_mask
         # (1, 1, h, w) loss weights on the latent grid (a MaskedSource sets them); None: every pixel 1.
         self.loss_mask: torch.Tensor | None = None
-        # (C, 1, h, w) a preference pair's rejected result, like `pixel_latent`; None for other samples.
-        self.rejected_latent: torch.Tensor | None = None
+        # Each sample field's encoded image by the field's name (`qie.data.fields`), (C, 1, h, w) like
+        # `pixel_latent`: a preference pair's rejected result is `fields["rejected"]`.
+        self.fields: dict[str, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"SampleEmbeddings(id={self.id!r}, cached={self.cached})"
@@ -110,8 +134,9 @@ class Batch:
     loss_mask: torch.Tensor | None = None
     # The batch's loss is multiplied by this (regularisation batches: `data.regularization.weight`).
     loss_weight: float = 1.0
-    # (B, C, F, h, w) preference pairs' rejected results, like `latents` (the preferred ones); None: no pairs.
-    rejected_latents: torch.Tensor | None = None
+    # Each sample field's images by the field's name, (B, C, F, h, w) like `latents`: preference pairs' rejected
+    # results are `fields["rejected"]` (`qie.data.fields`); empty: no field.
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
     # Each sample's empty-prompt embedding, padded as `prompt_embeds` (with its masks): the negative branch of CFG,
     # carried only where the objective asks for it (distillation's teacher); None otherwise.
     negative_prompt_embeds: torch.Tensor | None = None
@@ -137,7 +162,7 @@ class Batch:
             image_mask,
             loss_mask,
             self.loss_weight,
-            moved(self.rejected_latents, dtype),
+            {name: t.to(device, dtype) for name, t in self.fields.items()},
             moved(self.negative_prompt_embeds, dtype),
             moved(self.negative_prompt_embeds_mask),
             moved(self.negative_prompt_image_mask),
@@ -147,9 +172,20 @@ class Batch:
         """Whether `to(device, dtype)` would return equal tensors: every tensor on `device`, the floating ones
         in `dtype` (masks keep theirs; the loss mask is float32)."""
         floats = [self.latents, *self.control_latents, self.prompt_embeds]
-        floats += [t for t in (self.rejected_latents, self.negative_prompt_embeds) if t is not None]
-        others = [t for t in (self.prompt_embeds_mask, self.prompt_image_mask, self.negative_prompt_embeds_mask,
-                              self.negative_prompt_image_mask) if t is not None]  # fmt: skip
+        floats += [
+            *self.fields.values(),
+            *([self.negative_prompt_embeds] if self.negative_prompt_embeds is not None else []),
+        ]
+        others = [
+            t
+            for t in (
+                self.prompt_embeds_mask,
+                self.prompt_image_mask,
+                self.negative_prompt_embeds_mask,
+                self.negative_prompt_image_mask,
+            )
+            if t is not None
+        ]
         if self.loss_mask is not None and self.loss_mask.dtype != torch.float32:
             return False
         return all(t.dtype == dtype for t in floats) and all(

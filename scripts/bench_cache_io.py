@@ -51,8 +51,14 @@ from qie.stages.precompute_work import OPTIONAL_TYPES  # noqa: E402
 # What an Edit sample stores (the benchmark's sample): no layers, no rejected result.
 EDIT_TYPES = [t for t in STORED_TYPES if t not in OPTIONAL_TYPES]
 # The six entry types of the layout before the shared prefix (what `sample_tensors` makes).
-WHOLE_TYPES = ("pixel_latent", "control_latent", "prompt_embed", "prompt_embeds_mask", "empty_prompt_embed",
-               "empty_prompt_embeds_mask")
+WHOLE_TYPES = (
+    "pixel_latent",
+    "control_latent",
+    "prompt_embed",
+    "prompt_embeds_mask",
+    "empty_prompt_embed",
+    "empty_prompt_embeds_mask",
+)
 
 
 def sample_tensors(i: int, group: int, args: argparse.Namespace, g: torch.Generator) -> dict[str, dict]:

@@ -1,4 +1,4 @@
-"""Distillation on the demo's shapes: does `train.objective=distill` bring a few-step student close to its teacher?
+"""Distillation on the demo's shapes: does `train/objective=distill` bring a few-step student close to its teacher?
 
 The tiny demo model (`model=tiny_demo`) trains a LoRA with distillation on the demo's recolouring set
 (`qie.demo.synthetic`): the teacher is the base sampling with `--teacher-steps` steps and true CFG at
@@ -100,9 +100,13 @@ def main() -> None:
                                           "logging.report_to=none"]), out / "sft")  # fmt: skip
         model.append(f"model.fuse_loras=[{sft['lora']}]")
         base.append(model[-1])
-    distill = [f"train.distill.student_steps={args.student_steps}", f"train.distill.teacher_steps={args.teacher_steps}",
-               f"train.distill.teacher_cfg={args.teacher_cfg}", f"train.distill.seeds={args.seeds}"]  # fmt: skip
-    overrides = [*base, f"data.path={root / 'train'}", "experiment=demo", "train.objective=distill", *distill,
+    distill = [
+        f"train.objective.student_steps={args.student_steps}",
+        f"train.objective.teacher_steps={args.teacher_steps}",
+        f"train.objective.teacher_cfg={args.teacher_cfg}",
+        f"train.objective.seeds={args.seeds}",
+    ]
+    overrides = [*base, f"data.path={root / 'train'}", "experiment=demo", "train/objective=distill", *distill,
                  "cache.mode=lazy", f"train.max_steps={args.steps}", f"train.learning_rate={args.learning_rate}",
                  f"train.lr_scheduler.num_warmup_steps={max(args.steps // 10, 1)}", "train.checkpoint_every=100000",
                  "logging.report_to=none"]  # fmt: skip
@@ -132,12 +136,18 @@ def main() -> None:
             f"distilled, {steps}": lora_images, f"teacher, {args.teacher_steps}": teacher})  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"teacher ({args.teacher_steps} steps, cfg {args.teacher_cfg}): {teacher_s:.3f} s/image")
-    print(f"base at {args.student_steps} steps, cfg 1: pixel error to the teacher {summary['error_base']:.4f}, "
-          f"{base_s:.3f} s/image")
-    print(f"distilled LoRA at {args.student_steps} steps, cfg 1: pixel error to the teacher "
-          f"{summary['error_lora']:.4f}, {lora_s:.3f} s/image")
-    print(f"error ratio {summary['error_ratio']:.3f} (target <= 0.5) after {args.steps} steps, loss "
-          f"{summary['first_loss']:.5f} -> {summary['last_loss']:.5f} ({train_seconds:.0f} s); {out}")
+    print(
+        f"base at {args.student_steps} steps, cfg 1: pixel error to the teacher {summary['error_base']:.4f}, "
+        f"{base_s:.3f} s/image"
+    )
+    print(
+        f"distilled LoRA at {args.student_steps} steps, cfg 1: pixel error to the teacher "
+        f"{summary['error_lora']:.4f}, {lora_s:.3f} s/image"
+    )
+    print(
+        f"error ratio {summary['error_ratio']:.3f} (target <= 0.5) after {args.steps} steps, loss "
+        f"{summary['first_loss']:.5f} -> {summary['last_loss']:.5f} ({train_seconds:.0f} s); {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Preference training on the demo's shapes: does `train.objective=dpo` learn which of two recolourings is wanted?
+"""Preference training on the demo's shapes: does `train/objective=dpo` learn which of two recolourings is wanted?
 
 Each sample of the demo's recolouring set (`qie.demo.synthetic`) becomes a preference pair: its target (the shape
 in the colour the instruction names) is preferred, the same shape in another of the demo's colours is rejected.
@@ -69,7 +69,7 @@ def colour_fidelity(out: Path, data: Path, heldout: int, loras: dict[str, str]) 
     rows, share = [], dict.fromkeys(loras, 0.0)
     for i, sample in enumerate(held):
         target = np.asarray(Image.open(sample.target).convert("RGB"), dtype=np.float32)
-        rejected = np.asarray(Image.open(sample.rejected).convert("RGB"), dtype=np.float32)
+        rejected = np.asarray(Image.open(sample.fields["rejected"]).convert("RGB"), dtype=np.float32)
         shape = (target != rejected).any(axis=-1)
         row = [Image.open(sample.controls[0]).convert("RGB")]
         for name, lora in loras.items():
@@ -112,11 +112,11 @@ def main() -> None:
     t0 = time.perf_counter()
     if args.sft_steps:  # the held-out pairs are the same: held out by their ids
         sft = train.run(compose("train", [*common, f"train.max_steps={args.sft_steps}"]), out / "sft")
-        start = [f"train.init_lora={sft['lora']}", f"train.dpo.reference_lora={sft['lora']}"]
+        start = [f"train.init_lora={sft['lora']}", f"train.objective.reference_lora={sft['lora']}"]
         loras["flow_matching"] = sft["lora"]
         print(f"flow matching: held-out loss {sft['heldout_loss']:.4f} after {args.sft_steps} steps")
-    overrides = [*common, *start, "train.objective=dpo", f"train.dpo.beta={args.beta}", "train.mask.source=edit",
-                 f"train.learning_rate={args.lr}", f"train.dpo.sft_weight={args.sft_weight}",
+    overrides = [*common, *start, "train/objective=dpo", f"train.objective.beta={args.beta}", "train.mask.source=edit",
+                 f"train.learning_rate={args.lr}", f"train.objective.sft_weight={args.sft_weight}",
                  f"train.max_steps={args.steps}", f"validation.every={args.every}", "validation.num_inference_steps=4",
                  "logging.log_images_count=1"]  # fmt: skip
     result = train.run(compose("train", overrides), out / "run")
@@ -125,8 +125,10 @@ def main() -> None:
     lines = (out / "run" / HELDOUT_FILE).read_text().splitlines()
     measured = [json.loads(line) for line in lines]
     for r in measured:
-        print(f"step {r['step']:5d}  held-out reward accuracy {r['heldout/reward_accuracy']:.3f}  "
-              f"margin {r['heldout/reward_margin']:+.3f}  loss {r['heldout/loss']:.4f}")
+        print(
+            f"step {r['step']:5d}  held-out reward accuracy {r['heldout/reward_accuracy']:.3f}  "
+            f"margin {r['heldout/reward_margin']:+.3f}  loss {r['heldout/loss']:.4f}"
+        )
     summary = {"pairs": pairs, "heldout": args.heldout, "sft_steps": args.sft_steps, "steps": args.steps,
                "beta": args.beta, "lr": args.lr,
                "sft_weight": args.sft_weight,
@@ -136,8 +138,10 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for name, share in follows.items():
         print(f"held-out edits whose shape is nearer the preferred colour than the rejected one, {name}: {share:.2f}")
-    print(f"held-out reward accuracy 0.500 -> {summary['accuracy_end']:.3f} after {args.steps} DPO steps "
-          f"({pairs - args.heldout} training pairs, {args.heldout} held out, {seconds:.0f} s in all); {out}")
+    print(
+        f"held-out reward accuracy 0.500 -> {summary['accuracy_end']:.3f} after {args.steps} DPO steps "
+        f"({pairs - args.heldout} training pairs, {args.heldout} held out, {seconds:.0f} s in all); {out}"
+    )
 
 
 if __name__ == "__main__":

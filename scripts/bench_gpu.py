@@ -287,7 +287,7 @@ def build_parts(cfg, spec, setup: Setup, accelerator, num_layers: int | None):
     from qie.config import typed
     from qie.models.real_size import random_model
     from qie.stages.settings import fused_base
-    from qie.stages.train import load_model
+    from qie.stages.train_model import load_model
     from qie.training.memory import MemorySettings
 
     if not setup.real:
@@ -387,7 +387,7 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     from qie.models import model_spec
     from qie.stages.accelerator import make_accelerator
     from qie.stages.settings import fused_base
-    from qie.stages.train import build_train_state, loop_settings, make_objective
+    from qie.stages.train_model import build_train_state, loop_settings, make_objective
     from qie.stages.train_setup import train_mode
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit

@@ -103,11 +103,11 @@ def main() -> None:
 
     rows = targetless_manifest(data)
     grpo = [
-        "train.objective=grpo",
-        f"train.grpo.group_size={args.group_size}",
-        f"train.grpo.sampling_steps={args.sampling_steps}",
-        f"train.grpo.kl_weight={args.kl_weight}",
-        f"+train.grpo.reward._target_={REWARD}",
+        "train/objective=grpo",
+        f"train.objective.group_size={args.group_size}",
+        f"train.objective.sampling_steps={args.sampling_steps}",
+        f"train.objective.kl_weight={args.kl_weight}",
+        f"train.objective.reward._target_={REWARD}",
     ]
     precompute.run(compose("precompute", [*base, f"data.path={rows}", *grpo]), out / "precompute_rows")
     overrides = [

@@ -243,8 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--prompts-per-image", type=int, default=1, help="samples per target/control pair (fewer files; manifest)"
     )
-    p.add_argument("--backend", choices=["ssd", "remote"], nargs="+", default=["ssd"],
-                   help="where training reads the cache (both: side by side)")
+    p.add_argument(
+        "--backend",
+        choices=["ssd", "remote"],
+        nargs="+",
+        default=["ssd"],
+        help="where training reads the cache (both: side by side)",
+    )
     p.add_argument("--profile", action="store_true", help="print a cProfile of the largest size's last start-up")
     p.add_argument("--work", default=None, help="work folder, reused across runs (default: temp, removed)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for the train stage (key=value)")

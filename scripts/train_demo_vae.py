@@ -129,8 +129,16 @@ KINDS = {
     # 2e-3, or 8 squares of 128² a step, the reconstructions stayed at the frames' mean colour (~12 dB) for 750
     # steps; so did a VAE twice as wide.
     "layered": DemoVae(
-        DEMO_LAYERED_VAE_CONFIG, DEMO_LAYERED_VAE_FILE, LayeredCrops(64, 384), layered_frames,
-        12, 32, 3000, 32, 1e-3, 250,
+        DEMO_LAYERED_VAE_CONFIG,
+        DEMO_LAYERED_VAE_FILE,
+        LayeredCrops(64, 384),
+        layered_frames,
+        12,
+        32,
+        3000,
+        32,
+        1e-3,
+        250,
     ),  # fmt: skip
 }
 

@@ -37,9 +37,9 @@ class DictStore:
 
 def distill_objective(spec, parts, options: Mapping, store=None):
     """The distill objective over `parts`' scheduler and sampling sigmas (`Parts.pipeline_config`)."""
-    inputs = ObjectiveInputs(spec.family, SigmaSampling(method="uniform"), "none", dict(options), parts.scheduler,
+    inputs = ObjectiveInputs(spec.family, SigmaSampling(method="uniform"), "none", parts.scheduler,
                              parts.pipeline_config, spec.call_defaults(), store, {"model": "test"})  # fmt: skip
-    return build_objective("distill", inputs)
+    return build_objective({"_target_": "qie.training.objectives.distill.Distill", **options}, inputs)
 
 
 def randomised_lora(transformer, targets, seed: int = 1) -> None:
@@ -95,4 +95,3 @@ def check_teacher_and_student(cfg, options: Mapping, seed: int = 1) -> None:
     ((student.float() - teacher.float()) ** 2).mean().backward()
     grads = [p.grad for n, p in policy.transformer.named_parameters() if "lora_" in n and p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
-

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,3 +190,23 @@ def optuna_logs_through_root():
         yield
     finally:
         optuna.logging.enable_default_handler()
+
+
+# --- sample fields declared by tests ----------------------------------------------------------------------
+
+
+@contextmanager
+def fields_forgotten() -> Iterator[None]:
+    """Within the block, fields may be declared (`SampleField(...)`, or importing tests/plugins/depth.py); after it
+    they are forgotten: declaring a field makes its entry type a cache type, which other tests count."""
+    import qie.data.fields as fields
+    import qie.types as types
+
+    saved = list(types.CACHE_TYPES), list(types.FIELD_TYPES), dict(fields._DECLARED)
+    try:
+        yield
+    finally:
+        sys.modules.pop("plugins.depth", None)  # its import declared the field
+        types.CACHE_TYPES[:], types.FIELD_TYPES[:] = saved[0], saved[1]
+        fields._DECLARED.clear()
+        fields._DECLARED.update(saved[2])

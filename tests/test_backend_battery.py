@@ -214,6 +214,7 @@ def test_admin_never_touches_anything_outside_its_own_storage(case) -> None:
     (store / "control_latent").symlink_to(outside, target_is_directory=True)
     (store / f"control_latent.{key(7)}.entry").symlink_to(outside / f"control_latent.{key(7)}.entry")
     (store / "layer_latent").symlink_to(root / "beside.txt")
+
     def foreign() -> dict[str, bytes]:
         return {**{f"outside/{k}": v for k, v in files(outside).items()}, "beside": (root / "beside.txt").read_bytes()}
 

@@ -104,8 +104,13 @@ def test_gpu_table_extrapolates_two_depths_to_the_full_model() -> None:
         Row("step", "bf16+gc@8", (), (("weights", "bf16"), ("checkpointing", "on"), ("depth", 8)), 8),
         Row("step", "fp8+gc@4", (), (("weights", "fp8"), ("checkpointing", "on"), ("depth", 4)), 4),
         Row("step", "fp8+gc@8", (), (("weights", "fp8"), ("checkpointing", "on"), ("depth", 8)), 8),
-        Row("swap", "bf16+gc+swap6@8", (), (("weights", "bf16"), ("swapped", 6), ("asked", ["75%"]),
-                                            ("blocks", 8), ("depth", 8)), 8),  # fmt: skip
+        Row(
+            "swap",
+            "bf16+gc+swap6@8",
+            (),
+            (("weights", "bf16"), ("swapped", 6), ("asked", ["75%"]), ("blocks", 8), ("depth", 8)),
+            8,
+        ),  # fmt: skip
     ]
     step = {"first_loss": 1.0, "loss": 0.9}
     results = {
@@ -143,8 +148,15 @@ def test_target_line_format(capsys: pytest.CaptureFixture) -> None:
 
 
 # Entry points: `python -m` targets, which nothing imports.
-ENTRY_POINTS = {"qie.precompute", "qie.train", "qie.infer", "qie.cli", "qie.cache_admin", "qie.cache.__main__",
-                "qie.demo.__main__"}
+ENTRY_POINTS = {
+    "qie.precompute",
+    "qie.train",
+    "qie.infer",
+    "qie.cli",
+    "qie.cache_admin",
+    "qie.cache.__main__",
+    "qie.demo.__main__",
+}
 
 
 def test_scripts_import_no_entry_point_and_patch_nothing_of_qie() -> None:
@@ -457,8 +469,9 @@ def test_random_model_builds_the_real_class_with_its_tables_and_random_weights()
     )
 
 
-def test_a_bucket_filled_by_the_server_process_is_the_one_put_requests_fill(tiny_path: Path, tmp_path: Path,
-                                                                            monkeypatch) -> None:
+def test_a_bucket_filled_by_the_server_process_is_the_one_put_requests_fill(
+    tiny_path: Path, tmp_path: Path, monkeypatch
+) -> None:
     """The remote benchmarks' big caches are put into the S3 server's store by the server process (no HTTP): the
     objects and the index are those PUT requests give, so training reads the same entries and the index answers
     the whole-set check."""

@@ -148,9 +148,19 @@ def test_two_precompute_processes_on_one_bucket_encode_no_entry_twice(
     env = {**os.environ, "TQDM_DISABLE": "1"}
     procs = {
         n: subprocess.Popen(
-            [sys.executable, "-m", "qie.precompute", *on_bucket, f"cache.dir={tmp_path / n}",
-             f"cache.local_dir={tmp_path / n}/l", f"hydra.run.dir={tmp_path / f'run_{n}'}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "qie.precompute",
+                *on_bucket,
+                f"cache.dir={tmp_path / n}",
+                f"cache.local_dir={tmp_path / n}/l",
+                f"hydra.run.dir={tmp_path / f'run_{n}'}",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for n in ("a", "b")
     }

@@ -135,7 +135,7 @@ GROUPS = sorted(
     if p.is_dir() and list(p.glob("*.yaml")) and p.name != "caption"
 )
 # Where a composed train config may name a class to build, and how the stages build it.
-BUILT = {"cache", "train.optimizer", "train.lr_scheduler"}
+BUILT = {"cache", "train.optimizer", "train.lr_scheduler", "train.objective"}
 # Options whose class lives in an optional extra (test_memory checks the error when it is missing).
 EXTRA = {("train/optimizer", "adamw8bit"): "bitsandbytes"}
 # Settings an option needs to build (the remote cache needs a store: fsspec's in-process one will do; the Lightning
@@ -183,6 +183,26 @@ def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_
         if not torch.equal(param.detach(), torch.zeros(3)):
             break
     assert isinstance(optimizer, torch.optim.Optimizer) and not torch.equal(param.detach(), torch.zeros(3))
+    assert callable(_objective(cfg).loss)
+
+
+def _objective(cfg):
+    """The run's objective, built as the train stage builds it (its scheduler, the model's sampling defaults)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from qie.config import typed
+    from qie.models import model_spec
+    from qie.training.objectives import ObjectiveInputs, build_objective
+    from qie.training.timesteps import SigmaSampling
+
+    spec = model_spec(cfg.model)
+    inputs = ObjectiveInputs(
+        spec.family,
+        SigmaSampling(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        sampling_defaults=spec.call_defaults(),
+    )
+    return build_objective(typed(cfg.train).objective, inputs)
 
 
 def test_a_nested_group_preset_named_with_a_dot_says_how_to_choose_it() -> None:

@@ -1,4 +1,4 @@
-"""Distillation (`train.objective=distill`): the teacher and the student are the family's own sampler, teacher
+"""Distillation (`train/objective=distill`): the teacher and the student are the family's own sampler, teacher
 outputs are cache entries a cached run reads, and what the objective refuses. Every family's pinned losses, lazy ==
 cached entries and exact resume are in the family battery (`test_family_battery.py`, case distill)."""
 
@@ -25,8 +25,8 @@ from qie.stages.cache_admin import run as cache_cli
 from qie.training.objectives import ObjectiveUse, check_use
 
 OPTIONS = {"student_steps": 2, "teacher_steps": 3, "teacher_cfg": 4.0, "seeds": 2}
-DISTILL = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
-           "train.distill.teacher_cfg=4", "train.max_steps=1"]  # fmt: skip
+DISTILL = ["train/objective=distill", "train.objective.student_steps=2", "train.objective.teacher_steps=2",
+           "train.objective.teacher_cfg=4", "train.max_steps=1"]  # fmt: skip
 
 
 def test_the_teacher_is_the_base_sampling_and_the_student_the_lora_sampling_with_a_gradient(
@@ -53,7 +53,7 @@ def test_precompute_fills_every_teacher_output_a_cached_run_reads_as_lazy_mode_w
     filled, lazy_cache = tmp_path / "filled", tmp_path / "lazy"
     shutil.copytree(cached_data.cache, filled)
     shutil.copytree(cached_data.cache, lazy_cache)
-    run = [*DISTILL, "train.distill.seeds=2", "data.caption_dropout_rate=0.5", "train.max_steps=3"]
+    run = [*DISTILL, "train.objective.seeds=2", "data.caption_dropout_rate=0.5", "train.max_steps=3"]
     fill = small_cfg("precompute", *cached_data.overrides, *run, f"cache.dir={filled}", "precompute.teachers=true")
     summary = precompute.run(fill, tmp_path / "pre")
     assert (summary.types["teacher_latent"].new, summary.types["teacher_latent"].skipped) == (8 * 2 * 2, 0)
@@ -73,7 +73,9 @@ def test_precompute_fills_every_teacher_output_a_cached_run_reads_as_lazy_mode_w
 
 
 def test_precompute_teachers_needs_the_distillation_runs_overrides(small_cfg, cached_data, tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"precompute.teachers=true fills .* train.objective=flow_matching") as e:
+    with pytest.raises(
+        ConfigError, match=r"precompute.teachers=true computes .* FlowMatching \(train.objective\) computes none"
+    ) as e:
         small_cfg("precompute", *cached_data.overrides, f"cache.dir={tmp_path}", "precompute.teachers=true")
     assert "\n" not in str(e.value)  # one line, when the config is composed: before anything is built
 
@@ -93,23 +95,26 @@ def test_precompute_teachers_refuses_fsdp_over_several_processes_before_encoding
 @pytest.mark.parametrize(
     ("lora", "regularization", "options", "message"),
     [
-        (False, False, {}, "train.objective=distill needs train.mode=lora"),
-        (True, True, {}, "train.objective=distill does not mix in data.regularization"),
-        (True, False, {"seeds": 0}, r"train.distill.seeds=0 is out of range"),
-        (True, False, {"student_steps": 0}, r"train.distill.student_steps=0 is out of range"),
-        (True, False, {"teacher_cfg": 0.0}, r"train.distill.teacher_cfg=0.0 is out of range"),
+        (False, False, {}, "train/objective=distill needs train.mode=lora"),
+        (True, True, {}, "train/objective=distill does not mix in data.regularization"),
+        (True, False, {"seeds": 0}, r"train.objective.seeds=0 is out of range"),
+        (True, False, {"student_steps": 0}, r"train.objective.student_steps=0 is out of range"),
+        (True, False, {"teacher_cfg": 0.0}, r"train.objective.teacher_cfg=0.0 is out of range"),
     ],
 )
 def test_what_distillation_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:
     family = model_spec(small_cfg("train").model).family
     with pytest.raises(ConfigError, match=message) as info:
-        check_use("distill", ObjectiveUse(family, lora, regularization, options))
+        check_use(
+            {"_target_": "qie.training.objectives.distill.Distill", **options},
+            ObjectiveUse(family, lora, regularization),
+        )
     assert "\n" not in str(info.value)
 
 
 def test_a_full_model_run_is_refused_before_anything_loads(small_cfg, cached_data) -> None:
     """Refused when the config is composed (`qie.config.validate` asks the objective), before the stage runs."""
-    with pytest.raises(ConfigError, match="train.objective=distill needs train.mode=lora"):
+    with pytest.raises(ConfigError, match="train/objective=distill needs train.mode=lora"):
         small_cfg("train", *cached_data.overrides, *DISTILL, "train.mode=full")
 
 

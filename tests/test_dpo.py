@@ -1,4 +1,4 @@
-"""Preference training (`train.objective=dpo`): the pair data, the objective against its formula computed by hand
+"""Preference training (`train/objective=dpo`): the pair data, the objective against its formula computed by hand
 with separate models, the reference switch, and the refusals."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from qie.data.scan import scan_folder
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.training.lora import add_lora, load_lora, save_lora
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse, build_objective, check_use, objective_requires
-from qie.training.objectives.dpo import DpoSettings, accuracy
-from qie.training.objectives.flow_matching import noise_and_sigmas
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse, build_objective, check_use, field_names
+from qie.training.objectives.dpo import Dpo, DpoSettings, accuracy
+from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
 from qie.training.timesteps import SigmaSampling
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -33,7 +33,8 @@ def pairs_batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed + 100)
     mask = torch.ones(2, 1, 1, 8, 8)
     mask[..., :4] = 0.25  # a loss mask: the left half counts a quarter
-    return dataclasses.replace(batch, rejected_latents=torch.randn(batch.latents.shape, generator=g), loss_mask=mask)
+    rejected = torch.randn(batch.latents.shape, generator=g)
+    return dataclasses.replace(batch, fields={"rejected": rejected}, loss_mask=mask)
 
 
 def randomised(transformer, seed: int) -> None:
@@ -46,10 +47,10 @@ def randomised(transformer, seed: int) -> None:
 
 def by_hand(policy, reference, family, batch, noise, sigmas, beta: float, sft: float = 0.0) -> torch.Tensor:
     """The DPO loss from four separate per-sample errors: each result on its own batch, each model on its own."""
-    preferred, rejected = batch, dataclasses.replace(batch, latents=batch.rejected_latents)
+    preferred, rejected = batch, dataclasses.replace(batch, latents=batch.fields["rejected"])
 
     def err(model, b):
-        return family.loss(model, dataclasses.replace(b, rejected_latents=None), noise, sigmas, "none",
+        return family.loss(model, dataclasses.replace(b, fields={}), noise, sigmas, "none",
                            per_sample=True)  # fmt: skip
 
     with torch.no_grad():
@@ -59,6 +60,10 @@ def by_hand(policy, reference, family, batch, noise, sigmas, beta: float, sft: f
     return -torch.nn.functional.logsigmoid(z).mean() + sft * won.mean()
 
 
+DPO = {"_target_": "qie.training.objectives.dpo.Dpo"}
+FLOW_MATCHING = {"_target_": "qie.training.objectives.flow_matching.FlowMatching"}
+
+
 @pytest.fixture(scope="module")
 def tiny(small_cfg):
     cfg = small_cfg("train")
@@ -66,8 +71,8 @@ def tiny(small_cfg):
 
 
 def objective(family, **options):
-    inputs = ObjectiveInputs(family, SigmaSampling(method="uniform"), "none", options)
-    return build_objective("dpo", inputs)
+    inputs = ObjectiveInputs(family, SigmaSampling(method="uniform"), "none")
+    return build_objective({**DPO, **options}, inputs)
 
 
 def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_trained_set_alone(tiny) -> None:
@@ -87,9 +92,11 @@ def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_t
     assert abs(loss.item() - math.log(2)) > 1e-3  # the adapter made policy and reference differ
     loss.backward()  # the gradient reaches the trained weights only, through the policy pass
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)
-    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trained == {
-        n for n, p in policy.named_parameters() if any(p is q for q in params)
-    }
+    assert (
+        {n for n, p in policy.named_parameters() if p.requires_grad}
+        == trained
+        == {n for n, p in policy.named_parameters() if any(p is q for q in params)}
+    )
     metrics = dpo.step_metrics()
     assert set(metrics) == {"reward_accuracy", "reward_margin"} and dpo.step_metrics() == {}  # read once
     assert metrics["reward_accuracy"] in (0.0, 0.5, 1.0)
@@ -139,23 +146,24 @@ def test_accuracy_counts_ties_half() -> None:
 
 def test_dpo_settings_and_uses_are_refused_in_one_line(tiny, tmp_path: Path) -> None:
     cfg, family = tiny
-    assert compose("train", ["train.objective=dpo"]).train.dpo.beta == DpoSettings().beta
-    assert objective_requires("dpo") == ("rejected",) and objective_requires("flow_matching") == ()
-    check_use("dpo", ObjectiveUse(family, lora=True, regularization=False))
+    assert compose("train", ["train/objective=dpo"]).train.objective.beta == DpoSettings().beta
+    assert field_names(Dpo) == {"target", "rejected"} and field_names(FlowMatching) == {"target"}
+    check_use(DPO, ObjectiveUse(family, lora=True, regularization=False))
     layered = model_spec(compose("train", ["model=tiny_qwen_image_layered"]).model).family
     cases = [
-        (ObjectiveUse(family, False, False), "train.objective=dpo needs train.mode=lora"),
-        (ObjectiveUse(layered, True, False), "train.objective=dpo does not train a layered model"),
+        (ObjectiveUse(family, False, False), "train/objective=dpo needs train.mode=lora"),
+        (ObjectiveUse(layered, True, False), "train/objective=dpo does not train a layered model"),
         (ObjectiveUse(family, True, True), "does not mix in data.regularization"),
-        (ObjectiveUse(family, True, False, {"beta": 0}), r"train.dpo.beta=0 is out of range"),
-        (ObjectiveUse(family, True, False, {"sft_weight": -1}), r"train.dpo.sft_weight=-1 is out of range"),
-        (ObjectiveUse(family, True, False, {"reference_lora": str(tmp_path / "no.safetensors")}), "does not exist"),
+        (ObjectiveUse(family, True, False), r"train.objective.beta=0 is out of range", {"beta": 0}),
+        (ObjectiveUse(family, True, False), r"train.objective.sft_weight=-1 is out of range", {"sft_weight": -1}),
+        (ObjectiveUse(family, True, False), "does not exist", {"reference_lora": str(tmp_path / "no.safetensors")}),
+        (ObjectiveUse(family, True, False), "unknown key train.objective.bta: .*Dpo takes beta", {"bta": 1}),
     ]
-    for use, message in cases:
+    for use, message, *settings in cases:
         with pytest.raises(ConfigError, match=message) as info:
-            check_use("dpo", use)
+            check_use({**DPO, **(settings[0] if settings else {})}, use)
         assert "\n" not in str(info.value)
-    check_use("flow_matching", ObjectiveUse(layered, False, True))  # the default takes everything
+    check_use(FLOW_MATCHING, ObjectiveUse(layered, False, True))  # the default takes everything
 
 
 def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_its_target(tmp_path: Path) -> None:
@@ -166,7 +174,7 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
     (root / "training_images" / "a.txt").write_text("edit a")
     write_noise_image(root / "rejected_images" / "orphan.png", 4)
     data = scan_folder(root, require_target=True)
-    assert [(s.id, s.rejected) for s in data.samples] == [("a", root / "rejected_images" / "a.png")]
+    assert [(s.id, s.fields.get("rejected")) for s in data.samples] == [("a", root / "rejected_images" / "a.png")]
     assert [(p.id, p.reason) for p in data.problems] == [("orphan", "target image is missing (rejected image found)")]
 
     (tmp_path / "m").mkdir()
@@ -179,7 +187,7 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
     manifest = tmp_path / "m" / "pairs.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = scan_manifest(manifest, require_target=True)
-    assert [s.rejected for s in data.samples] == [tmp_path / "m" / "r.png", None]
+    assert [s.fields.get("rejected") for s in data.samples] == [tmp_path / "m" / "r.png", None]
     reasons = [p.reason for p in data.problems]
     assert reasons == [f"manifest row 3: image {str(tmp_path / 'm' / 'gone.png')!r} does not exist",
                        "manifest row 4 'rejected' must be a path, got 3"]  # fmt: skip
@@ -187,7 +195,7 @@ def test_pairs_are_read_from_a_folder_and_a_manifest_and_a_rejected_image_needs_
 
 def test_a_hugging_face_data_set_gives_rejected_results_from_its_column(tmp_path: Path, monkeypatch) -> None:
     rejected, (first, second) = hf_extra_image_column(tmp_path, monkeypatch, "rejected")
-    assert first.rejected.read_bytes() == rejected and second.rejected is None
+    assert first.fields["rejected"].read_bytes() == rejected and "rejected" not in second.fields
 
 
 def test_the_benchmark_makes_each_demo_edit_a_pair_whose_rejected_shape_has_a_wrong_colour(tmp_path: Path) -> None:

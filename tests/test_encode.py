@@ -118,7 +118,8 @@ def test_encode_entries_gives_every_type(edit, tmp_path: Path) -> None:
             write_noise_image(tmp_path / f"t{i}.png", i),
             (write_noise_image(tmp_path / f"c{i}.png", 50 + i),),
             f"edit {i}",
-            rejected=tmp_path / f"t{1 - i}.png",  # a preference pair: the other sample's target is rejected
+            # a preference pair: the other sample's target is rejected
+            field_images=(("rejected", tmp_path / f"t{1 - i}.png"),),
         )
         for i in range(2)
     ]

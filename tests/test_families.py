@@ -19,8 +19,21 @@ from qie.models.family import ModelFamily
 
 QIE = Path(__file__).resolve().parents[1] / "qie"
 # Where no family may be named: the seam is the ModelFamily object.
-FAMILY_FREE = ["stages", "training", "cache", "data", "demo", "embeddings.py", "encode.py", "sampling.py",
-               "readiness.py", "memory_plan.py", "masked_source.py", "embedding_cache.py", "api.py"]
+FAMILY_FREE = [
+    "stages",
+    "training",
+    "cache",
+    "data",
+    "demo",
+    "embeddings.py",
+    "encode.py",
+    "sampling.py",
+    "readiness.py",
+    "memory_plan.py",
+    "masked_source.py",
+    "embedding_cache.py",
+    "api.py",
+]
 FAMILY_NAMES = re.compile(r"QwenImage|Qwen2_5|Qwen3|Qwen2VL|qwen_image|TransformerBlock")
 
 
@@ -37,9 +50,7 @@ def test_the_library_names_no_family_outside_the_models_package() -> None:
 def test_every_family_registers_with_every_piece() -> None:
     assert set(families()) == {"qwen_image", "qwen_image_21", "qwen_image_layered"}
     assert set(variants()) == {"edit", "edit_plus", "text_to_image", "qwen_image_21", "layered"}
-    assert {name for name, (family, _) in tiny_presets().items() if family.name == "qwen_image_21"} == {
-        "qwen_image_21"
-    }
+    assert {name for name, (family, _) in tiny_presets().items() if family.name == "qwen_image_21"} == {"qwen_image_21"}
     for family in families().values():
         assert family.block_classes(), family.name  # what FSDP wraps: the transformer's own _no_split_modules
 

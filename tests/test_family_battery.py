@@ -46,7 +46,7 @@ PINNED_LOSSES = {
     "tiny_qwen_image_layered": [1.4373232126235962, 1.3763208389282227],
 }
 
-# The second loss of each family's preference run (`train.objective=dpo`, otherwise as above); its first is
+# The second loss of each family's preference run (`train/objective=dpo`, otherwise as above); its first is
 # ln 2 for every family: a fresh adapter is the reference itself. Taken as PINNED_LOSSES are.
 PINNED_DPO_LOSSES = {
     "tiny": 0.7073732614517212,
@@ -56,7 +56,7 @@ PINNED_DPO_LOSSES = {
     "tiny_qwen_image_21": 0.6935645341873169,
 }
 
-# The first two losses of each family's distillation run (`train.objective=distill` with DISTILL, otherwise as
+# The first two losses of each family's distillation run (`train/objective=distill` with DISTILL, otherwise as
 # above). Taken as PINNED_LOSSES are.
 PINNED_DISTILL_LOSSES: dict[str, list[float]] = {
     "tiny": [0.00011914128117496148, 8.653688564663753e-05],
@@ -66,8 +66,8 @@ PINNED_DISTILL_LOSSES: dict[str, list[float]] = {
     "tiny_qwen_image_21": [2.5199053197866306e-05, 8.771602006163448e-05],
     "tiny_qwen_image_layered": [0.00020855714683420956, 0.0001007091996143572],
 }
-DISTILL = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
-           "train.distill.teacher_cfg=4", "train.distill.seeds=2"]  # fmt: skip
+DISTILL = ["train/objective=distill", "train.objective.student_steps=2", "train.objective.teacher_steps=2",
+           "train.objective.teacher_cfg=4", "train.objective.seeds=2"]  # fmt: skip
 
 TRAINING = ["data.batch_size=1", "train.seed=7", "train.learning_rate=1e-3"]
 PROMPT = "move the circle to the right and paint it like picture 2"
@@ -202,7 +202,7 @@ def test_two_steps_and_a_resume_of_two_equal_four_straight(battery: Battery, fam
 
 @pytest.mark.parametrize("family", families("dpo"))
 def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery: Battery, family: str) -> None:
-    """`train.objective=dpo` on the battery's samples made pairs (each target preferred to itself painted the
+    """`train/objective=dpo` on the battery's samples made pairs (each target preferred to itself painted the
     next scene's colour); the pairs' other entries are the family's cache, only the rejected latents are new."""
     from qie.errors import ConfigError
     from qie.models import model_spec
@@ -211,8 +211,8 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
     prepared = battery[family]
     spec = model_spec(small_config("precompute", f"model={family}").model)
     if spec.family.outputs.layers:
-        with pytest.raises(ConfigError, match="train.objective=dpo does not train a layered model") as info:
-            prepared.train("dpo_refused", "train.objective=dpo")
+        with pytest.raises(ConfigError, match="train/objective=dpo does not train a layered model") as info:
+            prepared.train("dpo_refused", "train/objective=dpo")
         assert "\n" not in str(info.value)
         return
     data = write_pairs(prepared.root / "pairs_data", spec)
@@ -220,10 +220,10 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
     summary = precompute.run(small_config("precompute", *base), prepared.root / "pairs_precompute")
     assert {t: s.new for t, s in summary.types.items() if s.new} == {"rejected_latent": 4}  # the rest was there
     pairs = Prepared(family, spec, prepared.root, base)
-    cached = pairs.train("dpo", "train.objective=dpo", "train.max_steps=4", "train.checkpoint_every=2")
-    live = pairs.train("dpo_live", "train.objective=dpo", "cache.mode=live")
+    cached = pairs.train("dpo", "train/objective=dpo", "train.max_steps=4", "train.checkpoint_every=2")
+    live = pairs.train("dpo_live", "train/objective=dpo", "cache.mode=live")
     checkpoint = cached["dir"] / "checkpoints" / "step-000002"
-    resumed = pairs.train("dpo_resumed", "train.objective=dpo", "train.max_steps=4", f"train.resume={checkpoint}")
+    resumed = pairs.train("dpo_resumed", "train/objective=dpo", "train.max_steps=4", f"train.resume={checkpoint}")
     first, second = cached["losses"][:2]
     assert first == pytest.approx(math.log(2), abs=1e-7)  # the fresh adapter is its own reference
     assert family in PINNED_DPO_LOSSES, f"pin {family!r}: {second}"
@@ -246,7 +246,7 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
 def test_distillation_is_the_samplers_own_loop_pinned_cached_as_lazy_and_resumes_exactly(
     battery: Battery, family: str
 ) -> None:
-    """`train.objective=distill` on a copy of the family's cache: the teacher and the student are the family's
+    """`train/objective=distill` on a copy of the family's cache: the teacher and the student are the family's
     sampler; a lazy run writes the teacher outputs, a cached run reading them repeats its losses exactly, and a
     resume from its checkpoint repeats the rest. Precompute with the run's overrides (`precompute.teachers=true`)
     fills every sample's outputs, bit for bit those the lazy run wrote, and a cached run on them computes none."""

@@ -57,8 +57,11 @@ def _indexes(cache: Path) -> list[Path]:
 def _same(got: Dataset, fresh: Dataset) -> None:
     """Equal, and each path spelled the same."""
     assert got == fresh
-    texts = [[str(p) for p in (s.target, *s.controls, s.mask, *s.layers, s.rejected)] for s in got.samples]
-    assert texts == [[str(p) for p in (s.target, *s.controls, s.mask, *s.layers, s.rejected)] for s in fresh.samples]
+
+    def texts(samples):
+        return [[str(p) for p in (s.target, *s.controls, s.mask, *s.layers, s.field_images)] for s in samples]
+
+    assert texts(got.samples) == texts(fresh.samples)
 
 
 @contextmanager
@@ -92,7 +95,7 @@ def test_a_remembered_folder_scan_equals_the_scan_and_lists_and_reads_nothing(tm
     assert [s.id for s in warm.samples] == ["a", "b", "c"]
     a, b, c = warm.samples
     assert a.controls == (root / "control_images" / "a.png", root / "control_images" / "a_control_1.png")
-    assert (a.prompt, a.mask, b.prompt, c.rejected) == ("edit a", root / "masks" / "a.png",
+    assert (a.prompt, a.mask, b.prompt, c.fields["rejected"]) == ("edit a", root / "masks" / "a.png",
                                                         "edit b, captioned beside its control",
                                                         root / "rejected_images" / "c.png")  # fmt: skip
     # The problems are remembered too.

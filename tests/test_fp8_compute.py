@@ -37,6 +37,7 @@ def test_quantized_layers_get_their_input_in_the_weights_dtype(kind: str) -> Non
     out = model(torch.randn(4, 32))
     assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
 
+
 TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7",
             "logging.report_to=none", "train.checkpoint_every=0", "data.num_workers=0"]  # fmt: skip
 

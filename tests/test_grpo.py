@@ -16,7 +16,7 @@ from qie.components import load_parts
 from qie.demo.reward import RecolourReward, named_colour, shape_region
 from qie.errors import ConfigError, DataError
 from qie.models import model_spec
-from qie.stages.train import objective_reward
+from qie.stages.train_model import objective_reward
 from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
 from qie.training.lora import add_lora
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse, check_use
@@ -57,7 +57,6 @@ def grpo_objective(spec, parts, **options) -> Grpo:
         spec.family,
         SigmaSampling(method="uniform"),
         "none",
-        {},
         parts.scheduler,
         parts.pipeline_config,
         spec.call_defaults(),
@@ -173,18 +172,19 @@ def test_the_same_generator_gives_the_same_loss(tiny) -> None:
 def test_what_grpo_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:
     family = model_spec(small_cfg("train").model).family
     with pytest.raises(ConfigError, match=message) as info:
-        check_use("grpo", ObjectiveUse(family, lora, regularization, options))
+        check_use(
+            {"_target_": "qie.training.objectives.grpo.Grpo", **options}, ObjectiveUse(family, lora, regularization)
+        )
     assert "\n" not in str(info.value)
 
 
 # --- the stages: rows without targets ---------------------------------------------------------------------------
 
 GRPO = [
-    "train.objective=grpo",
-    "train.grpo.group_size=2",
-    "train.grpo.sampling_steps=2",
-    "train.grpo.train_timesteps=1",
-    "+train.grpo.reward._target_=qie.demo.reward.RecolourReward",
+    "train/objective=grpo",
+    "train.objective.group_size=2",
+    "train.objective.sampling_steps=2",
+    "train.objective.train_timesteps=1",
     "train.max_steps=2",
 ]
 
@@ -208,7 +208,7 @@ def targetless(tmp_path_factory):
 def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_train_with_the_decoder_alone(
     small_cfg, targetless, tmp_path, monkeypatch
 ) -> None:
-    from qie.stages import precompute, sources, train
+    from qie.stages import precompute, sources, train, train_model
 
     cache = tmp_path / "cache"
     data = [f"data.path={targetless}", f"cache.dir={cache}"]
@@ -220,8 +220,8 @@ def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_tra
         precompute.run(small_cfg("precompute", f"data.path={targetless}", f"cache.dir={plain}"), tmp_path / "pre2")
 
     loaded = []
-    real = train.load_parts
-    monkeypatch.setattr(train, "load_parts", lambda m, names, *a: loaded.append(list(names)) or real(m, names, *a))
+    real = train_model.load_parts
+    monkeypatch.setattr(train_model, "load_parts", lambda m, names, *a: loaded.append(list(names)) or real(m, names, *a))
     monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
     result = train.run(small_cfg("train", *data, *GRPO), tmp_path / "run")
     assert loaded == [["transformer", "scheduler", "vae"]] and len(result["losses"]) == 2
@@ -263,7 +263,7 @@ def test_the_trained_lora_loads_in_the_diffusers_pipeline_and_a_reward_from_outs
 
     from qie.stages import train
 
-    outside = ["train.grpo.reward._target_=plugins.colour.Colour", "+train.grpo.reward.rgb=[0,0,255]"]
+    outside = ["train.objective.reward._target_=plugins.colour.Colour", "+train.objective.reward.rgb=[0,0,255]"]
     run = [*targetless_cache, *GRPO, *outside, "train.learning_rate=1e-2"]
     lora = Path(train.run(small_cfg("train", *run), tmp_path / "run")["lora"])
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

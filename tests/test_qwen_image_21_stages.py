@@ -273,8 +273,15 @@ def test_a_qwen_image_21_folder_qie_did_not_build(data: dict, pipe: QwenImage21P
         folder, processor=load_processor(folder, processor_class=Qwen3VLProcessorNoVideo)
     )
     reloaded.set_progress_bar_config(disable=True)
-    expected = reloaded("A red cat.", image=[Image.open(image)], negative_prompt="blurry", true_cfg_scale=3.0,
-                        output_resolution=RES, generator=torch.Generator().manual_seed(5), output_type="np").images
+    expected = reloaded(
+        "A red cat.",
+        image=[Image.open(image)],
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        output_resolution=RES,
+        generator=torch.Generator().manual_seed(5),
+        output_type="np",
+    ).images
     assert np.abs(mine - expected).max() <= 1e-5  # fmt: skip
     base = [*model, "data=manifest", f"data.path={data['manifest']}", f"cache.dir={tmp_path / 'cache'}",
             "data.num_workers=0"]  # fmt: skip

@@ -123,7 +123,7 @@ def test_two_processes_keep_the_lora_identical(one_node: Path) -> None:
 
 
 def test_distillation_on_two_processes_keeps_the_lora_identical(data: dict, tmp_path: Path) -> None:
-    """`train.objective=distill` under torchrun: two precompute processes fill the teacher outputs of 7 of the 8
+    """`train/objective=distill` under torchrun: two precompute processes fill the teacher outputs of 7 of the 8
     samples (shares of 4 and 3: each process runs the teacher apart), then training, where the student runs the
     model several times before one backward pass (each step's prediction recomputed in it), which data-parallel
     training must reduce once; each process fills the missing teacher outputs of its own samples (lazy)."""
@@ -131,8 +131,8 @@ def test_distillation_on_two_processes_keeps_the_lora_identical(data: dict, tmp_
 
     cache = tmp_path / "cache"
     shutil.copytree(Path(data["root"]) / "cache", cache)
-    distill = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2",
-               "train.distill.teacher_cfg=4", "train.distill.seeds=2", f"cache.dir={cache}"]  # fmt: skip
+    distill = ["train/objective=distill", "train.objective.student_steps=2", "train.objective.teacher_steps=2",
+               "train.objective.teacher_cfg=4", "train.objective.seeds=2", f"cache.dir={cache}"]  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
     base = [a for a in data["base"] if not a.startswith("cache.dir=")]  # the copy's, where teachers are written
     fill = [*base, *distill, "precompute.teachers=true", "precompute.end=7", f"hydra.run.dir={tmp_path / 'pre'}"]

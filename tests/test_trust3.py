@@ -344,8 +344,10 @@ def test_infer_into_a_live_training_folder_is_refused_before_it_writes(tmp_path:
         proc = subprocess.run([sys.executable, "-m", "qie.infer", f"hydra.run.dir={run}", "predict.prompt=x"],
                               capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"qie: error: run folder '{run}' is in use by another training or inference (pid {holder.pid} on "
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"qie: error: run folder '{run}' is in use by another training or inference (pid {holder.pid} on ")
     )
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in (run / ".hydra").iterdir()) == ["config.yaml"]

@@ -297,8 +297,8 @@ def test_a_sync_into_a_link_of_its_own_source_is_refused(tmp_path: Path) -> None
 def test_a_damaged_teacher_output_is_named_with_the_repair_command(small_cfg, cached_data, tmp_path: Path) -> None:
     from qie.stages import train
 
-    distill = ["train.objective=distill", "train.distill.student_steps=2", "train.distill.teacher_steps=2"]
-    distill += ["train.distill.teacher_cfg=4", "train.max_steps=1"]
+    distill = ["train/objective=distill", "train.objective.student_steps=2", "train.objective.teacher_steps=2"]
+    distill += ["train.objective.teacher_cfg=4", "train.max_steps=1"]
     shutil.copytree(cached_data.cache, tmp_path / "cache")
     overrides = [*cached_data.overrides, *distill, f"cache.dir={tmp_path / 'cache'}"]
     train.run(small_cfg("train", *overrides, "cache.mode=lazy"), tmp_path / "lazy")  # writes teacher outputs

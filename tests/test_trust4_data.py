@@ -187,7 +187,7 @@ def test_a_pair_whose_rejected_image_is_its_target_is_left_out_and_none_left_is_
     data, stems = _pairs(tmp_path / "ds")
     same = data / "rejected_images" / f"{stems[0]}.png"
     shutil.copy(data / "training_images" / f"{stems[0]}.png", same)
-    _train(data, tmp_path / "run", "train.objective=dpo", "cache.mode=lazy")
+    _train(data, tmp_path / "run", "train/objective=dpo", "cache.mode=lazy")
     out = capsys.readouterr().out
     why = (f"its rejected image {str(same)!r} is its target {str(data / 'training_images' / f'{stems[0]}.png')!r} "
            "(the same bytes): a pair of equal results has the loss ln 2 whatever the weights and trains nothing; "
@@ -197,7 +197,7 @@ def test_a_pair_whose_rejected_image_is_its_target_is_left_out_and_none_left_is_
     for stem in stems[1:]:
         shutil.copy(data / "training_images" / f"{stem}.png", data / "rejected_images" / f"{stem}.png")
     with pytest.raises(DataError) as info:
-        _train(data, tmp_path / "run_none", "train.objective=dpo", "cache.mode=lazy")
+        _train(data, tmp_path / "run_none", "train/objective=dpo", "cache.mode=lazy")
     assert str(info.value) == f"no preference pair can train; the first, {stems[0]!r}: {why}"
 
 
@@ -213,7 +213,7 @@ def test_lazy_pairs_read_each_rejected_image_at_start(tiny_path: Path, tmp_path:
     broken = data / "rejected_images" / f"{stems[1]}.png"
     broken.write_bytes(b"not an image")
     other = write_noise_image(data / "rejected_images" / f"{stems[2]}.png", 7, (32, 64))
-    result = _train(data, tmp_path / "run", "train.objective=dpo", "cache.mode=lazy", "train.max_steps=4")
+    result = _train(data, tmp_path / "run", "train/objective=dpo", "cache.mode=lazy", "train.max_steps=4")
     out = capsys.readouterr().out
     assert (f"qie: warning: skipping sample {stems[1]!r}: {broken}: image {str(broken)!r} cannot be read "
             f"(cannot identify image file {str(broken)!r}): replace or remove it\n") in out  # fmt: skip

@@ -200,22 +200,22 @@ def test_the_search_sweeper_plugin_is_packaged(monkeypatch) -> None:
 
 # --- 9, 11, 12 and the demo's counts: odd values refused at compose time ----------------------------------------
 
-TEACHER_DEFAULT = "the teacher's 50 (train.distill.teacher_steps unset: model.num_inference_steps)"
-DISTILL_FIX = "lower train.distill.student_steps or raise train.distill.teacher_steps"
+TEACHER_DEFAULT = "the teacher's 50 (train.objective.teacher_steps unset: model.num_inference_steps)"
+DISTILL_FIX = "lower train.objective.student_steps or raise train.objective.teacher_steps"
 REFUSED = [
     ("demo", ["demo.image_size=-64"], "demo.image_size=-64 is out of range: it must be at least 16"),
     ("demo", ["demo.train_samples=0"], "demo.train_samples=0 is out of range: it must be at least 1"),
     ("demo", ["demo.heldout_samples=0"], "demo.heldout_samples=0 is out of range: it must be at least 1"),
     (
         "train",
-        ["train.objective=distill", "train.distill.student_steps=8", "train.distill.teacher_steps=4"],
-        "train.distill.student_steps=8 is above train.distill.teacher_steps=4: the student learns to sample in fewer "
-        f"steps than its teacher; {DISTILL_FIX}",
+        ["train/objective=distill", "train.objective.student_steps=8", "train.objective.teacher_steps=4"],
+        "train.objective.student_steps=8 is above train.objective.teacher_steps=4: the student learns to sample in "
+        f"fewer steps than its teacher; {DISTILL_FIX}",
     ),
     (
         "precompute",
-        ["train.objective=distill", "train.distill.student_steps=51", "precompute.teachers=true"],
-        f"train.distill.student_steps=51 is above {TEACHER_DEFAULT}: the student learns to sample in fewer steps "
+        ["train/objective=distill", "train.objective.student_steps=51", "precompute.teachers=true"],
+        f"train.objective.student_steps=51 is above {TEACHER_DEFAULT}: the student learns to sample in fewer steps "
         f"than its teacher; {DISTILL_FIX}",
     ),
     (
@@ -226,13 +226,13 @@ REFUSED = [
     ),
     (
         "train",
-        ["train.objective=dpo", "train.dpo.sft_weight=inf"],
-        "train.dpo.sft_weight=inf is out of range: give a value from 0 to 100",
+        ["train/objective=dpo", "train.objective.sft_weight=inf"],
+        "train.objective.sft_weight=inf is out of range: give a value from 0 to 100",
     ),
     (
         "train",
-        ["train.objective=dpo", "train.dpo.beta=1e38"],
-        "train.dpo.beta=1e+38 is out of range: give a value above 0 and at most 1e+06 (e.g. 2000)",
+        ["train/objective=dpo", "train.objective.beta=1e38"],
+        "train.objective.beta=1e+38 is out of range: give a value above 0 and at most 1e+06 (e.g. 2000)",
     ),
 ]
 
@@ -269,7 +269,7 @@ def test_the_edges_of_the_ranges_are_taken(tmp_path: Path) -> None:
     lora = tmp_path / "lora.safetensors"
     lora.write_bytes(b"")
     compose("infer", [f"model.fuse_loras=[{lora},{lora}]", "model.fuse_lora_scales=[-100,100]"])
-    compose("train", ["train.objective=dpo", "train.dpo.beta=1e6", "train.dpo.sft_weight=100"])
-    compose("train", ["train.objective=distill", "train.distill.student_steps=4", "train.distill.teacher_steps=4"])
+    compose("train", ["train/objective=dpo", "train.objective.beta=1e6", "train.objective.sft_weight=100"])
+    compose("train", ["train/objective=distill", "train.objective.student_steps=4", "train.objective.teacher_steps=4"])
     compose("train", ["cache.local_max_gb=0.5"])
     compose("demo", ["demo.image_size=16", "demo.train_samples=1", "demo.heldout_samples=1"])

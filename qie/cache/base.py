@@ -69,8 +69,9 @@ class EntryCounts(Mapping[tuple[str, str], int]):
 
     def __getitem__(self, item: tuple[str, str]) -> int:
         if self._lookup is None:
-            self._lookup = {(t, k): int(n) for t, (keys, times, _) in self._by_type.items()
-                            for k, n in zip(keys, times)}  # fmt: skip
+            self._lookup = {
+                (t, k): int(n) for t, (keys, times, _) in self._by_type.items() for k, n in zip(keys, times)
+            }
         return self._lookup[item]
 
 
@@ -257,7 +258,23 @@ class NoClaim:
 
 
 __all__ = [
-    "SCHEMA_VERSION", "CacheBackend", "Claim", "CorruptEntry", "CorruptError", "Entry", "NoClaim", "VerifyReport",
-    "base_of", "check_entry", "check_key", "check_keys", "check_meta", "check_type", "check_types", "cpu_copy",
-    "decode", "empty_stats", "encode",
-]  # fmt: skip
+    "SCHEMA_VERSION",
+    "CacheBackend",
+    "Claim",
+    "CorruptEntry",
+    "CorruptError",
+    "Entry",
+    "NoClaim",
+    "VerifyReport",
+    "base_of",
+    "check_entry",
+    "check_key",
+    "check_keys",
+    "check_meta",
+    "check_type",
+    "check_types",
+    "cpu_copy",
+    "decode",
+    "empty_stats",
+    "encode",
+]

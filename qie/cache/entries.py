@@ -22,11 +22,17 @@ import torch
 
 from qie.cache.base import CacheBackend, Entry, base_of
 from qie.cache.codec import checksum
-from qie.types import TRAINING_TYPES
+from qie.types import FIELD_TYPES, TRAINING_TYPES
 
-# What is stored, bases before the entries that extend them.
+# What is stored, bases before the entries that extend them (and the types of sample fields declared beyond the
+# built-in one, `stored_order`).
 STORED_TYPES = (
-    "pixel_latent", "control_latent", "layer_latent", "rejected_latent", "empty_prompt_embed", "prompt_embed"
+    "pixel_latent",
+    "control_latent",
+    "layer_latent",
+    "rejected_latent",
+    "empty_prompt_embed",
+    "prompt_embed",
 )
 # Each mask type is derived from this embedding type, under the embedding's key.
 MASK_OF = {"prompt_embeds_mask": "prompt_embed", "empty_prompt_embeds_mask": "empty_prompt_embed"}
@@ -34,6 +40,12 @@ BASE_TYPE = "empty_prompt_embed"
 Pieces = tuple[torch.Tensor, ...]
 
 assert set(STORED_TYPES) == set(TRAINING_TYPES)
+
+
+def stored_order(types: Iterable[str]) -> list[str]:
+    """`types` (stored types) in the order they are written: STORED_TYPES', then other sample fields' types."""
+    types = set(types)
+    return [t for t in STORED_TYPES if t in types] + [t for t in FIELD_TYPES if t in types and t not in STORED_TYPES]
 
 
 # Rows are "equal within the dtype's rounding" when every element differs by at most this many units of the
@@ -101,7 +113,7 @@ def write_entries(backend: CacheBackend, keys: dict[str, str], entries: dict[str
     """
     written: dict[str, int] = {}
     base: Entry | None = None
-    for type in (t for t in STORED_TYPES if t in entries):
+    for type in stored_order(entries):
         tensors, meta = entries[type], {}
         if type == BASE_TYPE:
             base = Entry(tensors, {}, checksum(tensors))
@@ -174,7 +186,7 @@ def read_logical(backend: CacheBackend, type: str, key: str) -> torch.Tensor | l
         return None
     if type in ("control_latent", "layer_latent"):
         return [entry[str(i)] for i in range(len(entry))]
-    if type in ("pixel_latent", "rejected_latent"):
+    if type == "pixel_latent" or type in FIELD_TYPES:
         return entry["latent"]
     if type == "prompt_embed":
         pieces = prompt_pieces(entry, backend.get)

@@ -22,7 +22,17 @@ CHECK_MARGIN_NS = 600 * 10**9
 # One tick of the kernel's coarse clock: a time it sets may be this much behind a fine-grained time set just before
 # (on another file, or on the probe a stamp's time is read from), so times closer than this are not ordered.
 TICK_NS = 10**7
-_TYPE_SALT = {t: int(hashlib.sha256(t.encode()).hexdigest()[:16], 16) for t in CACHE_TYPES}
+
+
+class _Salts(dict):
+    """Each cache type's salt, made on first use (a sample field's type is a cache type once it is declared)."""
+
+    def __missing__(self, type: str) -> int:
+        self[type] = salt = int(hashlib.sha256(type.encode()).hexdigest()[:16], 16)
+        return salt
+
+
+_TYPE_SALT = _Salts((t, int(hashlib.sha256(t.encode()).hexdigest()[:16], 16)) for t in CACHE_TYPES)
 
 
 def real_types(root: str, types: Iterable[str], report: VerifyReport | None = None) -> Iterator[str]:
@@ -189,8 +199,10 @@ def unchanged_entries(root: str, keys: Mapping[str, Sequence[str]], since: int, 
     found: list[bool] = []
     for type, ks in keys.items():
         try:
-            names = {s: set() if f"{root}/{type}/{s}" in absent else set(os.listdir(f"{root}/{type}/{s}"))
-                     for s in shards[type]}  # fmt: skip
+            names = {
+                s: set() if f"{root}/{type}/{s}" in absent else set(os.listdir(f"{root}/{type}/{s}"))
+                for s in shards[type]
+            }
         except OSError:
             return None
         found.extend(f"{k}{SUFFIX}" in names[k[:2]] for k in ks)

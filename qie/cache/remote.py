@@ -143,8 +143,11 @@ class RemoteBackend:
                 entry = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), type, verify=True, key=key)
             except CorruptError as e:
                 if attempt:
-                    log.warning("cache object %s is corrupt (%s); treating it as a miss: verify.fix=true removes it",
-                                self.store.path(self.name(type, key)), e)  # fmt: skip
+                    log.warning(
+                        "cache object %s is corrupt (%s); treating it as a miss: verify.fix=true removes it",
+                        self.store.path(self.name(type, key)),
+                        e,
+                    )
                     return None
                 continue  # a truncated transfer: fetch once more
             self.local.write(type, key, data)

@@ -34,7 +34,6 @@ MERGE_ABOVE = 16
 SEGMENT_ENTRIES = 4096
 
 
-
 class RemoteIndex:
     """What the store's index says, loaded per type on first use, and what this writer adds to it.
 
@@ -217,8 +216,9 @@ class RemoteIndex:
     def _segments(self, type: str) -> list[str]:
         return sorted(n for n in self.store.listing(f"{FOLDER}/{type}") if n.endswith(SUFFIXES))
 
-    def _load(self, type: str, segments: list[str] | None = None,
-              fetched: dict[str, bytes | dict | None] | None = None) -> dict[str, Record]:  # fmt: skip
+    def _load(
+        self, type: str, segments: list[str] | None = None, fetched: dict[str, bytes | dict | None] | None = None
+    ) -> dict[str, Record]:
         """The index of `type`: its `segments` (listed when not given) read (or taken from `fetched`), and merged
         into one when there are many."""
         segments = self._segments(type) if segments is None else segments
@@ -227,8 +227,9 @@ class RemoteIndex:
             self._replace(type, merged, segments)
         return merged
 
-    def _read_all(self, type: str, segments: list[str], fetched: dict[str, bytes | dict | None] | None = None
-                  ) -> dict[str, Record]:  # fmt: skip
+    def _read_all(
+        self, type: str, segments: list[str], fetched: dict[str, bytes | dict | None] | None = None
+    ) -> dict[str, Record]:
         """The union of the segments' entries (their bytes, or entries decoded ahead, from `fetched`, else all read at
         once); a segment that vanished (merged meanwhile) or is unreadable is dropped from `segments`, so that only
         segments read whole are ever replaced."""

@@ -80,8 +80,13 @@ def _packed(texts: list[str]) -> tuple:
     first = texts[0] if texts else ""
     prefix = first[: first.find(":") + 1]
     width = len(first) - len(prefix)
-    if (texts and width and width % 2 == 0 and set(map(len, texts)) == {len(first)}
-            and all(map(methodcaller("startswith", prefix), texts))):  # fmt: skip
+    if (
+        texts
+        and width
+        and width % 2 == 0
+        and set(map(len, texts)) == {len(first)}
+        and all(map(methodcaller("startswith", prefix), texts))
+    ):
         digits = "".join(t[len(prefix) :] for t in texts) if prefix else "".join(texts)
         if _HEX.fullmatch(digits):
             import numpy as np

@@ -20,15 +20,30 @@ log = logging.getLogger(__name__)
 
 # Failures that a later try may not meet again: the connection, a timeout, a server that is busy.
 _TRANSIENT_NAMES = {
-    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError",
-    "ResponseStreamingError", "IncompleteReadError", "SlowDown", "ServiceUnavailable", "InternalError",
-}  # fmt: skip
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ProxyConnectionError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+}
 _TRANSIENT_ERRNOS = (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH)
 _DENIED_WORDS = (
-    "NoCredentialsError", "Unable to locate credentials", "AccessDenied", "InvalidAccessKeyId",
-    "SignatureDoesNotMatch", "ExpiredToken", "Forbidden",
-)  # fmt: skip
+    "NoCredentialsError",
+    "Unable to locate credentials",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "Forbidden",
+)
 
 
 def plain(value: Any) -> Any:

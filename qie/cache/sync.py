@@ -112,8 +112,10 @@ def sync_report(source, dest, types: Iterable[str] | None = None) -> AdminReport
     from qie.cache.admin import format_bytes
 
     r = sync(source, dest, types)
-    lines = [f"sync: {source!r} -> {dest!r}",
-             f"copied {r.copied:,} entries ({format_bytes(r.bytes)}), skipped {r.skipped:,} already there"]  # fmt: skip
+    lines = [
+        f"sync: {source!r} -> {dest!r}",
+        f"copied {r.copied:,} entries ({format_bytes(r.bytes)}), skipped {r.skipped:,} already there",
+    ]
     lines += [f"  failed {t} {k}: {why}" for t, k, why in r.failed]
     if r.failed:
         lines.append(f"{len(r.failed):,} entries failed: run the sync again to retry them")

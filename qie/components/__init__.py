@@ -78,8 +78,10 @@ def load_parts(
     if "transformer" in names and getattr(model_cfg, "fuse_loras", None) and fuse is None:
         from qie.errors import ConfigError
 
-        raise ConfigError("model.fuse_loras is set, but the transformer is being built without fusing them: pass "
-                          "fuse=FusedBase.of(...).fuse_into (qie.training.fused_base) to load_parts")  # fmt: skip
+        raise ConfigError(
+            "model.fuse_loras is set, but the transformer is being built without fusing them: pass "
+            "fuse=FusedBase.of(...).fuse_into (qie.training.fused_base) to load_parts"
+        )
     dtype = resolve_dtype(str(model_cfg.dtype))
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
     own = getattr(model_cfg, "transformer_path", None)
@@ -128,8 +130,10 @@ def transformer_folder(path: str) -> str:
         if (folder / "config.json").is_file():
             return str(folder)
     if not root.exists():
-        raise ModelLoadError(f"model.transformer_path={path!r} does not exist: give a .safetensors transformer file "
-                             "or a diffusers transformer folder")  # fmt: skip
+        raise ModelLoadError(
+            f"model.transformer_path={path!r} does not exist: give a .safetensors transformer file "
+            "or a diffusers transformer folder"
+        )
     raise ModelLoadError(
         f"model.transformer_path={path!r} holds no diffusers transformer (no config.json in it or in its "
         "transformer/): give the folder that predict.merge_to or train.mode=full wrote, or a .safetensors file"

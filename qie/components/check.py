@@ -21,9 +21,11 @@ def read_facts(source: str, revision: str | None = None) -> CheckpointFacts:
     """What the checkpoint at `source` says about itself; a file it lacks leaves its fields None."""
     index = _read_json(source, "model_index.json", revision)
     if not isinstance(index.get("_class_name", ""), str):
-        raise ModelLoadError(f"{source}: model_index.json's _class_name is {index['_class_name']!r}, not a "
-                             "pipeline class name: fix that file or point model.pretrained_model_name_or_path "
-                             "elsewhere")  # fmt: skip
+        raise ModelLoadError(
+            f"{source}: model_index.json's _class_name is {index['_class_name']!r}, not a "
+            "pipeline class name: fix that file or point model.pretrained_model_name_or_path "
+            "elsewhere"
+        )
     transformer = _read_json(source, "transformer/config.json", revision)
     vae = _read_json(source, "vae/config.json", revision)
     return CheckpointFacts(

@@ -41,8 +41,9 @@ def fp8_compute_wanted(setting: str, device: torch.device | str, compiled: bool 
         return False
     device = torch.device(device)
     installed = importlib.util.find_spec("torchao") is not None
-    capable = device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >=
-                                        MIN_CAPABILITY)  # fmt: skip
+    capable = device.type == "cpu" or (
+        device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+    )
     if setting == "auto":
         return installed and device.type == "cuda" and capable and compiled
     if not installed:
@@ -82,8 +83,9 @@ def float8_compute(model: torch.nn.Module, keep: Sequence[str], device: torch.de
     for name, module in targets:
         new = Float8Linear.from_float(module, config)
         weight = module.weight.detach().to(device)
-        fp8 = hp_tensor_to_float8_dynamic(weight, torch.float8_e4m3fn, new.linear_mm_config,
-                                          gemm_input_role=GemmInputRole.WEIGHT)  # fmt: skip
+        fp8 = hp_tensor_to_float8_dynamic(
+            weight, torch.float8_e4m3fn, new.linear_mm_config, gemm_input_role=GemmInputRole.WEIGHT
+        )
         new.weight = torch.nn.Parameter(fp8, requires_grad=False)
         if module.bias is not None:
             new.bias = torch.nn.Parameter(module.bias.detach().to(device), requires_grad=False)

@@ -222,8 +222,9 @@ def _nf4_load_arguments(place: Placement, keep: Sequence[str]) -> dict[str, Any]
     return {"quantization_config": nf4_config(place.dtype, keep), "device_map": {"": str(place.device)}}
 
 
-def _quantize(name: str, part: Any, transformer: str, text_encoder: str, keep: Sequence[str],
-              fp8: tuple[str, torch.device, bool]) -> None:  # fmt: skip
+def _quantize(
+    name: str, part: Any, transformer: str, text_encoder: str, keep: Sequence[str], fp8: tuple[str, torch.device, bool]
+) -> None:
     """Quantize a part on the CPU before it moves to its device, so the device never holds its full weights
     (fp8 compute casts layer by layer on the device itself: its fp8 weights cannot move between devices)."""
     from qie.components import quantize

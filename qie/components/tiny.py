@@ -31,8 +31,12 @@ from qie.models.family import import_named
 from qie.models.flavour import Flavour
 
 TINY_VERSION = "v1"
-VISION_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-                 "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}  # fmt: skip
+VISION_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
 
 
 def preset(variant: str) -> tuple[ModelFamily, Flavour]:
@@ -63,8 +67,11 @@ def build_tiny_model(path: str | os.PathLike, variant: str = "edit", seed: int =
 def _text_encoder_config(family: ModelFamily, flavour: Flavour, tokenizer: Any) -> Any:
     """The text encoder's config: the flavour's sizes, the tokenizer's vocabulary size and token ids."""
     te, tiny = dict(flavour.text_encoder), flavour.tiny
-    text = {**te.pop("text_config"), "vocab_size": len(tokenizer),
-            **{key: getattr(tokenizer, attr) for key, attr in tiny.text_tokens.items()}}  # fmt: skip
+    text = {
+        **te.pop("text_config"),
+        "vocab_size": len(tokenizer),
+        **{key: getattr(tokenizer, attr) for key, attr in tiny.text_tokens.items()},
+    }
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in VISION_TOKENS.items()}
     return family.part_class("text_encoder").config_class(text_config=text, **te, **ids)
 
@@ -97,8 +104,10 @@ def build_tiny(path: str | os.PathLike, family: ModelFamily, flavour: Flavour, s
         _write_json(out / "processor" / "preprocessor_config.json", dict(tiny.processor))
         if tiny.video_processor:
             video = {k: v for k, v in tiny.processor.items() if k != "image_processor_type"}
-            _write_json(out / "processor" / "video_preprocessor_config.json",
-                        {**video, "video_processor_type": "Qwen2VLVideoProcessor"})  # fmt: skip
+            _write_json(
+                out / "processor" / "video_preprocessor_config.json",
+                {**video, "video_processor_type": "Qwen2VLVideoProcessor"},
+            )
     index = {"_class_name": tiny.pipeline, "_diffusers_version": diffusers.__version__, **tiny.index_extra}
     _write_json(out / "model_index.json", {**index, **{name: list(tiny.model_index[name]) for name in parts}})
     return out
@@ -110,8 +119,10 @@ def _check_existing(path: Path, variant: str) -> Path:
     family, flavour = preset(variant)
     found = json.loads((path / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
     if not isinstance(found, str):
-        raise ModelLoadError(f"{path / 'model_index.json'}: _class_name is {found!r}, not a pipeline class name: "
-                             f"remove {path} to rebuild it")  # fmt: skip
+        raise ModelLoadError(
+            f"{path / 'model_index.json'}: _class_name is {found!r}, not a pipeline class name: "
+            f"remove {path} to rebuild it"
+        )
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
     first = next(iter(family.tiny_flavours.values())).transformer
     overrides = {k: v for k, v in flavour.transformer.items() if k not in first or first[k] != v}

@@ -21,22 +21,44 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 # Qwen2.5-VL's special tokens, in Qwen's order; here they take ids 0..13.
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-]  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 TOKENIZER_VOCAB_CAP = 1024
 EDIT_INSTRUCTIONS = [
-    "Make the sky blue.", "Remove the red car from the street.", "Add a small hat to the dog.",
-    "Change the color of the dress to green.", "Turn the photo into a pencil sketch.",
-    "Replace the background with a sandy beach at sunset.", "Put a pair of glasses on the man.",
-    "Make it look like winter, with snow on the ground.", "Change the text on the sign to 'OPEN'.",
-    "Remove the people in the background.", "Make the cat orange and fluffy.",
-    "Rotate the cup so the handle faces left.", "Add soft light from the window on the right.",
-    "Make the image brighter and more colorful.", "Turn the house into a wooden cabin.",
-    "Give the woman long black hair.", "Replace the apple with a pear.", "Make the water calm and clear.",
-    "Put the object from picture 2 on the table in picture 1.", "Keep the face, change the clothes.",
-]  # fmt: skip
+    "Make the sky blue.",
+    "Remove the red car from the street.",
+    "Add a small hat to the dog.",
+    "Change the color of the dress to green.",
+    "Turn the photo into a pencil sketch.",
+    "Replace the background with a sandy beach at sunset.",
+    "Put a pair of glasses on the man.",
+    "Make it look like winter, with snow on the ground.",
+    "Change the text on the sign to 'OPEN'.",
+    "Remove the people in the background.",
+    "Make the cat orange and fluffy.",
+    "Rotate the cup so the handle faces left.",
+    "Add soft light from the window on the right.",
+    "Make the image brighter and more colorful.",
+    "Turn the house into a wooden cabin.",
+    "Give the woman long black hair.",
+    "Replace the apple with a pear.",
+    "Make the water calm and clear.",
+    "Put the object from picture 2 on the table in picture 1.",
+    "Keep the face, change the clothes.",
+]
 
 
 def _template(pipeline_cls: type) -> tuple[str, int]:

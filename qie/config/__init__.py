@@ -37,7 +37,7 @@ from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.rewards import reward_settings_problem
 from qie.config.roots import DemoRoot, PrecomputeRoot, TrainRoot
-from qie.config.rules import objective_options, setting_problem, trains_lora
+from qie.config.rules import setting_problem, trains_lora
 from qie.config.train import TrainConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
@@ -241,8 +241,10 @@ def _check_step_counts(cfg: DictConfig) -> None:
     """`validation.step_counts`: whole numbers from 1, instead of `validation.num_inference_steps` (not beside it)."""
     counts = list(OmegaConf.select(cfg, "validation.step_counts", default=None) or [])
     if counts and OmegaConf.select(cfg, "validation.num_inference_steps", default=None) is not None:
-        raise ConfigError("validation.step_counts and validation.num_inference_steps are both set: keep one "
-                          "(step_counts samples at each of its counts)")  # fmt: skip
+        raise ConfigError(
+            "validation.step_counts and validation.num_inference_steps are both set: keep one "
+            "(step_counts samples at each of its counts)"
+        )
     for i, count in enumerate(counts):
         if count < 1:
             raise ConfigError(f"validation.step_counts[{i}]={count} is out of range: each count must be 1 or more")
@@ -279,19 +281,21 @@ def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
 
 
 def _check_objective(cfg: DictConfig, spec: Any) -> None:
-    """`train.objective` names a module of `qie.training.objectives` (looked up by name, as a `_target_` is: the
-    config layer imports no training code), and that objective can train this run (its `use_problem`: the model's
-    family, the mode, regularisation data, its own `train.<name>` settings)."""
-    name = OmegaConf.select(cfg, "train.objective", default=None)
-    if name is None:
+    """`train.objective` names an objective class by `_target_` (imported, not built), its settings fit the class's
+    constructor, and that objective can train this run (its `use_problem`: the model's family, the mode,
+    regularisation data, its own settings)."""
+    if OmegaConf.select(cfg, "train.objective", default=None) is None:
         return
     objectives = importlib.import_module("qie.training.objectives")
-    if problem := objectives.objective_problem(str(name)):
+    node = cfg.train.objective
+    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    cls = objectives.objective_class(node)
+    if problem := objectives.settings_problem(cls, objectives.settings_of(node)):
         raise ConfigError(problem)
     if spec is not None:
         regularization = bool(OmegaConf.select(cfg, "data.regularization.path", default=None))
-        use = objectives.ObjectiveUse(spec.family, trains_lora(cfg), regularization, objective_options(cfg.train))
-        objectives.check_use(str(name), use)
+        use = objectives.ObjectiveUse(spec.family, trains_lora(cfg), regularization, {}, spec.call_defaults())
+        objectives.check_use(node, use)
 
 
 def _check_model(model: DictConfig) -> Any:

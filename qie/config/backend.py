@@ -56,8 +56,10 @@ def backend_problem(node: DictConfig) -> str | None:
     unknown = [k for k in extra if k not in named and not any_keyword]
     if not unknown:
         return None
-    return (f"unknown key cache.{unknown[0]}: valid keys of 'cache' are {', '.join(sorted(SCHEMA_KEYS))}, and "
-            f"{target}'s parameters: {', '.join(sorted(named)) or 'none'}")  # fmt: skip
+    return (
+        f"unknown key cache.{unknown[0]}: valid keys of 'cache' are {', '.join(sorted(SCHEMA_KEYS))}, and "
+        f"{target}'s parameters: {', '.join(sorted(named)) or 'none'}"
+    )
 
 
 def backend_arguments(node: DictConfig, **overrides: Any) -> dict[str, Any]:

@@ -79,8 +79,8 @@ class PrecomputeConfig:
     batch_size: int = 4
     on_error: OnError = OnError.skip
     # Also compute distillation's teacher outputs (`teacher_latent`) for every sample of the range, for each of
-    # `train.distill.seeds` and with caption dropout's empty prompt too: give the training run's overrides
-    # (train.objective=distill, train.distill.*, model.*, and its train.* memory settings), so its cached run
+    # `train.objective.seeds` and with caption dropout's empty prompt too: give the training run's overrides
+    # (train/objective=distill, train.objective.*, model.*, and its train.* memory settings), so its cached run
     # reads them instead of sampling the teacher on first use.
     teachers: bool = False
 

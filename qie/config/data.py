@@ -34,7 +34,7 @@ class DataColumns:
     # A column holding each row's ordered layers (a list of images), for a layered model (Qwen-Image-Layered):
     # then set target and controls to the column of the image the layers split.
     layers: str | None = None
-    # A column of rejected results: each row a preference pair (target preferred) for `train.objective=dpo`.
+    # A column of rejected results: each row a preference pair (target preferred) for `train/objective=dpo`.
     rejected: str | None = None
 
 

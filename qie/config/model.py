@@ -103,9 +103,17 @@ class ModelConfig:
     zero_cond_t: bool = False
     # The LoRA targets `train.lora.target_modules` defaults to: the transformer's projection layers.
     lora_target_modules: list[str] = field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-                                 "to_add_out"]
-    )  # fmt: skip
+        default_factory=lambda: [
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_add_out",
+        ]
+    )
     # The pipeline's own sampling defaults (its `__call__`'s: Qwen-Image and Edit 4.0 and 50, 2.1 1.0 and 40),
     # which the `predict` group takes unless set there.
     true_cfg_scale: float = 4.0

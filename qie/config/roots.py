@@ -29,7 +29,6 @@ class PrecomputeRoot(TrainRoot):
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
 
 
-
 @dataclass
 class DemoConfig:
     train_samples: int = 256

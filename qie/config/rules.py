@@ -9,7 +9,8 @@ where those are read.
 
 from __future__ import annotations
 
-from dataclasses import asdict, is_dataclass
+import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -24,8 +25,20 @@ def setting_problem(cfg: DictConfig, spec: Any) -> str | None:
     Args:
         spec: the model's `ModelSpec`, or None for a config without a `model` group.
     """
-    checks = (_mode, _mask, _control_dropout, _ema, _regularization, _memory, _precompute, _distill, _cache, _caption,
-              _predict, _validation, _demo)  # fmt: skip
+    checks = (
+        _mode,
+        _mask,
+        _control_dropout,
+        _ema,
+        _regularization,
+        _memory,
+        _precompute,
+        _cache,
+        _caption,
+        _predict,
+        _validation,
+        _demo,
+    )
     return next((problem for check in checks if (problem := check(cfg, spec))), None)
 
 
@@ -35,12 +48,12 @@ def trains_lora(cfg: DictConfig) -> bool:
 
 
 def objective_options(train: Any) -> dict:
-    """The objective's own settings (`train.<train.objective>`, e.g. `train.dpo`) as plain values ({} where there are
-    none), of the `train` group as a config node or as its schema's dataclass."""
-    own = getattr(train, str(train.objective), None)
-    if OmegaConf.is_config(own):
-        return OmegaConf.to_container(own, resolve=True)
-    return asdict(own) if is_dataclass(own) else {}
+    """The objective's own settings (`train.objective`'s keys but `_target_`) as plain values, of the `train` group
+    as a config node or as its schema's dataclass."""
+    node = train.objective
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=True)
+    return {k: v for k, v in dict(node).items() if k != "_target_"} if isinstance(node, Mapping) else {}
 
 
 def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
@@ -74,14 +87,18 @@ def _mask(cfg: DictConfig, spec: Any) -> str | None:
     source = _get(cfg, "train.mask.source")
     if source is None or source == "none":
         return None
-    for name, v, low, high in (("outside_weight", float(_get(cfg, "train.mask.outside_weight")), 0, 1),
-                               ("threshold", float(_get(cfg, "train.mask.threshold")), 0, 1),
-                               ("dilation", int(_get(cfg, "train.mask.dilation")), 0, 10**6)):  # fmt: skip
+    for name, v, low, high in (
+        ("outside_weight", float(_get(cfg, "train.mask.outside_weight")), 0, 1),
+        ("threshold", float(_get(cfg, "train.mask.threshold")), 0, 1),
+        ("dilation", int(_get(cfg, "train.mask.dilation")), 0, 10**6),
+    ):
         if not low <= v <= high:
             return f"train.mask.{name}={v} is out of range: give a value from {low} to {high}"
     if source == "edit" and spec is not None and spec.max_control_images == 0:
-        return (f"train.mask.source=edit compares each target with its control image, and model={spec.name} takes "
-                "none: use train.mask.source=file")  # fmt: skip
+        return (
+            f"train.mask.source=edit compares each target with its control image, and model={spec.name} takes "
+            "none: use train.mask.source=file"
+        )
     return None
 
 
@@ -95,8 +112,10 @@ def _control_dropout(cfg: DictConfig, spec: Any) -> str | None:
         return f"data.control_dropout_rate={rate} is out of range: give a value from 0 to 1"
     if rate and spec is not None and (spec.max_control_images == 0 or spec.min_control_images > 0):
         why = "takes no control images" if spec.max_control_images == 0 else "needs a control image in every sample"
-        return (f"data.control_dropout_rate: model={spec.name} {why}; reference dropout is for the models that also "
-                "edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)")  # fmt: skip
+        return (
+            f"data.control_dropout_rate: model={spec.name} {why}; reference dropout is for the models that also "
+            "edit from text alone (Edit-Plus, 2511, Qwen-Image-2.1)"
+        )
     return None
 
 
@@ -138,46 +157,40 @@ def _memory(cfg: DictConfig, spec: Any) -> str | None:
     checkpointing, fsdp = bool(_get(cfg, "train.gradient_checkpointing", False)), bool(_get(cfg, "train.fsdp", False))
     quantize = str(_get(cfg, "model.quantize", "none"))
     if swap and not checkpointing:
-        return (f"train.blocks_to_swap={swap} needs train.gradient_checkpointing=true: without it the backward pass "
-                "keeps every block's weights on the GPU, and swapping saves nothing")  # fmt: skip
+        return (
+            f"train.blocks_to_swap={swap} needs train.gradient_checkpointing=true: without it the backward pass "
+            "keeps every block's weights on the GPU, and swapping saves nothing"
+        )
     if swap and not trains_lora(cfg):
-        return ("train.blocks_to_swap works with train.mode=lora only: full fine-tuning updates the weights that "
-                "swapping keeps in CPU memory; shard them over several GPUs with train.fsdp=true instead")  # fmt: skip
+        return (
+            "train.blocks_to_swap works with train.mode=lora only: full fine-tuning updates the weights that "
+            "swapping keeps in CPU memory; shard them over several GPUs with train.fsdp=true instead"
+        )
     if fsdp and swap:
         return "train.fsdp=true and train.blocks_to_swap cannot be combined: choose one"
     if fsdp and quantize != "none":
-        return (f"train.fsdp=true shards plain weights; model.quantize={quantize} weights (optimum-quanto tensors) "
-                "cannot be sharded: set model.quantize=none (sharding divides the bf16 weights by the GPU count)")
+        return (
+            f"train.fsdp=true shards plain weights; model.quantize={quantize} weights (optimum-quanto tensors) "
+            "cannot be sharded: set model.quantize=none (sharding divides the bf16 weights by the GPU count)"
+        )
     return None
 
 
 def _precompute(cfg: DictConfig, spec: Any) -> str | None:
-    """`precompute.batch_size`; `precompute.teachers` only with a distillation run's settings."""
+    """`precompute.batch_size`; `precompute.teachers` only with an objective that computes targets ahead of training
+    (`PrecomputesTargets`: distillation's teacher outputs)."""
     size = _get(cfg, "precompute.batch_size")
     if size is not None and int(size) < 1:
         return f"precompute.batch_size={size} is out of range: it must be at least 1"
-    objective = _get(cfg, "train.objective")
-    if _get(cfg, "precompute.teachers", False) and objective != "distill":
-        return (f"precompute.teachers=true fills distillation's teacher outputs, and train.objective={objective}: "
-                "give the training run's overrides (train.objective=distill, train.distill.*)")  # fmt: skip
-    return None
-
-
-def _distill(cfg: DictConfig, spec: Any) -> str | None:
-    """`train.distill.student_steps` at most the teacher's steps (`train.distill.teacher_steps`, unset: the model's
-    `model.num_inference_steps`): the student learns to sample in as many steps as its teacher or fewer."""
-    if _get(cfg, "train.objective") != "distill":
+    if not _get(cfg, "precompute.teachers", False):
         return None
-    student, teacher = _get(cfg, "train.distill.student_steps"), _get(cfg, "train.distill.teacher_steps")
-    named = f"train.distill.teacher_steps={teacher}"
-    if teacher is None:
-        teacher = _get(cfg, "model.num_inference_steps")
-        named = f"the teacher's {teacher} (train.distill.teacher_steps unset: model.num_inference_steps)"
-    if student is None or teacher is None or int(student) <= int(teacher):
+    objectives = importlib.import_module("qie.training.objectives")
+    cls = objectives.objective_class(OmegaConf.to_container(cfg.train.objective, resolve=True))
+    if issubclass(cls, objectives.PrecomputesTargets):
         return None
     return (
-        f"train.distill.student_steps={student} is above {named}: the student learns to sample in fewer steps than "
-        "its teacher; lower train.distill.student_steps or raise train.distill.teacher_steps"
+        f"precompute.teachers=true computes an objective's targets ahead of training, and {cls.__qualname__} "
+        "(train.objective) computes none: give the training run's overrides (e.g. train/objective=distill)"
     )
 
 
@@ -230,8 +243,10 @@ def _validation(cfg: DictConfig, spec: Any) -> str | None:
     given = list(_get(cfg, "validation.images") or [])
     images = given or [""] * len(prompts)
     if len(images) != len(prompts):
-        return (f"validation.images has {len(given)} entries and validation.prompts {len(prompts)}: give one image "
-                "(or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image")  # fmt: skip
+        return (
+            f"validation.images has {len(given)} entries and validation.prompts {len(prompts)}: give one image "
+            "(or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image"
+        )
     for i, image in enumerate(images):
         count = len([p for p in str(image).split("|") if p])
         if spec is not None and (problem := spec.control_problem(count)):

@@ -92,47 +92,6 @@ class LoraConfig:
 
 
 @dataclass
-class DpoConfig:
-    """`train.objective=dpo`: Diffusion-DPO for flow matching on preference pairs (`qie.training.objectives.dpo`)."""
-
-    # How sharply the reward margin is pushed (the errors are means over latent elements, so it is large).
-    beta: float = 2000.0
-    # Weight of the plain flow-matching loss on the preferred result, added to the DPO loss.
-    sft_weight: float = 0.0
-    # A LoRA file (or folder) as the reference; unset: the base model with the trained adapter turned off.
-    reference_lora: str | None = None
-
-
-@dataclass
-class DistillConfig:
-    """`train.objective=distill`: a few-step LoRA trained on the base model's own sampling, its teacher outputs kept
-    in the cache (`qie.training.objectives.distill`)."""
-
-    # Steps the student (the base with the LoRA, true_cfg_scale 1) samples with: what the LoRA is used at.
-    student_steps: int = 4
-    # Steps and true-CFG scale of the teacher (the base, against the empty prompt); null: the model's pipeline
-    # defaults (model.num_inference_steps, model.true_cfg_scale), as qie.infer samples.
-    teacher_steps: int | None = None
-    teacher_cfg: float | None = None
-    # Noise seeds per sample (0, 1, ...): each step draws one per sample; each has its own teacher output.
-    seeds: int = 2
-
-
-@dataclass
-class GrpoConfig:
-    """`train.objective=grpo`: online RL of edits scored by a reward (`qie.training.objectives.grpo`)."""
-
-    group_size: int = 4
-    sampling_steps: int = 10
-    noise_level: float = 0.7
-    clip_range: float = 1e-4
-    kl_weight: float = 0.04
-    train_timesteps: int = 2
-    true_cfg_scale: float = 1.0
-    reward: Any = None
-
-
-@dataclass
 class TrainConfig:
     mode: TrainMode = TrainMode.lora
     # lora, loha or lokr (LyCORIS' LoHa / LoKr through peft), of train.lora's rank, alpha and modules
@@ -174,14 +133,12 @@ class TrainConfig:
     shift: float = 3.0
     dynamic_shift: bool = False
     loss_weighting: LossWeighting = LossWeighting.none
-    # What each step's loss is: a module of `qie.training.objectives` (flow_matching: the family's flow-matching
-    # loss with loss masks and regularisation weights; dpo: preference pairs, docs/guide.md "Preference training";
-    # distill: a few-step LoRA from the base's own sampling, "Distillation"). An objective's own settings are the
-    # node named as it is (train.dpo, train.distill).
-    objective: str = "flow_matching"
-    dpo: DpoConfig = field(default_factory=lambda: DpoConfig())
-    distill: DistillConfig = field(default_factory=lambda: DistillConfig())
-    grpo: GrpoConfig = field(default_factory=lambda: GrpoConfig())
+    # What each step's loss is, a component as the optimizer is: `train/objective=NAME` picks
+    # conf/train/objective/NAME.yaml (flow_matching: the family's flow-matching loss with loss masks and
+    # regularisation weights; dpo: preference pairs, docs/guide.md "Preference training"; distill: a few-step LoRA
+    # from the base's own sampling, "Distillation"), whose `_target_` names the class and whose other keys are its
+    # settings (train.objective.beta=...); an objective from outside qie: train.objective._target_=pkg.Cls.
+    objective: Any = field(default_factory=lambda: {"_target_": "qie.training.objectives.flow_matching.FlowMatching"})
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Loss masks (docs/guide.md, "Masked and edit-region loss").
     mask: MaskConfig = field(default_factory=MaskConfig)

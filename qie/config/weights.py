@@ -109,8 +109,10 @@ def _fused(cfg: DictConfig) -> str | None:
     """`model.fuse_loras`: set, one scale per file (or none), each file there, and weights it can fuse into."""
     files, scales = list(cfg.model.get("fuse_loras") or []), list(cfg.model.get("fuse_lora_scales") or [])
     if scales and len(scales) != len(files):
-        return (f"model.fuse_lora_scales has {len(scales)} entries and model.fuse_loras {len(files)}: give one scale "
-                "per file, or none (each file fused at 1.0)")  # fmt: skip
+        return (
+            f"model.fuse_lora_scales has {len(scales)} entries and model.fuse_loras {len(files)}: give one scale "
+            "per file, or none (each file fused at 1.0)"
+        )
     for i, scale in enumerate(scales):
         if not -FUSE_SCALE_MAX <= float(scale) <= FUSE_SCALE_MAX:  # NaN and inf too
             return (
@@ -129,8 +131,10 @@ def _fused(cfg: DictConfig) -> str | None:
             "qie.infer predict.lora=FILE predict.merge_to=DIR) and give it as model.transformer_path=DIR"
         )
     if str(_get(cfg, "model.single_file_fp8", "upcast")) == "keep" and _get(cfg, "model.transformer_path"):
-        return ("model.fuse_loras fuses into plain weights; model.single_file_fp8=keep holds the file's fp8 weights "
-                "as they are: set model.single_file_fp8=upcast")  # fmt: skip
+        return (
+            "model.fuse_loras fuses into plain weights; model.single_file_fp8=keep holds the file's fp8 weights "
+            "as they are: set model.single_file_fp8=upcast"
+        )
     return None
 
 

@@ -1,7 +1,7 @@
-"""Collate: stack latents (and preference pairs' rejected ones) and loss masks, pad prompt embeddings to the
-batch's longest (`pad_prompt_embeds`). A batch of samples without targets (an objective that samples its own
-results, `train/objective=grpo`) holds zeros as its latents, shaped as the output's: its last control image's
-latents (the output image of every edit family: Edit's one, Edit-Plus' and 2.1's last)."""
+"""Collate: stack latents (and the sample fields' ones: preference pairs' rejected results) and loss masks, pad
+prompt embeddings to the batch's longest (`pad_prompt_embeds`). A batch of samples without targets (an objective
+that samples its own results, `train/objective=grpo`) holds zeros as its latents, shaped as the output's: its last
+control image's latents (the output image of every edit family: Edit's one, Edit-Plus' and 2.1's last)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,13 @@ def collate(
     embeds, mask = pad_prompt_embeds([s.empty_prompt_pieces if d else s.prompt_pieces for s, d in zip(items, drop)])
     image_masks = [s.empty_prompt_image_mask if d else s.prompt_image_mask for s, d in zip(items, drop)]
     n_controls = len(items[0].control_latents)
-    loss_mask, rejected = None, None
-    if any(s.rejected_latent is not None for s in items):
-        if any(s.rejected_latent is None for s in items):
-            raise ValueError(f"samples {[s.id for s in items if s.rejected_latent is None]} have no rejected latent "
-                             "beside preference pairs that have one")  # fmt: skip
-        rejected = torch.stack([s.rejected_latent for s in items])
+    loss_mask, fields = None, {}
+    for name in dict.fromkeys(name for s in items for name in s.fields):  # in the order the samples give them
+        if any(name not in s.fields for s in items):
+            lacking = [s.id for s in items if name not in s.fields]
+            what = "rejected latent beside preference pairs" if name == "rejected" else f"{name} latent beside samples"
+            raise ValueError(f"samples {lacking} have no {what} that have one")
+        fields[name] = torch.stack([s.fields[name] for s in items])
     if any(s.loss_mask is not None for s in items):
         ones = torch.ones(1, 1, *latents[0].shape[-2:])
         loss_mask = torch.stack([s.loss_mask if s.loss_mask is not None else ones for s in items])
@@ -58,7 +59,7 @@ def collate(
         prompt_embeds_mask=mask,
         prompt_image_mask=pad_image_masks(image_masks, embeds.shape[1]),
         loss_mask=loss_mask,
-        rejected_latents=rejected,
+        fields=fields,
         negative_prompt_embeds=negative,
         negative_prompt_embeds_mask=negative_mask,
         negative_prompt_image_mask=negative_image_mask,

@@ -5,7 +5,8 @@ its result depends only on the names in the folders the scan lists or tests, on 
 its settings. The index keeps that result (samples and problems, in the scan's order) with:
 
 - for each folder a scan of either layout lists or tests (the data set folder, training_images/,
-  control_images/, masks/, rejected_images/, images/, layers/): whether it is a folder and, for one that is,
+  control_images/, masks/, rejected_images/, images/, layers/; a sample field's image is in training_images/):
+  whether it is a folder and, for one that is,
   its (mtime_ns, ctime_ns, inode): adding, removing or renaming a name in a folder moves its mtime and ctime;
 - for each caption the scan read (or tested): its (size, mtime_ns, ctime_ns, inode), or that it was no file:
   a write in place moves its ctime, which no tool can set back.
@@ -25,9 +26,10 @@ import stat
 from pathlib import Path
 
 from qie.data import index_file
+from qie.data.fields import DEFAULT_FIELDS, SampleField
 from qie.data.samples import CaptionFiles, Dataset, read_folder
 
-FORMAT = "qie-folder-index/2"  # 2: images leading out through links are problems
+FORMAT = "qie-folder-index/3"  # 2: images leading out through links are problems; 3: sample fields' images
 # Every folder a scan of either layout lists or tests, relative to the data set folder ("": the folder itself).
 FOLDERS = ("", "training_images", "control_images", "masks", "rejected_images", "images", "layers")
 # The signature of a caption path that was no regular file (missing, a folder, unreadable).
@@ -77,26 +79,33 @@ class _NotedCaptions(CaptionFiles):
 
 
 def scan_folder(
-    root: Path, require_target: bool, require_prompt: bool, index_dir: str | os.PathLike, allow_outside: bool = False
+    root: Path,
+    require_target: bool,
+    require_prompt: bool,
+    index_dir: str | os.PathLike,
+    allow_outside: bool = False,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
 ) -> Dataset:
     """`qie.data.scan.scan_folder`'s result: remembered in `index_dir` when nothing it depends on changed,
     else scanned (and remembered, when the folders did not change during the scan and `index_dir`'s parent, the
     cache folder, exists)."""
-    settings = json.dumps(["folder", str(root), require_target, require_prompt, *(["outside"] * allow_outside)])
+    names = [f.name for f in fields]
+    settings = json.dumps(["folder", str(root), require_target, require_prompt, *(["outside"] * allow_outside), names])
     index = index_file.index_path(index_dir, root, settings)
     folders = folder_signatures(root)
     found = load(index, settings, folders, root)
     if found is not None:
         return found
     captions = _NotedCaptions()
-    data = read_folder(root, require_target, require_prompt, captions, allow_outside)
+    data = read_folder(root, require_target, require_prompt, captions, allow_outside, fields)
     if folder_signatures(root) == folders and index.parent.parent.is_dir():  # not while it changed; in a cache
         save(index, settings, folders, root, data, captions.seen)
     return data
 
 
-def save(path: Path, settings: str, folders: str, root: Path, data: Dataset,
-         captions: dict[str, tuple[int, int, int, int]]) -> None:  # fmt: skip
+def save(
+    path: Path, settings: str, folders: str, root: Path, data: Dataset, captions: dict[str, tuple[int, int, int, int]]
+) -> None:
     """Remember `data`, scanned from `root` under `settings` while its folders had the signatures `folders`.
 
     Args:
@@ -128,8 +137,14 @@ def save(path: Path, settings: str, folders: str, root: Path, data: Dataset,
         }
     except (KeyError, ValueError):  # a path outside the scanned folders, or a NUL in a prompt: not kept
         return
-    meta = {"format": FORMAT, "settings": settings, "folders": folders, "names": str(len(table)),
-            "samples": str(len(data.samples)), "captions": str(len(captions))}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "settings": settings,
+        "folders": folders,
+        "names": str(len(table)),
+        "samples": str(len(data.samples)),
+        "captions": str(len(captions)),
+    }
     index_file.save(path, tensors, meta, data.problems, "folder index")
 
 

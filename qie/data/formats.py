@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 
+from qie.data.fields import DEFAULT_FIELDS, SampleField
 from qie.data.hf import GLOB_CHARACTERS, Columns, ImageFolder, scan_hf
 from qie.data.samples import MAX_PROMPT_CHARS, DataProblem, Dataset, prompt_problem
 from qie.data.scan import scan_dataset
@@ -34,6 +35,8 @@ class DataSource:
     allow_outside: bool = False
     # Where the scan of a manifest or data set folder is remembered (`cache.dir/manifests`); None: nowhere.
     index_dir: Path | None = None
+    # The sample fields read beside the target (`qie.data.fields`): a run's, `with_defaults(run_fields(...))`.
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS
 
 
 def detect_format(path: str | Path) -> str:
@@ -81,13 +84,21 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
     format = detect_format(source.path) if source.format == "auto" else source.format
     if format != "hf":
         return without_long_prompts(
-            scan_dataset(source.path, format, require_target, source.allow_outside, require_prompt, source.index_dir)
+            scan_dataset(
+                source.path,
+                format,
+                require_target,
+                source.allow_outside,
+                require_prompt,
+                source.index_dir,
+                source.fields,
+            )
         )
     if source.images_dir is None:
         raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
     images = ImageFolder(source.images_dir, source.allow_outside)
     return without_long_prompts(
-        scan_hf(source.path, source.split, source.columns, images, require_target, require_prompt)
+        scan_hf(source.path, source.split, source.columns, images, require_target, require_prompt, source.fields)
     )
 
 
@@ -97,8 +108,9 @@ def without_long_prompts(data: Dataset) -> Dataset:
         return data  # none too long (the usual case, looked at without a call per sample)
     long = {s.id: why for s in data.samples if (why := prompt_problem(s.prompt))}
     kept = [s for s in data.samples if s.id not in long]
-    problems = [DataProblem(s.id, str(s.target or (s.controls or ("",))[0]), long[s.id]) for s in data.samples
-                if s.id in long]  # fmt: skip
+    problems = [
+        DataProblem(s.id, str(s.target or (s.controls or ("",))[0]), long[s.id]) for s in data.samples if s.id in long
+    ]
     if not kept:
         raise DataError(f"no usable sample: the first, {problems[0].id!r}: {problems[0].reason}")
     return Dataset(kept, data.problems + problems)

@@ -13,19 +13,26 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qie.data.confine import FIX, Confinement
+from qie.data.fields import DEFAULT_FIELDS, REJECTED, SampleField
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import ConfigError, DataError
 
 GLOB_CHARACTERS = "*?["
 ROWS_PER_READ = 256  # rows read per slice: bounds the image bytes held in memory at once
-_MAGIC = ((b"\x89PNG", ".png"), (b"\xff\xd8", ".jpg"), (b"GIF8", ".gif"), (b"BM", ".bmp"), (b"II*\x00", ".tif"),
-          (b"MM\x00*", ".tif"))  # fmt: skip
+_MAGIC = (
+    (b"\x89PNG", ".png"),
+    (b"\xff\xd8", ".jpg"),
+    (b"GIF8", ".gif"),
+    (b"BM", ".bmp"),
+    (b"II*\x00", ".tif"),
+    (b"MM\x00*", ".tif"),
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,14 @@ class Columns:
     id: str | None = None
     mask: str | None = None  # a column of loss mask images
     layers: str | None = None  # a column holding each row's layers (a list of images), for a layered model
-    rejected: str | None = None  # a column of preference pairs' rejected results (`train.objective=dpo`)
+    # A column of preference pairs' rejected results (`train/objective=dpo`); None: the column `rejected`, if any.
+    rejected: str | None = None
+
+    def field_column(self, f: SampleField, present: Iterable[str]) -> str | None:
+        """The column of the sample field `f`'s images: the one named in `data.columns` (for `rejected`), else the
+        column named like the field when the data set has one (`present`), else None."""
+        named = self.rejected if f is REJECTED else None
+        return named or (f.name if f.name in present else None)
 
 
 def is_hf_save_folder(path: Path) -> bool:
@@ -129,8 +143,10 @@ def scan_hf(
     images: ImageFolder,
     require_target: bool = True,
     require_prompt: bool = True,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
 ) -> Dataset:
     """The samples of a Hugging Face data set, in a stable order (by id); rows that cannot be used are problems.
+    The images of each of `fields` are read from its column (`Columns.field_column`).
     Without `require_prompt`, a row with no prompt (or no prompt column) has the prompt "". `images` writes the
     images stored in the data set and checks those it names as files.
 
@@ -138,15 +154,8 @@ def scan_hf(
         DataError: a column that is not there, or no usable row; ConfigError: no `datasets` library.
     """
     data = load_hf(path, split)
-    names = [c for c in (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers,
-                         columns.rejected) if c]  # fmt: skip
-    missing = [c for c in names if c not in data.column_names]
     optional = ([] if require_target else [columns.target]) + ([] if require_prompt else [columns.prompt])
-    if any(c not in optional for c in missing):
-        raise DataError(
-            f"{path!r} has no column {missing[0]!r} (columns: {', '.join(data.column_names)}): set "
-            "data.columns.target, data.columns.controls (a list) and data.columns.prompt to its columns"
-        )
+    names, extra = _read_columns(path, data.column_names, columns, fields, optional)
     base = _base_folder(path)
     out = Dataset()
     seen: set[str] = set()
@@ -162,8 +171,7 @@ def scan_hf(
             mask = row.get(columns.mask) if columns.mask else None
             mask_path = images.path(mask, base) if mask is not None else None
             layers = [images.path(v, base) for v in _as_list(row[columns.layers])] if columns.layers else []
-            rejected = row.get(columns.rejected) if columns.rejected else None
-            rejected_path = images.path(rejected, base) if rejected is not None else None
+            field_images = tuple((name, images.path(row[c], base)) for name, c in extra if row.get(c) is not None)
         except DataError as e:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", str(e)))
             continue
@@ -171,25 +179,53 @@ def scan_hf(
         if prompt is None and not require_prompt:
             prompt = ""
         why = (
-            "has no control image" if not controls
-            else f"has no layers in column {columns.layers!r}" if columns.layers and not layers
-            else "has no target image" if require_target and target_path is None
-            else f"has no prompt text: {NO_CAPTION_FIX}" if prompt is None
-            else f"has no prompt text (got {prompt!r})" if not isinstance(prompt, str)
-            else f"has an empty prompt: {NO_CAPTION_FIX}" if require_prompt and not prompt.strip()
+            "has no control image"
+            if not controls
+            else f"has no layers in column {columns.layers!r}"
+            if columns.layers and not layers
+            else "has no target image"
+            if require_target and target_path is None
+            else f"has no prompt text: {NO_CAPTION_FIX}"
+            if prompt is None
+            else f"has no prompt text (got {prompt!r})"
+            if not isinstance(prompt, str)
+            else f"has an empty prompt: {NO_CAPTION_FIX}"
+            if require_prompt and not prompt.strip()
             else None
-        )  # fmt: skip
+        )
         if why:
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", f"row {n} {why}"))
             continue
-        out.samples.append(Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers),
-                                  rejected_path))
+        out.samples.append(
+            Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers), field_images)
+        )
     if not out.samples:
         detail = "".join(f"\n  {p.path}: {p.reason}" for p in out.problems[:5]) or "\n  it has no rows"
         raise DataError(f"no usable sample in {path!r}{detail}")
     out.samples.sort(key=lambda s: s.id)
     out.problems.sort(key=lambda p: p.id)
     return out
+
+
+def _read_columns(
+    path: str, present: list[str], columns: Columns, fields: tuple[SampleField, ...], optional: list[str | None]
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The columns a scan reads of a data set with the columns `present`, and the (field name, column) of each of
+    `fields` it has.
+
+    Raises:
+        DataError: a named column that is not there and not `optional`.
+    """
+    extra = [(f.name, c) for f in fields if (c := columns.field_column(f, present))]
+    named = (columns.target, *columns.controls, columns.prompt, columns.id, columns.mask, columns.layers)
+    names = [c for c in (*named, *(c for _, c in extra)) if c]
+    missing = [c for c in names if c not in present]
+    if any(c not in optional for c in missing):
+        raise DataError(
+            f"{path!r} has no column {missing[0]!r} (columns: {', '.join(present)}): set "
+            "data.columns.target, data.columns.controls (a list) and data.columns.prompt to its columns"
+        )
+    return names, extra
 
 
 def _rows(data: Any, names: list[str]) -> Iterator[tuple[int, dict]]:

@@ -38,8 +38,9 @@ def open_mask(path: str | Path) -> Image.Image:
     except FileNotFoundError:
         raise ImageError(path, f"mask {str(path)!r} does not exist") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageError(path, f"mask {str(path)!r} cannot be read ({e}): give a grey or black-and-white image") \
-            from None
+        raise ImageError(
+            path, f"mask {str(path)!r} cannot be read ({e}): give a grey or black-and-white image"
+        ) from None
 
 
 def open_image(path: str | Path, alpha: bool = False) -> Image.Image:

@@ -78,12 +78,18 @@ def sample_columns(samples: list[Sample], number: Callable[[Path], int]) -> dict
 
     control_offsets, controls = column([[number(p) for p in s.controls] for s in samples])
     layer_offsets, layers = column([[number(p) for p in s.layers] for s in samples])
+    names = list(dict.fromkeys(name for s in samples for name, _ in s.field_images))  # in the order they come
+    if any([n for n, _ in s.field_images] != [n for n in names if n in dict(s.field_images)] for s in samples):
+        raise ValueError("samples name their fields in different orders")
+    fields = {f"field:{n}": np.array([one(dict(s.field_images).get(n)) for s in samples], np.int64) for n in names}
     return {
         "ids": blob([s.id for s in samples]),
         "prompts": blob([s.prompt for s in samples]),
         "target": np.array([one(s.target) for s in samples], np.int64),
         "mask": np.array([one(s.mask) for s in samples], np.int64),
-        "rejected": np.array([one(s.rejected) for s in samples], np.int64),
+        "field_names": blob(names),
+        "field_count": np.array([len(names)], np.int64),
+        **fields,
         "control_offsets": control_offsets,
         "controls": controls,
         "layer_offsets": layer_offsets,
@@ -99,17 +105,23 @@ def columns_samples(arrays: dict, count: int, paths: list[Path]) -> list[Sample]
         ValueError: the columns differ in length (a damaged index).
     """
     ids, prompts = texts(arrays["ids"], count), texts(arrays["prompts"], count)
-    target, mask, rejected = arrays["target"].tolist(), arrays["mask"].tolist(), arrays["rejected"].tolist()
+    target, mask = arrays["target"].tolist(), arrays["mask"].tolist()
+    names = texts(arrays["field_names"], int(arrays["field_count"][0]))
+    by_field = [arrays[f"field:{n}"].tolist() for n in names]
     control_offsets, controls = arrays["control_offsets"].tolist(), arrays["controls"].tolist()
     layer_offsets, layers = arrays["layer_offsets"].tolist(), arrays["layers"].tolist()
-    if not (len(target) == len(mask) == len(rejected) == count == len(control_offsets) - 1
-            == len(layer_offsets) - 1):  # fmt: skip
+    if not (len(target) == len(mask) == count == len(control_offsets) - 1 == len(layer_offsets) - 1) or any(
+        len(c) != count for c in by_field
+    ):
         raise ValueError("columns differ in length")
     none, empty = [None] * count, ()
-    targets, masks, rejects = (
+    targets, masks = (
         [paths[j] if j >= 0 else None for j in column] if any(j >= 0 for j in column) else none
-        for column in (target, mask, rejected)
+        for column in (target, mask)
     )
+    extras = [empty] * count
+    if by_field:
+        extras = [tuple((n, paths[c[i]]) for n, c in zip(names, by_field) if c[i] >= 0) for i in range(count)]
     return [
         sample(*fields)
         for fields in zip(
@@ -119,7 +131,7 @@ def columns_samples(arrays: dict, count: int, paths: list[Path]) -> list[Sample]
             prompts,
             masks,
             _tuples(paths, layers, layer_offsets, count) if layers else [empty] * count,
-            rejects,
+            extras,
         )
     ]
 
@@ -133,11 +145,11 @@ def _tuples(paths: list[Path], column: list[int], offsets: list[int], count: int
     return [tuple(named[offsets[i] : offsets[i + 1]]) for i in range(count)]
 
 
-def sample(id, target, controls, prompt, mask, layers, rejected) -> Sample:  # noqa: A002 (Sample's own names)
+def sample(id, target, controls, prompt, mask, layers, field_images) -> Sample:  # noqa: A002 (Sample's own names)
     """`Sample(...)` without the frozen dataclass's seven guarded assignments (a second per million samples)."""
     s = object.__new__(Sample)
     s.__dict__.update(
-        id=id, target=target, controls=controls, prompt=prompt, mask=mask, layers=layers, rejected=rejected
+        id=id, target=target, controls=controls, prompt=prompt, mask=mask, layers=layers, field_images=field_images
     )
     return s
 

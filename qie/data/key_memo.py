@@ -8,7 +8,9 @@ A changed image changes its signature (its ctime, which no tool can set back), s
 keys are computed again, exactly as without the memo.
 
 Kept in the cache folder as `sample_keys/<context token>.safetensors`: one row of fixed-size bytes per
-sample (a 16-byte signature digest; the 32-byte keys of its stored entry types, zeros for a type it lacks).
+sample (a 16-byte signature digest; the 32-byte keys of its stored entry types, zeros for a type it lacks). A
+sample with the image of a sample field other than the built-in rejected result (`qie.data.fields`) has an entry
+type a row has no place for: it is not remembered, its keys are computed at each start.
 
 A whole list of samples is remembered too (`qie.data.sample_lists`, in `sample_keys/lists/`, the
 rows of the list in its order): the digest covers every prompt, which image each sample names in each role, and
@@ -66,8 +68,7 @@ def input_signature(sample: Sample, seen: dict[str, str | OSError] | None = None
         parts.append("t" + file_stats.signature(sample.target, seen, fresh))
     parts += ["c" + file_stats.signature(p, seen, fresh) for p in sample.controls]
     parts += ["l" + file_stats.signature(p, seen, fresh) for p in sample.layers]
-    if sample.rejected is not None:
-        parts.append("r" + file_stats.signature(sample.rejected, seen, fresh))
+    parts += [_field_letter(name) + file_stats.signature(p, seen, fresh) for name, p in sample.field_images]
     return hashlib.blake2b("\0\0".join(parts).encode("utf-8", "surrogatepass"), digest_size=SIG_BYTES).digest()
 
 
@@ -77,16 +78,22 @@ def _signatures(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
     `seen`: image signatures already taken in this pass (see `input_signature`)."""
     seen = {} if seen is None else seen
     held = []  # the path objects looked up, alive until the end of the pass (their ids stay theirs)
-    known: tuple[dict[int, str], ...] = ({}, {}, {}, {})  # target, control, layer, rejected texts
+    known: tuple[dict[int, str], ...] = ({}, {}, {})  # target, control, layer texts
+    fields: dict[tuple[str, int], str] = {}  # (field, id of its image) -> its text
 
     def image(path, role: int) -> str:
         """The role's letter and the image's signature text (raises the OSError of its stat)."""
         held.append(path)
-        text = "tclr"[role] + file_stats.signature(path, seen)  # an OSError is remembered in `seen`
+        text = "tcl"[role] + file_stats.signature(path, seen)  # an OSError is remembered in `seen`
         known[role][id(path)] = text
         return text
 
-    targets, controls, layers, rejects = (d.get for d in known)
+    def field_image(name: str, path) -> str:
+        held.append(path)
+        text = fields[name, id(path)] = _field_letter(name) + file_stats.signature(path, seen)
+        return text
+
+    targets, controls, layers = (d.get for d in known)
     blake2b, out = hashlib.blake2b, []
     for s in samples:
         try:
@@ -97,8 +104,8 @@ def _signatures(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
                 parts.append(controls(id(p)) or image(p, 1))
             for p in s.layers:
                 parts.append(layers(id(p)) or image(p, 2))
-            if (r := s.rejected) is not None:
-                parts.append(rejects(id(r)) or image(r, 3))
+            for name, p in s.field_images:
+                parts.append(fields.get((name, id(p))) or field_image(name, p))
         except OSError as e:
             out.append(e)
             continue
@@ -130,13 +137,16 @@ def list_digest(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
                 images.append(path)
         return np.fromiter(map(number.__getitem__, map(id, column)), np.int64, len(column)).tobytes()
 
-    for role in ("target", "controls", "layers", "rejected"):
+    for role in ("target", "controls", "layers"):
         column = list(map(attrgetter(role), samples))
         if role in ("controls", "layers"):  # tuples: their lengths, then their paths in a row
             h.update(np.fromiter(map(len, column), np.int64, len(column)).tobytes())
             column = list(chain.from_iterable(column))
         h.update(role.encode())
         h.update(refs(column))
+    for name in sorted({name for s in samples for name, _ in s.field_images}):  # each field: one image or none
+        h.update(f"field:{name}".encode())
+        h.update(refs([dict(s.field_images).get(name) for s in samples]))
     texts = file_stats.signatures(images, seen)
     if texts is None:
         return None
@@ -144,8 +154,16 @@ def list_digest(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
     return h.digest()
 
 
+def _field_letter(name: str) -> str:
+    """What marks the image of the sample field `name` in a signature ("r" for the built-in rejected result)."""
+    return "r" if name == "rejected" else f"f{name}:"
+
+
 def _row(keys: dict[str, str]) -> bytes | None:
-    """The keys of the stored types as one row; None when a key is not a 64-digit hex digest."""
+    """The keys of the stored types as one row; None when a key is not a 64-digit hex digest, or the sample has an
+    entry type a row has no place for (a sample field's beyond the built-in one: such a sample is keyed each time)."""
+    if any(t not in _ROW_OR_MASK for t in keys):
+        return None
     try:
         parts = [bytes.fromhex(keys[t]) if t in keys else _ABSENT for t in ROW_TYPES]
     except ValueError:
@@ -156,6 +174,7 @@ def _row(keys: dict[str, str]) -> bytes | None:
 _ABSENT_HEX = _ABSENT.hex()
 _HEX = 2 * KEY_BYTES
 _SLOTS = [(i * _HEX, (i + 1) * _HEX, t, MASK_OF.get(t)) for i, t in enumerate(ROW_TYPES)]
+_ROW_OR_MASK = frozenset((*ROW_TYPES, *MASK_OF.values()))
 
 
 def _keys(row: bytes) -> dict[str, str]:
@@ -181,8 +200,9 @@ class KeyMemo:
         compute: the sample's keys the slow way (image hashes + entry keys); called on a miss.
     """
 
-    def __init__(self, folder: str | os.PathLike | None, context: KeyContext,
-                 compute: Callable[[Sample], dict[str, str]]) -> None:  # fmt: skip
+    def __init__(
+        self, folder: str | os.PathLike | None, context: KeyContext, compute: Callable[[Sample], dict[str, str]]
+    ) -> None:
         self.path = Path(folder) / f"{context_token(context)}.safetensors" if folder is not None else None
         self.compute = compute
         self._table: _Table | None = None
@@ -333,7 +353,6 @@ class _Table:
         pos, hit = self.positions(sigs)
         blob = self.rows[pos].tobytes()
         return [blob[i * ROW_BYTES : (i + 1) * ROW_BYTES] if h else None for i, h in enumerate(hit.tolist())]
-
 
     def positions(self, sigs: list[bytes]):
         """(where each signature's row would be, whether it is there) as arrays; the table is not empty."""

@@ -3,7 +3,8 @@
 - pixel_latent: target image bytes, target area / resize mode / rounding, VAE fingerprint
 - control_latent: every control image's bytes, VAE condition area, VAE fingerprint
 - layer_latent: every layer's bytes in order, target area / resize mode / rounding, VAE fingerprint
-- rejected_latent: a preference pair's rejected image bytes, as pixel_latent's target
+- <field>_latent (a sample field's image, `qie.data.fields`; rejected_latent a preference pair's rejected image):
+  the image's bytes under the field's name, as pixel_latent's target
 - prompt_embed (+mask): prompt text, every control image's bytes, VL condition area, text-encoder
   fingerprint, prompt template, the text encoder's weight quantization when it has one
 - empty_prompt_embed (+mask): the same with the empty prompt
@@ -52,14 +53,17 @@ def sample_keys(sample: Sample, ctx: KeyContext, hasher: FileHasher) -> dict[str
             "control_latent",
             {"controls": controls, "area": ctx.vae_image_pixels, "vae": ctx.vae_fingerprint, "dtype": ctx.dtype},
         )
-    encoded_as_target = {"area": ctx.target_pixels, "mode": ctx.resize_mode, "multiple": ctx.multiple_of,
-                         "vae": ctx.vae_fingerprint, "dtype": ctx.dtype}  # fmt: skip
+    encoded_as_target = {
+        "area": ctx.target_pixels,
+        "mode": ctx.resize_mode,
+        "multiple": ctx.multiple_of,
+        "vae": ctx.vae_fingerprint,
+        "dtype": ctx.dtype,
+    }
     if sample.target is not None:
         keys["pixel_latent"] = entry_key("pixel_latent", {"target": hasher.hash(sample.target), **encoded_as_target})
-    if sample.rejected is not None:
-        keys["rejected_latent"] = entry_key(
-            "rejected_latent", {"rejected": hasher.hash(sample.rejected), **encoded_as_target}
-        )
+    for name, image in sample.field_images:
+        keys[f"{name}_latent"] = entry_key(f"{name}_latent", {name: hasher.hash(image), **encoded_as_target})
     if sample.layers:
         keys["layer_latent"] = entry_key(
             "layer_latent", {"layers": [hasher.hash(p) for p in sample.layers], **encoded_as_target}

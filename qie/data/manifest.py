@@ -1,5 +1,6 @@
-"""Manifests: a .jsonl or .csv file with `target`, `controls`, `prompt` per row (optionally `mask`, and `rejected`
-for a preference pair), paths relative to the manifest's folder (and inside it, unless
+"""Manifests: a .jsonl or .csv file with `target`, `controls`, `prompt` per row (optionally `mask`, and a key
+per sample field read, `qie.data.fields`: `rejected` for a preference pair), paths relative to the manifest's
+folder (and inside it, unless
 `data.allow_outside_paths`); a row without `controls` has none.
 A layered row (`image`, `layers`, `prompt`: an image and its ordered layers) is the sample whose control is
 the image and whose target is the image (the composite frame) followed by its layers.
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from qie.data import index_file, manifest_index
 from qie.data.confine import Confinement
+from qie.data.fields import DEFAULT_FIELDS, REJECTED, SampleField
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import DataError
 
@@ -57,15 +59,16 @@ def _csv_row(row: dict) -> dict | str:
     return row
 
 
-RowFields = tuple[list[str], str | None, str | None, str | None, list[str], str | None]
+# (controls, target, prompt, mask, layers, the (field name, path) of each sample field the row gives)
+RowFields = tuple[list[str], str | None, str | None, str | None, list[str], tuple[tuple[str, str], ...]]
 
 
-def _row_fields(row: object) -> RowFields | str:
-    """(controls, target, prompt, mask, layers, rejected) of a manifest row, or why the row is not usable."""
+def _row_fields(row: object, fields: tuple[SampleField, ...] = DEFAULT_FIELDS) -> RowFields | str:
+    """(controls, target, prompt, mask, layers, field images) of a manifest row, or why the row is not usable."""
     if not isinstance(row, dict):
         return f"is a JSON {type(row).__name__}, expected an object with target, controls, prompt"
     if "layers" in row or "image" in row:
-        return _layered_fields(row)
+        return _layered_fields(row, fields)
     controls = row.get("controls")
     if controls is None:  # no control image: a text-to-image row, or an edit row for the text-only prompt
         controls = [row["control"]] if row.get("control") else []
@@ -78,14 +81,14 @@ def _row_fields(row: object) -> RowFields | str:
         return f"'target' must be a path, got {target!r}"
     if prompt is not None and not isinstance(prompt, str):
         return f"'prompt' must be text, got {prompt!r}"
-    mask, rejected = row.get("mask") or None, row.get("rejected") or None
-    for key, path in (("mask", mask), ("rejected", rejected)):
+    mask, extra = row.get("mask") or None, tuple((f.name, row.get(f.name) or None) for f in fields)
+    for key, path in (("mask", mask), *extra):
         if path is not None and not isinstance(path, str):
             return f"{key!r} must be a path, got {path!r}"
-    return controls, target, prompt, mask, [], rejected
+    return controls, target, prompt, mask, [], tuple((name, path) for name, path in extra if path is not None)
 
 
-def _layered_fields(row: dict) -> RowFields | str:
+def _layered_fields(row: dict, fields: tuple[SampleField, ...]) -> RowFields | str:
     """A layered row: the image is the control and the composite frame of the target, the layers follow."""
     image, layers, prompt = row.get("image"), row.get("layers"), row.get("prompt")
     if not isinstance(image, str) or not image:
@@ -94,9 +97,11 @@ def _layered_fields(row: dict) -> RowFields | str:
         return f"'layers' must be a non-empty list of paths, got {layers!r}"
     if prompt is not None and not isinstance(prompt, str):
         return f"'prompt' must be text, got {prompt!r}"
-    if row.get("rejected"):
-        return "has 'rejected' beside 'layers': a preference pair of layered results is not read; drop one"
-    return [image], image, prompt, None, layers, None
+    for f in fields:
+        if row.get(f.name):
+            what = "a preference pair of layered results" if f is REJECTED else f"a {f.name} image of layered results"
+            return f"has {f.name!r} beside 'layers': {what} is not read; drop one"
+    return [image], image, prompt, None, layers, ()
 
 
 def _outside(name: str) -> bool:
@@ -151,17 +156,18 @@ def scan_manifest(
     allow_outside: bool = False,
     require_prompt: bool = True,
     index_dir: str | os.PathLike | None = None,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
 ) -> Dataset:
     """The samples and problems of a .jsonl or .csv manifest (paths relative to its folder); without
-    `require_prompt`, a row with no prompt has the prompt "".
+    `require_prompt`, a row with no prompt has the prompt "". A row's key of each of `fields` names its image.
 
     Args:
         index_dir: where scans are remembered by the manifest's signature (`qie.data.manifest_index`); it is
             written only when its parent folder (the cache folder) exists. None: every scan parses the rows.
     """
     if index_dir is None:
-        return _scan_rows(path, require_target, allow_outside, require_prompt)[0]
-    settings = json.dumps([str(path), require_target, allow_outside, require_prompt])
+        return _scan_rows(path, require_target, allow_outside, require_prompt, fields)[0]
+    settings = json.dumps([str(path), require_target, allow_outside, require_prompt, [f.name for f in fields]])
     index = index_file.index_path(index_dir, path, settings)
     try:
         signature = manifest_index.manifest_signature(path)
@@ -169,7 +175,7 @@ def scan_manifest(
         signature = None
     if signature is not None and (found := manifest_index.load(index, signature, settings, path.parent)) is not None:
         return found
-    data, files = _scan_rows(path, require_target, allow_outside, require_prompt)
+    data, files = _scan_rows(path, require_target, allow_outside, require_prompt, fields)
     try:
         unchanged = signature is not None and manifest_index.manifest_signature(path) == signature
     except OSError:
@@ -180,18 +186,20 @@ def scan_manifest(
     return data
 
 
-def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_prompt: bool) -> tuple[Dataset, _Files]:
+def _scan_rows(
+    path: Path, require_target: bool, allow_outside: bool, require_prompt: bool, fields: tuple[SampleField, ...]
+) -> tuple[Dataset, _Files]:
     data = Dataset()
     seen: set[str] = set()
     rows_seen: dict[tuple, int] = {}  # (target, controls, prompt) -> the row that first gave them
     files = _Files(path.parent)  # the folder computed once: pathlib's `parent` builds a new object per call
     for n, row in _manifest_rows(path):
-        fields = row if isinstance(row, str) else _row_fields(row)
-        if isinstance(fields, str):
+        read = row if isinstance(row, str) else _row_fields(row, fields)
+        if isinstance(read, str):
             rid = str(row.get("id") or f"row{n:06d}") if isinstance(row, dict) else f"row{n:06d}"
-            data.problems.append(DataProblem(rid, f"{path}:{n}", f"manifest row {n} {fields}"))
+            data.problems.append(DataProblem(rid, f"{path}:{n}", f"manifest row {n} {read}"))
             continue
-        controls, target, prompt, mask, layers, rejected = fields
+        controls, target, prompt, mask, layers, extra = read
         missing = [] if (prompt or "").strip() or not require_prompt else ["prompt"]
         if require_target and not target:
             missing.append("target")
@@ -201,7 +209,7 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
             fix = f": {NO_CAPTION_FIX}" if missing[0] == "prompt" else ""
             data.problems.append(DataProblem(rid, f"{path}:{n}", f"manifest row {n} has {empty} {missing[0]!r}{fix}"))
             continue
-        named = [*controls, target, mask, *layers, rejected]
+        named = [*controls, target, mask, *layers, *(p for _, p in extra)]
         outside = [] if allow_outside else [c for c in named if c and files.is_outside(c)]
         if outside:
             data.problems.append(
@@ -219,7 +227,7 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
                 DataProblem(rid, str(bad[0]), f"manifest row {n}: image {str(bad[0])!r} does not exist")
             )
             continue
-        same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask, tuple(layers), rejected), n)
+        same = rows_seen.setdefault((target, tuple(controls), (prompt or "").strip(), mask, tuple(layers), extra), n)
         if same != n:  # the same example twice would be trained twice as often: keep the first
             data.problems.append(
                 DataProblem(
@@ -240,7 +248,7 @@ def _scan_rows(path: Path, require_target: bool, allow_outside: bool, require_pr
                 (prompt or "").strip(),
                 files.path(mask) if mask else None,
                 tuple(files.path(p) for p in layers),
-                files.path(rejected) if rejected else None,
+                tuple((name, files.path(p)) for name, p in extra),
             )
         )
     return data, files

@@ -20,7 +20,7 @@ from pathlib import Path
 from qie.data import file_stats, index_file
 from qie.data.samples import Dataset
 
-FORMAT = "qie-manifest-index/2"
+FORMAT = "qie-manifest-index/3"  # 3: the images of sample fields, a column each
 
 
 def manifest_signature(path: Path) -> str:
@@ -33,8 +33,9 @@ def manifest_signature(path: Path) -> str:
     return f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
 
 
-def save(path: Path, signature: str, settings: str, data: Dataset, present: dict[str, bool],
-         names: dict[int, str]) -> None:  # fmt: skip
+def save(
+    path: Path, signature: str, settings: str, data: Dataset, present: dict[str, bool], names: dict[int, str]
+) -> None:
     """Remember `data`, scanned from a manifest with `signature` under `settings`.
 
     Args:
@@ -55,8 +56,13 @@ def save(path: Path, signature: str, settings: str, data: Dataset, present: dict
         }
     except ValueError:  # a name or prompt holds a NUL character: not kept
         return
-    meta = {"format": FORMAT, "manifest": signature, "settings": settings, "names": str(len(present)),
-            "samples": str(len(samples))}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "manifest": signature,
+        "settings": settings,
+        "names": str(len(present)),
+        "samples": str(len(samples)),
+    }
     index_file.save(path, tensors, meta, data.problems, "manifest index")
 
 

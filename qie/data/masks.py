@@ -63,10 +63,13 @@ def mask_key(sample: Sample, settings: MaskSettings, hasher: FileHasher) -> str 
     if settings.source == "file" and sample.mask is not None:
         fields["mask"] = hasher.hash(sample.mask)
     elif settings.source == "edit" and sample.controls and sample.target is not None:
-        fields |= {"control": hasher.hash(sample.controls[0]), "threshold": settings.threshold,
-                   "dilation": settings.dilation}  # fmt: skip
-        if sample.rejected is not None:  # absent otherwise: the masks of other samples keep their keys
-            fields["rejected"] = hasher.hash(sample.rejected)
+        fields |= {
+            "control": hasher.hash(sample.controls[0]),
+            "threshold": settings.threshold,
+            "dilation": settings.dilation,
+        }
+        if (rejected := sample.fields.get("rejected")) is not None:  # absent otherwise: other masks keep their keys
+            fields["rejected"] = hasher.hash(rejected)
     else:
         return None
     return entry_key(MASK_TYPE, fields)
@@ -105,16 +108,21 @@ def make_mask(sample: Sample, settings: MaskSettings) -> torch.Tensor:
     if settings.source == "file":
         mask = open_mask(sample.mask)
         if abs(mask.size[0] * size[1] - mask.size[1] * size[0]) > max(mask.size[1], size[1]):  # > a pixel's rounding
-            raise ImageError(sample.mask, f"mask {str(sample.mask)!r} is {mask.size[0]}x{mask.size[1]}, its target "
-                             f"{size[0]}x{size[1]}: a mask must have its target's shape (at any scale)")  # fmt: skip
+            raise ImageError(
+                sample.mask,
+                f"mask {str(sample.mask)!r} is {mask.size[0]}x{mask.size[1]}, its target "
+                f"{size[0]}x{size[1]}: a mask must have its target's shape (at any scale)",
+            )
         return _grey(mask, size, settings)
     # edit: where the target (or a rejected result) differs from its control, all at the target's size
     control = _pixels(open_image(sample.controls[0]), size, settings)
-    results = [target] + ([open_image(sample.rejected)] if sample.rejected is not None else [])
+    rejected = sample.fields.get("rejected")
+    results = [target] + ([open_image(rejected)] if rejected is not None else [])
     changed = torch.zeros(control.shape[:2])
     for result in results:
-        changed = torch.maximum(changed, ((_pixels(result, size, settings) - control).abs().amax(dim=-1)
-                                          > settings.threshold).float())  # fmt: skip
+        changed = torch.maximum(
+            changed, ((_pixels(result, size, settings) - control).abs().amax(dim=-1) > settings.threshold).float()
+        )
     if settings.dilation > 0:
         r = settings.dilation
         changed = F.max_pool2d(changed[None, None], 2 * r + 1, stride=1, padding=r)[0, 0]

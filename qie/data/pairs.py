@@ -1,10 +1,11 @@
-"""Preference pairs that can train, judged at start.
+"""Preference pairs (and samples with other sample fields' images) that can train, judged at start.
 
 - A pair whose rejected image is its target (the same file, or the same bytes) has the loss ln 2 at every step,
   whatever the weights: it trains nothing useful, so it is left out, named.
 - A source that encodes (`cache.mode=lazy` or live) reads a rejected image only when its batch comes: its header
   is read at start instead (remembered by the image-size index, so a warm start stats it), so an unreadable one,
-  or one of another size than its target once resized, is found before the first step, not midway.
+  or one of another size than its target once resized, is found before the first step, not midway. So is the image
+  of any other sample field (`qie.data.fields`), which is encoded as the target is too.
 """
 
 from __future__ import annotations
@@ -29,28 +30,35 @@ class PairCheck:
     multiple_of: int
 
     def problem(self, sample: Sample) -> tuple[str, str] | None:
-        """(the file at fault, why) when `sample`, a preference pair, cannot train; None when it can (or is
-        no pair)."""
-        target, rejected = sample.target, sample.rejected
-        if target is None or rejected is None:
+        """(the file at fault, why) when `sample`, a preference pair (or a sample with a field's image), cannot
+        train; None when it can (or has no field's image)."""
+        target = sample.target
+        if target is None:
             return None
-        if self.same_bytes(target, rejected):
-            return str(rejected), (
-                f"its rejected image {str(rejected)!r} is its target {str(target)!r} (the same bytes): a pair of "
+        for name, image in sample.field_images:
+            if (why := self.field_problem(target, name, image)) is not None:
+                return why
+        return None
+
+    def field_problem(self, target: os.PathLike, name: str, image: os.PathLike) -> tuple[str, str] | None:
+        """(the file at fault, why) when the image of the field `name` cannot train beside `target`."""
+        if name == "rejected" and self.same_bytes(target, image):
+            return str(image), (
+                f"its rejected image {str(image)!r} is its target {str(target)!r} (the same bytes): a pair of "
                 "equal results has the loss ln 2 whatever the weights and trains nothing; give a worse result"
             )
         if self.sizes is None:
             return None
         try:
             want = fit_area(*self.sizes.size(target), self.target_pixels, self.multiple_of)
-            size = fit_area(*self.sizes.size(rejected), self.target_pixels, self.multiple_of)
+            size = fit_area(*self.sizes.size(image), self.target_pixels, self.multiple_of)
         except ImageError as e:
-            return str(getattr(e, "path", None) or rejected), str(e)
+            return str(getattr(e, "path", None) or image), str(e)
         except OSError as e:  # gone or unreadable since the scan
-            return str(e.filename or rejected), f"cannot read {e.filename!r} ({e.strerror})"
+            return str(e.filename or image), f"cannot read {e.filename!r} ({e.strerror})"
         if size != want:
-            return str(rejected), (
-                f"rejected image {str(rejected)!r} is {size[0]}x{size[1]} once resized, its target "
+            return str(image), (
+                f"{name} image {str(image)!r} is {size[0]}x{size[1]} once resized, its target "
                 f"{want[0]}x{want[1]}: make them one shape"
             )
         return None

@@ -2,10 +2,12 @@
 
 Two layouts: a folder (`training_images/<stem>.<ext>` + `<stem>.txt`, `control_images/<stem>.<ext>` and
 `control_images/<stem>_control_<N>.<ext>`, optionally a loss mask `masks/<stem>.<ext>`; without
-`control_images/` every sample has no control image; a preference pair's rejected result
-`rejected_images/<stem>.<ext>`; for a layered model `images/<stem>.<ext>` + `<stem>.txt`
+`control_images/` every sample has no control image; the images of the sample fields read (`qie.data.fields`)
+`training_images/<stem>_<field>.<ext>`, a preference pair's rejected result also `rejected_images/<stem>.<ext>`;
+for a layered model `images/<stem>.<ext>` + `<stem>.txt`
 and its ordered layers `layers/<stem>_<N>.<ext>`) or a manifest (.jsonl or .csv with `target`, `controls`,
-`prompt`, optionally `mask` and `rejected`; paths relative to the manifest; a row without `controls` has
+`prompt`, optionally `mask` and a key per sample field read, e.g. `rejected`; paths relative to the
+manifest; a row without `controls` has
 none). Whether a model takes a sample's control count is the model's to say (`ModelSpec.control_problem`). Problems with
 single samples are collected, not raised, so precompute can name them and go on; a data set with no usable
 sample at all is an error.
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qie.data.confine import FIX, Confinement
+from qie.data.fields import DEFAULT_FIELDS, SampleField
 from qie.errors import DataError
 
 # Every folder of either layout that holds images, relative to the data set folder.
@@ -40,8 +44,14 @@ class Sample:
     mask: Path | None = None
     # A target of several frames (a layered model's): the frames after `target`, in order (its layers).
     layers: tuple[Path, ...] = ()
-    # A preference pair's rejected result (`train.objective=dpo`): the same edit done worse than `target`.
-    rejected: Path | None = None
+    # The images of its sample fields (`qie.data.fields`), as (field name, path) pairs in the order the fields were
+    # read: a preference pair's rejected result (`train/objective=dpo`) is ("rejected", path).
+    field_images: tuple[tuple[str, Path], ...] = ()
+
+    @property
+    def fields(self) -> Mapping[str, Path]:
+        """The images of its sample fields by the field's name."""
+        return dict(self.field_images)
 
 
 # Longer prompts are refused: the pipelines keep at most ~1,024 prompt tokens (~4,000 characters of English)
@@ -211,8 +221,13 @@ def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFile
         numbers = sorted(layers[stem])
         if [n for n, _ in numbers] != list(range(len(numbers))):  # a layer missing, or one numbered twice
             found = ", ".join(str(n) for n, _ in numbers)
-            data.problems.append(DataProblem(stem, str(numbers[0][1]), f"its layers are numbered {found}: number "
-                                             f"them 0 to {len(numbers) - 1} with none missing"))  # fmt: skip
+            data.problems.append(
+                DataProblem(
+                    stem,
+                    str(numbers[0][1]),
+                    f"its layers are numbered {found}: number them 0 to {len(numbers) - 1} with none missing",
+                )
+            )
             continue
         ordered = tuple(p for _, p in numbers)
         data.samples.append(Sample(stem, image, (image,), prompt, None, ordered))
@@ -225,14 +240,15 @@ def read_folder(
     require_prompt: bool = True,
     captions: CaptionFiles | None = None,
     allow_outside: bool = False,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
 ) -> Dataset:
     """`qie.data.scan.scan_folder` from the folders' listings and the captions (`captions` reads them), remembering
-    nothing."""
+    nothing; the images of `fields` are read too (`qie.data.fields`)."""
     links: set[str] = set()
     if (root / "layers").is_dir() and (root / "images").is_dir():
         data = _scan_layered_folder(root, require_prompt, captions or CaptionFiles(), links)
     else:
-        data = _scan_edit_folder(root, require_target, require_prompt, captions or CaptionFiles(), links)
+        data = _scan_edit_folder(root, require_target, require_prompt, captions or CaptionFiles(), links, fields)
     return data if allow_outside else confined(root, data, links)
 
 
@@ -246,7 +262,7 @@ def confined(root: Path, data: Dataset, links: set[str]) -> Dataset:
     kept = []
     for sample in data.samples:
         found = None
-        for path in (sample.target, *sample.controls, sample.mask, *sample.layers, sample.rejected):
+        for path in (sample.target, *sample.controls, sample.mask, *sample.layers, *dict(sample.field_images).values()):
             if path is not None and (folders_out or str(path) in links) and (where := confine.leads_out(path)):
                 found = path
                 break
@@ -259,11 +275,16 @@ def confined(root: Path, data: Dataset, links: set[str]) -> Dataset:
 
 
 def _scan_edit_folder(
-    root: Path, require_target: bool, require_prompt: bool, captions: CaptionFiles, links: set[str]
+    root: Path,
+    require_target: bool,
+    require_prompt: bool,
+    captions: CaptionFiles,
+    links: set[str],
+    fields: tuple[SampleField, ...] = (),
 ) -> Dataset:
-    """The edit (and text-to-image) layout: training_images/, control_images/, masks/, rejected_images/."""
+    """The edit (and text-to-image) layout: training_images/, control_images/, masks/, and the images of `fields`
+    (`<stem>_<field>` in training_images/, rejected_images/)."""
     targets_dir, controls_dir, masks_dir = root / "training_images", root / "control_images", root / "masks"
-    rejected = _images_by_stem(root / "rejected_images", _listing(root / "rejected_images", links))  # optional
     if not targets_dir.is_dir() and not controls_dir.is_dir():
         raise DataError(
             f"{str(root)!r} is not a data set folder: expected training_images/ (and control_images/ for edits) inside"
@@ -276,6 +297,7 @@ def _scan_edit_folder(
     targets_str, controls_str = str(targets_dir), str(controls_dir)
     listed = set() if require_prompt else target_set | control_set  # a sample without a caption has the prompt ""
     targets = _images_by_stem(targets_dir, target_names)
+    by_field = _field_images(root, targets, fields, links)
     masks = _images_by_stem(masks_dir, _listing(masks_dir, links))  # optional: masks/<stem>.png
     controls: dict[str, list[tuple[int, Path]]] = {}
     for stem, p in _images_by_stem(controls_dir, control_names).items():
@@ -288,10 +310,11 @@ def _scan_edit_folder(
         data.problems.append(
             DataProblem(stem, str(targets_dir / f"{stem}.<ext>"), "target image is missing (control image found)")
         )
-    for stem in sorted(set(rejected) - set(targets)):
-        data.problems.append(
-            DataProblem(stem, str(targets_dir / f"{stem}.<ext>"), "target image is missing (rejected image found)")
-        )
+    for name, images in by_field.items():
+        for stem in sorted(set(images) - set(targets)):
+            data.problems.append(
+                DataProblem(stem, str(targets_dir / f"{stem}.<ext>"), f"target image is missing ({name} image found)")
+            )
     for stem in stems:
         target = targets.get(stem)
         ctrl = tuple(p for _, p in sorted(controls.get(stem, [])))
@@ -309,11 +332,27 @@ def _scan_edit_folder(
         except DataError as e:
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue
-        data.samples.append(Sample(stem, target, ctrl, prompt, masks.get(stem), (), rejected.get(stem)))
+        extra = tuple((name, images[stem]) for name, images in by_field.items() if stem in images) if by_field else ()
+        data.samples.append(Sample(stem, target, ctrl, prompt, masks.get(stem), (), extra))
     return data
+
+
+def _field_images(
+    root: Path, targets: dict[str, Path], fields: tuple[SampleField, ...], links: set[str]
+) -> dict[str, dict[str, Path]]:
+    """Each field's images by the stem of their sample: a field's folder (`rejected_images/<stem>`), then the files
+    `<stem>_<field>` of training_images/ (taken out of `targets`, which they are not)."""
+    out: dict[str, dict[str, Path]] = {}
+    for f in fields:
+        images = out[f.name] = {}
+        if f.folder is not None:
+            images.update(_images_by_stem(root / f.folder, _listing(root / f.folder, links)))
+        for stem in [stem for stem in targets if stem.endswith(f.suffix) and len(stem) > len(f.suffix)]:
+            images[stem[: -len(f.suffix)]] = targets.pop(stem)
+    return out
 
 
 def without_controls(sample: Sample, suffix: str = "") -> Sample:
     """`sample` without its control images: trained on the text-only prompt (reference dropout). Its entries
     are keyed by what they hold, so they are cached apart from the sample's own."""
-    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask, sample.layers, sample.rejected)
+    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask, sample.layers, sample.field_images)

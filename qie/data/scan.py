@@ -8,6 +8,7 @@ from operator import attrgetter
 from pathlib import Path
 
 from qie.data import folder_index
+from qie.data.fields import DEFAULT_FIELDS, SampleField
 from qie.data.manifest import scan_manifest
 from qie.data.samples import IMAGE_EXTENSIONS, Dataset, read_folder
 from qie.errors import DataError
@@ -20,6 +21,7 @@ def scan_dataset(
     allow_outside: bool = False,
     require_prompt: bool = True,
     index_dir: str | os.PathLike | None = None,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
 ) -> Dataset:
     """Find the samples of a data set folder or manifest.
 
@@ -33,6 +35,7 @@ def scan_dataset(
         index_dir: where scans are remembered (`cache.dir/manifests`), a manifest's by the manifest's signature
             (`qie.data.manifest_index`), a folder's by its folders' and captions' signatures
             (`qie.data.folder_index`); None: every scan reads the data set.
+        fields: the sample fields whose images are read (`qie.data.fields`).
 
     Returns:
         The samples in a stable order (sorted by id) and the problems found.
@@ -51,9 +54,9 @@ def scan_dataset(
     gc.disable()
     try:
         if format == "folder":
-            data = scan_folder(root, require_target, require_prompt, index_dir, allow_outside)
+            data = scan_folder(root, require_target, require_prompt, index_dir, allow_outside, fields)
         else:
-            data = scan_manifest(root, require_target, allow_outside, require_prompt, index_dir)
+            data = scan_manifest(root, require_target, allow_outside, require_prompt, index_dir, fields)
     finally:
         if gc_was_on:
             gc.enable()
@@ -75,6 +78,7 @@ def scan_folder(
     require_prompt: bool = True,
     index_dir: str | os.PathLike | None = None,
     allow_outside: bool = False,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
 ) -> Dataset:
     """The samples (sorted by id) and problems of a data set folder (either layout); without `require_prompt`,
     a sample without a caption has the prompt "". An image that leads outside `root` through a symbolic link
@@ -87,5 +91,5 @@ def scan_folder(
             exists. None: every scan lists and reads.
     """
     if index_dir is not None:
-        return folder_index.scan_folder(root, require_target, require_prompt, index_dir, allow_outside)
-    return read_folder(root, require_target, require_prompt, None, allow_outside)
+        return folder_index.scan_folder(root, require_target, require_prompt, index_dir, allow_outside, fields)
+    return read_folder(root, require_target, require_prompt, None, allow_outside, fields)

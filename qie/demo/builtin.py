@@ -65,8 +65,10 @@ def with_builtin_data(cfg: DictConfig) -> DictConfig:
     kind = data_kind(model_spec(cfg.model))
     folder, written = builtin_data(kind)
     how = "generated in" if written else "in"
-    print(f"qie: data.path is not set: using the built-in demo data set of the tiny model ({SAMPLES} {kind} samples, "
-          f"{how} {folder}); data.path=... names your own")  # fmt: skip
+    print(
+        f"qie: data.path is not set: using the built-in demo data set of the tiny model ({SAMPLES} {kind} samples, "
+        f"{how} {folder}); data.path=... names your own"
+    )
     cfg = copy.deepcopy(cfg)
     cfg.data.path = str(folder)
     return cfg

@@ -44,6 +44,7 @@ from qie.demo.builtin import data_kind
 from qie.demo.measure import by_position, frame_errors, layer_error, mean_of_all, pixel_error, vae_psnr
 from qie.demo.page import write_demo_page
 from qie.demo.share import export_demo
+from qie.demo.summary import REQUIRED_LOSS_DROP, REQUIRED_PIXEL_DROP, format_report
 from qie.demo.synthetic import composite, make_dataset
 from qie.evaluation.grid import captioned_grid
 from qie.models import ModelSpec
@@ -54,8 +55,6 @@ from qie.stages.sources import build_source
 from qie.training.evaluate import heldout_loss
 from qie.training.logging import MetricsLogger
 
-REQUIRED_LOSS_DROP = 0.2
-REQUIRED_PIXEL_DROP = 0.3
 COLUMNS = ("control", "target", "base model", "LoRA")
 # A layered model's picture: the composite, then one column per layer (as many as the samples' most).
 LAYERED_COLUMNS = ("image",)
@@ -85,10 +84,18 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         spec = prepare_model(model)
         kind = data_kind(spec)  # an image and its layers; else edits, or shapes from their descriptions
         output = OUTPUTS[kind]
-        data_root = make_dataset(run_dir / "data", d.train_samples, d.heldout_samples, d.image_size, d.seed,
-                                 kind == "edit", kind == "layered")  # fmt: skip
-        train_cfg = updated(cfg, {"data.path": str(data_root / "train"), "cache.dir": str(run_dir / "cache"),
-                                  "cache.mode": "cached"})  # fmt: skip
+        data_root = make_dataset(
+            run_dir / "data",
+            d.train_samples,
+            d.heldout_samples,
+            d.image_size,
+            d.seed,
+            kind == "edit",
+            kind == "layered",
+        )
+        train_cfg = updated(
+            cfg, {"data.path": str(data_root / "train"), "cache.dir": str(run_dir / "cache"), "cache.mode": "cached"}
+        )
         heldout_cfg = updated(train_cfg, {"data.path": str(data_root / "heldout")})
         for split_cfg, name in ((train_cfg, "train"), (heldout_cfg, "heldout")):
             precompute.run(for_stage(split_cfg, "precompute"), run_dir / f"precompute_{name}")
@@ -100,26 +107,52 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         settings = source_settings(model, data, typed(heldout_cfg.cache), spec, masks).with_mode("cached")
         source = build_source(settings, spec, build_backend(heldout_cfg.cache))
         predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
-        report = _measure(spec, output, source, predictor, sampling_options(predict), d, data_root, result,
-                          int(data.target_pixels), str(cfg.logging.report_to), run_dir)  # fmt: skip
+        report = _measure(
+            spec,
+            output,
+            source,
+            predictor,
+            sampling_options(predict),
+            d,
+            data_root,
+            result,
+            int(data.target_pixels),
+            str(cfg.logging.report_to),
+            run_dir,
+        )
         # the Hub-ready folder beside the run: run_dir/export
         export_demo(run_dir, OmegaConf.to_container(train_cfg, resolve=True), report)
         return report
 
 
-def _measure(spec: ModelSpec, output: Output, source: Any, predictor: infer.Predictor, options: SamplingOptions,
-             d: DemoConfig, data_root: Path, result: dict, pixels: int, report_to: str,
-             run_dir: Path) -> dict:  # fmt: skip
+def _measure(
+    spec: ModelSpec,
+    output: Output,
+    source: Any,
+    predictor: infer.Predictor,
+    options: SamplingOptions,
+    d: DemoConfig,
+    data_root: Path,
+    result: dict,
+    pixels: int,
+    report_to: str,
+    run_dir: Path,
+) -> dict:
     """Measure the base model and the LoRA on the held-out samples (targets at `pixels`); write the picture (logged
     to `report_to`) and the report."""
     samples = scan_dataset(data_root / "heldout").samples
     heldout = Heldout(
-        samples, source, predictor, options, int(d.seed), int(d.image_size),
+        samples,
+        source,
+        predictor,
+        options,
+        int(d.seed),
+        int(d.image_size),
         # Each sample's frames as the model sees them: the target (a layered sample's composite), then its layers.
         [[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in samples],
         # The frames' normalised latents (C, frames, h, w) as training sees them: the held-out cache's entries.
         [embeddings.pixel_latent for embeddings in source.get(samples)],
-    )  # fmt: skip
+    )
 
     psnr = vae_psnr(predictor.parts.vae, heldout.frames, heldout.encoded, spec)
     base = _evaluate(heldout, output, run_dir / "predictions" / "base")
@@ -197,8 +230,9 @@ class Output:
 def _evaluate(heldout: Heldout, output: Output, out_dir: Path) -> Predictions:
     """The held-out loss of the predictor's transformer and its outputs, written into `out_dir`."""
     predictor = heldout.predictor
-    loss = heldout_loss(predictor.parts.transformer, heldout.source, heldout.samples, heldout.spec.loss,
-                        seed=heldout.seed)  # fmt: skip
+    loss = heldout_loss(
+        predictor.parts.transformer, heldout.source, heldout.samples, heldout.spec.loss, seed=heldout.seed
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     images, latent_errors = [], []
     for i in range(len(heldout.samples)):
@@ -219,8 +253,9 @@ def _predict_image(heldout: Heldout, i: int, out_dir: Path) -> tuple[list[Image.
 def _predict_layers(heldout: Heldout, i: int, out_dir: Path) -> tuple[list[Image.Image], list[float]]:
     """Sample `i`'s image split into as many layers as the sample has: out_dir/<id>/layer_N.png."""
     sample, predictor = heldout.samples[i], heldout.predictor
-    latents = predictor.predict(list(sample.controls), sample.prompt, heldout.options, seed=i,
-                                output_type="latent", layers=len(sample.layers))  # fmt: skip
+    latents = predictor.predict(
+        list(sample.controls), sample.prompt, heldout.options, seed=i, output_type="latent", layers=len(sample.layers)
+    )
     images = heldout.spec.decoder(predictor.parts.vae, latents, output_type="pil")
     (out_dir / sample.id).mkdir(exist_ok=True)
     for n, image in enumerate(images):
@@ -236,9 +271,14 @@ def _compare_images(heldout: Heldout, base: Predictions, lora: Predictions) -> C
     base_images, lora_images = [o[0] for o in base.images], [o[0] for o in lora.images]
     rows = [[c, _to_pil(t), b, lo] for c, t, b, lo in zip(controls, targets, base_images, lora_images)]
     return Comparison(
-        pixel_error(base_images, targets), pixel_error(lora_images, targets), pixel_error(controls, targets), {},
-        rows, [sample.prompt for sample in heldout.samples], COLUMNS,
-    )  # fmt: skip
+        pixel_error(base_images, targets),
+        pixel_error(lora_images, targets),
+        pixel_error(controls, targets),
+        {},
+        rows,
+        [sample.prompt for sample in heldout.samples],
+        COLUMNS,
+    )
 
 
 def _compare_layers(heldout: Heldout, base: Predictions, lora: Predictions) -> Comparison:
@@ -334,54 +374,3 @@ def _target(path: Path, pixels: int, spec: ModelSpec) -> np.ndarray:
 
 def _to_pil(array: np.ndarray) -> Image.Image:
     return Image.fromarray((array * 255).round().clip(0, 255).astype(np.uint8))
-
-
-def format_report(r: dict, run_dir: Path) -> str:
-    layered = "latent_error_drop" in r
-    judged = "latent error" if layered else "pixel error"
-    if r["learned"]:
-        verdict = "the LoRA learned to split the images" if layered else "the LoRA learned the edit"
-    else:
-        verdict = (
-            f"did NOT learn {'the split' if layered else 'the edit'} (needs {REQUIRED_LOSS_DROP:.0%} lower loss and "
-            f"{REQUIRED_PIXEL_DROP:.0%} lower {judged})"
-        )
-    unedited = "the image itself as every layer" if layered else "the unedited control"
-    lines = [
-        "",
-        f"qie demo: {r['train_steps']} training steps from the cache; {verdict}",
-        f"  held-out loss (fixed noise)  before {r['heldout_loss_before']:.4f}  after {r['heldout_loss_after']:.4f}"
-        f"  ({r['heldout_loss_drop']:.0%} lower)",
-    ]
-    if layered:
-        lines.append(
-            f"  held-out latent error        base   {r['latent_error_base']:.4f}  LoRA  {r['latent_error_lora']:.4f}"
-            f"  ({r['latent_error_drop']:.0%} lower)"
-        )
-        lines += _per_layer(r["layer_latent_error_base"], r["layer_latent_error_lora"])
-    lines.append(
-        f"  held-out pixel error         base   {r['pixel_error_base']:.4f}  LoRA  {r['pixel_error_lora']:.4f}"
-        f"  ({r['pixel_error_drop']:.0%} lower; {unedited}: {r['pixel_error_unedited']:.4f})"
-    )
-    if layered:
-        lines += _per_layer(r["layer_pixel_error_base"], r["layer_pixel_error_lora"])
-        picture = "rows per sample: its image and layers, the base model's, the LoRA's; layers on a checkerboard"
-    else:
-        picture = "columns: control, target, base model, LoRA; the prompt under each row"
-    return "\n".join(
-        [
-            *lines,
-            f"  VAE reconstruction PSNR      {r['vae_psnr_db']:.1f} dB (held-out targets)",
-            f"  picture:     {r['demo_image']}  ({picture})",
-            f"  images:      {r['predictions']}/{{base,lora}}",
-            f"  metrics:     {r['metrics']}",
-            f"  TensorBoard: tensorboard --logdir {r['tensorboard']}",
-            f"  report:      {run_dir / 'demo_report.json'}",
-        ]
-    )
-
-
-def _per_layer(base: list[float], lora: list[float]) -> list[str]:
-    """One report line per layer position, aligned under the totals."""
-    names = [f"    layer {n}" + (" (background)" if n == 0 else "") for n in range(len(base))]
-    return [f"{name:<31}base   {b:.4f}  LoRA  {lo:.4f}" for name, b, lo in zip(names, base, lora)]

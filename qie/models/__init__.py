@@ -63,15 +63,22 @@ def family_of(transformer: Any) -> ModelFamily:
     """
     modules = {name for name, _ in transformer.named_modules()}
     matches = sorted(
-        (f for f in families().values() if isinstance(transformer, f.part_class("transformer"))
-         and all(key.rpartition(".")[0] in modules for key in f.weight_signature)),
-        key=lambda f: len(f.weight_signature), reverse=True,
-    )  # fmt: skip
+        (
+            f
+            for f in families().values()
+            if isinstance(transformer, f.part_class("transformer"))
+            and all(key.rpartition(".")[0] in modules for key in f.weight_signature)
+        ),
+        key=lambda f: len(f.weight_signature),
+        reverse=True,
+    )
     if not matches:
         raise FamilyError(f"{type(transformer).__name__} is the transformer of no model family qie knows")
     if len(matches) > 1 and len(matches[0].weight_signature) == len(matches[1].weight_signature):
-        raise FamilyError(f"{type(transformer).__name__} fits the families {matches[0].name!r} and "
-                          f"{matches[1].name!r} alike: their weight signatures do not tell them apart")  # fmt: skip
+        raise FamilyError(
+            f"{type(transformer).__name__} fits the families {matches[0].name!r} and "
+            f"{matches[1].name!r} alike: their weight signatures do not tell them apart"
+        )
     return matches[0]
 
 

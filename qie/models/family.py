@@ -76,8 +76,18 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "encode_latents": ("vae", "pixels"),
     "loss": ("transformer", "batch", "noise", "sigmas", "weighting", "per_sample"),
     "sample": ("parts", "prompt", "negative", "controls", "size", "options", "progress"),
-    "denoise": ("transformer", "scheduler", "noise", "prompt", "negative", "controls", "steps", "true_cfg_scale",
-                "checkpoint", "pipeline_config"),  # fmt: skip
+    "denoise": (
+        "transformer",
+        "scheduler",
+        "noise",
+        "prompt",
+        "negative",
+        "controls",
+        "steps",
+        "true_cfg_scale",
+        "checkpoint",
+        "pipeline_config",
+    ),
     "decode": ("vae", "latents", "output_type"),
     "vae_scale": ("vae",),
     "config_problems": ("spec",),
@@ -172,8 +182,10 @@ class ModelFamily:
         if not self.variants:
             raise FamilyError(f"family {self.name!r} names no variant")
         if [name for name, f in self.flavours.items() if f.tiny is None] != ["published"] or not self.tiny_flavours:
-            raise FamilyError(f"family {self.name!r}: flavours must hold its published size, named 'published', "
-                              "and at least one tiny preset")  # fmt: skip
+            raise FamilyError(
+                f"family {self.name!r}: flavours must hold its published size, named 'published', "
+                "and at least one tiny preset"
+            )
         if not isinstance(self.outputs, Outputs):
             raise FamilyError(f"family {self.name!r}: outputs is not a qie.models.outputs.Outputs")
         for f in fields(self):

@@ -64,8 +64,9 @@ class Flavour:
     text_encoder: Mapping[str, Any]
     tiny: Tiny | None = None
 
-    def but(self, *, transformer: Mapping[str, Any] | None = None, vae: Mapping[str, Any] | None = None,
-            **tiny: Any) -> Flavour:  # fmt: skip
+    def but(
+        self, *, transformer: Mapping[str, Any] | None = None, vae: Mapping[str, Any] | None = None, **tiny: Any
+    ) -> Flavour:
         """This tiny flavour with transformer config entries changed, another VAE config, and `Tiny` fields."""
         assert self.tiny is not None, "only a tiny flavour is varied"
         return replace(

@@ -34,8 +34,7 @@ from qie.types import Batch
 VARIANTS = {
     "edit": Variant("QwenImageEditPipeline", "one", output_image=0, caption="edit_instruction"),
     "edit_plus": Variant("QwenImageEditPlusPipeline", "all", output_image=-1, caption="edit_instruction"),
-    "text_to_image": Variant("QwenImagePipeline", "none", output_image=None, caption="describe",
-                                  max_prompt_tokens=512),
+    "text_to_image": Variant("QwenImagePipeline", "none", output_image=None, caption="describe", max_prompt_tokens=512),
 }
 
 
@@ -214,11 +213,21 @@ def step_inputs(config: dict, work: Any, make: Any = torch.empty) -> tuple[Batch
 
 # Qwen-Image's scheduler/scheduler_config.json.
 SCHEDULER_CONFIG: dict[str, Any] = {
-    "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False, "max_image_seq_len": 8192,
-    "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
-    "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
-    "use_dynamic_shifting": True, "use_exponential_sigmas": False, "use_karras_sigmas": False,
-}  # fmt: skip
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
 # Where each part comes from, as model_index.json names it; a pipeline lists the parts it takes.
 MODEL_INDEX: dict[str, tuple[str, str]] = {
     "processor": ("transformers", "Qwen2VLProcessor"),
@@ -229,53 +238,102 @@ MODEL_INDEX: dict[str, tuple[str, str]] = {
     "vae": ("diffusers", "AutoencoderKLQwenImage"),
 }
 TINY_TRANSFORMER: dict[str, Any] = {
-    "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-    "num_attention_heads": 3, "joint_attention_dim": 16, "guidance_embeds": False,
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 3,
+    "joint_attention_dim": 16,
+    "guidance_embeds": False,
     "axes_dims_rope": (8, 4, 4),
-}  # fmt: skip
+}
 TINY_TEXT_HIDDEN = 16  # == the tiny transformer's joint_attention_dim
 # Fixed, deliberately non-trivial latent statistics so normalisation bugs change results.
 TINY_VAE: dict[str, Any] = {
-    "base_dim": 24, "z_dim": 4, "dim_mult": [1, 2, 4], "num_res_blocks": 1, "temperal_downsample": [False, True],
-    "latents_mean": [-0.35, 0.2, 0.45, -0.1], "latents_std": [0.6, 1.35, 0.85, 1.2],
-}  # fmt: skip
+    "base_dim": 24,
+    "z_dim": 4,
+    "dim_mult": [1, 2, 4],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True],
+    "latents_mean": [-0.35, 0.2, 0.45, -0.1],
+    "latents_std": [0.6, 1.35, 0.85, 1.2],
+}
 TINY_TEXT_ENCODER: dict[str, Any] = {
     "text_config": {
-        "hidden_size": TINY_TEXT_HIDDEN, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 4096,
+        "hidden_size": TINY_TEXT_HIDDEN,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
         # head_dim 8 -> 4 rotary frequencies, split over (temporal, height, width)
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
     },
     "vision_config": {
-        "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": TINY_TEXT_HIDDEN,
-        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+        "depth": 2,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": TINY_TEXT_HIDDEN,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
         "fullatt_block_indexes": [1],
     },
-}  # fmt: skip
+}
 # Qwen's CLIP normalisation; pixel bounds sized for 64 px test images (56x56 -> 4 image tokens).
 TINY_PROCESSOR: dict[str, Any] = {
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
-    "min_pixels": 56 * 56, "max_pixels": 128 * 128, "merge_size": 2, "patch_size": 14,
-    "resample": 3, "rescale_factor": 1 / 255, "temporal_patch_size": 2,
-}  # fmt: skip
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "min_pixels": 56 * 56,
+    "max_pixels": 128 * 128,
+    "merge_size": 2,
+    "patch_size": 14,
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "temporal_patch_size": 2,
+}
 EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
-TINY = Flavour(TINY_TRANSFORMER, TINY_VAE, TINY_TEXT_ENCODER, Tiny(
-    pipeline="QwenImageEditPipeline", tokenizer="qie.components.tiny_tokenizer:build_tokenizer",
-    tokenizer_pipelines=EDIT_PIPELINES,
-    text_tokens={"bos_token_id": "pad_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"},
-    scheduler=SCHEDULER_CONFIG, model_index=MODEL_INDEX, processor=TINY_PROCESSOR, video_processor=True,
-))  # fmt: skip
+TINY = Flavour(
+    TINY_TRANSFORMER,
+    TINY_VAE,
+    TINY_TEXT_ENCODER,
+    Tiny(
+        pipeline="QwenImageEditPipeline",
+        tokenizer="qie.components.tiny_tokenizer:build_tokenizer",
+        tokenizer_pipelines=EDIT_PIPELINES,
+        text_tokens={"bos_token_id": "pad_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"},
+        scheduler=SCHEDULER_CONFIG,
+        model_index=MODEL_INDEX,
+        processor=TINY_PROCESSOR,
+        video_processor=True,
+    ),
+)
 # The demo's Edit model: a larger transformer and a VAE trained on the demo's shapes, shipped with qie
 # (written by scripts/train_demo_vae.py; images only, one frame, so no temporal downsampling).
 DEMO_VAE: dict[str, Any] = {
-    "base_dim": 16, "z_dim": 8, "dim_mult": [1, 2, 2], "num_res_blocks": 1, "temperal_downsample": [False, False],
-}  # fmt: skip
+    "base_dim": 16,
+    "z_dim": 8,
+    "dim_mult": [1, 2, 2],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, False],
+}
 DEMO_TRANSFORMER: dict[str, Any] = {
-    "in_channels": 4 * 8, "out_channels": 8, "num_layers": 4, "attention_head_dim": 32, "num_attention_heads": 4,
+    "in_channels": 4 * 8,
+    "out_channels": 8,
+    "num_layers": 4,
+    "attention_head_dim": 32,
+    "num_attention_heads": 4,
     "axes_dims_rope": (8, 12, 12),
-}  # fmt: skip
+}
 FLAVOURS = {
     # Qwen-Image(-Edit, -Edit-2509/2511, -2512): 20 B transformer, Qwen2.5-VL-7B.
     "published": Flavour(real_size.TRANSFORMER, real_size.VAE, real_size.TEXT_ENCODER),

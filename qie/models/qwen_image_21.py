@@ -45,8 +45,6 @@ from qie.types import Batch
 VARIANTS = {"qwen_image_21": Variant("QwenImage21Pipeline", "all", output_image=-1, caption="edit_instruction")}
 
 
-
-
 def prompt_template(spec: Any) -> str:
     """The pipeline's two prompt templates as one string (part of prompt cache keys; the drop index follows
     from the processor, whose fingerprint is in the keys too)."""
@@ -93,8 +91,6 @@ def encode_latents(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
 def vae_scale(vae: Any) -> int:
     """Pixels per latent along a side: 16 (the pipeline's own constant)."""
     return VAE_SCALE
-
-
 
 
 def flow_matching_loss(
@@ -204,57 +200,104 @@ def step_inputs(config: dict, work: Any, make: Any = torch.empty) -> tuple[Batch
 
 TINY_TEXT_HIDDEN = 16  # == the tiny transformer's context_in_dim
 TINY_TRANSFORMER: dict[str, Any] = {
-    "patch_size": 1, "in_channels": 64, "out_channels": 64, "num_layers": 2, "attention_head_dim": 16,
-    "num_attention_heads": 2, "context_in_dim": TINY_TEXT_HIDDEN, "mlp_ratio": 3, "axes_dims_rope": (8, 4, 4),
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": 64,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "context_in_dim": TINY_TEXT_HIDDEN,
+    "mlp_ratio": 3,
+    "axes_dims_rope": (8, 4, 4),
     "causal_condition": True,
-}  # fmt: skip
+}
 # 16x down (five levels, four downsamples) as the pipeline assumes; z_dim 64 keeps the real latent statistics.
 TINY_VAE: dict[str, Any] = {
-    "base_dim": 8, "decoder_base_dim": 12, "z_dim": 64, "dim_mult": [1, 2, 2, 2, 2], "num_res_blocks": 1,
-    "temperal_downsample": [False, True, True, True], "in_channels": 4, "out_channels": 4,
-}  # fmt: skip
+    "base_dim": 8,
+    "decoder_base_dim": 12,
+    "z_dim": 64,
+    "dim_mult": [1, 2, 2, 2, 2],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True, True],
+    "in_channels": 4,
+    "out_channels": 4,
+}
 # A two-layer Qwen3-VL: text head_dim 8 (mrope sections sum to 4), vision patch 16 with a 2x2 merge.
 TINY_TEXT_ENCODER: dict[str, Any] = {
     "text_config": {
-        "hidden_size": TINY_TEXT_HIDDEN, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 4096,
+        "hidden_size": TINY_TEXT_HIDDEN,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "max_position_embeddings": 4096,
         "rope_parameters": {
-            "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
         },
     },
     "vision_config": {
-        "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": TINY_TEXT_HIDDEN,
-        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+        "depth": 2,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": TINY_TEXT_HIDDEN,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
         "deepstack_visual_indexes": [0],
     },
-}  # fmt: skip
+}
 # Qwen3-VL's image processor: 16 px patches, 2x2 merge, [-1, 1] normalisation. The pipeline resizes first,
 # so the processor must not resize again: max_pixels above any condition area.
 TINY_PROCESSOR: dict[str, Any] = {
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-    "min_pixels": 32 * 32, "max_pixels": 4096 * 4096, "merge_size": 2, "patch_size": 16,
-    "resample": 3, "rescale_factor": 1 / 255, "temporal_patch_size": 2,
-}  # fmt: skip
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "min_pixels": 32 * 32,
+    "max_pixels": 4096 * 4096,
+    "merge_size": 2,
+    "patch_size": 16,
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "temporal_patch_size": 2,
+}
 FLAVOURS = {
     # Qwen-Image-2.1: diffusers 0.42.1's default transformer and VAE, Qwen3-VL-8B.
     "published": Flavour(real_size.TRANSFORMER_21, real_size.VAE_21, real_size.TEXT_ENCODER_21),
     # The tokenizer is trained on 2.1's templates (written out in `qie.components.tiny_tokenizer`); four steps of the
     # pipeline's default-sigma path (`sample_sigmas` in model_index.json).
-    "qwen_image_21": Flavour(TINY_TRANSFORMER, TINY_VAE, TINY_TEXT_ENCODER, Tiny(
-        pipeline="QwenImage21Pipeline", tokenizer="qie.components.tiny_tokenizer:build_tokenizer_21",
-        tokenizer_pipelines=(), text_tokens={"pad_token_id": "pad_token_id"}, scheduler=qwen_image.SCHEDULER_CONFIG,
-        model_index={
-            "processor": ("transformers", "Qwen3VLProcessor"),
-            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-            "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
-            "transformer": ("diffusers", "QwenImage21Transformer2DModel"),
-            "vae": ("diffusers", "AutoencoderKLQwenImage21"),
-        },
-        processor=TINY_PROCESSOR, index_extra={"sample_sigmas": [1.0, 0.8, 0.55, 0.3]},
-    )),
-}  # fmt: skip
+    "qwen_image_21": Flavour(
+        TINY_TRANSFORMER,
+        TINY_VAE,
+        TINY_TEXT_ENCODER,
+        Tiny(
+            pipeline="QwenImage21Pipeline",
+            tokenizer="qie.components.tiny_tokenizer:build_tokenizer_21",
+            tokenizer_pipelines=(),
+            text_tokens={"pad_token_id": "pad_token_id"},
+            scheduler=qwen_image.SCHEDULER_CONFIG,
+            model_index={
+                "processor": ("transformers", "Qwen3VLProcessor"),
+                "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+                "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
+                "transformer": ("diffusers", "QwenImage21Transformer2DModel"),
+                "vae": ("diffusers", "AutoencoderKLQwenImage21"),
+            },
+            processor=TINY_PROCESSOR,
+            index_extra={"sample_sigmas": [1.0, 0.8, 0.55, 0.3]},
+        ),
+    ),
+}
 
 FAMILY = ModelFamily(
     name="qwen_image_21",

@@ -141,9 +141,38 @@ def sample_latents(
     noise = initial_noise(shape, generator, device, embeds.dtype)
     refs = [r.unsqueeze(0) for r in references]
     config = {"sample_sigmas": pipe.config.sample_sigmas}
-    return denoise_latents(transformer, pipe.scheduler, noise, PromptInputs(embeds, mask, image_mask), neg, refs,
-                           num_inference_steps, true_cfg_scale, pipeline_config=config, sigmas=sigmas,
-                           use_kv_cache=use_kv_cache, progress=progress)  # fmt: skip
+    return denoise_latents(
+        transformer,
+        pipe.scheduler,
+        noise,
+        PromptInputs(embeds, mask, image_mask),
+        neg,
+        refs,
+        num_inference_steps,
+        true_cfg_scale,
+        pipeline_config=config,
+        sigmas=sigmas,
+        use_kv_cache=use_kv_cache,
+        progress=progress,
+    )
+
+
+def _timesteps(
+    scheduler: Any,
+    steps: int,
+    tokens: int,
+    device: torch.device,
+    pipeline_config: Mapping[str, Any] | None,
+    sigmas: Sequence[float] | None,
+) -> torch.Tensor:
+    """The loop's timesteps, set on `scheduler`: from `sigmas`, else the checkpoint's `sample_sigmas`, else `steps`
+    of the pipeline's schedule, shifted for `tokens` target tokens."""
+    if sigmas is None:
+        sigmas = (pipeline_config or {}).get("sample_sigmas")
+        if sigmas is None:
+            sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
+    mu = shift_mu(tokens, scheduler.config)
+    return retrieve_timesteps(scheduler, None, device, sigmas=sigmas, mu=mu)[0]
 
 
 def denoise_latents(
@@ -186,12 +215,7 @@ def denoise_latents(
     img_shapes = [[packed(r)[1] for r in refs] + [(1, lat_h, lat_w)]]
 
     scheduler = type(scheduler).from_config(scheduler.config)
-    if sigmas is None:
-        sigmas = (pipeline_config or {}).get("sample_sigmas")
-        if sigmas is None:
-            sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
-    mu = shift_mu(latents.shape[1], scheduler.config)
-    timesteps, _ = retrieve_timesteps(scheduler, None, device, sigmas=sigmas, mu=mu)
+    timesteps = _timesteps(scheduler, steps, latents.shape[1], device, pipeline_config, sigmas)
     image_mask = with_target_slots(prompt.image_mask, latents.shape[1])
     neg_image_mask = with_target_slots(negative.image_mask, latents.shape[1]) if do_cfg else None
     cached = use_kv_cache and transformer.config.causal_condition
@@ -205,24 +229,47 @@ def denoise_latents(
             kv_mode = ("extract" if i == 0 else "cached") if cached else None
             model_input = latents if ref_tokens is None else torch.cat([ref_tokens, latents], dim=1)
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-            return _predict(transformer, model_input, timestep, img_shapes, kv_mode, latents.shape[1], inputs.embeds,
-                            inputs.mask, image_mask, kv_cache, name)  # fmt: skip
+            return _predict(
+                transformer,
+                model_input,
+                timestep,
+                img_shapes,
+                kv_mode,
+                latents.shape[1],
+                inputs.embeds,
+                inputs.mask,
+                image_mask,
+                kv_cache,
+                name,
+            )
 
         return call
 
     cond = prediction(prompt, image_mask, cond_cache, "cond")
     uncond = prediction(negative, neg_image_mask, neg_cache, "uncond") if do_cfg else None
-    latents = denoise(scheduler, timesteps, latents, cond, uncond, true_cfg_scale, progress=progress,
-                      checkpoint=checkpoint)  # fmt: skip
+    latents = denoise(
+        scheduler, timesteps, latents, cond, uncond, true_cfg_scale, progress=progress, checkpoint=checkpoint
+    )
     return _unpack(latents, lat_h, lat_w, 1)
 
 
-def _predict(transformer, model_input, timestep, img_shapes, kv_mode, target_tokens, embeds, mask, image_mask,
-             kv_cache, name) -> torch.Tensor:  # fmt: skip
+def _predict(
+    transformer, model_input, timestep, img_shapes, kv_mode, target_tokens, embeds, mask, image_mask, kv_cache, name
+) -> torch.Tensor:
     """One transformer call of the loop (named for diffusers' cache hooks); the target's tokens of its output."""
-    out = predict(transformer, name, hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds,
-                  encoder_hidden_states_mask=mask, img_shapes=img_shapes, img_mask=image_mask, attention_kwargs={},
-                  kv_cache=kv_cache, kv_cache_mode=kv_mode)  # fmt: skip
+    out = predict(
+        transformer,
+        name,
+        hidden_states=model_input,
+        timestep=timestep,
+        encoder_hidden_states=embeds,
+        encoder_hidden_states_mask=mask,
+        img_shapes=img_shapes,
+        img_mask=image_mask,
+        attention_kwargs={},
+        kv_cache=kv_cache,
+        kv_cache_mode=kv_mode,
+    )
     return out[:, -target_tokens:]
 
 

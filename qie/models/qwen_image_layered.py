@@ -41,8 +41,9 @@ RESOLUTIONS = (640, 1024)
 DEFAULT_LAYERS = 4
 # How the pipeline spaces its inference sigmas (`qie.models.flow.SIGMA_SCHEDULES`).
 SIGMA_SCHEDULE = "linspace_to_0_dropped"
-VARIANTS = {"layered": Variant("QwenImageLayeredPipeline", "none", output_image=0, caption="layered",
-                                 max_prompt_tokens=512)}
+VARIANTS = {
+    "layered": Variant("QwenImageLayeredPipeline", "none", output_image=0, caption="layered", max_prompt_tokens=512)
+}
 
 
 def encode_prompts(
@@ -87,8 +88,9 @@ def layered_loss(
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
     """
     zeros = torch.zeros(batch.latents.shape[0], dtype=torch.long, device=batch.latents.device)
-    return qwen_image.packed_loss(transformer, batch, noise, sigmas, weighting, packed_frames, per_sample,
-                                  additional_t_cond=zeros)  # 0: RGBA, as sampled  # fmt: skip
+    return qwen_image.packed_loss(
+        transformer, batch, noise, sigmas, weighting, packed_frames, per_sample, additional_t_cond=zeros
+    )  # 0: RGBA, as sampled
 
 
 # --- sampling -------------------------------------------------------------------------------------------
@@ -120,9 +122,17 @@ def sample(
     generator = torch.Generator("cpu").manual_seed(int(options.seed))
     noise = initial_noise((batch, channels, layers + 1, lat_h, lat_w), generator, device, dtype)
     negative_inputs = inputs(negative[0]) if options.guidance else None
-    return denoise_latents(transformer, parts.scheduler, noise, inputs(prompt[0]), negative_inputs,
-                           [control.unsqueeze(0)], options.num_inference_steps, options.true_cfg_scale,
-                           progress=progress)  # fmt: skip
+    return denoise_latents(
+        transformer,
+        parts.scheduler,
+        noise,
+        inputs(prompt[0]),
+        negative_inputs,
+        [control.unsqueeze(0)],
+        options.num_inference_steps,
+        options.true_cfg_scale,
+        progress=progress,
+    )
 
 
 def denoise_latents(
@@ -169,17 +179,33 @@ def denoise_latents(
 
     def prediction(inputs: PromptInputs, name: str) -> Prediction:
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            return predict(transformer, name, hidden_states=torch.cat([latents, cond_tokens], dim=1),
-                           timestep=t.expand(batch).to(latents.dtype) / 1000, guidance=None, img_shapes=img_shapes,
-                           attention_kwargs={}, additional_t_cond=is_rgb, encoder_hidden_states=inputs.embeds,
-                           encoder_hidden_states_mask=inputs.mask)[:, : latents.size(1)]  # fmt: skip
+            return predict(
+                transformer,
+                name,
+                hidden_states=torch.cat([latents, cond_tokens], dim=1),
+                timestep=t.expand(batch).to(latents.dtype) / 1000,
+                guidance=None,
+                img_shapes=img_shapes,
+                attention_kwargs={},
+                additional_t_cond=is_rgb,
+                encoder_hidden_states=inputs.embeds,
+                encoder_hidden_states_mask=inputs.mask,
+            )[:, : latents.size(1)]
 
         return call
 
     # The pipeline's default: CFG without cfg_normalize (no rescale).
     uncond = prediction(negative, "uncond") if negative is not None and true_cfg_scale > 1 else None
-    latents = denoise(scheduler, timesteps, latents, prediction(prompt, "cond"), uncond, true_cfg_scale,
-                      progress=progress, checkpoint=checkpoint)  # fmt: skip
+    latents = denoise(
+        scheduler,
+        timesteps,
+        latents,
+        prediction(prompt, "cond"),
+        uncond,
+        true_cfg_scale,
+        progress=progress,
+        checkpoint=checkpoint,
+    )
     return _unpack_latents(latents, lat_h, lat_w, frames - 1, 1)
 
 
@@ -240,28 +266,43 @@ TINY_Z_DIM = 8
 # ~1.3 s on one CPU core and turns each frame into 20x20 transformer tokens. Fixed, deliberately non-trivial latent
 # statistics so normalisation bugs change results.
 TINY_VAE: dict[str, Any] = {
-    "base_dim": 4, "z_dim": TINY_Z_DIM, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
-    "temperal_downsample": [False, False, False, False], "input_channels": 4,
+    "base_dim": 4,
+    "z_dim": TINY_Z_DIM,
+    "dim_mult": [1, 1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, False, False, False],
+    "input_channels": 4,
     "latents_mean": [-0.35, 0.2, 0.45, -0.1, 0.05, -0.25, 0.3, 0.1],
     "latents_std": [0.6, 1.35, 0.85, 1.2, 0.95, 1.1, 0.7, 1.25],
-}  # fmt: skip
+}
 # The Layered demo's RGBA VAE: the tiny VAE's shape, trained on the demo's layers and shipped with qie (written by
 # scripts/train_demo_vae.py --layered). At the pipeline's 640² bucket it encodes a frame in ~0.5 s and decodes one in
 # ~0.8 s on one CPU core. (Twice as wide, it stayed at the frames' mean colour for longer than its training takes.)
 DEMO_VAE: dict[str, Any] = {
-    "base_dim": 4, "z_dim": TINY_Z_DIM, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
-    "temperal_downsample": [False, False, False, False], "input_channels": 4,
-}  # fmt: skip
+    "base_dim": 4,
+    "z_dim": TINY_Z_DIM,
+    "dim_mult": [1, 1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, False, False, False],
+    "input_channels": 4,
+}
 TINY = qwen_image.TINY.but(
-    transformer={"in_channels": 4 * TINY_Z_DIM, "out_channels": TINY_Z_DIM, "use_layer3d_rope": True,
-                 "use_additional_t_cond": True},
-    vae=TINY_VAE, pipeline="QwenImageLayeredPipeline", tokenizer_pipelines=("QwenImageLayeredPipeline",),
+    transformer={
+        "in_channels": 4 * TINY_Z_DIM,
+        "out_channels": TINY_Z_DIM,
+        "use_layer3d_rope": True,
+        "use_additional_t_cond": True,
+    },
+    vae=TINY_VAE,
+    pipeline="QwenImageLayeredPipeline",
+    tokenizer_pipelines=("QwenImageLayeredPipeline",),
     video_processor=False,
-)  # fmt: skip
+)
 FLAVOURS = {
     "published": Flavour(
         {**real_size.TRANSFORMER, "use_layer3d_rope": True, "use_additional_t_cond": True},
-        {**real_size.VAE, "input_channels": 4}, real_size.TEXT_ENCODER,
+        {**real_size.VAE, "input_channels": 4},
+        real_size.TEXT_ENCODER,
     ),
     "qwen_image_layered": TINY,
     # The Layered demo's model: the tiny one with the shipped RGBA VAE, so the demo's decoded layers show what the
@@ -282,8 +323,11 @@ FAMILY = ModelFamily(
     keep_full_precision=qwen_image.FAMILY.keep_full_precision,
     # Qwen-Image's transformer keys and the extra timestep condition (`use_additional_t_cond`): a Layered file
     # matches Qwen-Image's signature too, so the longest matching signature names the family.
-    weight_signature=("txt_norm.weight", "transformer_blocks.0.txt_mlp.net.0.proj.weight",
-                      "time_text_embed.addition_t_embedding.weight"),
+    weight_signature=(
+        "txt_norm.weight",
+        "transformer_blocks.0.txt_mlp.net.0.proj.weight",
+        "time_text_embed.addition_t_embedding.weight",
+    ),
     flavours=FLAVOURS,
     # 8x VAE, 2x2 patches; the text-only template adds ~34 tokens.
     planner=PlannerFacts(16, 28 * 28, 34, "Qwen2.5-VL-7B", qwen_image.step_inputs),

@@ -79,8 +79,17 @@ def sample_latents(
     if negative_prompt_embeds is not None:
         negative = PromptInputs(_to(negative_prompt_embeds, device), _to(negative_prompt_embeds_mask, device))
     prompt = PromptInputs(_to(prompt_embeds, device), _to(prompt_embeds_mask, device))
-    return denoise_latents(transformer, scheduler, noise, prompt, negative, control_latents, num_inference_steps,
-                           true_cfg_scale, progress=progress)  # fmt: skip
+    return denoise_latents(
+        transformer,
+        scheduler,
+        noise,
+        prompt,
+        negative,
+        control_latents,
+        num_inference_steps,
+        true_cfg_scale,
+        progress=progress,
+    )
 
 
 def denoise_latents(
@@ -129,15 +138,32 @@ def denoise_latents(
             model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=1)
             timestep = t.expand(batch).to(latents.dtype) / 1000
             # Control tokens follow the target's in the sequence; only the target's are denoised.
-            return predict(transformer, name, hidden_states=model_input, timestep=timestep, guidance=None,
-                           encoder_hidden_states=inputs.embeds, encoder_hidden_states_mask=inputs.mask,
-                           img_shapes=img_shapes, attention_kwargs={})[:, : latents.size(1)]  # fmt: skip
+            return predict(
+                transformer,
+                name,
+                hidden_states=model_input,
+                timestep=timestep,
+                guidance=None,
+                encoder_hidden_states=inputs.embeds,
+                encoder_hidden_states_mask=inputs.mask,
+                img_shapes=img_shapes,
+                attention_kwargs={},
+            )[:, : latents.size(1)]
 
         return call
 
     uncond = prediction(negative, "uncond") if do_cfg else None
-    latents = denoise(scheduler, timesteps, latents, prediction(prompt, "cond"), uncond, true_cfg_scale,
-                      rescale=True, progress=progress, checkpoint=checkpoint)  # fmt: skip
+    latents = denoise(
+        scheduler,
+        timesteps,
+        latents,
+        prediction(prompt, "cond"),
+        uncond,
+        true_cfg_scale,
+        rescale=True,
+        progress=progress,
+        checkpoint=checkpoint,
+    )
     return _unpack_latents(latents, lat_h, lat_w, 1)
 
 

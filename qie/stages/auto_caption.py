@@ -169,8 +169,11 @@ class AutoCaptions:
             try:
                 key = caption_key(sample, self.settings, self.context, self.hasher)
             except (DataError, OSError) as e:
-                problems.append(self._problem(sample, str(e) if isinstance(e, DataError) else
-                                              f"cannot read {e.filename!r} ({e.strerror})"))  # fmt: skip
+                problems.append(
+                    self._problem(
+                        sample, str(e) if isinstance(e, DataError) else f"cannot read {e.filename!r} ({e.strerror})"
+                    )
+                )
                 continue
             self.counts.keys.add(key)
             text = self._read(key)
@@ -181,8 +184,11 @@ class AutoCaptions:
                 if unreadable := _unreadable(sample):  # no caption can be made of it: a broken sample, skipped
                     problems.append(unreadable)
                     continue
-                self.misses.append(self._problem(sample, f"sample {sample.id!r} has no cached caption "
-                                                         f"(data.auto_caption): {self.miss_hint}"))  # fmt: skip
+                self.misses.append(
+                    self._problem(
+                        sample, f"sample {sample.id!r} has no cached caption (data.auto_caption): {self.miss_hint}"
+                    )
+                )
                 problems.append(self.misses[-1])
             else:
                 todo.append((i, key))
@@ -209,13 +215,17 @@ class AutoCaptions:
                     problems.append(self._problem(samples[i], str(e)))
             for (i, key), text in zip(batch, captioner.caption(images) if batch else []):
                 if not text:
-                    problems.append(self._problem(samples[i], f"sample {samples[i].id!r}: the model wrote an "
-                                                              "empty caption: write one"))  # fmt: skip
+                    problems.append(
+                        self._problem(
+                            samples[i], f"sample {samples[i].id!r}: the model wrote an empty caption: write one"
+                        )
+                    )
                     continue
                 if self.backend is not None:
                     meta = {"prompt_name": self.settings.prompt.name}
-                    self.counts.bytes_written += self.backend.put(CAPTION_TYPE, key, {"text": caption_tensor(text)},
-                                                                  meta)  # fmt: skip
+                    self.counts.bytes_written += self.backend.put(
+                        CAPTION_TYPE, key, {"text": caption_tensor(text)}, meta
+                    )
                 self.counts.new += 1
                 out[i] = replace(samples[i], prompt=text)
 
@@ -239,14 +249,21 @@ def _unreadable(sample: Sample) -> DataProblem | None:
 def build_captioner(model: ModelConfig, spec: ModelSpec, device: str) -> Callable[[CaptionSettings], Captioner]:
     """A function building the caption stage's captioner (the text encoder and its processor, on `device`) for
     `model`."""
+
     def make(settings: CaptionSettings) -> Any:
         return caption_stage.build_captioner(model, spec, device, settings)  # reads settings.prompt and .generation
 
     return make
 
 
-def auto_captions(settings: CaptionSettings | None, source: SourceSettings, spec: ModelSpec, generate: bool,
-                  backend: CacheBackend, hasher: FileHasher | None = None) -> AutoCaptions | None:  # fmt: skip
+def auto_captions(
+    settings: CaptionSettings | None,
+    source: SourceSettings,
+    spec: ModelSpec,
+    generate: bool,
+    backend: CacheBackend,
+    hasher: FileHasher | None = None,
+) -> AutoCaptions | None:
     """What fills in missing captions when `data.auto_caption` is set (`settings`, else None: None): captions are
     read from the cache (`backend`, where it stores anything) and, when `generate`, the missing ones are written by
     the model's own text encoder (built on the first one, where `source` builds its encoders) and stored; without
@@ -255,6 +272,12 @@ def auto_captions(settings: CaptionSettings | None, source: SourceSettings, spec
         return None
     hint = f"fill the cache with {source.precompute_command} or train with cache.mode=lazy"
     make = build_captioner(source.model, spec, source.devices["text_encoder"]) if generate else None
-    return AutoCaptions(settings, model_key_context(source.model, spec, source.sizes),
-                        hasher or file_hasher(source.cache_dir), backend if backend.stores else None, make, spec,
-                        hint)  # fmt: skip
+    return AutoCaptions(
+        settings,
+        model_key_context(source.model, spec, source.sizes),
+        hasher or file_hasher(source.cache_dir),
+        backend if backend.stores else None,
+        make,
+        spec,
+        hint,
+    )

@@ -63,8 +63,15 @@ def gc_setup(model: ModelConfig, data: DataConfig, cache: CacheConfig, gc: GcCon
     spec = prepare_model(model)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
     source = source_settings(model, data, cache, spec, None, command).with_mode("cached")
-    return GcSetup(spec, source, data_source(data, cache.dir), tuple(str(p) for p in gc.keep_data), captions,
-                   bool(gc.dry_run), bool(gc.force))  # fmt: skip
+    return GcSetup(
+        spec,
+        source,
+        data_source(data, cache.dir),
+        tuple(str(p) for p in gc.keep_data),
+        captions,
+        bool(gc.dry_run),
+        bool(gc.force),
+    )
 
 
 def used_keys(setup: GcSetup, backend: CacheBackend) -> tuple[dict[str, set[str]], int]:

@@ -82,8 +82,9 @@ def read_settings(c: CaptionConfig) -> Settings:
     prompt, generation = prompt_settings(c)
     dry = int(c.dry_run_samples) if c.dry_run else 0
     raise_errors = c.on_error == "raise"
-    return Settings(prompt, generation, int(c.batch_size), bool(c.overwrite), dry, raise_errors, int(c.start), c.end,
-                    c.output)  # fmt: skip
+    return Settings(
+        prompt, generation, int(c.batch_size), bool(c.overwrite), dry, raise_errors, int(c.start), c.end, c.output
+    )
 
 
 def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings]:
@@ -95,8 +96,9 @@ def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings
     if not c.instruction and not c.pipeline_prompt:
         raise ConfigError("caption.instruction is empty: choose caption=edit_instruction|describe|layered or set it")
     prompt = CaptionPrompt(str(c.name), c.instruction, c.no_controls, bool(c.show_controls), c.pipeline_prompt)
-    generation = GenerationSettings(int(c.max_new_tokens), bool(c.do_sample), float(c.temperature), float(c.top_p),
-                                    int(c.seed))  # fmt: skip
+    generation = GenerationSettings(
+        int(c.max_new_tokens), bool(c.do_sample), float(c.temperature), float(c.top_p), int(c.seed)
+    )
     return prompt, generation
 
 
@@ -182,8 +184,9 @@ def build_captioner(model: ModelConfig, spec: ModelSpec, device: str, settings: 
     names = ["text_encoder", *spec.prompt_parts]
     parts = load_parts(model, names, {"text_encoder": device}, spec)
     processor_class = spec.part_classes["processor"]
-    return Captioner(parts.text_encoder, caption_processor(parts, processor_class), settings.prompt,
-                     settings.generation)  # fmt: skip
+    return Captioner(
+        parts.text_encoder, caption_processor(parts, processor_class), settings.prompt, settings.generation
+    )
 
 
 def run_info(m: ModelConfig, settings: Settings) -> dict[str, Any]:
@@ -192,9 +195,14 @@ def run_info(m: ModelConfig, settings: Settings) -> dict[str, Any]:
         "prompt_name": settings.prompt.name,
         "generation": settings.generation.to_dict(),
         "batch_size": 1 if settings.generation.do_sample else settings.batch_size,
-        "model": {"name": str(m.name), "source": model_source(m), "revision": m.revision, "dtype": str(m.dtype),
-                  "text_encoder_quantize": str(m.text_encoder_quantize)},
-    }  # fmt: skip
+        "model": {
+            "name": str(m.name),
+            "source": model_source(m),
+            "revision": m.revision,
+            "dtype": str(m.dtype),
+            "text_encoder_quantize": str(m.text_encoder_quantize),
+        },
+    }
 
 
 def shown_images(sample: Sample, captioner: Captioner, spec: ModelSpec, vl_pixels: int) -> list:
@@ -215,8 +223,15 @@ def shown_images(sample: Sample, captioner: Captioner, spec: ModelSpec, vl_pixel
     return images
 
 
-def caption_all(captioner: Captioner, samples: list[Sample], spec: ModelSpec, settings: Settings, output,
-                summary: CaptionSummary, info: dict) -> None:  # fmt: skip
+def caption_all(
+    captioner: Captioner,
+    samples: list[Sample],
+    spec: ModelSpec,
+    settings: Settings,
+    output,
+    summary: CaptionSummary,
+    info: dict,
+) -> None:
     """Caption `samples` in batches; write each caption (or keep it for the dry run's preview)."""
     vl_pixels = int(spec.vl_image_pixels)
     info = {**info, "checkpoint_generation": captioner.checkpoint_generation()}
@@ -278,9 +293,11 @@ def finish(state, summary: CaptionSummary, output, samples: list[Sample], settin
 
 def format_summary(summary: CaptionSummary, run_dir: Path | None, where: str, done: str = "captioned") -> str:
     """The end-of-run report: counts, a dry run's captions, the first failures, where the output is."""
-    lines = [f"caption: {summary.captioned} {done}, {summary.skipped_existing} kept (had a caption; "
-             f"caption.overwrite=true replaces them), {summary.skipped_done} done earlier, "
-             f"{len(summary.failures)} failed"]  # fmt: skip
+    lines = [
+        f"caption: {summary.captioned} {done}, {summary.skipped_existing} kept (had a caption; "
+        f"caption.overwrite=true replaces them), {summary.skipped_done} done earlier, "
+        f"{len(summary.failures)} failed"
+    ]
     lines += [f"  {sid}: {text}" for sid, text in summary.preview]
     lines += [f"  failed: {p.id}: {p.path}: {p.reason}" for p in summary.failures[:10]]
     if len(summary.failures) > 10:

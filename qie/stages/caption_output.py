@@ -34,8 +34,10 @@ class FolderOutput:
 
     def _paths(self, sample: Sample) -> list[Path]:
         # The folder reader takes training_images/<stem>.txt, else control_images/<stem>.txt.
-        return [self.root / "training_images" / f"{sample.id}{CAPTION_SUFFIX}",
-                self.root / "control_images" / f"{sample.id}{CAPTION_SUFFIX}"]  # fmt: skip
+        return [
+            self.root / "training_images" / f"{sample.id}{CAPTION_SUFFIX}",
+            self.root / "control_images" / f"{sample.id}{CAPTION_SUFFIX}",
+        ]
 
     def has_caption(self, sample: Sample) -> bool:
         return any(p.is_file() for p in self._paths(sample))

@@ -41,8 +41,15 @@ def split_heldout(samples: list[Sample], count: int) -> tuple[list[Sample], list
     return [s for s in samples if s.id not in held], [s for s in samples if s.id in held]
 
 
-def measure_heldout(result: dict, state: TrainState, source: Any, heldout: list[Sample], objective: Objective,
-                    logger: MetricsLogger, negatives: bool = False) -> None:  # fmt: skip
+def measure_heldout(
+    result: dict,
+    state: TrainState,
+    source: Any,
+    heldout: list[Sample],
+    objective: Objective,
+    logger: MetricsLogger,
+    negatives: bool = False,
+) -> None:
     """Add the trained model's held-out measures to `result` (`heldout_loss`, `heldout_<measure>`,
     `heldout_samples`), log and print them. The main process measures; the others add nothing. `negatives`: the
     objective reads the samples' empty-prompt embeddings."""
@@ -52,12 +59,21 @@ def measure_heldout(result: dict, state: TrainState, source: Any, heldout: list[
     result.update({f"heldout_{k}": v for k, v in metrics.items()})
     result["heldout_samples"] = len(heldout)
     others = "".join(f", {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items() if k != "loss")
-    print(f"qie: held-out loss {metrics['loss']:.4f}{others} on {len(heldout)} samples kept out of training "
-          "(validation.heldout_samples)")
+    print(
+        f"qie: held-out loss {metrics['loss']:.4f}{others} on {len(heldout)} samples kept out of training "
+        "(validation.heldout_samples)"
+    )
 
 
-def heldout_hook(state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger,
-                 every: int, negatives: bool = False) -> Callable[[StepInfo], None]:  # fmt: skip
+def heldout_hook(
+    state: TrainState,
+    source: Any,
+    heldout: list[Sample],
+    objective: Objective,
+    logger: MetricsLogger,
+    every: int,
+    negatives: bool = False,
+) -> Callable[[StepInfo], None]:
     """A step hook measuring and logging the held-out samples every `every` steps (`validation.every`), on the
     main process."""
 
@@ -68,8 +84,15 @@ def heldout_hook(state: TrainState, source: Any, heldout: list[Sample], objectiv
     return hook
 
 
-def _measure(state: TrainState, source: Any, heldout: list[Sample], objective: Objective, logger: MetricsLogger,
-             step: int, negatives: bool = False) -> dict[str, float]:  # fmt: skip
+def _measure(
+    state: TrainState,
+    source: Any,
+    heldout: list[Sample],
+    objective: Objective,
+    logger: MetricsLogger,
+    step: int,
+    negatives: bool = False,
+) -> dict[str, float]:
     transformer = state.accelerator.unwrap_model(state.model)
     metrics = heldout_metrics(transformer, source, heldout, objective.evaluate, seed=SEED, negatives=negatives)
     logger.log_file(HELDOUT_FILE, step, {f"heldout/{k}": v for k, v in metrics.items()})

@@ -226,8 +226,9 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     if p.merge_to:
         return [merge(model, p, run_dir, spec)]
     options = sampling_options(p)
-    for note in spec.family.sampling_notes(spec, pipeline_config(str(model.pretrained_model_name_or_path),
-                                                                  model.revision), options):  # fmt: skip
+    for note in spec.family.sampling_notes(
+        spec, pipeline_config(str(model.pretrained_model_name_or_path), model.revision), options
+    ):
         print(f"infer: warning: {note}")
     if p.input:
         return run_batch(model, typed(cfg.data), p, run_dir, spec)
@@ -250,8 +251,9 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     return written
 
 
-def run_batch(model: ModelConfig, data_settings: DataConfig, predict: PredictConfig, run_dir: Path,
-              spec: ModelSpec) -> list[Path]:  # fmt: skip
+def run_batch(
+    model: ModelConfig, data_settings: DataConfig, predict: PredictConfig, run_dir: Path, spec: ModelSpec
+) -> list[Path]:
     """One output per row of the data set `predict.input` (read with the `data` group's settings), at
     `<output_dir>/<id>.png`; bad rows are reported."""
     data = read_data(data_source(data_settings, None, predict.input), require_target=False)

@@ -52,15 +52,19 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
     }
     budget, reserve = int(float(cfg.gpu_memory_gb) * GIB), int(float(cfg.reserve_gb) * GIB)
     rows = plan(weights, step, budget, state, reserve)
-    print(f"qie plan: LoRA training of {where}, {config['num_layers']} blocks, batch {work.batch}: "
-          f"{work.target_tokens} target + {sum(work.control_tokens)} control + {work.prompt_tokens} prompt tokens; "
-          f"GPU {cfg.gpu_memory_gb} GiB")  # fmt: skip
+    print(
+        f"qie plan: LoRA training of {where}, {config['num_layers']} blocks, batch {work.batch}: "
+        f"{work.target_tokens} target + {sum(work.control_tokens)} control + {work.prompt_tokens} prompt tokens; "
+        f"GPU {cfg.gpu_memory_gb} GiB"
+    )
     print(report(rows, budget))
     text_config = family.published.text_encoder
     te = {q: text_encoder_bytes(family, text_config, q) / GIB for q in ("none", "fp8")}
-    print(f"precompute / caption / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB in "
-          f"bf16, {te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8 (caption: plus its key/value "
-          "cache, see the guide)")  # fmt: skip
+    print(
+        f"precompute / caption / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB in "
+        f"bf16, {te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8 (caption: plus its key/value "
+        "cache, see the guide)"
+    )
     return rows
 
 
@@ -98,8 +102,10 @@ def report(rows: list[Estimate], budget: int) -> str:
     for r in rows:
         lv = r.levers
         fits = "yes" if r.total <= budget else "no"
-        lines.append(f"{lv.quantize:<8}  {str(lv.gradient_checkpointing):<13}  {str(lv.activation_offload):<7}  "
-                     f"{lv.blocks_to_swap:>14}  {r.total / GIB:>6.1f}   {fits}")  # fmt: skip
+        lines.append(
+            f"{lv.quantize:<8}  {str(lv.gradient_checkpointing):<13}  {str(lv.activation_offload):<7}  "
+            f"{lv.blocks_to_swap:>14}  {r.total / GIB:>6.1f}   {fits}"
+        )
     fitting = [r for r in rows if r.total <= budget]
     if not fitting:
         return "\n".join([*lines, "nothing fits: use a larger GPU, or shard over several (train.fsdp=true)"])

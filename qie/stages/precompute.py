@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
@@ -32,6 +32,7 @@ from qie.config.backend import build_backend
 from qie.config.cache import CacheConfig, PrecomputeConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
+from qie.data.fields import DEFAULT_FIELDS, SampleField, run_fields, with_defaults
 from qie.data.formats import DataSource
 from qie.data.samples import DataProblem, Dataset, Sample, without_controls
 from qie.encode import Encoder, ImageSizes
@@ -63,7 +64,7 @@ from qie.stages.sources import build_encoder, model_key_context
 from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
 from qie.stages.teacher_fill import check_processes, fill_teachers
 from qie.stages.train_setup import train_setup
-from qie.training.objectives import objective_traits
+from qie.training.objectives import objective_class, trains_on_targets
 
 __all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
@@ -107,8 +108,10 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
     groups = (typed(cfg[k]) for k in ("model", "data", "cache", "precompute"))
     command = precompute_command(cfg)
-    settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), command)
-    settings = replace(settings, targets=objective_traits(str(cfg.train.objective))[0])
+    objective = objective_class(OmegaConf.to_container(cfg.train.objective, resolve=True))
+    fields = with_defaults(run_fields(objective.requires))  # the sample fields encoded: every one it requires
+    settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), command, fields)
+    settings = replace(settings, targets=trains_on_targets(objective))
     teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
     if cfg.precompute.teachers:
         train_groups = (typed(cfg[k]) for k in ("model", "data", "cache", "train", "predict", "logging", "validation"))
@@ -159,31 +162,56 @@ def refuse_if_none_encoded(summary: PrecomputeSummary, run_dir: Path) -> None:
     failed = {p.id for p in summary.failures}
     if summary.samples and len(failed) >= summary.samples:
         first = summary.failures[0]
-        raise DataError(f"none of the {summary.samples} samples could be encoded (all listed in "
-                        f"{run_dir / 'failures.jsonl'}); the first, {first.id!r}: {first.reason}")  # fmt: skip
+        raise DataError(
+            f"none of the {summary.samples} samples could be encoded (all listed in "
+            f"{run_dir / 'failures.jsonl'}); the first, {first.id!r}: {first.reason}"
+        )
 
 
-def read_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, p: PrecomputeConfig,
-                  make_backend: Callable[..., CacheBackend], command: str) -> Settings:  # fmt: skip
+def read_settings(
+    model: ModelConfig,
+    data: DataConfig,
+    cache: CacheConfig,
+    p: PrecomputeConfig,
+    make_backend: Callable[..., CacheBackend],
+    command: str,
+    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
+) -> Settings:
     """The stage's settings, and the cache backend built (`make_backend`, given the stage's `verify_reads`):
     ConfigError for a cache that does not outlive the process, or a caption prompt that cannot be read.
 
     Args:
         command: the precompute command that fills this cache (what a training run's miss names).
+        fields: the sample fields whose images are read and encoded (`qie.data.fields`).
     """
     # `cache.repair`: every existing entry is read once, and those whose checksum fails are encoded again.
     repair = bool(cache.repair)
     backend = make_backend(verify_reads=repair)
     if not backend.persists:
-        raise ConfigError(f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
-                          "ends: use cache=ssd cache.dir=FOLDER")  # fmt: skip
+        raise ConfigError(
+            f"precompute needs a persistent cache, and {backend!r} keeps nothing once the process "
+            "ends: use cache=ssd cache.dir=FOLDER"
+        )
     raise_errors = p.on_error == "raise"
     spec = prepare_model(model)
     source = source_settings(model, data, cache, spec, None, command)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
-    return Settings(int(p.batch_size), raise_errors, p.start, p.end, spec, backend, repair, source.sizes,
-                    functools.partial(build_encoder, model, spec, source.devices), source, data_source(data, cache.dir),
-                    float(data.control_dropout_rate), regularization(data), captions)  # fmt: skip
+    return Settings(
+        int(p.batch_size),
+        raise_errors,
+        p.start,
+        p.end,
+        spec,
+        backend,
+        repair,
+        source.sizes,
+        functools.partial(build_encoder, model, spec, source.devices),
+        source,
+        replace(data_source(data, cache.dir), fields=fields),
+        float(data.control_dropout_rate),
+        regularization(data),
+        captions,
+    )
 
 
 def dataset_range(settings: Settings, captions: AutoCaptions | None = None) -> list[Sample | DataProblem]:
@@ -230,8 +258,17 @@ def encode(groups: dict, summary, settings: Settings, desc: str) -> None:
 
     todo = sum(len(g) for g in groups.values())
     with progress(todo, desc or "precompute", unit="sample", disable=not todo) as bar:
-        encode_groups(get_encoder, groups, settings.backend, settings.sizes, summary, settings.batch_size,
-                      settings.raise_errors, bar.update, settings.repair)  # fmt: skip
+        encode_groups(
+            get_encoder,
+            groups,
+            settings.backend,
+            settings.sizes,
+            summary,
+            settings.batch_size,
+            settings.raise_errors,
+            bar.update,
+            settings.repair,
+        )
 
 
 def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path) -> PrecomputeSummary:

@@ -12,17 +12,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from qie.cache.base import CacheBackend
-from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, write_entries
+from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, stored_order, write_entries
 from qie.data.images import ImageError
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import DataProblem, Sample
-from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_rejected, prepare_sample, prompt_limit, text_tokens
+from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_field, prepare_sample, prompt_limit, text_tokens
 from qie.errors import DataError
 from qie.models import text_positions
+from qie.types import field_of_type
 
 log = logging.getLogger(__name__)
 
-# The stored types only some data sets have: layers (a layered model's), rejected results (preference pairs).
+# The stored types only some data sets have: layers (a layered model's), the images of sample fields
+# (`qie.data.fields`: preference pairs' rejected results, ...).
 OPTIONAL_TYPES = ("layer_latent", "rejected_latent")
 
 Keyed = tuple[Sample, dict[str, str]]
@@ -39,7 +41,7 @@ class TypeSummary:
 @dataclass
 class PrecomputeSummary:
     samples: int = 0
-    # Every stored type but those only some data sets have (`of`): layer_latent, rejected_latent.
+    # Every stored type but those only some data sets have (`of`): layer_latent, the sample fields' types.
     types: dict[str, TypeSummary] = field(
         default_factory=lambda: {t: TypeSummary() for t in STORED_TYPES if t not in OPTIONAL_TYPES}
     )
@@ -66,11 +68,12 @@ class PrecomputeSummary:
 
     @classmethod
     def of(cls, items: list) -> PrecomputeSummary:
-        """An empty summary of the types the samples among `items` have (layer_latent only for layered ones,
-        rejected_latent only for preference pairs)."""
-        has = {"layer_latent": any(getattr(s, "layers", ()) for s in items),
-               "rejected_latent": any(getattr(s, "rejected", None) is not None for s in items)}  # fmt: skip
-        return cls(types={t: TypeSummary() for t in STORED_TYPES if has.get(t, True)})
+        """An empty summary of the types the samples among `items` have (layer_latent only for layered ones, a
+        sample field's type only where a sample has its image: rejected_latent for preference pairs)."""
+        samples = [s for s in items if isinstance(s, Sample)]
+        fields = {f"{name}_latent" for s in samples for name, _ in s.field_images}
+        has = {"layer_latent": any(s.layers for s in samples), **{t: t in fields for t in OPTIONAL_TYPES[1:]}}
+        return cls(types={t: TypeSummary() for t in stored_order([*STORED_TYPES, *fields]) if has.get(t, True)})
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -145,7 +148,7 @@ def plan(
     missing_of: list[list[str]] = []
     for _, keys in mine:
         missing = []
-        for t in (t for t in STORED_TYPES if t in keys):
+        for t in stored_order(keys):
             if (t, keys[t]) in planned or whole(backend, t, keys[t], repair):
                 summary.types[t].skipped += 1
             else:
@@ -158,7 +161,7 @@ def plan(
         entry = ("prompt_embed", keys.get("prompt_embed"))
         if keys.get(BASE_TYPE) in rebased and entry[1] is not None and entry not in planned:
             planned.add(entry)
-            missing.append("prompt_embed")  # the last stored type: the tuple keeps STORED_TYPES order
+            missing = stored_order([*missing, "prompt_embed"])  # the tuple keeps the stored order
             summary.types["prompt_embed"].skipped -= 1
         if missing:
             groups[tuple(missing)].append((sample, keys))
@@ -252,8 +255,9 @@ def release_all(claims: list, quiet: bool = False) -> None:
         raise failed
 
 
-# The entry types read from the target's images (the target, a layered target's layers, a rejected result).
-TARGET_TYPES = ("pixel_latent", "layer_latent", "rejected_latent")
+# The entry types read from the target's images (the target, a layered target's layers); the sample fields'
+# (`field_of_type`: a rejected result) are read as the target is too, each failing only its own entry.
+TARGET_TYPES = ("pixel_latent", "layer_latent")
 
 
 def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summary, raise_errors: bool) -> None:
@@ -262,21 +266,22 @@ def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summ
     for sample, keys, missing in todo:
         types = list(missing)
         prepared = PreparedSample(sample, None, [], [])
-        target_types = [t for t in missing if t in TARGET_TYPES]
-        control_types = [t for t in missing if t not in TARGET_TYPES]
+        field_types = [t for t in missing if field_of_type(t) is not None]
+        target_types = [t for t in missing if t in TARGET_TYPES or t in field_types]
+        control_types = [t for t in missing if t not in target_types]
         if target_types:
             try:
-                read = prepare_sample(sample, sizes, with_controls=False, with_rejected=False)
+                read = prepare_sample(sample, sizes, with_controls=False, with_fields=False)
                 prepared.target, prepared.layers = read.target, read.layers
             except DataError as e:
                 record_failure(summary, sample, e, target_types, keys, raise_errors)
                 types = [t for t in types if t not in target_types]
-        if "rejected_latent" in types:  # a rejected image of its own fails only its entry: the rest still trains
+        for t in (t for t in field_types if t in types):  # a field's image fails only its entry: the rest trains
             try:
-                prepared.rejected = prepare_rejected(sample, sizes, prepared.target)
+                prepared.fields[field_of_type(t)] = prepare_field(sample, field_of_type(t), sizes, prepared.target)
             except DataError as e:
-                record_failure(summary, sample, e, ["rejected_latent"], keys, raise_errors)
-                types.remove("rejected_latent")
+                record_failure(summary, sample, e, [t], keys, raise_errors)
+                types.remove(t)
         if control_types:
             try:
                 read = prepare_sample(sample, sizes, with_target=False)
@@ -299,7 +304,7 @@ def _encode_batch(encoder: Encoder, todo: list, sizes: ImageSizes, backend, summ
                     del entry["prompt_embed"]
             bad = nonfinite(entry)
             if bad:
-                bad_types = sorted({b.split("/")[0] for b in bad}, key=STORED_TYPES.index)
+                bad_types = stored_order({b.split("/")[0] for b in bad})
                 error = DataError(f"sample {sample.id!r}: {', '.join(bad)} hold NaN or infinite values: not written")
                 record_failure(summary, sample, error, bad_types, keys, raise_errors)
                 entry = {t: v for t, v in entry.items() if t not in bad_types}

@@ -33,8 +33,9 @@ def lora_exports(train: TrainConfig) -> tuple[str, ...]:
     return tuple(name for name, on in (("comfyui", train.export_comfyui), ("kohya", train.export_kohya)) if on)
 
 
-def regularization_samples(reg: Regularization | None, source: DataSource, spec: ModelSpec,
-                           captions: Any = None) -> list[Sample]:  # fmt: skip
+def regularization_samples(
+    reg: Regularization | None, source: DataSource, spec: ModelSpec, captions: Any = None
+) -> list[Sample]:
     """The regularisation set's samples (ids under `reg/`, read with `source`'s settings), those the model takes;
     [] without one. `captions` (`data.auto_caption`, see `qie.stages.auto_caption.auto_captions`) gives those
     without a caption theirs.

@@ -97,9 +97,15 @@ def data_source(data: DataConfig, cache_dir: str | None = None, path: str | None
     c = data.columns
     columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.mask, c.layers, c.rejected)
     folder = Path(cache_dir) if cache_dir else None
-    return DataSource(str(path or data.path), str(data.format) if path is None else "auto", str(data.split),
-                      columns, (folder or qie_home()) / "images", bool(data.allow_outside_paths),
-                      folder / "manifests" if folder is not None else None)  # fmt: skip
+    return DataSource(
+        str(path or data.path),
+        str(data.format) if path is None else "auto",
+        str(data.split),
+        columns,
+        (folder or qie_home()) / "images",
+        bool(data.allow_outside_paths),
+        folder / "manifests" if folder is not None else None,
+    )
 
 
 def at_path(source: DataSource, path: str) -> DataSource:
@@ -112,8 +118,14 @@ def loss_masks(train: TrainConfig | None, data: DataConfig) -> LossMasks | None:
     mask = train.mask if train is not None else None
     if mask is None or mask.source == "none":
         return None
-    settings = MaskSettings(str(mask.source), float(mask.threshold), int(mask.dilation), int(data.target_pixels),
-                            str(data.resize_mode), int(data.multiple_of))  # fmt: skip
+    settings = MaskSettings(
+        str(mask.source),
+        float(mask.threshold),
+        int(mask.dilation),
+        int(data.target_pixels),
+        str(data.resize_mode),
+        int(data.multiple_of),
+    )
     return LossMasks(settings, float(mask.outside_weight))
 
 
@@ -130,12 +142,25 @@ def encoder_devices(cache: CacheConfig) -> dict[str, str]:
     return {"vae": str(cache.vae_encoder_device), "text_encoder": str(cache.text_encoder_device)}
 
 
-def source_settings(model: ModelConfig, data: DataConfig, cache: CacheConfig, spec: ModelSpec,
-                    masks: LossMasks | None = None, command: str | None = None) -> SourceSettings:  # fmt: skip
+def source_settings(
+    model: ModelConfig,
+    data: DataConfig,
+    cache: CacheConfig,
+    spec: ModelSpec,
+    masks: LossMasks | None = None,
+    command: str | None = None,
+) -> SourceSettings:
     """The embedding source's settings of a stage's `model`, `data` and `cache` groups (`masks`: `loss_masks`'s;
     `command`: the precompute command a miss names)."""
-    return SourceSettings(model, image_sizes(data, spec), str(cache.mode), cache.dir, encoder_devices(cache),
-                          masks, command or DEFAULT_PRECOMPUTE_COMMAND)  # fmt: skip
+    return SourceSettings(
+        model,
+        image_sizes(data, spec),
+        str(cache.mode),
+        cache.dir,
+        encoder_devices(cache),
+        masks,
+        command or DEFAULT_PRECOMPUTE_COMMAND,
+    )
 
 
 def fused_base(model: ModelConfig, spec: ModelSpec) -> FusedBase:

@@ -49,8 +49,9 @@ def build_source(
     return with_masks(source, settings.masks, settings.cache_dir, store)
 
 
-def _unmasked_source(settings: SourceSettings, spec: ModelSpec, encoder: Encoder | None,
-                     backend: CacheBackend | None) -> tuple[EmbeddingSource, Any]:  # fmt: skip
+def _unmasked_source(
+    settings: SourceSettings, spec: ModelSpec, encoder: Encoder | None, backend: CacheBackend | None
+) -> tuple[EmbeddingSource, Any]:
     """The source `settings.mode` names, and the backend its masks are stored in (None for a live source)."""
 
     def make_encoder() -> Encoder:
@@ -72,8 +73,9 @@ def _unmasked_source(settings: SourceSettings, spec: ModelSpec, encoder: Encoder
     return (cached if settings.mode == "cached" else cached.with_encoding()), backend
 
 
-def with_masks(source: EmbeddingSource, masks: LossMasks | None, cache_dir: str | None,
-               backend: Any = None) -> EmbeddingSource:  # fmt: skip
+def with_masks(
+    source: EmbeddingSource, masks: LossMasks | None, cache_dir: str | None, backend: Any = None
+) -> EmbeddingSource:
     """`source`, adding loss masks to its samples when `masks` (`train.mask`) is set (stored in `backend`)."""
     if masks is None:
         return source

@@ -1,9 +1,10 @@
-"""Distillation's teacher outputs computed by the precompute stage (`precompute.teachers=true`).
+"""Targets an objective computes from the base model ahead of training (`PrecomputesTargets`: distillation's teacher
+outputs), computed by the precompute stage (`precompute.teachers=true`).
 
-The precompute run takes the training run's overrides; the teacher is built exactly as that run builds it (its
-setup, the base with its fused LoRAs, quantization, memory levers and mixed precision, the adapter added and turned
-off), so each output lands under the key the training run looks up (`qie.training.objectives.distill`). Every
-sample of this process's share gets one output per seed, and, where the run drops captions, one for its empty
+The precompute run takes the training run's overrides; the objective's model is built exactly as that run builds it
+(its setup, the base with its fused LoRAs, quantization, memory levers and mixed precision, the adapter added and
+turned off), so each output lands under the key the training run looks up. Every sample of this process's share
+gets `fills_per_sample()` outputs (distillation: one per seed), and, where the run drops captions, one for its empty
 prompt as well; the text-only variants precompute encodes for reference dropout are samples of the share too.
 A cached training run then reads them all instead of sampling the teacher on first use.
 """
@@ -21,8 +22,8 @@ from qie.progress import progress
 from qie.stages.accelerator import make_accelerator
 from qie.stages.precompute_work import TypeSummary
 from qie.stages.sources import build_source
-from qie.stages.teacher_store import BackendTeacherStore
-from qie.stages.train import (
+from qie.stages.teacher_store import ENTRY_TYPE, BackendTeacherStore
+from qie.stages.train_model import (
     base_model_key,
     build_train_state,
     load_model,
@@ -30,7 +31,7 @@ from qie.stages.train import (
     run_records,
 )
 from qie.stages.train_setup import TrainSetup
-from qie.training.objectives.distill import ENTRY_TYPE
+from qie.training.objectives import PrecomputesTargets
 
 __all__ = ["ENTRY_TYPE", "check_processes", "fill_teachers"]
 
@@ -43,13 +44,16 @@ def check_processes(setup: TrainSetup, processes: int) -> None:
         ConfigError: naming what to do instead.
     """
     if setup.memory.fsdp and processes > 1:
-        raise ConfigError("precompute.teachers=true fills each process's share on its own, which train.fsdp=true "
-                          "cannot (every process takes part in each forward pass): fill them with one process per "
-                          "whole model, or train with cache.mode=lazy")  # fmt: skip
+        raise ConfigError(
+            "precompute.teachers=true fills each process's share on its own, which train.fsdp=true "
+            "cannot (every process takes part in each forward pass): fill them with one process per "
+            "whole model, or train with cache.mode=lazy"
+        )
 
 
-def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBackend, run_dir: Path,
-                  desc: str = "") -> TypeSummary:  # fmt: skip
+def fill_teachers(
+    setup: TrainSetup, samples: list[Sample], backend: CacheBackend, run_dir: Path, desc: str = ""
+) -> TypeSummary:
     """Compute the missing teacher outputs of `samples` into `backend` (their embeddings are cached by now) with
     the training run's `setup` (`train_setup`, `check_processes`); returns their counts: new (computed), skipped
     (present), failed (a sample whose embeddings cannot be read)."""
@@ -58,16 +62,22 @@ def fill_teachers(setup: TrainSetup, samples: list[Sample], backend: CacheBacken
     parts = load_model(setup.model, setup.memory, bool(setup.train.compile), accelerator, setup.spec, setup.fused)
     record = run_records(setup.model, setup.train, setup.spec, [], setup.fused)[0]
     store = BackendTeacherStore(backend, fills=True)
-    objective: Any = make_objective(setup.train, parts.scheduler, setup.spec, parts.pipeline_config, store,
-                                    base_model_key(setup.model, record))  # fmt: skip
-    state, _ = build_train_state(setup.model, setup.train, setup.memory, setup.mode, accelerator, setup.spec, parts,
-                                 objective)  # fmt: skip
+    objective: Any = make_objective(
+        setup.train, parts.scheduler, setup.spec, parts.pipeline_config, store, base_model_key(setup.model, record)
+    )
+    state, _ = build_train_state(
+        setup.model, setup.train, setup.memory, setup.mode, accelerator, setup.spec, parts, objective
+    )
     # The model under its mixed-precision autocast as training calls it, without the data-parallel wrapper: its
     # forward would sync buffers with the other processes, which fill shares of other lengths.
     model = accelerator.unwrap_model(state.model)
     model.train()  # as in a training step
     drops = [False, True] if float(setup.data.caption_dropout_rate) > 0 else [False]
-    seeds = int(objective.settings.seeds)
+    if not isinstance(objective, PrecomputesTargets):
+        raise ConfigError(
+            f"precompute.teachers=true: {type(objective).__qualname__} computes no targets ahead of training"
+        )
+    seeds = objective.fills_per_sample()
     summary = TypeSummary()
     with progress(len(samples) * len(drops), desc or "teacher outputs", unit="sample") as bar:
         for sample in samples:

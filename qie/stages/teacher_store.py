@@ -1,5 +1,6 @@
-"""Distillation's teacher outputs in the run's cache backend (`teacher_latent` entries): the `TeacherStore` the
-distill objective reads and (in lazy mode) writes, each entry under the key of its fields (`entry_key`)."""
+"""Targets an objective computes from the base model (`PrecomputesTargets`: distillation's teacher outputs) in the
+run's cache backend, as `teacher_latent` entries: the store the objective reads and (in lazy mode) writes, each entry
+under the key of its fields (`entry_key`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 from qie.cache.base import CacheBackend
 from qie.cache.keys import entry_key
-from qie.training.objectives.distill import ENTRY_TYPE
+
+# The cache type of every such entry: keyed by the tensors training reads, not by a sample's files (gc keeps them).
+ENTRY_TYPE = "teacher_latent"
 
 
 class BackendTeacherStore:
@@ -31,8 +34,9 @@ class BackendTeacherStore:
 
     def write(self, fields: Mapping[str, Any], latents: torch.Tensor) -> None:
         latent = latents.detach().to("cpu", copy=True).contiguous()
-        self.backend.put(ENTRY_TYPE, entry_key(ENTRY_TYPE, dict(fields)), {"latent": latent},
-                         {"seed": str(fields.get("seed"))})  # fmt: skip
+        self.backend.put(
+            ENTRY_TYPE, entry_key(ENTRY_TYPE, dict(fields)), {"latent": latent}, {"seed": str(fields.get("seed"))}
+        )
 
 
 def teacher_store(backend: CacheBackend | None, mode: str) -> BackendTeacherStore | None:

@@ -25,17 +25,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
 from qie.cache.base import CacheBackend
-from qie.components import load_parts, prepare_model, resolve_dtype
+from qie.components import prepare_model
 from qie.config import precompute_command, typed, validate
 from qie.config.backend import build_backend
-from qie.config.model import ModelConfig
-from qie.config.rules import objective_options
-from qie.config.train import LoggingConfig, TrainConfig
+from qie.config.train import TrainConfig
 from qie.data import file_stats
-from qie.data.samples import Sample
+from qie.data.fields import run_fields, with_defaults
 from qie.errors import ConfigError, Interrupted, check_writable
-from qie.evaluation.build import build_rewards
-from qie.models import ModelSpec
 from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
@@ -46,20 +42,25 @@ from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_views
 from qie.stages.train_hooks import search_result, step_hooks
+from qie.stages.train_model import (
+    base_model_key,
+    build_train_state,
+    load_model,
+    loop_settings,
+    make_objective,
+    run_records,
+)
 from qie.stages.train_report import record_run, refresh_report
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
-from qie.training.compile import compile_blocks
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
-from qie.training.fused_base import FusedBase
 from qie.training.logging import MetricsLogger
-from qie.training.loop import LoopSettings, StepInfo, TrainState, fit
-from qie.training.memory import MemorySettings, apply_memory, full_tensor
+from qie.training.loop import StepInfo, TrainState, fit
+from qie.training.memory import full_tensor
 from qie.training.modes import TrainMode
-from qie.training.objectives import Objective, ObjectiveInputs, build_objective, objective_requires, objective_traits
-from qie.training.run_record import check_resume, data_record, model_record, transformer_fingerprint
-from qie.training.timesteps import SigmaSampling
+from qie.training.objectives import field_names, needs_decoder, objective_class, trains_on_targets
+from qie.training.run_record import check_resume
 from qie.types import TRAINING_TYPES
 
 RESULT_FILE = "train_result.json"
@@ -104,8 +105,13 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
             run_lock.release(run_dir)
 
 
-def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend,
-           on_step_end: Callable[[StepInfo], None] | None) -> dict:  # fmt: skip
+def _train(
+    s: TrainSetup,
+    run_dir: Path,
+    accelerator: Any,
+    backend: CacheBackend,
+    on_step_end: Callable[[StepInfo], None] | None,
+) -> dict:
     train = s.train
     resume_from = s.outputs.resume_from(train.resume, run_dir, accelerator)
     resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
@@ -117,15 +123,27 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        samples, reg, heldout, parts, records = _data_and_model(s, source, backend, accelerator, run_dir, resume_from,
-                                                                 resumed)  # fmt: skip
+        samples, reg, heldout, parts, records = _data_and_model(
+            s, source, backend, accelerator, run_dir, resume_from, resumed
+        )
         gc.freeze()
     finally:
         if gc_was_on:
             gc.enable()
     try:
-        result, state, ema = _fit(s, run_dir, accelerator, backend, source, (samples, reg, heldout), parts, records,
-                                  resume_from, resumed, on_step_end)  # fmt: skip
+        result, state, ema = _fit(
+            s,
+            run_dir,
+            accelerator,
+            backend,
+            source,
+            (samples, reg, heldout),
+            parts,
+            records,
+            resume_from,
+            resumed,
+            on_step_end,
+        )
     finally:
         gc.unfreeze()  # collectable again once the run is over
     finish(state, s.mode, run_dir, result, lora_exports(train), ema)
@@ -133,9 +151,19 @@ def _train(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend
     return result
 
 
-def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, source: Any, data: tuple,
-         parts: Any, records: tuple, resume_from: Path | None, resumed: dict,
-         on_step_end: Callable[[StepInfo], None] | None) -> tuple[dict, Any, Any]:  # fmt: skip
+def _fit(
+    s: TrainSetup,
+    run_dir: Path,
+    accelerator: Any,
+    backend: CacheBackend,
+    source: Any,
+    data: tuple,
+    parts: Any,
+    records: tuple,
+    resume_from: Path | None,
+    resumed: dict,
+    on_step_end: Callable[[StepInfo], None] | None,
+) -> tuple[dict, Any, Any]:
     """Build the training state and the batch stream from `data` (the training, regularisation and held-out
     samples), and train; returns (the result, the state, the EMA weights or None) for `finish`."""
     train, (samples, reg, heldout) = s.train, data
@@ -155,13 +183,26 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
         accelerator.print(f"qie: train.resume=latest: no checkpoint in {where}, starting from step 0")
 
     reg_weight = s.regularization.weight if reg else 1.0
-    negatives = "empty_prompt" in objective_requires(str(train.objective))
-    dataset = EmbeddingDataset(samples + reg, source, float(s.data.caption_dropout_rate), int(train.seed),
-                               s.dropout, len(samples) if reg else None, reg_weight, negatives)  # fmt: skip
+    negatives = "empty_prompt" in field_names(objective_class(train.objective))
+    dataset = EmbeddingDataset(
+        samples + reg,
+        source,
+        float(s.data.caption_dropout_rate),
+        int(train.seed),
+        s.dropout,
+        len(samples) if reg else None,
+        reg_weight,
+        negatives,
+    )
     workers, prefetch, parallel = loader_settings(int(s.data.num_workers), int(s.data.prefetch), source)
     loader = make_loader(dataset, sampler, workers, int(train.seed), prefetch, parallel)
-    logger = MetricsLogger(run_dir, str(s.logging.report_to), accelerator.is_main_process, s.run_config,
-                           resume_step=state.start_step if train.resume else None)  # fmt: skip
+    logger = MetricsLogger(
+        run_dir,
+        str(s.logging.report_to),
+        accelerator.is_main_process,
+        s.run_config,
+        resume_step=state.start_step if train.resume else None,
+    )
     hooks = step_hooks(s, state, source, (samples + reg, heldout), scheduler, logger, on_step_end, run_dir, ema)
     if heldout and int(s.validation.every) > 0:
         hooks.append(heldout_hook(state, source, heldout, objective, logger, int(s.validation.every), negatives))
@@ -171,8 +212,15 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
     save = s.outputs.saving(save, accelerator, run_dir, train.checkpoints_total_limit)
     try:
         settings = loop_settings(train, s.logging, objective)
-        result = fit(state, raise_failures(loader), settings, logger, save_checkpoint=save,
-                     on_step_end=lambda info: [hook(info) for hook in hooks], last_saved=resume_from)  # fmt: skip
+        result = fit(
+            state,
+            raise_failures(loader),
+            settings,
+            logger,
+            save_checkpoint=save,
+            on_step_end=lambda info: [hook(info) for hook in hooks],
+            last_saved=resume_from,
+        )
         measure_heldout(result, state, source, heldout, objective, logger, negatives)
         result.update(search_result(s.validation, run_dir))
     except Interrupted as e:  # a second stop signal: name what is kept, now that an unfinished save is removed
@@ -182,8 +230,9 @@ def _fit(s: TrainSetup, run_dir: Path, accelerator: Any, backend: CacheBackend, 
     return result, state, ema
 
 
-def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, run_dir: Path,
-                    resume_from: Path | None, resumed: dict) -> tuple:  # fmt: skip
+def _data_and_model(
+    s: TrainSetup, source: Any, backend: Any, accelerator: Any, run_dir: Path, resume_from: Path | None, resumed: dict
+) -> tuple:
     """The training samples, the regularisation samples, the held-out samples, the loaded model parts and the run
     records. The model's weights load in the background while the data set is scanned and every sample's entries
     are checked (later misses stop the run too); training starts only once both are done."""
@@ -191,19 +240,20 @@ def _data_and_model(s: TrainSetup, source: Any, backend: Any, accelerator: Any, 
     # is ready, not beside it (loading builds modules on the meta device through a process-wide switch, which a
     # model built meanwhile would catch).
     writes_captions = s.captions is not None and source.encodes
-    targets, decodes = objective_traits(str(s.train.objective))
-    load = (s.model, s.memory, bool(s.train.compile), accelerator, s.spec, s.fused, decodes)
+    objective = objective_class(s.train.objective)
+    load = (s.model, s.memory, bool(s.train.compile), accelerator, s.spec, s.fused, needs_decoder(objective))
     loading = None if writes_captions else in_background(load_model, *load)
     try:
         # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
         # process first, the others then read them).
         with collecting():  # captions written by a model, one generation after another: their garbage collected
             captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
-        pairs = "rejected" in objective_requires(str(s.train.objective))
+        fields = run_fields(objective.requires)  # the sample fields it trains on
         with file_stats.once():  # the scan and the key memo share each image's stat
             with accelerator.main_process_first():
-                samples = load_samples(s.samples, s.spec, accelerator.is_main_process, captions, pairs, s.on_missing,
-                                       targets)  # fmt: skip
+                data = dataclasses.replace(s.samples, fields=with_defaults(fields))
+                report, targets = accelerator.is_main_process, trains_on_targets(objective)
+                samples = load_samples(data, s.spec, report, captions, fields, s.on_missing, targets)
             records = run_records(s.model, s.train, s.spec, samples, s.fused)
             if resume_from is not None:
                 warning = check_resume(resumed, resume_from, *records, bool(s.train.resume_inexact))
@@ -232,123 +282,29 @@ def collecting() -> Iterator[None]:
             gc.disable()
 
 
-def make_objective(train: TrainConfig, scheduler: Any, spec: ModelSpec, pipeline_config: dict | None = None,
-                   teachers: Any = None, model_key: dict | None = None, decoder: Any = None,
-                   views: Any = None) -> Objective:  # fmt: skip
-    """The objective `train.objective` names, with the run's noise-level sampling (the scheduler's shift).
-
-    Args:
-        pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`), for an objective that samples.
-        teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
-        decoder: the VAE (its decoder alone), for an objective that decodes; views: its samples' prompts and
-            control images (`sample_views`).
-    """
-    sigmas = SigmaSampling(
-        method=str(train.timestep_sampling),
-        logit_mean=float(train.logit_mean),
-        logit_std=float(train.logit_std),
-        mode_scale=float(train.mode_scale),
-        shift=float(train.shift),
-        dynamic_shift=bool(train.dynamic_shift),
-        scheduler_config=dict(scheduler.config),
-    )
-    inputs = ObjectiveInputs(spec.family, sigmas, str(train.loss_weighting), objective_options(train),
-                             scheduler, pipeline_config or {}, spec.call_defaults(), teachers,
-                             model_key or {}, decoder, views, objective_reward)  # fmt: skip
-    return build_objective(str(train.objective), inputs)
-
-
-def objective_reward(node: Any) -> Any:
-    """The reward an objective's `reward` node names (`qie.evaluation.build`)."""
-    return build_rewards({"reward": node}, "train.objective")["reward"]
-
-
-def base_model_key(model: ModelConfig, record: dict) -> dict:
-    """What the base transformer computes with: the run's model record but what training changes, and the settings
-    that change its outputs at load (weight quantization, `zero_cond_t`)."""
-    key = {k: v for k, v in record.items() if k not in ("mode", "lora")}
-    return {**key, "quantize": str(model.quantize), "zero_cond_t": bool(model.zero_cond_t)}
-
-
-def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objective) -> LoopSettings:
-    return LoopSettings(
-        max_steps=int(train.max_steps),
-        seed=int(train.seed),
-        objective=objective,
-        max_grad_norm=float(train.max_grad_norm),
-        checkpoint_every=int(train.checkpoint_every),
-        log_every=int(logging.log_every),
-        on_nonfinite=str(train.on_nonfinite),
-    )
-
-
-def load_model(model: ModelConfig, memory: MemorySettings, compiled: bool, accelerator: Any, spec: ModelSpec,
-               fused: FusedBase, decoder: bool = False) -> Any:  # fmt: skip
-    """The transformer, with the LoRAs `fused` (`model.fuse_loras`) fused into it, and the noise scheduler, built
-    where the `memory` settings build them (`compiled`: `train.compile`); with `decoder`, the VAE without its
-    encoder (an objective that decodes its samples)."""
-    device = memory.build_device(accelerator.device)
-    names = ["transformer", "scheduler", *(["vae"] if decoder else [])]
-    parts = load_parts(model, names, {"transformer": device}, spec, compiled, fused.fuse_into)
-    if decoder:
-        parts.vae.encoder = torch.nn.Module()  # latents are decoded, never encoded: its weights freed
-    return parts
-
-
-def build_train_state(model: ModelConfig, train: TrainConfig, memory: MemorySettings, mode: TrainMode,
-                      accelerator: Any, spec: ModelSpec, parts: Any,
-                      objective: Objective | None = None) -> tuple:  # fmt: skip
-    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
-
-    Args:
-        memory: `train`'s memory settings (`MemorySettings.of`), checked against the mode.
-        parts: what `load_model` gave.
-        objective: adds what it needs to the model (`Objective.prepare`) before it is wrapped.
-    """
-    transformer = parts.transformer
-    params = mode.trainable(transformer)
-    if objective is not None:
-        objective.prepare(transformer)
-    place = apply_memory(transformer, memory, accelerator.device)
-    if train.compile:
-        accelerator.print(compile_blocks(transformer))
-    optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
-    lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
-    # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
-    prepared, optimizer = accelerator.prepare(transformer, optimizer, device_placement=[place, True])
-    params = [p for p in prepared.parameters() if p.requires_grad]  # FSDP replaces them by their shards
-    dtype = resolve_dtype(str(model.dtype))
-    return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
-
-
-def run_records(m: ModelConfig, train: TrainConfig, spec: ModelSpec, samples: list[Sample],
-                fused: FusedBase) -> tuple[dict, dict]:  # fmt: skip
-    """The model and data records checkpoints keep, and resume compares (see `qie.training.run_record`)."""
-    fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.transformer_path, m.revision)
-    lora = None
-    if train.mode != "full":
-        keys = ("rank", "alpha", "target_modules", "dropout", "init")
-        lora = {k: list(v) if isinstance(v := getattr(train.lora, k), list) else v for k in keys}
-    record = model_record(spec, fingerprint, str(train.mode), lora, fused.record())
-    return record, data_record([s.id for s in samples])
-
-
-def _save_checkpoint(state: TrainState, run_dir: Path, mode: TrainMode, train: TrainConfig, records: tuple[dict, dict],
-                     ema: Ema | None, step: int, consumed: int) -> Path:  # fmt: skip
-    info = {"step": step, "batches_consumed": consumed, "num_processes": state.accelerator.num_processes,
-            "model": records[0], "data": records[1]}  # fmt: skip
+def _save_checkpoint(
+    state: TrainState,
+    run_dir: Path,
+    mode: TrainMode,
+    train: TrainConfig,
+    records: tuple[dict, dict],
+    ema: Ema | None,
+    step: int,
+    consumed: int,
+) -> Path:
+    info = {
+        "step": step,
+        "batches_consumed": consumed,
+        "num_processes": state.accelerator.num_processes,
+        "model": records[0],
+        "data": records[1],
+    }
     exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
     extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
     folder = ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
     if step < int(train.max_steps):  # the last step's report is written by `finish`, with the run's result
         refresh_report(run_dir, state.accelerator)
     return folder
-
-
-def _instantiate(node: Any) -> Any:
-    from hydra.utils import instantiate
-
-    return instantiate(node)
 
 
 def finish(

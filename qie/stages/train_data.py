@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from itertools import repeat
-from operator import attrgetter, is_not
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 
 from qie.data.buckets import BucketBatchSampler, ImageSizeIndex, bucket_keys
+from qie.data.fields import SampleField, missing_problem
 from qie.data.formats import DataSource
 from qie.data.images import open_image
 from qie.data.mixing import MixedBatchSampler
@@ -33,12 +33,19 @@ if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
 
 
-def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any = None, pairs: bool = False,
-                 on_missing: str = "stop", targets: bool = True) -> list[Sample]:  # fmt: skip
+def load_samples(
+    data: DataSource,
+    spec: ModelSpec,
+    report: bool,
+    captions: Any = None,
+    fields: tuple[SampleField, ...] = (),
+    on_missing: str = "stop",
+    targets: bool = True,
+) -> list[Sample]:
     """The samples of `data` the model can take; the first problems found are printed when `report`.
-    `captions` (`data.auto_caption`) gives samples without a caption theirs; with `pairs` (an objective of
-    preference pairs) a sample needs its rejected result; `on_missing` is `cache.on_missing`; without `targets`
-    (an objective that samples its own results) a sample needs no target.
+    `captions` (`data.auto_caption`) gives samples without a caption theirs; a sample needs the image of each of
+    `fields` (the objective's: `REJECTED` for preference pairs), and keeps no other field's; `on_missing` is
+    `cache.on_missing`; without `targets` (an objective that samples its own results) a sample needs no target.
 
     Raises:
         DataError: no sample is usable with this model (e.g. an edit data set for a text-to-image model).
@@ -47,27 +54,41 @@ def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any 
     dataset = read_data(data, require_target=targets, captions=captions)
     if captions is not None and captions.misses and on_missing == "stop":
         first = captions.misses[0]
-        raise CacheMissError(f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
-                             f"({first.path}): {first.reason.split(': ', 1)[-1]} "
-                             "(or cache.on_missing=skip trains on the rest)")  # fmt: skip
-    # Whether the model can take a sample depends on its kind only (control and layer counts, a rejected result):
-    # judged once per kind, a million samples looked at column by column.
+        raise CacheMissError(
+            f"{len(captions.misses)} samples have no cached caption, the first {first.id!r} "
+            f"({first.path}): {first.reason.split(': ', 1)[-1]} "
+            "(or cache.on_missing=skip trains on the rest)"
+        )
+    # Whether the model can take a sample depends on its kind only (control and layer counts, the fields' images
+    # it has): judged once per kind, a million samples looked at column by column.
     samples, n = dataset.samples, len(dataset.samples)
-    columns = [np.fromiter(map(len, map(attrgetter("controls"), samples)), np.int64, n),
-               np.fromiter(map(len, map(attrgetter("layers"), samples)), np.int64, n),
-               np.fromiter(map(is_not, map(attrgetter("rejected"), samples), repeat(None)), np.int64, n)]  # fmt: skip
-    code = (columns[0] << 32) | (columns[1] << 1) | columns[2]  # one number per kind
+    images = list(map(attrgetter("field_images"), samples))
+    has = np.fromiter(map(_has_bits(fields), images), np.int64, n) if any(images) else np.zeros(n, np.int64)
+    columns = [
+        np.fromiter(map(len, map(attrgetter("controls"), samples)), np.int64, n),
+        np.fromiter(map(len, map(attrgetter("layers"), samples)), np.int64, n),
+        has,
+    ]
+    code = (columns[0] << 40) | (columns[1] << 20) | columns[2]  # one number per kind
     _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-    why = [spec.control_problem(len(samples[i].controls)) or spec.layers_problem(len(samples[i].layers))
-           or pair_problem(samples[i], pairs) for i in first.tolist()]  # fmt: skip
+    why = [
+        spec.control_problem(len(samples[i].controls))
+        or spec.layers_problem(len(samples[i].layers))
+        or field_problem(samples[i], fields)
+        for i in first.tolist()
+    ]
     problems = []
     if any(why):
-        problems = [DataProblem(samples[i].id, str(samples[i].target), why[k])
-                    for i, k in enumerate(inverse.reshape(-1).tolist()) if why[k]]  # fmt: skip
+        problems = [
+            DataProblem(samples[i].id, str(samples[i].target), why[k])
+            for i, k in enumerate(inverse.reshape(-1).tolist())
+            if why[k]
+        ]
         skipped = {p.id for p in problems}
         samples = [s for s in samples if s.id not in skipped]
-    if not pairs and columns[2].any():  # not read: no rejected latent is asked for
-        samples = [replace(s, rejected=None) if s.rejected is not None else s for s in samples]
+    names = {f.name for f in fields}
+    if any(images) and any(name not in names for x in images for name, _ in x):  # not read: the objective's only
+        samples = [_only(s, names) if s.field_images else s for s in samples]
     problems = dataset.problems + problems
     if not samples:
         raise DataError(f"no sample of {data.path} can train model={spec.name}: {problems[0].reason}")
@@ -76,16 +97,32 @@ def load_samples(data: DataSource, spec: ModelSpec, report: bool, captions: Any 
     return samples
 
 
-def pair_problem(sample: Sample, pairs: bool) -> str | None:
-    """Why `sample` cannot train an objective of preference pairs (`pairs`): it has no rejected result."""
-    if pairs and sample.rejected is None:
-        return ("it has no rejected result, which train.objective=dpo trains on: give one (a manifest row's "
-                "'rejected', rejected_images/<stem>.png, data.columns.rejected)")  # fmt: skip
-    return None
+def _has_bits(fields: tuple[SampleField, ...]):
+    """A function of a sample's field images: bit j set when it has the image of `fields[j]`."""
+    names = [f.name for f in fields]
+
+    def bits(images: tuple) -> int:
+        have = {name for name, _ in images}
+        return sum(1 << j for j, name in enumerate(names) if name in have)
+
+    return bits
 
 
-def ready_data(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], run_dir: Path, report: bool,
-               captions: Any = None) -> tuple[list[Sample], list[Sample]]:  # fmt: skip
+def _only(sample: Sample, names: set[str]) -> Sample:
+    """`sample` with the images of the fields `names` only."""
+    return replace(sample, field_images=tuple((n, p) for n, p in sample.field_images if n in names))
+
+
+def field_problem(sample: Sample, fields: tuple[SampleField, ...]) -> str | None:
+    """Why `sample` cannot train an objective that requires `fields`: it has no image of one of them."""
+    have = sample.fields
+    missing = [f for f in fields if f.name not in have]
+    return missing_problem(missing[0]) if missing else None
+
+
+def ready_data(
+    s: TrainSetup, source: EmbeddingSource, samples: list[Sample], run_dir: Path, report: bool, captions: Any = None
+) -> tuple[list[Sample], list[Sample]]:
     """The `samples` and the regularisation set's samples whose cache entries are all there (`ready_samples`;
     with reference dropout, their text-only entries too)."""
     on_missing, cache_dir, command = s.on_missing, s.source.cache_dir, s.source.precompute_command
@@ -93,8 +130,19 @@ def ready_data(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], ru
     reg = regularization_samples(s.regularization, s.samples, s.spec, captions)
     reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command, report) if reg else []
     if s.dropout:  # the text-only entries too
-        kept = {x.id for x in ready_samples(source, [without_controls(x) for x in samples + reg], run_dir,
-                                            on_missing, cache_dir, False, command, report)}  # fmt: skip
+        kept = {
+            x.id
+            for x in ready_samples(
+                source,
+                [without_controls(x) for x in samples + reg],
+                run_dir,
+                on_missing,
+                cache_dir,
+                False,
+                command,
+                report,
+            )
+        }
         samples, reg = [x for x in samples if x.id in kept], [x for x in reg if x.id in kept]
     samples = check_pairs(s, source, samples, report)  # each pair judged at start
     return check_masks(source, samples, report), reg  # each loss mask read and checked at start
@@ -108,7 +156,7 @@ def check_pairs(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], r
     Raises:
         DataError: no pair left.
     """
-    if all(x.rejected is None for x in samples):
+    if not any(x.field_images for x in samples):
         return samples
     cache_dir, sizes = s.source.cache_dir, s.source.sizes
     index = ImageSizeIndex(Path(cache_dir) / "image_sizes.json" if cache_dir else None) if source.encodes else None
@@ -159,9 +207,16 @@ def make_sampler(
         index = Path(s.source.cache_dir) / "image_sizes.json" if s.source.cache_dir else None
         areas = (int(data.target_pixels), int(s.spec.vae_image_pixels), int(data.multiple_of))
         keys = bucket_keys(samples, *areas, index=index)
-    sampler = BucketBatchSampler(keys, [len(x.prompt) for x in samples], batch_size, int(s.train.seed),
-                                 bool(data.shuffle), accelerator.num_processes, accelerator.process_index,
-                                 start=start)  # fmt: skip
+    sampler = BucketBatchSampler(
+        keys,
+        [len(x.prompt) for x in samples],
+        batch_size,
+        int(s.train.seed),
+        bool(data.shuffle),
+        accelerator.num_processes,
+        accelerator.process_index,
+        start=start,
+    )
     accelerator.print(f"qie: data: {sampler.summary()}")
     return sampler
 

@@ -19,8 +19,17 @@ if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
 
 
-def step_hooks(s: TrainSetup, state: TrainState, source: Any, data: tuple[list, list], scheduler: Any, logger, extra,
-               run_dir: Path, ema: Ema | None = None) -> list:  # fmt: skip
+def step_hooks(
+    s: TrainSetup,
+    state: TrainState,
+    source: Any,
+    data: tuple[list, list],
+    scheduler: Any,
+    logger,
+    extra,
+    run_dir: Path,
+    ema: Ema | None = None,
+) -> list:
     """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`.
     `data`: the samples trained on, and the held-out ones."""
     samples, heldout = data
@@ -38,8 +47,16 @@ def step_hooks(s: TrainSetup, state: TrainState, source: Any, data: tuple[list, 
     return hooks
 
 
-def _validation_hook(s: TrainSetup, state: TrainState, source: Any, data: tuple[list, list], scheduler: Any,
-                     logger, run_dir: Path, ema: Ema | None = None):  # fmt: skip
+def _validation_hook(
+    s: TrainSetup,
+    state: TrainState,
+    source: Any,
+    data: tuple[list, list],
+    scheduler: Any,
+    logger,
+    run_dir: Path,
+    ema: Ema | None = None,
+):
     """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`;
     with `validation.step_counts`, `run_dir/validation/steps-N` per count), measure and log them; with
     `validation.rewards`, score the first count's images (`RewardLog`), on the held-out rows where there are some.
@@ -52,9 +69,12 @@ def _validation_hook(s: TrainSetup, state: TrainState, source: Any, data: tuple[
 
     v, accelerator, spec = s.validation, state.accelerator, s.spec
     options = sampling_options(
-        s.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
-        num_inference_steps=v.num_inference_steps, seed=v.seed,
-    )  # fmt: skip
+        s.predict,
+        negative_prompt=v.negative_prompt,
+        true_cfg_scale=v.true_cfg_scale,
+        num_inference_steps=v.num_inference_steps,
+        seed=v.seed,
+    )
     vae_parts = load_parts(s.model, ["vae"], {"vae": str(accelerator.device)}, spec)
     samples, heldout = data
     chosen = validation_samples(v, samples, int(s.logging.log_images_count))
@@ -64,8 +84,19 @@ def _validation_hook(s: TrainSetup, state: TrainState, source: Any, data: tuple[
     references, out = validation_references(chosen, spec), run_dir / "validation"
 
     def validator(options: Any, name: str) -> Validator:
-        return Validator(inputs, negatives, scheduler, vae_parts.vae, logger, options, spec, out / name, references,
-                         vae_parts.pipeline_config, f"validation/{name}" if name else "validation")  # fmt: skip
+        return Validator(
+            inputs,
+            negatives,
+            scheduler,
+            vae_parts.vae,
+            logger,
+            options,
+            spec,
+            out / name,
+            references,
+            vae_parts.pipeline_config,
+            f"validation/{name}" if name else "validation",
+        )
 
     counts = [int(n) for n in v.step_counts or []]
     validators = [validator(replace(options, num_inference_steps=n), f"steps-{n}") for n in counts]

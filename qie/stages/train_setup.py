@@ -61,9 +61,18 @@ class TrainSetup:
     outputs: RunOutputs = RunOutputs()  # `run.output_url`'s store, set by the stage once opened
 
 
-def train_setup(spec: ModelSpec, model: ModelConfig, data: DataConfig, cache: CacheConfig, train: TrainConfig,
-                predict: PredictConfig, logging: LoggingConfig, validation: ValidationConfig, command: str,
-                run_config: dict) -> TrainSetup:  # fmt: skip
+def train_setup(
+    spec: ModelSpec,
+    model: ModelConfig,
+    data: DataConfig,
+    cache: CacheConfig,
+    train: TrainConfig,
+    predict: PredictConfig,
+    logging: LoggingConfig,
+    validation: ValidationConfig,
+    command: str,
+    run_config: dict,
+) -> TrainSetup:
     """The run's setup, of a config `qie.config.validate` passed: the fused base and the mode (a LoRA file that
     cannot be read is refused), the loss masks, the regularisation set, the caption prompt and the memory levers.
 
@@ -78,10 +87,25 @@ def train_setup(spec: ModelSpec, model: ModelConfig, data: DataConfig, cache: Ca
     mode = train_mode(train, spec, fused)
     masks = loss_masks(train, data)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
-    return TrainSetup(model, data, train, predict, logging, validation, spec, fused, mode,
-                      MemorySettings.of(train, spec.family), source_settings(model, data, cache, spec, masks, command),
-                      data_source(data, cache.dir), float(data.control_dropout_rate), regularization(data), captions,
-                      str(cache.on_missing), run_config)  # fmt: skip
+    return TrainSetup(
+        model,
+        data,
+        train,
+        predict,
+        logging,
+        validation,
+        spec,
+        fused,
+        mode,
+        MemorySettings.of(train, spec.family),
+        source_settings(model, data, cache, spec, masks, command),
+        data_source(data, cache.dir),
+        float(data.control_dropout_rate),
+        regularization(data),
+        captions,
+        str(cache.on_missing),
+        run_config,
+    )
 
 
 def train_mode(train: TrainConfig, spec: ModelSpec, fused: FusedBase) -> TrainMode:
@@ -97,5 +121,14 @@ def train_mode(train: TrainConfig, spec: ModelSpec, fused: FusedBase) -> TrainMo
     adapter, use_dora = str(train.adapter), bool(lora.use_dora)
     if init_lora:
         check_lora_file(init_lora, spec.family.lora_loader_class())  # before any model is built
-    return LoraMode(int(lora.rank), int(lora.alpha), list(lora.target_modules), float(lora.dropout), str(lora.init),
-                    str(init_lora) if init_lora else None, adapter, use_dora, tuple(fused.record()))  # fmt: skip
+    return LoraMode(
+        int(lora.rank),
+        int(lora.alpha),
+        list(lora.target_modules),
+        float(lora.dropout),
+        str(lora.init),
+        str(init_lora) if init_lora else None,
+        adapter,
+        use_dora,
+        tuple(fused.record()),
+    )

@@ -31,8 +31,10 @@ def validation_samples(v: ValidationConfig, training: list[Sample], count: int) 
     if not v.prompts:
         return list(training[:count])
     images = list(v.images) or [""] * len(v.prompts)
-    return [Sample(f"validation_{i}", None, tuple(Path(p) for p in str(image).split("|") if p), str(prompt))
-            for i, (image, prompt) in enumerate(zip(images, v.prompts))]  # fmt: skip
+    return [
+        Sample(f"validation_{i}", None, tuple(Path(p) for p in str(image).split("|") if p), str(prompt))
+        for i, (image, prompt) in enumerate(zip(images, v.prompts))
+    ]
 
 
 def validation_inputs(
@@ -65,6 +67,4 @@ def validation_inputs(
 def validation_references(samples: list[Sample], spec: ModelSpec) -> list[Reference]:
     """Per validation sample, what its edit metrics compare with: the control image the output's size follows
     (`ModelSpec.output_image`) and the target, where the sample has them, and its prompt."""
-    return [
-        Reference(s.controls[spec.output_image or 0] if s.controls else None, s.target, s.prompt) for s in samples
-    ]
+    return [Reference(s.controls[spec.output_image or 0] if s.controls else None, s.target, s.prompt) for s in samples]

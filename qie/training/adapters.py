@@ -98,8 +98,10 @@ def load_lycoris(
     config_fields = dict(metadata or {})
     config_fields = {k.removeprefix(prefix): v for k, v in config_fields.items()}
     if "r" not in config_fields:
-        raise ModelLoadError(f"{kind} file {str(file)!r} holds no adapter config (rank, alpha) in its metadata: "
-                             "qie loads the LoHa / LoKr files it wrote")  # fmt: skip
+        raise ModelLoadError(
+            f"{kind} file {str(file)!r} holds no adapter config (rank, alpha) in its metadata: "
+            "qie loads the LoHa / LoKr files it wrote"
+        )
     cls = LoHaConfig if kind == "loha" else LoKrConfig
     names = {f.name for f in dataclasses.fields(cls)} - {"peft_type"}
     weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
@@ -131,5 +133,7 @@ def refuse_exported_kinds(file: Path) -> None:
         return
     kind = "DoRA" if any(k.endswith(".dora_scale") for k in keys) else kind_of(keys)
     if kind != "lora":
-        raise ModelLoadError(f"{str(file)!r} is a {kind} in ComfyUI / kohya form, which qie does not read: load the "
-                             "pytorch_lora_weights.safetensors written beside it")  # fmt: skip
+        raise ModelLoadError(
+            f"{str(file)!r} is a {kind} in ComfyUI / kohya form, which qie does not read: load the "
+            "pytorch_lora_weights.safetensors written beside it"
+        )

@@ -188,7 +188,14 @@ def save_checkpoint(
 
 
 def _write(
-    train: Any, tmp: Path, folder: Path, state: dict, mode: Any, exports: Sequence[str], weights, gathered,
+    train: Any,
+    tmp: Path,
+    folder: Path,
+    state: dict,
+    mode: Any,
+    exports: Sequence[str],
+    weights,
+    gathered,
     extra: Callable[[Path], None] | None,
 ) -> None:
     """Write the checkpoint's files into `tmp` and rename it to `folder` (main process)."""

@@ -67,8 +67,9 @@ class Ema:
                     p.copy_(k)
 
 
-def export_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str],
-               base: Sequence[dict] | None = None) -> Path:  # fmt: skip
+def export_ema(
+    ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str], base: Sequence[dict] | None = None
+) -> Path:
     """Write the average as LoRA files in `folder/ema/` (main process), naming the fused `base` it was trained on
     (`save_lora`); returns the diffusers file."""
     from qie.training.lora import save_lora
@@ -77,8 +78,9 @@ def export_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Se
         return save_lora(transformer, folder / "ema", exports, base=base)
 
 
-def write_ema(ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str],
-              base: Sequence[dict] | None = None) -> Path:  # fmt: skip
+def write_ema(
+    ema: Ema, folder: Path, transformer: torch.nn.Module, exports: Sequence[str], base: Sequence[dict] | None = None
+) -> Path:
     """Write the average into a checkpoint folder: `state/ema.safetensors` (to resume) and its LoRA files in
     `ema/` (main process). Returns the EMA LoRA file."""
     from safetensors.torch import save_file
@@ -102,6 +104,8 @@ def resume_ema(ema: Ema, checkpoint: Path, inexact: bool) -> None:
             print(f"qie: warning: {checkpoint} holds no EMA: it starts again from the resumed weights")
             ema.shadow = [p.detach().float().to(s.device, copy=True) for s, p in zip(ema.shadow, ema.params)]
             return
-        raise ModelLoadError(f"{checkpoint} holds no {EMA_FILE} (trained without train.ema): resume with "
-                             "train.resume_inexact=true to start the EMA from its weights")  # fmt: skip
+        raise ModelLoadError(
+            f"{checkpoint} holds no {EMA_FILE} (trained without train.ema): resume with "
+            "train.resume_inexact=true to start the EMA from its weights"
+        )
     ema.load(load_file(str(file)), file)

@@ -56,8 +56,10 @@ class FusedBase:
 
         scales = list(scales) or [1.0] * len(files)
         if len(scales) != len(files):
-            raise ConfigError(f"model.fuse_lora_scales has {len(scales)} entries and model.fuse_loras {len(files)}: "
-                              "give one scale per file, or none (each file fused at 1.0)")  # fmt: skip
+            raise ConfigError(
+                f"model.fuse_lora_scales has {len(scales)} entries and model.fuse_loras {len(files)}: "
+                "give one scale per file, or none (each file fused at 1.0)"
+            )
         hasher = weight_hasher()
         loras = []
         for i, (path, scale) in enumerate(zip(files, scales)):
@@ -83,8 +85,10 @@ class FusedBase:
         from qie.training.lora import load_lora, merge_lora
 
         if self.loras and is_quantized(transformer):
-            raise ModelLoadError("model.fuse_loras fuses into plain weights, but this transformer's are quantized as "
-                                 "they load: use model.quantize=none, fp8, int8 or int4 (fused first)")  # fmt: skip
+            raise ModelLoadError(
+                "model.fuse_loras fuses into plain weights, but this transformer's are quantized as "
+                "they load: use model.quantize=none, fp8, int8 or int4 (fused first)"
+            )
         for i, lora in enumerate(self.loras):
             try:
                 load_lora(transformer, lora.file, lora.scale, adapter_name=f"fused_{i}")

@@ -105,8 +105,10 @@ def _finite(t: torch.Tensor) -> bool:
 def damaged_weights(part: str, names: Sequence[str]) -> str:
     """The sentence naming a model part's non-finite weights and what to do."""
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"the {part}'s weights hold NaN or infinite values ({shown}): its weight files are damaged; load it "
-            "from intact files (model.pretrained_model_name_or_path, model.transformer_path)")  # fmt: skip
+    return (
+        f"the {part}'s weights hold NaN or infinite values ({shown}): its weight files are damaged; load it "
+        "from intact files (model.pretrained_model_name_or_path, model.transformer_path)"
+    )
 
 
 def nonfinite_message(step: int, ids: list[str], saved: Path | None, model: torch.nn.Module | None = None) -> str:

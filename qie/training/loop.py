@@ -173,8 +173,9 @@ def fit(
             if step % settings.log_every == 0 or step == settings.max_steps:
                 lr = state.lr_scheduler.get_last_lr()[0]
                 norm = float(grad_norm) if grad_norm is not None else math.nan
-                logger.log(step, {"loss": mean_loss, "lr": lr, "grad_norm": norm, "seconds": seconds,
-                                  **window["metrics"]})  # fmt: skip
+                logger.log(
+                    step, {"loss": mean_loss, "lr": lr, "grad_norm": norm, "seconds": seconds, **window["metrics"]}
+                )
             if on_step_end is not None:
                 on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
             checkpoints.after_step(step, consumed)
@@ -186,8 +187,14 @@ def _result(step: int, losses: list[float], skipped: list, received: int | None,
     """What `fit` returns; a stop another process's signal decided is reported as SIGTERM (a scheduler's)."""
     signum = int(received or signal.SIGTERM) if stopping else None
     last = losses[-1] if losses else math.nan
-    return {"step": step, "loss": last, "losses": losses, "stopped_by_signal": stopping, "signal": signum,
-            "skipped_nonfinite": skipped}  # fmt: skip
+    return {
+        "step": step,
+        "loss": last,
+        "losses": losses,
+        "stopped_by_signal": stopping,
+        "signal": signum,
+        "skipped_nonfinite": skipped,
+    }
 
 
 def _optimizer_step(
@@ -232,6 +239,12 @@ def _optimizer_step(
                 if accelerator.sync_gradients:
                     state.lr_scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
-    window = {"consumed": number + 1, "finite": finite, "ids": ids, "waited": waited, "stop": stopping,
-              "metrics": metrics}  # fmt: skip
+    window = {
+        "consumed": number + 1,
+        "finite": finite,
+        "ids": ids,
+        "waited": waited,
+        "stop": stopping,
+        "metrics": metrics,
+    }
     return mean_loss, grad_norm, batch, window

@@ -47,8 +47,9 @@ def check_lora_file(path: str | Path, loader: type) -> Path:
     state, _, file = read_lora(path, loader)
     if not any(k.startswith(PREFIX) for k in state):
         first = next(iter(state), None)
-        raise ModelLoadError(f"LoRA {str(file)!r} holds no transformer weights (first key {first!r}): is it a "
-                             "Qwen-Image LoRA?")  # fmt: skip
+        raise ModelLoadError(
+            f"LoRA {str(file)!r} holds no transformer weights (first key {first!r}): is it a Qwen-Image LoRA?"
+        )
     return file
 
 
@@ -231,9 +232,7 @@ def read_lora(path: str | Path, loader: type) -> tuple[dict[str, torch.Tensor], 
     file = lora_file(path)
     refuse_exported_kinds(file)
     try:
-        state, metadata = loader.lora_state_dict(
-            str(file.parent), weight_name=file.name, return_lora_metadata=True
-        )
+        state, metadata = loader.lora_state_dict(str(file.parent), weight_name=file.name, return_lora_metadata=True)
     except Exception as e:  # safetensors, json and conversion errors all mean "cannot read this LoRA"
         raise ModelLoadError(f"cannot read LoRA {str(file)!r}: {e}") from None
     # A NaN adapter would turn every output black without an error: refuse it here, where every loader reads.

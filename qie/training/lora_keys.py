@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 # The role of a converted key's half and the names other layouts give it.
-_ROLES = {"lora_A.weight": ("lora_A.", "lora_down."), "lora_B.weight": ("lora_B.", "lora_up."),
-          "lora_B.bias": ("lora_B.", "lora_up.")}  # fmt: skip
+_ROLES = {
+    "lora_A.weight": ("lora_A.", "lora_down."),
+    "lora_B.weight": ("lora_B.", "lora_up."),
+    "lora_B.bias": ("lora_B.", "lora_up."),
+}
 
 
 def _module_of(key: str) -> str:

@@ -41,8 +41,16 @@ class LoraMode:
         """Add the adapter (or load `init_lora`); returns its parameters (what the optimizer trains)."""
         if self.init_lora:
             return continue_lora(transformer, self.init_lora)
-        return add_lora(transformer, self.rank, self.alpha, list(self.target_modules), self.dropout, self.init,
-                        self.adapter, self.use_dora)  # fmt: skip
+        return add_lora(
+            transformer,
+            self.rank,
+            self.alpha,
+            list(self.target_modules),
+            self.dropout,
+            self.init,
+            self.adapter,
+            self.use_dora,
+        )
 
     def export(
         self, transformer: torch.nn.Module, run_dir: Path, exports: Sequence[str] = (), write: bool = True
@@ -58,8 +66,9 @@ class LoraMode:
         """The weights a checkpoint keeps: the adapter's (gathered: a collective under FSDP, every process)."""
         return lora_state_dict(transformer)
 
-    def write_checkpoint(self, transformer: torch.nn.Module, folder: Path, exports: Sequence[str], weights: dict,
-                         state_file: Path | None) -> None:  # fmt: skip
+    def write_checkpoint(
+        self, transformer: torch.nn.Module, folder: Path, exports: Sequence[str], weights: dict, state_file: Path | None
+    ) -> None:
         """Write the adapter into a checkpoint `folder` as a LoRA file (with the other tools' files `exports`
         names), and into `state_file` for resuming (None: the sharded state was written instead)."""
         save_lora(transformer, folder, exports, state=weights, base=self.base)
@@ -110,8 +119,9 @@ class FullMode:
         """Nothing gathered ahead: the whole model is saved from itself (or from the sharded state)."""
         return None
 
-    def write_checkpoint(self, transformer: torch.nn.Module, folder: Path, exports: Sequence[str], weights: None,
-                         state_file: Path | None) -> None:  # fmt: skip
+    def write_checkpoint(
+        self, transformer: torch.nn.Module, folder: Path, exports: Sequence[str], weights: None, state_file: Path | None
+    ) -> None:
         """Write the whole transformer into `state_file` for resuming (None: the sharded state was written)."""
         if state_file is not None:
             safetensors.torch.save_model(transformer, str(state_file))

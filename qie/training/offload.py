@@ -133,8 +133,9 @@ class BlockSwapper:
         if any(is_traceable_wrapper_subclass(x) for x in tensors):
             raise ConfigError(f"blocks_to_swap cannot move {type(t).__name__} weights (nested tensor subclasses)")
         if self.cuda:  # the outer tensor says where the weight is: make it the device's, as a moved model's is
-            moved = type(t).__tensor_unflatten__({n: x.to(self.device) for n, x in zip(inner, tensors)}, spec,
-                                                 t.size(), t.stride())  # fmt: skip
+            moved = type(t).__tensor_unflatten__(
+                {n: x.to(self.device) for n, x in zip(inner, tensors)}, spec, t.size(), t.stride()
+            )
             table[name] = torch.nn.Parameter(moved, requires_grad=False) if is_param else moved
             t = table[name]
         return _Weight(t, list(inner), [pin(x) for x in tensors], empty=not self.cuda)

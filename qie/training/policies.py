@@ -32,8 +32,9 @@ class CheckpointSchedule:
         last_saved: the checkpoint the run resumed from: the last good state until this run saves one.
     """
 
-    def __init__(self, save: Callable[[int, int], Path] | None, every: int, state: Any,
-                 last_saved: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, save: Callable[[int, int], Path] | None, every: int, state: Any, last_saved: Path | None = None
+    ) -> None:
         self._save, self.every, self.state = save, every, state
         self.last_good, self.saved_at = last_saved, None
 

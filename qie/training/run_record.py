@@ -40,8 +40,14 @@ def transformer_fingerprint(source: str, transformer_path: str | None, revision:
 def model_record(spec: Any, fingerprint: str, mode: str, lora: dict | None, fused: list[dict] | None = None) -> dict:
     """The `model` record: spec (a ModelSpec) names the model; `lora` its rank, alpha, targets, init (or None);
     `fused` the LoRAs fused into its base (`FusedBase.record()`; none: no key, as records written before it)."""
-    record = {"name": spec.name, "variant": str(spec.variant), "pipeline": spec.pipeline_class,
-              "transformer": fingerprint, "mode": mode, "lora": lora}  # fmt: skip
+    record = {
+        "name": spec.name,
+        "variant": str(spec.variant),
+        "pipeline": spec.pipeline_class,
+        "transformer": fingerprint,
+        "mode": mode,
+        "lora": lora,
+    }
     return {**record, "fused_loras": fused} if fused else record
 
 
@@ -54,8 +60,11 @@ def differences(saved: dict, now: dict, what: str) -> list[str]:
     """`what.key: saved -> now` for each key of the record that differs."""
     if not saved:  # a checkpoint written before records were kept
         return []
-    return [f"{what}.{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]  # fmt: skip
+    return [
+        f"{what}.{k}: {saved.get(k)!r} -> {now.get(k)!r}"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    ]
 
 
 def check_resume(state: dict, folder: Path, model: dict, data: dict, inexact: bool) -> str | None:

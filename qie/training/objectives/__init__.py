@@ -2,35 +2,46 @@
 
 The loop (`qie.training.loop`) draws a generator per batch (seeded by the batch number and the process, so a
 resumed run repeats its draws) and asks the run's objective for the loss; it knows no objective by name. An
-objective is one module of this package named as `train.objective` names it, holding:
+objective is a component, as an optimizer is: `train/objective=<name>` picks `conf/train/objective/<name>.yaml`,
+whose `_target_` names the class and whose other keys are the objective's own settings (`train.objective.beta=...`);
+an objective from outside qie is `train.objective._target_=pkg.Cls +train.objective.key=value`. The class:
 
-- `REQUIRES`: the sample fields it trains on beyond a target (`("rejected",)` for preference pairs); the train
-  stage refuses samples without them and drops such fields where the objective does not read them
-  (`"empty_prompt"`, which every sample has: batches carry each sample's empty-prompt embedding);
-- `use_problem(use)`: why it cannot train this run (`ObjectiveUse`, known before any model loads: `qie.config.validate`
-  asks it when the config is composed), or None;
-- `build(inputs)`: the `Objective`, its own settings read from `inputs.options` (the `train.<name>` node).
+- is built as `cls(inputs, **settings)` (`ObjectiveInputs`: the family's pieces and the step's settings); its
+  settings are keyword parameters of `__init__`, checked against it when the config is composed;
+- `requires`: the sample fields it trains on (names or `SampleField`s; the train stage refuses samples without
+  them, and precompute fills every one); without "target", rows without a target train (an objective that samples
+  its own results);
+- `needs_decoder` (optional, False): the train stage loads the VAE's decoder and hands it over (`ObjectiveInputs`);
+- `use_problem(use)` (a class method): why it cannot train this run (`ObjectiveUse`, known before any model loads:
+  `qie.config.validate` asks it when the config is composed), or None.
 
-`flow_matching` (the default) is the family's flow-matching loss with loss masks and regularisation weights;
-`dpo` is Diffusion-DPO carried to flow matching on preference pairs; `distill` trains a few-step student on the
-base model's own sampling (its teacher outputs kept in the cache).
+An objective that computes targets ahead of training from the base model (distillation's teacher outputs) also
+implements `PrecomputesTargets`; `precompute.teachers=true` asks for it.
+
+`FlowMatching` (the default) is the family's flow-matching loss with loss masks and regularisation weights and the
+base class a new objective usually extends; `Dpo` is Diffusion-DPO carried to flow matching on preference pairs;
+`Distill` trains a few-step student on the base model's own sampling (its teacher outputs kept in the cache);
+`Grpo` is online RL (Flow-GRPO): groups of edits sampled by the model, scored by a reward.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from qie.errors import ConfigError
 
-if TYPE_CHECKING:  # names for annotations only: config validation lists the objectives without loading torch
+if TYPE_CHECKING:  # names for annotations only: config validation reads the classes without loading the models
     import torch
 
     from qie.training.timesteps import SigmaSampling
     from qie.types import Batch
+
+# Where a run's objective is set, and the class `train/objective=flow_matching` names.
+SETTING = "train.objective"
+DEFAULT_TARGET = "qie.training.objectives.flow_matching.FlowMatching"
 
 
 class Objective(Protocol):
@@ -63,6 +74,20 @@ class Objective(Protocol):
         ...
 
 
+@runtime_checkable
+class PrecomputesTargets(Protocol):
+    """An objective that computes what it trains against from the base model, ahead of training, into the cache
+    (`precompute.teachers=true`; distillation's teacher outputs)."""
+
+    def fill(self, model: torch.nn.Module, batch: Batch) -> int:
+        """Compute and store the batch's missing targets; returns how many were computed."""
+        ...
+
+    def fills_per_sample(self) -> int:
+        """How many targets one sample has (a count of seeds), for the precompute summary."""
+        ...
+
+
 @dataclass(frozen=True)
 class ObjectiveUse:
     """What a run asks of its objective, known before any model loads (`use_problem`)."""
@@ -70,18 +95,17 @@ class ObjectiveUse:
     family: Any  # the ModelFamily
     lora: bool  # a LoRA is trained (not the whole transformer)
     regularization: bool  # regularisation batches are mixed in (`data.regularization`)
-    options: Mapping[str, Any] = field(default_factory=dict)  # the `train.<name>` node, as `ObjectiveInputs`
+    options: Mapping[str, Any] = field(default_factory=dict)  # the objective's own settings, as plain values
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)  # `ModelSpec.call_defaults()`
 
 
 @dataclass(frozen=True)
 class ObjectiveInputs:
-    """What the train stage hands an objective's `build`: the model family's pieces and the step's settings."""
+    """What the train stage hands an objective's constructor: the model family's pieces and the step's settings."""
 
     family: Any  # the ModelFamily: its loss pieces, patch size and sampling loop
     sigmas: SigmaSampling
     loss_weighting: str = "none"
-    # The objective's own settings: the `train.<name>` node as plain values ({} where there is none).
-    options: Mapping[str, Any] = field(default_factory=dict)
     # What an objective that samples needs (distillation): the model's noise scheduler, the checkpoint's
     # model_index.json (`Parts.pipeline_config`), the model's sampling defaults (`ModelSpec.call_defaults()`).
     scheduler: Any = None
@@ -99,50 +123,113 @@ class ObjectiveInputs:
     build_reward: Any = None
 
 
-def objective_names() -> list[str]:
-    """The objectives there are: the modules of this package."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
-
-
-def objective_problem(name: str) -> str | None:
-    """Why `train.objective={name}` names no objective (one line), or None."""
-    if name in objective_names():
-        return None
-    return f"train.objective={name!r} is not an objective: choose one of {', '.join(objective_names())}"
-
-
-def _module(name: str) -> Any:
-    if problem := objective_problem(name):
-        raise ConfigError(problem)
-    return importlib.import_module(f"{__name__}.{name}")
-
-
-def objective_requires(name: str) -> tuple[str, ...]:
-    """The sample fields `train.objective={name}` trains on beyond a target."""
-    return tuple(_module(name).REQUIRES)
-
-
-def objective_traits(name: str) -> tuple[bool, bool]:
-    """(whether `train.objective={name}` trains on each sample's target, whether it decodes latents to images):
-    an objective that samples and scores its own results (GRPO) needs no target and the VAE's decoder."""
-    module = _module(name)
-    return bool(getattr(module, "TARGETS", True)), bool(getattr(module, "NEEDS_DECODER", False))
-
-
-def check_use(name: str, use: ObjectiveUse) -> None:
-    """Raise ConfigError (one line, naming the setting) when the objective cannot train as `use` says."""
-    if problem := _module(name).use_problem(use):
-        raise ConfigError(problem)
-
-
-def build_objective(name: str, inputs: ObjectiveInputs) -> Objective:
-    """The objective `train.objective` names, built from `inputs`.
+def objective_class(node: Any) -> type:
+    """The class a `train.objective` node names (its `_target_`).
 
     Raises:
-        ConfigError: no objective of that name, or settings it refuses.
+        ConfigError: a plain name instead of a node (`train/objective=dpo`: the group is chosen as
+            `train/objective=dpo`), no `_target_`, or nothing importable there.
     """
-    return _module(name).build(inputs)
+    if not isinstance(node, Mapping):
+        raise ConfigError(
+            f"{SETTING}={node!r} is not an objective node: choose a preset with train/objective=NAME "
+            "(flow_matching, dpo, distill, ...) or give a class with train.objective._target_=pkg.Cls"
+        )
+    from qie.config.targets import target_class  # the config package (Hydra) only where a config is read
+
+    target = node.get("_target_")
+    if not target:
+        raise ConfigError(f"{SETTING} has no _target_: give the objective's class, e.g. {DEFAULT_TARGET}")
+    return target_class(f"{SETTING}._target_", str(target), f"an objective class such as {DEFAULT_TARGET}")
 
 
-__all__ = ["Objective", "ObjectiveInputs", "ObjectiveUse", "build_objective", "check_use", "objective_names",
-           "objective_problem", "objective_requires", "objective_traits"]  # fmt: skip
+def settings_of(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The objective's own settings: the node's keys but `_target_`."""
+    return {k: v for k, v in node.items() if k != "_target_"}
+
+
+def accepted_settings(cls: type) -> set[str] | None:
+    """The keyword settings `cls(inputs, **settings)` takes: the named parameters of each constructor along the
+    class's bases while one passes `**kwargs` on; None when the last one takes any keyword."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[2:]  # self, inputs
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
+
+
+def settings_problem(cls: type, settings: Iterable[str]) -> str | None:
+    """Why `settings` do not fit `cls`'s constructor (one line naming the first unknown key), or None."""
+    accepted = accepted_settings(cls)
+    if accepted is None:
+        return None
+    unknown = sorted(set(settings) - accepted)
+    if not unknown:
+        return None
+    return (
+        f"unknown key {SETTING}.{unknown[0]}: {cls.__module__}.{cls.__qualname__} takes "
+        f"{', '.join(sorted(accepted)) or 'no settings'}"
+    )
+
+
+def field_names(cls: type) -> frozenset[str]:
+    """The names of the sample fields the objective class requires."""
+    return frozenset(f if isinstance(f, str) else f.name for f in cls.requires)
+
+
+def trains_on_targets(cls: type) -> bool:
+    """Whether the objective class trains on each sample's target (`requires` names "target"); one that samples
+    and scores its own results (GRPO) does not, and rows without a target then train."""
+    return "target" in field_names(cls)
+
+
+def needs_decoder(cls: type) -> bool:
+    """Whether the objective class decodes latents to images (its optional class attribute `needs_decoder`,
+    False where it sets none): the train stage then loads the VAE's decoder (`ObjectiveInputs.decoder`)."""
+    return bool(getattr(cls, "needs_decoder", False))
+
+
+def check_use(node: Mapping[str, Any], use: ObjectiveUse) -> None:
+    """Raise ConfigError (one line, naming the setting) when the objective `node` names cannot train as `use` says:
+    a setting its constructor does not take, or its `use_problem`."""
+    cls = objective_class(node)
+    settings = settings_of(node)
+    problem = settings_problem(cls, settings) or cls.use_problem(replace(use, options=settings))
+    if problem:
+        raise ConfigError(problem)
+
+
+def build_objective(node: Mapping[str, Any], inputs: ObjectiveInputs) -> Objective:
+    """The objective `node` (`train.objective`, plain values) names, built from `inputs` and its settings.
+
+    Raises:
+        ConfigError: no objective there, or settings it refuses.
+    """
+    cls = objective_class(node)
+    settings = settings_of(node)
+    if problem := settings_problem(cls, settings):
+        raise ConfigError(problem)
+    return cls(inputs, **settings)
+
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "Objective",
+    "ObjectiveInputs",
+    "ObjectiveUse",
+    "PrecomputesTargets",
+    "accepted_settings",
+    "build_objective",
+    "check_use",
+    "field_names",
+    "needs_decoder",
+    "objective_class",
+    "settings_of",
+    "settings_problem",
+    "trains_on_targets",
+]

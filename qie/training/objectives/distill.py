@@ -1,5 +1,5 @@
-"""Distillation of a few-step LoRA from the base model's own sampling (`train.objective=distill`, settings
-`train.distill`).
+"""Distillation of a few-step LoRA from the base model's own sampling (`train/objective=distill`, settings
+`train.objective.*`).
 
 The teacher is the base model (the trained adapter turned off) sampling as `qie.infer` samples: `teacher_steps`
 steps, true CFG at `teacher_cfg` against the sample's empty prompt, from the noise of a seed. The student (the base
@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -32,53 +32,50 @@ from qie.training.objectives import ObjectiveInputs, ObjectiveUse
 from qie.training.objectives.dpo import Reference
 from qie.types import Batch
 
-REQUIRES = ("empty_prompt",)  # the teacher's negative prompt: batches carry each sample's empty-prompt embedding
-ENTRY_TYPE = "teacher_latent"
-
 
 @dataclass(frozen=True)
 class DistillSettings:
-    """`train.distill` (teacher_steps and teacher_cfg left None: the model's pipeline defaults)."""
+    """`train/objective=distill`'s settings (teacher_steps and teacher_cfg left None: the model's pipeline
+    defaults)."""
 
     student_steps: int = 4
     teacher_steps: int | None = None
     teacher_cfg: float | None = None
     seeds: int = 2
 
-    @classmethod
-    def of(cls, options: Any, defaults: Mapping[str, Any] | None = None) -> DistillSettings:
-        """The settings of a `train.distill` node (plain values), None taken from `defaults`
-        (`ModelSpec.call_defaults()`: num_inference_steps, true_cfg_scale).
+    def resolved(self, defaults: Mapping[str, Any] | None = None) -> DistillSettings:
+        """These settings checked, None taken from `defaults` (`ModelSpec.call_defaults()`: num_inference_steps,
+        true_cfg_scale).
 
         Raises:
-            ConfigError: a step count or seed count below 1, a teacher scale of 0 or less.
+            ConfigError: a step count or seed count below 1, a teacher scale of 0 or less, a student taking more
+                steps than its teacher.
         """
-        known = {f.name for f in fields(cls)}
-        s = cls(**{k: v for k, v in dict(options or {}).items() if k in known})
         defaults = defaults or {}
+        s = self
         if s.teacher_steps is None and defaults.get("num_inference_steps") is not None:
-            s = cls(s.student_steps, int(defaults["num_inference_steps"]), s.teacher_cfg, s.seeds)
+            s = DistillSettings(s.student_steps, int(defaults["num_inference_steps"]), s.teacher_cfg, s.seeds)
         if s.teacher_cfg is None and defaults.get("true_cfg_scale") is not None:
-            s = cls(s.student_steps, s.teacher_steps, float(defaults["true_cfg_scale"]), s.seeds)
-        for name in ("student_steps", "teacher_steps", "seeds"):
-            value = getattr(s, name)
+            s = DistillSettings(s.student_steps, s.teacher_steps, float(defaults["true_cfg_scale"]), s.seeds)
+        for name, value in (("student_steps", s.student_steps), ("teacher_steps", s.teacher_steps), ("seeds", s.seeds)):
             if value is not None and int(value) < 1:
-                raise ConfigError(f"train.distill.{name}={value} is out of range: give 1 or more")
+                raise ConfigError(f"train.objective.{name}={value} is out of range: give 1 or more")
         if s.teacher_cfg is not None and not s.teacher_cfg > 0:
-            raise ConfigError(f"train.distill.teacher_cfg={s.teacher_cfg} is out of range: give a value above 0 "
-                              "(1: no CFG; e.g. 4)")  # fmt: skip
+            raise ConfigError(
+                f"train.objective.teacher_cfg={s.teacher_cfg} is out of range: give a value above 0 (1: no CFG; e.g. 4)"
+            )
+        if s.teacher_steps is not None and int(s.student_steps) > int(s.teacher_steps):
+            named = f"train.objective.teacher_steps={self.teacher_steps}"
+            if self.teacher_steps is None:
+                named = (
+                    f"the teacher's {s.teacher_steps} (train.objective.teacher_steps unset: model.num_inference_steps)"
+                )
+            raise ConfigError(
+                f"train.objective.student_steps={s.student_steps} is above {named}: the student learns to sample in "
+                "fewer steps than its teacher; lower train.objective.student_steps or raise "
+                "train.objective.teacher_steps"
+            )
         return s
-
-
-def use_problem(use: ObjectiveUse) -> str | None:
-    if not use.lora:
-        return ("train.objective=distill needs train.mode=lora: its teacher is the base model with the adapter "
-                "turned off, which training the whole transformer does not keep")  # fmt: skip
-    if use.regularization:
-        return ("train.objective=distill does not mix in data.regularization (the student learns the teacher's "
-                "outputs, not targets): remove data.regularization.path")  # fmt: skip
-    DistillSettings.of(use.options)
-    return None
 
 
 class TeacherStore(Protocol):
@@ -106,15 +103,16 @@ def sample_inputs(batch: Batch, i: int) -> tuple[PromptInputs, PromptInputs, lis
         ValueError: the batch holds no empty-prompt embeddings (`collate(negatives=True)`).
     """
     if batch.negative_prompt_embeds is None:
-        raise ValueError(f"batch {batch.ids} holds no empty-prompt embeddings: train.objective=distill needs them")
+        raise ValueError(f"batch {batch.ids} holds no empty-prompt embeddings: train/objective=distill needs them")
 
     def unpadded(embeds: torch.Tensor, mask: torch.Tensor | None, image_mask: torch.Tensor | None) -> PromptInputs:
         n = embeds.shape[1] if mask is None else int(mask[i].sum())
         return PromptInputs(embeds[i : i + 1, :n], None, None if image_mask is None else image_mask[i : i + 1, :n])
 
     prompt = unpadded(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
-    negative = unpadded(batch.negative_prompt_embeds, batch.negative_prompt_embeds_mask,
-                        batch.negative_prompt_image_mask)  # fmt: skip
+    negative = unpadded(
+        batch.negative_prompt_embeds, batch.negative_prompt_embeds_mask, batch.negative_prompt_image_mask
+    )
     return prompt, negative, [c[i : i + 1] for c in batch.control_latents]
 
 
@@ -151,24 +149,65 @@ class Distill:
     """The distillation objective (see the module's text).
 
     Args:
-        family: the ModelFamily (its `denoise`).
-        scheduler: the model's noise scheduler; pipeline_config: the checkpoint's model_index.json.
-        settings: `train.distill`, resolved.
-        store: where teacher outputs are kept; None: computed every time, kept nowhere.
-        model_key: what the base model is (the run's model record): part of every teacher entry's key.
+        inputs: the family (its `denoise`), the model's noise scheduler and the checkpoint's model_index.json, the
+            model's sampling defaults, where teacher outputs are kept (None: computed every time, kept nowhere)
+            and what the base model is (the run's model record: part of every teacher entry's key).
+        student_steps, teacher_steps, teacher_cfg, seeds: `DistillSettings`.
     """
 
-    def __init__(self, family: Any, scheduler: Any, pipeline_config: Mapping[str, Any], settings: DistillSettings,
-                 store: TeacherStore | None, model_key: Mapping[str, Any]) -> None:  # fmt: skip
-        self.family, self.scheduler, self.pipeline_config = family, scheduler, dict(pipeline_config or {})
-        self.settings, self.store = settings, store
-        scheduler_config = {k: v for k, v in dict(scheduler.config).items() if not k.startswith("_")}
-        self.teacher_key = json.loads(json.dumps({
-            "model": dict(model_key), "steps": settings.teacher_steps, "cfg": settings.teacher_cfg,
-            "scheduler": scheduler_config, "sigmas": self.pipeline_config.get("sample_sigmas"),
-        }, default=str))  # fmt: skip
+    # A target per sample (its shape) and the teacher's negative prompt: batches carry each sample's empty-prompt
+    # embedding.
+    requires: ClassVar[frozenset[Any]] = frozenset({"target", "empty_prompt"})
+
+    def __init__(
+        self,
+        inputs: ObjectiveInputs,
+        student_steps: int = 4,
+        teacher_steps: int | None = None,
+        teacher_cfg: float | None = None,
+        seeds: int = 2,
+    ) -> None:
+        settings = DistillSettings(student_steps, teacher_steps, teacher_cfg, seeds).resolved(inputs.sampling_defaults)
+        if settings.teacher_steps is None or settings.teacher_cfg is None:
+            raise ConfigError(
+                "train.objective.teacher_steps and teacher_cfg are not set and the model names no pipeline defaults: "
+                "set both (e.g. train.objective.teacher_steps=20 train.objective.teacher_cfg=4)"
+            )
+        if inputs.scheduler is None:
+            raise ValueError("train/objective=distill needs the model's scheduler (ObjectiveInputs.scheduler)")
+        self.family, self.scheduler = inputs.family, inputs.scheduler
+        self.pipeline_config = dict(inputs.pipeline_config or {})
+        self.settings, self.store = settings, inputs.teacher_store
+        scheduler_config = {k: v for k, v in dict(self.scheduler.config).items() if not k.startswith("_")}
+        key = {
+            "model": dict(inputs.model_key),
+            "steps": settings.teacher_steps,
+            "cfg": settings.teacher_cfg,
+            "scheduler": scheduler_config,
+            "sigmas": self.pipeline_config.get("sample_sigmas"),
+        }
+        self.teacher_key = json.loads(json.dumps(key, default=str))
         self.reference = Reference(objective="distill")
         self.computed = self.samples = 0
+
+    @classmethod
+    def use_problem(cls, use: ObjectiveUse) -> str | None:
+        if not use.lora:
+            return (
+                "train/objective=distill needs train.mode=lora: its teacher is the base model with the adapter "
+                "turned off, which training the whole transformer does not keep"
+            )
+        if use.regularization:
+            return (
+                "train/objective=distill does not mix in data.regularization (the student learns the teacher's "
+                "outputs, not targets): remove data.regularization.path"
+            )
+        names = ("student_steps", "teacher_steps", "teacher_cfg", "seeds")
+        DistillSettings(**{k: use.options[k] for k in names if k in use.options}).resolved(use.sampling_defaults)
+        return None
+
+    def fills_per_sample(self) -> int:
+        return int(self.settings.seeds)
 
     def prepare(self, transformer: torch.nn.Module) -> None:
         self.reference.prepare(transformer)
@@ -177,8 +216,13 @@ class Distill:
         """The fields of sample `i`'s teacher entry for `seed` (`noise` its starting noise)."""
         prompt, negative, controls = sample_inputs(batch, i)
         inputs = digest([prompt.embeds, prompt.image_mask, negative.embeds, negative.image_mask, *controls])
-        return {**self.teacher_key, "seed": int(seed), "shape": list(noise.shape[1:]), "dtype": str(noise.dtype),
-                "inputs": inputs}  # fmt: skip
+        return {
+            **self.teacher_key,
+            "seed": int(seed),
+            "shape": list(noise.shape[1:]),
+            "dtype": str(noise.dtype),
+            "inputs": inputs,
+        }
 
     def teach(self, model: torch.nn.Module, batch: Batch, i: int, noise: torch.Tensor) -> torch.Tensor:
         """The teacher's latents (1, C, F, h, w) of sample `i` from `noise`: the base model sampling with
@@ -186,11 +230,22 @@ class Distill:
         prompt, negative, controls = sample_inputs(batch, i)
         cfg = float(self.settings.teacher_cfg or 1.0)
         with torch.no_grad(), self.reference.active():
-            return self.family.denoise(model, self.scheduler, noise, prompt, negative if cfg > 1 else None, controls,
-                                       int(self.settings.teacher_steps), cfg, False, self.pipeline_config)  # fmt: skip
+            return self.family.denoise(
+                model,
+                self.scheduler,
+                noise,
+                prompt,
+                negative if cfg > 1 else None,
+                controls,
+                int(self.settings.teacher_steps),
+                cfg,
+                False,
+                self.pipeline_config,
+            )
 
-    def teacher(self, model: torch.nn.Module, batch: Batch, i: int, seed: int, noise: torch.Tensor,
-                fill: bool = True) -> torch.Tensor:  # fmt: skip
+    def teacher(
+        self, model: torch.nn.Module, batch: Batch, i: int, seed: int, noise: torch.Tensor, fill: bool = True
+    ) -> torch.Tensor:
         """Sample `i`'s teacher latents for `seed`: read from the store, else computed (and written where the store
         fills). Without `fill`, a miss is computed even where the store does not fill (held-out measures).
 
@@ -237,8 +292,18 @@ class Distill:
         """The student's latents (B, C, F, h, w) from `noise`: `student_steps` steps without CFG, with the gradient
         where it is on (each prediction recomputed in the backward pass)."""
         prompt = PromptInputs(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
-        return self.family.denoise(model, self.scheduler, noise, prompt, None, batch.control_latents,
-                                   int(self.settings.student_steps), 1.0, True, self.pipeline_config)  # fmt: skip
+        return self.family.denoise(
+            model,
+            self.scheduler,
+            noise,
+            prompt,
+            None,
+            batch.control_latents,
+            int(self.settings.student_steps),
+            1.0,
+            True,
+            self.pipeline_config,
+        )
 
     def _errors(self, model: torch.nn.Module, batch: Batch, seeds: Sequence[int], fill: bool) -> torch.Tensor:
         shape, device, dtype = batch.latents.shape[1:], batch.latents.device, batch.prompt_embeds.dtype
@@ -267,14 +332,3 @@ class Distill:
         loss = float(self._errors(model, batch, [0] * batch.latents.shape[0], fill=False).mean())
         self.computed, self.samples = computed, samples  # held-out measures are not the steps' own
         return {"loss": loss}
-
-
-def build(inputs: ObjectiveInputs) -> Distill:
-    settings = DistillSettings.of(inputs.options, inputs.sampling_defaults)
-    if settings.teacher_steps is None or settings.teacher_cfg is None:
-        raise ConfigError("train.distill.teacher_steps and teacher_cfg are not set and the model names no pipeline "
-                          "defaults: set both (e.g. train.distill.teacher_steps=20 train.distill.teacher_cfg=4)")
-    if inputs.scheduler is None:
-        raise ValueError("train.objective=distill needs the model's scheduler (ObjectiveInputs.scheduler)")
-    return Distill(inputs.family, inputs.scheduler, inputs.pipeline_config, settings, inputs.teacher_store,
-                   inputs.model_key)  # fmt: skip

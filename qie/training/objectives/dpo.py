@@ -1,8 +1,8 @@
 """Preference training: Diffusion-DPO carried to flow matching, on pairs of a preferred and a rejected result of
-one prompt and control images (`train.objective=dpo`, settings `train.dpo`).
+one prompt and control images (`train/objective=dpo`, settings `train.objective.*`).
 
 Both results are noised with the same noise at the same noise level. The policy (the base with the trained
-adapter) and a reference (the base with the adapter turned off, or with `train.dpo.reference_lora` instead) each
+adapter) and a reference (the base with the adapter turned off, or with `train.objective.reference_lora` instead) each
 predict both velocities; with e the per-sample velocity error (the batch's loss mask applied, so
 `train.mask.source=edit` counts only the edit region of either result),
 
@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from qie.errors import ConfigError
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse
-from qie.training.objectives.flow_matching import noise_and_sigmas
-from qie.training.timesteps import SigmaSampling
+from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
 from qie.types import Batch
 
-REQUIRES = ("rejected",)
 REFERENCE_ADAPTER = "reference"
 # The largest settings taken: 500 times the default beta (z grows with it; a huge one turns the step's gradient into
 # inf), and an SFT term 100 times the DPO loss's own weight.
@@ -42,55 +40,41 @@ SFT_WEIGHT_MAX = 100.0
 
 @dataclass(frozen=True)
 class DpoSettings:
-    """`train.dpo`."""
+    """`train/objective=dpo`'s settings."""
 
     beta: float = 2000.0  # how sharply the margin is pushed; the errors are means over latent elements
     sft_weight: float = 0.0  # weight of the plain flow-matching loss on the preferred result
     reference_lora: str | None = None  # a LoRA file as the reference (else the base with the adapter off)
 
-    @classmethod
-    def of(cls, options: Any) -> DpoSettings:
-        """The settings of a `train.dpo` node (plain values).
+    def checked(self) -> DpoSettings:
+        """These settings, checked.
 
         Raises:
             ConfigError: a beta out of (0, BETA_MAX] or an sft weight out of [0, SFT_WEIGHT_MAX] (NaN and inf
                 included), a reference LoRA that is not a file.
         """
-        known = {f.name for f in fields(cls)}
-        settings = cls(**{k: v for k, v in dict(options or {}).items() if k in known})
-        if not 0 < settings.beta <= BETA_MAX:  # NaN too
+        if not 0 < self.beta <= BETA_MAX:  # NaN too
             raise ConfigError(
-                f"train.dpo.beta={settings.beta} is out of range: give a value above 0 and at most {BETA_MAX:g} "
+                f"train.objective.beta={self.beta} is out of range: give a value above 0 and at most {BETA_MAX:g} "
                 "(e.g. 2000)"
             )
-        if not 0 <= settings.sft_weight <= SFT_WEIGHT_MAX:
+        if not 0 <= self.sft_weight <= SFT_WEIGHT_MAX:
             raise ConfigError(
-                f"train.dpo.sft_weight={settings.sft_weight} is out of range: give a value from 0 to {SFT_WEIGHT_MAX:g}"
+                f"train.objective.sft_weight={self.sft_weight} is out of range: give a value from 0 to "
+                f"{SFT_WEIGHT_MAX:g}"
             )
-        if settings.reference_lora and not Path(settings.reference_lora).exists():
-            raise ConfigError(f"train.dpo.reference_lora={settings.reference_lora!r} does not exist: give a LoRA "
-                              "file or folder, or leave it unset to use the base model as the reference")  # fmt: skip
-        return settings
-
-
-def use_problem(use: ObjectiveUse) -> str | None:
-    if not use.lora:
-        return ("train.objective=dpo needs train.mode=lora: its reference is the base model with the adapter turned "
-                "off (or train.dpo.reference_lora), which training the whole transformer does not keep")  # fmt: skip
-    if use.family.outputs.layers:  # the output is an image's layers
-        return ("train.objective=dpo does not train a layered model: a preference pair of layer stacks is not read; "
-                "use train.objective=flow_matching")  # fmt: skip
-    if use.regularization:
-        return ("train.objective=dpo does not mix in data.regularization (its samples are no preference pairs): "
-                "remove data.regularization.path")  # fmt: skip
-    DpoSettings.of(use.options)
-    return None
+        if self.reference_lora and not Path(self.reference_lora).exists():
+            raise ConfigError(
+                f"train.objective.reference_lora={self.reference_lora!r} does not exist: give a LoRA file or "
+                "folder, or leave it unset to use the base model as the reference"
+            )
+        return self
 
 
 def paired(batch: Batch) -> Batch:
     """One batch of the preferred results, then the rejected ones: every other input repeated."""
-    if batch.rejected_latents is None:
-        raise ValueError(f"batch {batch.ids} holds no rejected results: train.objective=dpo trains preference pairs")
+    if "rejected" not in batch.fields:
+        raise ValueError(f"batch {batch.ids} holds no rejected results: train/objective=dpo trains preference pairs")
 
     def twice(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.cat([t, t])
@@ -98,13 +82,13 @@ def paired(batch: Batch) -> Batch:
     return replace(
         batch,
         ids=[*batch.ids, *batch.ids],
-        latents=torch.cat([batch.latents, batch.rejected_latents]),
+        latents=torch.cat([batch.latents, batch.fields["rejected"]]),
         control_latents=[twice(c) for c in batch.control_latents],
         prompt_embeds=twice(batch.prompt_embeds),
         prompt_embeds_mask=twice(batch.prompt_embeds_mask),
         prompt_image_mask=twice(batch.prompt_image_mask),
         loss_mask=twice(batch.loss_mask),
-        rejected_latents=None,
+        fields={},
     )
 
 
@@ -137,8 +121,9 @@ class Reference:
 
         before = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
         if not before:
-            raise ConfigError(f"train.objective={self.objective} needs the trained adapter on the transformer: "
-                              "train.mode=lora")  # fmt: skip
+            raise ConfigError(
+                f"train/objective={self.objective} needs the trained adapter on the transformer: train.mode=lora"
+            )
         self.trained = list(before[0].active_adapters)
         flags = {p: p.requires_grad for p in transformer.parameters()}
         if self.lora:
@@ -172,30 +157,54 @@ class Reference:
                 p.requires_grad_(flag)
 
 
-class Dpo:
-    """The Flow-DPO objective (see the module's text).
+class Dpo(FlowMatching):
+    """The Flow-DPO objective (see the module's text): the family's loss (`ModelFamily.loss`, called with
+    `per_sample=True`) and the loss weighting over sigmas (`train.loss_weighting`) applied to every error.
 
     Args:
-        family_loss: the model family's loss (`ModelFamily.loss`), called with `per_sample=True`.
-        sigmas: how noise levels are drawn.
-        patch_size: latent pixels per side of one transformer token.
-        weighting: the loss weighting over sigmas (`train.loss_weighting`), applied to every error.
-        settings: `train.dpo`.
+        inputs: as `FlowMatching` takes them.
+        beta, sft_weight, reference_lora: `DpoSettings`.
     """
 
-    def __init__(self, family_loss: Callable[..., torch.Tensor], sigmas: SigmaSampling, patch_size: int,
-                 weighting: str, settings: DpoSettings) -> None:  # fmt: skip
-        self.family_loss, self.sigmas, self.patch_size = family_loss, sigmas, patch_size
-        self.weighting, self.settings = weighting, settings
-        self.reference = Reference(settings.reference_lora)
+    requires: ClassVar[frozenset[Any]] = FlowMatching.requires | {"rejected"}
+
+    def __init__(
+        self, inputs: ObjectiveInputs, beta: float = 2000.0, sft_weight: float = 0.0, reference_lora: str | None = None
+    ) -> None:
+        super().__init__(inputs)
+        self.settings = DpoSettings(float(beta), float(sft_weight), reference_lora).checked()
+        self.reference = Reference(self.settings.reference_lora)
         self._sums: dict[str, float] = {}
         self._count = 0
+
+    @classmethod
+    def use_problem(cls, use: ObjectiveUse) -> str | None:
+        if not use.lora:
+            return (
+                "train/objective=dpo needs train.mode=lora: its reference is the base model with the adapter turned "
+                "off (or train.objective.reference_lora), which training the whole transformer does not keep"
+            )
+        if use.family.outputs.layers:  # the output is an image's layers
+            return (
+                "train/objective=dpo does not train a layered model: a preference pair of layer stacks is not read; "
+                "use train/objective=flow_matching"
+            )
+        if use.regularization:
+            return (
+                "train/objective=dpo does not mix in data.regularization (its samples are no preference pairs): "
+                "remove data.regularization.path"
+            )
+        DpoSettings(
+            **{k: use.options[k] for k in ("beta", "sft_weight", "reference_lora") if k in use.options}
+        ).checked()
+        return None
 
     def prepare(self, transformer: torch.nn.Module) -> None:
         self.reference.prepare(transformer)
 
-    def _terms(self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor,
-               weighting: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _terms(
+        self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor, weighting: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, margins z, the policy's per-sample errors) of a batch of pairs at the given noise."""
         pairs, noise2, sigmas2 = paired(batch), torch.cat([noise, noise]), torch.cat([sigmas, sigmas])
         with torch.no_grad(), self.reference.active():
@@ -226,8 +235,3 @@ class Dpo:
     ) -> dict[str, float]:
         loss, z, _ = self._terms(model, batch, noise, sigmas, "none")
         return {"loss": float(loss), "reward_accuracy": float(accuracy(z)), "reward_margin": float(z.mean())}
-
-
-def build(inputs: ObjectiveInputs) -> Dpo:
-    settings = DpoSettings.of(inputs.options)
-    return Dpo(inputs.family.loss, inputs.sigmas, inputs.family.patch_size, inputs.loss_weighting, settings)

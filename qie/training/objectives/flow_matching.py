@@ -1,21 +1,22 @@
 """Flow matching, as diffusers trains Qwen-Image: noise and a noise level per sample, the family's velocity
-loss (with the batch's loss masks and the configured weighting), times the batch's regularisation weight."""
+loss (with the batch's loss masks and the configured weighting), times the batch's regularisation weight.
+
+`FlowMatching` is also the base a new objective usually extends: a subclass adds keyword settings to
+`__init__(*args, **kwargs)`, adds sample fields with `requires = FlowMatching.requires | {FIELD}`, calls
+`super().loss(model, batch, generator)` and returns its own measures from `step_metrics()`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse
-from qie.training.timesteps import SigmaSampling
 from qie.types import Batch
 
-REQUIRES: tuple[str, ...] = ()
-
-
-def use_problem(use: ObjectiveUse) -> str | None:
-    return None  # every family, mode and data mix
+if TYPE_CHECKING:  # for annotations: a plug-in importing the base loads no model library
+    from qie.training.timesteps import SigmaSampling
 
 
 def noise_and_sigmas(
@@ -29,18 +30,27 @@ def noise_and_sigmas(
 
 
 class FlowMatching:
-    """The flow-matching objective.
+    """The flow-matching objective (`train/objective=flow_matching`, no settings of its own).
 
     Args:
-        family_loss: the model family's loss (`ModelFamily.loss`): (model, batch, noise, sigmas, weighting).
-        sigmas: how noise levels are drawn (the target's token count decides dynamic shifting).
-        patch_size: latent pixels per side of one transformer token.
-        weighting: the loss weighting over sigmas (`train.loss_weighting`).
+        inputs: the family's loss (`ModelFamily.loss`: model, batch, noise, sigmas, weighting) and patch size, how
+            noise levels are drawn (the target's token count decides dynamic shifting) and the loss weighting over
+            sigmas (`train.loss_weighting`).
     """
 
-    def __init__(self, family_loss: Callable[..., torch.Tensor], sigmas: SigmaSampling, patch_size: int,
-                 weighting: str = "none") -> None:  # fmt: skip
-        self.family_loss, self.sigmas, self.patch_size, self.weighting = family_loss, sigmas, patch_size, weighting
+    # The sample fields trained on: a target for every sample.
+    requires: ClassVar[frozenset[Any]] = frozenset({"target"})
+
+    def __init__(self, inputs: ObjectiveInputs) -> None:
+        self.inputs = inputs
+        self.family_loss = inputs.family.loss
+        self.sigmas, self.patch_size = inputs.sigmas, inputs.family.patch_size
+        self.weighting = inputs.loss_weighting
+
+    @classmethod
+    def use_problem(cls, use: ObjectiveUse) -> str | None:
+        """Why this objective cannot train the run `use` describes (one line), or None."""
+        return None  # every family, mode and data mix
 
     def prepare(self, transformer: torch.nn.Module) -> None:
         pass  # the trained model alone
@@ -59,7 +69,3 @@ class FlowMatching:
         self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
     ) -> dict[str, float]:
         return {"loss": self.family_loss(model, batch, noise, sigmas, "none").item()}
-
-
-def build(inputs: ObjectiveInputs) -> FlowMatching:
-    return FlowMatching(inputs.family.loss, inputs.sigmas, inputs.family.patch_size, inputs.loss_weighting)

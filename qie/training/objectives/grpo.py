@@ -1,4 +1,4 @@
-"""Online reinforcement learning of edits: Flow-GRPO (`train.objective=grpo`).
+"""Online reinforcement learning of edits: Flow-GRPO (`train/objective=grpo`, `conf/train/objective/grpo.yaml`).
 
 Each step, for each sample of the batch, the policy (the base with the trained adapter) samples `group_size` edits
 from the sample's cached prompt and control embeddings through the family's own sampling loop with its ODE step
@@ -280,16 +280,3 @@ class Grpo:
             rewards.append(self._rewards(batch, i, latents))
         reward = float(torch.cat(rewards).mean())
         return {"loss": -reward, "reward": reward}
-
-
-# Today's objective seam (a module's REQUIRES, use_problem and build); the class above is the component.
-REQUIRES = tuple(sorted(Grpo.requires))
-TARGETS, NEEDS_DECODER = False, Grpo.needs_decoder
-
-
-def use_problem(use: ObjectiveUse) -> str | None:
-    return Grpo.use_problem(use)
-
-
-def build(inputs: ObjectiveInputs) -> Grpo:
-    return Grpo(inputs, **dict(inputs.options))

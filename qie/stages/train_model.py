@@ -1,0 +1,165 @@
+"""What the train stage builds besides its data: the transformer and noise scheduler (`load_model`), the training
+state over them (`build_train_state`: what the mode trains, the objective's additions, the memory levers, the optimizer
+and LR schedule), the objective (`make_objective`) and the records checkpoints keep (`run_records`). Precompute's
+target filling (`qie.stages.teacher_fill`) builds the same pieces, so its model is the training run's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qie.components import load_parts, resolve_dtype
+from qie.config.model import ModelConfig
+from qie.config.train import LoggingConfig, TrainConfig
+from qie.data.samples import Sample
+from qie.evaluation.build import build_rewards
+from qie.models import ModelSpec
+from qie.training.compile import compile_blocks
+from qie.training.fused_base import FusedBase
+from qie.training.loop import LoopSettings, TrainState
+from qie.training.memory import MemorySettings, apply_memory
+from qie.training.modes import TrainMode
+from qie.training.objectives import Objective, ObjectiveInputs, build_objective
+from qie.training.run_record import data_record, model_record, transformer_fingerprint
+from qie.training.timesteps import SigmaSampling
+
+
+def make_objective(
+    train: TrainConfig,
+    scheduler: Any,
+    spec: ModelSpec,
+    pipeline_config: dict | None = None,
+    teachers: Any = None,
+    model_key: dict | None = None,
+    decoder: Any = None,
+    views: Any = None,
+) -> Objective:
+    """The objective `train.objective` names (its `_target_` and settings), with the run's noise-level sampling
+    (the scheduler's shift).
+
+    Args:
+        pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`), for an objective that samples.
+        teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
+        decoder: the VAE (its decoder alone), for an objective that decodes; views: its samples' prompts and
+            control images (`train_data.sample_views`).
+    """
+    sigmas = SigmaSampling(
+        method=str(train.timestep_sampling),
+        logit_mean=float(train.logit_mean),
+        logit_std=float(train.logit_std),
+        mode_scale=float(train.mode_scale),
+        shift=float(train.shift),
+        dynamic_shift=bool(train.dynamic_shift),
+        scheduler_config=dict(scheduler.config),
+    )
+    inputs = ObjectiveInputs(
+        spec.family,
+        sigmas,
+        str(train.loss_weighting),
+        scheduler,
+        pipeline_config or {},
+        spec.call_defaults(),
+        teachers,
+        model_key or {},
+        decoder,
+        views,
+        objective_reward,
+    )
+    return build_objective(train.objective, inputs)
+
+
+def objective_reward(node: Any) -> Any:
+    """The reward an objective's `reward` node names (`qie.evaluation.build`)."""
+    return build_rewards({"reward": node}, "train.objective")["reward"]
+
+
+def base_model_key(model: ModelConfig, record: dict) -> dict:
+    """What the base transformer computes with: the run's model record but what training changes, and the settings
+    that change its outputs at load (weight quantization, `zero_cond_t`)."""
+    key = {k: v for k, v in record.items() if k not in ("mode", "lora")}
+    return {**key, "quantize": str(model.quantize), "zero_cond_t": bool(model.zero_cond_t)}
+
+
+def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objective) -> LoopSettings:
+    return LoopSettings(
+        max_steps=int(train.max_steps),
+        seed=int(train.seed),
+        objective=objective,
+        max_grad_norm=float(train.max_grad_norm),
+        checkpoint_every=int(train.checkpoint_every),
+        log_every=int(logging.log_every),
+        on_nonfinite=str(train.on_nonfinite),
+    )
+
+
+def load_model(
+    model: ModelConfig,
+    memory: MemorySettings,
+    compiled: bool,
+    accelerator: Any,
+    spec: ModelSpec,
+    fused: FusedBase,
+    decoder: bool = False,
+) -> Any:
+    """The transformer, with the LoRAs `fused` (`model.fuse_loras`) fused into it, and the noise scheduler, built
+    where the `memory` settings build them (`compiled`: `train.compile`); with `decoder`, the VAE without its
+    encoder (an objective that decodes its samples)."""
+    device = memory.build_device(accelerator.device)
+    names = ["transformer", "scheduler", *(["vae"] if decoder else [])]
+    parts = load_parts(model, names, {"transformer": device}, spec, compiled, fused.fuse_into)
+    if decoder:
+        parts.vae.encoder = torch.nn.Module()  # latents are decoded, never encoded: its weights freed
+    return parts
+
+
+def build_train_state(
+    model: ModelConfig,
+    train: TrainConfig,
+    memory: MemorySettings,
+    mode: TrainMode,
+    accelerator: Any,
+    spec: ModelSpec,
+    parts: Any,
+    objective: Objective | None = None,
+) -> tuple:
+    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
+
+    Args:
+        memory: `train`'s memory settings (`MemorySettings.of`), checked against the mode.
+        parts: what `load_model` gave.
+        objective: adds what it needs to the model (`Objective.prepare`) before it is wrapped.
+    """
+    transformer = parts.transformer
+    params = mode.trainable(transformer)
+    if objective is not None:
+        objective.prepare(transformer)
+    place = apply_memory(transformer, memory, accelerator.device)
+    if train.compile:
+        accelerator.print(compile_blocks(transformer))
+    optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
+    lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
+    # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
+    prepared, optimizer = accelerator.prepare(transformer, optimizer, device_placement=[place, True])
+    params = [p for p in prepared.parameters() if p.requires_grad]  # FSDP replaces them by their shards
+    dtype = resolve_dtype(str(model.dtype))
+    return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
+
+
+def run_records(
+    m: ModelConfig, train: TrainConfig, spec: ModelSpec, samples: list[Sample], fused: FusedBase
+) -> tuple[dict, dict]:
+    """The model and data records checkpoints keep, and resume compares (see `qie.training.run_record`)."""
+    fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.transformer_path, m.revision)
+    lora = None
+    if train.mode != "full":
+        keys = ("rank", "alpha", "target_modules", "dropout", "init")
+        lora = {k: list(v) if isinstance(v := getattr(train.lora, k), list) else v for k in keys}
+    record = model_record(spec, fingerprint, str(train.mode), lora, fused.record())
+    return record, data_record([s.id for s in samples])
+
+
+def _instantiate(node: Any) -> Any:
+    from hydra.utils import instantiate
+
+    return instantiate(node)
