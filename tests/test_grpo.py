@@ -221,7 +221,9 @@ def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_tra
 
     loaded = []
     real = train_model.load_parts
-    monkeypatch.setattr(train_model, "load_parts", lambda m, names, *a: loaded.append(list(names)) or real(m, names, *a))
+    monkeypatch.setattr(
+        train_model, "load_parts", lambda m, names, *a: loaded.append(list(names)) or real(m, names, *a)
+    )
     monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
     result = train.run(small_cfg("train", *data, *GRPO), tmp_path / "run")
     assert loaded == [["transformer", "scheduler", "vae"]] and len(result["losses"]) == 2
