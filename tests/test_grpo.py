@@ -225,8 +225,13 @@ def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_tra
         train_model, "load_parts", lambda m, names, *a: loaded.append(list(names)) or real(m, names, *a)
     )
     monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
+    built = []
+    load_model = train.load_model
+    monkeypatch.setattr(train, "load_model", lambda *a: built.append(load_model(*a)) or built[-1])
     result = train.run(small_cfg("train", *data, *GRPO), tmp_path / "run")
     assert loaded == [["transformer", "scheduler", "vae"]] and len(result["losses"]) == 2
+    vae = built[0].vae  # the decoder alone: the encoder's weights dropped
+    assert not list(vae.encoder.parameters()) and list(vae.decoder.parameters())
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction"} <= set(logged[-1])
 
