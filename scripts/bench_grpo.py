@@ -115,6 +115,7 @@ def main() -> None:
         *grpo,
         f"data.path={rows}",
         f"train.init_lora={sft_lora}",
+        f"train.objective.reference_lora={sft_lora}",
         f"train.max_steps={args.steps}",
         f"data.batch_size={args.batch_size}",
         f"train.learning_rate={args.lr}",

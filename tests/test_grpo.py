@@ -167,6 +167,7 @@ def test_the_same_generator_gives_the_same_loss(tiny) -> None:
         (True, False, {**SETTINGS, "group_size": 1}, r"train.objective.group_size=1 is out of range"),
         (True, False, {**SETTINGS, "train_timesteps": 4}, r"train.objective.train_timesteps=4 is out of range"),
         (True, False, {"group_size": 2}, r"train.objective=grpo needs a reward"),
+        (True, False, {**SETTINGS, "reference_lora": "/no/such.safetensors"}, r"reference_lora=.* does not exist"),
     ],
 )
 def test_what_grpo_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:

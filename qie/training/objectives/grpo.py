@@ -12,9 +12,10 @@ the gradient:
     loss = mean(max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))) + kl_weight * KL
 
 with KL that of the step's Gaussian under the policy to the one under the reference (the base with the adapter
-turned off: `dpo.Reference`), (mean - mean_ref)^2 / (2 scale^2) averaged over the latent. One optimisation per
-rollout: the ratio is 1 and the policy-gradient term is -A (its gradient A d log p), as in Flow-GRPO. Every draw
-(the starting noise, the steps' noise, the chosen steps) comes from the batch's generator.
+turned off: `dpo.Reference`; or with `reference_lora` instead: a run that goes on from `train.init_lora` names the
+same file, so the KL keeps the policy near its start), (mean - mean_ref)^2 / (2 scale^2) averaged over the latent.
+One optimisation per rollout: the ratio is 1 and the policy-gradient term is -A (its gradient A d log p), as in
+Flow-GRPO. Every draw (the starting noise, the steps' noise, the chosen steps) comes from the batch's generator.
 
 Logged: `reward_mean`, `reward_std` (within groups), `reward_best` (the groups' mean best), `kl`, `clip_fraction`.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -50,6 +52,7 @@ class GrpoSettings:
     train_timesteps: int = 2
     true_cfg_scale: float = 1.0
     reward: Any = None  # a {_target_: ..., keys} node
+    reference_lora: str | None = None  # a LoRA file as the reference (else the base with the adapter off)
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> GrpoSettings:
@@ -76,6 +79,11 @@ class GrpoSettings:
         for name, ok, hint in checks:
             if not ok:  # NaN fails every comparison
                 raise ConfigError(f"train.objective.{name}={getattr(s, name)} is out of range: {hint}")
+        if s.reference_lora and not Path(s.reference_lora).exists():
+            raise ConfigError(
+                f"train.objective.reference_lora={s.reference_lora!r} does not exist: give a LoRA file or folder "
+                "(e.g. train.init_lora's), or leave it unset to use the base model as the reference"
+            )
         if s.reward is None:
             raise ConfigError(
                 f"train.objective={NAME} needs a reward: set train.objective.reward._target_ (e.g. "
@@ -118,9 +126,18 @@ class Grpo:
         train_timesteps: int = 2,
         true_cfg_scale: float = 1.0,
         reward: Any = None,
+        reference_lora: str | None = None,
     ) -> None:
         self.settings = s = GrpoSettings(
-            group_size, sampling_steps, noise_level, clip_range, kl_weight, train_timesteps, true_cfg_scale, reward
+            group_size,
+            sampling_steps,
+            noise_level,
+            clip_range,
+            kl_weight,
+            train_timesteps,
+            true_cfg_scale,
+            reward,
+            reference_lora,
         ).checked()
         if inputs.scheduler is None or inputs.decoder is None:
             raise ValueError(f"train.objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
@@ -130,7 +147,7 @@ class Grpo:
         if inputs.build_reward is None:
             raise ValueError(f"train.objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
         self.reward = checked_reward(inputs.build_reward(s.reward))
-        self.reference = Reference(objective=NAME)
+        self.reference = Reference(s.reference_lora, objective=NAME)
         self._sums: dict[str, float] = {}
         self._count = 0
 
