@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--sampling-steps", type=int, default=10)
+    parser.add_argument("--train-timesteps", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--kl-weight", type=float, default=0.04)
     parser.add_argument("--sft-lora", type=Path, default=None, help="start from this LoRA instead of training one")
@@ -107,6 +108,7 @@ def main() -> None:
         f"train.objective.group_size={args.group_size}",
         f"train.objective.sampling_steps={args.sampling_steps}",
         f"train.objective.kl_weight={args.kl_weight}",
+        f"train.objective.train_timesteps={args.train_timesteps}",
         f"train.objective.reward._target_={REWARD}",
     ]
     precompute.run(compose("precompute", [*base, f"data.path={rows}", *grpo]), out / "precompute_rows")
@@ -138,6 +140,7 @@ def main() -> None:
         "batch_size": args.batch_size,
         "group_size": args.group_size,
         "sampling_steps": args.sampling_steps,
+        "train_timesteps": args.train_timesteps,
         "lr": args.lr,
         "kl_weight": args.kl_weight,
         "sft_seconds": round(sft_seconds, 1),
