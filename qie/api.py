@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from qie.config import for_stage, typed
-from qie.embedding_cache import EmbeddingCacheManager
+from qie.embedding.manager import EmbeddingCacheManager
 from qie.errors import ConfigError
 
 # What `predict` and the encoding helpers take as an image.
@@ -154,7 +154,7 @@ class Trainer:
 
     def load_lora(self, path: str | Path, scale: float | None = None) -> None:
         """Use this LoRA for prediction (loaded now if prediction is set up, else when it is)."""
-        from qie.training.lora import lora_file
+        from qie.adapters.lora import lora_file
 
         self.lora_path = lora_file(path)
         if self._predictor is not None:
@@ -168,7 +168,7 @@ class Trainer:
 
     def merge_lora(self) -> None:
         """Fuse the loaded LoRA into the transformer's weights (faster prediction, no unloading)."""
-        from qie.training.lora import merge_lora
+        from qie.adapters.lora import merge_lora
 
         merge_lora(self.setup_predict().parts.transformer)
 

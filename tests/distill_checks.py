@@ -9,11 +9,11 @@ from collections.abc import Mapping
 import torch
 from stage_edges import data_for, source_for
 
+from qie.adapters.lora import add_lora
 from qie.components import load_parts
 from qie.data.collate import collate
 from qie.models import model_spec
-from qie.sampling import SamplingOptions
-from qie.training.lora import add_lora
+from qie.models.sampling import SamplingOptions
 from qie.training.objectives import ObjectiveInputs, build_objective
 from qie.training.objectives.distill import seed_noise
 from qie.training.timesteps import SigmaSampling

@@ -14,8 +14,8 @@ from qie.config import typed
 from qie.config.backend import build_backend
 from qie.data.keys import KeyContext
 from qie.data.samples import Dataset
-from qie.embeddings import EmbeddingSource
-from qie.encode import Encoder, ImageSizes
+from qie.embedding.encode import Encoder, ImageSizes
+from qie.embedding.sources import EmbeddingSource
 from qie.models import ModelSpec, model_spec
 from qie.stages.datasets import read_data
 from qie.stages.infer import Predictor, build_predictor

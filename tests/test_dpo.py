@@ -13,13 +13,13 @@ import torch
 from helpers import hf_extra_image_column, write_noise_image
 from test_step import fixed_batch
 
+from qie.adapters.lora import add_lora, load_lora, save_lora
 from qie.components import load_parts
 from qie.config import compose
 from qie.data.manifest import scan_manifest
 from qie.data.scan import scan_folder
 from qie.errors import ConfigError
 from qie.models import model_spec
-from qie.training.lora import add_lora, load_lora, save_lora
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse, build_objective, check_use, field_names
 from qie.training.objectives.dpo import Dpo, DpoSettings, accuracy
 from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
@@ -135,7 +135,7 @@ def test_a_reference_lora_is_the_base_with_that_lora_and_is_neither_trained_nor_
     torch.testing.assert_close(loss, by_hand(policy, reference, family, batch, noise, sigmas, 300.0), rtol=1e-4,
                                atol=0)  # fmt: skip
     assert {n for n, p in policy.named_parameters() if p.requires_grad} == trained
-    from qie.training.lora import lora_state_dict
+    from qie.adapters.lora import lora_state_dict
 
     assert not any("reference" in k for k in lora_state_dict(policy))  # only the trained adapter is saved
 

@@ -47,9 +47,9 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def lora(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LoRA of the tiny transformer with random (non-zero) weights: it changes every edit."""
+    from qie.adapters.lora import add_lora, save_lora
     from qie.components import load_parts
     from qie.config import typed
-    from qie.training.lora import add_lora, save_lora
 
     model = typed(small_config("eval").model)
     transformer = load_parts(model, ["transformer"], {"transformer": "cpu"}).transformer

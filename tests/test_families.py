@@ -157,7 +157,7 @@ def test_a_step_count_the_checkpoint_fixes_is_named(
 
 
 def test_fsdp_and_swap_take_the_familys_blocks() -> None:
-    from qie.training.memory import MemorySettings
+    from qie.runtime.memory import MemorySettings
 
     for name, block in (("tiny", "QwenImageTransformerBlock"), ("tiny_qwen_image_21", "QwenImage21TransformerBlock")):
         cfg = compose("train", [f"model={name}", "train.fsdp=true", "validation.every=0"])

@@ -16,15 +16,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from stage_edges import predictor_for
 
+from qie.adapters.fused_base import FusedBase
+from qie.adapters.lora import LORA_FILE
+from qie.adapters.lora_files import BASE_KEY, write_exports
 from qie.cache.keys import FileHasher
 from qie.components import load_parts, prepare_model
 from qie.config import compose, typed
 from qie.errors import ConfigError, ModelLoadError
 from qie.stages import train
 from qie.stages.settings import fused_base
-from qie.training.fused_base import FusedBase
-from qie.training.lora import LORA_FILE
-from qie.training.lora_files import BASE_KEY, write_exports
 
 PROMPT = "Make the sky blue."
 SAMPLING = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=2, output_type="np")

@@ -17,10 +17,10 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from stage_edges import predictor_for
 
+from qie.adapters.lora import LORA_FILE, load_lora, merge_lora
 from qie.errors import ConfigError, DataError, ModelLoadError
 from qie.stages import infer
 from qie.stages.infer import Predictor
-from qie.training.lora import LORA_FILE, load_lora, merge_lora
 
 SIZE = 64
 AREA = SIZE * SIZE
@@ -185,7 +185,7 @@ def test_batch_mode_writes_one_image_per_row(images: dict[str, Path], tmp_path: 
 def test_cfg_without_negative_prompt_warns_and_runs_without_cfg(
     predictor: Predictor, images: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="qie.sampling"):
+    with caplog.at_level(logging.WARNING, logger="qie.models.sampling"):
         guided = predictor.predict(
             images["square"],
             PROMPT,
@@ -375,7 +375,7 @@ def test_meta_and_other_non_compute_devices_are_refused(images: dict[str, Path],
 def test_a_lora_trained_here_loads_without_peft_warnings(tiny_path: Path, tmp_path: Path) -> None:
     import warnings
 
-    from qie.training.lora import add_lora, dead_modules, save_lora
+    from qie.adapters.lora import add_lora, dead_modules, save_lora
 
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
     assert dead_modules(transformer)  # the last block's text side: left out of the adapter

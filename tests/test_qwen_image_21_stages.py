@@ -23,7 +23,7 @@ from qie.config import compose
 from qie.data.collate import collate
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
-from qie.encode import prepare_sample
+from qie.embedding.encode import prepare_sample
 from qie.models import model_spec
 from qie.stages import infer as infer_stage
 from qie.stages import precompute

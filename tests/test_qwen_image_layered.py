@@ -99,9 +99,9 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     from diffusers import QwenImageTransformer2DModel
     from stage_edges import predictor_for
 
+    from qie.adapters.lora import add_lora, save_lora
     from qie.config import compose
     from qie.config.model import ModelConfig
-    from qie.training.lora import add_lora, save_lora
 
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_layered_path / "transformer")

@@ -65,7 +65,7 @@ def write_layout(state: dict[str, torch.Tensor], layout: str, path: Path) -> Pat
 
 def step_loss(spec, transformer) -> float:
     """The family's training loss of one fixed small batch."""
-    from qie.memory_plan import Workload
+    from qie.stages.memory_plan import Workload
 
     gen = torch.Generator().manual_seed(0)
     work = Workload(batch=1, target_tokens=16, control_tokens=(16,), prompt_tokens=8, dtype=torch.float32)

@@ -22,8 +22,8 @@ from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ModelLoadError, StorageError
+from qie.runtime.guards import NonFiniteLoss
 from qie.stages import train as train_stage
-from qie.training.guards import NonFiniteLoss
 from qie.training.state_io import load_tree
 
 FAST = ["train.learning_rate=1e-3", "logging.report_to=none", "train.seed=3"]

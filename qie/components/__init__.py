@@ -80,7 +80,7 @@ def load_parts(
 
         raise ConfigError(
             "model.fuse_loras is set, but the transformer is being built without fusing them: pass "
-            "fuse=FusedBase.of(...).fuse_into (qie.training.fused_base) to load_parts"
+            "fuse=FusedBase.of(...).fuse_into (qie.adapters.fused_base) to load_parts"
         )
     dtype = resolve_dtype(str(model_cfg.dtype))
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}

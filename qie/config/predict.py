@@ -20,7 +20,7 @@ class PredictConfig:
     input: str | None = None
     output: str = "output.png"
     output_dir: str = "predictions"
-    # Sampling options (qie.sampling.SamplingOptions); the empty negative prompt is the one the cache
+    # Sampling options (qie.models.sampling.SamplingOptions); the empty negative prompt is the one the cache
     # stores, so CFG runs where the scale is above 1; set negative_prompt=null to turn CFG off. The scale and
     # the step count default to the model's (`model.true_cfg_scale`, `model.num_inference_steps`: its
     # pipeline's own; 2.1 samples its checkpoint's `sample_sigmas` where it has them).

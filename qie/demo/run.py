@@ -48,7 +48,7 @@ from qie.demo.summary import REQUIRED_LOSS_DROP, REQUIRED_PIXEL_DROP, format_rep
 from qie.demo.synthetic import composite, make_dataset
 from qie.evaluation.grid import captioned_grid
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions
+from qie.models.sampling import SamplingOptions
 from qie.stages import infer, precompute, train
 from qie.stages.settings import loss_masks, sampling_options, source_settings
 from qie.stages.sources import build_source

@@ -64,8 +64,8 @@ class VlmJudge(Reward):
         self.question, self.device = question, device
 
     def _parts(self) -> tuple[Any, Any]:
-        from qie.captioning import caption_processor
         from qie.components import load_parts, prepare_model
+        from qie.models.captioning import caption_processor
 
         key = repr((self.model, self.device))
         if key not in _LOADED:
@@ -76,7 +76,7 @@ class VlmJudge(Reward):
         return _LOADED[key]
 
     def _captioner(self, instruction: str | None, with_controls: bool) -> Any:
-        from qie.captioning import Captioner, CaptionPrompt, GenerationSettings
+        from qie.models.captioning import Captioner, CaptionPrompt, GenerationSettings
 
         encoder, processor = self._parts()
         text = QUESTIONS[self.question] if with_controls else ALONE[self.question]

@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timesteps
 
 from qie.models.flow import inference_sigmas, predict, shift_mu
-from qie.sampling import Prediction, PromptInputs, denoise, initial_noise
+from qie.models.sampling import Prediction, PromptInputs, denoise, initial_noise
 
 _pack = QwenImage21Pipeline._pack_latents
 _unpack = QwenImage21Pipeline._unpack_latents

@@ -30,7 +30,7 @@ from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour
 from qie.models.flow import inference_sigmas, predict
 from qie.models.outputs import LAYERS
-from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise
+from qie.models.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise
 from qie.types import Batch, pad_prompt_embeds
 
 pack_latents = QwenImageLayeredPipeline._pack_latents

@@ -17,7 +17,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_timesteps
 
 from qie.models.flow import inference_sigmas, predict, shift_mu
-from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise, true_cfg_enabled
+from qie.models.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise, true_cfg_enabled
 from qie.types import pad_prompt_embeds
 
 pack_latents = QwenImageEditPipeline._pack_latents

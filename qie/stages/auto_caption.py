@@ -26,13 +26,13 @@ from omegaconf import OmegaConf
 
 from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher, entry_key
-from qie.captioning import Captioner, CaptionPrompt, GenerationSettings
 from qie.config.caption import CaptionConfig
 from qie.config.model import ModelConfig
 from qie.data.keys import KeyContext
 from qie.data.samples import DataProblem, Sample
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec
+from qie.models.captioning import Captioner, CaptionPrompt, GenerationSettings
 from qie.stages import caption as caption_stage
 from qie.stages.caption import prompt_settings, shown_images
 from qie.stages.settings import SourceSettings, file_hasher

@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from qie.captioning import Captioner, CaptionPrompt, GenerationSettings, caption_processor
-from qie.cli import check_writable
 from qie.components import load_parts, model_source, prepare_model
 from qie.config import typed, validate
 from qie.config.caption import CaptionConfig
@@ -30,8 +28,9 @@ from qie.config.model import ModelConfig
 from qie.data.formats import detect_format
 from qie.data.images import fit_area, open_image, resize
 from qie.data.samples import DataProblem, Sample
-from qie.errors import ConfigError, DataError
+from qie.errors import ConfigError, DataError, check_writable
 from qie.models import ModelSpec
+from qie.models.captioning import Captioner, CaptionPrompt, GenerationSettings, caption_processor
 from qie.progress import progress
 from qie.stages.caption_output import FolderOutput, ManifestOutput
 from qie.stages.datasets import read_data, sample_range, write_failures

@@ -19,6 +19,8 @@ import torch
 from omegaconf import DictConfig
 from PIL import Image
 
+from qie.adapters.fused_base import check_lora_base
+from qie.adapters.lora import load_lora, lora_file
 from qie.components import load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.backend import build_backend
@@ -35,15 +37,13 @@ from qie.evaluation.build import build_rewards
 from qie.evaluation.reward import Reward, direction
 from qie.evaluation.scoring import Row, score_row, summarize
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions
+from qie.models.sampling import SamplingOptions
 from qie.stages.datasets import read_data
 from qie.stages.infer import resolve_output
 from qie.stages.settings import data_source, fused_base, sampling_options, source_settings
 from qie.stages.sources import build_source
 from qie.stages.validation import validation_inputs
-from qie.training.fused_base import check_lora_base
 from qie.training.image_metrics import edit_region, to_tensor
-from qie.training.lora import load_lora, lora_file
 from qie.training.validation import Validator
 
 BASE = "base"

@@ -1,6 +1,6 @@
 """The extract stage: a LoRA from the difference between the base transformer (the `model` group: any hub id, folder
 or single file qie reads, with its `model.fuse_loras`) and a tuned one (`extract.tuned`), by SVD per linear layer
-(`qie.training.lora_extract`); MODEL is the base's model config (the name of a `conf/model/` file).
+(`qie.adapters.lora_extract`); MODEL is the base's model config (the name of a `conf/model/` file).
 
     python -m qie.extract_lora model=MODEL extract.tuned=RUN/transformer extract.rank=64 \
         extract.out=extracted/pytorch_lora_weights.safetensors
@@ -14,12 +14,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from qie.adapters.lora_extract import REPORT_FILE, Extraction, extract_lora, write_extraction
 from qie.components import load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.export import ExtractConfig
 from qie.errors import ConfigError, ModelLoadError, check_writable
 from qie.stages.settings import fused_base
-from qie.training.lora_extract import REPORT_FILE, Extraction, extract_lora, write_extraction
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:

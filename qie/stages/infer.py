@@ -4,7 +4,7 @@ image), or do so for each row of a data set, with the base model and optionally 
 `Predictor` holds the built parts and is what a notebook keeps: build once, call `predict` many times.
 `run(cfg, run_dir)` is what `python -m qie.infer` calls; `predict.merge_to` instead fuses the LoRA into
 the transformer and saves it. The transformer is built with `model.fuse_loras` fused into it, and a LoRA trained on
-another fused base is refused (`qie.training.fused_base.check_lora_base`) unless `predict.allow_other_base=true`.
+another fused base is refused (`qie.adapters.fused_base.check_lora_base`) unless `predict.allow_other_base=true`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 from omegaconf import DictConfig
 from PIL import Image
 
+from qie.adapters.fused_base import FusedBase, check_lora_base
+from qie.adapters.lora import load_lora, merge_lora, save_transformer
 from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
 from qie.config import typed, validate
 from qie.config.data import DataConfig
@@ -26,15 +28,13 @@ from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.data.images import as_image, condition_images
 from qie.data.samples import prompt_problem
-from qie.encode import Encoder, text_tokens
+from qie.embedding.encode import Encoder, text_tokens
 from qie.errors import ConfigError, ModelLoadError, QieError
 from qie.models import ModelSpec, text_positions
-from qie.sampling import SamplingOptions, latent_sizes
+from qie.models.sampling import SamplingOptions, latent_sizes
+from qie.runtime.guards import damaged_weights, nonfinite_weights
 from qie.stages.datasets import read_data
 from qie.stages.settings import data_source, fused_base, sampling_options
-from qie.training.fused_base import FusedBase, check_lora_base
-from qie.training.guards import damaged_weights, nonfinite_weights
-from qie.training.lora import load_lora, merge_lora, save_transformer
 
 
 class Predictor:
@@ -76,7 +76,7 @@ class Predictor:
     def swap_blocks(self, count: int, device: torch.device) -> None:
         """Keep the first `count` transformer blocks in CPU memory, each copied to `device` just before it runs
         (`predict.blocks_to_swap`; 0 stops swapping and leaves those blocks in CPU memory)."""
-        from qie.training.offload import BlockSwapper
+        from qie.runtime.offload import BlockSwapper
 
         if self._swapper is not None:
             self._swapper.remove()
@@ -199,7 +199,7 @@ def build_predictor(model: ModelConfig, predict: PredictConfig, spec: ModelSpec)
     if swap:
         predictor.swap_blocks(swap, device)
     if predict.compile:  # after the LoRA: the compiled block runs its layers
-        from qie.training.compile import compile_blocks
+        from qie.runtime.compile import compile_blocks
 
         print(compile_blocks(predictor.parts.transformer, "predict.compile"))
     return predictor

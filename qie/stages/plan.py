@@ -3,7 +3,7 @@
     python -m qie.plan model=NAME data.target_pixels=1048576 gpu_memory_gb=24
 
 Weights are counted from the model's transformer config (its folder or hub config; the family's published
-sizes when neither can be read), the step's memory is simulated on fake tensors (`qie.memory_plan`), with the
+sizes when neither can be read), the step's memory is simulated on fake tensors (`qie.stages.memory_plan`), with the
 family's own loss, transformer and text encoder.
 """
 
@@ -18,7 +18,8 @@ from qie.components import model_source, resolve_dtype
 from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
-from qie.memory_plan import (
+from qie.models import ModelSpec, model_spec
+from qie.stages.memory_plan import (
     GIB,
     OPTIMIZER_STATE_BYTES,
     Estimate,
@@ -28,7 +29,6 @@ from qie.memory_plan import (
     text_encoder_bytes,
     weight_bytes,
 )
-from qie.models import ModelSpec, model_spec
 
 # The transformer's weight quantizations the planner tries, most precise first (the recommendation's tie-break).
 QUANTIZE = ("none", "fp8", "int4", "nf4")

@@ -16,7 +16,15 @@ from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, stored_order, 
 from qie.data.images import ImageError
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import DataProblem, Sample
-from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_field, prepare_sample, prompt_limit, text_tokens
+from qie.embedding.encode import (
+    Encoder,
+    ImageSizes,
+    PreparedSample,
+    prepare_field,
+    prepare_sample,
+    prompt_limit,
+    text_tokens,
+)
 from qie.errors import DataError
 from qie.models import text_positions
 from qie.types import field_of_type

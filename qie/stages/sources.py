@@ -12,10 +12,10 @@ from qie.components import load_parts, model_source
 from qie.config.model import ModelConfig
 from qie.data.keys import KeyContext
 from qie.data.samples import Sample
-from qie.embeddings import CachedSource, EmbeddingSource, LiveSource, key_context
-from qie.encode import Encoder, ImageSizes
+from qie.embedding.encode import Encoder, ImageSizes
+from qie.embedding.masked import MaskedSource
+from qie.embedding.sources import CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.errors import DataError
-from qie.masked_source import MaskedSource
 from qie.models import ModelSpec
 from qie.stages.settings import LossMasks, SourceSettings, file_hasher
 

@@ -16,10 +16,10 @@ from qie.data.formats import DataSource
 from qie.data.mixing import MixedBatchSampler
 from qie.data.pairs import PairCheck
 from qie.data.samples import DataProblem, Sample, without_controls
-from qie.embeddings import EmbeddingSource
+from qie.embedding.readiness import ready_samples
+from qie.embedding.sources import EmbeddingSource
 from qie.errors import CacheMissError, DataError
 from qie.models import ModelSpec
-from qie.readiness import ready_samples
 from qie.stages.datasets import read_data
 from qie.stages.recipes import regularization_samples
 from qie.stages.settings import file_hasher

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from qie.adapters.fused_base import FusedBase
 from qie.components import load_parts, resolve_dtype
 from qie.config.model import ModelConfig
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data.samples import Sample
 from qie.models import ModelSpec
-from qie.training.compile import compile_blocks
-from qie.training.fused_base import FusedBase
+from qie.runtime.compile import compile_blocks
+from qie.runtime.memory import MemorySettings, apply_memory
 from qie.training.loop import LoopSettings, TrainState
-from qie.training.memory import MemorySettings, apply_memory
 from qie.training.modes import TrainMode
 from qie.training.objectives import Objective, ObjectiveInputs, build_objective
 from qie.training.run_record import data_record, model_record, transformer_fingerprint

@@ -21,7 +21,7 @@ from PIL import Image
 from qie.components.registry import Parts
 from qie.data.images import open_image
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions, latent_sizes
+from qie.models.sampling import SamplingOptions, latent_sizes
 from qie.training.image_metrics import edit_metrics
 from qie.training.logging import MetricsLogger
 from qie.types import SampleEmbeddings

@@ -23,7 +23,7 @@ import numpy as np
 from qie.cache.base import EntryCounts
 from qie.cache.failures import read_failures
 from qie.data.samples import Sample
-from qie.embeddings import CacheReader, EmbeddingSource, sample_types, types_of_kind
+from qie.embedding.sources import CacheReader, EmbeddingSource, sample_types, types_of_kind
 from qie.errors import CacheDirMissing, CacheMissError, check_writable
 from qie.types import TRAINING_TYPES
 

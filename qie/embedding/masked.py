@@ -15,7 +15,7 @@ from qie.cache.base import CacheBackend
 from qie.cache.keys import FileHasher
 from qie.data.masks import MASK_TYPE, MaskSettings, make_mask, mask_key, to_grid, to_latent, weights
 from qie.data.samples import DataProblem, Sample
-from qie.embeddings import CacheReader, EmbeddingSource
+from qie.embedding.sources import CacheReader, EmbeddingSource
 from qie.errors import DataError
 from qie.types import SampleEmbeddings
 

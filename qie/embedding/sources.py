@@ -22,7 +22,7 @@ from qie.cache.keys import FileHasher
 from qie.data.key_memo import KeyMemo
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
-from qie.encode import Encoder, ImageSizes, prepare_sample
+from qie.embedding.encode import Encoder, ImageSizes, prepare_sample
 from qie.errors import CacheMissError
 from qie.models import ModelSpec
 from qie.types import FIELD_TYPES, TRAINING_TYPES, SampleEmbeddings, field_of_type
