@@ -550,9 +550,7 @@ def no_checkpoint(model) -> str | None:
     (nothing is downloaded); None when it can."""
     from huggingface_hub import try_to_load_from_cache
 
-    from qie.components import model_source
-
-    source = model_source(model)
+    source = str(model.pretrained_model_name_or_path)
     if Path(source).expanduser().is_dir():
         return None
     with contextlib.suppress(Exception):

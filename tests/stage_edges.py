@@ -90,3 +90,17 @@ def predictor_for(cfg: DictConfig, spec: ModelSpec | None = None, **predict: Any
     model = typed(cfg.model)
     settings = replace(typed(cfg.predict), **predict) if predict else typed(cfg.predict)
     return build_predictor(model, settings, spec or prepare_model(model))
+
+
+def parts_of(
+    model: Any,
+    names: list[str],
+    devices: dict[str, str] | None = None,
+    spec: ModelSpec | None = None,
+    fuse: Any = None,
+) -> Any:
+    """The named parts of a `model` group, built as a stage builds them (its spec and load settings read first)."""
+    from qie.components import LoadSettings, load_parts
+
+    model = typed(model) if isinstance(model, DictConfig) else model
+    return load_parts(LoadSettings.of(model), spec or model_spec(model), names, devices, fuse=fuse)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_edges import parts_of
 
 from qie.adapters.lora import add_lora
-from qie.components import load_parts
 from qie.data.collate import collate
 from qie.models.qwen_image import flow_matching_loss, pack_latents, packed
 from qie.training.timesteps import SigmaSampling, loss_weights
@@ -158,7 +158,7 @@ def test_timestep_sampling_methods() -> None:
 
 def test_loss_falls_on_a_fixed_batch_and_only_lora_changes(small_cfg) -> None:
     cfg = small_cfg("train")
-    transformer = load_parts(cfg.model, ["transformer"]).transformer
+    transformer = parts_of(cfg.model, ["transformer"]).transformer
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
     params = add_lora(transformer, rank=4, alpha=4, target_modules=list(cfg.train.lora.target_modules))
     optimizer = torch.optim.AdamW(params, lr=2e-2)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from qie.components import load_parts, model_source, prepare_model
+from qie.components import LoadSettings, load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.caption import CaptionConfig
 from qie.config.data import DataConfig
@@ -181,7 +181,7 @@ def build_captioner(model: ModelConfig, spec: ModelSpec, device: str, settings: 
     """The text encoder (on `device`: `cache.text_encoder_device`) and processor, built through the registry as
     precompute builds them; `settings` has the caption prompt and generation settings (`.prompt`, `.generation`)."""
     names = ["text_encoder", *spec.prompt_parts]
-    parts = load_parts(model, names, {"text_encoder": device}, spec)
+    parts = load_parts(LoadSettings.of(model), spec, names, {"text_encoder": device})
     processor_class = spec.part_classes["processor"]
     return Captioner(
         parts.text_encoder, caption_processor(parts, processor_class), settings.prompt, settings.generation
@@ -196,7 +196,7 @@ def run_info(m: ModelConfig, settings: Settings) -> dict[str, Any]:
         "batch_size": 1 if settings.generation.do_sample else settings.batch_size,
         "model": {
             "name": str(m.name),
-            "source": model_source(m),
+            "source": str(m.pretrained_model_name_or_path),
             "revision": m.revision,
             "dtype": str(m.dtype),
             "text_encoder_quantize": str(m.text_encoder_quantize),

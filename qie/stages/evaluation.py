@@ -21,7 +21,7 @@ from PIL import Image
 
 from qie.adapters.fused_base import check_lora_base
 from qie.adapters.lora import load_lora, lora_file
-from qie.components import load_parts, prepare_model
+from qie.components import LoadSettings, load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.backend import build_backend
 from qie.config.data import DataConfig
@@ -157,7 +157,12 @@ def generate(
     inputs, negatives = validation_inputs(source, samples, options.negative_prompt)
     devices = {"transformer": predict.devices.transformer, "vae": predict.devices.vae}
     parts = load_parts(
-        model, ["transformer", "scheduler", "vae"], devices, spec, False, fused_base(model, spec).fuse_into
+        LoadSettings.of(model),
+        spec,
+        ["transformer", "scheduler", "vae"],
+        devices,
+        False,
+        fused_base(model, spec).fuse_into,
     )
     edits = {}
     for name in sorted(runs, key=lambda n: runs[n] is not None):  # the base model before any LoRA is loaded

@@ -21,7 +21,7 @@ from PIL import Image
 
 from qie.adapters.fused_base import FusedBase, check_lora_base
 from qie.adapters.lora import load_lora, merge_lora, save_transformer
-from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
+from qie.components import LoadSettings, Parts, load_parts, pipeline_config, prepare_model, resolve_device
 from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
@@ -192,7 +192,7 @@ def build_predictor(model: ModelConfig, predict: PredictConfig, spec: ModelSpec)
     device = resolve_device(devices["transformer"])
     if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
         devices["transformer"] = "cpu"
-    parts = load_parts(model, spec.part_names, devices, spec, bool(predict.compile), base.fuse_into)
+    parts = load_parts(LoadSettings.of(model), spec, spec.part_names, devices, bool(predict.compile), base.fuse_into)
     predictor = Predictor(parts, spec, base)
     if predict.lora:
         predictor.load_lora(predict.lora, float(predict.lora_scale), allow_other)
@@ -288,7 +288,9 @@ def merge(model: ModelConfig, p: PredictConfig, run_dir: Path, spec: ModelSpec) 
     base = fused_base(model, spec)
     if warning := check_lora_base(p.lora, base, bool(p.allow_other_base)):
         print(f"infer: warning: {warning}")
-    parts = load_parts(model, ["transformer"], {"transformer": p.devices.transformer}, spec, False, base.fuse_into)
+    parts = load_parts(
+        LoadSettings.of(model), spec, ["transformer"], {"transformer": p.devices.transformer}, False, base.fuse_into
+    )
     load_lora(parts.transformer, p.lora, float(p.lora_scale))
     out = save_transformer(merge_lora(parts.transformer), resolve_output(p.merge_to, run_dir))
     print(f"infer: merged {p.lora} (scale {p.lora_scale}) into the transformer, saved to {out}")

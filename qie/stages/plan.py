@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from qie.components import model_source, resolve_dtype
+from qie.components import resolve_dtype
 from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
@@ -74,7 +74,7 @@ def transformer_config(model: ModelConfig, spec: ModelSpec) -> tuple[dict, str]:
     from qie.components.fingerprint import part_folder
 
     try:
-        folder = part_folder(model_source(model), "transformer", model.revision)
+        folder = part_folder(str(model.pretrained_model_name_or_path), "transformer", model.revision)
         raw = json.loads((folder / "config.json").read_text())
     except Exception:  # offline, no such repository, no tiny model built yet: the published sizes
         return dict(spec.family.published.transformer), f"{model.name} (published {spec.family.name} sizes)"

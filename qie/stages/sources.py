@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qie.cache.base import CacheBackend
-from qie.components import load_parts, model_source
+from qie.components import LoadSettings, load_parts
 from qie.config.model import ModelConfig
 from qie.data.keys import KeyContext
 from qie.data.samples import Sample
@@ -23,14 +23,16 @@ from qie.stages.settings import LossMasks, SourceSettings, file_hasher
 def build_encoder(model: ModelConfig, spec: ModelSpec, devices: Mapping[str, str]) -> Encoder:
     """Encoder with the VAE on `devices["vae"]` and the VL model on `devices["text_encoder"]`; it builds the encoder
     parts of the model's spec (no processor for text-to-image)."""
-    return Encoder(load_parts(model, spec.encoder_parts, dict(devices), spec), spec)
+    return Encoder(load_parts(LoadSettings.of(model), spec, spec.encoder_parts, dict(devices)), spec)
 
 
 def model_key_context(model: ModelConfig, spec: ModelSpec, sizes: ImageSizes) -> KeyContext:
     """The cache-key context of `model` (fingerprints, template, dtype, quantization) and the image sizes.
     Reads the checkpoint's configs and weight headers; builds and writes nothing."""
     quantize = str(model.text_encoder_quantize)
-    return key_context(model_source(model), model.revision, spec, sizes, str(model.dtype), quantize)
+    return key_context(
+        str(model.pretrained_model_name_or_path), model.revision, spec, sizes, str(model.dtype), quantize
+    )
 
 
 def build_source(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from qie.adapters.fused_base import FusedBase
-from qie.components import load_parts, resolve_dtype
+from qie.components import LoadSettings, load_parts, resolve_dtype
 from qie.config.model import ModelConfig
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data.samples import Sample
@@ -84,7 +84,9 @@ def load_model(
     """The transformer, with the LoRAs `fused` (`model.fuse_loras`) fused into it, and the noise scheduler, built
     where the `memory` settings build them (`compiled`: `train.compile`)."""
     device = memory.build_device(accelerator.device)
-    return load_parts(model, ["transformer", "scheduler"], {"transformer": device}, spec, compiled, fused.fuse_into)
+    return load_parts(
+        LoadSettings.of(model), spec, ["transformer", "scheduler"], {"transformer": device}, compiled, fused.fuse_into
+    )
 
 
 def build_train_state(
