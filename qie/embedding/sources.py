@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.cache.entries import read_entries, write_entries
 from qie.cache.keys import FileHasher
 from qie.data.key_memo import KeyMemo
@@ -78,7 +78,7 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
 class CacheReader(Protocol):
     """The cache a source reads: its backend and each sample's entry keys (what readiness checks)."""
 
-    backend: CacheBackend
+    backend: CacheStore
 
     def keys(self, sample: Sample) -> dict[str, str]:
         """The entry key of each type `sample` has."""
@@ -151,7 +151,7 @@ class CachedSource:
 
     def __init__(
         self,
-        backend: CacheBackend,
+        backend: CacheStore,
         context: KeyContext,
         hasher: FileHasher,
         encoder_factory: EncoderFactory | None = None,

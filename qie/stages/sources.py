@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.components import LoadSettings, load_parts
 from qie.config.model import ModelConfig
 from qie.data.keys import KeyContext
@@ -38,7 +38,7 @@ def model_key_context(model: ModelConfig, spec: ModelSpec, sizes: ImageSizes) ->
 def build_source(
     settings: SourceSettings,
     spec: ModelSpec,
-    backend: CacheBackend | None,
+    backend: CacheStore | None,
     encoder: Encoder | None = None,
 ) -> EmbeddingSource:
     """The EmbeddingSource that `settings.mode` names over `backend` (None only for a live source); a backend that
@@ -52,7 +52,7 @@ def build_source(
 
 
 def _unmasked_source(
-    settings: SourceSettings, spec: ModelSpec, encoder: Encoder | None, backend: CacheBackend | None
+    settings: SourceSettings, spec: ModelSpec, encoder: Encoder | None, backend: CacheStore | None
 ) -> tuple[EmbeddingSource, Any]:
     """The source `settings.mode` names, and the backend its masks are stored in (None for a live source)."""
 

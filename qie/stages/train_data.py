@@ -179,7 +179,7 @@ def loader_settings(num_workers: int, prefetch: int, source: EmbeddingSource) ->
     """(worker processes, prefetched batches, whether they are read in parallel) of the training loader:
     `data.num_workers` and `data.prefetch` for a source that only reads, none for one that encodes (encoders may
     sit on a GPU, which forked workers cannot use, and are not run ahead of the step); prefetched batches are read
-    in parallel from a cache whose every read is a round trip (`CacheBackend.remote_reads`)."""
+    in parallel from a cache whose every read is a round trip (`CacheStore.remote_reads`)."""
     if source.encodes:
         return 0, 0, False
     remote = source.cache is not None and source.cache.backend.remote_reads
