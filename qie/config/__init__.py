@@ -15,7 +15,7 @@ import importlib.util
 import os
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +241,7 @@ def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
     but for `own` (a `_target_`'s own constructor arguments, checked by their caller). Nodes typed `Any` (an
     optimizer's `_target_` and its arguments) take any key."""
     schema = OmegaConf.get_type(node)
-    allowed = set(getattr(schema, "__dataclass_fields__", {}))
+    allowed = {f.name for f in fields(schema)} if is_dataclass(schema) else set()
     if not allowed:
         return
     extra = sorted(set(node.keys()) - allowed - set(own))

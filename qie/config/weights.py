@@ -91,7 +91,7 @@ def _kept_fp8(groups: Groups, model: ModelConfig) -> str | None:
     needs = {
         "train.fsdp=true": train is not None and train.fsdp,
         "train.mode=full": train is not None and train.mode == "full",
-        "predict.merge_to": predict is not None and bool(predict.merge_to),
+        "predict.merge_to": predict is not None and predict.merge_to,
     }
     for key, on in needs.items():
         if on:
