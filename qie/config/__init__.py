@@ -203,9 +203,14 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the key, the bad value and what is allowed.
     """
+    from qie.config.backend import backend_problem, own_keys
+
     for name, node in cfg.items():
-        if name != "hydra" and isinstance(node, DictConfig):
-            _check_keys(node, name, _backend_keys(node) if name == "cache" else ())
+        if name == "hydra" or not isinstance(node, DictConfig):
+            continue
+        if name == "cache" and (problem := backend_problem(node)):
+            raise ConfigError(problem)  # a key neither the schema nor the backend's constructor knows
+        _check_keys(node, name, own_keys(node) if name == "cache" else ())
     if isinstance(cfg.get("train"), DictConfig):
         _check_optimizer(cfg.train.optimizer)
     try:
@@ -221,19 +226,6 @@ def validate(cfg: DictConfig) -> None:
     _check_objective(groups, spec)
     if problem := reward_settings_problem(groups) or late_problem(groups):
         raise ConfigError(problem)
-
-
-def _backend_keys(cache: DictConfig) -> list[str]:
-    """The backend's own keys of the `cache` node (see `qie.config.backend`), once its constructor takes them.
-
-    Raises:
-        ConfigError: a key neither the schema nor the backend's constructor knows.
-    """
-    from qie.config.backend import backend_problem, own_keys
-
-    if problem := backend_problem(cache):
-        raise ConfigError(problem)
-    return own_keys(cache)
 
 
 def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
