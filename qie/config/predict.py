@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from qie.config.ranges import out_of_range
+
 
 @dataclass
 class PredictDevices:
@@ -44,3 +46,7 @@ class PredictConfig:
     blocks_to_swap: int = 0
     # Compile the transformer's repeated block (regional compilation, as train.compile).
     compile: bool = False
+
+    def problem(self) -> str | None:
+        """`blocks_to_swap` from 0."""
+        return out_of_range("predict.blocks_to_swap", self.blocks_to_swap, 0)
