@@ -35,15 +35,12 @@ ImageInput = Image.Image | np.ndarray | str | Path
 
 def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
     """An EmbeddingCacheManager on `cfg.cache`'s backend whose keys equal precompute's for `cfg.model`."""
-    from qie.components import prepare_model
-    from qie.config.backend import build_backend
-    from qie.stages.settings import image_sizes
+    from qie.stages.edge import Edge
     from qie.stages.sources import model_key_context
 
-    model = typed(cfg.model)
-    spec = prepare_model(model)
-    context = model_key_context(model, spec, image_sizes(typed(cfg.data), spec))
-    return EmbeddingCacheManager(cfg.cache.dir, context, build_backend(cfg.cache))
+    edge = Edge.of(cfg, masks=False)
+    context = model_key_context(edge.model, edge.spec, edge.source_settings().sizes)
+    return EmbeddingCacheManager(edge.cache.dir, context, edge.backend())
 
 
 class EditDataset:
@@ -54,22 +51,18 @@ class EditDataset:
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        from qie.components import prepare_model
-        from qie.config.backend import build_backend
         from qie.stages.auto_caption import auto_captions, caption_settings
         from qie.stages.datasets import read_data
-        from qie.stages.settings import data_source, loss_masks, source_settings
-        from qie.stages.sources import build_source
+        from qie.stages.edge import Edge
+        from qie.stages.settings import data_source
 
-        model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
-        spec, backend = prepare_model(model), build_backend(cfg.cache)
-        masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data)
-        settings = source_settings(model, data, cache, spec, masks)
-        self.source = build_source(settings, spec, backend)
+        edge = Edge.of(cfg)
+        settings, backend, data, spec = edge.source_settings(), edge.backend(), edge.data, edge.spec
+        self.source = edge.source(settings, backend)
         # data.auto_caption: samples without a caption get theirs (generated where the source may encode)
         prompts = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
         captions = auto_captions(prompts, settings, spec, self.source.encodes, backend)
-        self.samples = read_data(data_source(data, cache.dir), captions=captions).samples
+        self.samples = read_data(data_source(data, edge.cache.dir), captions=captions).samples
         self.hits = self.misses = 0
 
     def __len__(self) -> int:

@@ -35,7 +35,6 @@ from PIL import Image
 
 from qie.components import prepare_model
 from qie.config import for_stage, typed, updated
-from qie.config.backend import build_backend
 from qie.config.roots import DemoConfig
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
@@ -50,8 +49,8 @@ from qie.evaluation.grid import captioned_grid
 from qie.models import ModelSpec
 from qie.models.sampling import SamplingOptions
 from qie.stages import infer, precompute, train
-from qie.stages.settings import loss_masks, sampling_options, source_settings
-from qie.stages.sources import build_source
+from qie.stages.edge import Edge
+from qie.stages.settings import sampling_options
 from qie.training.evaluate import heldout_loss
 from qie.training.logging import MetricsLogger
 
@@ -102,10 +101,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
         result = train.run(train_cfg, run_dir / "train")
 
-        data, predict = typed(heldout_cfg.data), typed(cfg.predict)
-        masks = loss_masks(typed(cfg.train), data)
-        settings = source_settings(model, data, typed(heldout_cfg.cache), spec, masks).with_mode("cached")
-        source = build_source(settings, spec, build_backend(heldout_cfg.cache))
+        predict, heldout = typed(cfg.predict), Edge.of(heldout_cfg, spec)
+        source = heldout.source(heldout.source_settings(mode="cached"))
         predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
         report = _measure(
             spec,
@@ -116,7 +113,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             d,
             data_root,
             result,
-            int(data.target_pixels),
+            int(heldout.data.target_pixels),
             str(cfg.logging.report_to),
             run_dir,
         )
