@@ -198,7 +198,7 @@ class Trainer:
         from qie.stages.infer import open_images
         from qie.stages.settings import sampling_options
 
-        images = open_images(list(image) if isinstance(image, (list, tuple)) else image, self.spec.alpha)
+        images = open_images(list(image) if isinstance(image, (list, tuple)) else image, self.spec.family.alpha)
         out = self.setup_predict().predict(images, prompt, sampling_options(typed(self.cfg.predict), **options))
         return out if len(images) > 1 else out[0]
 
@@ -215,7 +215,7 @@ class Trainer:
         """Normalised VAE latent (1, C, 1, h, w) of an image at the model's condition size."""
         from qie.data.images import as_image, condition_images
 
-        pil = as_image(image, self.spec.alpha)
+        pil = as_image(image, self.spec.family.alpha)
         pixels, _ = condition_images(pil, int(self.cfg.model.vae_image_pixels), int(self.cfg.model.vl_image_pixels))
         return self._encoder_only().encode_latents([pixels])[0].unsqueeze(0)
 
@@ -223,7 +223,7 @@ class Trainer:
         """Prompt embedding (tokens, dim) of `prompt` seen with `images`, unpadded."""
         from qie.data.images import as_image, condition_images
 
-        pil = [as_image(im, self.spec.alpha) for im in images]
+        pil = [as_image(im, self.spec.family.alpha) for im in images]
         m = self.cfg.model
         vl = [condition_images(im, int(m.vae_image_pixels), int(m.vl_image_pixels))[1] for im in pil]
         return self._encoder_only().encode_prompts([prompt], [vl])[0]
@@ -231,4 +231,4 @@ class Trainer:
     def decode_latents(self, latents: torch.Tensor) -> list[Image.Image]:
         """PIL images of normalised latents (B, C, 1, h, w)."""
         parts = self._predictor.parts if self._predictor is not None else self._encoder_only().parts
-        return self.spec.decoder(parts.vae, latents)
+        return self.spec.family.decode(parts.vae, latents)

@@ -39,7 +39,7 @@ def encode_all(source: str, variant: str, quantize: str, samples: list, sizes) -
     parts = build_parts(
         source,
         ["text_encoder", "tokenizer", "processor", "vae"],
-        spec.part_classes,
+        spec.family.part_classes,
         {"text_encoder": Placement(device, dtype), "vae": Placement(device, dtype)},
         text_encoder_quantize=quantize,
     )

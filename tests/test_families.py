@@ -25,13 +25,11 @@ FAMILY_FREE = [
     "cache",
     "data",
     "demo",
-    "embeddings.py",
-    "encode.py",
-    "sampling.py",
-    "readiness.py",
-    "memory_plan.py",
-    "masked_source.py",
-    "embedding_cache.py",
+    "embedding",
+    "adapters",
+    "runtime",
+    "models/sampling.py",
+    "models/flow_family.py",
     "api.py",
 ]
 FAMILY_NAMES = re.compile(r"QwenImage|Qwen2_5|Qwen3|Qwen2VL|qwen_image|TransformerBlock")

@@ -321,7 +321,7 @@ def test_validation_saves_images_and_metrics(battery: Battery, family: str) -> N
     assert len(images) == count
     for image in images:
         with Image.open(image) as im:
-            assert im.size == size and im.mode == ("RGBA" if prepared.spec.alpha else "RGB")
+            assert im.size == size and im.mode == ("RGBA" if prepared.spec.family.alpha else "RGB")
     # Edit metrics compare the output with the sample's control image and target: only where it has a control.
     if prepared.spec.max_control_images:
         (line,) = (folder / "metrics.jsonl").read_text().splitlines()
@@ -417,7 +417,7 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
 
     pipe = pipeline_of(Path(compose("infer", [model]).model.pretrained_model_name_or_path))
     base = pipeline_output(pipe, images)
-    assert base.shape == ((LAYERS, 640, 640, 4) if layered else (1, 64, 64, 4 if prepared.spec.alpha else 3))
+    assert base.shape == ((LAYERS, 640, 640, 4) if layered else (1, 64, 64, 4 if prepared.spec.family.alpha else 3))
     assert np.abs(mine() - base).max() <= 1e-5
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     assert len([k for k in pipe.transformer.state_dict() if "lora_" in k]) == len(load_file(lora))  # every pair

@@ -119,7 +119,7 @@ def load_parts(
     parts = build_parts(
         source,
         names,
-        classes=spec.part_classes,
+        classes=spec.family.part_classes,
         placements=placements,
         revision=load.revision,
         quantize=load.quantize,

@@ -228,7 +228,7 @@ def _evaluate(heldout: Heldout, output: Output, out_dir: Path) -> Predictions:
     """The held-out loss of the predictor's transformer and its outputs, written into `out_dir`."""
     predictor = heldout.predictor
     loss = heldout_loss(
-        predictor.parts.transformer, heldout.source, heldout.samples, heldout.spec.loss, seed=heldout.seed
+        predictor.parts.transformer, heldout.source, heldout.samples, heldout.spec.family.loss, seed=heldout.seed
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     images, latent_errors = [], []
@@ -253,7 +253,7 @@ def _predict_layers(heldout: Heldout, i: int, out_dir: Path) -> tuple[list[Image
     latents = predictor.predict(
         list(sample.controls), sample.prompt, heldout.options, seed=i, output_type="latent", layers=len(sample.layers)
     )
-    images = heldout.spec.decoder(predictor.parts.vae, latents, output_type="pil")
+    images = heldout.spec.family.decode(predictor.parts.vae, latents, output_type="pil")
     (out_dir / sample.id).mkdir(exist_ok=True)
     for n, image in enumerate(images):
         image.save(out_dir / sample.id / f"layer_{n}.png")
@@ -281,7 +281,7 @@ def _compare_images(heldout: Heldout, base: Predictions, lora: Predictions) -> C
 def _compare_layers(heldout: Heldout, base: Predictions, lora: Predictions) -> Comparison:
     """Each layer's pixel and latent error, per layer position and over all; three rows per sample."""
     expected = [f[1:] for f in heldout.frames]  # what the model outputs: the layers
-    alpha = heldout.spec.alpha
+    alpha = heldout.spec.family.alpha
     inputs = [[open_image(sample.target, alpha)] * len(sample.layers) for sample in heldout.samples]
 
     def errors(outputs: list[list[Image.Image]]) -> list[list[float]]:
@@ -366,7 +366,7 @@ def _picture(report_to: str, run_dir: Path, rows: list, captions: list[str], tit
 
 def _target(path: Path, pixels: int, spec: ModelSpec) -> np.ndarray:
     """A target frame as the model sees it: resized to `pixels`, (H, W, 3 or 4 with alpha) in [0, 1]."""
-    return (prepare_target(open_image(path, spec.alpha), pixels).permute(1, 2, 0).numpy() + 1) / 2
+    return (prepare_target(open_image(path, spec.family.alpha), pixels).permute(1, 2, 0).numpy() + 1) / 2
 
 
 def _to_pil(array: np.ndarray) -> Image.Image:

@@ -316,7 +316,7 @@ def key_context(
     return KeyContext(
         vae_fingerprint=part_fingerprint(source, "vae", revision),
         text_encoder_fingerprint=part_fingerprint(source, "text_encoder", revision),
-        prompt_template=spec.prompt_template(),
+        prompt_template=spec.family.prompt_template(spec),
         target_pixels=sizes.target_pixels,
         resize_mode=sizes.resize_mode,
         multiple_of=sizes.multiple_of,

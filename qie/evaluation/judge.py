@@ -74,7 +74,7 @@ class VlmJudge(Reward):
             parts = load_parts(
                 LoadSettings.of(self.model), spec, ["text_encoder", *spec.prompt_parts], {"text_encoder": self.device}
             )
-            _LOADED[key] = (parts.text_encoder.eval(), caption_processor(parts, spec.part_classes["processor"]))
+            _LOADED[key] = (parts.text_encoder.eval(), caption_processor(parts, spec.family.part_classes["processor"]))
         return _LOADED[key]
 
     def _captioner(self, instruction: str | None, with_controls: bool) -> Any:

@@ -182,7 +182,7 @@ def build_captioner(model: ModelConfig, spec: ModelSpec, device: str, settings: 
     precompute builds them; `settings` has the caption prompt and generation settings (`.prompt`, `.generation`)."""
     names = ["text_encoder", *spec.prompt_parts]
     parts = load_parts(LoadSettings.of(model), spec, names, {"text_encoder": device})
-    processor_class = spec.part_classes["processor"]
+    processor_class = spec.family.part_classes["processor"]
     return Captioner(
         parts.text_encoder, caption_processor(parts, processor_class), settings.prompt, settings.generation
     )

@@ -107,7 +107,7 @@ class Predictor:
             output_type: "pil" (list of images) or "np" (float array (N, H, W, C) in [0, 1]; C = 4 for an RGBA
                 model such as Qwen-Image-2.1, whose outputs keep their alpha), or "latent": the normalised
                 latents before decoding, (N, C, frames, h, w) (a layered model's frames: the composite, then
-                the layers), which `spec.decoder` turns into those images.
+                the layers), which `spec.family.decode` turns into those images.
 
         Raises:
             ConfigError: no prompt, or a number of images the model does not take.
@@ -115,7 +115,7 @@ class Predictor:
         """
         spec = self.spec
         options = replace(options or SamplingOptions(), **overrides).resolved(spec.call_defaults())
-        pil = open_images(images, spec.alpha)
+        pil = open_images(images, spec.family.alpha)
         if prompt is None:
             raise ConfigError("no prompt given: set predict.prompt to the instruction")
         if too_long := prompt_problem(prompt):
@@ -145,14 +145,14 @@ class Predictor:
         if negative is not None:
             text_positions.check(text_tokens(neg), limit, "predict.negative_prompt", "the negative prompt")
         prompt_in = (entry["embed"], entry.get("image_mask"))
-        latents = spec.sampler(self.parts, prompt_in, negative, controls, size, options, progress=progress)
+        latents = spec.family.sample(self.parts, prompt_in, negative, controls, size, options, progress=progress)
         if not bool(torch.isfinite(latents).all()):
             raise ModelLoadError(nonfinite_output(self.parts, "the sampled latents hold"))
         if output_type == "latent":
             return latents
         if nonfinite_weights(self.parts.vae):  # the VAE is small next to a sampling run: checked every time
             raise ModelLoadError(nonfinite_output(self.parts, "the decoded image would hold"))
-        return spec.decoder(self.parts.vae, latents, output_type=output_type)
+        return spec.family.decode(self.parts.vae, latents, output_type=output_type)
 
 
 def nonfinite_output(parts: Parts, what: str) -> str:
@@ -241,7 +241,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
-    images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
+    images = open_images(sources, spec.family.alpha)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(model, p, spec)
     made = predictor.predict(images, p.prompt, options, progress=True)
     out = resolve_output(p.output, run_dir)

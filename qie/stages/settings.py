@@ -75,7 +75,7 @@ class SourceSettings:
 def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
     """The target area (`data`) and the condition areas (the model's) images are encoded at."""
     return ImageSizes(
-        alpha=spec.alpha,
+        alpha=spec.family.alpha,
         target_pixels=int(data.target_pixels),
         vae_image_pixels=int(spec.vae_image_pixels),
         vl_image_pixels=int(spec.vl_image_pixels),
