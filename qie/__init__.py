@@ -43,7 +43,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name in ("EmbeddingCacheManager", "check_cache_exists"):
-        from qie import embedding_cache
+        from qie.embedding import manager as embedding_cache
 
         return getattr(embedding_cache, name)
     raise AttributeError(f"module 'qie' has no attribute {name!r}")

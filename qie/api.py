@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from qie.config import for_stage, typed
-from qie.embedding_cache import EmbeddingCacheManager
+from qie.embedding.manager import EmbeddingCacheManager
 from qie.errors import ConfigError
 
 # What `predict` and the encoding helpers take as an image.
@@ -35,15 +35,12 @@ ImageInput = Image.Image | np.ndarray | str | Path
 
 def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
     """An EmbeddingCacheManager on `cfg.cache`'s backend whose keys equal precompute's for `cfg.model`."""
-    from qie.components import prepare_model
-    from qie.config.backend import build_backend
-    from qie.stages.settings import image_sizes
+    from qie.stages.edge import Edge
     from qie.stages.sources import model_key_context
 
-    model = typed(cfg.model)
-    spec = prepare_model(model)
-    context = model_key_context(model, spec, image_sizes(typed(cfg.data), spec))
-    return EmbeddingCacheManager(cfg.cache.dir, context, build_backend(cfg.cache))
+    edge = Edge.of(cfg, masks=False)
+    context = model_key_context(edge.model, edge.spec, edge.source_settings().sizes)
+    return EmbeddingCacheManager(edge.cache.dir, context, edge.backend())
 
 
 class EditDataset:
@@ -54,22 +51,18 @@ class EditDataset:
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        from qie.components import prepare_model
-        from qie.config.backend import build_backend
         from qie.stages.auto_caption import auto_captions, caption_settings
         from qie.stages.datasets import read_data
-        from qie.stages.settings import data_source, loss_masks, source_settings
-        from qie.stages.sources import build_source
+        from qie.stages.edge import Edge
+        from qie.stages.settings import data_source
 
-        model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
-        spec, backend = prepare_model(model), build_backend(cfg.cache)
-        masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data)
-        settings = source_settings(model, data, cache, spec, masks)
-        self.source = build_source(settings, spec, backend)
+        edge = Edge.of(cfg)
+        settings, backend, data, spec = edge.source_settings(), edge.backend(), edge.data, edge.spec
+        self.source = edge.source(settings, backend)
         # data.auto_caption: samples without a caption get theirs (generated where the source may encode)
         prompts = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
         captions = auto_captions(prompts, settings, spec, self.source.encodes, backend)
-        self.samples = read_data(data_source(data, cache.dir), captions=captions).samples
+        self.samples = read_data(data_source(data, edge.cache.dir), captions=captions).samples
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -154,7 +147,7 @@ class Trainer:
 
     def load_lora(self, path: str | Path, scale: float | None = None) -> None:
         """Use this LoRA for prediction (loaded now if prediction is set up, else when it is)."""
-        from qie.training.lora import lora_file
+        from qie.adapters.lora import lora_file
 
         self.lora_path = lora_file(path)
         if self._predictor is not None:
@@ -168,7 +161,7 @@ class Trainer:
 
     def merge_lora(self) -> None:
         """Fuse the loaded LoRA into the transformer's weights (faster prediction, no unloading)."""
-        from qie.training.lora import merge_lora
+        from qie.adapters.lora import merge_lora
 
         merge_lora(self.setup_predict().parts.transformer)
 
@@ -205,7 +198,7 @@ class Trainer:
         from qie.stages.infer import open_images
         from qie.stages.settings import sampling_options
 
-        images = open_images(list(image) if isinstance(image, (list, tuple)) else image, self.spec.alpha)
+        images = open_images(list(image) if isinstance(image, (list, tuple)) else image, self.spec.family.alpha)
         out = self.setup_predict().predict(images, prompt, sampling_options(typed(self.cfg.predict), **options))
         return out if len(images) > 1 else out[0]
 
@@ -222,7 +215,7 @@ class Trainer:
         """Normalised VAE latent (1, C, 1, h, w) of an image at the model's condition size."""
         from qie.data.images import as_image, condition_images
 
-        pil = as_image(image, self.spec.alpha)
+        pil = as_image(image, self.spec.family.alpha)
         pixels, _ = condition_images(pil, int(self.cfg.model.vae_image_pixels), int(self.cfg.model.vl_image_pixels))
         return self._encoder_only().encode_latents([pixels])[0].unsqueeze(0)
 
@@ -230,7 +223,7 @@ class Trainer:
         """Prompt embedding (tokens, dim) of `prompt` seen with `images`, unpadded."""
         from qie.data.images import as_image, condition_images
 
-        pil = [as_image(im, self.spec.alpha) for im in images]
+        pil = [as_image(im, self.spec.family.alpha) for im in images]
         m = self.cfg.model
         vl = [condition_images(im, int(m.vae_image_pixels), int(m.vl_image_pixels))[1] for im in pil]
         return self._encoder_only().encode_prompts([prompt], [vl])[0]
@@ -238,4 +231,4 @@ class Trainer:
     def decode_latents(self, latents: torch.Tensor) -> list[Image.Image]:
         """PIL images of normalised latents (B, C, 1, h, w)."""
         parts = self._predictor.parts if self._predictor is not None else self._encoder_only().parts
-        return self.spec.decoder(parts.vae, latents)
+        return self.spec.family.decode(parts.vae, latents)

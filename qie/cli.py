@@ -17,8 +17,10 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from qie.config import validate
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
-from qie.sweep import ERROR_FILE  # where a sweep job's user error is written, in that job's run directory
-from qie.sweep import write_summary as sweep_summary
+from qie.reporting.sweep_summary import (
+    ERROR_FILE,  # where a sweep job's user error is written, in that job's run directory
+)
+from qie.reporting.sweep_summary import write_summary as sweep_summary
 
 # OSErrors that say the machine, not qie, is at fault: reported in one line naming the path.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
@@ -103,12 +105,13 @@ def exit_after_signal(result: Any) -> None:
 
 
 class SweepSummary(Callback):
-    """A Hydra callback (configured in the stage roots): after a sweep, print and write its summary (`qie.sweep`:
-    each job's overrides, status, final loss, held-out metrics and run folder), then name the jobs that failed
-    with a user error (their `error.txt`) and exit 1 if any did. It reads the sweep folder, so it works for
-    launchers that run the jobs elsewhere (Slurm) too. Before a search (`hydra/sweeper=optuna`) it checks that
-    the jobs measure what the search minimises, and has Hydra build qie's Optuna sweeper
-    (`hydra_plugins.qie_search`), which ends a search where no trial finished in one line, before this summary."""
+    """A Hydra callback (configured in the stage roots): after a sweep, print and write its summary
+    (`qie.reporting.sweep_summary`: each job's overrides, status, final loss, held-out metrics and run folder), then
+    name the jobs that failed with a user error (their `error.txt`) and exit 1 if any did. It reads the sweep
+    folder, so it works for launchers that run the jobs elsewhere (Slurm) too. Before a search
+    (`hydra/sweeper=optuna`) it checks that the jobs measure what the search minimises, and has Hydra build qie's
+    Optuna sweeper (`hydra_plugins.qie_search`), which ends a search where no trial finished in one line, before this
+    summary."""
 
     def __init__(self) -> None:
         self.started = 0.0

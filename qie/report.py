@@ -21,7 +21,7 @@ def rebuild(folder: Path) -> Path:
         StorageError: `folder` is not a run or sweep folder qie wrote.
     """
     from qie.reporting.run_files import METRICS
-    from qie.sweep import SUMMARY_JSON
+    from qie.reporting.sweep_summary import SUMMARY_JSON
 
     if not folder.is_dir():
         raise StorageError(f"{folder} is not a folder: give a training run folder (hydra.run.dir) or a sweep folder")

@@ -58,7 +58,7 @@ def colour_fidelity(out: Path, data: Path, heldout: int, loras: dict[str, str]) 
     from qie.components import prepare_model
     from qie.config import typed
     from qie.data.scan import scan_folder
-    from qie.sampling import SamplingOptions
+    from qie.models.sampling import SamplingOptions
     from qie.stages.heldout import split_heldout
     from qie.stages.infer import build_predictor
 

@@ -9,7 +9,8 @@ Sections (`--sections`, all by default):
   step         bf16 and fp8 weights (`model.quantize`, `--weights`) x gradient checkpointing off/on: s/it, peak
                allocated and reserved CUDA memory, MFU = model FLOPs per step / s per step / the device's dense
                bf16 peak (`--peak-tflops` overrides the table). Model FLOPs are counted once on fake tensors
-               (`qie.memory_plan.step_flops`: forward + backward, no recomputation, so every row uses the same count).
+               (`qie.stages.memory_plan.step_flops`: forward + backward, no recomputation, so every row uses the same
+               count).
   swap         `train.blocks_to_swap` 0/16/30/45 (clamped to the model's blocks) with checkpointing, per weights.
   cached_live  the train stage on a synthetic data set, with embeddings read from the cache (`cache.mode=cached`)
                vs encoded every step (`cache.mode=live`, the text encoder and VAE run per step).
@@ -286,9 +287,9 @@ def build_parts(cfg, spec, setup: Setup, accelerator, num_layers: int | None):
     from qie.components.quantize import quantize_transformer
     from qie.config import typed
     from qie.models.real_size import random_model
+    from qie.runtime.memory import MemorySettings
     from qie.stages.settings import fused_base
     from qie.stages.train_model import load_model
-    from qie.training.memory import MemorySettings
 
     if not setup.real:
         model, train = typed(cfg.model), typed(cfg.train)
@@ -385,13 +386,13 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     from qie.components import prepare_model
     from qie.config import typed
     from qie.models import model_spec
+    from qie.runtime.memory import MemorySettings
     from qie.stages.accelerator import make_accelerator
     from qie.stages.settings import fused_base
     from qie.stages.train_model import build_train_state, loop_settings, make_objective
     from qie.stages.train_setup import train_mode
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit
-    from qie.training.memory import MemorySettings
 
     cfg = stage_config("train", setup.train, overrides)
     model, train = typed(cfg.model), typed(cfg.train)
@@ -549,9 +550,7 @@ def no_checkpoint(model) -> str | None:
     (nothing is downloaded); None when it can."""
     from huggingface_hub import try_to_load_from_cache
 
-    from qie.components import model_source
-
-    source = model_source(model)
+    source = str(model.pretrained_model_name_or_path)
     if Path(source).expanduser().is_dir():
         return None
     with contextlib.suppress(Exception):
@@ -660,12 +659,12 @@ def peak_tflops(args: argparse.Namespace, setup: Setup) -> float | None:
 
 def model_flops(setup: Setup, depth: int | None) -> float | None:
     """Model FLOPs of one step with `depth` blocks (None: the model's own), counted on fake tensors
-    (`qie.memory_plan.step_flops`)."""
+    (`qie.stages.memory_plan.step_flops`)."""
     import torch
 
     from qie.components import prepare_model
-    from qie.memory_plan import step_flops
     from qie.models import model_spec
+    from qie.stages.memory_plan import step_flops
 
     cfg = stage_config("train", setup.train)
     spec = model_spec(cfg.model) if setup.real else prepare_model(cfg.model)

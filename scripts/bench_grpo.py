@@ -50,7 +50,7 @@ def heldout_scores(data: Path, heldout: int, loras: dict[str, str], steps: int) 
     from qie.components import prepare_model
     from qie.config import typed
     from qie.data.scan import scan_folder
-    from qie.sampling import SamplingOptions
+    from qie.models.sampling import SamplingOptions
     from qie.stages.heldout import split_heldout
     from qie.stages.infer import build_predictor
     from qie.training.image_metrics import to_tensor

@@ -29,7 +29,7 @@ def encode_all(source: str, variant: str, quantize: str, samples: list, sizes) -
     from qie.components import build_parts, resolve_device
     from qie.components.registry import Placement
     from qie.config import compose
-    from qie.encode import Encoder, prepare_sample
+    from qie.embedding.encode import Encoder, prepare_sample
     from qie.models import model_spec
 
     spec = model_spec(compose("precompute", [{"edit": "model=tiny", "edit_plus": "model=tiny_plus"}[variant]]).model)
@@ -39,7 +39,7 @@ def encode_all(source: str, variant: str, quantize: str, samples: list, sizes) -
     parts = build_parts(
         source,
         ["text_encoder", "tokenizer", "processor", "vae"],
-        spec.part_classes,
+        spec.family.part_classes,
         {"text_encoder": Placement(device, dtype), "vae": Placement(device, dtype)},
         text_encoder_quantize=quantize,
     )
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
     from qie.data.scan import scan_dataset
     from qie.demo.synthetic import make_dataset
-    from qie.encode import ImageSizes
+    from qie.embedding.encode import ImageSizes
 
     header(
         "prompt embeddings with a quantized text encoder",

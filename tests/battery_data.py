@@ -79,7 +79,7 @@ def write_dataset(root: Path, spec) -> Path:
     """Write the data set `spec`'s family reads under `root`; returns what `data.path` names."""
     if spec.family.outputs.layers:
         return _write_layered(root)
-    counts, alpha = control_counts(spec), bool(spec.alpha)
+    counts, alpha = control_counts(spec), bool(spec.family.alpha)
     if len(set(counts)) == 1 and not alpha:
         return _write_folder(root, counts[0])
     return _write_manifest(root, counts, alpha)
@@ -136,7 +136,7 @@ def write_pairs(root: Path, spec) -> Path:
     """`write_dataset`, each sample a preference pair: its target preferred, the shape moved as well but painted
     the next scene's colour rejected (`rejected_images/` in the folder layout, `rejected` in a manifest)."""
     path = write_dataset(root, spec)
-    alpha = bool(spec.alpha)
+    alpha = bool(spec.family.alpha)
     wrong = [shape_image(i, 24, alpha, color=SCENES[(i + 1) % len(SCENES)][1]) for i in range(SAMPLES)]
     if path.is_dir():
         (path / "rejected_images").mkdir(exist_ok=True)
@@ -155,7 +155,7 @@ def reference_images(root: Path, spec, count: int = 2) -> list[Path]:
     """Up to `count` control images `spec`'s model takes, written to `root` (for inference)."""
     root.mkdir(parents=True, exist_ok=True)
     paths = []
-    for k, image in enumerate(control_images(1, min(count, spec.max_control_images), bool(spec.alpha))):
+    for k, image in enumerate(control_images(1, min(count, spec.max_control_images), bool(spec.family.alpha))):
         image.save(root / f"ref{k}.png")
         paths.append(root / f"ref{k}.png")
     return paths

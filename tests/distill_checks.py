@@ -7,13 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from stage_edges import data_for, source_for
+from stage_edges import data_for, parts_of, source_for
 
-from qie.components import load_parts
+from qie.adapters.lora import add_lora
 from qie.data.collate import collate
 from qie.models import model_spec
-from qie.sampling import SamplingOptions
-from qie.training.lora import add_lora
+from qie.models.sampling import SamplingOptions
 from qie.training.objectives import ObjectiveInputs, build_objective
 from qie.training.objectives.distill import seed_noise
 from qie.training.timesteps import SigmaSampling
@@ -56,8 +55,8 @@ def check_teacher_and_student(cfg, options: Mapping, seed: int = 1) -> None:
     the student are the family's sampler (exactly) and the loss trains the LoRA."""
     spec = model_spec(cfg.model)
     family = spec.family
-    base = load_parts(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
-    policy = load_parts(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
+    base = parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
+    policy = parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
     randomised_lora(policy.transformer, list(cfg.model.lora_target_modules))
     store = DictStore()
     objective = distill_objective(spec, base, options, store)

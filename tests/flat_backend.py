@@ -9,11 +9,12 @@ It reaches qie only through the cache's public pieces: the entry codec, the chec
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from qie.cache.base import (
+    CacheBackend,
     CorruptEntry,
     Entry,
     VerifyReport,
@@ -43,7 +44,7 @@ from qie.cache.files import (
 from qie.errors import CacheDirMissing, ConfigError
 
 
-class FlatBackend:
+class FlatBackend(CacheBackend):
     """Entries as safetensors bytes in one flat folder; only names `<type>.<key><suffix>` are entries."""
 
     stores = True
@@ -106,12 +107,6 @@ class FlatBackend:
             return True
         found = self.get(base[0], base[1])
         return found is not None and checksum(found) == base[2]
-
-    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
-        return [self.intact(t, k) for t, k in items]
-
-    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
-        return all(self.intact_all(list(counts)))
 
     def claim(self, type: str, key: str, wait: bool = False) -> FileClaim | None:
         return claim_file(f"{self.root}/.{check_type(type)}.{check_key(key)}{LOCK_SUFFIX}", wait)

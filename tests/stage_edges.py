@@ -11,13 +11,13 @@ from omegaconf import DictConfig
 
 from qie.cache.keys import FileHasher
 from qie.config import typed
-from qie.config.backend import build_backend
 from qie.data.keys import KeyContext
 from qie.data.samples import Dataset
-from qie.embeddings import EmbeddingSource
-from qie.encode import Encoder, ImageSizes
+from qie.embedding.encode import Encoder, ImageSizes
+from qie.embedding.sources import EmbeddingSource
 from qie.models import ModelSpec, model_spec
 from qie.stages.datasets import read_data
+from qie.stages.edge import Edge
 from qie.stages.infer import Predictor, build_predictor
 from qie.stages.settings import (
     SourceSettings,
@@ -25,10 +25,8 @@ from qie.stages.settings import (
     encoder_devices,
     file_hasher,
     image_sizes,
-    loss_masks,
-    source_settings,
 )
-from qie.stages.sources import build_encoder, build_source, model_key_context
+from qie.stages.sources import build_encoder, model_key_context
 
 
 def spec_of(cfg: DictConfig) -> ModelSpec:
@@ -58,21 +56,20 @@ def encoder_for(cfg: DictConfig, spec: ModelSpec | None = None) -> Encoder:
 
 def source_settings_for(cfg: DictConfig, spec: ModelSpec | None = None, mode: str | None = None) -> SourceSettings:
     """The embedding source's settings a stage makes of `cfg` (loss masks from `train.mask` where it has one)."""
-    spec = spec or spec_of(cfg)
-    model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
-    masks = loss_masks(typed(cfg.train) if "train" in cfg else None, data)
-    settings = source_settings(model, data, cache, spec, masks)
-    return settings.with_mode(mode) if mode else settings
+    return Edge.of(cfg, spec or spec_of(cfg)).source_settings(mode)
 
 
-def source_for(cfg: DictConfig, mode: str | None = None, encoder: Encoder | None = None, spec: ModelSpec | None = None,
-               backend: Any = None) -> EmbeddingSource:  # fmt: skip
+def source_for(
+    cfg: DictConfig,
+    mode: str | None = None,
+    encoder: Encoder | None = None,
+    spec: ModelSpec | None = None,
+    backend: Any = None,
+) -> EmbeddingSource:
     """The EmbeddingSource `cache.mode` (or `mode`) names for `cfg`, over `backend` (built from `cfg.cache` when None
     and the source reads a cache)."""
-    settings = source_settings_for(cfg, spec, mode)
-    if backend is None and settings.mode != "live":
-        backend = build_backend(cfg.cache)
-    return build_source(settings, spec or spec_of(cfg), backend, encoder)
+    edge = Edge.of(cfg, spec or spec_of(cfg))
+    return edge.source(edge.source_settings(mode), backend, encoder)
 
 
 def data_for(cfg: DictConfig, require_target: bool = True, path: str | None = None, require_prompt: bool = True,
@@ -90,3 +87,17 @@ def predictor_for(cfg: DictConfig, spec: ModelSpec | None = None, **predict: Any
     model = typed(cfg.model)
     settings = replace(typed(cfg.predict), **predict) if predict else typed(cfg.predict)
     return build_predictor(model, settings, spec or prepare_model(model))
+
+
+def parts_of(
+    model: Any,
+    names: list[str],
+    devices: dict[str, str] | None = None,
+    spec: ModelSpec | None = None,
+    fuse: Any = None,
+) -> Any:
+    """The named parts of a `model` group, built as a stage builds them (its spec and load settings read first)."""
+    from qie.components import LoadSettings, load_parts
+
+    model = typed(model) if isinstance(model, DictConfig) else model
+    return load_parts(LoadSettings.of(model), spec or model_spec(model), names, devices, fuse=fuse)

@@ -13,9 +13,9 @@ from helpers import CachedData, small_config
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
+from qie.adapters.lora import add_lora, load_lora, load_lora_state
 from qie.errors import ConfigError
 from qie.stages import train as train_stage
-from qie.training.lora import add_lora, load_lora, load_lora_state
 
 KINDS = {
     "loha": (["train.adapter=loha"], {"adapter": "loha"}, "hada_w1_a"),

@@ -15,7 +15,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 import qie
 from qie.demo.synthetic import make_dataset
-from qie.embedding_cache import EmbeddingCacheManager
+from qie.embedding.manager import EmbeddingCacheManager
 from qie.stages import infer
 
 MODELS = (Qwen2_5_VLForConditionalGeneration, AutoencoderKLQwenImage, QwenImageTransformer2DModel)
@@ -88,7 +88,7 @@ def test_manager_writes_what_training_reads(data: Path, tmp_path: Path, tiny_pat
     filler = qie.EditDataset(cfg)  # computes live values to store by hand
     computed = [
         filler.source.encoder.encode_entries(  # noqa: SLF001 - reuse the encoder the source holds
-            [__import__("qie.encode", fromlist=["prepare_sample"]).prepare_sample(s, filler.source.sizes)],
+            [__import__("qie.embedding.encode", fromlist=["prepare_sample"]).prepare_sample(s, filler.source.sizes)],
             ["pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed"],
         )[0]
         for s in filler.samples

@@ -16,12 +16,12 @@ from test_qwen_image_layered import rgba
 
 from qie.cache.entries import read_logical
 from qie.cache.ssd import SsdBackend
-from qie.captioning import Captioner
 from qie.config import typed
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError, DataError
 from qie.models import model_spec
+from qie.models.captioning import Captioner
 from qie.stages import auto_caption, precompute, sources
 from qie.stages import caption as caption_stage
 from qie.stages import train as train_stage
@@ -142,7 +142,7 @@ def test_layered_auto_caption_is_generated_once_cached_and_keys_the_prompt(
     # The prompt embedding stored is the caption's, keyed by its text, equal to encoding that text directly.
     captioned = replace(sample, prompt=text)
     stored = read_logical(backend, "prompt_embed", sample_keys(captioned, ctx, hasher)["prompt_embed"])
-    from qie.encode import prepare_sample
+    from qie.embedding.encode import prepare_sample
 
     encoder = encoder_for(cfg, spec)
     direct = encoder.encode_entries([prepare_sample(captioned, sizes_for(cfg, spec))], ["prompt_embed"])

@@ -273,7 +273,7 @@ def test_prefetcher_thread_ends_when_the_consumer_drops_it() -> None:
 def test_make_loader_prefetches_as_asked_and_only_sources_that_do_not_encode_are_prefetched() -> None:
 
     from qie.data.prefetch import Prefetcher
-    from qie.embeddings import CachedSource, LazySource, LiveSource
+    from qie.embedding.sources import CachedSource, LazySource, LiveSource
     from qie.stages.train_data import loader_settings
     from qie.training.batches import EmbeddingDataset, make_loader
 

@@ -61,11 +61,11 @@ def test_a_stage_names_an_unreachable_endpoint_before_building_a_model(
     stage: str, url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
 ) -> None:
     from qie.config import compose
-    from qie.stages import precompute
+    from qie.stages import precompute, train_model
     from qie.stages import train as train_stage
 
     run, builds, what = {"precompute": (precompute.run, precompute, "build_encoder"),
-                         "train": (train_stage.run, train_stage, "load_parts")}[stage]  # fmt: skip
+                         "train": (train_stage.run, train_model, "load_parts")}[stage]  # fmt: skip
     monkeypatch.setattr(builds, what, lambda *a, **k: pytest.fail("a model was built"))
     # Credentials of their own (not the S3 server fixture's, which may be gone by now): the endpoint is what fails.
     credentials = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -234,7 +234,7 @@ def test_the_cache_package_imports_no_model_library_config_or_data_code() -> Non
         "import sys, pkgutil, importlib, qie.cache\n"
         "for m in pkgutil.iter_modules(qie.cache.__path__):\n"
         "    if m.name != '__main__': importlib.import_module('qie.cache.' + m.name)\n"
-        "bad = ('hydra', 'omegaconf', 'diffusers', 'transformers', 'peft', 'qie.data', 'qie.stages', 'qie.encode',"
+        "bad = ('hydra', 'omegaconf', 'diffusers', 'transformers', 'peft', 'qie.data', 'qie.stages', 'qie.embedding',"
         " 'qie.config')\n"
         "print(sorted(m for m in sys.modules if m.startswith(bad)))\n"
     )

@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 from helpers import CachedData
 
+from qie.adapters.lora import read_lora
 from qie.cache.memory import MemoryBackend
 from qie.cache.ssd import SsdBackend
 from qie.components import fingerprint
@@ -20,7 +21,6 @@ from qie.errors import ConfigError, ModelLoadError
 from qie.models import families
 from qie.stages import precompute
 from qie.stages.cache_admin import run as cache_cli
-from qie.training.lora import read_lora
 from qie.types import CACHE_TYPES
 
 

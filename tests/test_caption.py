@@ -16,11 +16,11 @@ import torch
 from diffusers import QwenImageLayeredPipeline
 from omegaconf import DictConfig
 
-from qie.captioning import Captioner, pipeline_prompt
 from qie.config import typed
 from qie.data.images import fit_area, open_image, resize
 from qie.data.scan import scan_dataset
 from qie.models import model_spec
+from qie.models.captioning import Captioner, pipeline_prompt
 from qie.stages import caption as caption_stage
 from qie.stages import precompute
 from qie.stages import train as train_stage

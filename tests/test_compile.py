@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from test_train import LOSSES, TRAINING
 
 from qie.errors import ConfigError
+from qie.runtime.compile import compile_blocks
 from qie.stages import train as train_stage
-from qie.training.compile import compile_blocks
 
 # Compiled kernels sum in another order than eager ones: the first loss (before any update) agrees to float32
 # rounding, the second (after one AdamW step on gradients from the compiled backward) within this.

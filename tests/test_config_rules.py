@@ -312,3 +312,46 @@ def test_a_stage_run_checks_a_config_changed_after_it_was_composed(stage: str, t
     with pytest.raises(ConfigError) as info:
         importlib.import_module(f"qie.stages.{stage}").run(cfg, tmp_path)
     assert "\n" not in str(info.value) and not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_each_schema_checks_its_own_ranges_without_a_config() -> None:
+    """A group's ranges are its dataclass's own `problem()`: the same one line as validate gives, from the
+    dataclass alone (what a stage holds below its edge)."""
+    from qie.config.cache import CacheConfig, PrecomputeConfig
+    from qie.config.data import DataConfig, RegularizationConfig
+    from qie.config.model import ModelConfig
+    from qie.config.train import EmaConfig, MaskConfig, MaskSource, TrainConfig, ValidationConfig
+
+    refused = [
+        (DataConfig(batch_size=0), "data.batch_size=0 is out of range: it must lie in [1, inf]"),
+        (TrainConfig(learning_rate=-1.0), "train.learning_rate=-1.0 is out of range: it must lie in [0.0, 3.4e+38]"),
+        (ModelConfig(min_control_images=2), "model.max_control_images=1 is out of range: it must lie in [2, inf]"),
+        (
+            MaskConfig(MaskSource.file, outside_weight=2.0),
+            "train.mask.outside_weight=2.0 is out of range: give a value from 0 to 1",
+        ),
+        (EmaConfig(decay=0.9, every=0), "train.ema.every=0: give a number of optimizer steps, 1 or more"),
+        (RegularizationConfig("/reg", weight=-1.0), "data.regularization.weight=-1.0 is out of range: give 0 or more"),
+        (
+            ValidationConfig(step_counts=[4, 0]),
+            "validation.step_counts[1]=0 is out of range: each count must be 1 or more",
+        ),
+        (PrecomputeConfig(batch_size=0), "precompute.batch_size=0 is out of range: it must be at least 1"),
+    ]
+    for group, message in refused:
+        assert group.problem() == message
+    assert CacheConfig(local_max_gb=float("nan")).problem().startswith("cache.local_max_gb=nan is out of range")
+    assert MaskConfig(outside_weight=2.0).problem() is None  # no masks: their settings are not read
+
+
+def test_a_stage_without_a_group_skips_its_rules() -> None:
+    """The rules read the groups a stage has (`Groups`: None for the others): an extract config has no `train`,
+    `predict` or `validation`, and passes with the settings of the ones it has."""
+    from qie.config.groups import Groups
+    from qie.config.model import ModelConfig, Quantize
+    from qie.config.rules import setting_problem
+    from qie.config.weights import weight_problem
+
+    groups = Groups(model=ModelConfig(name="m", pretrained_model_name_or_path="hub/id", quantize=Quantize.int4))
+    assert weight_problem(groups) is None and setting_problem(groups, None) is None
+    validate(compose("extract_lora", ["model=tiny"]))

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import hf_extra_image_column, write_noise_image
+from stage_edges import parts_of
 from test_step import fixed_batch
 
-from qie.components import load_parts
+from qie.adapters.lora import add_lora, load_lora, save_lora
 from qie.config import compose
 from qie.data.manifest import scan_manifest
 from qie.data.scan import scan_folder
 from qie.errors import ConfigError
 from qie.models import model_spec
-from qie.training.lora import add_lora, load_lora, save_lora
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse, build_objective, check_use, field_names
 from qie.training.objectives.dpo import Dpo, DpoSettings, accuracy
 from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
@@ -77,8 +77,8 @@ def objective(family, **options):
 
 def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_trained_set_alone(tiny) -> None:
     cfg, family = tiny
-    base = load_parts(cfg.model, ["transformer"]).transformer
-    policy = load_parts(cfg.model, ["transformer"]).transformer
+    base = parts_of(cfg.model, ["transformer"]).transformer
+    policy = parts_of(cfg.model, ["transformer"]).transformer
     params = add_lora(policy, 4, 4, TARGETS)
     randomised(policy, 1)
     dpo = objective(family, beta=500.0, sft_weight=0.3)
@@ -104,7 +104,7 @@ def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_t
 
 def test_a_fresh_adapter_is_its_own_reference_so_the_first_loss_is_log_2(tiny) -> None:
     cfg, family = tiny
-    policy = load_parts(cfg.model, ["transformer"]).transformer
+    policy = parts_of(cfg.model, ["transformer"]).transformer
     add_lora(policy, 4, 4, TARGETS)  # B = 0: the policy is the base
     dpo = objective(family, beta=2000.0)
     dpo.prepare(policy)
@@ -116,13 +116,13 @@ def test_a_fresh_adapter_is_its_own_reference_so_the_first_loss_is_log_2(tiny) -
 
 def test_a_reference_lora_is_the_base_with_that_lora_and_is_neither_trained_nor_saved(tiny, tmp_path: Path) -> None:
     cfg, family = tiny
-    donor = load_parts(cfg.model, ["transformer"]).transformer
+    donor = parts_of(cfg.model, ["transformer"]).transformer
     add_lora(donor, 2, 2, ["to_q", "to_v"])
     randomised(donor, 2)
     file = save_lora(donor, tmp_path / "ref")
-    reference = load_parts(cfg.model, ["transformer"]).transformer
+    reference = parts_of(cfg.model, ["transformer"]).transformer
     load_lora(reference, file)
-    policy = load_parts(cfg.model, ["transformer"]).transformer
+    policy = parts_of(cfg.model, ["transformer"]).transformer
     add_lora(policy, 4, 4, TARGETS)
     randomised(policy, 3)
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}
@@ -135,7 +135,7 @@ def test_a_reference_lora_is_the_base_with_that_lora_and_is_neither_trained_nor_
     torch.testing.assert_close(loss, by_hand(policy, reference, family, batch, noise, sigmas, 300.0), rtol=1e-4,
                                atol=0)  # fmt: skip
     assert {n for n, p in policy.named_parameters() if p.requires_grad} == trained
-    from qie.training.lora import lora_state_dict
+    from qie.adapters.lora import lora_state_dict
 
     assert not any("reference" in k for k in lora_state_dict(policy))  # only the trained adapter is saved
 

@@ -11,10 +11,10 @@ from diffusers import AutoModel
 from helpers import CachedData, small_config
 from safetensors.torch import load_file
 
+from qie.adapters.lora import add_lora
 from qie.errors import ConfigError
 from qie.stages import train as train_stage
 from qie.training.ema import Ema
-from qie.training.lora import add_lora
 
 RUN = ["train.max_steps=4", "train.checkpoint_every=2", "train.learning_rate=1e-2", "data.batch_size=2",
        "train.ema.decay=0.75", "train.ema.every=2"]  # fmt: skip

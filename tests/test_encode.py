@@ -15,7 +15,7 @@ from stage_edges import encoder_for
 
 from qie.config.cache import CACHE_TYPES
 from qie.data.samples import Sample
-from qie.encode import EMPTY_PROMPT, Encoder, ImageSizes, prepare_sample
+from qie.embedding.encode import EMPTY_PROMPT, Encoder, ImageSizes, prepare_sample
 from qie.types import TRAINING_TYPES
 
 AREA = 64 * 64

@@ -47,12 +47,13 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def lora(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LoRA of the tiny transformer with random (non-zero) weights: it changes every edit."""
-    from qie.components import load_parts
+    from stage_edges import parts_of
+
+    from qie.adapters.lora import add_lora, save_lora
     from qie.config import typed
-    from qie.training.lora import add_lora, save_lora
 
     model = typed(small_config("eval").model)
-    transformer = load_parts(model, ["transformer"], {"transformer": "cpu"}).transformer
+    transformer = parts_of(model, ["transformer"], {"transformer": "cpu"}).transformer
     add_lora(transformer, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"])
     generator = torch.Generator().manual_seed(0)
     for name, p in transformer.named_parameters():  # both factors seeded: the same LoRA in every process

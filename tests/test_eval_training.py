@@ -11,8 +11,8 @@ from helpers import CachedData, small_config
 
 from qie.cli import search_value
 from qie.errors import ConfigError
+from qie.reporting.sweep_summary import job_record
 from qie.stages import train
-from qie.sweep import job_record
 
 REWARDS = [
     "+validation.rewards.pixel_error._target_=qie.evaluation.metrics.PixelError",

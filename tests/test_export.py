@@ -44,9 +44,9 @@ def trained_run(small_cfg, cached_data, tmp_path_factory: pytest.TempPathFactory
 def test_export_writes_a_card_the_hub_reads_and_every_lora_file(trained_run: Path, tmp_path: Path) -> None:
     from huggingface_hub import ModelCard
 
+    from qie.adapters.lora import read_lora
     from qie.models import families
     from qie.stages import export
-    from qie.training.lora import read_lora
 
     out = tmp_path / "export"
     result = export.run(compose("export", [f"export.run_dir={trained_run}", f"export.out={out}"]))
@@ -190,8 +190,8 @@ def test_a_text_to_image_run_on_a_fused_base(tmp_path: Path) -> None:
     from huggingface_hub import ModelCard
     from safetensors.torch import save_file
 
+    from qie.adapters.lora_files import base_header
     from qie.stages import export
-    from qie.training.lora_files import base_header
 
     run = tmp_path / "t2i-run"
     (run / "lora").mkdir(parents=True)

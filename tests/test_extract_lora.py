@@ -118,7 +118,7 @@ def test_extract_names_what_is_missing_or_does_not_fit(tiny_path: Path, tmp_path
 @pytest.mark.parametrize("niter", [0, 4])
 def test_each_layers_error_is_that_of_its_reconstruction(niter: int) -> None:
     """The exact SVD and the randomized one (`extract.niter`) report the relative error the factors really have."""
-    from qie.training.lora_extract import low_rank
+    from qie.adapters.lora_extract import low_rank
 
     gen = torch.Generator().manual_seed(3)
     change = torch.randn(200, 3, generator=gen) @ torch.randn(3, 120, generator=gen)

@@ -25,13 +25,11 @@ FAMILY_FREE = [
     "cache",
     "data",
     "demo",
-    "embeddings.py",
-    "encode.py",
-    "sampling.py",
-    "readiness.py",
-    "memory_plan.py",
-    "masked_source.py",
-    "embedding_cache.py",
+    "embedding",
+    "adapters",
+    "runtime",
+    "models/sampling.py",
+    "models/flow_family.py",
     "api.py",
 ]
 FAMILY_NAMES = re.compile(r"QwenImage|Qwen2_5|Qwen3|Qwen2VL|qwen_image|TransformerBlock")
@@ -157,7 +155,7 @@ def test_a_step_count_the_checkpoint_fixes_is_named(
 
 
 def test_fsdp_and_swap_take_the_familys_blocks() -> None:
-    from qie.training.memory import MemorySettings
+    from qie.runtime.memory import MemorySettings
 
     for name, block in (("tiny", "QwenImageTransformerBlock"), ("tiny_qwen_image_21", "QwenImage21TransformerBlock")):
         cfg = compose("train", [f"model={name}", "train.fsdp=true", "validation.every=0"])

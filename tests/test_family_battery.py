@@ -321,7 +321,7 @@ def test_validation_saves_images_and_metrics(battery: Battery, family: str) -> N
     assert len(images) == count
     for image in images:
         with Image.open(image) as im:
-            assert im.size == size and im.mode == ("RGBA" if prepared.spec.alpha else "RGB")
+            assert im.size == size and im.mode == ("RGBA" if prepared.spec.family.alpha else "RGB")
     # Edit metrics compare the output with the sample's control image and target: only where it has a control.
     if prepared.spec.max_control_images:
         (line,) = (folder / "metrics.jsonl").read_text().splitlines()
@@ -417,7 +417,7 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
 
     pipe = pipeline_of(Path(compose("infer", [model]).model.pretrained_model_name_or_path))
     base = pipeline_output(pipe, images)
-    assert base.shape == ((LAYERS, 640, 640, 4) if layered else (1, 64, 64, 4 if prepared.spec.alpha else 3))
+    assert base.shape == ((LAYERS, 640, 640, 4) if layered else (1, 64, 64, 4 if prepared.spec.family.alpha else 3))
     assert np.abs(mine() - base).max() <= 1e-5
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     assert len([k for k in pipe.transformer.state_dict() if "lora_" in k]) == len(load_file(lora))  # every pair
@@ -430,7 +430,8 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
 def test_fused_base_equals_the_pipelines_fuse_lora(battery: Battery, family: str) -> None:
     """`model.fuse_loras` fuses the family's trained LoRA into the transformer as the family's diffusers pipeline
     does with `load_lora_weights` and `fuse_lora` at the same scale (the transformer every stage then builds)."""
-    from qie.components import load_parts
+    from stage_edges import parts_of
+
     from qie.config import compose, typed
     from qie.stages.settings import fused_base
 
@@ -438,7 +439,7 @@ def test_fused_base_equals_the_pipelines_fuse_lora(battery: Battery, family: str
     lora = Path(prepared.cached["lora"])
     cfg = compose("infer", [f"model={family}", f"model.fuse_loras=[{lora}]", "model.fuse_lora_scales=[0.5]"])
     fused = fused_base(typed(cfg.model), prepared.spec)
-    mine = load_parts(cfg.model, ["transformer"], spec=prepared.spec, fuse=fused.fuse_into).transformer.state_dict()
+    mine = parts_of(cfg.model, ["transformer"], spec=prepared.spec, fuse=fused.fuse_into).transformer.state_dict()
     pipe = pipeline_of(Path(cfg.model.pretrained_model_name_or_path))
     plain = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)

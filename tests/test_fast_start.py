@@ -21,9 +21,9 @@ from qie.cache.ssd import SsdBackend
 from qie.data.key_memo import KeyMemo
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.scan import scan_dataset
-from qie.embeddings import CachedSource
+from qie.embedding.readiness import ready_samples
+from qie.embedding.sources import CachedSource
 from qie.errors import CacheMissError
-from qie.readiness import ready_samples
 
 CTX = KeyContext("vae0", "te0", "tmpl", 4096, "area", 16, 4096, 4096)
 TYPES = ("pixel_latent", "control_latent", "prompt_embed", "empty_prompt_embed")
@@ -282,7 +282,7 @@ def test_the_bulk_check_counts_and_names_entries_as_the_item_by_item_one() -> No
     import numpy as np
 
     from qie.cache.base import EntryCounts
-    from qie.readiness import distinct_rows
+    from qie.embedding.readiness import distinct_rows
 
     rng = np.random.default_rng(0)
     rows = rng.integers(0, 256, (300, 32), dtype=np.uint8)[rng.integers(0, 300, 2000)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CachedData
+from stage_edges import parts_of
 
-from qie.components import load_parts
 from qie.components.fp8_compute import fp8_compute_wanted
 from qie.components.quantize import is_quantized, quantize_weights
 from qie.config import compose
@@ -59,7 +59,7 @@ def test_fp8_compute_converts_the_block_linears_and_keeps_the_projections(small_
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
     cfg = small_cfg("train", "model.quantize=fp8", "model.fp8_compute=always")
-    transformer = load_parts(cfg.model, ["transformer"]).transformer
+    transformer = parts_of(cfg.model, ["transformer"]).transformer
     to_q = transformer.transformer_blocks[0].attn.to_q
     assert type(to_q) is Float8Linear and isinstance(to_q.weight, Float8TrainingTensor)
     assert to_q.weight._data.dtype == torch.float8_e4m3fn and not to_q.weight.requires_grad

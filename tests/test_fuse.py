@@ -14,17 +14,17 @@ from helpers import small_config, tiny_pipeline, write_noise_image
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
-from stage_edges import predictor_for
+from stage_edges import parts_of, predictor_for
 
+from qie.adapters.fused_base import FusedBase
+from qie.adapters.lora import LORA_FILE
+from qie.adapters.lora_files import BASE_KEY, write_exports
 from qie.cache.keys import FileHasher
-from qie.components import load_parts, prepare_model
+from qie.components import prepare_model
 from qie.config import compose, typed
 from qie.errors import ConfigError, ModelLoadError
 from qie.stages import train
 from qie.stages.settings import fused_base
-from qie.training.fused_base import FusedBase
-from qie.training.lora import LORA_FILE
-from qie.training.lora_files import BASE_KEY, write_exports
 
 PROMPT = "Make the sky blue."
 SAMPLING = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=2, output_type="np")
@@ -67,7 +67,7 @@ def _transformer(*overrides: str) -> dict[str, torch.Tensor]:
     """The tiny transformer's weights as the stages build it, with `overrides`."""
     cfg = _infer(*overrides)
     spec = prepare_model(cfg.model)
-    parts = load_parts(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
+    parts = parts_of(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
     return parts.transformer.state_dict()
 
 
@@ -110,7 +110,7 @@ def test_two_fused_loras_add_up_and_a_quantized_base_is_fused_first(loras: dict[
     # int8: quantized after fusing, so its weights are near the fused ones, not the plain ones
     cfg = _infer(f"model.fuse_loras=[{loras['first']}]", "model.fuse_lora_scales=[0.5]", "model.quantize=int8")
     spec = prepare_model(cfg.model)
-    quantized = load_parts(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
+    quantized = parts_of(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
     weight = quantized.transformer.get_submodule("transformer_blocks.0.attn.to_q").weight.dequantize()
     error, change = (weight - first[key]).abs().max(), (first[key] - plain[key]).abs().max()
     assert error < change / 10
@@ -155,7 +155,7 @@ def test_bad_fused_loras_fail_in_one_line(tiny_path: Path, loras: dict[str, Path
 def test_a_stage_cannot_build_the_transformer_without_fusing(loras: dict[str, Path]) -> None:
     cfg = _infer(f"model.fuse_loras=[{loras['first']}]")
     with pytest.raises(ConfigError, match="model.fuse_loras is set, but the transformer is being built without"):
-        load_parts(cfg.model, ["transformer"])
+        parts_of(cfg.model, ["transformer"])
 
 
 def test_a_quantized_transformer_is_not_fused_into(tiny_path: Path, loras: dict[str, Path]) -> None:

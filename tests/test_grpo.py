@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_edges import parts_of
 from test_step import fixed_batch
 
-from qie.components import load_parts
+from qie.adapters.lora import add_lora
 from qie.demo.reward import RecolourReward, named_colour, shape_region
 from qie.errors import ConfigError, DataError
 from qie.models import model_spec
 from qie.stages.train_model import objective_reward
 from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
-from qie.training.lora import add_lora
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse, check_use
 from qie.training.objectives.grpo import Grpo
 from qie.training.timesteps import SigmaSampling
@@ -49,7 +49,7 @@ def views(sample_id: str) -> tuple[str, list[torch.Tensor]]:
 def tiny(small_cfg):
     cfg = small_cfg("train")
     spec = model_spec(cfg.model)
-    return cfg, spec, load_parts(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
+    return cfg, spec, parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
 
 
 def grpo_objective(spec, parts, **options) -> Grpo:
@@ -78,7 +78,7 @@ def rollout_batch(batch_size: int = 1, seed: int = 0):
 
 
 def lora_model(cfg, seed: int = 1):
-    transformer = load_parts(cfg.model, ["transformer"]).transformer
+    transformer = parts_of(cfg.model, ["transformer"]).transformer
     torch.manual_seed(seed)  # the A matrices' initialisation
     add_lora(transformer, 4, 4, TARGETS)
     g = torch.Generator().manual_seed(seed)
@@ -223,7 +223,9 @@ def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_tra
     loaded = []
     real = train_model.load_parts
     monkeypatch.setattr(
-        train_model, "load_parts", lambda m, names, *a: loaded.append(list(names)) or real(m, names, *a)
+        train_model,
+        "load_parts",
+        lambda load, spec, names, *a: loaded.append(list(names)) or real(load, spec, names, *a),
     )
     monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
     built = []

@@ -30,7 +30,9 @@ def test_the_training_step_loads_no_hydra_cache_or_encoder() -> None:
     for step in ("qie.training.loop", "qie.models.qwen_image", "qie.models.qwen_image_21"):
         assert (
             _loaded(
-                step, ("hydra", "omegaconf"), ("qie.cache", "qie.encode", "qie.embeddings", "qie.stages", "qie.cli")
+                step,
+                ("hydra", "omegaconf"),
+                ("qie.cache", "qie.embedding", "qie.stages", "qie.cli"),
             )
             == []
         ), step
@@ -39,7 +41,7 @@ def test_the_training_step_loads_no_hydra_cache_or_encoder() -> None:
 @pytest.mark.subprocess
 def test_the_cache_loads_no_model_library_config_or_data_code() -> None:
     libs = ("hydra", "omegaconf", "diffusers", "transformers", "peft")
-    assert _loaded("qie.cache", libs, ("qie.data", "qie.stages", "qie.encode", "qie.config")) == []
+    assert _loaded("qie.cache", libs, ("qie.data", "qie.stages", "qie.embedding.encode", "qie.config")) == []
 
 
 @pytest.mark.subprocess

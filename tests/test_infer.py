@@ -17,10 +17,10 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from stage_edges import predictor_for
 
+from qie.adapters.lora import LORA_FILE, load_lora, merge_lora
 from qie.errors import ConfigError, DataError, ModelLoadError
 from qie.stages import infer
 from qie.stages.infer import Predictor
-from qie.training.lora import LORA_FILE, load_lora, merge_lora
 
 SIZE = 64
 AREA = SIZE * SIZE
@@ -185,7 +185,7 @@ def test_batch_mode_writes_one_image_per_row(images: dict[str, Path], tmp_path: 
 def test_cfg_without_negative_prompt_warns_and_runs_without_cfg(
     predictor: Predictor, images: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="qie.sampling"):
+    with caplog.at_level(logging.WARNING, logger="qie.models.sampling"):
         guided = predictor.predict(
             images["square"],
             PROMPT,
@@ -209,10 +209,9 @@ def test_infer_api_and_validation_give_the_same_image(images: dict[str, Path], t
     """`python -m qie.infer`'s stage, `Trainer.predict` and training's Validator (inputs taken through an
     EmbeddingSource) turn one input into the same pixels under the same defaults: the `predict` group's
     SamplingOptions (CFG with the empty negative prompt, seed 0), the output size of the model's rule."""
-    from stage_edges import source_for
+    from stage_edges import parts_of, source_for
 
     import qie
-    from qie.components import load_parts
     from qie.models import model_spec
     from qie.stages.settings import sampling_options
     from qie.stages.validation import validation_inputs, validation_samples
@@ -235,7 +234,7 @@ def test_infer_api_and_validation_give_the_same_image(images: dict[str, Path], t
     spec = model_spec(cfg.model)
     samples = validation_samples(v, [], 0)
     inputs, negatives = validation_inputs(source_for(cfg), samples, options.negative_prompt)
-    parts = load_parts(cfg.model, ["transformer", "scheduler", "vae"])
+    parts = parts_of(cfg.model, ["transformer", "scheduler", "vae"])
     validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, spec)
     (from_validation,) = validator.images(parts.transformer)
 
@@ -325,9 +324,7 @@ def test_cli_writes_png(tiny_path: Path, images: dict[str, Path], tmp_path: Path
 def test_transformer_path_uses_a_merged_transformer_everywhere(
     lora: Path, images: dict[str, Path], tmp_path: Path
 ) -> None:
-    from stage_edges import key_context_for
-
-    from qie.components import load_parts
+    from stage_edges import key_context_for, parts_of
 
     kw = dict(num_inference_steps=2, true_cfg_scale=1.0, seed=3, output_type="np")
     with_lora = predictor_for(_cfg(f"predict.lora={lora}")).predict([images["square"]], PROMPT, **kw)
@@ -340,7 +337,7 @@ def test_transformer_path_uses_a_merged_transformer_everywhere(
     assert np.abs(base - with_lora).max() > 1e-3  # so the equality above is the merged weights' doing
     # Training and validation load it the same way; the cache keys do not depend on the transformer.
     cfg = small_config("train", f"model.transformer_path={out}")
-    parts = load_parts(cfg.model, ["transformer"])
+    parts = parts_of(cfg.model, ["transformer"])
     saved = QwenImageTransformer2DModel.from_pretrained(out).state_dict()
     assert all(torch.equal(v, saved[k]) for k, v in parts.transformer.state_dict().items())
     assert key_context_for(cfg) == key_context_for(small_config("train"))
@@ -375,7 +372,7 @@ def test_meta_and_other_non_compute_devices_are_refused(images: dict[str, Path],
 def test_a_lora_trained_here_loads_without_peft_warnings(tiny_path: Path, tmp_path: Path) -> None:
     import warnings
 
-    from qie.training.lora import add_lora, dead_modules, save_lora
+    from qie.adapters.lora import add_lora, dead_modules, save_lora
 
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
     assert dead_modules(transformer)  # the last block's text side: left out of the adapter

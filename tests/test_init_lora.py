@@ -11,9 +11,9 @@ from diffusers import AutoModel
 from helpers import CachedData, small_config
 from safetensors.torch import load_file, save_file
 
+from qie.adapters.lora import load_lora
 from qie.errors import ConfigError, ModelLoadError
 from qie.stages import train as train_stage
-from qie.training.lora import load_lora
 from qie.training.modes import LoraMode
 
 FAMILIES = {

@@ -13,10 +13,10 @@ from helpers import small_config
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
+from qie.adapters.kinds import is_adapter_param
+from qie.adapters.lora import LORA_FILE, add_lora, load_lora, save_lora
+from qie.adapters.lora_files import COMFYUI_FILE, KOHYA_FILE
 from qie.errors import ModelLoadError
-from qie.training.adapters import is_adapter_param
-from qie.training.lora import LORA_FILE, add_lora, load_lora, save_lora
-from qie.training.lora_files import COMFYUI_FILE, KOHYA_FILE
 
 FAMILIES = {  # model preset -> the fixture that builds its tiny checkpoint
     "tiny": "tiny_path",

@@ -128,8 +128,9 @@ def test_model_descriptions_come_from_the_yaml() -> None:
     assert "processor" not in specs["qwen_image"].part_names
     assert specs["qwen_image"].encoder_parts == ("vae", "text_encoder", "tokenizer")
     assert specs["qwen_image_edit_2511"].encoder_parts == ("vae", "text_encoder", "processor")
-    assert specs["qwen_image"].prompt_template().endswith("|34|512")
-    assert specs["qwen_image_edit_2511"].prompt_template() == specs["qwen_image_edit_plus"].prompt_template()
+    templates = {name: spec.family.prompt_template(spec) for name, spec in specs.items()}
+    assert templates["qwen_image"].endswith("|34|512")
+    assert templates["qwen_image_edit_2511"] == templates["qwen_image_edit_plus"]
     assert [(s.min_control_images, s.max_control_images) for s in specs.values()] == [
         (1, 1),
         (0, 3),

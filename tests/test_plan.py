@@ -12,9 +12,9 @@ import torch
 
 from qie.config import compose
 from qie.config.model import ModelConfig
-from qie.memory_plan import GIB, Workload, build_fake, simulate_step, weight_bytes
 from qie.models import families
 from qie.stages import plan
+from qie.stages.memory_plan import GIB, Workload, build_fake, simulate_step, weight_bytes
 
 # A tiny model's classes at a size where a step's memory (100-300 MiB) dwarfs the allocator's noise.
 CONFIG = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 4, "attention_head_dim": 64,
@@ -30,9 +30,9 @@ TARGETS = ModelConfig().lora_target_modules  # the LoRA default: the model's tar
 # One warm-up step (optimizer states, thread pools), then the peak RSS above the settled RSS of a second step.
 MEASURE = """
 import gc, json, sys, torch
-from qie.memory_plan import Workload
+from qie.stages.memory_plan import Workload
 from qie.models import families
-from qie.training.lora import add_lora
+from qie.adapters.lora import add_lora
 name, config, work, targets, checkpointing = json.loads(sys.argv[1])
 family = families()[name]
 work = Workload(work[0], work[1], tuple(work[2]), work[3], torch.float32)
@@ -138,7 +138,7 @@ def test_int4_weights_counted_on_meta_match_the_quantized_model() -> None:
 
 
 def test_step_flops_count_the_linear_layers_and_the_attention_of_every_block() -> None:
-    from qie.memory_plan import step_flops
+    from qie.stages.memory_plan import step_flops
 
     family = families()["qwen_image"]
     config = dict(family.published.transformer)  # 60 blocks, width 3072: counted with 2 and 4, extrapolated

@@ -28,7 +28,7 @@ from qie.config import compose
 from qie.config.backend import build_backend
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
-from qie.encode import prepare_sample
+from qie.embedding.encode import prepare_sample
 from qie.errors import DataError
 from qie.stages import precompute
 from qie.stages.precompute_work import OPTIONAL_TYPES

@@ -26,12 +26,10 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 def test_int4_trains_resumes_exactly_and_infers(cached_data: CachedData, tmp_path: Path) -> None:
     from optimum.quanto import QLinear, qint4
-    from stage_edges import predictor_for
-
-    from qie.components import load_parts
+    from stage_edges import parts_of, predictor_for
 
     cfg = small_config("train", *cached_data.overrides, *TRAINING)
-    transformer = load_parts(cfg.model, ["transformer"]).transformer
+    transformer = parts_of(cfg.model, ["transformer"]).transformer
     quantized = [m for m in transformer.modules() if isinstance(m, QLinear)]
     assert quantized and all(m.weight.qtype == qint4 for m in quantized)
     assert not isinstance(transformer.img_in, QLinear)  # the family's full-precision modules stay so

@@ -13,17 +13,16 @@ import pytest
 import torch
 from diffusers import QwenImage21Pipeline
 from PIL import Image
-from stage_edges import hasher_for, key_context_for, predictor_for, sizes_for, source_for
+from stage_edges import hasher_for, key_context_for, parts_of, predictor_for, sizes_for, source_for
 
 from qie.cache.entries import STORED_TYPES
 from qie.cache.ssd import SsdBackend
-from qie.components import load_parts
 from qie.components.processor import Qwen3VLProcessorNoVideo, load_processor
 from qie.config import compose
 from qie.data.collate import collate
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
-from qie.encode import prepare_sample
+from qie.embedding.encode import prepare_sample
 from qie.models import model_spec
 from qie.stages import infer as infer_stage
 from qie.stages import precompute
@@ -210,7 +209,7 @@ def test_validation_samples_the_cached_inputs_as_the_pipeline_does(data: dict, p
     sample = next(s for s in scan_dataset(data["manifest"]).samples if s.id == "s6")  # three references
     chosen = validation_samples(cfg.validation, [sample], 1)
     inputs, negatives = validation_inputs(source_for(cfg, mode="cached"), chosen, "")
-    parts = load_parts(cfg.model, ["vae", "transformer", "scheduler"])
+    parts = parts_of(cfg.model, ["vae", "transformer", "scheduler"])
     options = sampling_options(cfg.predict)
     validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, model_spec(cfg.model),
                           pipeline_config=parts.pipeline_config)  # fmt: skip

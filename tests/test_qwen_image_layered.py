@@ -58,7 +58,7 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     # output_type="latent": the frames before decoding (the composite, then the layers), which decode to the same.
     latents = predictor.predict([Image.open(image)], PROMPT, output_type="latent", layers=2, **SAMPLING)
     assert latents.shape[:3] == (1, 8, 3)
-    assert np.array_equal(predictor.spec.decoder(predictor.parts.vae, latents, output_type="np"), direct)
+    assert np.array_equal(predictor.spec.family.decode(predictor.parts.vae, latents, output_type="np"), direct)
 
     # Batch mode: each row's layers in <output_dir>/<id>/.
     (tmp_path / "rows.jsonl").write_text(f'{{"id": "r", "controls": ["in.png"], "prompt": "{PROMPT}"}}\n')
@@ -99,9 +99,9 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     from diffusers import QwenImageTransformer2DModel
     from stage_edges import predictor_for
 
+    from qie.adapters.lora import add_lora, save_lora
     from qie.config import compose
     from qie.config.model import ModelConfig
-    from qie.training.lora import add_lora, save_lora
 
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_layered_path / "transformer")

@@ -13,9 +13,9 @@ from helpers import small_config
 from PIL import Image
 from safetensors.torch import load_file
 
+from qie.adapters.lora import add_lora, save_lora
 from qie.demo.synthetic import make_dataset
 from qie.stages import train as train_stage
-from qie.training.lora import add_lora, save_lora
 
 FAMILIES = {  # preset -> (its fixture, takes control images, may drop them)
     "tiny_edit_2511": ("tiny_2511_path", True, True),

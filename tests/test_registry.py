@@ -10,9 +10,10 @@ import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
 from helpers import count_constructions, tiny_pipeline
+from stage_edges import parts_of
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qie.components import PART_NAMES, build_parts, load_parts, resolve_device
+from qie.components import PART_NAMES, build_parts, resolve_device
 from qie.components.quantize import is_quantized
 from qie.errors import ConfigError, ModelLoadError
 from qie.models import families
@@ -41,7 +42,7 @@ def test_transformer_and_scheduler_build_nothing_else(
 
 def test_all_parts_build_from_config(small_cfg, constructions: Counter) -> None:
     cfg = small_cfg("infer")
-    parts = load_parts(cfg.model, PART_NAMES, {"vae": "cpu", "text_encoder": "cpu", "transformer": "cpu"})
+    parts = parts_of(cfg.model, PART_NAMES, {"vae": "cpu", "text_encoder": "cpu", "transformer": "cpu"})
     assert sorted(parts.built()) == sorted(PART_NAMES)
     assert set(constructions.values()) == {1} and len(constructions) == 3
     assert parts.transformer.dtype == torch.float32 and parts.vae.device.type == "cpu"
@@ -49,7 +50,7 @@ def test_all_parts_build_from_config(small_cfg, constructions: Counter) -> None:
 
 def test_fp8_builds_a_quantized_transformer(small_cfg) -> None:
     cfg = small_cfg("train", "model.quantize=fp8")
-    parts = load_parts(cfg.model, ["transformer"])
+    parts = parts_of(cfg.model, ["transformer"])
     assert is_quantized(parts.transformer)
     qlinear = parts.transformer.transformer_blocks[0].attn.to_q
     assert type(qlinear).__name__ == "QLinear"
@@ -68,7 +69,7 @@ def test_any_diffusers_folder_loads(tiny_path: Path, small_cfg, tmp_path: Path) 
         f"model.pretrained_model_name_or_path={tmp_path / 'saved'}",
         "model.dtype=float32",
     )
-    parts = load_parts(cfg.model, PART_NAMES)
+    parts = parts_of(cfg.model, PART_NAMES)
     assert sorted(parts.built()) == sorted(PART_NAMES)
     original = pipe.transformer.state_dict()
     for name, value in parts.transformer.state_dict().items():

@@ -142,7 +142,7 @@ def _job(sweep: Path, name: str, lr: str, losses: list[float], heldout: float, s
 
 def _sweep(sweep: Path, source: Path) -> Path:
     """A sweep of three jobs over the learning rate, summarised; its report."""
-    from qie.sweep import write_summary
+    from qie.reporting.sweep_summary import write_summary
 
     folders = [
         _job(sweep, str(n), lr, [1.0, 0.9 - n / 10], 0.8 - n / 10, source)

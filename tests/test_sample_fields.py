@@ -18,7 +18,7 @@ from qie.data.fields import REJECTED, SampleField, run_fields, with_defaults
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
-from qie.encode import prepare_sample
+from qie.embedding.encode import prepare_sample
 
 DEPTH: SampleField  # declared for this module's tests only (`_depth_declared`)
 

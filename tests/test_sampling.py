@@ -14,7 +14,7 @@ from helpers import noise_image, tiny_pipeline
 from qie.models.flow import inference_sigmas
 from qie.models.qwen_image_sampling import decode_latents, sample_latents
 from qie.models.qwen_image_sampling import vae_scale as vae_scale_factor
-from qie.sampling import true_cfg_enabled
+from qie.models.sampling import true_cfg_enabled
 from qie.types import pad_prompt_embeds
 
 SIZE = 64
@@ -50,7 +50,7 @@ def test_the_inference_sigma_schedules_are_the_pipelines_spellings() -> None:
 
 
 def test_true_cfg_needs_scale_and_negative(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="qie.sampling"):
+    with caplog.at_level(logging.WARNING, logger="qie.models.sampling"):
         assert true_cfg_enabled(4.0, True)
         assert not caplog.records
         assert not true_cfg_enabled(4.0, False)

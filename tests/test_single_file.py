@@ -65,7 +65,7 @@ def write_layout(state: dict[str, torch.Tensor], layout: str, path: Path) -> Pat
 
 def step_loss(spec, transformer) -> float:
     """The family's training loss of one fixed small batch."""
-    from qie.memory_plan import Workload
+    from qie.stages.memory_plan import Workload
 
     gen = torch.Generator().manual_seed(0)
     work = Workload(batch=1, target_tokens=16, control_tokens=(16,), prompt_tokens=8, dtype=torch.float32)
@@ -79,19 +79,21 @@ def step_loss(spec, transformer) -> float:
 def test_a_single_file_in_every_layout_loads_like_the_folder(
     family: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    from qie.components import load_parts, prepare_model
+    from stage_edges import parts_of
+
+    from qie.components import prepare_model
 
     model, fixture = FAMILY_MODELS[family]
     request.getfixturevalue(fixture)
     cfg = small_config("train", f"model={model}")
     spec = prepare_model(cfg.model)
-    folder = load_parts(cfg.model, ["transformer"], spec=spec).transformer
+    folder = parts_of(cfg.model, ["transformer"], spec=spec).transformer
     want = step_loss(spec, folder)
     for layout in LAYOUTS:
         path = write_layout(folder.state_dict(), layout, tmp_path / f"{layout}.safetensors")
         cfg = small_config("train", f"model={model}", f"model.transformer_path={path}")
         prepare_model(cfg.model)  # the start-up check recognises the family from the file's keys
-        loaded = load_parts(cfg.model, ["transformer"], spec=spec).transformer
+        loaded = parts_of(cfg.model, ["transformer"], spec=spec).transformer
         config = {k: v for k, v in folder.config.items() if k != "_name_or_path"}
         assert type(loaded) is type(folder) and {k: loaded.config[k] for k in config} == config
         got = step_loss(spec, loaded)
@@ -133,8 +135,9 @@ def test_a_file_of_another_family_is_refused_naming_the_right_model(
 
 def test_a_file_that_is_not_a_whole_transformer_is_one_line(tiny_path: Path, tmp_path: Path) -> None:
     from diffusers import QwenImageTransformer2DModel
+    from stage_edges import parts_of
 
-    from qie.components import load_parts, prepare_model
+    from qie.components import prepare_model
 
     state = QwenImageTransformer2DModel.from_pretrained(tiny_path / "transformer").state_dict()
     part = {k: v for k, v in state.items() if "transformer_blocks.1." not in k}
@@ -142,7 +145,7 @@ def test_a_file_that_is_not_a_whole_transformer_is_one_line(tiny_path: Path, tmp
     cfg = small_config("train", f"model.transformer_path={path}")
     prepare_model(cfg.model)
     with pytest.raises(ModelLoadError, match=r"lacks \d+ weight\(s\).*transformer_blocks\.1\."):
-        load_parts(cfg.model, ["transformer"])
+        parts_of(cfg.model, ["transformer"])
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="is not a safetensors file"):
         prepare_model(small_config("train", f"model.transformer_path={tmp_path / 'junk.safetensors'}").model)
@@ -175,19 +178,20 @@ def test_fp8_files_can_keep_their_fp8_bytes_and_scales(
     family: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     from optimum.quanto import QLinear
+    from stage_edges import parts_of
 
-    from qie.components import load_parts, prepare_model
+    from qie.components import prepare_model
 
     model, fixture = FAMILY_MODELS[family]
     request.getfixturevalue(fixture)
     cfg = small_config("train", f"model={model}")
     spec = prepare_model(cfg.model)
-    state = load_parts(cfg.model, ["transformer"], spec=spec).transformer.state_dict()
+    state = parts_of(cfg.model, ["transformer"], spec=spec).transformer.state_dict()
     for layout in ("comfyui_fp8", "comfyui_fp8_scaled", "comfyui_fp8_scaled_rows"):
         path = write_layout(state, layout, tmp_path / f"{layout}.safetensors")
         common = [f"model={model}", f"model.transformer_path={path}"]
-        upcast = load_parts(small_config("train", *common).model, ["transformer"], spec=spec).transformer
-        kept = load_parts(
+        upcast = parts_of(small_config("train", *common).model, ["transformer"], spec=spec).transformer
+        kept = parts_of(
             small_config("train", *common, "model.single_file_fp8=keep").model, ["transformer"], spec=spec
         ).transformer
         file = load_file(str(path))

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_edges import parts_of
 
-from qie.components import load_parts
+from qie.adapters.lora import add_lora
 from qie.data.collate import collate
 from qie.models.qwen_image import flow_matching_loss, pack_latents, packed
-from qie.training.lora import add_lora
 from qie.training.timesteps import SigmaSampling, loss_weights
 from qie.types import Batch, SampleEmbeddings, pad_prompt_embeds
 
@@ -158,7 +158,7 @@ def test_timestep_sampling_methods() -> None:
 
 def test_loss_falls_on_a_fixed_batch_and_only_lora_changes(small_cfg) -> None:
     cfg = small_cfg("train")
-    transformer = load_parts(cfg.model, ["transformer"]).transformer
+    transformer = parts_of(cfg.model, ["transformer"]).transformer
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
     params = add_lora(transformer, rank=4, alpha=4, target_modules=list(cfg.train.lora.target_modules))
     optimizer = torch.optim.AdamW(params, lr=2e-2)
@@ -186,7 +186,7 @@ def test_saved_lora_keeps_its_alpha(tiny_path, tmp_path) -> None:
     """A LoRA with alpha != rank reloads (diffusers' lora_state_dict + metadata) at its trained strength."""
     from diffusers import QwenImageTransformer2DModel
 
-    from qie.training.lora import add_lora, load_lora, save_lora
+    from qie.adapters.lora import add_lora, load_lora, save_lora
 
     trained = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
     params = add_lora(trained, rank=4, alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"])

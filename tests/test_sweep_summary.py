@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from qie.data.samples import Sample
 from qie.errors import ConfigError
+from qie.reporting.sweep_summary import markdown, summarize
 from qie.stages.heldout import split_heldout
-from qie.sweep import markdown, summarize
 
 
 def _samples(ids: list[str]) -> list[Sample]:

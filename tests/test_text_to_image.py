@@ -81,7 +81,9 @@ def test_the_tiny_model_is_a_text_to_image_pipeline(tiny_t2i_path: Path) -> None
     assert drop_idx == 34 and len(tokenizer(prefix)["input_ids"]) == 34
     pipe = _pipeline(tiny_t2i_path)
     spec = model_spec(compose("infer", ["model=tiny_t2i"]).model)
-    assert spec.default_size(pipe.vae_scale_factor) == (pipe.default_sample_size * pipe.vae_scale_factor,) * 2
+    assert (
+        spec.family.default_size(spec, pipe.vae_scale_factor) == (pipe.default_sample_size * pipe.vae_scale_factor,) * 2
+    )
 
 
 def test_the_encoder_builds_no_processor_and_encodes_as_the_pipeline(data: dict) -> None:

@@ -14,7 +14,7 @@ from stage_edges import source_for
 from qie.data.buckets import BucketBatchSampler, bucket_keys
 from qie.data.collate import collate
 from qie.data.scan import scan_dataset
-from qie.embeddings import CachedSource, LiveSource, SampleEmbeddings
+from qie.embedding.sources import CachedSource, LiveSource, SampleEmbeddings
 from qie.models.qwen_image import TINY_VAE
 from qie.training.batches import EmbeddingDataset
 from qie.types import pad_prompt_embeds

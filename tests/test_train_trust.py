@@ -22,8 +22,9 @@ from qie.cache.ssd import SsdBackend
 from qie.config import compose
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ModelLoadError, StorageError
+from qie.runtime.guards import NonFiniteLoss
 from qie.stages import train as train_stage
-from qie.training.guards import NonFiniteLoss
+from qie.stages import train_model
 from qie.training.state_io import load_tree
 
 FAST = ["train.learning_rate=1e-3", "logging.report_to=none", "train.seed=3"]
@@ -205,7 +206,7 @@ def _model_loads_beside_the_check(mp: pytest.MonkeyPatch):
     """The model's weights load in another thread while the data is checked; what stops the run inside the
     block stops it before any model is built on top of them."""
     threads = []
-    mp.setattr(train_stage, "load_parts", lambda *a, **k: threads.append(threading.current_thread().name))
+    mp.setattr(train_model, "load_parts", lambda *a, **k: threads.append(threading.current_thread().name))
     mp.setattr(train_stage, "build_train_state", lambda *a, **k: pytest.fail("model built after a failed check"))
     yield
     assert threads and all(t != threading.main_thread().name for t in threads)

@@ -20,9 +20,9 @@ from safetensors import SafetensorError
 
 from qie.config import compose
 from qie.errors import ConfigError, ModelLoadError, StorageError
+from qie.runtime.guards import NonFiniteLoss
 from qie.stages import train as train_stage
 from qie.training import checkpoint as ckpt
-from qie.training.guards import NonFiniteLoss
 
 FAST = ["train.learning_rate=1e-3", "logging.report_to=none", "train.seed=3"]
 
@@ -110,7 +110,7 @@ def test_a_nan_optimizer_state_is_refused_at_resume_and_never_saved(data: dict, 
 @pytest.mark.parametrize("where", ["none", "weight", "moment", "step", "bf16 weight"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_the_state_check_finds_any_nonfinite_element_and_only_those(where: str, bad: float) -> None:
-    from qie.training.guards import local_state_finite
+    from qie.runtime.guards import local_state_finite
 
     params = [torch.nn.Parameter(torch.full((16, 48), 3e38)), torch.nn.Parameter(torch.ones(48, 16))]
     params.append(torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16)))

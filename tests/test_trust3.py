@@ -160,7 +160,7 @@ def test_nan_base_weights_are_named_by_infer_and_training(data: dict, nan_transf
     from stage_edges import predictor_for
 
     from qie.errors import ModelLoadError
-    from qie.training.guards import NonFiniteLoss
+    from qie.runtime.guards import NonFiniteLoss
 
     image = write_noise_image(tmp_path / "in.png", 1, (64, 64))
     cfg = small_config("infer", "model=tiny", "predict.true_cfg_scale=1.0", f"model.transformer_path={nan_transformer}")

@@ -48,7 +48,7 @@ def test_a_lora_for_another_model_is_named_by_the_key_its_file_holds(tiny_path: 
     `transformer_blocks..attn.qkv`; the message names the file's key."""
     from diffusers import QwenImageTransformer2DModel
 
-    from qie.training.lora import load_lora
+    from qie.adapters.lora import load_lora
 
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_path / "transformer")
     file = tmp_path / "flux.safetensors"

@@ -7,7 +7,7 @@ with the constructor arguments of its own the yaml gives). `qie.cache.entries` m
 sample's six public types onto what is stored (the shared prompt prefix, masks derived).
 
 This package imports torch, safetensors and xxhash only: no model library, no Hydra, and nothing of
-qie but its leaf modules (`qie.types`, `qie.errors`). The notebook facade over it is `qie.embedding_cache`.
+qie but its leaf modules (`qie.types`, `qie.errors`). The notebook facade over it is `qie.embedding.manager`.
 """
 
 from __future__ import annotations

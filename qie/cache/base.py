@@ -100,17 +100,15 @@ class Claim(Protocol):
     def release(self) -> None: ...
 
 
-@runtime_checkable
-class CacheBackend(Protocol):
-    """Stores entries (dicts of named tensors with a few str facts, `Entry.meta`) under (type, key).
+class CacheStore(Protocol):
+    """Stores entries (dicts of named tensors with a few str facts, `Entry.meta`) under (type, key): what the
+    sources, precompute and training read and write.
 
     `get` returns None on a miss and on an entry it cannot read (after logging a warning naming it);
-    it never raises for a bad entry. Types are the names in `CACHE_TYPES`; `types=None` means all.
-    Readers never create anything; `check_access(write=True)` prepares a backend for writing.
-
-    A backend is built by `hydra.utils.instantiate` from the `cache` config node: its constructor takes its own
-    settings (and `dir`, `verify_reads` when it names them). Stages ask the backend what it is (`stores`,
-    `persists`, `remote_reads`), never its class or its config name.
+    it never raises for a bad entry. Types are the names in `CACHE_TYPES`. Readers never create anything;
+    `check_access(write=True)` prepares a store for writing. Stages ask the store what it is (`stores`, `persists`,
+    `remote_reads`), never its class or its config name. The bulk checks (`intact_all`, `intact_counted`) are given
+    over `intact`; a store with a faster way overrides them.
     """
 
     # Whether `put` keeps what it is given: False for a backend that is no cache at all (every source then
@@ -140,25 +138,30 @@ class CacheBackend(Protocol):
     def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
         """`intact` of many (type, key) entries. With `remember`, a file backend records that this set of
         entries was whole, so that while none of its files changes, the next check costs one stat per file."""
-        ...
+        return [self.intact(t, k) for t, k in items]
 
     def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
         """Whether every entry `counts` counts (by how many samples name it) is intact: `all(intact_all(items))`
         of the items it counts, with the same memory, without the list of items (a million samples name four
         million entries). The start-up check passes an `EntryCounts` (a mapping held per type as arrays)."""
-        ...
+        return all(self.intact_all(list(counts), remember))
 
     def claim(self, type: str, key: str, wait: bool = False) -> Claim | None:
         """Lock (type, key) against other processes computing it: None when another holds it (`wait`
         blocks until it is free). Released by the holder, or by the system when the holder dies."""
         ...
 
-    def sweep_temp(self) -> int:
-        """Remove what writers that died left behind (temp files, lock files); returns how many."""
-        ...
-
     def check_access(self, write: bool = False) -> None:
         """Raise StorageError naming the place and what to do when it cannot be read (or written)."""
+        ...
+
+
+class CacheMaintenance(Protocol):
+    """What the cache's admin stage and `gc` do to a store (`python -m qie.cache action=...`); `types=None` means
+    all types."""
+
+    def sweep_temp(self) -> int:
+        """Remove what writers that died left behind (temp files, lock files); returns how many."""
         ...
 
     def keys(self, type: str) -> list[str]:
@@ -177,6 +180,13 @@ class CacheBackend(Protocol):
         """{type: {"count", "bytes"}} of the entries whose key is neither in `keep[type]` nor the base of a kept
         entry (`base_of`); with `remove`, they are deleted. Nothing but entries is ever touched."""
         ...
+
+
+@runtime_checkable
+class CacheBackend(CacheStore, CacheMaintenance, Protocol):
+    """A cache backend: the store and its maintenance. Built by `hydra.utils.instantiate` from the `cache` config
+    node: its constructor takes its own settings (and `dir`, `verify_reads` when it names them). A backend that
+    subclasses it gets the bulk checks over its `intact`."""
 
 
 def check_type(type: str) -> str:
@@ -258,6 +268,8 @@ class NoClaim:
 
 
 __all__ = [
+    "CacheMaintenance",
+    "CacheStore",
     "SCHEMA_VERSION",
     "CacheBackend",
     "Claim",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from qie.cache.base import (
+    CacheBackend,
     Entry,
     NoClaim,
     VerifyReport,
@@ -22,7 +23,7 @@ from qie.cache.base import (
 from qie.cache.codec import checksum
 
 
-class MemoryBackend:
+class MemoryBackend(CacheBackend):
     """In-process store; it keeps copies, and hands out copies, so callers cannot change what it holds. It takes
     no settings: an in-process copy cannot rot, so there is nothing to verify on reads."""
 
@@ -65,14 +66,6 @@ class MemoryBackend:
         if base is None:
             return True
         return base[1] in self._entries.get(base[0], {}) and self._checksums.get(base[:2]) == base[2]
-
-    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
-        """`intact` of each entry."""
-        return [self.intact(t, k) for t, k in items]
-
-    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
-        """Whether every counted entry is intact."""
-        return all(self.intact_all(list(counts)))
 
     def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
         """Always granted: no other process shares these entries."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from qie.cache.base import (
+    CacheBackend,
     Entry,
     NoClaim,
     VerifyReport,
@@ -19,12 +20,15 @@ from qie.cache.base import (
 )
 
 
-class NoneBackend:
+class NoneBackend(CacheBackend):
     """Always a miss; `put` accepts and drops the entry. It takes no settings."""
 
     stores = False
     persists = False
     remote_reads = False
+
+    def __init__(self) -> None:
+        pass  # no settings (and no keyword taken: its constructor is what the config is checked against)
 
     def __repr__(self) -> str:
         return "NoneBackend()"
@@ -50,14 +54,6 @@ class NoneBackend:
         """Always False."""
         _check(type, key)
         return False
-
-    def intact_all(self, items: Sequence[tuple[str, str]], remember: bool = False) -> list[bool]:
-        """`intact` of each entry."""
-        return [self.intact(t, k) for t, k in items]
-
-    def intact_counted(self, counts: Mapping[tuple[str, str], int], remember: bool = False) -> bool:
-        """Whether every counted entry is intact."""
-        return all(self.intact_all(list(counts)))
 
     def claim(self, type: str, key: str, wait: bool = False) -> NoClaim:
         """Always granted: nothing is ever stored."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from qie.components.check import check_checkpoint, pipeline_config
@@ -19,6 +20,41 @@ from qie.components.single_file import check_transformer_file, is_single_file
 from qie.models import ModelSpec, model_spec
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """What building a model's parts reads of its `model` group (`LoadSettings.of`): where the checkpoint is and how
+    its weights are loaded, quantized and computed."""
+
+    source: str  # hub id or folder (`model.pretrained_model_name_or_path`)
+    revision: str | None = None
+    dtype: str = "bfloat16"
+    quantize: str = "none"
+    transformer_path: str | None = None  # a transformer file or folder of its own
+    text_encoder_quantize: str = "none"
+    single_file_fp8: str = "upcast"
+    fp8_compute: str = "auto"
+    tiny: str | None = None  # a tiny preset qie builds at `source` when it is not there
+    fuses: bool = False  # `model.fuse_loras` is set: a transformer is built only with them fused
+    check: bool = True  # check a transformer file against the model before loading it
+
+    @classmethod
+    def of(cls, model: Any) -> LoadSettings:
+        """The settings of a `model` group (its schema's dataclass, or the config node)."""
+        return cls(
+            str(model.pretrained_model_name_or_path),
+            model.revision,
+            str(model.dtype),
+            str(model.quantize),
+            model.transformer_path,
+            str(model.text_encoder_quantize),
+            str(model.single_file_fp8),
+            str(model.fp8_compute),
+            model.tiny,
+            bool(model.fuse_loras),
+            bool(model.check),
+        )
+
+
 def prepare_model(model_cfg: Any) -> ModelSpec:
     """The model's description, once its checkpoint is there and checked: what a stage calls first, once.
 
@@ -29,80 +65,73 @@ def prepare_model(model_cfg: Any) -> ModelSpec:
         ConfigError: the checkpoint is not the model `model_cfg` describes.
     """
     spec = model_spec(model_cfg)
-    check_checkpoint(spec, model_cfg, ensure_model(model_cfg))
-    own = getattr(model_cfg, "transformer_path", None)
-    if own and getattr(model_cfg, "check", True) and is_single_file(own):
-        check_transformer_file(spec, str(own))
+    load = LoadSettings.of(model_cfg)
+    check_checkpoint(spec, model_cfg, ensure_model(load))
+    if load.transformer_path and load.check and is_single_file(load.transformer_path):
+        check_transformer_file(spec, load.transformer_path)
     return spec
 
 
-def ensure_model(model_cfg: Any) -> str:
+def ensure_model(load: LoadSettings) -> str:
     """The model's source, after building qie's tiny model there when `model.tiny` names a preset and it is
     not there yet (what loading parts needs; nothing is read or checked)."""
-    source = model_source(model_cfg)
-    if getattr(model_cfg, "tiny", None):
+    if load.tiny:
         from qie.components.tiny import ensure_tiny_model
 
-        ensure_tiny_model(source, variant=str(model_cfg.tiny))
-    return source
-
-
-def model_source(model_cfg: Any) -> str:
-    """Hub id or folder of the model (nothing is built or read: see `prepare_model`)."""
-    return str(model_cfg.pretrained_model_name_or_path)
+        ensure_tiny_model(load.source, variant=load.tiny)
+    return load.source
 
 
 def load_parts(
-    model_cfg: Any,
+    load: LoadSettings,
+    spec: ModelSpec,
     names: Iterable[str],
     devices: Mapping[str, str] | None = None,
-    spec: ModelSpec | None = None,
     compiled: bool = False,
     fuse: Callable[[Any], None] | None = None,
 ) -> Parts:
-    """Build the named parts from a `model` config, each weight-holding part on `devices[name]`.
+    """Build the named parts of the model `spec` describes, each weight-holding part on `devices[name]`.
 
     Args:
-        model_cfg: the `model` config node (pretrained_model_name_or_path, dtype, quantize, ...).
+        load: where the checkpoint is and how its weights load (`LoadSettings.of(model)`).
+        spec: the model's description (`prepare_model`).
         names: parts to build.
         devices: device name per part ("auto", "cpu", "cuda:1"); missing parts use "auto".
-        spec: the model's description (`prepare_model`); made from `model_cfg` when not given.
         compiled: whether the transformer's blocks will be compiled (`model.fp8_compute=auto` computes fp8
             weights in fp8 only then).
         fuse: applied to the transformer once loaded, before it is quantized and placed: the stage's
             `FusedBase.fuse_into` (`model.fuse_loras`), which every stage that builds a transformer passes.
     """
-    spec = spec or model_spec(model_cfg)
     devices = devices or {}
     names = list(names)
-    if "transformer" in names and getattr(model_cfg, "fuse_loras", None) and fuse is None:
+    if "transformer" in names and load.fuses and fuse is None:
         from qie.errors import ConfigError
 
         raise ConfigError(
             "model.fuse_loras is set, but the transformer is being built without fusing them: pass "
-            "fuse=FusedBase.of(...).fuse_into (qie.training.fused_base) to load_parts"
+            "fuse=FusedBase.of(...).fuse_into (qie.adapters.fused_base) to load_parts"
         )
-    dtype = resolve_dtype(str(model_cfg.dtype))
+    dtype = resolve_dtype(load.dtype)
     placements = {name: Placement(resolve_device(devices.get(name, "auto")), dtype) for name in MODULE_PARTS}
-    own = getattr(model_cfg, "transformer_path", None)
+    own = load.transformer_path
     folders = {"transformer": transformer_folder(own)} if own and "transformer" in names else {}
-    source = ensure_model(model_cfg)
+    source = ensure_model(load)
     parts = build_parts(
         source,
         names,
-        classes=spec.part_classes,
+        classes=spec.family.part_classes,
         placements=placements,
-        revision=model_cfg.revision,
-        quantize=str(model_cfg.quantize),
+        revision=load.revision,
+        quantize=load.quantize,
         folders=folders,
         keep_full_precision=spec.family.keep_full_precision,
-        text_encoder_quantize=str(getattr(model_cfg, "text_encoder_quantize", "none")),
-        single_file_fp8=str(getattr(model_cfg, "single_file_fp8", "upcast")),
-        fp8_compute=str(getattr(model_cfg, "fp8_compute", "auto")),
+        text_encoder_quantize=load.text_encoder_quantize,
+        single_file_fp8=load.single_file_fp8,
+        fp8_compute=load.fp8_compute,
         compiled=compiled,
         fuse=fuse,
     )
-    parts.pipeline_config = pipeline_config(source, model_cfg.revision)
+    parts.pipeline_config = pipeline_config(source, load.revision)
     return parts
 
 
@@ -143,11 +172,11 @@ def transformer_folder(path: str) -> str:
 __all__ = [
     "MODULE_PARTS",
     "PART_NAMES",
+    "LoadSettings",
     "Parts",
     "Placement",
     "build_parts",
     "load_parts",
-    "model_source",
     "prepare_model",
     "resolve_device",
     "resolve_dtype",

@@ -15,11 +15,12 @@ import importlib.util
 import os
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from qie.config.cache import (
     CACHE_TYPES,
@@ -33,11 +34,12 @@ from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
 from qie.config.evaluation import EvalRoot
 from qie.config.export import ExportRoot, ExtractRoot
+from qie.config.groups import GROUP_NAMES, Groups
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.rewards import reward_settings_problem
 from qie.config.roots import DemoRoot, PrecomputeRoot, TrainRoot
-from qie.config.rules import setting_problem, trains_lora
+from qie.config.rules import late_problem, setting_problem, trains_lora
 from qie.config.train import TrainConfig
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
@@ -192,75 +194,38 @@ def precompute_command(cfg: DictConfig) -> str:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check a composed config against its schema and ranges, building nothing.
+    """Check a composed config against its schema, its groups' ranges and the rules between them, building nothing.
+
+    The checks of the tree as composed (keys no schema has, a preset named as a value, a package a `_target_`
+    needs) come first; then the config is read once into its groups' dataclasses (`Groups`), which the ranges of
+    each schema (its `problem()`) and the rules (`qie.config.rules`, `.weights`, `.rewards`) check.
 
     Raises:
         ConfigError: naming the key, the bad value and what is allowed.
     """
-    for name, node in cfg.items():
-        if name != "hydra" and isinstance(node, DictConfig):
-            _check_keys(node, name, _backend_keys(node) if name == "cache" else ())
-    _check_range(cfg, "data.caption_dropout_rate", 0.0, 1.0)
-    _check_range(cfg, "data.batch_size", 1, None)
-    _check_range(cfg, "data.num_workers", 0, None)
-    _check_range(cfg, "data.prefetch", 0, None)
-    _check_range(cfg, "train.max_steps", 0, None)
-    _check_range(cfg, "train.gradient_accumulation_steps", 1, None)
-    _check_range(cfg, "train.learning_rate", 0.0, 3.4e38)  # what a float32 optimizer state can hold
-    _check_range(cfg, "model.vae_image_pixels", 32 * 32, None)
-    _check_range(cfg, "model.vl_image_pixels", 28 * 28, None)
-    _check_range(cfg, "model.min_control_images", 0, None)
-    _check_range(cfg, "model.max_control_images", OmegaConf.select(cfg, "model.min_control_images", default=0), None)
-    _check_range(cfg, "train.blocks_to_swap", 0, None)
-    _check_range(cfg, "predict.blocks_to_swap", 0, None)
-    _check_group_choice(cfg, "train.optimizer")
-    _check_installed(cfg, "train.optimizer")
-    spec = _check_model(cfg.model) if isinstance(cfg.get("model"), DictConfig) else None
-    if problem := weight_problem(cfg) or setting_problem(cfg, spec):
-        raise ConfigError(problem)
-    _check_objective(cfg, spec)
-    if problem := reward_settings_problem(cfg):  # eval.rewards, validation.rewards and search_metric
-        raise ConfigError(problem)
-    if OmegaConf.select(cfg, "model.fp8_compute", default="auto") == "always" and (
-        OmegaConf.select(cfg, "train.blocks_to_swap", default=0) or OmegaConf.select(cfg, "train.fsdp", default=False)
-    ):
-        raise ConfigError(
-            "model.fp8_compute=always casts the weights on the GPU, where block swap and FSDP cannot move them: set "
-            "model.fp8_compute=auto (optimum-quanto's fp8 weights then) or train.blocks_to_swap=0 and train.fsdp=false"
-        )
-    _check_range(cfg, "validation.heldout_samples", 0, None)
-    _check_step_counts(cfg)
-    for key in ("validation.every", "validation.heldout_samples"):
-        if OmegaConf.select(cfg, "train.fsdp", default=False) and OmegaConf.select(cfg, key, default=0):
-            raise ConfigError(
-                f"{key} needs an unsharded model (the main process measures alone): set {key}=0 with train.fsdp=true"
-            )
-
-
-def _check_step_counts(cfg: DictConfig) -> None:
-    """`validation.step_counts`: whole numbers from 1, instead of `validation.num_inference_steps` (not beside it)."""
-    counts = list(OmegaConf.select(cfg, "validation.step_counts", default=None) or [])
-    if counts and OmegaConf.select(cfg, "validation.num_inference_steps", default=None) is not None:
-        raise ConfigError(
-            "validation.step_counts and validation.num_inference_steps are both set: keep one "
-            "(step_counts samples at each of its counts)"
-        )
-    for i, count in enumerate(counts):
-        if count < 1:
-            raise ConfigError(f"validation.step_counts[{i}]={count} is out of range: each count must be 1 or more")
-
-
-def _backend_keys(cache: DictConfig) -> list[str]:
-    """The backend's own keys of the `cache` node (see `qie.config.backend`), once its constructor takes them.
-
-    Raises:
-        ConfigError: a key neither the schema nor the backend's constructor knows.
-    """
     from qie.config.backend import backend_problem, own_keys
 
-    if problem := backend_problem(cache):
+    for name, node in cfg.items():
+        if name == "hydra" or not isinstance(node, DictConfig):
+            continue
+        if name == "cache" and (problem := backend_problem(node)):
+            raise ConfigError(problem)  # a key neither the schema nor the backend's constructor knows
+        _check_keys(node, name, own_keys(node) if name == "cache" else ())
+    if isinstance(cfg.get("train"), DictConfig):
+        _check_optimizer(cfg.train.optimizer)
+    try:
+        groups = Groups(**{name: typed(cfg[name]) for name in cfg.keys() if name in GROUP_NAMES})
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is not set: give it a value (the schema has none)") from None
+    own = (groups.data, groups.train, groups.model, groups.predict)
+    if problem := next((p for group in own if group is not None and (p := group.problem())), None):
         raise ConfigError(problem)
-    return own_keys(cache)
+    spec = None if groups.model is None else _check_model(groups.model)
+    if problem := weight_problem(groups) or setting_problem(groups, spec):
+        raise ConfigError(problem)
+    _check_objective(groups, spec)
+    if problem := reward_settings_problem(groups) or late_problem(groups):
+        raise ConfigError(problem)
 
 
 def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
@@ -268,7 +233,7 @@ def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
     but for `own` (a `_target_`'s own constructor arguments, checked by their caller). Nodes typed `Any` (an
     optimizer's `_target_` and its arguments) take any key."""
     schema = OmegaConf.get_type(node)
-    allowed = set(getattr(schema, "__dataclass_fields__", {}))
+    allowed = {f.name for f in fields(schema)} if is_dataclass(schema) else set()
     if not allowed:
         return
     extra = sorted(set(node.keys()) - allowed - set(own))
@@ -280,33 +245,31 @@ def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
             _check_keys(child, f"{path}.{key}")
 
 
-def _check_objective(cfg: DictConfig, spec: Any) -> None:
+def _check_objective(groups: Groups, spec: Any) -> None:
     """`train.objective` names an objective class by `_target_` (imported, not built), its settings fit the class's
     constructor, and that objective can train this run (its `use_problem`: the model's family, the mode,
     regularisation data, its own settings)."""
-    if OmegaConf.select(cfg, "train.objective", default=None) is None:
+    if groups.train is None or groups.train.objective is None:
         return
     objectives = importlib.import_module("qie.training.objectives")
-    node = cfg.train.objective
-    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    node = groups.train.objective
     cls = objectives.objective_class(node)
     if problem := objectives.settings_problem(cls, objectives.settings_of(node)):
         raise ConfigError(problem)
     if spec is not None:
-        regularization = bool(OmegaConf.select(cfg, "data.regularization.path", default=None))
-        use = objectives.ObjectiveUse(spec.family, trains_lora(cfg), regularization, {}, spec.call_defaults())
+        regularization = groups.data is not None and bool(groups.data.regularization.path)
+        use = objectives.ObjectiveUse(spec.family, trains_lora(groups.train), regularization, {}, spec.call_defaults())
         objectives.check_use(node, use)
 
 
-def _check_model(model: DictConfig) -> Any:
+def _check_model(model: ModelConfig) -> Any:
     """The model's variant and tiny preset exist, and its family's rules hold (`ModelFamily.config_problems`),
     before anything is built. Returns the model's spec."""
     from qie.models import model_spec, tiny_presets
 
     spec = model_spec(model)
-    tiny = model.get("tiny")
-    if tiny and str(tiny) not in tiny_presets():
-        raise ConfigError(f"model.tiny={tiny!r} is not a tiny preset: choose one of {', '.join(tiny_presets())}")
+    if model.tiny and model.tiny not in tiny_presets():
+        raise ConfigError(f"model.tiny={model.tiny!r} is not a tiny preset: choose one of {', '.join(tiny_presets())}")
     problems = spec.family.config_problems(spec)
     if problems:
         raise ConfigError(problems[0])
@@ -317,9 +280,13 @@ def _check_model(model: DictConfig) -> Any:
 EXTRAS = {"bitsandbytes": ("bnb", "its 8-bit optimizers need a CUDA GPU")}
 
 
-def _check_installed(cfg: DictConfig, key: str) -> None:
-    """Fail at once, not after the model is built, when the package of a `_target_` is not installed."""
-    node = OmegaConf.select(cfg, key, default=None)
+def _check_optimizer(node: Any) -> None:
+    """`train.optimizer`, as composed: a preset named with a dot (`train.optimizer=adafactor`) sets the key to a
+    string instead of choosing the preset of the nested group (`train/optimizer=adafactor`): say so; and fail at
+    once, not after the model is built, when the package of its `_target_` is not installed."""
+    key = "train.optimizer"
+    if isinstance(node, str):
+        raise ConfigError(f"{key}={node} is not a config: choose the preset with train/optimizer={node}")
     target = node.get("_target_") if isinstance(node, DictConfig) else None
     if not target:
         return
@@ -334,26 +301,8 @@ def _check_installed(cfg: DictConfig, key: str) -> None:
     how = f'pip install "qie[{extra}]" ({note})' if extra else f"pip install {package}"
     raise ConfigError(
         f"{key} ({target}) needs the package {package!r}, which is not installed: {how}; "
-        f"or choose another optimizer, e.g. {key.replace('.', '/')}=adamw"
+        "or choose another optimizer, e.g. train/optimizer=adamw"
     )
-
-
-def _check_group_choice(cfg: DictConfig, key: str) -> None:
-    """A preset named with a dot (`train.optimizer=adafactor`) sets the key to a string instead of choosing the
-    preset of the nested group (`train/optimizer=adafactor`): say so, before anything is built."""
-    value = OmegaConf.select(cfg, key, default=None)
-    if isinstance(value, str):
-        group = key.replace(".", "/")
-        raise ConfigError(f"{key}={value} is not a config: choose the preset with {group}={value}")
-
-
-def _check_range(cfg: DictConfig, key: str, low: float | None, high: float | None) -> None:
-    value = OmegaConf.select(cfg, key, default=None)
-    if value is None:
-        return
-    if value != value or (low is not None and value < low) or (high is not None and value > high):  # NaN too
-        bounds = f"[{low}, {high if high is not None else 'inf'}]"
-        raise ConfigError(f"{key}={value} is out of range: it must lie in {bounds}")
 
 
 __all__ = [

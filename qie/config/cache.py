@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from qie.config.ranges import at_least
 from qie.types import CACHE_TYPES
 
 
@@ -71,6 +72,16 @@ class CacheConfig:
     vae_encoder_device: str = "auto"
     text_encoder_device: str = "auto"
 
+    def problem(self) -> str | None:
+        """`local_max_gb`: unset (no limit) or a size above 0."""
+        size = self.local_max_gb
+        if size is not None and not 0 < size < float("inf"):
+            return (
+                f"cache.local_max_gb={size} is out of range: give the node-local copy's limit in GiB, above 0 (e.g. "
+                "500), or leave it unset for no limit"
+            )
+        return None
+
 
 @dataclass
 class PrecomputeConfig:
@@ -83,6 +94,10 @@ class PrecomputeConfig:
     # (train/objective=distill, train.objective.*, model.*, and its train.* memory settings), so its cached run
     # reads them instead of sampling the teacher on first use.
     teachers: bool = False
+
+    def problem(self) -> str | None:
+        """`batch_size` from 1."""
+        return at_least("precompute", [("batch_size", self.batch_size, 1)])
 
 
 @dataclass

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from qie.config.cache import CacheConfig, OnError
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
+from qie.config.ranges import at_least
 
 
 @dataclass
@@ -39,6 +40,17 @@ class CaptionConfig:
     # Manifest / Hugging Face input: the manifest written (null: <name>.captioned.jsonl beside the input,
     # captions.jsonl beside a glob of parquet files).
     output: str | None = None
+
+    def problem(self) -> str | None:
+        """The counts: each at least 1."""
+        return at_least(
+            "caption",
+            [
+                ("batch_size", self.batch_size, 1),
+                ("max_new_tokens", self.max_new_tokens, 1),
+                ("dry_run_samples", self.dry_run_samples, 1),
+            ],
+        )
 
 
 @dataclass

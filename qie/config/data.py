@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from qie.config.ranges import first, out_of_range
+
 
 class DataFormat(StrEnum):
     # A folder in the folder layout, a .jsonl/.csv manifest, or else a Hugging Face data set.
@@ -45,6 +47,18 @@ class RegularizationConfig:
     weight: float = 1.0  # its loss is multiplied by this
     ratio: float = 0.25  # the share of optimizer steps it takes
 
+    def problem(self) -> str | None:
+        """Where it has a path: a weight of 0 or more, a share of the steps inside (0, 1)."""
+        if not self.path:
+            return None
+        if self.weight < 0:
+            return f"data.regularization.weight={self.weight} is out of range: give 0 or more"
+        if not 0.0 < self.ratio < 1.0:
+            return (
+                f"data.regularization.ratio={self.ratio} is out of range: give the share of steps, above 0 and below 1"
+            )
+        return None
+
 
 @dataclass
 class DataConfig:
@@ -85,3 +99,12 @@ class DataConfig:
     # Images outside the data set's folder (manifest rows naming "../x.png" or "/abs/x.png"; symbolic links of any
     # layout leading elsewhere) are refused unless this is true.
     allow_outside_paths: bool = False
+
+    def problem(self) -> str | None:
+        """The first of the loader's settings out of range, as one line; None when each is in."""
+        return first(
+            out_of_range("data.caption_dropout_rate", self.caption_dropout_rate, 0.0, 1.0),
+            out_of_range("data.batch_size", self.batch_size, 1),
+            out_of_range("data.num_workers", self.num_workers, 0),
+            out_of_range("data.prefetch", self.prefetch, 0),
+        )

@@ -9,6 +9,8 @@ from enum import StrEnum
 
 from omegaconf import MISSING
 
+from qie.config.ranges import first, out_of_range
+
 
 class Dtype(StrEnum):
     bfloat16 = "bfloat16"
@@ -120,3 +122,12 @@ class ModelConfig:
     num_inference_steps: int = 50
     # Compare the checkpoint's model_index.json and transformer config with this description at start-up.
     check: bool = True
+
+    def problem(self) -> str | None:
+        """The first of the image areas and control-image counts out of range, as one line."""
+        return first(
+            out_of_range("model.vae_image_pixels", self.vae_image_pixels, 32 * 32),
+            out_of_range("model.vl_image_pixels", self.vl_image_pixels, 28 * 28),
+            out_of_range("model.min_control_images", self.min_control_images, 0),
+            out_of_range("model.max_control_images", self.max_control_images, self.min_control_images),
+        )

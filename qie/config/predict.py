@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from qie.config.ranges import out_of_range
+
 
 @dataclass
 class PredictDevices:
@@ -20,7 +22,7 @@ class PredictConfig:
     input: str | None = None
     output: str = "output.png"
     output_dir: str = "predictions"
-    # Sampling options (qie.sampling.SamplingOptions); the empty negative prompt is the one the cache
+    # Sampling options (qie.models.sampling.SamplingOptions); the empty negative prompt is the one the cache
     # stores, so CFG runs where the scale is above 1; set negative_prompt=null to turn CFG off. The scale and
     # the step count default to the model's (`model.true_cfg_scale`, `model.num_inference_steps`: its
     # pipeline's own; 2.1 samples its checkpoint's `sample_sigmas` where it has them).
@@ -44,3 +46,7 @@ class PredictConfig:
     blocks_to_swap: int = 0
     # Compile the transformer's repeated block (regional compilation, as train.compile).
     compile: bool = False
+
+    def problem(self) -> str | None:
+        """`blocks_to_swap` from 0."""
+        return out_of_range("predict.blocks_to_swap", self.blocks_to_swap, 0)

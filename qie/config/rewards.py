@@ -9,10 +9,10 @@ builds its VL model from); they are not set in the config.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from qie.config.groups import Groups
 from qie.config.targets import target_class
 from qie.errors import ConfigError
 
@@ -43,11 +43,11 @@ def rewards_problem(node: Any, path: str) -> str | None:
     """Why the rewards of `node` (`path`: its dotted name) cannot be built as configured (one line), or None."""
     if node is None:
         return None
-    if not isinstance(node, DictConfig):
+    if not isinstance(node, Mapping):
         return f"{path} must map names to rewards ({{name: {{_target_: pkg.Cls, ...}}}}), got {node!r}"
     for name, reward in node.items():
         key = f"{path}.{name}"
-        if not isinstance(reward, DictConfig):
+        if not isinstance(reward, Mapping):
             return f"{key} must be a mapping with _target_ (a qie.extend.Reward), got {reward!r}"
         cls = reward_class(key, reward.get("_target_"))
         params = constructor_parameters(cls)
@@ -61,16 +61,16 @@ def rewards_problem(node: Any, path: str) -> str | None:
     return None
 
 
-def search_problem(cfg: DictConfig) -> str | None:
+def search_problem(groups: Groups) -> str | None:
     """Why `validation.search_metric` cannot be searched on (one line), or None: it names a reward of
     `validation.rewards`, measured by validation (`validation.every`) at the last step."""
-    name = OmegaConf.select(cfg, "validation.search_metric", default=None)
-    if name is None:
+    validation, train = groups.validation, groups.train
+    if validation is None or validation.search_metric is None or train is None:
         return None
-    rewards = list(OmegaConf.select(cfg, "validation.rewards", default=None) or {})
+    name, rewards = validation.search_metric, list(validation.rewards)
     if name not in rewards:
         return f"validation.search_metric={name} is not a reward of validation.rewards ({', '.join(rewards) or 'none'})"
-    every, steps = int(cfg.validation.every), int(cfg.train.max_steps)
+    every, steps = validation.every, train.max_steps
     if every <= 0 or steps % every:
         return (
             f"validation.search_metric={name} is read from the last validation: set validation.every to a "
@@ -79,12 +79,16 @@ def search_problem(cfg: DictConfig) -> str | None:
     return None
 
 
-def reward_settings_problem(cfg: DictConfig) -> str | None:
+def reward_settings_problem(groups: Groups) -> str | None:
     """Why `eval.rewards`, `validation.rewards` or `validation.search_metric` cannot work (one line), or None."""
-    for key in ("eval.rewards", "validation.rewards"):
-        if problem := rewards_problem(OmegaConf.select(cfg, key, default=None), key):
+    given = {
+        "eval.rewards": None if groups.eval is None else groups.eval.rewards,
+        "validation.rewards": None if groups.validation is None else groups.validation.rewards,
+    }
+    for key, rewards in given.items():
+        if problem := rewards_problem(rewards, key):
             return problem
-    return search_problem(cfg)
+    return search_problem(groups)
 
 
 __all__ = ["STAGE_KEYS", "reward_class", "reward_settings_problem", "rewards_problem", "search_problem"]

@@ -6,6 +6,7 @@ from qie.config.cache import CacheConfig, PrecomputeConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
+from qie.config.ranges import at_least
 from qie.config.train import LoggingConfig, RunConfig, TrainConfig, ValidationConfig
 
 
@@ -39,6 +40,19 @@ class DemoConfig:
     # small to gain from several; where other jobs share the cores, threads that wait on each other made a
     # training step 10-20x slower than one thread alone.
     threads: int = 1
+
+    def problem(self) -> str | None:
+        """At least one training and one held-out sample, images of 16 px or more a side (the synthetic shapes need
+        the room)."""
+        return at_least(
+            "demo",
+            [
+                ("train_samples", self.train_samples, 1),
+                ("heldout_samples", self.heldout_samples, 1),
+                ("image_size", self.image_size, 16),
+                ("threads", self.threads, 0),
+            ],
+        )
 
 
 @dataclass

@@ -1,26 +1,26 @@
 """How a composed config's settings go together, and with the model's family: the rules `qie.config.validate` checks
-beyond the schema and the plain ranges, with nothing loaded and no file read.
+beyond the schema and each group's own ranges (its `problem()`), with nothing loaded and no file read.
 
-The model's family and control-image counts come from its spec (`qie.models.model_spec`), which is made of the
-`model` group alone. Each rule gives the first problem it finds as one line, the message a user sees, or None; a
-group a stage does not have is not checked. Rules that need the data, a file's contents or the built model stay
-where those are read.
+The rules are functions over the config's groups read once (`qie.config.groups.Groups`). The model's family and
+control-image counts come from its spec (`qie.models.model_spec`), which is made of the `model` group alone. Each
+rule gives the first problem it finds as one line, the message a user sees, or None; a group a stage does not have
+is not checked. Rules that need the data, a file's contents or the built model stay where those are read.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from qie.config.groups import Groups
+from qie.config.train import TrainConfig, TrainMode
 
 # peft's `init_lora_weights` names (peft/tuners/lora/config.py), what `train.lora.init` takes; "pissa_niter_N" too.
 LORA_INITS = ("true", "false", "gaussian", "eva", "olora", "pissa", "corda", "loftq", "orthogonal", "mica")
 
 
-def setting_problem(cfg: DictConfig, spec: Any) -> str | None:
-    """The first rule `cfg`'s settings break, in the order a user fixes them (None: they keep every one).
+def setting_problem(groups: Groups, spec: Any) -> str | None:
+    """The first rule the settings of `groups` break, in the order a user fixes them (None: they keep every one).
 
     Args:
         spec: the model's `ModelSpec`, or None for a config without a `model` group.
@@ -39,62 +39,72 @@ def setting_problem(cfg: DictConfig, spec: Any) -> str | None:
         _validation,
         _demo,
     )
-    return next((problem for check in checks if (problem := check(cfg, spec))), None)
+    return next((problem for check in checks if (problem := check(groups, spec))), None)
 
 
-def trains_lora(cfg: DictConfig) -> bool:
-    """Whether `cfg` trains a LoRA (`train.mode=lora`), not the whole transformer."""
-    return _get(cfg, "train.mode", "lora") != "full"
+def trains_lora(train: TrainConfig | None) -> bool:
+    """Whether the `train` group trains a LoRA (`train.mode=lora`), not the whole transformer; a stage without one
+    trains nothing in full."""
+    return train is None or train.mode != TrainMode.full
 
 
-def objective_options(train: Any) -> dict:
-    """The objective's own settings (`train.objective`'s keys but `_target_`) as plain values, of the `train` group
-    as a config node or as its schema's dataclass."""
-    node = train.objective
-    if OmegaConf.is_config(node):
-        node = OmegaConf.to_container(node, resolve=True)
-    return {k: v for k, v in dict(node).items() if k != "_target_"} if isinstance(node, Mapping) else {}
+def late_problem(groups: Groups) -> str | None:
+    """The rules checked once the objective and the rewards are known: fp8 compute against the memory levers, the
+    `validation` group's ranges, and validation against FSDP."""
+    model, train, validation = groups.model, groups.train, groups.validation
+    if (
+        model is not None
+        and model.fp8_compute == "always"
+        and train is not None
+        and (train.blocks_to_swap or train.fsdp)
+    ):
+        return (
+            "model.fp8_compute=always casts the weights on the GPU, where block swap and FSDP cannot move them: set "
+            "model.fp8_compute=auto (optimum-quanto's fp8 weights then) or train.blocks_to_swap=0 and train.fsdp=false"
+        )
+    if validation is None:
+        return None
+    if problem := validation.problem():
+        return problem
+    measured = {"validation.every": validation.every, "validation.heldout_samples": validation.heldout_samples}
+    for key, value in measured.items():
+        if train is not None and train.fsdp and value:
+            return f"{key} needs an unsharded model (the main process measures alone): set {key}=0 with train.fsdp=true"
+    return None
 
 
-def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    return OmegaConf.select(cfg, key, default=default)
-
-
-def _mode(cfg: DictConfig, spec: Any) -> str | None:
+def _mode(groups: Groups, spec: Any) -> str | None:
     """`train.mode` with `train.init_lora`, `train.lora.init` and the options `train.adapter`'s kind has."""
-    if not trains_lora(cfg):
-        if _get(cfg, "train.init_lora"):
+    train = groups.train
+    if train is None:
+        return None
+    if not trains_lora(train):
+        if train.init_lora:
             return "train.init_lora needs train.mode=lora (it names a LoRA to go on training)"
         return None
-    init = str(_get(cfg, "train.lora.init", "true"))
+    init, kind = train.lora.init, train.adapter  # the adapter: the schema's enum, lora, loha or lokr
     if init.lower() not in LORA_INITS and not init.lower().startswith("pissa_niter_"):
         hint = " (to start from a LoRA file, use train.init_lora=PATH)" if "/" in init or "." in init else ""
         return f"train.lora.init={init!r} is not one of peft's initialisations {list(LORA_INITS)}{hint}"
-    kind = str(_get(cfg, "train.adapter", "lora"))  # the schema's enum: lora, loha or lokr
     if kind == "lora":
         return None
-    if _get(cfg, "train.lora.use_dora", False):
+    if train.lora.use_dora:
         return f"train.lora.use_dora=true is for train.adapter=lora, not {kind}"
-    if float(_get(cfg, "train.lora.dropout", 0.0)):
+    if train.lora.dropout:
         return f"train.lora.dropout is for train.adapter=lora; set it to 0 with train.adapter={kind}"
     if init.lower() not in ("true", "false"):
         return f"train.lora.init={init!r} is for train.adapter=lora; {kind} takes true or false"
     return None
 
 
-def _mask(cfg: DictConfig, spec: Any) -> str | None:
+def _mask(groups: Groups, spec: Any) -> str | None:
     """`train.mask`: its ranges, and `source=edit` only for a model that takes control images."""
-    source = _get(cfg, "train.mask.source")
-    if source is None or source == "none":
+    if groups.train is None:
         return None
-    for name, v, low, high in (
-        ("outside_weight", float(_get(cfg, "train.mask.outside_weight")), 0, 1),
-        ("threshold", float(_get(cfg, "train.mask.threshold")), 0, 1),
-        ("dilation", int(_get(cfg, "train.mask.dilation")), 0, 10**6),
-    ):
-        if not low <= v <= high:
-            return f"train.mask.{name}={v} is out of range: give a value from {low} to {high}"
-    if source == "edit" and spec is not None and spec.max_control_images == 0:
+    mask = groups.train.mask
+    if problem := mask.problem():
+        return problem
+    if mask.source == "edit" and spec is not None and spec.max_control_images == 0:
         return (
             f"train.mask.source=edit compares each target with its control image, and model={spec.name} takes "
             "none: use train.mask.source=file"
@@ -102,12 +112,11 @@ def _mask(cfg: DictConfig, spec: Any) -> str | None:
     return None
 
 
-def _control_dropout(cfg: DictConfig, spec: Any) -> str | None:
+def _control_dropout(groups: Groups, spec: Any) -> str | None:
     """`data.control_dropout_rate`: from 0 to 1, and above 0 only for a model that also edits from text alone."""
-    rate = _get(cfg, "data.control_dropout_rate")
-    if rate is None:
+    if groups.data is None:
         return None
-    rate = float(rate)
+    rate = groups.data.control_dropout_rate
     if not 0.0 <= rate <= 1.0:
         return f"data.control_dropout_rate={rate} is out of range: give a value from 0 to 1"
     if rate and spec is not None and (spec.max_control_images == 0 or spec.min_control_images > 0):
@@ -119,49 +128,42 @@ def _control_dropout(cfg: DictConfig, spec: Any) -> str | None:
     return None
 
 
-def _ema(cfg: DictConfig, spec: Any) -> str | None:
+def _ema(groups: Groups, spec: Any) -> str | None:
     """`train.ema` against the mode and FSDP, and `validation.use_ema` against it."""
-    decay = _get(cfg, "train.ema.decay")
-    if decay is None:
+    train = groups.train
+    if train is None:
         return None
-    decay, every = float(decay), int(_get(cfg, "train.ema.every", 1))
-    if not 0.0 <= decay < 1.0:
-        return f"train.ema.decay={decay} is out of range: 0 (off) or a value below 1, e.g. 0.999"
-    if decay and every < 1:
-        return f"train.ema.every={every}: give a number of optimizer steps, 1 or more"
-    if decay and not trains_lora(cfg):
+    if problem := train.ema.problem():
+        return problem
+    decay = train.ema.decay
+    if decay and not trains_lora(train):
         return "train.ema averages LoRA weights: it needs train.mode=lora"
-    if decay and _get(cfg, "train.fsdp", False):
+    if decay and train.fsdp:
         return "train.ema does not work with train.fsdp=true (each process holds only its shards)"
-    if _get(cfg, "validation.use_ema", False) and not decay:
+    if groups.validation is not None and groups.validation.use_ema and not decay:
         return "validation.use_ema=true needs an EMA: set train.ema.decay (e.g. 0.999)"
     return None
 
 
-def _regularization(cfg: DictConfig, spec: Any) -> str | None:
+def _regularization(groups: Groups, spec: Any) -> str | None:
     """`data.regularization`, where it has a path: a weight of 0 or more, a share of the steps inside (0, 1)."""
-    if not _get(cfg, "data.regularization.path"):
-        return None
-    weight, ratio = float(_get(cfg, "data.regularization.weight")), float(_get(cfg, "data.regularization.ratio"))
-    if weight < 0:
-        return f"data.regularization.weight={weight} is out of range: give 0 or more"
-    if not 0.0 < ratio < 1.0:
-        return f"data.regularization.ratio={ratio} is out of range: give the share of steps, above 0 and below 1"
-    return None
+    return None if groups.data is None else groups.data.regularization.problem()
 
 
-def _memory(cfg: DictConfig, spec: Any) -> str | None:
+def _memory(groups: Groups, spec: Any) -> str | None:
     """The memory levers of `train` (block swap, checkpointing, FSDP) against each other, the mode and the
     weights' quantization."""
-    swap = int(_get(cfg, "train.blocks_to_swap", 0))
-    checkpointing, fsdp = bool(_get(cfg, "train.gradient_checkpointing", False)), bool(_get(cfg, "train.fsdp", False))
-    quantize = str(_get(cfg, "model.quantize", "none"))
-    if swap and not checkpointing:
+    train = groups.train
+    if train is None:
+        return None
+    swap, fsdp = train.blocks_to_swap, train.fsdp
+    quantize = "none" if groups.model is None else groups.model.quantize
+    if swap and not train.gradient_checkpointing:
         return (
             f"train.blocks_to_swap={swap} needs train.gradient_checkpointing=true: without it the backward pass "
             "keeps every block's weights on the GPU, and swapping saves nothing"
         )
-    if swap and not trains_lora(cfg):
+    if swap and not trains_lora(train):
         return (
             "train.blocks_to_swap works with train.mode=lora only: full fine-tuning updates the weights that "
             "swapping keeps in CPU memory; shard them over several GPUs with train.fsdp=true instead"
@@ -176,16 +178,18 @@ def _memory(cfg: DictConfig, spec: Any) -> str | None:
     return None
 
 
-def _precompute(cfg: DictConfig, spec: Any) -> str | None:
+def _precompute(groups: Groups, spec: Any) -> str | None:
     """`precompute.batch_size`; `precompute.teachers` only with an objective that computes targets ahead of training
     (`PrecomputesTargets`: distillation's teacher outputs)."""
-    size = _get(cfg, "precompute.batch_size")
-    if size is not None and int(size) < 1:
-        return f"precompute.batch_size={size} is out of range: it must be at least 1"
-    if not _get(cfg, "precompute.teachers", False):
+    precompute = groups.precompute
+    if precompute is None:
+        return None
+    if problem := precompute.problem():
+        return problem
+    if not precompute.teachers or groups.train is None:
         return None
     objectives = importlib.import_module("qie.training.objectives")
-    cls = objectives.objective_class(OmegaConf.to_container(cfg.train.objective, resolve=True))
+    cls = objectives.objective_class(groups.train.objective)
     if issubclass(cls, objectives.PrecomputesTargets):
         return None
     return (
@@ -194,53 +198,40 @@ def _precompute(cfg: DictConfig, spec: Any) -> str | None:
     )
 
 
-def _cache(cfg: DictConfig, spec: Any) -> str | None:
+def _cache(groups: Groups, spec: Any) -> str | None:
     """`cache.local_max_gb`: unset (no limit) or a size above 0."""
-    size = _get(cfg, "cache.local_max_gb")
-    if size is not None and not 0 < float(size) < float("inf"):
-        return (
-            f"cache.local_max_gb={size} is out of range: give the node-local copy's limit in GiB, above 0 (e.g. 500), "
-            "or leave it unset for no limit"
-        )
-    return None
+    return None if groups.cache is None else groups.cache.problem()
 
 
-def _demo(cfg: DictConfig, spec: Any) -> str | None:
-    """The demo's data set: at least one training and one held-out sample, images of 16 px or more a side (the
-    synthetic shapes need the room)."""
-    for key, low in (("train_samples", 1), ("heldout_samples", 1), ("image_size", 16), ("threads", 0)):
-        value = _get(cfg, f"demo.{key}")
-        if value is not None and int(value) < low:
-            return f"demo.{key}={value} is out of range: it must be at least {low}"
-    return None
+def _demo(groups: Groups, spec: Any) -> str | None:
+    """The demo's data set: its sample counts, image size and threads."""
+    return None if groups.demo is None else groups.demo.problem()
 
 
-def _caption(cfg: DictConfig, spec: Any) -> str | None:
+def _caption(groups: Groups, spec: Any) -> str | None:
     """The caption stage's counts: each at least 1."""
-    for key in ("batch_size", "max_new_tokens", "dry_run_samples"):
-        count = _get(cfg, f"caption.{key}")
-        if count is not None and int(count) < 1:
-            return f"caption.{key}={count} is out of range: it must be at least 1"
-    return None
+    return None if groups.caption is None else groups.caption.problem()
 
 
-def _predict(cfg: DictConfig, spec: Any) -> str | None:
+def _predict(groups: Groups, spec: Any) -> str | None:
     """`predict.merge_to` (a LoRA to merge into plain weights) and `predict.layers` against the model's outputs."""
-    if _get(cfg, "predict.merge_to"):
-        if not _get(cfg, "predict.lora"):
+    predict = groups.predict
+    if predict is not None and predict.merge_to:
+        if not predict.lora:
             return "predict.merge_to needs predict.lora: the LoRA to merge"
-        if _get(cfg, "model.quantize", "none") != "none":
+        if groups.model is not None and groups.model.quantize != "none":
             return "predict.merge_to needs the full-precision transformer: set model.quantize=none"
-    return None if spec is None else spec.family.outputs.option_problem(spec.name, _get(cfg, "predict.layers"))
+    layers = None if predict is None else predict.layers
+    return None if spec is None else spec.family.outputs.option_problem(spec.name, layers)
 
 
-def _validation(cfg: DictConfig, spec: Any) -> str | None:
+def _validation(groups: Groups, spec: Any) -> str | None:
     """`validation.prompts` with `validation.images`: one entry per prompt (or none), each with as many images as
     the model takes (an Edit-Plus entry joins its images with '|')."""
-    prompts = list(_get(cfg, "validation.prompts") or [])
-    if not prompts:
+    validation = groups.validation
+    if validation is None or not validation.prompts:
         return None
-    given = list(_get(cfg, "validation.images") or [])
+    prompts, given = validation.prompts, validation.images
     images = given or [""] * len(prompts)
     if len(images) != len(prompts):
         return (
@@ -248,7 +239,7 @@ def _validation(cfg: DictConfig, spec: Any) -> str | None:
             "(or 'a.png|b.png' for Edit-Plus) per prompt, or none for text to image"
         )
     for i, image in enumerate(images):
-        count = len([p for p in str(image).split("|") if p])
+        count = len([p for p in image.split("|") if p])
         if spec is not None and (problem := spec.control_problem(count)):
             return f"validation.prompts[{i}] comes with {problem}"
     return None

@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from qie.config.ranges import first, out_of_range
+
 
 class TrainMode(StrEnum):
     lora = "lora"
@@ -69,6 +71,19 @@ class MaskConfig:
     threshold: float = 0.05
     dilation: int = 16
 
+    def problem(self) -> str | None:
+        """Where masks are used: the first of its settings out of range, as one line."""
+        if self.source == MaskSource.none:
+            return None
+        for name, v, low, high in (
+            ("outside_weight", self.outside_weight, 0, 1),
+            ("threshold", self.threshold, 0, 1),
+            ("dilation", self.dilation, 0, 10**6),
+        ):
+            if not low <= v <= high:
+                return f"train.mask.{name}={v} is out of range: give a value from {low} to {high}"
+        return None
+
 
 @dataclass
 class EmaConfig:
@@ -76,6 +91,14 @@ class EmaConfig:
     decay: float = 0.0
     every: int = 1  # update every N optimizer steps
     cpu: bool = False  # keep the average in CPU memory
+
+    def problem(self) -> str | None:
+        """A decay of 0 (off) or below 1, and a step count from 1 where it is on."""
+        if not 0.0 <= self.decay < 1.0:
+            return f"train.ema.decay={self.decay} is out of range: 0 (off) or a value below 1, e.g. 0.999"
+        if self.decay and self.every < 1:
+            return f"train.ema.every={self.every}: give a number of optimizer steps, 1 or more"
+        return None
 
 
 @dataclass
@@ -159,6 +182,17 @@ class TrainConfig:
         }
     )
 
+    def problem(self) -> str | None:
+        """The first of the step counts, the learning rate and the swapped blocks out of range, as one line."""
+        return first(
+            out_of_range("train.max_steps", self.max_steps, 0),
+            out_of_range("train.gradient_accumulation_steps", self.gradient_accumulation_steps, 1),
+            out_of_range(
+                "train.learning_rate", self.learning_rate, 0.0, 3.4e38
+            ),  # what a float32 optimizer state holds
+            out_of_range("train.blocks_to_swap", self.blocks_to_swap, 0),
+        )
+
 
 @dataclass
 class RunConfig:
@@ -207,3 +241,18 @@ class ValidationConfig:
     # The reward whose last validation the train stage returns to a sweeper (`hydra/sweeper=optuna` minimises it;
     # a higher-is-better one negated), instead of the held-out loss.
     search_metric: str | None = None
+
+    def problem(self) -> str | None:
+        """`heldout_samples` from 0; `step_counts` whole numbers from 1, instead of `num_inference_steps` (not beside
+        it)."""
+        if problem := out_of_range("validation.heldout_samples", self.heldout_samples, 0):
+            return problem
+        if self.step_counts and self.num_inference_steps is not None:
+            return (
+                "validation.step_counts and validation.num_inference_steps are both set: keep one "
+                "(step_counts samples at each of its counts)"
+            )
+        for i, count in enumerate(self.step_counts):
+            if count < 1:
+                return f"validation.step_counts[{i}]={count} is out of range: each count must be 1 or more"
+        return None

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from qie.config.groups import Groups
+from qie.config.model import ModelConfig
 
 # Why a part cannot come from one file (`model.vae_path`, `model.text_encoder_path`).
 UNREADABLE_PARTS = {
@@ -22,12 +23,20 @@ FUSE_SCALE_MAX = 100.0
 FOUR_BIT = ("int4", "nf4")
 
 
-def weight_problem(cfg: DictConfig) -> str | None:
-    """The first reason the composed `cfg`'s weights cannot be had as asked, as one line; None when they can."""
-    if not isinstance(cfg.get("model"), DictConfig):
+def weight_problem(groups: Groups) -> str | None:
+    """The first reason the weights of a composed config's `groups` cannot be had as asked, as one line; None when
+    they can (and for a stage without a `model` group)."""
+    model = groups.model
+    if model is None:
         return None
-    checks = (_source_file, _part_files, _kept_fp8, _fused, _nf4, _four_bit_swap)
-    return next((problem for check in checks if (problem := check(cfg))), None)
+    return (
+        _source_file(model)
+        or _part_files(model)
+        or _kept_fp8(groups, model)
+        or _fused(model)
+        or _nf4(model)
+        or _four_bit_swap(groups, model)
+    )
 
 
 def nf4_problem(cuda: bool, installed: bool) -> str | None:
@@ -42,20 +51,8 @@ def nf4_problem(cuda: bool, installed: bool) -> str | None:
     return None
 
 
-def _get(cfg: DictConfig, key: str, default: object = None) -> object:
-    return OmegaConf.select(cfg, key, default=default)
-
-
-def _source(cfg: DictConfig) -> str:
-    return (
-        ""
-        if OmegaConf.is_missing(cfg.model, "pretrained_model_name_or_path")
-        else str(cfg.model.pretrained_model_name_or_path)
-    )
-
-
-def _source_file(cfg: DictConfig) -> str | None:
-    source = _source(cfg)
+def _source_file(model: ModelConfig) -> str | None:
+    source = model.pretrained_model_name_or_path
     if not source or not Path(source).expanduser().is_file():
         return None
     return (
@@ -64,37 +61,37 @@ def _source_file(cfg: DictConfig) -> str | None:
     )
 
 
-def _part_files(cfg: DictConfig) -> str | None:
-    for key, why in UNREADABLE_PARTS.items():
-        path = _get(cfg, f"model.{key}")
+def _part_files(model: ModelConfig) -> str | None:
+    parts = {"vae_path": model.vae_path, "text_encoder_path": model.text_encoder_path}
+    for key, path in parts.items():
         if path:
-            part = key.removesuffix("_path")
+            part, why = key.removesuffix("_path"), UNREADABLE_PARTS[key]
             return (
-                f"model.{key}={str(path)!r}: the {part.replace('_', ' ')} cannot be read from one file ({why}): "
+                f"model.{key}={path!r}: the {part.replace('_', ' ')} cannot be read from one file ({why}): "
                 f"leave model.{key} unset; the {part} comes from model.pretrained_model_name_or_path="
-                f"{_source(cfg)!r} (a hub id or a diffusers folder with {part}/ inside); only the transformer may "
-                "be one file (model.transformer_path)"
+                f"{model.pretrained_model_name_or_path!r} (a hub id or a diffusers folder with {part}/ inside); only "
+                "the transformer may be one file (model.transformer_path)"
             )
     return None
 
 
-def _kept_fp8(cfg: DictConfig) -> str | None:
+def _kept_fp8(groups: Groups, model: ModelConfig) -> str | None:
     """fp8 weights kept from a transformer file are optimum-quanto tensors, like `model.quantize`'s: refuse a
     second quantization and what needs plain weights (sharding, full training, merging a LoRA into them)."""
-    if str(_get(cfg, "model.single_file_fp8", "upcast")) != "keep":
+    if model.single_file_fp8 != "keep":
         return None
-    quantize = str(_get(cfg, "model.quantize", "none"))
-    if quantize != "none":
+    if model.quantize != "none":
         return (
-            f"model.single_file_fp8=keep holds the file's fp8 weights as they are; model.quantize={quantize} would "
-            "quantize them again: set model.quantize=none, or model.single_file_fp8=upcast"
+            f"model.single_file_fp8=keep holds the file's fp8 weights as they are; model.quantize={model.quantize} "
+            "would quantize them again: set model.quantize=none, or model.single_file_fp8=upcast"
         )
-    if not _get(cfg, "model.transformer_path"):
+    if not model.transformer_path:
         return None
+    train, predict = groups.train, groups.predict
     needs = {
-        "train.fsdp=true": bool(_get(cfg, "train.fsdp", False)),
-        "train.mode=full": str(_get(cfg, "train.mode", "lora")) == "full",
-        "predict.merge_to": bool(_get(cfg, "predict.merge_to")),
+        "train.fsdp=true": train is not None and train.fsdp,
+        "train.mode=full": train is not None and train.mode == "full",
+        "predict.merge_to": predict is not None and predict.merge_to,
     }
     for key, on in needs.items():
         if on:
@@ -105,32 +102,32 @@ def _kept_fp8(cfg: DictConfig) -> str | None:
     return None
 
 
-def _fused(cfg: DictConfig) -> str | None:
+def _fused(model: ModelConfig) -> str | None:
     """`model.fuse_loras`: set, one scale per file (or none), each file there, and weights it can fuse into."""
-    files, scales = list(cfg.model.get("fuse_loras") or []), list(cfg.model.get("fuse_lora_scales") or [])
+    files, scales = model.fuse_loras, model.fuse_lora_scales
     if scales and len(scales) != len(files):
         return (
             f"model.fuse_lora_scales has {len(scales)} entries and model.fuse_loras {len(files)}: give one scale "
             "per file, or none (each file fused at 1.0)"
         )
     for i, scale in enumerate(scales):
-        if not -FUSE_SCALE_MAX <= float(scale) <= FUSE_SCALE_MAX:  # NaN and inf too
+        if not -FUSE_SCALE_MAX <= scale <= FUSE_SCALE_MAX:  # NaN and inf too
             return (
                 f"model.fuse_lora_scales[{i}]={scale} is out of range: give a scale from {-FUSE_SCALE_MAX:g} to "
                 f"{FUSE_SCALE_MAX:g} (1.0: the LoRA as trained; below 0 subtracts it)"
             )
     for i, file in enumerate(files):
-        if not Path(str(file)).expanduser().exists():
-            return f"model.fuse_loras[{i}]={str(file)!r} does not exist: give a LoRA file (any format qie reads)"
+        if not Path(file).expanduser().exists():
+            return f"model.fuse_loras[{i}]={file!r} does not exist: give a LoRA file (any format qie reads)"
     if not files:
         return None
-    if str(_get(cfg, "model.quantize", "none")) == "nf4":
+    if model.quantize == "nf4":
         return (
             "model.fuse_loras fuses into plain weights, but model.quantize=nf4 quantizes the transformer while it "
             "loads: use model.quantize=int4 (fused, then quantized), or save a fused transformer once (python -m "
             "qie.infer predict.lora=FILE predict.merge_to=DIR) and give it as model.transformer_path=DIR"
         )
-    if str(_get(cfg, "model.single_file_fp8", "upcast")) == "keep" and _get(cfg, "model.transformer_path"):
+    if model.single_file_fp8 == "keep" and model.transformer_path:
         return (
             "model.fuse_loras fuses into plain weights; model.single_file_fp8=keep holds the file's fp8 weights "
             "as they are: set model.single_file_fp8=upcast"
@@ -138,22 +135,25 @@ def _fused(cfg: DictConfig) -> str | None:
     return None
 
 
-def _nf4(cfg: DictConfig) -> str | None:
-    if str(_get(cfg, "model.quantize", "none")) != "nf4":
+def _nf4(model: ModelConfig) -> str | None:
+    if model.quantize != "nf4":
         return None
     import torch
 
     return nf4_problem(torch.cuda.is_available(), importlib.util.find_spec("bitsandbytes") is not None)
 
 
-def _four_bit_swap(cfg: DictConfig) -> str | None:
-    quantize = str(_get(cfg, "model.quantize", "none"))
-    if quantize not in FOUR_BIT:
+def _four_bit_swap(groups: Groups, model: ModelConfig) -> str | None:
+    if model.quantize not in FOUR_BIT:
         return None
-    for key in ("train.blocks_to_swap", "predict.blocks_to_swap"):
-        if _get(cfg, key, 0):
+    swapped = {
+        "train.blocks_to_swap": 0 if groups.train is None else groups.train.blocks_to_swap,
+        "predict.blocks_to_swap": 0 if groups.predict is None else groups.predict.blocks_to_swap,
+    }
+    for key, blocks in swapped.items():
+        if blocks:
             return (
-                f"{key} moves plain and 8-bit weights only; model.quantize={quantize} packs 4-bit ones: set "
+                f"{key} moves plain and 8-bit weights only; model.quantize={model.quantize} packs 4-bit ones: set "
                 f"{key}=0 (4-bit weights already quarter the transformer), or model.quantize=fp8 with block swap"
             )
     return None

@@ -58,7 +58,7 @@ def vae_psnr(
     frame: its layers count)."""
     squared = []
     for sample_frames, latent in zip(frames, encoded):
-        decoded = spec.decoder(vae, latent.unsqueeze(0), output_type="np")
+        decoded = spec.family.decode(vae, latent.unsqueeze(0), output_type="np")
         expected = np.stack(sample_frames[len(sample_frames) - len(decoded) :])
         squared.append(float(((np.asarray(decoded) - expected) ** 2).mean()))
     return 10 * math.log10(1.0 / max(float(np.mean(squared)), 1e-12))

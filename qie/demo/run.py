@@ -35,7 +35,6 @@ from PIL import Image
 
 from qie.components import prepare_model
 from qie.config import for_stage, typed, updated
-from qie.config.backend import build_backend
 from qie.config.roots import DemoConfig
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
@@ -48,10 +47,10 @@ from qie.demo.summary import REQUIRED_LOSS_DROP, REQUIRED_PIXEL_DROP, format_rep
 from qie.demo.synthetic import composite, make_dataset
 from qie.evaluation.grid import captioned_grid
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions
+from qie.models.sampling import SamplingOptions
 from qie.stages import infer, precompute, train
-from qie.stages.settings import loss_masks, sampling_options, source_settings
-from qie.stages.sources import build_source
+from qie.stages.edge import Edge
+from qie.stages.settings import sampling_options
 from qie.training.evaluate import heldout_loss
 from qie.training.logging import MetricsLogger
 
@@ -102,10 +101,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
         result = train.run(train_cfg, run_dir / "train")
 
-        data, predict = typed(heldout_cfg.data), typed(cfg.predict)
-        masks = loss_masks(typed(cfg.train), data)
-        settings = source_settings(model, data, typed(heldout_cfg.cache), spec, masks).with_mode("cached")
-        source = build_source(settings, spec, build_backend(heldout_cfg.cache))
+        predict, heldout = typed(cfg.predict), Edge.of(heldout_cfg, spec)
+        source = heldout.source(heldout.source_settings(mode="cached"))
         predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
         report = _measure(
             spec,
@@ -116,7 +113,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             d,
             data_root,
             result,
-            int(data.target_pixels),
+            int(heldout.data.target_pixels),
             str(cfg.logging.report_to),
             run_dir,
         )
@@ -231,7 +228,7 @@ def _evaluate(heldout: Heldout, output: Output, out_dir: Path) -> Predictions:
     """The held-out loss of the predictor's transformer and its outputs, written into `out_dir`."""
     predictor = heldout.predictor
     loss = heldout_loss(
-        predictor.parts.transformer, heldout.source, heldout.samples, heldout.spec.loss, seed=heldout.seed
+        predictor.parts.transformer, heldout.source, heldout.samples, heldout.spec.family.loss, seed=heldout.seed
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     images, latent_errors = [], []
@@ -256,7 +253,7 @@ def _predict_layers(heldout: Heldout, i: int, out_dir: Path) -> tuple[list[Image
     latents = predictor.predict(
         list(sample.controls), sample.prompt, heldout.options, seed=i, output_type="latent", layers=len(sample.layers)
     )
-    images = heldout.spec.decoder(predictor.parts.vae, latents, output_type="pil")
+    images = heldout.spec.family.decode(predictor.parts.vae, latents, output_type="pil")
     (out_dir / sample.id).mkdir(exist_ok=True)
     for n, image in enumerate(images):
         image.save(out_dir / sample.id / f"layer_{n}.png")
@@ -284,7 +281,7 @@ def _compare_images(heldout: Heldout, base: Predictions, lora: Predictions) -> C
 def _compare_layers(heldout: Heldout, base: Predictions, lora: Predictions) -> Comparison:
     """Each layer's pixel and latent error, per layer position and over all; three rows per sample."""
     expected = [f[1:] for f in heldout.frames]  # what the model outputs: the layers
-    alpha = heldout.spec.alpha
+    alpha = heldout.spec.family.alpha
     inputs = [[open_image(sample.target, alpha)] * len(sample.layers) for sample in heldout.samples]
 
     def errors(outputs: list[list[Image.Image]]) -> list[list[float]]:
@@ -369,7 +366,7 @@ def _picture(report_to: str, run_dir: Path, rows: list, captions: list[str], tit
 
 def _target(path: Path, pixels: int, spec: ModelSpec) -> np.ndarray:
     """A target frame as the model sees it: resized to `pixels`, (H, W, 3 or 4 with alpha) in [0, 1]."""
-    return (prepare_target(open_image(path, spec.alpha), pixels).permute(1, 2, 0).numpy() + 1) / 2
+    return (prepare_target(open_image(path, spec.family.alpha), pixels).permute(1, 2, 0).numpy() + 1) / 2
 
 
 def _to_pil(array: np.ndarray) -> Image.Image:

@@ -64,19 +64,21 @@ class VlmJudge(Reward):
         self.question, self.device = question, device
 
     def _parts(self) -> tuple[Any, Any]:
-        from qie.captioning import caption_processor
-        from qie.components import load_parts, prepare_model
+        from qie.components import LoadSettings, load_parts, prepare_model
+        from qie.models.captioning import caption_processor
 
         key = repr((self.model, self.device))
         if key not in _LOADED:
             _LOADED.clear()  # one judge model at a time
             spec = prepare_model(self.model)
-            parts = load_parts(self.model, ["text_encoder", *spec.prompt_parts], {"text_encoder": self.device}, spec)
-            _LOADED[key] = (parts.text_encoder.eval(), caption_processor(parts, spec.part_classes["processor"]))
+            parts = load_parts(
+                LoadSettings.of(self.model), spec, ["text_encoder", *spec.prompt_parts], {"text_encoder": self.device}
+            )
+            _LOADED[key] = (parts.text_encoder.eval(), caption_processor(parts, spec.family.part_classes["processor"]))
         return _LOADED[key]
 
     def _captioner(self, instruction: str | None, with_controls: bool) -> Any:
-        from qie.captioning import Captioner, CaptionPrompt, GenerationSettings
+        from qie.models.captioning import Captioner, CaptionPrompt, GenerationSettings
 
         encoder, processor = self._parts()
         text = QUESTIONS[self.question] if with_controls else ALONE[self.question]
@@ -105,11 +107,10 @@ class VlmJudge(Reward):
     def describe(self) -> dict[str, Any]:
         """The question, its exact prompt text (chat template applied, one control image, `{instruction}` left as
         the placeholder), the answer scored and the text encoder's source and fingerprint."""
-        from qie.components import model_source
         from qie.components.fingerprint import part_fingerprint
 
         own = self.model.text_encoder_path
-        source, subfolder = (str(own), "") if own else (model_source(self.model), "text_encoder")
+        source, subfolder = (str(own), "") if own else (str(self.model.pretrained_model_name_or_path), "text_encoder")
         return {
             "question": self.question,
             "prompt": self._captioner(None, True).text(1),

@@ -96,7 +96,8 @@ class CheckpointFacts:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model: its family's behaviour and its yaml's numbers (see `qie.config.model.ModelConfig`)."""
+    """One model: its family (`family`, whose pieces callers use directly, e.g. `spec.family.sample(...)`,
+    `spec.family.pipeline(spec, parts)`) and its yaml's numbers (see `qie.config.model.ModelConfig`)."""
 
     name: str
     variant: str
@@ -147,38 +148,6 @@ class ModelSpec:
     def needs_controls(self) -> bool:
         return self.min_control_images > 0
 
-    @property
-    def part_classes(self) -> dict[str, str]:
-        return dict(self.family.part_classes)
-
-    @property
-    def alpha(self) -> bool:
-        return self.family.alpha
-
-    @property
-    def loss(self) -> Any:
-        return self.family.loss
-
-    @property
-    def sampler(self) -> Any:
-        return self.family.sample
-
-    @property
-    def decoder(self) -> Any:
-        return self.family.decode
-
-    def pipeline(self, parts: Any) -> Any:
-        """The diffusers pipeline over the built parts (parts not built stay None)."""
-        return self.family.pipeline(self, parts)
-
-    def prompt_template(self) -> str:
-        """The pipeline's prompt template, drop index and prompt cut, as one string (part of prompt keys)."""
-        return self.family.prompt_template(self)
-
-    def default_size(self, vae_scale: int) -> tuple[int, int]:
-        """(height, width) the pipeline makes when given no size and no image (`vae_scale`: the VAE's)."""
-        return self.family.default_size(self, vae_scale)
-
     def call_defaults(self) -> dict[str, Any]:
         """The model's defaults for the sampling options left unset (`SamplingOptions.resolved`)."""
         return {"true_cfg_scale": self.true_cfg_scale, "num_inference_steps": self.num_inference_steps}
@@ -201,7 +170,7 @@ class ModelSpec:
         elif target_size is not None:
             h, w = target_size
         else:
-            h, w = self.default_size(vae_scale)
+            h, w = self.family.default_size(self, vae_scale)
         return int(height or h), int(width or w)
 
     def control_problem(self, count: int) -> str | None:

@@ -134,7 +134,7 @@ class ModelFamily:
         loss: the flow-matching loss of one batch, or of each sample with `per_sample` (see `qie.models.flow`).
         sample: one sample's encoded inputs -> latents of `options.num_images` images.
         denoise: the sampler's loop from given noise (B, C, F, h, w) over batched prompts (`PromptInputs`) and
-            controls (B, C, 1, h, w): what `sample` runs after drawing its noise (`qie.sampling.initial_noise`),
+            controls (B, C, 1, h, w): what `sample` runs after drawing its noise (`qie.models.sampling.initial_noise`),
             with the gradient where the caller has it on (`checkpoint`: each prediction recomputed in the backward
             pass); `pipeline_config` is the checkpoint's model_index.json (`Parts.pipeline_config`).
         decode: normalised latents -> images ("pil", "np" or "pt").

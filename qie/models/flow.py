@@ -17,7 +17,7 @@ import torch
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 # How a pipeline spaces the sigmas of `steps` inference steps, from 1 down (before the scheduler's shift), by name:
-# each family's sampling names its pipeline's (`SIGMA_SCHEDULE` of its module). Both give 1, 1 - 1/N, ..., 1/N,
+# each family's loop names its pipeline's (its `FlowLoop.sigma_schedule`). Both give 1, 1 - 1/N, ..., 1/N,
 # but not to the same last bits, and each family samples bitwise as its diffusers pipeline does.
 SIGMA_SCHEDULES: dict[str, Callable[[int], np.ndarray]] = {
     # QwenImagePipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImage21Pipeline (without sample_sigmas)

@@ -28,7 +28,7 @@ from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour, Tiny
 from qie.models.flow import noisy_latents, velocity_loss
 from qie.models.outputs import IMAGES
-from qie.models.qwen_image_sampling import decode_latents, denoise_latents, pack_latents, sample, vae_scale
+from qie.models.qwen_image_sampling import QwenImageLoop, decode_latents, pack_latents, sample, vae_scale
 from qie.types import Batch
 
 VARIANTS = {
@@ -378,7 +378,7 @@ FAMILY = ModelFamily(
     encode_latents=encode_latents,
     loss=flow_matching_loss,
     sample=sample,
-    denoise=denoise_latents,
+    denoise=QwenImageLoop.denoise,
     decode=decode_latents,
     vae_scale=vae_scale,
     config_problems=config_problems,

@@ -33,8 +33,8 @@ from qie.models.outputs import IMAGES
 from qie.models.qwen_image_21_pipeline import (
     TOKENS_PER_SLOT,
     VAE_SCALE,
+    QwenImage21Loop,
     decode_latents,
-    denoise_latents,
     packed,
     pipeline,
     sample,
@@ -331,7 +331,7 @@ FAMILY = ModelFamily(
     encode_latents=encode_latents,
     loss=flow_matching_loss,
     sample=sample,
-    denoise=denoise_latents,
+    denoise=QwenImage21Loop.denoise,
     decode=decode_latents,
     vae_scale=vae_scale,
     config_problems=config_problems,

@@ -9,7 +9,7 @@ pieces.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,19 +17,16 @@ import torch
 from diffusers import QwenImage21Pipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import retrieve_timesteps
 
-from qie.models.flow import inference_sigmas, predict, shift_mu
-from qie.sampling import Prediction, PromptInputs, denoise, initial_noise
+from qie.models.flow import predict
+from qie.models.flow_family import FlowLoop
+from qie.models.sampling import Prediction, PromptInputs, initial_noise
 
 _pack = QwenImage21Pipeline._pack_latents
 _unpack = QwenImage21Pipeline._unpack_latents
 # One image slot of the prompt stands for 2x2 latent tokens; one latent token is 16x16 pixels.
 TOKENS_PER_SLOT = 4
 VAE_SCALE = 16
-# How the pipeline spaces its inference sigmas where the checkpoint has no `sample_sigmas`
-# (`qie.models.flow.SIGMA_SCHEDULES`).
-SIGMA_SCHEDULE = "linspace_to_1_over_n"
 
 
 class _NoProcessor:
@@ -94,7 +91,7 @@ def sample(
         width,
         torch.Generator("cpu").manual_seed(int(options.seed)),
         num_images=options.num_images,
-        true_cfg_scale=options.true_cfg_scale,
+        true_cfg_scale=options.true_cfg_scale if options.guidance else 1.0,
         num_inference_steps=options.num_inference_steps,
         progress=progress,
     )
@@ -141,7 +138,8 @@ def sample_latents(
     noise = initial_noise(shape, generator, device, embeds.dtype)
     refs = [r.unsqueeze(0) for r in references]
     config = {"sample_sigmas": pipe.config.sample_sigmas}
-    return denoise_latents(
+    loop = QwenImage21Loop if use_kv_cache else UncachedQwenImage21Loop
+    return loop.denoise(
         transformer,
         pipe.scheduler,
         noise,
@@ -152,88 +150,41 @@ def sample_latents(
         true_cfg_scale,
         pipeline_config=config,
         sigmas=sigmas,
-        use_kv_cache=use_kv_cache,
         progress=progress,
     )
 
 
-def _timesteps(
-    scheduler: Any,
-    steps: int,
-    tokens: int,
-    device: torch.device,
-    pipeline_config: Mapping[str, Any] | None,
-    sigmas: Sequence[float] | None,
-) -> torch.Tensor:
-    """The loop's timesteps, set on `scheduler`: from `sigmas`, else the checkpoint's `sample_sigmas`, else `steps`
-    of the pipeline's schedule, shifted for `tokens` target tokens."""
-    if sigmas is None:
-        sigmas = (pipeline_config or {}).get("sample_sigmas")
-        if sigmas is None:
-            sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
-    mu = shift_mu(tokens, scheduler.config)
-    return retrieve_timesteps(scheduler, None, device, sigmas=sigmas, mu=mu)[0]
+class QwenImage21Loop(FlowLoop):
+    """The pipeline's denoising run (`FlowLoop.denoise` is the family's `denoise`): reference tokens, then the
+    target's; the checkpoint's `sample_sigmas` where set; true CFG without rescale; with a causal-condition
+    transformer, each branch's text and reference keys and values extracted at the first step and reused after."""
 
+    sigma_schedule = "linspace_to_1_over_n"  # where the checkpoint has no `sample_sigmas`
+    reads_sample_sigmas = True
+    use_kv_cache = True
 
-def denoise_latents(
-    transformer: Any,
-    scheduler: Any,
-    noise: torch.Tensor,
-    prompt: PromptInputs,
-    negative: PromptInputs | None,
-    controls: Sequence[torch.Tensor],
-    steps: int,
-    true_cfg_scale: float = 1.0,
-    checkpoint: bool = False,
-    pipeline_config: Mapping[str, Any] | None = None,
-    sigmas: Sequence[float] | None = None,
-    use_kv_cache: bool = True,
-    progress: bool = False,
-) -> torch.Tensor:
-    """The pipeline's denoising loop from `noise` (the family's `denoise`): what `sample_latents` runs after drawing
-    its noise, and what distillation trains through (with the gradient on and `checkpoint`).
+    def __init__(self, transformer: Any, noise: torch.Tensor, controls: Sequence[torch.Tensor]) -> None:
+        batch, _, _, lat_h, lat_w = noise.shape
+        self.transformer, self.size = transformer, (lat_h, lat_w)
+        self.latents = packed(noise)[0]
+        refs = [r.to(noise.device, noise.dtype).expand(batch, -1, -1, -1, -1) for r in controls]
+        self.ref_tokens = torch.cat([packed(r)[0] for r in refs], dim=1) if refs else None
+        self.img_shapes = [[packed(r)[1] for r in refs] + [(1, lat_h, lat_w)]]
+        self.cached = self.use_kv_cache and transformer.config.causal_condition
 
-    Args:
-        transformer: a QwenImage21Transformer2DModel (LoRA or not); called for each prediction.
-        scheduler: the model's scheduler (not modified: a fresh one is made from its config).
-        noise: (B, C, 1, h, w) on the transformer's device, in the dtype the loop runs in.
-        prompt, negative: the prompts with their image-pad masks (B rows, or one for every image); CFG runs with
-            `negative` and a scale above 1 (no rescale).
-        controls: normalised reference latents, each (B or 1, C, 1, h, w), in the prompt's image order.
-        pipeline_config: the checkpoint's model_index.json: its `sample_sigmas`, when set, are the sigmas.
-        sigmas: sampling sigmas (before `pipeline_config`'s); else `steps` evenly spaced ones.
+    def prediction(self, inputs: PromptInputs, name: str) -> Prediction:
+        image_mask = with_target_slots(inputs.image_mask, self.latents.shape[1])
+        kv_cache = QwenImage21KVCache(len(self.transformer.transformer_blocks)) if self.cached else None
 
-    Returns:
-        Normalised latents (B, C, 1, h, w).
-    """
-    batch, _, _, lat_h, lat_w = noise.shape
-    device, dtype = noise.device, noise.dtype
-    do_cfg = negative is not None and true_cfg_scale > 1
-    latents = packed(noise)[0]
-    refs = [r.to(device, dtype).expand(batch, -1, -1, -1, -1) for r in controls]
-    ref_tokens = torch.cat([packed(r)[0] for r in refs], dim=1) if refs else None
-    img_shapes = [[packed(r)[1] for r in refs] + [(1, lat_h, lat_w)]]
-
-    scheduler = type(scheduler).from_config(scheduler.config)
-    timesteps = _timesteps(scheduler, steps, latents.shape[1], device, pipeline_config, sigmas)
-    image_mask = with_target_slots(prompt.image_mask, latents.shape[1])
-    neg_image_mask = with_target_slots(negative.image_mask, latents.shape[1]) if do_cfg else None
-    cached = use_kv_cache and transformer.config.causal_condition
-    cond_cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if cached else None
-    neg_cache = QwenImage21KVCache(len(transformer.transformer_blocks)) if cached and do_cfg else None
-
-    scheduler.set_begin_index(0)
-
-    def prediction(inputs: PromptInputs, image_mask, kv_cache, name: str) -> Prediction:
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            kv_mode = ("extract" if i == 0 else "cached") if cached else None
-            model_input = latents if ref_tokens is None else torch.cat([ref_tokens, latents], dim=1)
+            kv_mode = ("extract" if i == 0 else "cached") if self.cached else None
+            model_input = latents if self.ref_tokens is None else torch.cat([self.ref_tokens, latents], dim=1)
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
             return _predict(
-                transformer,
+                self.transformer,
                 model_input,
                 timestep,
-                img_shapes,
+                self.img_shapes,
                 kv_mode,
                 latents.shape[1],
                 inputs.embeds,
@@ -245,12 +196,14 @@ def denoise_latents(
 
         return call
 
-    cond = prediction(prompt, image_mask, cond_cache, "cond")
-    uncond = prediction(negative, neg_image_mask, neg_cache, "uncond") if do_cfg else None
-    latents = denoise(
-        scheduler, timesteps, latents, cond, uncond, true_cfg_scale, progress=progress, checkpoint=checkpoint
-    )
-    return _unpack(latents, lat_h, lat_w, 1)
+    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
+        return _unpack(latents, *self.size, 1)
+
+
+class UncachedQwenImage21Loop(QwenImage21Loop):
+    """The loop recomputing the text and reference tokens at every step (the pipeline's `use_kv_cache=False`)."""
+
+    use_kv_cache = False
 
 
 def _predict(

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from diffusers import QwenImageLayeredPipeline
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import retrieve_timesteps
 
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour
-from qie.models.flow import inference_sigmas, predict
+from qie.models.flow import predict
+from qie.models.flow_family import FlowLoop
 from qie.models.outputs import LAYERS
-from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise
+from qie.models.sampling import Prediction, PromptInputs, SamplingOptions, initial_noise
 from qie.types import Batch, pad_prompt_embeds
 
 pack_latents = QwenImageLayeredPipeline._pack_latents
@@ -39,8 +39,6 @@ _unpack_latents = QwenImageLayeredPipeline._unpack_latents
 # The pipeline's `resolution` buckets and its default layer count (`__call__`'s `layers`).
 RESOLUTIONS = (640, 1024)
 DEFAULT_LAYERS = 4
-# How the pipeline spaces its inference sigmas (`qie.models.flow.SIGMA_SCHEDULES`).
-SIGMA_SCHEDULE = "linspace_to_0_dropped"
 VARIANTS = {
     "layered": Variant("QwenImageLayeredPipeline", "none", output_image=0, caption="layered", max_prompt_tokens=512)
 }
@@ -122,7 +120,7 @@ def sample(
     generator = torch.Generator("cpu").manual_seed(int(options.seed))
     noise = initial_noise((batch, channels, layers + 1, lat_h, lat_w), generator, device, dtype)
     negative_inputs = inputs(negative[0]) if options.guidance else None
-    return denoise_latents(
+    return LayeredLoop.denoise(
         transformer,
         parts.scheduler,
         noise,
@@ -130,83 +128,52 @@ def sample(
         negative_inputs,
         [control.unsqueeze(0)],
         options.num_inference_steps,
-        options.true_cfg_scale,
+        options.true_cfg_scale if options.guidance else 1.0,
         progress=progress,
     )
 
 
-def denoise_latents(
-    transformer: Any,
-    scheduler: Any,
-    noise: torch.Tensor,
-    prompt: PromptInputs,
-    negative: PromptInputs | None,
-    controls: Sequence[torch.Tensor],
-    steps: int,
-    true_cfg_scale: float = 1.0,
-    checkpoint: bool = False,
-    pipeline_config: Mapping[str, Any] | None = None,
-    progress: bool = False,
-) -> torch.Tensor:
-    """The pipeline's denoising loop from `noise` (the family's `denoise`): what `sample` runs after drawing its
-    noise, and what distillation trains through (with the gradient on and `checkpoint`).
+class LayeredLoop(FlowLoop):
+    """The pipeline's denoising run (`FlowLoop.denoise` is the family's `denoise`): every output frame's tokens,
+    then the input's; N + 1 sigmas from 1 to 0, the 0 dropped, shifted by the input's length; true CFG without
+    rescale (the pipeline's default, no cfg_normalize)."""
 
-    Args:
-        transformer: a layered QwenImageTransformer2DModel (LoRA or not); called for each prediction.
-        scheduler: the model's scheduler (not modified: a fresh one is made from its config).
-        noise: (B, C, 1 + layers, h, w) on the transformer's device, in the dtype the loop runs in.
-        prompt, negative: the prompts (B rows); CFG (without rescale) runs with `negative` and a scale above 1.
-        controls: the input's latent, (B or 1, C, 1, h', w').
-        pipeline_config: unused (the pipeline takes no sigmas from its model_index.json).
+    sigma_schedule = "linspace_to_0_dropped"
 
-    Returns:
-        Normalised latents (B, C, 1 + layers, h, w).
-    """
-    (control,) = controls
-    batch, _, frames, lat_h, lat_w = noise.shape
-    device, dtype = noise.device, noise.dtype
-    latents = packed_frames(noise)[0]
-    cond = control.to(device=device, dtype=dtype).expand(batch, -1, -1, -1, -1)
-    cond_tokens, cond_shapes = packed_frames(cond)
-    img_shapes = [[(1, lat_h // 2, lat_w // 2)] * frames + cond_shapes] * batch
+    def __init__(self, transformer: Any, noise: torch.Tensor, controls: Sequence[torch.Tensor]) -> None:
+        (control,) = controls
+        batch, _, frames, lat_h, lat_w = noise.shape
+        self.transformer, self.size = transformer, (lat_h, lat_w, frames)
+        self.latents = packed_frames(noise)[0]
+        cond = control.to(device=noise.device, dtype=noise.dtype).expand(batch, -1, -1, -1, -1)
+        self.cond_tokens, cond_shapes = packed_frames(cond)
+        self.img_shapes = [[(1, lat_h // 2, lat_w // 2)] * frames + cond_shapes] * batch
+        self.is_rgb = torch.zeros(batch, dtype=torch.long, device=noise.device)
 
-    scheduler = type(scheduler).from_config(scheduler.config)
-    sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
-    mu = (cond_tokens.shape[1] / (256 * 256 / 16 / 16)) ** 0.5  # the condition's tokens, as the pipeline has it
-    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-    scheduler.set_begin_index(0)
-    is_rgb = torch.zeros(batch, dtype=torch.long, device=device)
+    def mu(self, scheduler_config: Mapping[str, Any]) -> float:
+        """sqrt(condition tokens / 256), as the pipeline has it (not the scheduler's dynamic shift)."""
+        return (self.cond_tokens.shape[1] / (256 * 256 / 16 / 16)) ** 0.5
 
-    def prediction(inputs: PromptInputs, name: str) -> Prediction:
+    def prediction(self, inputs: PromptInputs, name: str) -> Prediction:
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             return predict(
-                transformer,
+                self.transformer,
                 name,
-                hidden_states=torch.cat([latents, cond_tokens], dim=1),
-                timestep=t.expand(batch).to(latents.dtype) / 1000,
+                hidden_states=torch.cat([latents, self.cond_tokens], dim=1),
+                timestep=t.expand(latents.shape[0]).to(latents.dtype) / 1000,
                 guidance=None,
-                img_shapes=img_shapes,
+                img_shapes=self.img_shapes,
                 attention_kwargs={},
-                additional_t_cond=is_rgb,
+                additional_t_cond=self.is_rgb,
                 encoder_hidden_states=inputs.embeds,
                 encoder_hidden_states_mask=inputs.mask,
             )[:, : latents.size(1)]
 
         return call
 
-    # The pipeline's default: CFG without cfg_normalize (no rescale).
-    uncond = prediction(negative, "uncond") if negative is not None and true_cfg_scale > 1 else None
-    latents = denoise(
-        scheduler,
-        timesteps,
-        latents,
-        prediction(prompt, "cond"),
-        uncond,
-        true_cfg_scale,
-        progress=progress,
-        checkpoint=checkpoint,
-    )
-    return _unpack_latents(latents, lat_h, lat_w, frames - 1, 1)
+    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
+        lat_h, lat_w, frames = self.size
+        return _unpack_latents(latents, lat_h, lat_w, frames - 1, 1)
 
 
 @torch.no_grad()
@@ -338,7 +305,7 @@ FAMILY = ModelFamily(
     encode_latents=qwen_image.encode_latents,
     loss=layered_loss,
     sample=sample,
-    denoise=denoise_latents,
+    denoise=LayeredLoop.denoise,
     decode=decode_layers,
     vae_scale=qwen_image.vae_scale,
     config_problems=config_problems,

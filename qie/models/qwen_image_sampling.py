@@ -8,22 +8,20 @@ the family's other pieces.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_timesteps
 
-from qie.models.flow import inference_sigmas, predict, shift_mu
-from qie.sampling import Prediction, PromptInputs, SamplingOptions, denoise, initial_noise, true_cfg_enabled
+from qie.models.flow import predict
+from qie.models.flow_family import FlowLoop
+from qie.models.sampling import Prediction, PromptInputs, SamplingOptions, initial_noise
 from qie.types import pad_prompt_embeds
 
 pack_latents = QwenImageEditPipeline._pack_latents
 _unpack_latents = QwenImageEditPipeline._unpack_latents
-# How the pipelines space their inference sigmas (`qie.models.flow.SIGMA_SCHEDULES`).
-SIGMA_SCHEDULE = "linspace_to_1_over_n"
 
 
 def vae_scale(vae: Any) -> int:
@@ -79,7 +77,7 @@ def sample_latents(
     if negative_prompt_embeds is not None:
         negative = PromptInputs(_to(negative_prompt_embeds, device), _to(negative_prompt_embeds_mask, device))
     prompt = PromptInputs(_to(prompt_embeds, device), _to(prompt_embeds_mask, device))
-    return denoise_latents(
+    return QwenImageLoop.denoise(
         transformer,
         scheduler,
         noise,
@@ -92,79 +90,42 @@ def sample_latents(
     )
 
 
-def denoise_latents(
-    transformer: Any,
-    scheduler: Any,
-    noise: torch.Tensor,
-    prompt: PromptInputs,
-    negative: PromptInputs | None,
-    controls: Sequence[torch.Tensor],
-    steps: int,
-    true_cfg_scale: float = 1.0,
-    checkpoint: bool = False,
-    pipeline_config: Mapping[str, Any] | None = None,
-    progress: bool = False,
-) -> torch.Tensor:
-    """The pipelines' denoising loop from `noise` (the family's `denoise`): what `sample_latents` runs after drawing
-    its noise, and what distillation trains through (with the gradient on and `checkpoint`).
+class QwenImageLoop(FlowLoop):
+    """The pipelines' denoising run (`FlowLoop.denoise` is the family's `denoise`): the target's tokens, then each
+    control image's; sigmas linspace(1, 1/N) shifted for the target's length; true CFG rescaled to the conditional
+    prediction's norm."""
 
-    Args:
-        transformer: what is called for each prediction (LoRA or not).
-        scheduler: the model's scheduler (not modified: a fresh one is made from its config).
-        noise: (B, C, 1, h, w) on the transformer's device, in the dtype the loop runs in.
-        prompt, negative: the prompts (B rows, on the device); CFG runs with `negative` and a scale above 1.
-        controls: normalised control latents, each (B or 1, C, 1, h, w), in the images' order.
-        steps: denoising steps.
-        pipeline_config: unused (the Qwen-Image pipelines take no sigmas from their model_index.json).
+    sigma_schedule = "linspace_to_1_over_n"
+    rescale = True
 
-    Returns:
-        Normalised latents (B, C, 1, h, w).
-    """
-    batch, channels, _, lat_h, lat_w = noise.shape
-    device, dtype = noise.device, noise.dtype
-    do_cfg = true_cfg_enabled(true_cfg_scale, negative is not None)
-    latents = pack_latents(noise[:, :, 0], batch, channels, lat_h, lat_w)
-    image_latents, shapes = _packed_controls(controls, batch, channels, device, dtype)
-    img_shapes = [[(1, lat_h // 2, lat_w // 2), *shapes]] * batch
+    def __init__(self, transformer: Any, noise: torch.Tensor, controls: Sequence[torch.Tensor]) -> None:
+        batch, channels, _, lat_h, lat_w = noise.shape
+        self.transformer, self.size = transformer, (lat_h, lat_w)
+        self.latents = pack_latents(noise[:, :, 0], batch, channels, lat_h, lat_w)
+        self.image_latents, shapes = _packed_controls(controls, batch, channels, noise.device, noise.dtype)
+        self.img_shapes = [[(1, lat_h // 2, lat_w // 2), *shapes]] * batch
 
-    scheduler = type(scheduler).from_config(scheduler.config)
-    sigmas = inference_sigmas(SIGMA_SCHEDULE, steps)
-    mu = shift_mu(latents.shape[1], scheduler.config)
-    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-    scheduler.set_begin_index(0)
-
-    def prediction(inputs: PromptInputs, name: str) -> Prediction:
+    def prediction(self, inputs: PromptInputs, name: str) -> Prediction:
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=1)
-            timestep = t.expand(batch).to(latents.dtype) / 1000
+            model_input = latents if self.image_latents is None else torch.cat([latents, self.image_latents], dim=1)
+            timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
             # Control tokens follow the target's in the sequence; only the target's are denoised.
             return predict(
-                transformer,
+                self.transformer,
                 name,
                 hidden_states=model_input,
                 timestep=timestep,
                 guidance=None,
                 encoder_hidden_states=inputs.embeds,
                 encoder_hidden_states_mask=inputs.mask,
-                img_shapes=img_shapes,
+                img_shapes=self.img_shapes,
                 attention_kwargs={},
             )[:, : latents.size(1)]
 
         return call
 
-    uncond = prediction(negative, "uncond") if do_cfg else None
-    latents = denoise(
-        scheduler,
-        timesteps,
-        latents,
-        prediction(prompt, "cond"),
-        uncond,
-        true_cfg_scale,
-        rescale=True,
-        progress=progress,
-        checkpoint=checkpoint,
-    )
-    return _unpack_latents(latents, lat_h, lat_w, 1)
+    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
+        return _unpack_latents(latents, *self.size, 1)
 
 
 def _packed_controls(control_latents: Sequence[torch.Tensor], batch: int, channels: int, device, dtype):

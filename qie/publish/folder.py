@@ -3,7 +3,7 @@
 
 The ComfyUI and kohya files the run wrote beside its LoRA (`train.export_comfyui`, `train.export_kohya`) are copied;
 otherwise they are made from the diffusers file, whose weights already hold the trained strength
-(`qie.training.lora_files`). A DoRA needs its base's weights for ComfyUI's `dora_scale`: without the run's own files
+(`qie.adapters.lora_files`). A DoRA needs its base's weights for ComfyUI's `dora_scale`: without the run's own files
 it is exported in the diffusers format alone, and the card says so.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from qie.adapters.lora import LORA_FILE, PREFIX
+from qie.adapters.lora_files import COMFYUI_FILE, KOHYA_FILE, base_header, comfyui_state, kohya_state, recorded_base
 from qie.errors import ConfigError
 from qie.publish.card import input_name, model_card
 from qie.publish.run_facts import EXTRACT_REPORT, BaseModel, RunFacts
-from qie.training.lora import LORA_FILE, PREFIX
-from qie.training.lora_files import COMFYUI_FILE, KOHYA_FILE, base_header, comfyui_state, kohya_state, recorded_base
 
 CARD_FILE = "README.md"
 READERS = {

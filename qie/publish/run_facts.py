@@ -8,10 +8,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qie.adapters.lora import LORA_FILE, lora_file
+from qie.adapters.lora_extract import REPORT_FILE as EXTRACT_REPORT
 from qie.errors import ConfigError
 from qie.reporting.run_files import last_line, read_json
-from qie.training.lora import LORA_FILE, lora_file
-from qie.training.lora_extract import REPORT_FILE as EXTRACT_REPORT
 from qie.training.validation import INPUTS_FILE, METRICS_FILE
 
 RESULT_FILE = "train_result.json"

@@ -1,5 +1,6 @@
-"""`sweep_report.html` of a sweep, beside its summary (`qie.sweep`): the jobs side by side (a table, their loss
-curves on one chart), the sweep's measure against each setting it varied, and each job's last validation pictures.
+"""`sweep_report.html` of a sweep, beside its summary (`qie.reporting.sweep_summary`): the jobs side by side (a
+table, their loss curves on one chart), the sweep's measure against each setting it varied, and each job's last
+validation pictures.
 Built from the summary and the job folders' files, linking each job's own `report.html`."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ SWEEP_REPORT = "sweep_report.html"
 
 
 def write_sweep_report(sweep: Path, summary: dict[str, Any]) -> Path:
-    """Write `sweep/sweep_report.html` of `summary` (`qie.sweep.summarize`) atomically; its path."""
+    """Write `sweep/sweep_report.html` of `summary` (`qie.reporting.sweep_summary.summarize`) atomically; its path."""
     out = Path(sweep) / SWEEP_REPORT
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(render_sweep(Path(sweep), summary), encoding="utf-8")

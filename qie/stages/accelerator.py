@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from qie.config.train import TrainConfig
+from qie.runtime.memory import MemorySettings, enable_fsdp_on_cpu
 from qie.stages.processes import warn_single_process
 from qie.training.lookups import remember_package_lookups
-from qie.training.memory import MemorySettings, enable_fsdp_on_cpu
 
 
 def make_accelerator(train: TrainConfig, memory: MemorySettings, model_dtype: str, run_dir: Path) -> Any:

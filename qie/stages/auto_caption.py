@@ -24,15 +24,15 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.cache.keys import FileHasher, entry_key
-from qie.captioning import Captioner, CaptionPrompt, GenerationSettings
 from qie.config.caption import CaptionConfig
 from qie.config.model import ModelConfig
 from qie.data.keys import KeyContext
 from qie.data.samples import DataProblem, Sample
 from qie.errors import ConfigError, DataError
 from qie.models import ModelSpec
+from qie.models.captioning import Captioner, CaptionPrompt, GenerationSettings
 from qie.stages import caption as caption_stage
 from qie.stages.caption import prompt_settings, shown_images
 from qie.stages.settings import SourceSettings, file_hasher
@@ -142,7 +142,7 @@ class AutoCaptions:
         settings: CaptionSettings,
         context: KeyContext,
         hasher: FileHasher,
-        backend: CacheBackend | None,
+        backend: CacheStore | None,
         make_captioner: Callable[[CaptionSettings], Captioner] | None,
         spec: ModelSpec,
         miss_hint: str = "run python -m qie.precompute with data.auto_caption=true",
@@ -261,7 +261,7 @@ def auto_captions(
     source: SourceSettings,
     spec: ModelSpec,
     generate: bool,
-    backend: CacheBackend,
+    backend: CacheStore,
     hasher: FileHasher | None = None,
 ) -> AutoCaptions | None:
     """What fills in missing captions when `data.auto_caption` is set (`settings`, else None: None): captions are

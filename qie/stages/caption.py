@@ -20,9 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from qie.captioning import Captioner, CaptionPrompt, GenerationSettings, caption_processor
-from qie.cli import check_writable
-from qie.components import load_parts, model_source, prepare_model
+from qie.components import LoadSettings, load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.caption import CaptionConfig
 from qie.config.data import DataConfig
@@ -30,8 +28,9 @@ from qie.config.model import ModelConfig
 from qie.data.formats import detect_format
 from qie.data.images import fit_area, open_image, resize
 from qie.data.samples import DataProblem, Sample
-from qie.errors import ConfigError, DataError
+from qie.errors import ConfigError, DataError, check_writable
 from qie.models import ModelSpec
+from qie.models.captioning import Captioner, CaptionPrompt, GenerationSettings, caption_processor
 from qie.progress import progress
 from qie.stages.caption_output import FolderOutput, ManifestOutput
 from qie.stages.datasets import read_data, sample_range, write_failures
@@ -182,8 +181,8 @@ def build_captioner(model: ModelConfig, spec: ModelSpec, device: str, settings: 
     """The text encoder (on `device`: `cache.text_encoder_device`) and processor, built through the registry as
     precompute builds them; `settings` has the caption prompt and generation settings (`.prompt`, `.generation`)."""
     names = ["text_encoder", *spec.prompt_parts]
-    parts = load_parts(model, names, {"text_encoder": device}, spec)
-    processor_class = spec.part_classes["processor"]
+    parts = load_parts(LoadSettings.of(model), spec, names, {"text_encoder": device})
+    processor_class = spec.family.part_classes["processor"]
     return Captioner(
         parts.text_encoder, caption_processor(parts, processor_class), settings.prompt, settings.generation
     )
@@ -197,7 +196,7 @@ def run_info(m: ModelConfig, settings: Settings) -> dict[str, Any]:
         "batch_size": 1 if settings.generation.do_sample else settings.batch_size,
         "model": {
             "name": str(m.name),
-            "source": model_source(m),
+            "source": str(m.pretrained_model_name_or_path),
             "revision": m.revision,
             "dtype": str(m.dtype),
             "text_encoder_quantize": str(m.text_encoder_quantize),

@@ -19,9 +19,10 @@ import torch
 from omegaconf import DictConfig
 from PIL import Image
 
-from qie.components import load_parts, prepare_model
+from qie.adapters.fused_base import check_lora_base
+from qie.adapters.lora import load_lora, lora_file
+from qie.components import LoadSettings, load_parts
 from qie.config import typed, validate
-from qie.config.backend import build_backend
 from qie.config.data import DataConfig
 from qie.config.evaluation import EvalConfig
 from qie.config.model import ModelConfig
@@ -35,15 +36,13 @@ from qie.evaluation.build import build_rewards
 from qie.evaluation.reward import Reward, direction
 from qie.evaluation.scoring import Row, score_row, summarize
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions
+from qie.models.sampling import SamplingOptions
 from qie.stages.datasets import read_data
+from qie.stages.edge import Edge
 from qie.stages.infer import resolve_output
-from qie.stages.settings import data_source, fused_base, sampling_options, source_settings
-from qie.stages.sources import build_source
+from qie.stages.settings import data_source, fused_base, sampling_options
 from qie.stages.validation import validation_inputs
-from qie.training.fused_base import check_lora_base
 from qie.training.image_metrics import edit_region, to_tensor
-from qie.training.lora import load_lora, lora_file
 from qie.training.validation import Validator
 
 BASE = "base"
@@ -57,8 +56,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         the data says it).
     """
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    model, data, e, p = typed(cfg.model), typed(cfg.data), typed(cfg.eval), typed(cfg.predict)
-    spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
+    edge = Edge.of(cfg, masks=False)  # first: a checkpoint of another model is named before anything else
+    model, data, spec, e, p = edge.model, edge.data, edge.spec, typed(cfg.eval), typed(cfg.predict)
     if spec.family.outputs.demo_data(spec) == "layered":
         raise ConfigError(f"model {model.name!r} splits images into layers: the eval stage scores single edits")
     if not data.path:
@@ -67,11 +66,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         raise ConfigError("eval.rewards is empty: name at least one metric (see conf/eval.yaml)")
     runs = lora_runs(e.loras, model, p, spec)
     rewards = build_rewards(cfg.eval.rewards, "eval.rewards", model=model)
-    cache = typed(cfg.cache)
-    samples, skipped = heldout_rows(data, cache.dir, rewards)
+    samples, skipped = heldout_rows(data, edge.cache.dir, rewards)
     out = resolve_output(e.output_dir, Path(run_dir))
     check_writable(out, "eval.output_dir")
-    source = build_source(source_settings(model, data, cache, spec), spec, build_backend(cfg.cache))
+    source = edge.source()
     options = eval_options(p, spec)
     edits = generate(model, p, spec, (source, samples), runs, [int(s) for s in e.seeds])
     categories = row_categories(data.path, samples)
@@ -157,7 +155,12 @@ def generate(
     inputs, negatives = validation_inputs(source, samples, options.negative_prompt)
     devices = {"transformer": predict.devices.transformer, "vae": predict.devices.vae}
     parts = load_parts(
-        model, ["transformer", "scheduler", "vae"], devices, spec, False, fused_base(model, spec).fuse_into
+        LoadSettings.of(model),
+        spec,
+        ["transformer", "scheduler", "vae"],
+        devices,
+        False,
+        fused_base(model, spec).fuse_into,
     )
     edits = {}
     for name in sorted(runs, key=lambda n: runs[n] is not None):  # the base model before any LoRA is loaded

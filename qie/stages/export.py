@@ -14,13 +14,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from qie.adapters.lora_files import recorded_base
 from qie.config import register, typed, validate
 from qie.errors import ConfigError, check_writable
 from qie.models import model_spec, variants
 from qie.publish.folder import Export, write_export
 from qie.publish.hub import push_folder
 from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
-from qie.training.lora_files import recorded_base
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 

@@ -1,6 +1,6 @@
 """The extract stage: a LoRA from the difference between the base transformer (the `model` group: any hub id, folder
 or single file qie reads, with its `model.fuse_loras`) and a tuned one (`extract.tuned`), by SVD per linear layer
-(`qie.training.lora_extract`); MODEL is the base's model config (the name of a `conf/model/` file).
+(`qie.adapters.lora_extract`); MODEL is the base's model config (the name of a `conf/model/` file).
 
     python -m qie.extract_lora model=MODEL extract.tuned=RUN/transformer extract.rank=64 \
         extract.out=extracted/pytorch_lora_weights.safetensors
@@ -14,12 +14,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from qie.components import load_parts, prepare_model
+from qie.adapters.lora_extract import REPORT_FILE, Extraction, extract_lora, write_extraction
+from qie.components import LoadSettings, load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.export import ExtractConfig
 from qie.errors import ConfigError, ModelLoadError, check_writable
 from qie.stages.settings import fused_base
-from qie.training.lora_extract import REPORT_FILE, Extraction, extract_lora, write_extraction
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
@@ -37,10 +37,12 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     model = replace(model, quantize="none", single_file_fp8="upcast")
     spec = prepare_model(model)
     fused = fused_base(model, spec)
-    base = load_parts(model, ["transformer"], {"transformer": "cpu"}, spec, fuse=fused.fuse_into).transformer
+    base = load_parts(
+        LoadSettings.of(model), spec, ["transformer"], {"transformer": "cpu"}, fuse=fused.fuse_into
+    ).transformer
     tuned_model = replace(model, transformer_path=settings.tuned, fuse_loras=[], fuse_lora_scales=[])
     try:
-        tuned = load_parts(tuned_model, ["transformer"], {"transformer": "cpu"}, spec).transformer
+        tuned = load_parts(LoadSettings.of(tuned_model), spec, ["transformer"], {"transformer": "cpu"}).transformer
     except ModelLoadError as e:  # it is read as model.transformer_path: name the key the user set
         raise ModelLoadError(str(e).replace("model.transformer_path=", "extract.tuned=")) from None
     extraction = extract_lora(base, tuned, settings.rank, settings.device, settings.niter)

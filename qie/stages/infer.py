@@ -4,7 +4,7 @@ image), or do so for each row of a data set, with the base model and optionally 
 `Predictor` holds the built parts and is what a notebook keeps: build once, call `predict` many times.
 `run(cfg, run_dir)` is what `python -m qie.infer` calls; `predict.merge_to` instead fuses the LoRA into
 the transformer and saves it. The transformer is built with `model.fuse_loras` fused into it, and a LoRA trained on
-another fused base is refused (`qie.training.fused_base.check_lora_base`) unless `predict.allow_other_base=true`.
+another fused base is refused (`qie.adapters.fused_base.check_lora_base`) unless `predict.allow_other_base=true`.
 """
 
 from __future__ import annotations
@@ -19,22 +19,22 @@ import torch
 from omegaconf import DictConfig
 from PIL import Image
 
-from qie.components import Parts, load_parts, pipeline_config, prepare_model, resolve_device
+from qie.adapters.fused_base import FusedBase, check_lora_base
+from qie.adapters.lora import load_lora, merge_lora, save_transformer
+from qie.components import LoadSettings, Parts, load_parts, pipeline_config, prepare_model, resolve_device
 from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.data.images import as_image, condition_images
 from qie.data.samples import prompt_problem
-from qie.encode import Encoder, text_tokens
+from qie.embedding.encode import Encoder, text_tokens
 from qie.errors import ConfigError, ModelLoadError, QieError
 from qie.models import ModelSpec, text_positions
-from qie.sampling import SamplingOptions, latent_sizes
+from qie.models.sampling import SamplingOptions, latent_sizes
+from qie.runtime.guards import damaged_weights, nonfinite_weights
 from qie.stages.datasets import read_data
 from qie.stages.settings import data_source, fused_base, sampling_options
-from qie.training.fused_base import FusedBase, check_lora_base
-from qie.training.guards import damaged_weights, nonfinite_weights
-from qie.training.lora import load_lora, merge_lora, save_transformer
 
 
 class Predictor:
@@ -76,7 +76,7 @@ class Predictor:
     def swap_blocks(self, count: int, device: torch.device) -> None:
         """Keep the first `count` transformer blocks in CPU memory, each copied to `device` just before it runs
         (`predict.blocks_to_swap`; 0 stops swapping and leaves those blocks in CPU memory)."""
-        from qie.training.offload import BlockSwapper
+        from qie.runtime.offload import BlockSwapper
 
         if self._swapper is not None:
             self._swapper.remove()
@@ -107,7 +107,7 @@ class Predictor:
             output_type: "pil" (list of images) or "np" (float array (N, H, W, C) in [0, 1]; C = 4 for an RGBA
                 model such as Qwen-Image-2.1, whose outputs keep their alpha), or "latent": the normalised
                 latents before decoding, (N, C, frames, h, w) (a layered model's frames: the composite, then
-                the layers), which `spec.decoder` turns into those images.
+                the layers), which `spec.family.decode` turns into those images.
 
         Raises:
             ConfigError: no prompt, or a number of images the model does not take.
@@ -115,7 +115,7 @@ class Predictor:
         """
         spec = self.spec
         options = replace(options or SamplingOptions(), **overrides).resolved(spec.call_defaults())
-        pil = open_images(images, spec.alpha)
+        pil = open_images(images, spec.family.alpha)
         if prompt is None:
             raise ConfigError("no prompt given: set predict.prompt to the instruction")
         if too_long := prompt_problem(prompt):
@@ -145,14 +145,14 @@ class Predictor:
         if negative is not None:
             text_positions.check(text_tokens(neg), limit, "predict.negative_prompt", "the negative prompt")
         prompt_in = (entry["embed"], entry.get("image_mask"))
-        latents = spec.sampler(self.parts, prompt_in, negative, controls, size, options, progress=progress)
+        latents = spec.family.sample(self.parts, prompt_in, negative, controls, size, options, progress=progress)
         if not bool(torch.isfinite(latents).all()):
             raise ModelLoadError(nonfinite_output(self.parts, "the sampled latents hold"))
         if output_type == "latent":
             return latents
         if nonfinite_weights(self.parts.vae):  # the VAE is small next to a sampling run: checked every time
             raise ModelLoadError(nonfinite_output(self.parts, "the decoded image would hold"))
-        return spec.decoder(self.parts.vae, latents, output_type=output_type)
+        return spec.family.decode(self.parts.vae, latents, output_type=output_type)
 
 
 def nonfinite_output(parts: Parts, what: str) -> str:
@@ -192,14 +192,14 @@ def build_predictor(model: ModelConfig, predict: PredictConfig, spec: ModelSpec)
     device = resolve_device(devices["transformer"])
     if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
         devices["transformer"] = "cpu"
-    parts = load_parts(model, spec.part_names, devices, spec, bool(predict.compile), base.fuse_into)
+    parts = load_parts(LoadSettings.of(model), spec, spec.part_names, devices, bool(predict.compile), base.fuse_into)
     predictor = Predictor(parts, spec, base)
     if predict.lora:
         predictor.load_lora(predict.lora, float(predict.lora_scale), allow_other)
     if swap:
         predictor.swap_blocks(swap, device)
     if predict.compile:  # after the LoRA: the compiled block runs its layers
-        from qie.training.compile import compile_blocks
+        from qie.runtime.compile import compile_blocks
 
         print(compile_blocks(predictor.parts.transformer, "predict.compile"))
     return predictor
@@ -241,7 +241,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
         raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
     if problem := spec.control_problem(len(sources)):
         raise ConfigError(f"{len(sources)} input images given: {problem}")
-    images = open_images(sources, spec.alpha)  # fail on a bad image before spending time on building the model
+    images = open_images(sources, spec.family.alpha)  # fail on a bad image before spending time on building the model
     predictor = build_predictor(model, p, spec)
     made = predictor.predict(images, p.prompt, options, progress=True)
     out = resolve_output(p.output, run_dir)
@@ -288,7 +288,9 @@ def merge(model: ModelConfig, p: PredictConfig, run_dir: Path, spec: ModelSpec) 
     base = fused_base(model, spec)
     if warning := check_lora_base(p.lora, base, bool(p.allow_other_base)):
         print(f"infer: warning: {warning}")
-    parts = load_parts(model, ["transformer"], {"transformer": p.devices.transformer}, spec, False, base.fuse_into)
+    parts = load_parts(
+        LoadSettings.of(model), spec, ["transformer"], {"transformer": p.devices.transformer}, False, base.fuse_into
+    )
     load_lora(parts.transformer, p.lora, float(p.lora_scale))
     out = save_transformer(merge_lora(parts.transformer), resolve_output(p.merge_to, run_dir))
     print(f"infer: merged {p.lora} (scale {p.lora_scale}) into the transformer, saved to {out}")

@@ -3,7 +3,7 @@
     python -m qie.plan model=NAME data.target_pixels=1048576 gpu_memory_gb=24
 
 Weights are counted from the model's transformer config (its folder or hub config; the family's published
-sizes when neither can be read), the step's memory is simulated on fake tensors (`qie.memory_plan`), with the
+sizes when neither can be read), the step's memory is simulated on fake tensors (`qie.stages.memory_plan`), with the
 family's own loss, transformer and text encoder.
 """
 
@@ -14,11 +14,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from qie.components import model_source, resolve_dtype
+from qie.components import resolve_dtype
 from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
-from qie.memory_plan import (
+from qie.models import ModelSpec, model_spec
+from qie.stages.memory_plan import (
     GIB,
     OPTIMIZER_STATE_BYTES,
     Estimate,
@@ -28,7 +29,6 @@ from qie.memory_plan import (
     text_encoder_bytes,
     weight_bytes,
 )
-from qie.models import ModelSpec, model_spec
 
 # The transformer's weight quantizations the planner tries, most precise first (the recommendation's tie-break).
 QUANTIZE = ("none", "fp8", "int4", "nf4")
@@ -74,7 +74,7 @@ def transformer_config(model: ModelConfig, spec: ModelSpec) -> tuple[dict, str]:
     from qie.components.fingerprint import part_folder
 
     try:
-        folder = part_folder(model_source(model), "transformer", model.revision)
+        folder = part_folder(str(model.pretrained_model_name_or_path), "transformer", model.revision)
         raw = json.loads((folder / "config.json").read_text())
     except Exception:  # offline, no such repository, no tiny model built yet: the published sizes
         return dict(spec.family.published.transformer), f"{model.name} (published {spec.family.name} sizes)"

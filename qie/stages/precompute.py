@@ -35,7 +35,7 @@ from qie.config.model import ModelConfig
 from qie.data.fields import DEFAULT_FIELDS, SampleField, run_fields, with_defaults
 from qie.data.formats import DataSource
 from qie.data.samples import DataProblem, Dataset, Sample, without_controls
-from qie.encode import Encoder, ImageSizes
+from qie.embedding.encode import Encoder, ImageSizes
 from qie.errors import ConfigError, DataError, check_writable
 from qie.progress import progress
 from qie.stages.auto_caption import CAPTION_TYPE, AutoCaptions, CaptionSettings, auto_captions, caption_settings

@@ -11,12 +11,20 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, stored_order, write_entries
 from qie.data.images import ImageError
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import DataProblem, Sample
-from qie.encode import Encoder, ImageSizes, PreparedSample, prepare_field, prepare_sample, prompt_limit, text_tokens
+from qie.embedding.encode import (
+    Encoder,
+    ImageSizes,
+    PreparedSample,
+    prepare_field,
+    prepare_sample,
+    prompt_limit,
+    text_tokens,
+)
 from qie.errors import DataError
 from qie.models import text_positions
 from qie.types import field_of_type
@@ -129,14 +137,14 @@ def share(keyed: list[Keyed], num_processes: int, index: int) -> list[Keyed]:
     return [keyed[i] for i in sorted(chosen)]
 
 
-def whole(backend: CacheBackend, type: str, key: str, repair: bool = False) -> bool:
+def whole(backend: CacheStore, type: str, key: str, repair: bool = False) -> bool:
     """Whether (type, key) is stored whole: judged by its header, and with `repair` by its bytes too (read and
     checked against their checksum by a backend built with `verify_reads`)."""
     return backend.intact(type, key) and (not repair or backend.get(type, key) is not None)
 
 
 def plan(
-    mine: list[Keyed], backend: CacheBackend, summary: PrecomputeSummary, repair: bool = False
+    mine: list[Keyed], backend: CacheStore, summary: PrecomputeSummary, repair: bool = False
 ) -> dict[tuple, list[Keyed]]:
     """Group samples by the tuple of stored types they miss; a whole entry (`whole`) or one planned already is
     skipped. Groups that write empty-prompt entries come first: prompt entries then share their prefix.
@@ -168,7 +176,7 @@ def plan(
     return dict(sorted(groups.items(), key=lambda g: BASE_TYPE not in g[0]))
 
 
-def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: PrecomputeSummary, repair: bool = False):
+def claim(backend: CacheStore, batch: list[Keyed], types: tuple, summary: PrecomputeSummary, repair: bool = False):
     """Claim the batch's missing entries against other runs on this cache.
 
     Returns:
@@ -199,7 +207,7 @@ def claim(backend: CacheBackend, batch: list[Keyed], types: tuple, summary: Prec
 def encode_groups(
     encoder: Callable[[], Encoder],
     groups: dict[tuple, list[Keyed]],
-    backend: CacheBackend,
+    backend: CacheStore,
     sizes: ImageSizes,
     summary: PrecomputeSummary,
     batch_size: int,

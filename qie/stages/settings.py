@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from qie.adapters.fused_base import FusedBase
 from qie.cache.keys import FileHasher
 from qie.config.cache import CacheConfig
 from qie.config.data import DataConfig
@@ -22,11 +23,10 @@ from qie.config.predict import PredictConfig
 from qie.config.train import TrainConfig
 from qie.data.formats import Columns, DataSource
 from qie.data.masks import MaskSettings
-from qie.embeddings import DEFAULT_PRECOMPUTE_COMMAND
-from qie.encode import ImageSizes
+from qie.embedding.encode import ImageSizes
+from qie.embedding.sources import DEFAULT_PRECOMPUTE_COMMAND
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions
-from qie.training.fused_base import FusedBase
+from qie.models.sampling import SamplingOptions
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class SourceSettings:
 def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
     """The target area (`data`) and the condition areas (the model's) images are encoded at."""
     return ImageSizes(
-        alpha=spec.alpha,
+        alpha=spec.family.alpha,
         target_pixels=int(data.target_pixels),
         vae_image_pixels=int(spec.vae_image_pixels),
         vl_image_pixels=int(spec.vl_image_pixels),

@@ -7,15 +7,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qie.cache.base import CacheBackend
-from qie.components import load_parts, model_source
+from qie.cache.base import CacheStore
+from qie.components import LoadSettings, load_parts
 from qie.config.model import ModelConfig
 from qie.data.keys import KeyContext
 from qie.data.samples import Sample
-from qie.embeddings import CachedSource, EmbeddingSource, LiveSource, key_context
-from qie.encode import Encoder, ImageSizes
+from qie.embedding.encode import Encoder, ImageSizes
+from qie.embedding.masked import MaskedSource
+from qie.embedding.sources import CachedSource, EmbeddingSource, LiveSource, key_context
 from qie.errors import DataError
-from qie.masked_source import MaskedSource
 from qie.models import ModelSpec
 from qie.stages.settings import LossMasks, SourceSettings, file_hasher
 
@@ -23,20 +23,22 @@ from qie.stages.settings import LossMasks, SourceSettings, file_hasher
 def build_encoder(model: ModelConfig, spec: ModelSpec, devices: Mapping[str, str]) -> Encoder:
     """Encoder with the VAE on `devices["vae"]` and the VL model on `devices["text_encoder"]`; it builds the encoder
     parts of the model's spec (no processor for text-to-image)."""
-    return Encoder(load_parts(model, spec.encoder_parts, dict(devices), spec), spec)
+    return Encoder(load_parts(LoadSettings.of(model), spec, spec.encoder_parts, dict(devices)), spec)
 
 
 def model_key_context(model: ModelConfig, spec: ModelSpec, sizes: ImageSizes) -> KeyContext:
     """The cache-key context of `model` (fingerprints, template, dtype, quantization) and the image sizes.
     Reads the checkpoint's configs and weight headers; builds and writes nothing."""
     quantize = str(model.text_encoder_quantize)
-    return key_context(model_source(model), model.revision, spec, sizes, str(model.dtype), quantize)
+    return key_context(
+        str(model.pretrained_model_name_or_path), model.revision, spec, sizes, str(model.dtype), quantize
+    )
 
 
 def build_source(
     settings: SourceSettings,
     spec: ModelSpec,
-    backend: CacheBackend | None,
+    backend: CacheStore | None,
     encoder: Encoder | None = None,
 ) -> EmbeddingSource:
     """The EmbeddingSource that `settings.mode` names over `backend` (None only for a live source); a backend that
@@ -50,7 +52,7 @@ def build_source(
 
 
 def _unmasked_source(
-    settings: SourceSettings, spec: ModelSpec, encoder: Encoder | None, backend: CacheBackend | None
+    settings: SourceSettings, spec: ModelSpec, encoder: Encoder | None, backend: CacheStore | None
 ) -> tuple[EmbeddingSource, Any]:
     """The source `settings.mode` names, and the backend its masks are stored in (None for a live source)."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.data.collate import collate
 from qie.data.samples import Sample
 from qie.errors import ConfigError, QieError
@@ -52,7 +52,7 @@ def check_processes(setup: TrainSetup, processes: int) -> None:
 
 
 def fill_teachers(
-    setup: TrainSetup, samples: list[Sample], backend: CacheBackend, run_dir: Path, desc: str = ""
+    setup: TrainSetup, samples: list[Sample], backend: CacheStore, run_dir: Path, desc: str = ""
 ) -> TypeSummary:
     """Compute the missing teacher outputs of `samples` into `backend` (their embeddings are cached by now) with
     the training run's `setup` (`train_setup`, `check_processes`); returns their counts: new (computed), skipped

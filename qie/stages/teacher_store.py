@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.cache.keys import entry_key
 
 # The cache type of every such entry: keyed by the tensors training reads, not by a sample's files (gc keeps them).
@@ -19,7 +19,7 @@ ENTRY_TYPE = "teacher_latent"
 class BackendTeacherStore:
     """Teacher outputs as `teacher_latent` entries of `backend`; `fills`: missing ones are computed and written."""
 
-    def __init__(self, backend: CacheBackend, fills: bool) -> None:
+    def __init__(self, backend: CacheStore, fills: bool) -> None:
         self.backend, self.fills = backend, fills
 
     def __repr__(self) -> str:
@@ -39,7 +39,7 @@ class BackendTeacherStore:
         )
 
 
-def teacher_store(backend: CacheBackend | None, mode: str) -> BackendTeacherStore | None:
+def teacher_store(backend: CacheStore | None, mode: str) -> BackendTeacherStore | None:
     """The store of `cache.mode`: lazy reads and fills, cached reads; live (or a backend that stores nothing)
     keeps none (teacher outputs are computed every time)."""
     if backend is None or mode == "live" or not backend.stores:

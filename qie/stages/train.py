@@ -32,6 +32,7 @@ from qie.config.train import TrainConfig
 from qie.data import file_stats
 from qie.data.fields import run_fields, with_defaults
 from qie.errors import ConfigError, Interrupted, check_writable
+from qie.runtime.memory import full_tensor
 from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
@@ -57,7 +58,6 @@ from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
 from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.logging import MetricsLogger
 from qie.training.loop import StepInfo, TrainState, fit
-from qie.training.memory import full_tensor
 from qie.training.modes import TrainMode
 from qie.training.objectives import field_names, needs_decoder, objective_class, trains_on_targets
 from qie.training.run_record import check_resume

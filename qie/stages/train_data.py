@@ -19,10 +19,10 @@ from qie.data.images import open_image
 from qie.data.mixing import MixedBatchSampler
 from qie.data.pairs import PairCheck
 from qie.data.samples import DataProblem, Sample, without_controls
-from qie.embeddings import EmbeddingSource
+from qie.embedding.readiness import ready_samples
+from qie.embedding.sources import EmbeddingSource
 from qie.errors import CacheMissError, DataError
 from qie.models import ModelSpec
-from qie.readiness import ready_samples
 from qie.stages.datasets import read_data
 from qie.stages.recipes import regularization_samples
 from qie.stages.settings import file_hasher
@@ -184,7 +184,7 @@ def loader_settings(num_workers: int, prefetch: int, source: EmbeddingSource) ->
     """(worker processes, prefetched batches, whether they are read in parallel) of the training loader:
     `data.num_workers` and `data.prefetch` for a source that only reads, none for one that encodes (encoders may
     sit on a GPU, which forked workers cannot use, and are not run ahead of the step); prefetched batches are read
-    in parallel from a cache whose every read is a round trip (`CacheBackend.remote_reads`)."""
+    in parallel from a cache whose every read is a round trip (`CacheStore.remote_reads`)."""
     if source.encodes:
         return 0, 0, False
     remote = source.cache is not None and source.cache.backend.remote_reads

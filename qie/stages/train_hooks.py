@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qie.components import load_parts
+from qie.components import LoadSettings, load_parts
 from qie.training.ema import Ema
 from qie.training.logging import ImageLogger
 from qie.training.loop import StepInfo, TrainState
@@ -75,7 +75,7 @@ def _validation_hook(
         num_inference_steps=v.num_inference_steps,
         seed=v.seed,
     )
-    vae_parts = load_parts(s.model, ["vae"], {"vae": str(accelerator.device)}, spec)
+    vae_parts = load_parts(LoadSettings.of(s.model), spec, ["vae"], {"vae": str(accelerator.device)})
     samples, heldout = data
     chosen = validation_samples(v, samples, int(s.logging.log_images_count))
     if v.rewards and heldout and not v.prompts:  # rewards measure rows kept out of training

@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 
-from qie.components import load_parts, resolve_dtype
+from qie.adapters.fused_base import FusedBase
+from qie.components import LoadSettings, load_parts, resolve_dtype
 from qie.config.model import ModelConfig
 from qie.config.train import LoggingConfig, TrainConfig
 from qie.data.samples import Sample
 from qie.evaluation.build import build_rewards
 from qie.models import ModelSpec
-from qie.training.compile import compile_blocks
-from qie.training.fused_base import FusedBase
+from qie.runtime.compile import compile_blocks
+from qie.runtime.memory import MemorySettings, apply_memory
 from qie.training.loop import LoopSettings, TrainState
-from qie.training.memory import MemorySettings, apply_memory
 from qie.training.modes import TrainMode
 from qie.training.objectives import Objective, ObjectiveInputs, build_objective
 from qie.training.run_record import data_record, model_record, transformer_fingerprint
@@ -107,7 +107,7 @@ def load_model(
     encoder (an objective that decodes its samples)."""
     device = memory.build_device(accelerator.device)
     names = ["transformer", "scheduler", *(["vae"] if decoder else [])]
-    parts = load_parts(model, names, {"transformer": device}, spec, compiled, fused.fuse_into)
+    parts = load_parts(LoadSettings.of(model), spec, names, {"transformer": device}, compiled, fused.fuse_into)
     if decoder:
         parts.vae.encoder = torch.nn.Module()  # latents are decoded, never encoded: its weights freed
     return parts

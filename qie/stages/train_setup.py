@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qie.adapters.fused_base import FusedBase
+from qie.adapters.lora import check_lora_file
 from qie.config.cache import CacheConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
@@ -19,6 +21,7 @@ from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 from qie.data.formats import DataSource
 from qie.models import ModelSpec
+from qie.runtime.memory import MemorySettings
 from qie.stages.auto_caption import CaptionSettings, caption_settings
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.settings import (
@@ -30,9 +33,6 @@ from qie.stages.settings import (
     regularization,
     source_settings,
 )
-from qie.training.fused_base import FusedBase
-from qie.training.lora import check_lora_file
-from qie.training.memory import MemorySettings
 from qie.training.modes import FullMode, LoraMode, TrainMode
 
 

@@ -15,7 +15,7 @@ import torch
 
 from qie.config.train import ValidationConfig
 from qie.data.samples import Sample
-from qie.embeddings import EmbeddingSource
+from qie.embedding.sources import EmbeddingSource
 from qie.models import ModelSpec
 from qie.training.validation import Reference
 from qie.types import SampleEmbeddings

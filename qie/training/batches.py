@@ -13,7 +13,7 @@ import torch
 from qie.data.collate import collate
 from qie.data.prefetch import OrderedReadAhead, Prefetcher
 from qie.data.samples import Sample, without_controls
-from qie.embeddings import EmbeddingSource
+from qie.embedding.sources import EmbeddingSource
 from qie.errors import QieError
 from qie.types import Batch
 

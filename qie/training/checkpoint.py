@@ -26,10 +26,10 @@ from typing import Any
 import safetensors.torch
 from safetensors import SafetensorError
 
+from qie.adapters.kinds import is_adapter_param
+from qie.adapters.lora import load_lora_state
 from qie.errors import ConfigError, ModelLoadError, StorageError
-from qie.training.adapters import is_adapter_param
-from qie.training.guards import state_is_finite
-from qie.training.lora import load_lora_state
+from qie.runtime.guards import state_is_finite
 from qie.training.state_io import load_tree, rng_state, save_tree, set_rng_state
 
 STATE_FILE = "trainer_state.json"

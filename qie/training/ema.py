@@ -72,7 +72,7 @@ def export_ema(
 ) -> Path:
     """Write the average as LoRA files in `folder/ema/` (main process), naming the fused `base` it was trained on
     (`save_lora`); returns the diffusers file."""
-    from qie.training.lora import save_lora
+    from qie.adapters.lora import save_lora
 
     with ema.applied():
         return save_lora(transformer, folder / "ema", exports, base=base)

@@ -8,7 +8,7 @@ import torch
 
 from qie.data.collate import collate
 from qie.data.samples import Sample
-from qie.embeddings import EmbeddingSource
+from qie.embedding.sources import EmbeddingSource
 
 DEFAULT_SIGMAS = (0.2, 0.4, 0.6, 0.8)
 # (transformer, batch, noise, sigmas) -> named measures of the batch ("loss" among them)

@@ -20,7 +20,7 @@ import torch
 
 from qie.errors import Interrupted, QieError
 from qie.progress import progress
-from qie.training.guards import agree_on_step
+from qie.runtime.guards import agree_on_step
 from qie.training.logging import MetricsLogger
 from qie.training.objectives import Objective
 from qie.training.policies import CheckpointSchedule, NonfinitePolicy

@@ -11,10 +11,10 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from qie.adapters.lora import LORA_FILE, add_lora, continue_lora, dead_modules, lora_state_dict, save_lora
 from qie.components.quantize import is_quantized
 from qie.errors import ConfigError
-from qie.training.lora import LORA_FILE, add_lora, continue_lora, dead_modules, lora_state_dict, save_lora
-from qie.training.memory import full_state_dict
+from qie.runtime.memory import full_state_dict
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class LoraMode:
     adapter: str = "lora"  # "lora", "loha" or "lokr"
     use_dora: bool = False
     # The LoRAs fused into the base it trains on (`FusedBase.record()`; empty: the plain base), named in the header
-    # of every LoRA file written (`qie.training.lora_files.recorded_base`).
+    # of every LoRA file written (`qie.adapters.lora_files.recorded_base`).
     base: tuple[dict, ...] = ()
     lora = True
     # A checkpoint keeps the trained weights only: the frozen base is loaded again on resume.

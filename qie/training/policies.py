@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qie.training.guards import (
+from qie.runtime.guards import (
     NonFiniteLoss,
     all_ids,
     nonfinite_message,

@@ -6,7 +6,7 @@ and a `data` record (how many samples, and a digest of their ids in order, which
 depends on). The transformer fingerprint hashes its config and the names and sizes of its weight files: a
 stat per file, so a resume costs no read of a 40 GB checkpoint, yet another model or another size of it
 differs. A base with LoRAs fused into it (`model.fuse_loras`) adds `fused_loras`: per file its name, a digest of
-its bytes and its scale (`qie.training.fused_base`), so a resume on another fused base is refused too.
+its bytes and its scale (`qie.adapters.fused_base`), so a resume on another fused base is refused too.
 """
 
 from __future__ import annotations

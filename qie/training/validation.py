@@ -21,7 +21,7 @@ from PIL import Image
 from qie.components.registry import Parts
 from qie.data.images import open_image
 from qie.models import ModelSpec
-from qie.sampling import SamplingOptions, latent_sizes
+from qie.models.sampling import SamplingOptions, latent_sizes
 from qie.training.image_metrics import edit_metrics
 from qie.training.logging import MetricsLogger
 from qie.types import SampleEmbeddings
@@ -96,8 +96,8 @@ class Validator:
             parts = Parts(vae=self.vae, transformer=transformer, scheduler=self.scheduler)
             parts.pipeline_config = self.pipeline_config
             prompt = (item.prompt_embed, item.prompt_image_mask)
-            latents = self.spec.sampler(parts, prompt, negative, item.control_latents, size, options)
-            out.append(self.spec.decoder(self.vae, latents))
+            latents = self.spec.family.sample(parts, prompt, negative, item.control_latents, size, options)
+            out.append(self.spec.family.decode(self.vae, latents))
         transformer.train(was_training)
         return out
 

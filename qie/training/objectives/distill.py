@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from qie.errors import CacheMissError, ConfigError
-from qie.sampling import PromptInputs, initial_noise
+from qie.models.sampling import PromptInputs, initial_noise
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse
 from qie.training.objectives.dpo import Reference
 from qie.types import Batch

@@ -117,7 +117,7 @@ class Reference:
     def prepare(self, transformer: torch.nn.Module) -> None:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        from qie.training.lora import load_lora
+        from qie.adapters.lora import load_lora
 
         before = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
         if not before:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from qie.errors import ConfigError
-from qie.sampling import PromptInputs, initial_noise
+from qie.models.sampling import PromptInputs, initial_noise
 from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse
 from qie.training.objectives.distill import sample_inputs

@@ -2,11 +2,11 @@
 
 A LoRA trained on a base with a few-step LoRA (Lightning) fused in keeps its effect when the result samples at 4 or
 8 steps. Each file is read as `predict.lora` is (any format qie reads), loaded with diffusers' `load_lora_adapter`
-(`qie.training.lora.load_lora`), fused at its scale with the model's own `fuse_lora` and unloaded, one file after
+(`qie.adapters.lora.load_lora`), fused at its scale with the model's own `fuse_lora` and unloaded, one file after
 another, once the transformer is loaded and before it is quantized or placed: `qie.components.build_parts` calls
 `FusedBase.fuse_into` there, for every stage that builds a transformer (training and its validation, inference, the
 merge). The base is named by the files' content fingerprints and scales: training records them (the checkpoints'
-`trainer_state.json` and every LoRA file's header, `qie.training.lora_files.recorded_base`); inference compares a
+`trainer_state.json` and every LoRA file's header, `qie.adapters.lora_files.recorded_base`); inference compares a
 LoRA's record with its own `model.fuse_loras` and refuses another base unless told (`check_lora_base`).
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qie.adapters.lora_files import recorded_base
 from qie.errors import ConfigError, ModelLoadError
-from qie.training.lora_files import recorded_base
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class FusedBase:
             ConfigError: not one scale per file.
             ModelLoadError: a file that is missing, unreadable or holds no transformer weights, naming its key.
         """
+        from qie.adapters.lora import check_lora_file
         from qie.components.fingerprint import weight_hasher
-        from qie.training.lora import check_lora_file
 
         scales = list(scales) or [1.0] * len(files)
         if len(scales) != len(files):
@@ -81,8 +81,8 @@ class FusedBase:
             ModelLoadError: quantized weights, or a LoRA that does not fit the transformer (naming its key, the file
                 and the module).
         """
+        from qie.adapters.lora import load_lora, merge_lora
         from qie.components.quantize import is_quantized
-        from qie.training.lora import load_lora, merge_lora
 
         if self.loras and is_quantized(transformer):
             raise ModelLoadError(
@@ -124,7 +124,7 @@ def check_lora_base(path: str | Path, base: FusedBase, allow_other: bool = False
     Raises:
         ConfigError: the bases differ (and not `allow_other`), naming both and what to set.
     """
-    from qie.training.lora import lora_file
+    from qie.adapters.lora import lora_file
 
     file = lora_file(path)
     trained = recorded_base(file)

@@ -5,7 +5,7 @@ its tensors, and writes `cache_report.json` in the run directory listing every s
 entries. Samples precompute could not encode (recorded in the cache's `precompute_failures.json`) are skipped
 with a warning; the others stop the run with their count and the precompute command, or, with
 `cache.on_missing=skip`, are left out with a warning. Sources that encode (live, lazy) need no check. Everything
-here reaches the source and its cache through `EmbeddingSource.cache` and `CacheBackend` as declared.
+here reaches the source and its cache through `EmbeddingSource.cache` and `CacheStore` as declared.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from qie.cache.base import EntryCounts
 from qie.cache.failures import read_failures
 from qie.data.samples import Sample
-from qie.embeddings import CacheReader, EmbeddingSource, sample_types, types_of_kind
+from qie.embedding.sources import CacheReader, EmbeddingSource, sample_types, types_of_kind
 from qie.errors import CacheDirMissing, CacheMissError, check_writable
 from qie.types import TRAINING_TYPES
 

@@ -16,13 +16,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.cache.entries import read_entries, write_entries
 from qie.cache.keys import FileHasher
 from qie.data.key_memo import KeyMemo
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
-from qie.encode import Encoder, ImageSizes, prepare_sample
+from qie.embedding.encode import Encoder, ImageSizes, prepare_sample
 from qie.errors import CacheMissError
 from qie.models import ModelSpec
 from qie.types import FIELD_TYPES, TRAINING_TYPES, SampleEmbeddings, field_of_type
@@ -78,7 +78,7 @@ def from_entries(sample_id: str, entries: dict, cached: bool) -> SampleEmbedding
 class CacheReader(Protocol):
     """The cache a source reads: its backend and each sample's entry keys (what readiness checks)."""
 
-    backend: CacheBackend
+    backend: CacheStore
 
     def keys(self, sample: Sample) -> dict[str, str]:
         """The entry key of each type `sample` has."""
@@ -151,7 +151,7 @@ class CachedSource:
 
     def __init__(
         self,
-        backend: CacheBackend,
+        backend: CacheStore,
         context: KeyContext,
         hasher: FileHasher,
         encoder_factory: EncoderFactory | None = None,
@@ -316,7 +316,7 @@ def key_context(
     return KeyContext(
         vae_fingerprint=part_fingerprint(source, "vae", revision),
         text_encoder_fingerprint=part_fingerprint(source, "text_encoder", revision),
-        prompt_template=spec.prompt_template(),
+        prompt_template=spec.family.prompt_template(spec),
         target_pixels=sizes.target_pixels,
         resize_mode=sizes.resize_mode,
         multiple_of=sizes.multiple_of,

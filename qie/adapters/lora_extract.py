@@ -4,7 +4,7 @@ model against its base): per linear layer, the truncated SVD of the weight chang
 A linear layer's change dW (out x in) is factored as dW ~ up @ down with the `rank` largest singular values split
 evenly (up = U sqrt(S), down = sqrt(S) Vh): the best rank-`rank` approximation in the Frobenius norm (Eckart-Young),
 whose relative error is sqrt(sum of the dropped S^2 / sum of all S^2). The pair is stored at scale 1 (alpha = rank,
-as every file qie writes: `qie.training.lora_files`), so every tool applies exactly up @ down.
+as every file qie writes: `qie.adapters.lora_files`), so every tool applies exactly up @ down.
 
 A LoRA changes linear weights only: a changed bias, norm weight or any other parameter is not carried; each is
 reported with its relative change, so a user sees what the LoRA leaves out.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from qie.adapters.lora_files import stamp_base, write_exports
 from qie.errors import ModelLoadError
-from qie.training.lora_files import stamp_base, write_exports
 
 REPORT_FILE = "extract_report.json"  # beside the files: each layer's error, what is not carried
 

@@ -116,7 +116,7 @@ class Encoder:
     def __init__(self, parts: Parts, spec: ModelSpec) -> None:
         self.parts = parts
         self.spec = spec
-        self.pipeline = spec.pipeline(parts)
+        self.pipeline = spec.family.pipeline(spec, parts)
         self._vae_channels_last: bool | None = None  # decided on the first batch of several images
 
     @torch.no_grad()

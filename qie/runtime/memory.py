@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from qie.training.offload import BlockSwapper, offload_activations
+from qie.runtime.offload import BlockSwapper, offload_activations
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from qie.training.adapters import folded_lycoris_metadata, split_key
+from qie.adapters.kinds import folded_lycoris_metadata, split_key
 
 COMFYUI_FILE = "comfyui_lora.safetensors"
 KOHYA_FILE = "kohya_lora.safetensors"
@@ -148,7 +148,7 @@ def dora_scales(transformer: torch.nn.Module, folded: dict[str, torch.Tensor]) -
     peft's DoRA weight is m * (W + dW) / ||W + dW|| (norms per output row); ComfyUI, given a per-output
     `dora_scale` d, computes d * (W + dW) / ||W||. So d = m * ||W|| / ||W + dW||, with W this base model's.
     """
-    from qie.training.memory import full_tensor  # FSDP2 shards the base weights
+    from qie.runtime.memory import full_tensor  # FSDP2 shards the base weights
 
     out = {}
     modules = dict(transformer.named_modules())

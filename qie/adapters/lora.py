@@ -1,5 +1,5 @@
 """LoRA adapters on the transformer (peft): adding, saving (diffusers format; the ComfyUI and kohya files are
-in `qie.training.lora_files`), loading, fusing.
+in `qie.adapters.lora_files`), loading, fusing.
 
 Loading goes through diffusers' own `lora_state_dict` (which also converts ComfyUI / kohya key formats)
 and the transformer's `load_lora_adapter`, so a LoRA behaves here exactly as in a diffusers pipeline.
@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from qie.errors import ModelLoadError
-from qie.models import family_of
-from qie.training.adapters import (
+from qie.adapters.kinds import (
     is_adapter_param,
     kind_of,
     load_lycoris,
@@ -26,8 +24,10 @@ from qie.training.adapters import (
     refuse_exported_kinds,
     split_key,
 )
-from qie.training.lora_files import dora_scales, fold_scales, folded_metadata, lora_scales, stamp_base, write_exports
-from qie.training.lora_keys import key_in_file
+from qie.adapters.lora_files import dora_scales, fold_scales, folded_metadata, lora_scales, stamp_base, write_exports
+from qie.adapters.lora_keys import key_in_file
+from qie.errors import ModelLoadError
+from qie.models import family_of
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 PREFIX = "transformer."
@@ -127,7 +127,7 @@ def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's weights with peft's keys (`transformer_blocks.0.attn.to_q.lora_A.weight`, ...)."""
     from peft.utils import get_peft_model_state_dict
 
-    from qie.training.memory import full_tensor  # FSDP2 shards: gathered, so every process must call this
+    from qie.runtime.memory import full_tensor  # FSDP2 shards: gathered, so every process must call this
 
     return {
         k: full_tensor(v.detach()).cpu().clone().contiguous() for k, v in get_peft_model_state_dict(transformer).items()
@@ -153,7 +153,7 @@ def save_lora(
     base: Sequence[dict] | None = None,
 ) -> Path:
     """Write the adapter as `pytorch_lora_weights.safetensors` (loads with `load_lora_weights`), and the files
-    `exports` names ("comfyui", "kohya"; `qie.training.lora_files`), all with alpha / rank folded into the
+    `exports` names ("comfyui", "kohya"; `qie.adapters.lora_files`), all with alpha / rank folded into the
     weights so that every tool applies the trained strength.
 
     Args:

@@ -103,7 +103,7 @@ class _OffloadedPlaceholder(torch.autograd.graph.saved_tensors_hooks):
     """Activation offload as the tracker sees it: a saved tensor leaves the device and comes back when needed."""
 
     def __init__(self) -> None:
-        from qie.training.offload import _is_weight
+        from qie.runtime.offload import _is_weight
 
         self.bytes = 0
 
@@ -142,7 +142,7 @@ def build_fake(family: Any, config: dict, dtype: torch.dtype, rank: int, targets
     """The family's transformer (+ LoRA) with fake CPU weights, and the fake mode it lives in."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qie.training.lora import add_lora
+    from qie.adapters.lora import add_lora
 
     with torch.device("meta"):
         model = family.part_class("transformer")(**config)

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from qie.cache.base import CacheBackend
+from qie.cache.base import CacheStore
 from qie.cache.keys import FileHasher
 from qie.data.masks import MASK_TYPE, MaskSettings, make_mask, mask_key, to_grid, to_latent, weights
 from qie.data.samples import DataProblem, Sample
-from qie.embeddings import CacheReader, EmbeddingSource
+from qie.embedding.sources import CacheReader, EmbeddingSource
 from qie.errors import DataError
 from qie.types import SampleEmbeddings
 
@@ -29,7 +29,7 @@ class MaskedSource:
         inner: EmbeddingSource,
         settings: MaskSettings,
         hasher: FileHasher,
-        backend: CacheBackend | None = None,
+        backend: CacheStore | None = None,
         outside_weight: float = 0.0,
     ) -> None:
         self.inner, self.settings, self.hasher, self.backend = inner, settings, hasher, backend
