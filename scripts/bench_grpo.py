@@ -74,6 +74,42 @@ def heldout_scores(data: Path, heldout: int, loras: dict[str, str], steps: int) 
     return out
 
 
+def report(args: argparse.Namespace, out: Path, scores: dict, curve: list, seconds: tuple[float, float]) -> None:
+    """Write `summary.json` and print the held-out scores and the summary line (`seconds`: the two runs')."""
+    sft_seconds, seconds = seconds
+    per_step = seconds / args.steps
+    summary = {
+        "samples": args.samples,
+        "heldout": args.heldout,
+        "sft_steps": args.sft_steps,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "group_size": args.group_size,
+        "sampling_steps": args.sampling_steps,
+        "train_timesteps": args.train_timesteps,
+        "lr": args.lr,
+        "kl_weight": args.kl_weight,
+        "sft_seconds": round(sft_seconds, 1),
+        "grpo_seconds": round(seconds, 1),
+        "seconds_per_step": round(per_step, 3),
+        "seconds_per_rollout": round(per_step / args.batch_size, 3),
+        "heldout_scores": scores,
+        "reward_curve": curve,
+        "pixel_error_ratio": scores["grpo"]["pixel_error"] / scores["sft"]["pixel_error"],
+        "reward_first_10": float(np.mean([v for _, v in curve[:10]])),
+        "reward_last_10": float(np.mean([v for _, v in curve[-10:]])),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for name, s in scores.items():
+        print(f"held-out {name}: pixel error {s['pixel_error']:.4f}, reward {s['reward']:.4f}")
+    print(
+        f"pixel error grpo/sft {summary['pixel_error_ratio']:.3f}; held-out reward "
+        f"{scores['sft']['reward']:.4f} -> {scores['grpo']['reward']:.4f}; training reward "
+        f"{summary['reward_first_10']:.4f} -> {summary['reward_last_10']:.4f}; {per_step:.2f} s/step, "
+        f"{summary['seconds_per_rollout']:.2f} s per rollout of {args.group_size} edits ({out})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft-steps", type=int, default=300)
@@ -131,37 +167,7 @@ def main() -> None:
     for step, value in curve[:: max(1, len(curve) // 10)]:
         print(f"step {step:5d}  reward_mean {value:.4f}")
     scores = heldout_scores(data, args.heldout, {"base": "", "sft": sft_lora, "grpo": result["lora"]}, 20)
-    per_step = seconds / args.steps
-    summary = {
-        "samples": args.samples,
-        "heldout": args.heldout,
-        "sft_steps": args.sft_steps,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "group_size": args.group_size,
-        "sampling_steps": args.sampling_steps,
-        "train_timesteps": args.train_timesteps,
-        "lr": args.lr,
-        "kl_weight": args.kl_weight,
-        "sft_seconds": round(sft_seconds, 1),
-        "grpo_seconds": round(seconds, 1),
-        "seconds_per_step": round(per_step, 3),
-        "seconds_per_rollout": round(per_step / args.batch_size, 3),
-        "heldout_scores": scores,
-        "reward_curve": curve,
-        "pixel_error_ratio": scores["grpo"]["pixel_error"] / scores["sft"]["pixel_error"],
-        "reward_first_10": float(np.mean([v for _, v in curve[:10]])),
-        "reward_last_10": float(np.mean([v for _, v in curve[-10:]])),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    for name, s in scores.items():
-        print(f"held-out {name}: pixel error {s['pixel_error']:.4f}, reward {s['reward']:.4f}")
-    print(
-        f"pixel error grpo/sft {summary['pixel_error_ratio']:.3f}; held-out reward "
-        f"{scores['sft']['reward']:.4f} -> {scores['grpo']['reward']:.4f}; training reward "
-        f"{summary['reward_first_10']:.4f} -> {summary['reward_last_10']:.4f}; {per_step:.2f} s/step, "
-        f"{summary['seconds_per_rollout']:.2f} s per rollout of {args.group_size} edits ({out})"
-    )
+    report(args, out, scores, curve, (sft_seconds, seconds))
 
 
 if __name__ == "__main__":
