@@ -13,7 +13,7 @@ alone then wires in (`_target_`). docs/extending.md walks through each.
 from qie.cache.base import CacheBackend
 from qie.data.fields import SampleField
 from qie.evaluation.reward import Reward
-from qie.training.objectives import Objective, ObjectiveInputs, ObjectiveUse, PrecomputesTargets
+from qie.training.objectives import Objective, ObjectiveInputs, ObjectiveUse, PrecomputesTargets, ScoresOwnResults
 from qie.training.objectives.flow_matching import FlowMatching
 from qie.types import Batch
 
@@ -27,4 +27,5 @@ __all__ = [
     "PrecomputesTargets",
     "Reward",
     "SampleField",
+    "ScoresOwnResults",
 ]

@@ -66,6 +66,20 @@ PINNED_DISTILL_LOSSES: dict[str, list[float]] = {
     "tiny_qwen_image_21": [2.5199053197866306e-05, 8.771602006163448e-05],
     "tiny_qwen_image_layered": [0.00020855714683420956, 0.0001007091996143572],
 }
+# Each family's online RL run (`train/objective=grpo` with GRPO, otherwise as above): the mean reward of its first
+# two steps' rollouts and the KL of its second (the first is 0: a fresh adapter is its own reference, and so is the
+# first loss, the mean of advantages normalised within each group). Taken as PINNED_LOSSES are.
+PINNED_GRPO: dict[str, list[float]] = {
+    "tiny": [0.5299661159515381, 0.5318815112113953, 1.1577808436413761e-06],
+    "tiny_plus": [0.5299508571624756, 0.5319406986236572, 2.7934845547861187e-07],
+    "tiny_edit_2511": [0.5299541354179382, 0.5319406986236572, 2.7706397531801485e-07],
+    "tiny_t2i": [0.5300408005714417, 0.531884491443634, 3.2603568911326875e-07],
+    "tiny_qwen_image_21": [0.4366132318973541, 0.4315304160118103, 4.465129099795462e-10],
+}
+# Groups of two edits in two SDE steps, one of them trained, scored by a reward outside qie that reads the image
+# alone (the battery's prompts name no colour for the demo's reward).
+GRPO = ["train/objective=grpo", "train.objective.group_size=2", "train.objective.sampling_steps=2",
+        "train.objective.train_timesteps=1", "train.objective.reward._target_=plugins.colour.Colour"]  # fmt: skip
 DISTILL = ["train/objective=distill", "train.objective.student_steps=2", "train.objective.teacher_steps=2",
            "train.objective.teacher_cfg=4", "train.objective.seeds=2"]  # fmt: skip
 
@@ -240,6 +254,32 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
     pipe = pipeline_of(Path(compose("infer", [f"model={family}"]).model.pretrained_model_name_or_path))
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     assert len([k for k in pipe.transformer.state_dict() if "lora_" in k]) == len(load_file(lora)) > 0
+
+
+@pytest.mark.parametrize("family", families("grpo"))
+def test_online_rl_is_pinned_and_resumes_exactly(battery: Battery, family: str) -> None:
+    """`train/objective=grpo` on the family's cache: rollouts through the family's own loop with the SDE step, the
+    first losses pinned, a resume from step 2 repeating the rest and the adapter bit for bit; Layered is refused in
+    one line."""
+    from qie.errors import ConfigError
+
+    prepared = battery[family]
+    if prepared.spec.family.outputs.layers:
+        with pytest.raises(ConfigError, match="train/objective=grpo does not train a layered model") as info:
+            prepared.train("grpo_refused", *GRPO)
+        assert "\n" not in str(info.value)
+        return
+    cached = prepared.train("grpo", *GRPO, "train.max_steps=4", "train.checkpoint_every=2")
+    checkpoint = cached["dir"] / "checkpoints" / "step-000002"
+    resumed = prepared.train("grpo_resumed", *GRPO, "train.max_steps=4", f"train.resume={checkpoint}")
+    assert resumed["losses"] == cached["losses"][2:] and resumed["param_checksums"] == cached["param_checksums"]
+    steps = [json.loads(line) for line in (cached["dir"] / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert all({"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction"} <= r.keys() for r in steps)
+    assert cached["losses"][0] == pytest.approx(0.0, abs=1e-6) and steps[0]["kl"] == 0.0
+    measured = [steps[0]["reward_mean"], steps[1]["reward_mean"], steps[1]["kl"]]
+    assert family in PINNED_GRPO, f"pin {family!r}: {measured}"
+    np.testing.assert_allclose(measured, PINNED_GRPO[family], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("family", families("distill"))

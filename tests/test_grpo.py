@@ -1,4 +1,4 @@
-"""Online RL (`train.objective=grpo`): the SDE step's log-probability, the group advantages, the objective's loss on
+"""Online RL (`train/objective=grpo`): the SDE step's log-probability, the group advantages, the objective's loss on
 the tiny edit model (pinned), the demo's reward, and what the objective refuses."""
 
 from __future__ import annotations
@@ -156,17 +156,17 @@ def test_the_same_generator_gives_the_same_loss(tiny) -> None:
     objective.prepare(policy)
     first = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(3))
     again = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(3))
-    assert float(first) == float(again)
+    assert float(first.detach()) == float(again.detach())
 
 
 @pytest.mark.parametrize(
     ("lora", "regularization", "options", "message"),
     [
-        (False, False, SETTINGS, "train.objective=grpo needs train.mode=lora"),
-        (True, True, SETTINGS, "train.objective=grpo does not mix in data.regularization"),
+        (False, False, SETTINGS, "train/objective=grpo needs train.mode=lora"),
+        (True, True, SETTINGS, "train/objective=grpo does not mix in data.regularization"),
         (True, False, {**SETTINGS, "group_size": 1}, r"train.objective.group_size=1 is out of range"),
         (True, False, {**SETTINGS, "train_timesteps": 4}, r"train.objective.train_timesteps=4 is out of range"),
-        (True, False, {"group_size": 2}, r"train.objective=grpo needs a reward"),
+        (True, False, {"group_size": 2}, r"train/objective=grpo needs a reward"),
         (True, False, {**SETTINGS, "reference_lora": "/no/such.safetensors"}, r"reference_lora=.* does not exist"),
     ],
 )

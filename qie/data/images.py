@@ -213,3 +213,12 @@ def condition_images(img: Image.Image, vae_pixels: int, vl_pixels: int) -> tuple
     vae_w, vae_h = fit_area(img.width, img.height, vae_pixels)
     vl_w, vl_h = fit_area(img.width, img.height, vl_pixels)
     return to_tensor(img, vae_w, vae_h), resize(img, vl_w, vl_h)
+
+
+def rgb(images: torch.Tensor) -> torch.Tensor:
+    """Images [..., C, H, W] in [0, 1] as rewards take them, three channels: an RGBA image (a family that edits with
+    transparency) composited on white, as its pipeline shows it to the text encoder."""
+    if images.shape[-3] != 4:
+        return images
+    colour, alpha = images[..., :3, :, :], images[..., 3:, :, :]
+    return colour * alpha + (1 - alpha)

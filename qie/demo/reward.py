@@ -1,5 +1,5 @@
 """A reward for the demo's recolour task (`qie.demo.synthetic`) that reads only the instruction and the control
-image, so that online RL (`train.objective=grpo`) can train on its rows without targets.
+image, so that online RL (`train/objective=grpo`) can train on its rows without targets.
 
 The shape is where the control differs from its background (the corners' colour); the edit should hold the
 instruction's colour there ("make the circle red") and the control's pixels elsewhere. The score is

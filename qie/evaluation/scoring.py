@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qie.data.images import rgb
 from qie.evaluation.reward import Reward, needed_arguments
 
 
@@ -38,7 +39,8 @@ def score_row(rewards: Mapping[str, Reward], image: torch.Tensor, row: Row) -> d
         if ("target" in reward.needs and targets is None) or ("mask" in reward.needs and masks is None):
             scores[name] = math.nan  # nothing to compare with: left out of the means
             continue
-        value = reward(image[None], [row.controls], [row.prompt], **needed_arguments(reward, targets, masks))
+        controls = [rgb(c) for c in row.controls]
+        value = reward(rgb(image)[None], [controls], [row.prompt], **needed_arguments(reward, targets, masks))
         scores[name] = float(torch.as_tensor(value).reshape(-1)[0])
     return scores
 

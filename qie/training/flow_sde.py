@@ -117,14 +117,19 @@ class SdeRun:
         return taken
 
     def skipping(self, model: Any) -> Any:
-        """`model` as a replay calls it: run only at the chosen steps; elsewhere zeros shaped as its input."""
+        """`model` as a replay calls it: run at the chosen steps and at the first (a loop may keep what the model
+        computes there: Qwen-Image-2.1's key/value cache of its condition); elsewhere zeros shaped as its input. Its
+        attributes are the model's (a loop reads its config)."""
         run = self
 
         class Skipping:
             def __call__(self, *args: Any, hidden_states: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor]:
-                if run.index in run.chosen:
+                if run.index in run.chosen or run.index == 0:
                     return model(*args, hidden_states=hidden_states, **kwargs)
                 return (torch.zeros_like(hidden_states),)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(model, name)
 
         return Skipping()
 

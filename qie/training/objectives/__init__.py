@@ -11,7 +11,8 @@ an objective from outside qie is `train.objective._target_=pkg.Cls +train.object
 - `requires`: the sample fields it trains on (names or `SampleField`s; the train stage refuses samples without
   them, and precompute fills every one); without "target", rows without a target train (an objective that samples
   its own results);
-- `needs_decoder` (optional, False): the train stage loads the VAE's decoder and hands it over (`ObjectiveInputs`);
+- `ScoresOwnResults` (optional, a capability): the train stage loads the VAE's decoder and hands it over
+  (`ObjectiveInputs`);
 - `use_problem(use)` (a class method): why it cannot train this run (`ObjectiveUse`, known before any model loads:
   `qie.config.validate` asks it when the config is composed), or None.
 
@@ -85,6 +86,16 @@ class PrecomputesTargets(Protocol):
 
     def fills_per_sample(self) -> int:
         """How many targets one sample has (a count of seeds), for the precompute summary."""
+        ...
+
+
+@runtime_checkable
+class ScoresOwnResults(Protocol):
+    """An objective that samples its own results and scores them (online RL): it is handed the VAE's decoder to
+    turn them into images (`ObjectiveInputs.decoder`)."""
+
+    def rollout(self, model: torch.nn.Module, batch: Batch, i: int, generator: torch.Generator) -> Any:
+        """Sample and score sample `i`'s results under `model`, without a gradient."""
         ...
 
 
@@ -189,9 +200,9 @@ def trains_on_targets(cls: type) -> bool:
 
 
 def needs_decoder(cls: type) -> bool:
-    """Whether the objective class decodes latents to images (its optional class attribute `needs_decoder`,
-    False where it sets none): the train stage then loads the VAE's decoder (`ObjectiveInputs.decoder`)."""
-    return bool(getattr(cls, "needs_decoder", False))
+    """Whether the objective class samples and scores its own results (`ScoresOwnResults`): the train stage then
+    loads the VAE's decoder (`ObjectiveInputs.decoder`)."""
+    return issubclass(cls, ScoresOwnResults)
 
 
 def check_use(node: Mapping[str, Any], use: ObjectiveUse) -> None:
@@ -223,6 +234,7 @@ __all__ = [
     "ObjectiveInputs",
     "ObjectiveUse",
     "PrecomputesTargets",
+    "ScoresOwnResults",
     "accepted_settings",
     "build_objective",
     "check_use",

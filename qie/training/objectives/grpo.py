@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from qie.data.images import rgb
 from qie.errors import ConfigError
 from qie.models.sampling import PromptInputs, initial_noise
 from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages
@@ -86,7 +87,7 @@ class GrpoSettings:
             )
         if s.reward is None:
             raise ConfigError(
-                f"train.objective={NAME} needs a reward: set train.objective.reward._target_ (e.g. "
+                f"train/objective={NAME} needs a reward: set train.objective.reward._target_ (e.g. "
                 "qie.demo.reward.RecolourReward, or a qie.extend.Reward of your own)"
             )
         return s
@@ -106,14 +107,13 @@ class Grpo:
     """The Flow-GRPO objective (see the module's text).
 
     Args:
-        inputs: the family (its `denoise` and `decode`), the scheduler, the decoder (`needs_decoder`) and
+        inputs: the family (its `denoise` and `decode`), the scheduler, the decoder (it `ScoresOwnResults`) and
             `sample_views` (a sample id's prompt and control images for the reward), `build_reward` (the reward
             of the `reward` node).
         group_size, ...: the settings (`GrpoSettings`, `conf/train/objective/grpo.yaml`).
     """
 
     requires: ClassVar[frozenset[str]] = frozenset({"empty_prompt"})  # no target; CFG's negative when asked
-    needs_decoder: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -140,12 +140,12 @@ class Grpo:
             reference_lora,
         ).checked()
         if inputs.scheduler is None or inputs.decoder is None:
-            raise ValueError(f"train.objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
+            raise ValueError(f"train/objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
         self.family, self.scheduler, self.decoder = inputs.family, inputs.scheduler, inputs.decoder
         self.pipeline_config = dict(inputs.pipeline_config or {})
         self.views: Callable[[str], tuple[str, list[torch.Tensor]]] | None = inputs.sample_views
         if inputs.build_reward is None:
-            raise ValueError(f"train.objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
+            raise ValueError(f"train/objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
         self.reward = checked_reward(inputs.build_reward(s.reward))
         self.reference = Reference(s.reference_lora, objective=NAME)
         self._sums: dict[str, float] = {}
@@ -155,17 +155,17 @@ class Grpo:
     def use_problem(cls, use: ObjectiveUse) -> str | None:
         if not use.lora:
             return (
-                f"train.objective={NAME} needs train.mode=lora: its reference is the base model with the "
+                f"train/objective={NAME} needs train.mode=lora: its reference is the base model with the "
                 "adapter turned off, which training the whole transformer does not keep"
             )
         if use.family.outputs.layers:
             return (
-                f"train.objective={NAME} does not train a layered model: its rewards score one image per edit; "
-                "use train.objective=flow_matching"
+                f"train/objective={NAME} does not train a layered model: its rewards score one image per edit; "
+                "use train/objective=flow_matching"
             )
         if use.regularization:
             return (
-                f"train.objective={NAME} does not mix in data.regularization (its batches are rollouts, not "
+                f"train/objective={NAME} does not mix in data.regularization (its batches are rollouts, not "
                 "targets): remove data.regularization.path"
             )
         GrpoSettings.of(use.options)
@@ -206,7 +206,7 @@ class Grpo:
 
     def _rewards(self, batch: Batch, i: int, latents: torch.Tensor) -> torch.Tensor:
         """The group's rewards (higher is better) of its final latents."""
-        images = self.family.decode(self.decoder, latents, "pt").float().clamp(0, 1)
+        images = rgb(self.family.decode(self.decoder, latents, "pt").float().clamp(0, 1))
         sample_id = batch.ids[i]
         if self.views is not None:
             prompt, controls = self.views(sample_id)
@@ -216,7 +216,7 @@ class Grpo:
                 [self.family.decode(self.decoder, c[i : i + 1], "pt")[0].float() for c in batch.control_latents],
             )
         n = latents.shape[0]
-        scores = self.reward(images, [list(controls)] * n, [prompt] * n)
+        scores = self.reward(images, [[rgb(c) for c in controls]] * n, [prompt] * n)
         scores = torch.as_tensor(scores, dtype=torch.float64).reshape(n)
         return scores if self.reward.higher_is_better else -scores  # `reward_value`
 
