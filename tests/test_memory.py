@@ -17,9 +17,9 @@ from qie.config import compose
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError
+from qie.runtime import memory, offload
 from qie.stages import precompute
 from qie.stages import train as train_stage
-from qie.training import memory, offload
 
 # What decides the losses of every run compared here. Checkpointing on: block swap needs it.
 TRAINING = ["train.max_steps=4", "train.learning_rate=1e-3", "data.batch_size=2", "train.seed=7",
