@@ -99,6 +99,25 @@ class ScoresOwnResults(Protocol):
         ...
 
 
+class StepMeans:
+    """What an objective measures on its batches, averaged for `step_metrics()`: `add` once per batch, `pop` the
+    means since the last pop ({} when nothing was added) and start afresh."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, **values: Any) -> None:
+        for name, value in values.items():
+            self.sums[name] = self.sums.get(name, 0.0) + float(value)
+        self.count += 1
+
+    def pop(self) -> dict[str, float]:
+        out = {k: v / self.count for k, v in self.sums.items()} if self.count else {}
+        self.sums, self.count = {}, 0
+        return out
+
+
 @dataclass(frozen=True)
 class ObjectiveUse:
     """What a run asks of its objective, known before any model loads (`use_problem`)."""
@@ -235,6 +254,7 @@ __all__ = [
     "ObjectiveUse",
     "PrecomputesTargets",
     "ScoresOwnResults",
+    "StepMeans",
     "accepted_settings",
     "build_objective",
     "check_use",

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from qie.errors import ConfigError
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse, StepMeans
 from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
 from qie.types import Batch
 
@@ -174,8 +174,7 @@ class Dpo(FlowMatching):
         super().__init__(inputs)
         self.settings = DpoSettings(float(beta), float(sft_weight), reference_lora).checked()
         self.reference = Reference(self.settings.reference_lora)
-        self._sums: dict[str, float] = {}
-        self._count = 0
+        self.means = StepMeans()
 
     @classmethod
     def use_problem(cls, use: ObjectiveUse) -> str | None:
@@ -219,15 +218,11 @@ class Dpo(FlowMatching):
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         noise, sigmas = noise_and_sigmas(batch, self.sigmas, generator, self.patch_size)
         loss, z, _ = self._terms(model, batch, noise, sigmas, self.weighting)
-        for name, value in (("reward_accuracy", accuracy(z)), ("reward_margin", z.mean())):
-            self._sums[name] = self._sums.get(name, 0.0) + float(value)
-        self._count += 1
+        self.means.add(reward_accuracy=accuracy(z), reward_margin=z.mean())
         return loss
 
     def step_metrics(self) -> dict[str, float]:
-        out = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
-        self._sums, self._count = {}, 0
-        return out
+        return self.means.pop()
 
     @torch.no_grad()
     def evaluate(

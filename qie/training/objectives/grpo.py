@@ -33,7 +33,7 @@ from qie.data.images import rgb
 from qie.errors import ConfigError
 from qie.models.sampling import PromptInputs, initial_noise
 from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse
+from qie.training.objectives import ObjectiveInputs, ObjectiveUse, StepMeans
 from qie.training.objectives.distill import sample_inputs
 from qie.training.objectives.dpo import Reference
 from qie.types import Batch
@@ -148,8 +148,7 @@ class Grpo:
             raise ValueError(f"train/objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
         self.reward = checked_reward(inputs.build_reward(s.reward))
         self.reference = Reference(s.reference_lora, objective=NAME)
-        self._sums: dict[str, float] = {}
-        self._count = 0
+        self.means = StepMeans()
 
     @classmethod
     def use_problem(cls, use: ObjectiveUse) -> str | None:
@@ -188,21 +187,17 @@ class Grpo:
             [c.expand(copies, -1, -1, -1, -1) for c in controls],
         )
 
-    def _run(self, model: Any, run: SdeRun, noise: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    def _denoise(self, model: Any, scheduler: Any, noise: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        """The family's loop over `inputs` (prompt, negative, controls) from `noise`, at the rollouts' settings."""
         prompt, negative, controls = inputs
-        caller = run.skipping(model) if run.mode == "replay" else model
+        steps, scale = int(self.settings.sampling_steps), float(self.settings.true_cfg_scale)
         return self.family.denoise(
-            caller,
-            run.scheduler(self.scheduler),
-            noise,
-            prompt,
-            negative,
-            controls,
-            int(self.settings.sampling_steps),
-            float(self.settings.true_cfg_scale),
-            False,
-            self.pipeline_config,
+            model, scheduler, noise, prompt, negative, controls, steps, scale, False, self.pipeline_config
         )
+
+    def _run(self, model: Any, run: SdeRun, noise: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        caller = run.skipping(model) if run.mode == "replay" else model
+        return self._denoise(caller, run.scheduler(self.scheduler), noise, inputs)
 
     def _rewards(self, batch: Batch, i: int, latents: torch.Tensor) -> torch.Tensor:
         """The group's rewards (higher is better) of its final latents."""
@@ -253,15 +248,13 @@ class Grpo:
             ]
         ).mean()
         groups = rewards.reshape(-1, s.group_size)
-        for name, value in (
-            ("reward_mean", rewards.mean()),
-            ("reward_std", groups.std(1, unbiased=False).mean()),
-            ("reward_best", groups.max(1).values.mean()),
-            ("kl", kl.detach()),
-            ("clip_fraction", clipped),
-        ):
-            self._sums[name] = self._sums.get(name, 0.0) + float(value)
-        self._count += 1
+        self.means.add(
+            reward_mean=rewards.mean(),
+            reward_std=groups.std(1, unbiased=False).mean(),
+            reward_best=groups.max(1).values.mean(),
+            kl=kl.detach(),
+            clip_fraction=clipped,
+        )
         return pg + s.kl_weight * kl
 
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
@@ -269,9 +262,7 @@ class Grpo:
         return torch.stack(losses).mean()
 
     def step_metrics(self) -> dict[str, float]:
-        out = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
-        self._sums, self._count = {}, 0
-        return out
+        return self.means.pop()
 
     @torch.no_grad()
     def evaluate(
@@ -281,19 +272,7 @@ class Grpo:
         `noise`; "loss" is its negative (lower is better, as every objective's). `sigmas` is not used."""
         rewards = []
         for i in range(len(batch.ids)):
-            prompt, negative, controls = self._inputs(batch, i, 1)
-            latents = self.family.denoise(
-                model,
-                self.scheduler,
-                noise[i : i + 1],
-                prompt,
-                negative,
-                controls,
-                int(self.settings.sampling_steps),
-                float(self.settings.true_cfg_scale),
-                False,
-                self.pipeline_config,
-            )
+            latents = self._denoise(model, self.scheduler, noise[i : i + 1], self._inputs(batch, i, 1))
             rewards.append(self._rewards(batch, i, latents))
         reward = float(torch.cat(rewards).mean())
         return {"loss": -reward, "reward": reward}
