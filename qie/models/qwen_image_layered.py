@@ -245,14 +245,7 @@ TINY_VAE: dict[str, Any] = {
 # The Layered demo's RGBA VAE: the tiny VAE's shape, trained on the demo's layers and shipped with qie (written by
 # scripts/train_demo_vae.py --layered). At the pipeline's 640² bucket it encodes a frame in ~0.5 s and decodes one in
 # ~0.8 s on one CPU core. (Twice as wide, it stayed at the frames' mean colour for longer than its training takes.)
-DEMO_VAE: dict[str, Any] = {
-    "base_dim": 4,
-    "z_dim": TINY_Z_DIM,
-    "dim_mult": [1, 1, 1, 1, 1],
-    "num_res_blocks": 1,
-    "temperal_downsample": [False, False, False, False],
-    "input_channels": 4,
-}
+DEMO_VAE: dict[str, Any] = {k: v for k, v in TINY_VAE.items() if k not in ("latents_mean", "latents_std")}
 TINY = qwen_image.TINY.but(
     transformer={
         "in_channels": 4 * TINY_Z_DIM,
