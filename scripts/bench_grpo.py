@@ -89,6 +89,7 @@ def report(args: argparse.Namespace, out: Path, scores: dict, curve: list, secon
         "train_timesteps": args.train_timesteps,
         "lr": args.lr,
         "kl_weight": args.kl_weight,
+        "overrides": args.set,
         "sft_seconds": round(sft_seconds, 1),
         "grpo_seconds": round(seconds, 1),
         "seconds_per_step": round(per_step, 3),
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--kl-weight", type=float, default=0.04)
     parser.add_argument("--sft-lora", type=Path, default=None, help="start from this LoRA instead of training one")
+    parser.add_argument("--set", action="append", default=[], help="a further override of the GRPO run (KEY=VALUE)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="qie-bench-grpo-"))
@@ -158,6 +160,7 @@ def main() -> None:
         f"data.batch_size={args.batch_size}",
         f"train.learning_rate={args.lr}",
         "train.lr_scheduler.num_warmup_steps=0",
+        *args.set,
     ]
     t0 = time.perf_counter()
     result = train.run(compose("train", overrides), out / "grpo")

@@ -106,6 +106,24 @@ def test_the_sde_steps_log_probability_is_the_gaussian_log_density_of_the_step_t
     )
 
 
+def test_a_rollout_draws_noise_only_at_its_noisy_steps_and_takes_the_odes_step_elsewhere() -> None:
+    g = torch.Generator().manual_seed(0)
+    sigmas = torch.tensor([1.0, 0.6, 0.25, 0.0])
+    run = SdeRun("rollout", 0.7, g, noisy=[1])
+    sample, velocity = torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 3, generator=g)
+    state = torch.Generator().get_state()
+    first = run.step(sigmas, velocity, sample)
+    torch.testing.assert_close(first, sample + velocity * (0.6 - 1.0))  # the ODE's Euler step, no noise drawn
+    second = run.step(sigmas, velocity, first)
+    assert set(run.log_probs) == {1}  # only a noisy step has a log-probability
+    mean = sde_mean(first, velocity, sigmas[1], sigmas[2], sde_std(sigmas[1], sigmas[1], 0.7))
+    assert float((second - mean).abs().max()) > 1e-3  # noise was drawn at step 1
+    assert torch.equal(torch.Generator().get_state(), state)
+    third = run.step(sigmas, velocity, second)
+    torch.testing.assert_close(third, second + velocity * (0.0 - 0.25))
+    assert len(run.states) == 4
+
+
 def test_advantages_are_normalised_within_each_group_and_the_ratio_clipped() -> None:
     rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 10.0])
     adv = group_advantages(rewards, 3)
@@ -159,6 +177,22 @@ def test_the_same_generator_gives_the_same_loss(tiny) -> None:
     assert float(first.detach()) == float(again.detach())
 
 
+def test_with_noise_only_at_the_trained_steps_a_shared_start_group_differs_only_there(tiny) -> None:
+    cfg, spec, parts = tiny
+    policy = lora_model(cfg)
+    objective = grpo_objective(spec, parts, noisy_steps="trained", shared_start=True, train_timesteps=1)
+    objective.prepare(policy)
+    run, rewards = objective.rollout(policy, rollout_batch(), 0, torch.Generator().manual_seed(5), noisy=[1])
+    start, after_first, after_second = run.states[0], run.states[1], run.states[2]
+    assert all(torch.equal(start[0], start[k]) for k in range(3))  # one starting noise for the group
+    for k in (1, 2):  # step 0 is the ODE's: alike (up to the batch's rounding)
+        torch.testing.assert_close(after_first[k], after_first[0], atol=1e-6, rtol=0)
+    assert float((after_second[0] - after_second[1]).abs().max()) > 1e-2  # step 1 drew each edit's noise
+    assert set(run.log_probs) == {1} and rewards.shape == (3,)
+    loss = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(7))
+    assert torch.isfinite(loss) and objective.step_metrics()["reward_std"] > 0
+
+
 @pytest.mark.parametrize(
     ("lora", "regularization", "options", "message"),
     [
@@ -167,6 +201,7 @@ def test_the_same_generator_gives_the_same_loss(tiny) -> None:
         (True, False, {**SETTINGS, "group_size": 1}, r"train.objective.group_size=1 is out of range"),
         (True, False, {**SETTINGS, "train_timesteps": 4}, r"train.objective.train_timesteps=4 is out of range"),
         (True, False, {"group_size": 2}, r"train/objective=grpo needs a reward"),
+        (True, False, {**SETTINGS, "noisy_steps": "some"}, r"train.objective.noisy_steps=some is out of range"),
         (True, False, {**SETTINGS, "reference_lora": "/no/such.safetensors"}, r"reference_lora=.* does not exist"),
     ],
 )

@@ -57,6 +57,8 @@ class SdeRun:
         generator: a CPU generator; the rollout's step noise comes from it.
         states: a replay's recorded states x_0 .. x_N (each (B, ...) as the loop holds them).
         chosen: the steps a replay runs the model at.
+        noisy: the steps a rollout draws noise at (an SDE step); elsewhere it takes the ODE's step (Euler, as the
+            family's scheduler), which records no log-probability. None: every step.
     """
 
     def __init__(
@@ -66,9 +68,11 @@ class SdeRun:
         generator: torch.Generator | None = None,
         states: Sequence[torch.Tensor] = (),
         chosen: Sequence[int] = (),
+        noisy: Sequence[int] | None = None,
     ) -> None:
         self.mode, self.noise_level, self.generator = mode, float(noise_level), generator
         self.states, self.chosen = list(states), set(int(c) for c in chosen)
+        self.noisy = None if noisy is None else set(int(n) for n in noisy)
         self.index = 0
         self.start: torch.Tensor | None = None  # the loop's starting noise (its layout, not the steps')
         self.log_probs: dict[int, torch.Tensor] = {}  # step -> (B,) log-probability of the step taken
@@ -110,6 +114,10 @@ class SdeRun:
             return taken
         if i == 0:
             self.states = [sample.detach()]
+        if self.noisy is not None and i not in self.noisy:
+            taken = (sample.float() + velocity.float() * (sigma_next - sigma)).to(sample.dtype)
+            self.states.append(taken.detach())
+            return taken
         eps = torch.randn(sample.shape, generator=self.generator, dtype=torch.float32).to(sample.device)
         taken = (mean + scale * eps).to(sample.dtype)
         self.states.append(taken.detach())

@@ -39,6 +39,7 @@ from qie.training.objectives.dpo import Reference
 from qie.types import Batch
 
 NAME = "grpo"
+NOISY_STEPS = ("all", "trained")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class GrpoSettings:
     true_cfg_scale: float = 1.0
     reward: Any = None  # a {_target_: ..., keys} node
     reference_lora: str | None = None  # a LoRA file as the reference (else the base with the adapter off)
+    noisy_steps: str = "all"  # "all": every step an SDE step; "trained": only the trained ones (ODE elsewhere)
+    shared_start: bool = False  # a group's edits start from one noise
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> GrpoSettings:
@@ -76,6 +79,7 @@ class GrpoSettings:
             ("clip_range", s.clip_range > 0, "give a value above 0 (e.g. 1e-4)"),
             ("kl_weight", s.kl_weight >= 0, "give 0 or more (e.g. 0.04)"),
             ("true_cfg_scale", s.true_cfg_scale >= 1, "give 1 (no CFG) or more"),
+            ("noisy_steps", s.noisy_steps in NOISY_STEPS, f"give one of {', '.join(NOISY_STEPS)}"),
         ]
         for name, ok, hint in checks:
             if not ok:  # NaN fails every comparison
@@ -127,6 +131,8 @@ class Grpo:
         true_cfg_scale: float = 1.0,
         reward: Any = None,
         reference_lora: str | None = None,
+        noisy_steps: str = "all",
+        shared_start: bool = False,
     ) -> None:
         self.settings = s = GrpoSettings(
             group_size,
@@ -138,6 +144,8 @@ class Grpo:
             true_cfg_scale,
             reward,
             reference_lora,
+            noisy_steps,
+            bool(shared_start),
         ).checked()
         if inputs.scheduler is None or inputs.decoder is None:
             raise ValueError(f"train/objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
@@ -215,23 +223,36 @@ class Grpo:
         scores = torch.as_tensor(scores, dtype=torch.float64).reshape(n)
         return scores if self.reward.higher_is_better else -scores  # `reward_value`
 
-    def rollout(self, model: Any, batch: Batch, i: int, generator: torch.Generator) -> tuple[SdeRun, torch.Tensor]:
-        """Sample `i`'s group of edits under `model` (no gradient): the recorded run and the rewards."""
+    def rollout(
+        self, model: Any, batch: Batch, i: int, generator: torch.Generator, noisy: list[int] | None = None
+    ) -> tuple[SdeRun, torch.Tensor]:
+        """Sample `i`'s group of edits under `model` (no gradient), with noise in the steps `noisy` (None: all):
+        the recorded run and the rewards."""
         g = int(self.settings.group_size)
         inputs = self._inputs(batch, i, g)
         shape, device = batch.latents.shape[1:], batch.latents.device
-        noise = initial_noise((g, *shape), generator, device, batch.prompt_embeds.dtype)
-        run = SdeRun("rollout", self.settings.noise_level, generator)
+        starts = 1 if self.settings.shared_start else g
+        noise = initial_noise((starts, *shape), generator, device, batch.prompt_embeds.dtype).expand(g, *shape)
+        run = SdeRun("rollout", self.settings.noise_level, generator, noisy=noisy)
         run.start = noise  # where a replay starts
         with torch.no_grad():
             latents = self._run(model, run, noise, inputs)
         return run, self._rewards(batch, i, latents)
 
+    def _chosen(self, generator: torch.Generator) -> list[int]:
+        """The steps of one sample's rollouts that get a gradient, drawn at random."""
+        s = self.settings
+        return sorted(torch.randperm(int(s.sampling_steps), generator=generator)[: int(s.train_timesteps)].tolist())
+
     def _sample_loss(self, model: Any, batch: Batch, i: int, generator: torch.Generator) -> torch.Tensor:
         s = self.settings
-        rollout, rewards = self.rollout(model, batch, i, generator)
+        if s.noisy_steps == "trained":  # the steps with noise are chosen first: the rollout needs them
+            chosen = self._chosen(generator)
+            rollout, rewards = self.rollout(model, batch, i, generator, noisy=chosen)
+        else:
+            rollout, rewards = self.rollout(model, batch, i, generator)
+            chosen = self._chosen(generator)
         advantages = group_advantages(rewards, s.group_size).to(batch.latents.device)
-        chosen = sorted(torch.randperm(int(s.sampling_steps), generator=generator)[: int(s.train_timesteps)].tolist())
         inputs, noise = self._inputs(batch, i, s.group_size), rollout.start
         policy = SdeRun("replay", s.noise_level, states=rollout.states, chosen=chosen)
         self._run(model, policy, noise, inputs)
