@@ -1,10 +1,12 @@
-"""`train.fsdp=true` for every family of the battery in ONE pair of processes (a process start costs seconds):
+"""The battery's two-process cases (`train.fsdp=true`, online RL) for every family in ONE pair of processes (a
+process start costs seconds):
 
     torchrun --standalone --nproc_per_node 2 tests/battery_fsdp.py JOBS.json RESULTS.json
 
-JOBS.json lists {"family", "overrides", "run_dir"}; each is trained in turn through the train stage, and the
-main process writes {family: {"losses", "ranks_agree", "lora"} or {"error"}} to RESULTS.json. A family that
-fails is recorded and the next one runs. Used by tests/test_family_battery.py.
+JOBS.json lists {"key", "overrides", "run_dir"}; each is trained in turn through the train stage, and the main
+process writes {key: {"losses", "ranks_agree", "lora", "steps"} or {"error"}} to RESULTS.json ("steps": the lines of
+the run's metrics.jsonl that hold a loss). A job that fails is recorded and the next one runs. Used by
+tests/test_family_battery.py.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ def train_one(job: dict) -> dict:
     from qie.config import compose
     from qie.stages import train
 
-    result = train.run(compose("train", [*job["overrides"], "train.fsdp=true"]), Path(job["run_dir"]))
-    return {"losses": result["losses"], "ranks_agree": result["ranks_agree"], "lora": result.get("lora")}
+    run_dir = Path(job["run_dir"])
+    result = train.run(compose("train", job["overrides"]), run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").is_file() else []
+    steps = [r for r in map(json.loads, lines) if "loss" in r]
+    return {
+        "losses": result["losses"],
+        "ranks_agree": result["ranks_agree"],
+        "lora": result.get("lora"),
+        "steps": steps,
+    }
 
 
 def main(jobs_file: str, results_file: str) -> None:
@@ -34,9 +44,9 @@ def main(jobs_file: str, results_file: str) -> None:
     results = {}
     for job in json.loads(Path(jobs_file).read_text()):
         try:
-            results[job["family"]] = train_one(job)
-        except Exception as e:  # recorded per family: the test names the family and the error
-            results[job["family"]] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+            results[job["key"]] = train_one(job)
+        except Exception as e:  # recorded per job: the test names the family and the error
+            results[job["key"]] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
             traceback.print_exc()
         # The next run's Accelerator starts from fresh settings (FSDP plugin, mixed precision), as in a new process.
         AcceleratorState._reset_state()

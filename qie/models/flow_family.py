@@ -20,6 +20,28 @@ from qie.models.flow import inference_sigmas, shift_mu
 from qie.models.sampling import Prediction, PromptInputs, denoise, true_cfg_enabled
 
 
+class CalledThrough:
+    """A model inside a data-parallel wrapper (its `.module`) as a sampling loop uses it: each call goes through the
+    wrapper (so a gradient taken through the loop is synchronised across processes), every attribute (its config,
+    its blocks) is the inner model's, which the wrapper does not forward."""
+
+    def __init__(self, outer: Any) -> None:
+        self.outer, self.inner = outer, outer.module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.outer(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def sampled(transformer: Any) -> Any:
+    """`transformer` as a sampling loop calls it: through `CalledThrough` where it wraps a module."""
+    return (
+        CalledThrough(transformer) if isinstance(getattr(transformer, "module", None), torch.nn.Module) else transformer
+    )
+
+
 class FlowLoop:
     """One denoising run of a family: the packed noise (`latents`) and what its predictions need.
 
@@ -93,7 +115,7 @@ class FlowLoop:
         Returns:
             Normalised latents in the noise's layout.
         """
-        run = cls(transformer, noise, controls)
+        run = cls(sampled(transformer), noise, controls)
         scheduler = type(scheduler).from_config(scheduler.config)
         chosen = cls.sigmas(steps, pipeline_config, sigmas)
         timesteps, _ = retrieve_timesteps(scheduler, None, noise.device, sigmas=chosen, mu=run.mu(scheduler.config))

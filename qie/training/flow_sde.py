@@ -127,19 +127,31 @@ class SdeRun:
     def skipping(self, model: Any) -> Any:
         """`model` as a replay calls it: run at the chosen steps and at the first (a loop may keep what the model
         computes there: Qwen-Image-2.1's key/value cache of its condition); elsewhere zeros shaped as its input. Its
-        attributes are the model's (a loop reads its config)."""
-        run = self
+        attributes are the model's (a loop reads its config).
+
+        Where `model` is a data-parallel wrapper, the first call goes through it and the others through the module
+        it wraps: one wrapper call per replay on every process, however many steps each draws, so the wrapper's
+        per-call exchanges match across processes, and the backward pass still averages the gradients."""
+        run, inner = self, unwrapped(model)
 
         class Skipping:
             def __call__(self, *args: Any, hidden_states: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor]:
-                if run.index in run.chosen or run.index == 0:
+                if run.index == 0:
                     return model(*args, hidden_states=hidden_states, **kwargs)
+                if run.index in run.chosen:
+                    return inner(*args, hidden_states=hidden_states, **kwargs)
                 return (torch.zeros_like(hidden_states),)
 
             def __getattr__(self, name: str) -> Any:
-                return getattr(model, name)
+                return getattr(inner, name)
 
         return Skipping()
+
+
+def unwrapped(model: Any) -> Any:
+    """The module inside a data-parallel wrapper (its `.module`), else `model`."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
@@ -161,4 +173,12 @@ def clipped_loss(
     return torch.maximum(unclipped, clipped).mean(), fraction.detach()
 
 
-__all__ = ["SdeRun", "clipped_loss", "gaussian_log_prob", "group_advantages", "sde_mean", "sde_std"]
+__all__ = [
+    "SdeRun",
+    "clipped_loss",
+    "gaussian_log_prob",
+    "group_advantages",
+    "sde_mean",
+    "sde_std",
+    "unwrapped",
+]

@@ -32,7 +32,7 @@ import torch
 from qie.data.images import rgb
 from qie.errors import ConfigError
 from qie.models.sampling import PromptInputs, initial_noise
-from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages
+from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages, unwrapped
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse, StepMeans
 from qie.training.objectives.distill import sample_inputs
 from qie.training.objectives.dpo import Reference
@@ -204,7 +204,9 @@ class Grpo:
         )
 
     def _run(self, model: Any, run: SdeRun, noise: torch.Tensor, inputs: tuple) -> torch.Tensor:
-        caller = run.skipping(model) if run.mode == "replay" else model
+        """`run` through the family's loop: a rollout calls the module itself (no gradient: a data-parallel wrapper
+        has nothing to do), a replay calls it as `SdeRun.skipping` says."""
+        caller = run.skipping(model) if run.mode == "replay" else unwrapped(model)
         return self._denoise(caller, run.scheduler(self.scheduler), noise, inputs)
 
     def _rewards(self, batch: Batch, i: int, latents: torch.Tensor) -> torch.Tensor:
@@ -258,7 +260,7 @@ class Grpo:
         self._run(model, policy, noise, inputs)
         reference = SdeRun("replay", s.noise_level, states=rollout.states, chosen=chosen)
         with torch.no_grad(), self.reference.active():
-            self._run(model, reference, noise, inputs)
+            self._run(unwrapped(model), reference, noise, inputs)
         new = torch.stack([policy.log_probs[c] for c in chosen], 1)
         old = torch.stack([rollout.log_probs[c] for c in chosen], 1)
         pg, clipped = clipped_loss(advantages, new, old, float(s.clip_range))
