@@ -278,23 +278,20 @@ def transformer_config(cfg, spec, setup: Setup, num_layers: int | None) -> dict:
     return {**config, "num_layers": num_layers} if num_layers else config
 
 
-def build_parts(cfg, spec, setup: Setup, accelerator, num_layers: int | None):
+def build_parts(cfg, plan, setup: Setup, accelerator, num_layers: int | None):
     """The transformer and the noise scheduler, where the train stage builds them: the tiny checkpoint through the
     stage's `load_model`; a real-size transformer with random weights (quantized as `model.quantize` says, fp8
     computed as `model.fp8_compute` decides for the build device; nf4 through a saved folder, as bitsandbytes
     quantizes while loading)."""
     from qie.components import Parts, resolve_dtype
     from qie.components.quantize import quantize_transformer
-    from qie.config import typed
     from qie.models.real_size import random_model
     from qie.runtime.memory import MemorySettings
-    from qie.stages.settings import fused_base
     from qie.stages.train_model import load_model
 
     if not setup.real:
-        model, train = typed(cfg.model), typed(cfg.train)
-        memory = MemorySettings.of(train, spec.family)
-        return load_model(model, memory, bool(train.compile), accelerator, spec, fused_base(model, spec))
+        return load_model(plan, accelerator)
+    spec = plan.spec
     family = spec.family
     quantize = str(cfg.model.quantize)
     device = MemorySettings.of(cfg.train, family).build_device(accelerator.device)
@@ -389,7 +386,7 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     from qie.runtime.memory import MemorySettings
     from qie.stages.accelerator import make_accelerator
     from qie.stages.settings import fused_base
-    from qie.stages.train_model import build_train_state, loop_settings, make_objective
+    from qie.stages.train_model import ModelPlan, build_train_state, loop_settings, make_objective
     from qie.stages.train_setup import train_mode
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit
@@ -400,10 +397,12 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=setup.work))
     memory = MemorySettings.of(train, spec.family)
     accelerator = make_accelerator(train, memory, str(model.dtype), run_dir)
-    mode = train_mode(train, spec, fused_base(model, spec))
-    parts = build_parts(cfg, spec, setup, accelerator, depth)
+    fused = fused_base(model, spec)
+    plan = ModelPlan(model, train, memory, train_mode(train, spec, fused), spec, fused)
+    parts = build_parts(cfg, plan, setup, accelerator, depth)
     block_params = sum(p.numel() for p in getattr(parts.transformer, spec.family.blocks)[0].parameters())
-    state, scheduler = build_train_state(model, train, memory, mode, accelerator, spec, parts)
+    state, _ = build_train_state(plan, accelerator, parts)
+    objective = make_objective(train, spec, parts)
     del parts
     work = workload(cfg, spec, setup)
     g = torch.Generator().manual_seed(0)
@@ -412,7 +411,7 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
         config, work, lambda *shape, dtype: torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
     )
     logger = MetricsLogger(run_dir, "none", False)
-    settings = loop_settings(train, typed(cfg.logging), make_objective(train, scheduler, spec))
+    settings = loop_settings(train, typed(cfg.logging), objective)
     try:
         fit(state, ((i, batch) for i in itertools.count()), settings, logger, on_step_end=recorder)
     finally:

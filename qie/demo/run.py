@@ -22,8 +22,7 @@ a checkerboard where they are transparent.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ from PIL import Image
 
 from qie.components import prepare_model
 from qie.config import for_stage, typed, updated
-from qie.config.roots import DemoConfig
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
@@ -50,6 +48,7 @@ from qie.models import ModelSpec
 from qie.models.sampling import SamplingOptions
 from qie.stages import infer, precompute, train
 from qie.stages.edge import Edge
+from qie.stages.recipe import Recipe
 from qie.stages.settings import sampling_options
 from qie.training.evaluate import heldout_loss
 from qie.training.logging import MetricsLogger
@@ -61,29 +60,36 @@ TILE = 128
 GRID_TAG = "demo/heldout"
 
 
-@contextmanager
-def _threads(count: int) -> Iterator[None]:
-    """torch's intra-op thread count set to `count` (0: left as it is), restored afterwards."""
-    before = torch.get_num_threads()
-    if count > 0:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Run the demo in `run_dir`; returns the report also written to `run_dir/demo_report.json`.
 
     The demo's edge: it reads `cfg` here, and runs the precompute and train stages on configs made of it (each
     stage's `run` its own edge)."""
-    d, model, run_dir = typed(cfg.demo), typed(cfg.model), Path(run_dir)
-    with _threads(int(d.threads)):
-        spec = prepare_model(model)
-        kind = data_kind(spec)  # an image and its layers; else edits, or shapes from their descriptions
-        output = OUTPUTS[kind]
-        data_root = make_dataset(
+    return DemoRecipe(cfg, Path(run_dir)).execute()
+
+
+class DemoRecipe(Recipe):
+    """The demo: `setup()` sets torch's thread count (`demo.threads`), makes the data set and the stages' configs;
+    `run()` precomputes, trains, measures and exports; `cleanup()` restores the thread count.
+
+    Args:
+        cfg: the demo's composed config: the stages' configs are made of it.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.d, self.model, self.predict = typed(cfg.demo), typed(cfg.model), typed(cfg.predict)
+        self.threads: int | None = None
+
+    def setup(self) -> None:
+        d, run_dir = self.d, self.run_dir
+        self.threads = torch.get_num_threads()
+        if int(d.threads) > 0:
+            torch.set_num_threads(int(d.threads))
+        self.spec = prepare_model(self.model)
+        kind = data_kind(self.spec)  # an image and its layers; else edits, or shapes from their descriptions
+        self.output = OUTPUTS[kind]
+        self.data_root = make_dataset(
             run_dir / "data",
             d.train_samples,
             d.heldout_samples,
@@ -92,76 +98,56 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             kind == "edit",
             kind == "layered",
         )
-        train_cfg = updated(
-            cfg, {"data.path": str(data_root / "train"), "cache.dir": str(run_dir / "cache"), "cache.mode": "cached"}
-        )
-        heldout_cfg = updated(train_cfg, {"data.path": str(data_root / "heldout")})
-        for split_cfg, name in ((train_cfg, "train"), (heldout_cfg, "heldout")):
+        at = {"data.path": str(self.data_root / "train"), "cache.dir": str(run_dir / "cache"), "cache.mode": "cached"}
+        self.train_cfg = updated(self.cfg, at)
+        self.heldout_cfg = updated(self.train_cfg, {"data.path": str(self.data_root / "heldout")})
+
+    def run(self) -> dict:
+        run_dir = self.run_dir
+        for split_cfg, name in ((self.train_cfg, "train"), (self.heldout_cfg, "heldout")):
             precompute.run(for_stage(split_cfg, "precompute"), run_dir / f"precompute_{name}")
-
-        result = train.run(train_cfg, run_dir / "train")
-
-        predict, heldout = typed(cfg.predict), Edge.of(heldout_cfg, spec)
-        source = heldout.source(heldout.source_settings(mode="cached"))
-        predictor = infer.build_predictor(model, replace(predict, lora=None), spec)
-        report = _measure(
-            spec,
-            output,
-            source,
-            predictor,
-            sampling_options(predict),
-            d,
-            data_root,
-            result,
-            int(heldout.data.target_pixels),
-            str(cfg.logging.report_to),
-            run_dir,
-        )
+        result = train.run(self.train_cfg, run_dir / "train")
+        report = self._measure(result)
         # the Hub-ready folder beside the run: run_dir/export
-        export_demo(run_dir, OmegaConf.to_container(train_cfg, resolve=True), report)
+        export_demo(run_dir, OmegaConf.to_container(self.train_cfg, resolve=True), report)
         return report
 
+    def cleanup(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
 
-def _measure(
-    spec: ModelSpec,
-    output: Output,
-    source: Any,
-    predictor: infer.Predictor,
-    options: SamplingOptions,
-    d: DemoConfig,
-    data_root: Path,
-    result: dict,
-    pixels: int,
-    report_to: str,
-    run_dir: Path,
-) -> dict:
-    """Measure the base model and the LoRA on the held-out samples (targets at `pixels`); write the picture (logged
-    to `report_to`) and the report."""
-    samples = scan_dataset(data_root / "heldout").samples
-    heldout = Heldout(
-        samples,
-        source,
-        predictor,
-        options,
-        int(d.seed),
-        int(d.image_size),
-        # Each sample's frames as the model sees them: the target (a layered sample's composite), then its layers.
-        [[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in samples],
-        # The frames' normalised latents (C, frames, h, w) as training sees them: the held-out cache's entries.
-        [embeddings.pixel_latent for embeddings in source.get(samples)],
-    )
-
-    psnr = vae_psnr(predictor.parts.vae, heldout.frames, heldout.encoded, spec)
-    base = _evaluate(heldout, output, run_dir / "predictions" / "base")
-    predictor.load_lora(result["lora"])
-    lora = _evaluate(heldout, output, run_dir / "predictions" / "lora")
-
-    compared = output.compare(heldout, base, lora)
-    picture = _picture(report_to, run_dir, compared.rows, compared.captions, compared.titles, int(result["step"]))
-    report = _report(base.loss, lora.loss, psnr, compared, result, picture, run_dir)
-    (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
-    print(format_report(report, run_dir) + f"\n  page:        {write_demo_page(run_dir, report)}")
-    return report
+    def _measure(self, result: dict) -> dict:
+        """Measure the base model and the LoRA on the held-out samples; write the picture (logged where
+        `logging.report_to` says) and the report."""
+        spec, d, run_dir = self.spec, self.d, self.run_dir
+        edge = Edge.of(self.heldout_cfg, spec)
+        source = edge.source(edge.source_settings(mode="cached"))
+        predictor = infer.build_predictor(self.model, replace(self.predict, lora=None), spec)
+        pixels = int(edge.data.target_pixels)
+        samples = scan_dataset(self.data_root / "heldout").samples
+        heldout = Heldout(
+            samples,
+            source,
+            predictor,
+            sampling_options(self.predict),
+            int(d.seed),
+            int(d.image_size),
+            # Each sample's frames as the model sees them: the target (a layered sample's composite), its layers.
+            [[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in samples],
+            # The frames' normalised latents (C, frames, h, w) as training sees them: the held-out cache's entries.
+            [embeddings.pixel_latent for embeddings in source.get(samples)],
+        )
+        psnr = vae_psnr(predictor.parts.vae, heldout.frames, heldout.encoded, spec)
+        base = _evaluate(heldout, self.output, run_dir / "predictions" / "base")
+        predictor.load_lora(result["lora"])
+        lora = _evaluate(heldout, self.output, run_dir / "predictions" / "lora")
+        compared = self.output.compare(heldout, base, lora)
+        report_to, step = str(self.cfg.logging.report_to), int(result["step"])
+        picture = _picture(report_to, run_dir, compared.rows, compared.captions, compared.titles, step)
+        report = _report(base.loss, lora.loss, psnr, compared, result, picture, run_dir)
+        (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
+        print(format_report(report, run_dir) + f"\n  page:        {write_demo_page(run_dir, report)}")
+        return report
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ object store URL or a cache folder, `qie.cache.sync`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -15,11 +16,12 @@ from qie.config.backend import build_backend
 from qie.config.cache import SyncConfig
 from qie.errors import ConfigError
 from qie.stages.cache_gc import check_gc_data, collect_garbage, gc_setup
+from qie.stages.recipe import Recipe
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
     """Run the admin action of a composed `cache` config, print its report, return the exit code. The stage's
-    edge: the one place that reads `cfg`.
+    edge: the one place that reads `cfg`, then run by the `CacheAdminRecipe`.
 
     Raises:
         ConfigError: an unknown type or backend; StorageError: a cache folder that is missing or a file.
@@ -28,19 +30,42 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
         types = check_types(list(cfg.cache.types))
     except ValueError as e:
         raise ConfigError(f"cache.types: {e}") from None
-    backend = build_backend(cfg.cache)
     action = str(cfg.action)
     if action == "sync":
-        report = _sync(typed(cfg.sync), backend, types)
+        work: Any = typed(cfg.sync)
     elif action == "gc":
         data = typed(cfg.data)
         check_gc_data(data)
-        setup = gc_setup(typed(cfg.model), data, typed(cfg.cache), typed(cfg.gc), precompute_command(cfg))
-        report = collect_garbage(setup, backend)
+        work = gc_setup(typed(cfg.model), data, typed(cfg.cache), typed(cfg.gc), precompute_command(cfg))
     else:
-        report = run_admin(backend, action, types, fix=bool(cfg.verify.fix))
-    print(report)
-    return report.exit_code
+        work = bool(cfg.verify.fix)
+    return CacheAdminRecipe(cfg.cache, action, types, work).execute()
+
+
+class CacheAdminRecipe(Recipe):
+    """The cache admin stage: `setup()` opens the backend, `run()` runs the action and prints its report.
+
+    Args:
+        cache: the cache group as composed (its backend reads its own keys: `build_backend`).
+        action: stats, clear, verify, gc or sync; types: the entry types it covers.
+        work: what the action reads besides: sync's `SyncConfig`, gc's `gc_setup`, verify's `fix`.
+    """
+
+    def __init__(self, cache: Any, action: str, types: list[str], work: Any) -> None:
+        self.cache, self.action, self.types, self.work = cache, action, types, work
+
+    def setup(self) -> None:
+        self.backend = build_backend(self.cache)
+
+    def run(self) -> int:
+        if self.action == "sync":
+            report = _sync(self.work, self.backend, self.types)
+        elif self.action == "gc":
+            report = collect_garbage(self.work, self.backend)
+        else:
+            report = run_admin(self.backend, self.action, self.types, fix=bool(self.work))
+        print(report)
+        return report.exit_code
 
 
 def _sync(s: SyncConfig, backend, types: list[str]):

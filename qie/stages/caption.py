@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from qie.components import LoadSettings, load_parts, prepare_model
 from qie.config import typed, validate
+from qie.config.cache import CacheConfig
 from qie.config.caption import CaptionConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
@@ -36,6 +37,7 @@ from qie.stages.caption_output import FolderOutput, ManifestOutput
 from qie.stages.datasets import read_data, sample_range, write_failures
 from qie.stages.precompute_work import share
 from qie.stages.processes import leave_process_group, warn_single_process
+from qie.stages.recipe import Recipe
 from qie.stages.settings import data_source
 
 
@@ -103,41 +105,59 @@ def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings
 
 def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
     """Caption `cfg.data` with `cfg.model`'s text encoder; returns (and, unless a dry run, writes) the summary. The
-    stage's edge: the one place that reads `cfg`.
+    stage's edge: the one place that reads `cfg`, then run by the `CaptionRecipe`.
 
     Raises:
         ConfigError: bad settings. DataError: no usable sample; with on_error=raise, the first bad sample.
         StorageError: an output or run folder that cannot be written (found before any model is built).
     """
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    from accelerate import PartialState
-
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at the data set folder or manifest to caption")
     model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
-    settings = read_settings(typed(cfg.caption))
-    spec = prepare_model(model)
-    state = PartialState(cpu=not torch.cuda.is_available())  # see qie.stages.precompute.run
-    warn_single_process(state.num_processes, "qie.caption")
-    everything = read_data(data_source(data, cache.dir), require_prompt=False)
-    items = sample_range(everything, settings.start, settings.end, settings.raise_errors, "caption.on_error")
-    output = make_output(data, settings, state.process_index)
-    if not settings.dry_run:
-        check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
-    main = state.is_main_process
-    summary = CaptionSummary()
-    todo = pick(items, output, settings, summary, report=main)
-    mine = [s for s, _ in share([(s, {"id": s.id}) for s in todo], state.num_processes, state.process_index)]
-    if settings.dry_run:
-        mine = mine[: settings.dry_run] if main else []
-    summary.samples = len(mine)
-    if mine:
-        captioner = build_captioner(model, spec, str(cache.text_encoder_device), settings)
-        caption_all(captioner, mine, spec, settings, output, summary, run_info(model, settings))
-    summary.processes = [{"process": state.process_index, "captioned": summary.captioned}]
-    summary = finish(state, summary, output, everything.samples, settings, Path(run_dir))
-    leave_process_group(state)
-    return summary
+    return CaptionRecipe(model, data, cache, read_settings(typed(cfg.caption)), Path(run_dir)).execute()
+
+
+class CaptionRecipe(Recipe):
+    """The caption stage: `setup()` joins the processes, reads the range and picks this process's samples that
+    need a caption; `run()` captions them with the model's VL text encoder and writes the summary."""
+
+    def __init__(
+        self, model: ModelConfig, data: DataConfig, cache: CacheConfig, settings: Settings, run_dir: Path
+    ) -> None:
+        self.model, self.data, self.cache, self.settings, self.run_dir = model, data, cache, settings, run_dir
+
+    def setup(self) -> None:
+        from accelerate import PartialState
+
+        settings = self.settings
+        self.spec = prepare_model(self.model)
+        self.state = state = PartialState(cpu=not torch.cuda.is_available())  # see qie.stages.precompute
+        warn_single_process(state.num_processes, "qie.caption")
+        self.everything = read_data(data_source(self.data, self.cache.dir), require_prompt=False)
+        items = sample_range(self.everything, settings.start, settings.end, settings.raise_errors, "caption.on_error")
+        self.output = make_output(self.data, settings, state.process_index)
+        if not settings.dry_run:
+            check_writable(self.run_dir, "the run directory (hydra.run.dir)")
+        main = state.is_main_process
+        self.summary = CaptionSummary()
+        todo = pick(items, self.output, settings, self.summary, report=main)
+        mine = [s for s, _ in share([(s, {"id": s.id}) for s in todo], state.num_processes, state.process_index)]
+        if settings.dry_run:
+            mine = mine[: settings.dry_run] if main else []
+        self.mine = mine
+
+    def run(self) -> CaptionSummary:
+        settings, summary, state, mine = self.settings, self.summary, self.state, self.mine
+        summary.samples = len(mine)
+        if mine:
+            captioner = build_captioner(self.model, self.spec, str(self.cache.text_encoder_device), settings)
+            info = run_info(self.model, settings)
+            caption_all(captioner, mine, self.spec, settings, self.output, summary, info)
+        summary.processes = [{"process": state.process_index, "captioned": summary.captioned}]
+        summary = finish(state, summary, self.output, self.everything.samples, settings, self.run_dir)
+        leave_process_group(state)
+        return summary
 
 
 def make_output(data: DataConfig, settings: Settings, process: int) -> FolderOutput | ManifestOutput:

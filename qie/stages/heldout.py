@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from qie.data.samples import Sample
@@ -41,59 +42,46 @@ def split_heldout(samples: list[Sample], count: int) -> tuple[list[Sample], list
     return [s for s in samples if s.id not in held], [s for s in samples if s.id in held]
 
 
-def measure_heldout(
-    result: dict,
-    state: TrainState,
-    source: Any,
-    heldout: list[Sample],
-    objective: Objective,
-    logger: MetricsLogger,
-    negatives: bool = False,
-) -> None:
-    """Add the trained model's held-out measures to `result` (`heldout_loss`, `heldout_<measure>`,
-    `heldout_samples`), log and print them. The main process measures; the others add nothing. `negatives`: the
-    objective reads the samples' empty-prompt embeddings."""
-    if not heldout or not state.accelerator.is_main_process:
-        return
-    metrics = _measure(state, source, heldout, objective, logger, int(result["step"]), negatives)
-    result.update({f"heldout_{k}": v for k, v in metrics.items()})
-    result["heldout_samples"] = len(heldout)
-    others = "".join(f", {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items() if k != "loss")
-    print(
-        f"qie: held-out loss {metrics['loss']:.4f}{others} on {len(heldout)} samples kept out of training "
-        "(validation.heldout_samples)"
-    )
+@dataclass(frozen=True)
+class HeldOut:
+    """A run's held-out samples and what measures them: the state's model under the objective's `evaluate`, their
+    embeddings from `source`, the measures logged by `logger`. `negatives`: the objective reads the samples'
+    empty-prompt embeddings. The main process measures; the others do nothing."""
 
+    state: TrainState
+    source: Any
+    samples: list[Sample]
+    objective: Objective
+    logger: MetricsLogger
+    negatives: bool = False
 
-def heldout_hook(
-    state: TrainState,
-    source: Any,
-    heldout: list[Sample],
-    objective: Objective,
-    logger: MetricsLogger,
-    every: int,
-    negatives: bool = False,
-) -> Callable[[StepInfo], None]:
-    """A step hook measuring and logging the held-out samples every `every` steps (`validation.every`), on the
-    main process."""
+    def measure_into(self, result: dict) -> None:
+        """Add the trained model's held-out measures to `result` (`heldout_loss`, `heldout_<measure>`,
+        `heldout_samples`), log and print them."""
+        if not self.samples or not self.state.accelerator.is_main_process:
+            return
+        metrics = self.measure(int(result["step"]))
+        result.update({f"heldout_{k}": v for k, v in metrics.items()})
+        result["heldout_samples"] = len(self.samples)
+        others = "".join(f", {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items() if k != "loss")
+        print(
+            f"qie: held-out loss {metrics['loss']:.4f}{others} on {len(self.samples)} samples kept out of training "
+            "(validation.heldout_samples)"
+        )
 
-    def hook(info: StepInfo) -> None:
-        if info.step % every == 0 and state.accelerator.is_main_process:
-            _measure(state, source, heldout, objective, logger, info.step, negatives)
+    def hook(self, every: int) -> Callable[[StepInfo], None]:
+        """A step hook measuring and logging the held-out samples every `every` steps (`validation.every`)."""
 
-    return hook
+        def hook(info: StepInfo) -> None:
+            if info.step % every == 0 and self.state.accelerator.is_main_process:
+                self.measure(info.step)
 
+        return hook
 
-def _measure(
-    state: TrainState,
-    source: Any,
-    heldout: list[Sample],
-    objective: Objective,
-    logger: MetricsLogger,
-    step: int,
-    negatives: bool = False,
-) -> dict[str, float]:
-    transformer = state.accelerator.unwrap_model(state.model)
-    metrics = heldout_metrics(transformer, source, heldout, objective.evaluate, seed=SEED, negatives=negatives)
-    logger.log_file(HELDOUT_FILE, step, {f"heldout/{k}": v for k, v in metrics.items()})
-    return metrics
+    def measure(self, step: int) -> dict[str, float]:
+        """The held-out measures of the model now, logged at `step`."""
+        transformer = self.state.accelerator.unwrap_model(self.state.model)
+        evaluate = self.objective.evaluate
+        metrics = heldout_metrics(transformer, self.source, self.samples, evaluate, seed=SEED, negatives=self.negatives)
+        self.logger.log_file(HELDOUT_FILE, step, {f"heldout/{k}": v for k, v in metrics.items()})
+        return metrics

@@ -34,6 +34,7 @@ from qie.models import ModelSpec, text_positions
 from qie.models.sampling import SamplingOptions, latent_sizes
 from qie.runtime.guards import damaged_weights, nonfinite_weights
 from qie.stages.datasets import read_data
+from qie.stages.recipe import Recipe
 from qie.stages.settings import data_source, fused_base, sampling_options
 
 
@@ -223,32 +224,62 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     model, p = typed(cfg.model), typed(cfg.predict)  # the stage's edge: the one place that reads `cfg`
     spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
-    if p.merge_to:
-        return [merge(model, p, run_dir, spec)]
-    options = sampling_options(p)
-    for note in spec.family.sampling_notes(
-        spec, pipeline_config(str(model.pretrained_model_name_or_path), model.revision), options
-    ):
-        print(f"infer: warning: {note}")
-    if p.input:
-        return run_batch(model, typed(cfg.data), p, run_dir, spec)
-    sources = list(p.images) if p.images else ([p.image] if p.image else [])
-    if not sources and spec.needs_controls:
-        raise ConfigError(
-            "no input image: set predict.image=FILE (predict.images=[A,B] for Edit-Plus, or predict.input=DATASET)"
-        )
-    if p.prompt is None:
-        raise ConfigError('no prompt: set predict.prompt="the instruction" (the image description for text to image)')
-    if problem := spec.control_problem(len(sources)):
-        raise ConfigError(f"{len(sources)} input images given: {problem}")
-    images = open_images(sources, spec.family.alpha)  # fail on a bad image before spending time on building the model
-    predictor = build_predictor(model, p, spec)
-    made = predictor.predict(images, p.prompt, options, progress=True)
-    out = resolve_output(p.output, run_dir)
-    written = spec.family.outputs.write(made, out, int(p.num_images))
-    for path in written:
-        print(f"infer: wrote {path}")
-    return written
+    data = typed(cfg.data) if p.input else None
+    return InferRecipe(model, p, spec, Path(run_dir), data).execute()
+
+
+class InferRecipe(Recipe):
+    """The infer stage: `setup()` checks the inputs (before the model is built) and builds the predictor, `run()`
+    writes the outputs; a merge (`predict.merge_to`) does its work in `run()`.
+
+    Args:
+        data: the data group that reads `predict.input`'s rows (a batch run), else None.
+    """
+
+    def __init__(
+        self, model: ModelConfig, predict: PredictConfig, spec: ModelSpec, run_dir: Path, data: DataConfig | None
+    ) -> None:
+        self.model, self.p, self.spec, self.run_dir, self.data = model, predict, spec, run_dir, data
+
+    def setup(self) -> None:
+        if self.p.merge_to:
+            return
+        self.options = sampling_options(self.p)
+        checkpoint = pipeline_config(str(self.model.pretrained_model_name_or_path), self.model.revision)
+        for note in self.spec.family.sampling_notes(self.spec, checkpoint, self.options):
+            print(f"infer: warning: {note}")
+        if self.data is None:
+            self.images = self._input_images()  # a bad image fails before time is spent on building the model
+
+    def run(self) -> list[Path]:
+        model, p, spec, run_dir = self.model, self.p, self.spec, self.run_dir
+        if p.merge_to:
+            return [merge(model, p, run_dir, spec)]
+        if self.data is not None:
+            return run_batch(model, self.data, p, run_dir, spec)
+        predictor = build_predictor(model, p, spec)
+        made = predictor.predict(self.images, p.prompt, self.options, progress=True)
+        written = spec.family.outputs.write(made, resolve_output(p.output, run_dir), int(p.num_images))
+        for path in written:
+            print(f"infer: wrote {path}")
+        return written
+
+    def _input_images(self) -> list[Image.Image]:
+        """`predict.image(s)`, opened; ConfigError for no image where the model edits, no prompt, or a count of
+        images the model does not take."""
+        p, spec = self.p, self.spec
+        sources = list(p.images) if p.images else ([p.image] if p.image else [])
+        if not sources and spec.needs_controls:
+            raise ConfigError(
+                "no input image: set predict.image=FILE (predict.images=[A,B] for Edit-Plus, or predict.input=DATASET)"
+            )
+        if p.prompt is None:
+            raise ConfigError(
+                'no prompt: set predict.prompt="the instruction" (the image description for text to image)'
+            )
+        if problem := spec.control_problem(len(sources)):
+            raise ConfigError(f"{len(sources)} input images given: {problem}")
+        return open_images(sources, spec.family.alpha)
 
 
 def run_batch(

@@ -51,6 +51,7 @@ from qie.stages.precompute_work import (
     share,
 )
 from qie.stages.processes import leave_process_group, warn_single_process
+from qie.stages.recipe import Recipe
 from qie.stages.recipes import regularization_samples
 from qie.stages.settings import (
     Regularization,
@@ -63,10 +64,10 @@ from qie.stages.settings import (
 from qie.stages.sources import build_encoder, model_key_context
 from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
 from qie.stages.teacher_fill import check_processes, fill_teachers
-from qie.stages.train_setup import train_setup
+from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training.objectives import objective_class, trains_on_targets
 
-__all__ = ["PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
+__all__ = ["PrecomputeRecipe", "PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,13 @@ class Settings:
 
 def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     """Fill the cache for `cfg.data` with `cfg.model`; returns (and writes) the summary. The stage's edge: the one
-    place that reads `cfg` (`read_settings`).
+    place that reads `cfg` (`read_settings`), then run by the `PrecomputeRecipe`.
 
     Raises:
         ConfigError: no data.path, no persistent cache.
         DataError: no usable sample, or none could be encoded; with on_error=raise, the first unreadable sample.
         StorageError: a cache or run folder that cannot be written (found before any model is built).
     """
-    from accelerate import PartialState
-
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
@@ -116,44 +115,77 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     if cfg.precompute.teachers:
         train_groups = (typed(cfg[k]) for k in ("model", "data", "cache", "train", "predict", "logging", "validation"))
         teachers = train_setup(settings.model, *train_groups, command, {})
-    backend = settings.backend
-    backend.check_access(write=True)
-    check_writable(Path(run_dir), "the run directory (hydra.run.dir)")
-    # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
-    # the CPU; otherwise each would think it is alone and encode everything.
-    state = PartialState(cpu=not torch.cuda.is_available())
-    warn_single_process(state.num_processes, "qie.precompute")
-    if teachers is not None:
-        check_processes(teachers, state.num_processes)
-    hasher = file_hasher(settings.source.cache_dir)
-    captions = auto_captions(settings.captions, settings.source, settings.model, True, backend, hasher)
-    with state.main_process_first():  # the main process writes the missing captions, the others read them
-        items = dataset_range(settings, captions)
-    summary = PrecomputeSummary.of(items)
-    main = state.is_main_process
-    if main:  # what every process finds alike, the main one reports
-        summary.temp_files_removed = backend.sweep_temp()
-    context = model_key_context(settings.source.model, settings.model, settings.sizes)
-    keyed = key_samples(items, context, hasher, settings, summary, report=main)
-    mine = share(keyed, state.num_processes, state.process_index)
-    # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
-    summary.samples = len(mine) + (len(items) - len(keyed) if main else 0)
-    groups = plan(mine, backend, summary, settings.repair)
-    desc = f"precompute[{state.process_index}]" * (state.num_processes > 1)
-    encode(groups, summary, settings, desc)
-    hasher.save()
-    if teachers is not None:  # this process's share is encoded: its embeddings are in the cache
-        summary.types[TEACHER_TYPE] = fill_teachers(teachers, [s for s, _ in mine], backend, Path(run_dir), desc)
-    totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
-    summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
-    if captions is not None and main:  # the main process wrote them (the others read them afterwards)
-        c = captions.counts
-        summary.types[CAPTION_TYPE] = TypeSummary(c.new, c.cached, c.failed, c.bytes_written)
-    summary = finish(state, summary, backend, settings.source.cache_dir, Path(run_dir))
-    leave_process_group(state)
-    if main:
-        refuse_if_none_encoded(summary, Path(run_dir))
-    return summary
+    return PrecomputeRecipe(settings, Path(run_dir), teachers).execute()
+
+
+class PrecomputeRecipe(Recipe):
+    """The precompute stage: `setup()` checks where it writes, joins the processes and keys this process's share
+    of the samples; `run()` encodes what is missing (and the teacher outputs), gathers and writes the summary;
+    `cleanup()` has nothing to give back (the processes leave their group once the run is done).
+
+    Args:
+        settings: the stage's settings (`read_settings`).
+        run_dir: where the summary and failure list are written (hydra.run.dir).
+        teachers: the training run's setup where `precompute.teachers` asks for its targets, else None.
+    """
+
+    def __init__(self, settings: Settings, run_dir: Path, teachers: TrainSetup | None = None) -> None:
+        self.settings, self.run_dir, self.teachers = settings, run_dir, teachers
+
+    def setup(self) -> None:
+        self._setup_processes()
+        self._setup_samples()
+
+    def run(self) -> PrecomputeSummary:
+        settings, summary, state = self.settings, self.summary, self.state
+        backend, main = settings.backend, state.is_main_process
+        groups = plan(self.mine, backend, summary, settings.repair)
+        desc = f"precompute[{state.process_index}]" * (state.num_processes > 1)
+        encode(groups, summary, settings, desc)
+        self.hasher.save()
+        if self.teachers is not None:  # this process's share is encoded: its embeddings are in the cache
+            mine = [s for s, _ in self.mine]
+            summary.types[TEACHER_TYPE] = fill_teachers(self.teachers, mine, backend, self.run_dir, desc)
+        totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
+        summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
+        if self.captions is not None and main:  # the main process wrote them (the others read them afterwards)
+            c = self.captions.counts
+            summary.types[CAPTION_TYPE] = TypeSummary(c.new, c.cached, c.failed, c.bytes_written)
+        summary = finish(state, summary, backend, settings.source.cache_dir, self.run_dir)
+        leave_process_group(state)
+        if main:
+            refuse_if_none_encoded(summary, self.run_dir)
+        return summary
+
+    def _setup_processes(self) -> None:
+        """Check the cache and run folder can be written, before any model is built, and join the processes."""
+        from accelerate import PartialState
+
+        self.settings.backend.check_access(write=True)
+        check_writable(self.run_dir, "the run directory (hydra.run.dir)")
+        # Without CUDA, accelerate only sees the processes of torchrun / `accelerate launch` when told it is on
+        # the CPU; otherwise each would think it is alone and encode everything.
+        self.state = PartialState(cpu=not torch.cuda.is_available())
+        warn_single_process(self.state.num_processes, "qie.precompute")
+        if self.teachers is not None:
+            check_processes(self.teachers, self.state.num_processes)
+
+    def _setup_samples(self) -> None:
+        """The range's samples (captions written where `data.auto_caption` asks), keyed; this process's share."""
+        settings, state, backend = self.settings, self.state, self.settings.backend
+        self.hasher = hasher = file_hasher(settings.source.cache_dir)
+        self.captions = auto_captions(settings.captions, settings.source, settings.model, True, backend, hasher)
+        with state.main_process_first():  # the main process writes the missing captions, the others read them
+            items = dataset_range(settings, self.captions)
+        self.summary = summary = PrecomputeSummary.of(items)
+        main = state.is_main_process
+        if main:  # what every process finds alike, the main one reports
+            summary.temp_files_removed = backend.sweep_temp()
+        context = model_key_context(settings.source.model, settings.model, settings.sizes)
+        keyed = key_samples(items, context, hasher, settings, summary, report=main)
+        self.mine = share(keyed, state.num_processes, state.process_index)
+        # Samples in the range: this process's share, plus (main) those that failed before it was dealt.
+        summary.samples = len(self.mine) + (len(items) - len(keyed) if main else 0)
 
 
 def refuse_if_none_encoded(summary: PrecomputeSummary, run_dir: Path) -> None:

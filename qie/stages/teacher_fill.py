@@ -59,15 +59,11 @@ def fill_teachers(
     (present), failed (a sample whose embeddings cannot be read)."""
     accelerator = make_accelerator(setup.train, setup.memory, str(setup.model.dtype), run_dir)
     source = build_source(setup.source.with_mode("cached"), setup.spec, backend)
-    parts = load_model(setup.model, setup.memory, bool(setup.train.compile), accelerator, setup.spec, setup.fused)
-    record = run_records(setup.model, setup.train, setup.spec, [], setup.fused)[0]
+    parts = load_model(setup.plan, accelerator)
+    record = run_records(setup.plan, [])[0]
     store = BackendTeacherStore(backend, fills=True)
-    objective: Any = make_objective(
-        setup.train, parts.scheduler, setup.spec, parts.pipeline_config, store, base_model_key(setup.model, record)
-    )
-    state, _ = build_train_state(
-        setup.model, setup.train, setup.memory, setup.mode, accelerator, setup.spec, parts, objective
-    )
+    objective: Any = make_objective(setup.train, setup.spec, parts, store, base_model_key(setup.model, record))
+    state, _ = build_train_state(setup.plan, accelerator, parts, objective)
     # The model under its mixed-precision autocast as training calls it, without the data-parallel wrapper: its
     # forward would sync buffers with the other processes, which fill shares of other lengths.
     model = accelerator.unwrap_model(state.model)

@@ -12,7 +12,6 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import json
 from collections.abc import Callable, Iterator
@@ -36,13 +35,14 @@ from qie.runtime.memory import full_tensor
 from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
-from qie.stages.heldout import heldout_hook, measure_heldout, split_heldout
+from qie.stages.heldout import HeldOut, split_heldout
+from qie.stages.recipe import Recipe
 from qie.stages.recipes import lora_exports, make_ema, regularization_logging
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_views
-from qie.stages.train_hooks import search_result, step_hooks
+from qie.stages.train_hooks import HookInputs, search_result, step_hooks
 from qie.stages.train_model import (
     base_model_key,
     build_train_state,
@@ -51,7 +51,7 @@ from qie.stages.train_model import (
     make_objective,
     run_records,
 )
-from qie.stages.train_report import record_run, refresh_report
+from qie.stages.train_report import rebuilt_command, record_run, refresh_report
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
@@ -69,7 +69,8 @@ RESULT_FILE = "train_result.json"
 def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] | None = None) -> dict:
     """Train as `cfg` says, writing metrics, TensorBoard logs, checkpoints and the weights under `run_dir`.
 
-    The stage's edge: the one place that reads `cfg`, turned into a `TrainSetup` (checked before anything loads).
+    The stage's edge: the one place that reads `cfg`, turned into a `TrainSetup` (checked before anything loads),
+    then run by the `TrainRecipe`.
 
     Args:
         on_step_end: an extra hook after each optimizer step (benchmarks time steps with it).
@@ -84,190 +85,219 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
-    run_dir = Path(run_dir)
     model = typed(cfg.model)
     spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
     groups = (typed(cfg[k]) for k in ("data", "cache", "train", "predict", "logging", "validation"))
     setup = train_setup(spec, model, *groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
-    setup = dataclasses.replace(setup, outputs=RunOutputs.of(typed(cfg.run)))
-    accelerator = make_accelerator(setup.train, setup.memory, str(model.dtype), run_dir)
-    writer = accelerator.is_main_process
-    if writer:
-        check_writable(run_dir, "the run directory (hydra.run.dir)")
-        run_lock.acquire(run_dir)
-    try:
-        record_run(run_dir, cfg, setup.run_config, accelerator)
+    setup = dataclasses.replace(setup, outputs=RunOutputs.of(typed(cfg.run)), run_command=rebuilt_command(cfg))
+    return TrainRecipe(setup, Path(run_dir), cfg.cache, on_step_end).execute()
+
+
+class TrainRecipe(Recipe):
+    """The train stage: `setup()` builds the run (each `_setup_*` keeps what it builds on the object), `run()`
+    trains and exports, `cleanup()` gives back what the run held; `execute` runs the three.
+
+    Args:
+        setup: the run's typed settings (`train_setup`).
+        run_dir: where the run writes (hydra.run.dir).
+        cache: the cache group as composed (its backend reads its own keys: `build_backend`).
+        on_step_end: an extra hook after each optimizer step.
+    """
+
+    def __init__(
+        self, setup: TrainSetup, run_dir: Path, cache: Any, on_step_end: Callable[[StepInfo], None] | None = None
+    ) -> None:
+        self.s, self.run_dir, self.cache, self.on_step_end = setup, run_dir, cache, on_step_end
+        self.accelerator: Any = None
+        self.locked = self.frozen = False
+        self.logger: MetricsLogger | None = None
+
+    def setup(self) -> None:
+        """Everything the loop needs, in order: the accelerator, run lock and run record, the cache backend, the
+        checkpoint resumed from, the embedding source, the data and model, the objective and training state, the
+        batches, the logger and the step hooks."""
+        s = self.s
+        self._setup_accelerator()
+        record_run(self.run_dir, s.run_command, s.run_config, self.accelerator)
         # A backend whose start-up check reads an index starts reading it now, beside the data set's scan.
-        ahead = TRAINING_TYPES if str(setup.source.mode) == "cached" else ()
-        return _train(setup, run_dir, accelerator, build_backend(cfg.cache, read_ahead=ahead), on_step_end)
-    finally:
-        if writer:
-            run_lock.release(run_dir)
+        ahead = TRAINING_TYPES if str(s.source.mode) == "cached" else ()
+        self.backend: CacheBackend = build_backend(self.cache, read_ahead=ahead)
+        self._setup_resume()
+        self.source = build_source(s.source, s.spec, self.backend)
+        self._setup_data_and_model()
+        self._setup_state()
+        self._setup_loader()
+        self._setup_hooks()
 
+    def run(self) -> dict:
+        """Train, measure the held-out samples, export the weights and publish the run's outputs."""
+        s, state = self.s, self.state
+        try:
+            settings = loop_settings(s.train, s.logging, self.objective)
+            result = fit(
+                state,
+                raise_failures(self.loader),
+                settings,
+                self.logger,
+                save_checkpoint=self.save,
+                on_step_end=lambda info: [hook(info) for hook in self.hooks],
+                last_saved=self.resume_from,
+            )
+            self.heldout.measure_into(result)
+            result.update(search_result(s.validation, self.run_dir))
+        except Interrupted as e:  # a second stop signal: name what is kept, now that an unfinished save is removed
+            raise Interrupted(ckpt.kept_after_interrupt(self.run_dir, self.resume_from), e.signum) from None
+        finally:
+            self._close_logger()
+        self._unfreeze()
+        finish(state, s.mode, self.run_dir, result, lora_exports(s.train), self.ema)
+        s.outputs.publish(self.run_dir, self.accelerator)
+        return result
 
-def _train(
-    s: TrainSetup,
-    run_dir: Path,
-    accelerator: Any,
-    backend: CacheBackend,
-    on_step_end: Callable[[StepInfo], None] | None,
-) -> dict:
-    train = s.train
-    resume_from = s.outputs.resume_from(train.resume, run_dir, accelerator)
-    resumed = ckpt.read_state(resume_from) if resume_from is not None else {}
-    source = build_source(s.source, s.spec, backend)
-    # The samples, their paths, the remembered keys and the model live as long as the run: no collector pass while
-    # they are made (each pass would walk all made so far), then kept out of every later pass (`gc.freeze`; a full
-    # pass takes a second or more at a million samples: while the adapter is added, the first epoch is drawn, and
-    # on the training thread).
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
-        samples, reg, heldout, parts, records = _data_and_model(
-            s, source, backend, accelerator, run_dir, resume_from, resumed
-        )
-        gc.freeze()
-    finally:
-        if gc_was_on:
-            gc.enable()
-    try:
-        result, state, ema = _fit(
-            s,
-            run_dir,
-            accelerator,
-            backend,
-            source,
-            (samples, reg, heldout),
-            parts,
-            records,
-            resume_from,
-            resumed,
-            on_step_end,
-        )
-    finally:
-        gc.unfreeze()  # collectable again once the run is over
-    finish(state, s.mode, run_dir, result, lora_exports(train), ema)
-    s.outputs.publish(run_dir, accelerator)
-    return result
+    def cleanup(self) -> None:
+        """Close the logger, let the collector see the run's objects again and release the run folder's lock."""
+        self._close_logger()
+        self._unfreeze()
+        if self.locked:
+            run_lock.release(self.run_dir)
+            self.locked = False
 
+    def _setup_accelerator(self) -> None:
+        s = self.s
+        self.accelerator = make_accelerator(s.train, s.memory, str(s.model.dtype), self.run_dir)
+        if self.accelerator.is_main_process:
+            check_writable(self.run_dir, "the run directory (hydra.run.dir)")
+            run_lock.acquire(self.run_dir)
+            self.locked = True
 
-def _fit(
-    s: TrainSetup,
-    run_dir: Path,
-    accelerator: Any,
-    backend: CacheBackend,
-    source: Any,
-    data: tuple,
-    parts: Any,
-    records: tuple,
-    resume_from: Path | None,
-    resumed: dict,
-    on_step_end: Callable[[StepInfo], None] | None,
-) -> tuple[dict, Any, Any]:
-    """Build the training state and the batch stream from `data` (the training, regularisation and held-out
-    samples), and train; returns (the result, the state, the EMA weights or None) for `finish`."""
-    train, (samples, reg, heldout) = s.train, data
-    teachers = teacher_store(backend, s.source.mode)
-    key, views = base_model_key(s.model, records[0]), sample_views(samples + heldout)
-    objective = make_objective(train, parts.scheduler, s.spec, parts.pipeline_config, teachers, key, parts.vae, views)
-    state, scheduler = build_train_state(s.model, train, s.memory, s.mode, accelerator, s.spec, parts, objective)
-    ema = make_ema(train, state.params)
-    sampler = make_sampler(s, samples, accelerator, start=int(resumed.get("batches_consumed", 0)), extra=reg)
-    if resume_from is not None:
-        state.start_step = int(ckpt.load_checkpoint(state, resume_from, bool(train.resume_inexact))["step"])
-        if ema is not None:
-            resume_ema(ema, resume_from, bool(train.resume_inexact))
-        accelerator.print(f"qie: resumed from {resume_from} at step {state.start_step}")
-    elif train.resume == "latest":
-        where = s.outputs.where(run_dir)
-        accelerator.print(f"qie: train.resume=latest: no checkpoint in {where}, starting from step 0")
+    def _setup_resume(self) -> None:
+        self.resume_from = self.s.outputs.resume_from(self.s.train.resume, self.run_dir, self.accelerator)
+        self.resumed = ckpt.read_state(self.resume_from) if self.resume_from is not None else {}
 
-    reg_weight = s.regularization.weight if reg else 1.0
-    negatives = "empty_prompt" in field_names(objective_class(train.objective))
-    dataset = EmbeddingDataset(
-        samples + reg,
-        source,
-        float(s.data.caption_dropout_rate),
-        int(train.seed),
-        s.dropout,
-        len(samples) if reg else None,
-        reg_weight,
-        negatives,
-    )
-    workers, prefetch, parallel = loader_settings(int(s.data.num_workers), int(s.data.prefetch), source)
-    loader = make_loader(dataset, sampler, workers, int(train.seed), prefetch, parallel)
-    logger = MetricsLogger(
-        run_dir,
-        str(s.logging.report_to),
-        accelerator.is_main_process,
-        s.run_config,
-        resume_step=state.start_step if train.resume else None,
-    )
-    hooks = step_hooks(s, state, source, (samples + reg, heldout), scheduler, logger, on_step_end, run_dir, ema)
-    if heldout and int(s.validation.every) > 0:
-        hooks.append(heldout_hook(state, source, heldout, objective, logger, int(s.validation.every), negatives))
-    if reg:
-        hooks.append(regularization_logging(logger, reg_weight))
-    save = functools.partial(_save_checkpoint, state, run_dir, s.mode, train, records, ema)
-    save = s.outputs.saving(save, accelerator, run_dir, train.checkpoints_total_limit)
-    try:
-        settings = loop_settings(train, s.logging, objective)
-        result = fit(
-            state,
-            raise_failures(loader),
-            settings,
-            logger,
-            save_checkpoint=save,
-            on_step_end=lambda info: [hook(info) for hook in hooks],
-            last_saved=resume_from,
-        )
-        measure_heldout(result, state, source, heldout, objective, logger, negatives)
-        result.update(search_result(s.validation, run_dir))
-    except Interrupted as e:  # a second stop signal: name what is kept, now that an unfinished save is removed
-        raise Interrupted(ckpt.kept_after_interrupt(run_dir, resume_from), e.signum) from None
-    finally:
-        logger.close()
-    return result, state, ema
+    def _setup_data_and_model(self) -> None:
+        """The samples, the model and the run records. The samples, their paths, the remembered keys and the model
+        live as long as the run: no collector pass while they are made (each pass would walk all made so far), then
+        kept out of every later pass (`gc.freeze`; a full pass takes a second or more at a million samples)."""
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._load_data_and_model()
+            gc.freeze()
+            self.frozen = True
+        finally:
+            if gc_was_on:
+                gc.enable()
 
+    def _load_data_and_model(self) -> None:
+        """The training, regularisation and held-out samples, the loaded model parts and the run records. The
+        model's weights load in the background while the data set is scanned and every sample's entries are checked
+        (later misses stop the run too); training starts only once both are done."""
+        s, accelerator = self.s, self.accelerator
+        # Captions written while the data is read build the VL text encoder: the transformer then loads after the
+        # data is ready, not beside it (loading builds modules on the meta device through a process-wide switch,
+        # which a model built meanwhile would catch).
+        writes_captions = s.captions is not None and self.source.encodes
+        self.objective_type = objective = objective_class(s.train.objective)
+        load = (s.plan, accelerator, needs_decoder(objective))
+        loading = None if writes_captions else in_background(load_model, *load)
+        try:
+            # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
+            # process first, the others then read them).
+            with collecting():  # captions written by a model, one generation after another: their garbage collected
+                captions = auto_captions(s.captions, s.source, s.spec, self.source.encodes, self.backend)
+            samples = self._read_samples(objective, captions)
+            samples, self.reg = ready_data(s, self.source, samples, self.run_dir, accelerator.is_main_process, captions)
+            self.samples, self.heldout_samples = split_heldout(samples, int(s.validation.heldout_samples))
+            if loading is None:  # the captions are written (for the regularisation data too)
+                loading = in_background(load_model, *load)
+        except BaseException:
+            if loading is not None:
+                loading.wait()  # a thread still inside torch when the interpreter exits aborts it
+            raise
+        self.parts = loading.result()
 
-def _data_and_model(
-    s: TrainSetup, source: Any, backend: Any, accelerator: Any, run_dir: Path, resume_from: Path | None, resumed: dict
-) -> tuple:
-    """The training samples, the regularisation samples, the held-out samples, the loaded model parts and the run
-    records. The model's weights load in the background while the data set is scanned and every sample's entries
-    are checked (later misses stop the run too); training starts only once both are done."""
-    # Captions written while the data is read build the VL text encoder: the transformer then loads after the data
-    # is ready, not beside it (loading builds modules on the meta device through a process-wide switch, which a
-    # model built meanwhile would catch).
-    writes_captions = s.captions is not None and source.encodes
-    objective = objective_class(s.train.objective)
-    load = (s.model, s.memory, bool(s.train.compile), accelerator, s.spec, s.fused, needs_decoder(objective))
-    loading = None if writes_captions else in_background(load_model, *load)
-    try:
-        # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
-        # process first, the others then read them).
-        with collecting():  # captions written by a model, one generation after another: their garbage collected
-            captions = auto_captions(s.captions, s.source, s.spec, source.encodes, backend)
+    def _read_samples(self, objective: type, captions: Any) -> list:
+        """The data set's samples with the fields `objective` trains on, and the run records (checked against the
+        checkpoint resumed from)."""
+        s, accelerator = self.s, self.accelerator
         fields = run_fields(objective.requires)  # the sample fields it trains on
         with file_stats.once():  # the scan and the key memo share each image's stat
             with accelerator.main_process_first():
                 data = dataclasses.replace(s.samples, fields=with_defaults(fields))
                 report, targets = accelerator.is_main_process, trains_on_targets(objective)
                 samples = load_samples(data, s.spec, report, captions, fields, s.on_missing, targets)
-            records = run_records(s.model, s.train, s.spec, samples, s.fused)
-            if resume_from is not None:
-                warning = check_resume(resumed, resume_from, *records, bool(s.train.resume_inexact))
-                if warning:
-                    accelerator.print(f"qie: warning: {warning}")
-            samples, reg = ready_data(s, source, samples, run_dir, accelerator.is_main_process, captions)
-        samples, heldout = split_heldout(samples, int(s.validation.heldout_samples))
-        if loading is None:  # the captions are written (for the regularisation data too)
-            loading = in_background(load_model, *load)
-    except BaseException:
-        if loading is not None:
-            loading.wait()  # a thread still inside torch when the interpreter exits aborts it
-        raise
-    return samples, reg, heldout, loading.result(), records
+            self.records = run_records(s.plan, samples)
+        if self.resume_from is not None:
+            warning = check_resume(self.resumed, self.resume_from, *self.records, bool(s.train.resume_inexact))
+            if warning:
+                accelerator.print(f"qie: warning: {warning}")
+        return samples
+
+    def _setup_state(self) -> None:
+        """The objective, the training state over the model (resumed where a checkpoint is given) and the EMA."""
+        s, train, parts = self.s, self.s.train, self.parts
+        teachers = teacher_store(self.backend, s.source.mode)
+        key = base_model_key(s.model, self.records[0])
+        views = sample_views(self.samples + self.heldout_samples)
+        self.objective = make_objective(train, s.spec, parts, teachers, key, views)
+        self.state, self.scheduler = build_train_state(s.plan, self.accelerator, parts, self.objective)
+        self.ema = make_ema(train, self.state.params)
+        if self.resume_from is not None:
+            step = ckpt.load_checkpoint(self.state, self.resume_from, bool(train.resume_inexact))["step"]
+            self.state.start_step = int(step)
+            if self.ema is not None:
+                resume_ema(self.ema, self.resume_from, bool(train.resume_inexact))
+            self.accelerator.print(f"qie: resumed from {self.resume_from} at step {self.state.start_step}")
+        elif train.resume == "latest":
+            where = s.outputs.where(self.run_dir)
+            self.accelerator.print(f"qie: train.resume=latest: no checkpoint in {where}, starting from step 0")
+
+    def _setup_loader(self) -> None:
+        """The batch stream: the sampler over the training (and regularisation) samples from where a resumed run
+        stopped, the dataset reading their embeddings and the loader."""
+        s, train, samples, reg = self.s, self.s.train, self.samples, self.reg
+        start = int(self.resumed.get("batches_consumed", 0))
+        sampler = make_sampler(s, samples, self.accelerator, start=start, extra=reg)
+        self.negatives = "empty_prompt" in field_names(self.objective_type)
+        dataset = EmbeddingDataset(
+            samples + reg,
+            self.source,
+            float(s.data.caption_dropout_rate),
+            int(train.seed),
+            s.dropout,
+            len(samples) if reg else None,
+            s.regularization.weight if reg else 1.0,
+            self.negatives,
+        )
+        workers, prefetch, parallel = loader_settings(int(s.data.num_workers), int(s.data.prefetch), self.source)
+        self.loader = make_loader(dataset, sampler, workers, int(train.seed), prefetch, parallel)
+
+    def _setup_hooks(self) -> None:
+        """The metrics logger, what runs after each step and how checkpoints are saved."""
+        s, state, run_dir = self.s, self.state, self.run_dir
+        resume_step = state.start_step if s.train.resume else None
+        main = self.accelerator.is_main_process
+        self.logger = MetricsLogger(run_dir, str(s.logging.report_to), main, s.run_config, resume_step=resume_step)
+        trained = self.samples + self.reg
+        run = HookInputs(s, state, self.source, trained, self.heldout_samples, self.scheduler, self.logger, run_dir)
+        self.hooks = step_hooks(dataclasses.replace(run, ema=self.ema), self.on_step_end)
+        self.heldout = HeldOut(state, self.source, self.heldout_samples, self.objective, self.logger, self.negatives)
+        if self.heldout_samples and int(s.validation.every) > 0:
+            self.hooks.append(self.heldout.hook(int(s.validation.every)))
+        if self.reg:
+            self.hooks.append(regularization_logging(self.logger, s.regularization.weight))
+        saving = Checkpoints(state, run_dir, s.mode, s.train, self.records, self.ema)
+        self.save = s.outputs.saving(saving.save, self.accelerator, run_dir, s.train.checkpoints_total_limit)
+
+    def _close_logger(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+
+    def _unfreeze(self) -> None:
+        if self.frozen:
+            gc.unfreeze()  # collectable again once the run is over
+            self.frozen = False
 
 
 @contextmanager
@@ -282,29 +312,33 @@ def collecting() -> Iterator[None]:
             gc.disable()
 
 
-def _save_checkpoint(
-    state: TrainState,
-    run_dir: Path,
-    mode: TrainMode,
-    train: TrainConfig,
-    records: tuple[dict, dict],
-    ema: Ema | None,
-    step: int,
-    consumed: int,
-) -> Path:
-    info = {
-        "step": step,
-        "batches_consumed": consumed,
-        "num_processes": state.accelerator.num_processes,
-        "model": records[0],
-        "data": records[1],
-    }
-    exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
-    extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
-    folder = ckpt.save_checkpoint(state, run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
-    if step < int(train.max_steps):  # the last step's report is written by `finish`, with the run's result
-        refresh_report(run_dir, state.accelerator)
-    return folder
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """How the run saves a checkpoint: the state with its mode's exports, the records resume compares, the EMA
+    weights; the run's report refreshed but at the last step (written by `finish`, with the run's result)."""
+
+    state: TrainState
+    run_dir: Path
+    mode: TrainMode
+    train: TrainConfig
+    records: tuple[dict, dict]
+    ema: Ema | None
+
+    def save(self, step: int, consumed: int) -> Path:
+        state, ema, mode, train = self.state, self.ema, self.mode, self.train
+        info = {
+            "step": step,
+            "batches_consumed": consumed,
+            "num_processes": state.accelerator.num_processes,
+            "model": self.records[0],
+            "data": self.records[1],
+        }
+        exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
+        extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
+        folder = ckpt.save_checkpoint(state, self.run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
+        if step < int(train.max_steps):
+            refresh_report(self.run_dir, state.accelerator)
+        return folder
 
 
 def finish(
@@ -347,4 +381,4 @@ def _gather_checksums(accelerator: Any, params: list[torch.nn.Parameter]) -> lis
     return gathered.cpu().tolist()
 
 
-__all__ = ["RESULT_FILE", "run"]
+__all__ = ["RESULT_FILE", "TrainRecipe", "run"]

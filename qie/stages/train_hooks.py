@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,44 +20,39 @@ if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
 
 
-def step_hooks(
-    s: TrainSetup,
-    state: TrainState,
-    source: Any,
-    data: tuple[list, list],
-    scheduler: Any,
-    logger,
-    extra,
-    run_dir: Path,
-    ema: Ema | None = None,
-) -> list:
-    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`.
-    `data`: the samples trained on, and the held-out ones."""
-    samples, heldout = data
+@dataclass(frozen=True)
+class HookInputs:
+    """What the step hooks read of a training run: its setup, state, embedding source, the samples trained on and
+    the held-out ones, the noise scheduler, the metrics logger, the run folder and the EMA weights (or None)."""
+
+    setup: TrainSetup
+    state: TrainState
+    source: Any
+    samples: list
+    heldout: list
+    scheduler: Any
+    logger: Any
+    run_dir: Path
+    ema: Ema | None = None
+
+
+def step_hooks(run: HookInputs, extra: Callable[[StepInfo], None] | None) -> list:
+    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
+    s, ema = run.setup, run.ema
     hooks = [lambda info: ema.update(info.step)] if ema is not None else []
     log = s.logging
     if log.log_images:
-        by_id = {sample.id: sample for sample in samples}
-        images = ImageLogger(logger, by_id, int(log.log_images_every), int(log.log_images_count))
+        by_id = {sample.id: sample for sample in run.samples}
+        images = ImageLogger(run.logger, by_id, int(log.log_images_every), int(log.log_images_count))
         hooks.append(lambda info: images(info.step, info.batch))
-    if int(s.validation.every) > 0 and state.accelerator.is_main_process:
-        use_ema = ema if s.validation.use_ema else None
-        hooks.append(_validation_hook(s, state, source, (samples, heldout), scheduler, logger, run_dir, use_ema))
+    if int(s.validation.every) > 0 and run.state.accelerator.is_main_process:
+        hooks.append(_validation_hook(run, ema if s.validation.use_ema else None))
     if extra is not None:
         hooks.append(extra)
     return hooks
 
 
-def _validation_hook(
-    s: TrainSetup,
-    state: TrainState,
-    source: Any,
-    data: tuple[list, list],
-    scheduler: Any,
-    logger,
-    run_dir: Path,
-    ema: Ema | None = None,
-):
+def _validation_hook(run: HookInputs, ema: Ema | None):
     """Every `validation.every` steps, sample the validation inputs as inference does; save (`run_dir/validation`;
     with `validation.step_counts`, `run_dir/validation/steps-N` per count), measure and log them; with
     `validation.rewards`, score the first count's images (`RewardLog`), on the held-out rows where there are some.
@@ -67,6 +63,7 @@ def _validation_hook(
     from qie.stages.validation import validation_inputs, validation_references, validation_samples
     from qie.training.validation import Validator
 
+    s, state, logger = run.setup, run.state, run.logger
     v, accelerator, spec = s.validation, state.accelerator, s.spec
     options = sampling_options(
         s.predict,
@@ -76,18 +73,17 @@ def _validation_hook(
         seed=v.seed,
     )
     vae_parts = load_parts(LoadSettings.of(s.model), spec, ["vae"], {"vae": str(accelerator.device)})
-    samples, heldout = data
-    chosen = validation_samples(v, samples, int(s.logging.log_images_count))
-    if v.rewards and heldout and not v.prompts:  # rewards measure rows kept out of training
-        chosen = heldout
-    inputs, negatives = validation_inputs(source, chosen, options.negative_prompt)
-    references, out = validation_references(chosen, spec), run_dir / "validation"
+    chosen = validation_samples(v, run.samples, int(s.logging.log_images_count))
+    if v.rewards and run.heldout and not v.prompts:  # rewards measure rows kept out of training
+        chosen = run.heldout
+    inputs, negatives = validation_inputs(run.source, chosen, options.negative_prompt)
+    references, out = validation_references(chosen, spec), run.run_dir / "validation"
 
     def validator(options: Any, name: str) -> Validator:
         return Validator(
             inputs,
             negatives,
-            scheduler,
+            run.scheduler,
             vae_parts.vae,
             logger,
             options,

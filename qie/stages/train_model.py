@@ -5,6 +5,7 @@ target filling (`qie.stages.teacher_fill`) builds the same pieces, so its model 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,25 +26,37 @@ from qie.training.run_record import data_record, model_record, transformer_finge
 from qie.training.timesteps import SigmaSampling
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """What the trained model is built from: the model and train groups, the memory levers for the family, the
+    training mode, the model's spec and its fused base (`TrainSetup.plan`)."""
+
+    model: ModelConfig
+    train: TrainConfig
+    memory: MemorySettings
+    mode: TrainMode
+    spec: ModelSpec
+    fused: FusedBase
+
+
 def make_objective(
     train: TrainConfig,
-    scheduler: Any,
     spec: ModelSpec,
-    pipeline_config: dict | None = None,
+    parts: Any,
     teachers: Any = None,
     model_key: dict | None = None,
-    decoder: Any = None,
     views: Any = None,
 ) -> Objective:
     """The objective `train.objective` names (its `_target_` and settings), with the run's noise-level sampling
     (the scheduler's shift).
 
     Args:
-        pipeline_config: the checkpoint's model_index.json (`Parts.pipeline_config`), for an objective that samples.
+        parts: what `load_model` gave: the scheduler, the checkpoint's model_index.json (for an objective that
+            samples) and the VAE where it was loaded (its decoder alone, for an objective that decodes).
         teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
-        decoder: the VAE (its decoder alone), for an objective that decodes; views: its samples' prompts and
-            control images (`train_data.sample_views`).
+        views: the samples' prompts and control images (`train_data.sample_views`).
     """
+    scheduler = parts.scheduler
     sigmas = SigmaSampling(
         method=str(train.timestep_sampling),
         logit_mean=float(train.logit_mean),
@@ -58,11 +71,11 @@ def make_objective(
         sigmas,
         str(train.loss_weighting),
         scheduler,
-        pipeline_config or {},
+        parts.pipeline_config or {},
         spec.call_defaults(),
         teachers,
         model_key or {},
-        decoder,
+        parts.vae,
         views,
         objective_reward,
     )
@@ -93,48 +106,32 @@ def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objecti
     )
 
 
-def load_model(
-    model: ModelConfig,
-    memory: MemorySettings,
-    compiled: bool,
-    accelerator: Any,
-    spec: ModelSpec,
-    fused: FusedBase,
-    decoder: bool = False,
-) -> Any:
-    """The transformer, with the LoRAs `fused` (`model.fuse_loras`) fused into it, and the noise scheduler, built
-    where the `memory` settings build them (`compiled`: `train.compile`); with `decoder`, the VAE without its
-    encoder (an objective that decodes its samples)."""
-    device = memory.build_device(accelerator.device)
+def load_model(plan: ModelPlan, accelerator: Any, decoder: bool = False) -> Any:
+    """The transformer, with the plan's fused LoRAs (`model.fuse_loras`) fused into it, and the noise scheduler,
+    built where the plan's memory settings build them (compiled where `train.compile` says); with `decoder`, the
+    VAE without its encoder (an objective that decodes its samples)."""
+    device = plan.memory.build_device(accelerator.device)
     names = ["transformer", "scheduler", *(["vae"] if decoder else [])]
-    parts = load_parts(LoadSettings.of(model), spec, names, {"transformer": device}, compiled, fused.fuse_into)
+    compiled, fuse = bool(plan.train.compile), plan.fused.fuse_into
+    parts = load_parts(LoadSettings.of(plan.model), plan.spec, names, {"transformer": device}, compiled, fuse)
     if decoder:
         parts.vae.encoder = torch.nn.Module()  # latents are decoded, never encoded: its weights freed
     return parts
 
 
-def build_train_state(
-    model: ModelConfig,
-    train: TrainConfig,
-    memory: MemorySettings,
-    mode: TrainMode,
-    accelerator: Any,
-    spec: ModelSpec,
-    parts: Any,
-    objective: Objective | None = None,
-) -> tuple:
+def build_train_state(plan: ModelPlan, accelerator: Any, parts: Any, objective: Objective | None = None) -> tuple:
     """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
 
     Args:
-        memory: `train`'s memory settings (`MemorySettings.of`), checked against the mode.
+        plan: the model, train group, memory levers (checked against the mode) and mode.
         parts: what `load_model` gave.
         objective: adds what it needs to the model (`Objective.prepare`) before it is wrapped.
     """
-    transformer = parts.transformer
-    params = mode.trainable(transformer)
+    transformer, train = parts.transformer, plan.train
+    params = plan.mode.trainable(transformer)
     if objective is not None:
         objective.prepare(transformer)
-    place = apply_memory(transformer, memory, accelerator.device)
+    place = apply_memory(transformer, plan.memory, accelerator.device)
     if train.compile:
         accelerator.print(compile_blocks(transformer))
     optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
@@ -142,20 +139,19 @@ def build_train_state(
     # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
     prepared, optimizer = accelerator.prepare(transformer, optimizer, device_placement=[place, True])
     params = [p for p in prepared.parameters() if p.requires_grad]  # FSDP replaces them by their shards
-    dtype = resolve_dtype(str(model.dtype))
+    dtype = resolve_dtype(str(plan.model.dtype))
     return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
 
 
-def run_records(
-    m: ModelConfig, train: TrainConfig, spec: ModelSpec, samples: list[Sample], fused: FusedBase
-) -> tuple[dict, dict]:
+def run_records(plan: ModelPlan, samples: list[Sample]) -> tuple[dict, dict]:
     """The model and data records checkpoints keep, and resume compares (see `qie.training.run_record`)."""
+    m, train = plan.model, plan.train
     fingerprint = transformer_fingerprint(str(m.pretrained_model_name_or_path), m.transformer_path, m.revision)
     lora = None
     if train.mode != "full":
         keys = ("rank", "alpha", "target_modules", "dropout", "init")
         lora = {k: list(v) if isinstance(v := getattr(train.lora, k), list) else v for k in keys}
-    record = model_record(spec, fingerprint, str(train.mode), lora, fused.record())
+    record = model_record(plan.spec, fingerprint, str(train.mode), lora, plan.fused.record())
     return record, data_record([s.id for s in samples])
 
 

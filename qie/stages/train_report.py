@@ -17,16 +17,22 @@ from qie.reporting.run_report import write_report
 log = logging.getLogger(__name__)
 
 
-def record_run(run_dir: Path, cfg: DictConfig, run_config: dict, accelerator: Any) -> None:
-    """Write `run_dir/run_info.json` (the main process) before training starts."""
+def rebuilt_command(cfg: DictConfig) -> str:
+    """The command line that composes `cfg` again, or "" (with a warning) for a config made in code that the
+    stage's CLI cannot compose: the run goes on without it."""
+    try:
+        return run_command(cfg, "train")
+    except Exception as e:
+        log.warning("qie: no command line rebuilds this run's config (%s: %s)", e.__class__.__name__, e)
+        return ""
+
+
+def record_run(run_dir: Path, command: str, run_config: dict, accelerator: Any) -> None:
+    """Write `run_dir/run_info.json` (the main process) before training starts: the command that reruns it, the
+    config as plain values and the machine."""
     if not accelerator.is_main_process:
         return
     env = environment(str(accelerator.device), accelerator.num_processes, str(accelerator.mixed_precision))
-    try:
-        command = run_command(cfg, "train")
-    except Exception as e:  # a config made in code that the stage's CLI cannot compose: the run goes on without
-        log.warning("qie: no command line rebuilds this run's config (%s: %s)", e.__class__.__name__, e)
-        command = ""
     write_run_info(run_dir, command, run_config, env)
 
 

@@ -33,6 +33,7 @@ from qie.stages.settings import (
     regularization,
     source_settings,
 )
+from qie.stages.train_model import ModelPlan
 from qie.training.modes import FullMode, LoraMode, TrainMode
 
 
@@ -58,7 +59,13 @@ class TrainSetup:
     captions: CaptionSettings | None  # `data.auto_caption`'s prompt and generation settings, or None
     on_missing: str  # `cache.on_missing`
     run_config: dict  # the whole config as plain values: what the metrics logger records
+    run_command: str = ""  # the command line that reruns the run (run_info.json)
     outputs: RunOutputs = RunOutputs()  # `run.output_url`'s store, set by the stage once opened
+
+    @property
+    def plan(self) -> ModelPlan:
+        """What the trained model is built from."""
+        return ModelPlan(self.model, self.train, self.memory, self.mode, self.spec, self.fused)
 
 
 def train_setup(
