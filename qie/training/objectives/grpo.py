@@ -1,12 +1,14 @@
 """Online reinforcement learning of edits: Flow-GRPO (`train/objective=grpo`, `conf/train/objective/grpo.yaml`).
 
-Each step, for each sample of the batch, the policy (the base with the trained adapter) samples `group_size` edits
-from the sample's cached prompt and control embeddings through the family's own sampling loop with its ODE step
-made an SDE (`qie.training.flow_sde`: `sampling_steps` steps, noise `noise_level`), recording each step's
-log-probability. The final latents are decoded (the VAE's decoder) to images in [0, 1] and scored by the reward
-(`qie.extend.Reward`, higher is better after `reward_value`); each reward is normalised within its group
-((r - mean) / (std + eps)): the advantage. Then `train_timesteps` of the steps, drawn per sample, are replayed with
-the gradient:
+Each step, for each sample of the batch, `train_timesteps` of the `sampling_steps` denoising steps are drawn, and
+the policy (the base with the trained adapter) samples `group_size` edits from the sample's cached prompt and
+control embeddings through the family's own sampling loop with its ODE step made an SDE at the drawn steps
+(`qie.training.flow_sde`, noise `noise_level`; with `noisy_steps=all` at every step, as Flow-GRPO samples),
+recording each SDE step's log-probability. With `shared_start` the group starts from one noise, so its edits differ
+only by the drawn steps' noise: a group's spread of rewards is what those steps did. The final latents are decoded
+(the VAE's decoder) to images in [0, 1] and scored by the reward (`qie.extend.Reward`, higher is better after
+`reward_value`); each reward is normalised within its group ((r - mean) / (std + eps)): the advantage. Then the
+drawn steps are replayed with the gradient:
 
     ratio = exp(log p_new(step) - log p_rollout(step))
     loss = mean(max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))) + kl_weight * KL
@@ -55,8 +57,8 @@ class GrpoSettings:
     true_cfg_scale: float = 1.0
     reward: Any = None  # a {_target_: ..., keys} node
     reference_lora: str | None = None  # a LoRA file as the reference (else the base with the adapter off)
-    noisy_steps: str = "all"  # "all": every step an SDE step; "trained": only the trained ones (ODE elsewhere)
-    shared_start: bool = False  # a group's edits start from one noise
+    noisy_steps: str = "trained"  # "trained": only the trained steps are SDE steps (ODE elsewhere); "all": every one
+    shared_start: bool = True  # a group's edits start from one noise
 
     @classmethod
     def of(cls, options: Mapping[str, Any] | None) -> GrpoSettings:
@@ -131,8 +133,8 @@ class Grpo:
         true_cfg_scale: float = 1.0,
         reward: Any = None,
         reference_lora: str | None = None,
-        noisy_steps: str = "all",
-        shared_start: bool = False,
+        noisy_steps: str = "trained",
+        shared_start: bool = True,
     ) -> None:
         self.settings = s = GrpoSettings(
             group_size,
