@@ -213,10 +213,7 @@ def validate(cfg: DictConfig) -> None:
         _check_keys(node, name, own_keys(node) if name == "cache" else ())
     if isinstance(cfg.get("train"), DictConfig):
         _check_optimizer(cfg.train.optimizer)
-    try:
-        groups = Groups(**{name: typed(cfg[name]) for name in cfg.keys() if name in GROUP_NAMES})
-    except MissingMandatoryValue as e:
-        raise ConfigError(f"{e.full_key} is not set: give it a value (the schema has none)") from None
+    groups = read_groups(cfg)
     own = (groups.data, groups.train, groups.model, groups.predict)
     if problem := next((p for group in own if group is not None and (p := group.problem())), None):
         raise ConfigError(problem)
@@ -226,6 +223,18 @@ def validate(cfg: DictConfig) -> None:
     _check_objective(groups, spec)
     if problem := reward_settings_problem(groups) or late_problem(groups):
         raise ConfigError(problem)
+
+
+def read_groups(cfg: DictConfig) -> Groups:
+    """The groups of `cfg` as their schemas' dataclasses (`typed`), read once.
+
+    Raises:
+        ConfigError: a mandatory value (`???`) left unset.
+    """
+    try:
+        return Groups(**{name: typed(cfg[name]) for name in cfg.keys() if name in GROUP_NAMES})
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is not set: give it a value (the schema has none)") from None
 
 
 def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:

@@ -16,7 +16,7 @@ from qie.config.evaluation import EvalConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.roots import DemoConfig
-from qie.config.train import TrainConfig, ValidationConfig
+from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Groups:
     train: TrainConfig | None = None
     predict: PredictConfig | None = None
     validation: ValidationConfig | None = None
+    logging: LoggingConfig | None = None
     precompute: PrecomputeConfig | None = None
     caption: CaptionConfig | None = None
     demo: DemoConfig | None = None

@@ -27,12 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
 from qie.components import prepare_model
-from qie.config import precompute_command, typed, validate
+from qie.config import precompute_command, read_groups, validate
 from qie.config.backend import build_backend
-from qie.config.cache import CacheConfig, PrecomputeConfig
-from qie.config.data import DataConfig
-from qie.config.model import ModelConfig
-from qie.data.fields import DEFAULT_FIELDS, SampleField, run_fields, with_defaults
+from qie.config.groups import Groups
+from qie.data.fields import SampleField, run_fields, with_defaults
 from qie.data.formats import DataSource
 from qie.data.samples import DataProblem, Dataset, Sample, without_controls
 from qie.embedding.encode import Encoder, ImageSizes
@@ -105,16 +103,14 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
-    groups = (typed(cfg[k]) for k in ("model", "data", "cache", "precompute"))
-    command = precompute_command(cfg)
+    groups, command = read_groups(cfg), precompute_command(cfg)
     objective = objective_class(OmegaConf.to_container(cfg.train.objective, resolve=True))
     fields = with_defaults(run_fields(objective.requires))  # the sample fields encoded: every one it requires
-    settings = read_settings(*groups, functools.partial(build_backend, cfg.cache), command, fields)
+    settings = read_settings(groups, functools.partial(build_backend, cfg.cache), command, fields)
     settings = replace(settings, targets=trains_on_targets(objective))
     teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
     if cfg.precompute.teachers:
-        train_groups = (typed(cfg[k]) for k in ("model", "data", "cache", "train", "predict", "logging", "validation"))
-        teachers = train_setup(settings.model, *train_groups, command, {})
+        teachers = train_setup(settings.model, groups, command, {})
     return PrecomputeRecipe(settings, Path(run_dir), teachers).execute()
 
 
@@ -201,21 +197,17 @@ def refuse_if_none_encoded(summary: PrecomputeSummary, run_dir: Path) -> None:
 
 
 def read_settings(
-    model: ModelConfig,
-    data: DataConfig,
-    cache: CacheConfig,
-    p: PrecomputeConfig,
-    make_backend: Callable[..., CacheBackend],
-    command: str,
-    fields: tuple[SampleField, ...] = DEFAULT_FIELDS,
+    groups: Groups, make_backend: Callable[..., CacheBackend], command: str, fields: tuple[SampleField, ...]
 ) -> Settings:
     """The stage's settings, and the cache backend built (`make_backend`, given the stage's `verify_reads`):
     ConfigError for a cache that does not outlive the process, or a caption prompt that cannot be read.
 
     Args:
+        groups: the config's groups (`qie.config.read_groups`): model, data, cache and precompute are read.
         command: the precompute command that fills this cache (what a training run's miss names).
         fields: the sample fields whose images are read and encoded (`qie.data.fields`).
     """
+    model, data, cache, p = groups.model, groups.data, groups.cache, groups.precompute
     # `cache.repair`: every existing entry is read once, and those whose checksum fails are encoded again.
     repair = bool(cache.repair)
     backend = make_backend(verify_reads=repair)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from qie import run_lock
 from qie.cache.base import CacheBackend
 from qie.components import prepare_model
-from qie.config import precompute_command, typed, validate
+from qie.config import precompute_command, read_groups, typed, validate
 from qie.config.backend import build_backend
 from qie.config.train import TrainConfig
 from qie.data import file_stats
@@ -85,10 +85,9 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
-    model = typed(cfg.model)
-    spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
-    groups = (typed(cfg[k]) for k in ("data", "cache", "train", "predict", "logging", "validation"))
-    setup = train_setup(spec, model, *groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
+    groups = read_groups(cfg)
+    spec = prepare_model(groups.model)  # first: a checkpoint of another model is named before anything else
+    setup = train_setup(spec, groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
     setup = dataclasses.replace(setup, outputs=RunOutputs.of(typed(cfg.run)), run_command=rebuilt_command(cfg))
     return TrainRecipe(setup, Path(run_dir), cfg.cache, on_step_end).execute()
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from qie.adapters.fused_base import FusedBase
 from qie.adapters.lora import check_lora_file
-from qie.config.cache import CacheConfig
 from qie.config.data import DataConfig
+from qie.config.groups import Groups
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.train import LoggingConfig, TrainConfig, ValidationConfig
@@ -68,28 +68,20 @@ class TrainSetup:
         return ModelPlan(self.model, self.train, self.memory, self.mode, self.spec, self.fused)
 
 
-def train_setup(
-    spec: ModelSpec,
-    model: ModelConfig,
-    data: DataConfig,
-    cache: CacheConfig,
-    train: TrainConfig,
-    predict: PredictConfig,
-    logging: LoggingConfig,
-    validation: ValidationConfig,
-    command: str,
-    run_config: dict,
-) -> TrainSetup:
+def train_setup(spec: ModelSpec, groups: Groups, command: str, run_config: dict) -> TrainSetup:
     """The run's setup, of a config `qie.config.validate` passed: the fused base and the mode (a LoRA file that
     cannot be read is refused), the loss masks, the regularisation set, the caption prompt and the memory levers.
 
     Args:
+        groups: the config's groups (`qie.config.read_groups`): model, data, cache, train, predict, logging and
+            validation are read.
         command: the precompute command that fills the cache the run reads (`qie.config.precompute_command`).
 
     Raises:
         ConfigError, ModelLoadError: an unreadable `train.init_lora` or `model.fuse_loras` file, a caption prompt
         file that cannot be read.
     """
+    model, data, cache, train = groups.model, groups.data, groups.cache, groups.train
     fused = fused_base(model, spec)
     mode = train_mode(train, spec, fused)
     masks = loss_masks(train, data)
@@ -98,9 +90,9 @@ def train_setup(
         model,
         data,
         train,
-        predict,
-        logging,
-        validation,
+        groups.predict,
+        groups.logging,
+        groups.validation,
         spec,
         fused,
         mode,
