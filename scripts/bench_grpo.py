@@ -9,7 +9,9 @@ The held-out edits (`validation.heldout_samples`, the same ids in both runs) are
 
     python scripts/bench_grpo.py [--sft-steps 300] [--steps 100] [--samples 48] [--heldout 16] [--out DIR]
 
-Prints the reward curve, the times and one summary line with the ratios; writes `summary.json` in the output folder.
+Prints the reward curve, the times and one summary line with the ratios; writes `summary.json` and `heldout.png`
+(the held-out edits of the base model, the start and the GRPO LoRA beside their controls and targets) in the output
+folder. `--grpo-lora` scores a GRPO LoRA trained before (its run's metrics.jsonl beside its `lora/` folder).
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ def targetless_manifest(data: Path) -> Path:
     return manifest
 
 
-def heldout_scores(data: Path, heldout: int, loras: dict[str, str], steps: int) -> dict[str, dict[str, float]]:
-    """Per LoRA, the held-out edits' mean pixel error to their targets and mean reward (seed i for edit i)."""
+def heldout_scores(
+    data: Path, heldout: int, loras: dict[str, str], steps: int, picture: Path | None = None
+) -> dict[str, dict[str, float]]:
+    """Per LoRA, the held-out edits' mean pixel error to their targets and mean reward (seed i for edit i); with
+    `picture`, a grid of the held-out edits there (control, target, then each LoRA's edit, a row per edit)."""
     from qie.components import prepare_model
     from qie.config import typed
     from qie.data.scan import scan_folder
+    from qie.evaluation.grid import captioned_grid
     from qie.models.sampling import SamplingOptions
     from qie.stages.heldout import split_heldout
     from qie.stages.infer import build_predictor
@@ -60,6 +66,7 @@ def heldout_scores(data: Path, heldout: int, loras: dict[str, str], steps: int) 
     predictor = build_predictor(typed(cfg.model), typed(cfg.predict), prepare_model(typed(cfg.model)))
     options = SamplingOptions(true_cfg_scale=1.0, num_inference_steps=steps)
     reward, out = RecolourReward(), {}
+    rows = [[Image.open(s.controls[0]).convert("RGB"), Image.open(s.target).convert("RGB")] for s in held]
     for name, lora in loras.items():
         if lora:
             predictor.load_lora(lora)
@@ -70,8 +77,15 @@ def heldout_scores(data: Path, heldout: int, loras: dict[str, str], steps: int) 
             edit, control = to_tensor(image), to_tensor(Image.open(sample.controls[0]), image.size)
             errors.append(float((edit - to_tensor(target)).abs().mean()))
             rewards.append(float(reward(edit[None], [[control]], [sample.prompt])[0]))
+            rows[i].append(image)
         out[name] = {"pixel_error": statistics.fmean(errors), "reward": statistics.fmean(rewards)}
+    if picture is not None:
+        titles = ["control", "target", *(PICTURE_TITLES.get(name, name) for name in loras)]
+        captioned_grid(rows, [s.prompt for s in held], titles, tile=96).save(picture)
     return out
+
+
+PICTURE_TITLES = {"base": "base model", "sft": "start (flow matching)", "grpo": "GRPO"}
 
 
 def report(args: argparse.Namespace, out: Path, scores: dict, curve: list, seconds: tuple[float, float]) -> None:
@@ -124,6 +138,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--kl-weight", type=float, default=0.04)
     parser.add_argument("--sft-lora", type=Path, default=None, help="start from this LoRA instead of training one")
+    parser.add_argument("--grpo-lora", type=Path, default=None, help="score this GRPO LoRA instead of training one")
     parser.add_argument("--set", action="append", default=[], help="a further override of the GRPO run (KEY=VALUE)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -163,13 +178,15 @@ def main() -> None:
         *args.set,
     ]
     t0 = time.perf_counter()
-    result = train.run(compose("train", overrides), out / "grpo")
+    lora = str(args.grpo_lora) if args.grpo_lora else train.run(compose("train", overrides), out / "grpo")["lora"]
     seconds = time.perf_counter() - t0
-    logged = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    metrics = Path(lora).parent.parent / "metrics.jsonl"  # <run>/lora/<file>
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     curve = [(r["step"], r["reward_mean"]) for r in logged if "reward_mean" in r]
     for step, value in curve[:: max(1, len(curve) // 10)]:
         print(f"step {step:5d}  reward_mean {value:.4f}")
-    scores = heldout_scores(data, args.heldout, {"base": "", "sft": sft_lora, "grpo": result["lora"]}, 20)
+    loras = {"base": "", "sft": sft_lora, "grpo": lora}
+    scores = heldout_scores(data, args.heldout, loras, 20, out / "heldout.png")
     report(args, out, scores, curve, (sft_seconds, seconds))
 
 

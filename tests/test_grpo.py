@@ -214,6 +214,14 @@ def test_what_grpo_refuses_in_one_line(small_cfg, lora, regularization, options,
     assert "\n" not in str(info.value)
 
 
+def test_caption_dropout_is_refused_when_the_config_is_composed(small_cfg) -> None:
+    """A dropped caption would sample a group without the instruction its reward reads."""
+    with pytest.raises(
+        ConfigError, match=r"data.caption_dropout_rate=0.1 would hide .*: set data.caption_dropout_rate=0"
+    ):
+        small_cfg("train", *GRPO, "data.caption_dropout_rate=0.1")
+
+
 # --- the stages: rows without targets ---------------------------------------------------------------------------
 
 GRPO = [

@@ -266,8 +266,11 @@ def _check_objective(groups: Groups, spec: Any) -> None:
     if problem := objectives.settings_problem(cls, objectives.settings_of(node)):
         raise ConfigError(problem)
     if spec is not None:
-        regularization = groups.data is not None and bool(groups.data.regularization.path)
-        use = objectives.ObjectiveUse(spec.family, trains_lora(groups.train), regularization, {}, spec.call_defaults())
+        data = groups.data
+        regularization = data is not None and bool(data.regularization.path)
+        dropout = float(data.caption_dropout_rate) if data is not None else 0.0
+        lora, defaults = trains_lora(groups.train), spec.call_defaults()
+        use = objectives.ObjectiveUse(spec.family, lora, regularization, {}, defaults, dropout)
         objectives.check_use(node, use)
 
 

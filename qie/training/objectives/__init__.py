@@ -127,6 +127,7 @@ class ObjectiveUse:
     regularization: bool  # regularisation batches are mixed in (`data.regularization`)
     options: Mapping[str, Any] = field(default_factory=dict)  # the objective's own settings, as plain values
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)  # `ModelSpec.call_defaults()`
+    caption_dropout: float = 0.0  # `data.caption_dropout_rate`
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,12 @@ class Grpo:
                 f"train/objective={NAME} does not mix in data.regularization (its batches are rollouts, not "
                 "targets): remove data.regularization.path"
             )
+        if use.caption_dropout > 0:
+            return (
+                f"train/objective={NAME} scores each edit against its sample's instruction, which "
+                f"data.caption_dropout_rate={use.caption_dropout} would hide from the model that samples it: "
+                "set data.caption_dropout_rate=0"
+            )
         GrpoSettings.of(use.options)
         return None
 
