@@ -402,7 +402,7 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     parts = build_parts(cfg, plan, setup, accelerator, depth)
     block_params = sum(p.numel() for p in getattr(parts.transformer, spec.family.blocks)[0].parameters())
     state, _ = build_train_state(plan, accelerator, parts)
-    objective = make_objective(train, spec, parts)
+    objective = make_objective(plan, parts)
     del parts
     work = workload(cfg, spec, setup)
     g = torch.Generator().manual_seed(0)

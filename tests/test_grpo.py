@@ -14,8 +14,10 @@ from stage_edges import parts_of
 from test_step import fixed_batch
 
 from qie.adapters.lora import add_lora
+from qie.data.images import rgb
 from qie.demo.reward import RecolourReward, named_colour, shape_region
 from qie.errors import ConfigError, DataError
+from qie.evaluation.scoring import Row
 from qie.models import model_spec
 from qie.stages.train_model import objective_reward
 from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
@@ -41,8 +43,13 @@ def demo_control(size: int = 64) -> torch.Tensor:
     return image
 
 
-def views(sample_id: str) -> tuple[str, list[torch.Tensor]]:
-    return "make the square red", [demo_control()]
+def rows(sample_id: str, size: tuple[int, int]) -> Row:
+    """Every sample's row: the demo's blue square to make red (64 px), its target and edit region at `size`
+    (square): the square red."""
+    at_size = demo_control(size[0])
+    region = shape_region(at_size)
+    target = torch.where(region, named_colour("make the square red")[:, None, None].float(), at_size)
+    return Row(sample_id, "make the square red", None, [demo_control()], target, region)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def grpo_objective(spec, parts, **options) -> Grpo:
         parts.pipeline_config,
         spec.call_defaults(),
         decoder=parts.vae,
-        sample_views=views,
+        sample_rows=rows,
         build_reward=objective_reward,
     )
     return Grpo(inputs, **{**SETTINGS, **options})
@@ -191,6 +198,58 @@ def test_with_noise_only_at_the_trained_steps_a_shared_start_group_differs_only_
     assert set(run.log_probs) == {1} and rewards.shape == (3,)
     loss = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(7))
     assert torch.isfinite(loss) and objective.step_metrics()["reward_std"] > 0
+
+
+def test_a_reward_that_compares_with_the_target_is_given_the_rows_target_and_refused_without_one(tiny) -> None:
+    cfg, spec, parts = tiny
+    policy = lora_model(cfg)
+    objective = grpo_objective(spec, parts, reward={"_target_": PIXEL})
+    objective.prepare(policy)
+    batch = rollout_batch()
+    latents = torch.randn((3, *batch.latents.shape[1:]), generator=torch.Generator().manual_seed(2))
+    images = rgb(spec.family.decode(parts.vae, latents, "pt").float().clamp(0, 1))
+    target = rows("0", (images.shape[-1], images.shape[-2])).target
+    expected = -(images.double() - target.double()).abs().flatten(1).mean(1)  # an error: its negative
+    torch.testing.assert_close(objective._rewards(batch, 0, latents), expected)
+    assert torch.isfinite(objective.loss(policy, batch, torch.Generator().manual_seed(7)))
+    objective.rows = lambda sample_id, size: dataclasses.replace(rows(sample_id, size), target=None, region=None)
+    with pytest.raises(DataError, match=r"sample 's0' has no target, which train.objective.reward \(PixelError\)"):
+        objective.rollout(policy, batch, 0, torch.Generator().manual_seed(5))
+
+
+def test_weighted_rewards_sum_their_parts_values_and_need_what_their_parts_need() -> None:
+    control = demo_control()
+    row = rows("0", (64, 64))
+    images = torch.stack([row.target, control])
+    parts = {"colour": {"_target_": "qie.demo.reward.RecolourReward"}, "pixel": {"_target_": PIXEL}}
+    weighted = objective_reward({"_target_": "qie.evaluation.weighted.Weighted", "rewards": parts,
+                                 "weights": {"colour": 2.0}})  # fmt: skip
+    assert weighted.needs == {"target"} and weighted.weights == {"colour": 2.0, "pixel": 1.0}
+    colour = RecolourReward()(images, [[control]] * 2, ["make the square red"] * 2)
+    error = (images.double() - row.target.double()).abs().flatten(1).mean(1)
+    scores = weighted(images, [[control]] * 2, ["make the square red"] * 2, targets=row.target.expand(2, -1, -1, -1))
+    torch.testing.assert_close(scores, 2.0 * colour.double() - error)
+    assert float(scores[0]) == pytest.approx(2.0) and float(scores[1]) < 1.8
+    with pytest.raises(ConfigError, match=r"unknown key .*rewards.colour.shade: .*RecolourReward's parameters"):
+        objective_reward({"_target_": "qie.evaluation.weighted.Weighted", "rewards": {"colour": {
+            "_target_": "qie.demo.reward.RecolourReward", "shade": 1}}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"weights names \['judge'\], which are not among the rewards"):
+        objective_reward({"_target_": "qie.evaluation.weighted.Weighted", "rewards": parts, "weights": {"judge": 1}})
+
+
+PIXEL = "qie.evaluation.metrics.PixelError"
+
+
+def test_a_judge_is_built_from_the_runs_model_alone_and_inside_a_weighted_reward(small_cfg) -> None:
+    from qie.config import typed
+    from qie.evaluation.judge import VlmJudge
+
+    model = typed(small_cfg("train").model)
+    judge = {"_target_": "qie.evaluation.judge.VlmJudge", "question": "preservation"}
+    built = objective_reward(judge, model=model)
+    assert isinstance(built, VlmJudge) and built.model == model and built.question == "preservation"
+    weighted = objective_reward({"_target_": "qie.evaluation.weighted.Weighted", "rewards": {"judge": judge}}, model)
+    assert weighted.parts["judge"].model == model and weighted.needs == frozenset()
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,9 @@ def rewards_problem(node: Any, path: str) -> str | None:
             if own not in named or own in STAGE_KEYS:
                 valid = ", ".join(sorted(named - set(STAGE_KEYS))) or "none"
                 return f"unknown key {key}.{own}: {reward['_target_']}'s parameters are {valid}"
+        parts = getattr(cls, "combines", None)  # a reward made of rewards: its parts' nodes are checked alike
+        if parts and (problem := rewards_problem(reward.get(parts), f"{key}.{parts}")):
+            return problem
     return None
 
 

@@ -35,7 +35,8 @@ def build_rewards(node: Mapping[str, Any], path: str, **stage: Any) -> dict[str,
         args = {k: v for k, v in stage.items() if k in STAGE_KEYS and k in named}
         own = OmegaConf.to_container(reward, resolve=True)
         try:
-            obj = instantiate(own, _convert_="object", **args)
+            # Not recursive: a reward made of rewards (`Weighted`) builds its parts itself, with the stage's keys.
+            obj = instantiate(own, _convert_="object", _recursive_=False, **args)
         except InstantiationException as e:
             if isinstance(e.__cause__, QieError):
                 raise e.__cause__ from None

@@ -34,6 +34,7 @@ from qie.errors import ConfigError, check_writable
 from qie.evaluation import report as reports
 from qie.evaluation.build import build_rewards
 from qie.evaluation.reward import Reward, direction
+from qie.evaluation.rows import reference_row
 from qie.evaluation.scoring import Row, score_row, summarize
 from qie.models import ModelSpec
 from qie.models.sampling import SamplingOptions
@@ -42,7 +43,7 @@ from qie.stages.edge import Edge
 from qie.stages.infer import resolve_output
 from qie.stages.settings import data_source, fused_base, sampling_options
 from qie.stages.validation import validation_inputs
-from qie.training.image_metrics import edit_region, to_tensor
+from qie.training.image_metrics import to_tensor
 from qie.training.validation import Validator
 
 BASE = "base"
@@ -190,20 +191,6 @@ def generate(
 def eval_options(predict: PredictConfig, spec: ModelSpec) -> SamplingOptions:
     """The sampling options of the `predict` group, the model's defaults where it leaves them None."""
     return sampling_options(predict).resolved(spec.call_defaults())
-
-
-def reference_row(sample: Sample, size: tuple[int, int], spec: ModelSpec, category: str | None) -> Row:
-    """What a row's edits (of `size`, width x height) are scored against: its controls, its target at that size
-    and its edit region (the row's mask, else where target and the control the output follows differ)."""
-    controls = [to_tensor(open_image(c)).float() for c in sample.controls]
-    target = to_tensor(open_image(sample.target), size).float() if sample.target is not None else None
-    if sample.mask is not None:
-        region = to_tensor(open_image(sample.mask), size)[0] > 0.5
-    elif target is not None and sample.controls:
-        region = edit_region(target.double(), to_tensor(open_image(sample.controls[spec.output_image or 0]), size))
-    else:
-        region = None
-    return Row(sample.id, sample.prompt, category, controls, target, region)
 
 
 def score_run(rewards: dict[str, Reward], rows: list[Row], edits: list[list[Image.Image]], seeds: list[int]) -> dict:

@@ -62,7 +62,7 @@ def fill_teachers(
     parts = load_model(setup.plan, accelerator)
     record = run_records(setup.plan, [])[0]
     store = BackendTeacherStore(backend, fills=True)
-    objective: Any = make_objective(setup.train, setup.spec, parts, store, base_model_key(setup.model, record))
+    objective: Any = make_objective(setup.plan, parts, store, base_model_key(setup.model, record))
     state, _ = build_train_state(setup.plan, accelerator, parts, objective)
     # The model under its mixed-precision autocast as training calls it, without the data-parallel wrapper: its
     # forward would sync buffers with the other processes, which fill shares of other lengths.

@@ -41,7 +41,7 @@ from qie.stages.recipes import lora_exports, make_ema, regularization_logging
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
-from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_views
+from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_rows
 from qie.stages.train_hooks import HookInputs, search_result, step_hooks
 from qie.stages.train_model import (
     base_model_key,
@@ -237,8 +237,8 @@ class TrainRecipe(Recipe):
         s, train, parts = self.s, self.s.train, self.parts
         teachers = teacher_store(self.backend, s.source.mode)
         key = base_model_key(s.model, self.records[0])
-        views = sample_views(self.samples + self.heldout_samples)
-        self.objective = make_objective(train, s.spec, parts, teachers, key, views)
+        rows = sample_rows(self.samples + self.heldout_samples, s.spec)
+        self.objective = make_objective(s.plan, parts, teachers, key, rows)
         self.state, self.scheduler = build_train_state(s.plan, self.accelerator, parts, self.objective)
         self.ema = make_ema(train, self.state.params)
         if self.resume_from is not None:

@@ -10,24 +10,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from qie.data.buckets import BucketBatchSampler, ImageSizeIndex, bucket_keys
 from qie.data.fields import SampleField, missing_problem
 from qie.data.formats import DataSource
-from qie.data.images import open_image
 from qie.data.mixing import MixedBatchSampler
 from qie.data.pairs import PairCheck
 from qie.data.samples import DataProblem, Sample, without_controls
 from qie.embedding.readiness import ready_samples
 from qie.embedding.sources import EmbeddingSource
 from qie.errors import CacheMissError, DataError
+from qie.evaluation.rows import reference_row
+from qie.evaluation.scoring import Row
 from qie.models import ModelSpec
 from qie.stages.datasets import read_data
 from qie.stages.recipes import regularization_samples
 from qie.stages.settings import file_hasher
 from qie.stages.sources import check_masks
-from qie.training.image_metrics import to_tensor
 
 if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
@@ -221,13 +220,13 @@ def make_sampler(
     return sampler
 
 
-def sample_views(samples: list[Sample]) -> Callable[[str], tuple[str, list[torch.Tensor]]]:
-    """A sample id's prompt and control images (float (3, h, w) in [0, 1], each read when asked) for an objective
-    that scores its own results; an id of a variant (`#text_only`) is its sample's."""
+def sample_rows(samples: list[Sample], spec: ModelSpec) -> Callable[[str, tuple[int, int]], Row]:
+    """A sample id's row at an edit's size (width, height), its images read when asked, for an objective that
+    scores its own results (`reference_row`: prompt, control images, and the target and edit region where the
+    sample has them); an id of a variant (`#text_only`) is its sample's."""
     by_id = {s.id: s for s in samples}
 
-    def view(sample_id: str) -> tuple[str, list[torch.Tensor]]:
-        sample = by_id.get(sample_id) or by_id[sample_id.split("#")[0]]
-        return sample.prompt, [to_tensor(open_image(c)) for c in sample.controls]
+    def row(sample_id: str, size: tuple[int, int]) -> Row:
+        return reference_row(by_id.get(sample_id) or by_id[sample_id.split("#")[0]], size, spec)
 
-    return view
+    return row

@@ -123,8 +123,8 @@ class RewardLog:
 
     def __call__(self, step: int, images: list, logger) -> dict[str, float | None]:
         from qie.evaluation.reward import direction
+        from qie.evaluation.rows import reference_row
         from qie.evaluation.scoring import mean, score_row
-        from qie.stages.evaluation import reference_row
         from qie.training.image_metrics import to_tensor
 
         scores = []

@@ -5,6 +5,7 @@ target filling (`qie.stages.teacher_fill`) builds the same pieces, so its model 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,23 +41,19 @@ class ModelPlan:
 
 
 def make_objective(
-    train: TrainConfig,
-    spec: ModelSpec,
-    parts: Any,
-    teachers: Any = None,
-    model_key: dict | None = None,
-    views: Any = None,
+    plan: ModelPlan, parts: Any, teachers: Any = None, model_key: dict | None = None, rows: Any = None
 ) -> Objective:
     """The objective `train.objective` names (its `_target_` and settings), with the run's noise-level sampling
     (the scheduler's shift).
 
     Args:
+        plan: the run's model and train groups and its spec (a reward's judge is built from the model group).
         parts: what `load_model` gave: the scheduler, the checkpoint's model_index.json (for an objective that
             samples) and the VAE where it was loaded (its decoder alone, for an objective that decodes).
         teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
-        views: the samples' prompts and control images (`train_data.sample_views`).
+        rows: a sample id's row at an edit's size (`train_data.sample_rows`), for an objective that scores its edits.
     """
-    scheduler = parts.scheduler
+    train, spec, scheduler = plan.train, plan.spec, parts.scheduler
     sigmas = SigmaSampling(
         method=str(train.timestep_sampling),
         logit_mean=float(train.logit_mean),
@@ -76,15 +73,16 @@ def make_objective(
         teachers,
         model_key or {},
         parts.vae,
-        views,
-        objective_reward,
+        rows,
+        functools.partial(objective_reward, model=plan.model),
     )
     return build_objective(train.objective, inputs)
 
 
-def objective_reward(node: Any) -> Any:
-    """The reward an objective's `reward` node names (`qie.evaluation.build`)."""
-    return build_rewards({"reward": node}, "train.objective")["reward"]
+def objective_reward(node: Any, model: ModelConfig | None = None) -> Any:
+    """The reward an objective's `reward` node names (`qie.evaluation.build`), given the run's `model` where it
+    names one (a judge)."""
+    return build_rewards({"reward": node}, "train.objective", **({} if model is None else {"model": model}))["reward"]
 
 
 def base_model_key(model: ModelConfig, record: dict) -> dict:

@@ -147,10 +147,11 @@ class ObjectiveInputs:
     teacher_store: Any = None
     model_key: Mapping[str, Any] = field(default_factory=dict)
     # What an objective that scores its own samples needs (`needs_decoder`): the VAE (its decoder), a sample id's
-    # prompt and control images (float (3, h, w) in [0, 1]) for its reward, and what builds a reward from its
-    # config node (`qie.evaluation.build`); None where not asked for.
+    # row at an edit's size (width, height) for its reward (`qie.evaluation.rows.reference_row`: prompt, control
+    # images, and the target and edit region where the sample has them), and what builds a reward from its config
+    # node (`qie.evaluation.build`); None where not asked for.
     decoder: Any = None
-    sample_views: Any = None
+    sample_rows: Any = None
     build_reward: Any = None
 
 

@@ -32,7 +32,9 @@ from typing import Any, ClassVar
 import torch
 
 from qie.data.images import rgb
-from qie.errors import ConfigError
+from qie.errors import ConfigError, DataError
+from qie.evaluation.reward import needed_arguments, reward_value
+from qie.evaluation.scoring import Row
 from qie.models.sampling import PromptInputs, initial_noise
 from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages, unwrapped
 from qie.training.objectives import ObjectiveInputs, ObjectiveUse, StepMeans
@@ -99,22 +101,12 @@ class GrpoSettings:
         return s
 
 
-def checked_reward(reward: Any) -> Any:
-    """`reward` (a built `qie.extend.Reward`), or ConfigError where it needs what a rollout lacks."""
-    if reward.needs:
-        raise ConfigError(
-            f"train.objective.reward ({type(reward).__name__}) needs {sorted(reward.needs)}: a rollout has no "
-            "target or mask to give it; choose a reward that reads the edit, its controls and its prompt"
-        )
-    return reward
-
-
 class Grpo:
     """The Flow-GRPO objective (see the module's text).
 
     Args:
         inputs: the family (its `denoise` and `decode`), the scheduler, the decoder (it `ScoresOwnResults`) and
-            `sample_views` (a sample id's prompt and control images for the reward), `build_reward` (the reward
+            `sample_rows` (a sample id's row for the reward: prompt, controls, target), `build_reward` (the reward
             of the `reward` node).
         group_size, ...: the settings (`GrpoSettings`, `conf/train/objective/grpo.yaml`).
     """
@@ -153,10 +145,10 @@ class Grpo:
             raise ValueError(f"train/objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
         self.family, self.scheduler, self.decoder = inputs.family, inputs.scheduler, inputs.decoder
         self.pipeline_config = dict(inputs.pipeline_config or {})
-        self.views: Callable[[str], tuple[str, list[torch.Tensor]]] | None = inputs.sample_views
+        self.rows: Callable[[str, tuple[int, int]], Row] | None = inputs.sample_rows
         if inputs.build_reward is None:
             raise ValueError(f"train/objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
-        self.reward = checked_reward(inputs.build_reward(s.reward))
+        self.reward = inputs.build_reward(s.reward)
         self.reference = Reference(s.reference_lora, objective=NAME)
         self.means = StepMeans()
 
@@ -220,18 +212,33 @@ class Grpo:
     def _rewards(self, batch: Batch, i: int, latents: torch.Tensor) -> torch.Tensor:
         """The group's rewards (higher is better) of its final latents."""
         images = rgb(self.family.decode(self.decoder, latents, "pt").float().clamp(0, 1))
-        sample_id = batch.ids[i]
-        if self.views is not None:
-            prompt, controls = self.views(sample_id)
+        n, size = latents.shape[0], (images.shape[-1], images.shape[-2])
+        if self.rows is not None:
+            row = self.rows(batch.ids[i], size)
         else:  # the controls as their latents decode
-            prompt, controls = (
-                "",
-                [self.family.decode(self.decoder, c[i : i + 1], "pt")[0].float() for c in batch.control_latents],
+            decoded = [self.family.decode(self.decoder, c[i : i + 1], "pt")[0].float() for c in batch.control_latents]
+            row = Row(batch.ids[i], "", None, decoded)
+        needed = needed_arguments(self.reward, *self._references(row, n))
+        scores = self.reward(images, [[rgb(c) for c in row.controls]] * n, [row.prompt] * n, **needed)
+        return reward_value(self.reward, torch.as_tensor(scores, dtype=torch.float64).reshape(n))
+
+    def _references(self, row: Row, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The row's target and edit region for each of its `n` edits, where the reward needs them.
+
+        Raises:
+            DataError: the reward needs what the row lacks (a row without a target).
+        """
+        have = {"target": row.target, "mask": row.region}
+        missing = [{"mask": "edit region"}.get(k, k) for k in sorted(self.reward.needs) if have.get(k) is None]
+        if missing:
+            raise DataError(
+                f"sample {row.id!r} has no {' or '.join(missing)}, which train.objective.reward "
+                f"({type(self.reward).__name__}) compares each edit with: give it rows with targets, or choose a "
+                "reward that reads the edit, its controls and its prompt"
             )
-        n = latents.shape[0]
-        scores = self.reward(images, [[rgb(c) for c in controls]] * n, [prompt] * n)
-        scores = torch.as_tensor(scores, dtype=torch.float64).reshape(n)
-        return scores if self.reward.higher_is_better else -scores  # `reward_value`
+        targets = None if row.target is None else rgb(row.target)[None].expand(n, -1, -1, -1)
+        masks = None if row.region is None else row.region[None].expand(n, -1, -1)
+        return targets, masks
 
     def rollout(
         self, model: Any, batch: Batch, i: int, generator: torch.Generator, noisy: list[int] | None = None

@@ -1,0 +1,27 @@
+"""A sample as the row its edits are scored against (`qie.evaluation.scoring.Row`): what the eval stage, the
+validation rewards and online RL (`train/objective=grpo`) hand a reward besides the edits."""
+
+from __future__ import annotations
+
+from qie.data.images import open_image
+from qie.data.samples import Sample
+from qie.evaluation.scoring import Row
+from qie.models import ModelSpec
+from qie.training.image_metrics import edit_region, to_tensor
+
+
+def reference_row(sample: Sample, size: tuple[int, int], spec: ModelSpec, category: str | None = None) -> Row:
+    """What a row's edits (of `size`, width x height) are scored against: its controls, its target at that size
+    and its edit region (the row's mask, else where target and the control the output follows differ)."""
+    controls = [to_tensor(open_image(c)).float() for c in sample.controls]
+    target = to_tensor(open_image(sample.target), size).float() if sample.target is not None else None
+    if sample.mask is not None:
+        region = to_tensor(open_image(sample.mask), size)[0] > 0.5
+    elif target is not None and sample.controls:
+        region = edit_region(target.double(), to_tensor(open_image(sample.controls[spec.output_image or 0]), size))
+    else:
+        region = None
+    return Row(sample.id, sample.prompt, category, controls, target, region)
+
+
+__all__ = ["reference_row"]
