@@ -56,10 +56,10 @@ def heldout_scores(
     from qie.config import typed
     from qie.data.scan import scan_folder
     from qie.evaluation.grid import captioned_grid
+    from qie.evaluation.image_metrics import to_tensor
     from qie.models.sampling import SamplingOptions
     from qie.stages.heldout import split_heldout
     from qie.stages.infer import build_predictor
-    from qie.training.image_metrics import to_tensor
 
     _, held = split_heldout(scan_folder(data, require_target=True).samples, heldout)
     cfg = compose("infer", ["model=tiny_demo"])

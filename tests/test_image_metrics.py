@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qie.training.image_metrics import PSNR_CAP, edit_metrics, edit_region, psnr, ssim, ssim_map
+from qie.evaluation.image_metrics import PSNR_CAP, edit_metrics, edit_region, psnr, ssim, ssim_map
 
 
 def test_psnr_is_10_log10_of_one_over_the_mean_squared_error() -> None:

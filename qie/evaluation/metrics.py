@@ -1,5 +1,5 @@
 """The built-in metrics, each a `Reward` (`qie.evaluation.reward`): the pixel error to the target, PSNR and SSIM
-inside the edit region, and the change outside it. PSNR and SSIM are those of `qie.training.image_metrics`
+inside the edit region, and the change outside it. PSNR and SSIM are those of `qie.evaluation.image_metrics`
 (validation's `psnr_edit`, `ssim_edit`): the same numbers in both places.
 
 A score that has no pixels to measure (an empty edit region, or a sample without a control image for the change
@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from qie.evaluation.image_metrics import psnr, ssim
 from qie.evaluation.reward import Reward, control_at
-from qie.training.image_metrics import psnr, ssim
 
 
 class PixelError(Reward):

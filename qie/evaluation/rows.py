@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from qie.data.images import open_image
 from qie.data.samples import Sample
+from qie.evaluation.image_metrics import edit_region, to_tensor
 from qie.evaluation.scoring import Row
 from qie.models import ModelSpec
-from qie.training.image_metrics import edit_region, to_tensor
 
 
 def reference_row(sample: Sample, size: tuple[int, int], spec: ModelSpec, category: str | None = None) -> Row:

@@ -33,6 +33,7 @@ from qie.data.samples import Sample
 from qie.errors import ConfigError, check_writable
 from qie.evaluation import report as reports
 from qie.evaluation.build import build_rewards
+from qie.evaluation.image_metrics import to_tensor
 from qie.evaluation.reward import Reward, direction
 from qie.evaluation.rows import reference_row
 from qie.evaluation.scoring import Row, score_row, summarize
@@ -43,7 +44,6 @@ from qie.stages.edge import Edge
 from qie.stages.infer import resolve_output
 from qie.stages.settings import data_source, fused_base, sampling_options
 from qie.stages.validation import validation_inputs
-from qie.training.image_metrics import to_tensor
 from qie.training.validation import Validator
 
 BASE = "base"

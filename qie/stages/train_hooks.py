@@ -122,10 +122,10 @@ class RewardLog:
         self.samples, self.spec, self.file = samples, s.spec, folder / REWARDS_FILE
 
     def __call__(self, step: int, images: list, logger) -> dict[str, float | None]:
+        from qie.evaluation.image_metrics import to_tensor
         from qie.evaluation.reward import direction
         from qie.evaluation.rows import reference_row
         from qie.evaluation.scoring import mean, score_row
-        from qie.training.image_metrics import to_tensor
 
         scores = []
         for sample, image in zip(self.samples, images):

@@ -3,7 +3,7 @@
 Inputs arrive encoded (SampleEmbeddings; a target latent only where it sets the output size), so
 validation in cached mode needs only the transformer, the scheduler and the VAE decoder. Each
 validation step writes its images to `<run>/validation/step-NNNNNN/<id>.png` (whatever the tracker),
-and, for inputs whose target image is known, edit-aware metrics (`qie.training.image_metrics`) to
+and, for inputs whose target image is known, edit-aware metrics (`qie.evaluation.image_metrics`) to
 `validation/metrics.jsonl` and the tracker.
 """
 
@@ -20,9 +20,9 @@ from PIL import Image
 
 from qie.components.registry import Parts
 from qie.data.images import open_image
+from qie.evaluation.image_metrics import edit_metrics
 from qie.models import ModelSpec
 from qie.models.sampling import SamplingOptions, latent_sizes
-from qie.training.image_metrics import edit_metrics
 from qie.training.logging import MetricsLogger
 from qie.types import SampleEmbeddings
 
