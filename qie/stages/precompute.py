@@ -50,7 +50,6 @@ from qie.stages.precompute_work import (
 )
 from qie.stages.processes import leave_process_group, warn_single_process
 from qie.stages.recipe import Recipe
-from qie.stages.recipes import regularization_samples
 from qie.stages.settings import (
     Regularization,
     SourceSettings,
@@ -62,6 +61,7 @@ from qie.stages.settings import (
 from qie.stages.sources import build_encoder, model_key_context
 from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
 from qie.stages.teacher_fill import check_processes, fill_teachers
+from qie.stages.train_extras import regularization_samples
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training.objectives import objective_class, trains_on_targets
 

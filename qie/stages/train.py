@@ -37,11 +37,11 @@ from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
 from qie.stages.heldout import HeldOut, split_heldout
 from qie.stages.recipe import Recipe
-from qie.stages.recipes import lora_exports, make_ema, regularization_logging
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_rows
+from qie.stages.train_extras import lora_exports, make_ema, regularization_logging
 from qie.stages.train_hooks import HookInputs, search_result, step_hooks
 from qie.stages.train_model import (
     base_model_key,

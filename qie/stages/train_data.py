@@ -24,9 +24,9 @@ from qie.evaluation.rows import reference_row
 from qie.evaluation.scoring import Row
 from qie.models import ModelSpec
 from qie.stages.datasets import read_data
-from qie.stages.recipes import regularization_samples
 from qie.stages.settings import file_hasher
 from qie.stages.sources import check_masks
+from qie.stages.train_extras import regularization_samples
 
 if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup

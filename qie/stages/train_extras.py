@@ -1,4 +1,4 @@
-"""The train and precompute stages' glue for the training recipes: the EMA, the LoRA exports, and regularisation
+"""What the train and precompute stages add to plain training: the EMA, the LoRA exports, and regularisation
 data (`data.regularization`: its samples and its own loss in the logs). `train.mask` and `data.regularization`'s
 settings are read in `qie.stages.settings`; their rules, and `train.ema`'s, are checked when the config is composed
 (`qie.config.rules`)."""
