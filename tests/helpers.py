@@ -182,7 +182,16 @@ def hf_extra_image_column(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field
 def optuna_logs_through_root():
     """optuna binds its own log handler to the stderr of the test that first searched (captured, then closed): a
     later search in the same worker would print a logging error into its own stderr. Within the block optuna's
-    records go to the root logger's handlers, which each run sets up anew."""
+    records go to the root logger's handlers, which each run sets up anew. Its first import in a worker logs
+    (alembic's plugins, at INFO) through the root logger, whose handlers an earlier run in the worker may have bound
+    to that test's stream, closed since: those are set aside before the import."""
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        stream = getattr(handler, "stream", None)
+        if stream is not None and getattr(stream, "closed", False):
+            root.removeHandler(handler)
     import optuna
 
     optuna.logging.disable_default_handler()
