@@ -9,30 +9,6 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def _conf_from_checkout() -> None:
-    """Serve the config tree at the repository root (`conf/`) as `qie.conf` when qie runs from its checkout
-    (`PYTHONPATH=.`, or an editable install, whose finder maps `qie.conf` to the same folder by `package_dir` in
-    setup.cfg). A wheel holds the tree as `qie/conf/` beside this file, and that one is used."""
-    import importlib.util
-    import os
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    tree = os.path.join(os.path.dirname(here), "conf")
-    init = os.path.join(tree, "__init__.py")
-    # A wheel's tree has its __init__.py; a checkout may still hold a stale qie/conf/__pycache__ from before the move.
-    if os.path.isfile(os.path.join(here, "conf", "__init__.py")) or not os.path.isfile(init):
-        return
-    spec = importlib.util.spec_from_file_location(f"{__name__}.conf", init, submodule_search_locations=[tree])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    globals()["conf"] = module  # as the import system binds a submodule it loads to its package
-
-
-_conf_from_checkout()
-
-
 def __getattr__(name: str) -> Any:
     if name == "compose":
         from qie.config import compose

@@ -9,12 +9,13 @@ from omegaconf import DictConfig
 
 from qie.cli import run_stage
 from qie.config import register
+from qie.config.tree import conf_path
 from qie.stages import cache_admin
 
 register("cache")  # its schema, known to Hydra before @hydra.main composes
 
 
-@hydra.main(config_path="pkg://qie.conf", config_name="cache", version_base=None)
+@hydra.main(config_path=conf_path(), config_name="cache", version_base=None)
 def main(cfg: DictConfig) -> None:
     code = run_stage(cache_admin.run, cfg)
     if code:

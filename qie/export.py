@@ -10,12 +10,13 @@ from omegaconf import DictConfig
 
 from qie.cli import keyed_positionals, run_stage
 from qie.config import register
+from qie.config.tree import conf_path
 from qie.stages import export
 
 register("export")  # its schema, known to Hydra before @hydra.main composes
 
 
-@hydra.main(config_path="pkg://qie.conf", config_name="export", version_base=None)
+@hydra.main(config_path=conf_path(), config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_stage(export.run, cfg)
 

@@ -157,13 +157,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_yaml(name: str):
-    from importlib.resources import files
-
     from omegaconf import OmegaConf
 
-    path = files("qie.conf").joinpath("model", f"{name}.yaml")
+    from qie.config.tree import conf_dir
+
+    path = conf_dir().joinpath("model", f"{name}.yaml")
     if not path.is_file():
-        known = sorted(p.name[:-5] for p in files("qie.conf").joinpath("model").iterdir() if p.name.endswith(".yaml"))
+        known = sorted(p.name[:-5] for p in conf_dir().joinpath("model").iterdir() if p.name.endswith(".yaml"))
         raise SystemExit(f"bench_gpu: --model {name}: no conf/model/{name}.yaml; choose from {', '.join(known)}")
     return OmegaConf.load(str(path))
 
@@ -171,13 +171,13 @@ def model_yaml(name: str):
 def tiny_model(name: str) -> str:
     """The tiny model yaml standing in for `name` (itself if it is tiny): the same variant, the same
     `zero_cond_t`, as the tiny presets pair them."""
-    from importlib.resources import files
+    from qie.config.tree import conf_dir
 
     node = model_yaml(name)
     if node.get("tiny"):
         return name
     candidates = []
-    for p in sorted(files("qie.conf").joinpath("model").iterdir()):
+    for p in sorted(conf_dir().joinpath("model").iterdir()):
         if p.name.endswith(".yaml"):
             other = model_yaml(p.name[:-5])
             if other.get("tiny") and other.variant == node.variant and other.name != "tiny_demo":

@@ -21,11 +21,11 @@ MODELS = ("qwen_image_edit", "qwen_image_21")
 
 def model_yaml(model: str):
     """The model yaml `conf/model/<model>.yaml`, as written."""
-    from importlib.resources import files
-
     from omegaconf import OmegaConf
 
-    return OmegaConf.load(str(files("qie.conf").joinpath("model", f"{model}.yaml")))
+    from qie.config.tree import conf_dir
+
+    return OmegaConf.load(str(conf_dir().joinpath("model", f"{model}.yaml")))
 
 
 def lora_targets(model: str) -> list[str]:

@@ -10,9 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from qie.config import compose, register
+from qie.config.tree import conf_dir
 from qie.errors import ConfigError
 
-CONF = Path(importlib.import_module("qie.conf").__file__).parent
+CONF = conf_dir()
 ROOT_GROUPS = {
     "precompute": ["model", "data", "cache"],
     "train": ["model", "data", "cache", "train", "train/optimizer", "predict"],
@@ -108,13 +109,13 @@ def test_unknown_stage() -> None:
 def test_slurm_launcher_composes() -> None:
     """`hydra/launcher=submitit_slurm` (the `slurm` extra) configures a SLURM sweep of the train stage."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register("train")  # as the train entry point does
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_module("qie.conf", version_base=None):
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
             cfg = hydra_compose(
                 "train",
                 ["hydra/launcher=submitit_slurm", "hydra.launcher.gpus_per_node=8", "train.learning_rate=3e-4"],

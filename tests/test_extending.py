@@ -67,3 +67,16 @@ def test_a_misspelt_setting_of_an_outside_objective_is_refused_naming_its_parame
     with pytest.raises(ConfigError) as info:
         small_config("train", f"data.path={depth_data}", OBJECTIVE, "+train.objective.depth_wieght=0.5")
     assert str(info.value) == ("unknown key train.objective.depth_wieght: plugins.depth.DepthAware takes depth_weight")
+
+
+def test_a_plugins_own_preset_is_chosen_by_name_once_its_tree_is_on_hydras_search_path(depth_data) -> None:
+    """tests/plugins/conf/ ships `train/objective/depth.yaml`; `hydra.searchpath` adds it beside qie's tree."""
+    search = "hydra.searchpath=[pkg://plugins.conf]"
+    cfg = small_config("train", f"data.path={depth_data}", search, "train/objective=depth")
+    assert dict(cfg.train.objective) == {"_target_": "plugins.depth.DepthAware", "depth_weight": 0.5}
+    tuned = small_config(
+        "train", f"data.path={depth_data}", search, "train/objective=depth", "train.objective.depth_weight=2"
+    )
+    assert tuned.train.objective.depth_weight == 2
+    with pytest.raises(ConfigError, match="train/objective"):
+        small_config("train", f"data.path={depth_data}", "train/objective=depth")  # without the plug-in's tree

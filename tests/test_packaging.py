@@ -1,9 +1,9 @@
-"""The config tree at the repository root (`conf/`) is what an installed qie serves as `qie.conf`: setuptools,
-configured as for a wheel, places every file of the tree in the package (checked in-process, without a build)."""
+"""The config tree at the repository root (`conf/`) is what qie serves through Hydra's search path, and what an
+installed qie holds as `qie/conf/`: setuptools, configured as for a wheel, places every file of the tree there
+(checked in-process, without a build)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -20,11 +20,25 @@ def _tree_files() -> set[str]:
     }
 
 
-def test_the_checkout_serves_conf_as_qie_conf() -> None:
-    import qie.conf
+def test_the_checkout_serves_conf_through_hydras_search_path() -> None:
+    """The entry points' primary config path is the checkout's `conf/` (a `file://` entry of Hydra's search path),
+    found without importing a `qie.conf` module."""
+    import sys
 
-    assert Path(qie.conf.__file__).resolve() == ROOT / "conf" / "__init__.py"
-    assert importlib.import_module("qie.conf") is qie.conf
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from qie.config.tree import conf_dir, conf_path
+
+    assert conf_dir() == ROOT / "conf" and conf_path() == str(ROOT / "conf")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=conf_path(), version_base=None):
+            sources = GlobalHydra.instance().config_loader().get_sources()
+    finally:
+        GlobalHydra.instance().clear()
+    assert [(s.scheme(), s.path) for s in sources if s.provider == "main"] == [("file", str(ROOT / "conf"))]
+    assert "qie.conf" not in sys.modules
 
 
 def test_the_wheel_holds_every_file_of_the_config_tree(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,29 +76,25 @@ def test_every_package_under_qie_is_packaged(monkeypatch: pytest.MonkeyPatch) ->
     assert not found - packages, f"folders of qie/ a wheel would not hold: {sorted(found - packages)}"
 
 
-@pytest.mark.parametrize("layout", ["checkout", "stale_checkout", "wheel"])
-def test_qie_conf_is_the_tree_of_its_layout(layout: str, tmp_path: Path) -> None:
-    """A checkout serves `conf/` (also with a `qie/conf/__pycache__` left from before the move); a wheel its
-    own `qie/conf/`. A fresh interpreter on a copy of qie's `__init__.py` in each layout."""
-    import shutil
-    import subprocess
-    import sys
+@pytest.mark.parametrize("layout", ["checkout", "stale_checkout", "wheel", "none"])
+def test_the_config_tree_is_the_one_of_its_layout(layout: str, tmp_path: Path, monkeypatch) -> None:
+    """A checkout serves `conf/` (also with a `qie/conf/__pycache__` left from before the move); a wheel its own
+    `qie/conf/`; an installation without either stops in one line naming both folders."""
+    from qie.config import tree
+    from qie.errors import ConfigError
 
-    (tmp_path / "qie").mkdir()
-    shutil.copy(ROOT / "qie" / "__init__.py", tmp_path / "qie" / "__init__.py")
+    (tmp_path / "qie" / "config").mkdir(parents=True)
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "__init__.py").write_text("")
+    if layout != "none":
+        (tmp_path / "conf" / "train.yaml").write_text("")
     if layout == "stale_checkout":
         (tmp_path / "qie" / "conf" / "__pycache__").mkdir(parents=True)
     if layout == "wheel":
         (tmp_path / "qie" / "conf").mkdir()
-        (tmp_path / "qie" / "conf" / "__init__.py").write_text("")
-    code = (
-        "import qie.conf, importlib.resources as r; "
-        "print(qie.conf.__file__, (r.files('qie.conf') / '__init__.py').is_file())"
-    )
-    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                          env={"PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    expected = tmp_path / ("qie/conf" if layout == "wheel" else "conf") / "__init__.py"
-    assert done.stdout.split() == [str(expected), "True"]
+        (tmp_path / "qie" / "conf" / "train.yaml").write_text("")
+    monkeypatch.setattr(tree, "__file__", str(tmp_path / "qie" / "config" / "tree.py"))
+    if layout == "none":
+        with pytest.raises(ConfigError, match=f"neither {tmp_path / 'qie' / 'conf'} nor {tmp_path / 'conf'} holds"):
+            tree.conf_dir()
+        return
+    assert tree.conf_dir() == tmp_path / ("qie/conf" if layout == "wheel" else "conf")

@@ -145,12 +145,12 @@ def test_tiny_cli_is_deterministic_and_the_check_tells_the_families_apart(tiny21
 def test_every_model_yaml_samples_with_its_pipelines_defaults() -> None:
     """The `predict` group defaults to the model's CFG scale and step count: each yaml's are its pipeline's."""
     import inspect
-    from importlib.resources import files
 
     from qie.config import compose
+    from qie.config.tree import conf_dir
     from qie.models import model_spec
 
-    names = [p.name[:-5] for p in files("qie.conf").joinpath("model").iterdir() if p.name.endswith(".yaml")]
+    names = [p.name[:-5] for p in conf_dir().joinpath("model").iterdir() if p.name.endswith(".yaml")]
     assert "qwen_image_21" in names
     for name in names:
         cfg = compose("infer", [f"model={name}"])

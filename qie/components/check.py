@@ -79,12 +79,12 @@ def pipeline_config(source: str, revision: str | None = None) -> dict:
 def fitting_models(found: CheckpointFacts) -> list[str]:
     """The `model=` names of qie's model yamls that describe a checkpoint like `found` (real models first,
     then the tiny ones), for the hint of a mismatch."""
-    from importlib.resources import files
-
     from omegaconf import OmegaConf
 
+    from qie.config.tree import conf_dir
+
     fits = []
-    for path in files("qie.conf").joinpath("model").iterdir():
+    for path in conf_dir().joinpath("model").iterdir():
         if path.name.endswith(".yaml"):
             node = OmegaConf.create(path.read_text(encoding="utf-8"))
             if not model_spec(node).mismatches(found):

@@ -227,14 +227,13 @@ def _signatures() -> list[str]:
 
 def _models_of(family: str) -> list[str]:
     """The real (not tiny) model yamls of `family`, then the tiny ones."""
-    from importlib.resources import files
-
     from omegaconf import OmegaConf
 
+    from qie.config.tree import conf_dir
     from qie.models import variants
 
     found = []
-    for path in sorted(files("qie.conf").joinpath("model").iterdir(), key=lambda p: p.name):
+    for path in sorted(conf_dir().joinpath("model").iterdir(), key=lambda p: p.name):
         if path.name.endswith(".yaml"):
             node = OmegaConf.create(path.read_text(encoding="utf-8"))
             pair = variants().get(str(node.get("variant", "edit")))

@@ -41,6 +41,7 @@ from qie.config.rewards import reward_settings_problem
 from qie.config.roots import DemoRoot, PrecomputeRoot, TrainRoot
 from qie.config.rules import late_problem, setting_problem, trains_lora
 from qie.config.train import TrainConfig
+from qie.config.tree import conf_dir
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
@@ -113,7 +114,7 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
         ValueError: for an unknown stage; Hydra's errors for unknown keys, groups or bad values.
     """
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
@@ -122,7 +123,7 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     register(stage)
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module="qie.conf", version_base=None):
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
     except HydraException as e:
         detail = f"\n{e.__cause__}" if e.__cause__ else ""

@@ -28,6 +28,7 @@ from qie.cache.base import CacheStore
 from qie.cache.keys import FileHasher, entry_key
 from qie.config.caption import CaptionConfig
 from qie.config.model import ModelConfig
+from qie.config.tree import conf_dir
 from qie.data.keys import KeyContext
 from qie.data.samples import DataProblem, Sample
 from qie.errors import ConfigError, DataError
@@ -56,9 +57,7 @@ def presets() -> list[str]:
 
 
 def preset_folder() -> Path:
-    import qie.conf
-
-    return Path(qie.conf.__file__).parent / "caption"
+    return conf_dir() / "caption"
 
 
 def caption_settings(prompt: str | None, spec: ModelSpec) -> CaptionSettings:
