@@ -29,6 +29,7 @@ from qie.cache.base import (
     encode,
 )
 from qie.cache.codec import CorruptError, checksum
+from qie.cache.documents import FolderDocuments
 from qie.cache.files import (
     LOCK_SUFFIX,
     TEMP_SUFFIX,
@@ -60,6 +61,11 @@ class FlatBackend(CacheBackend):
 
     def __repr__(self) -> str:
         return f"FlatBackend(dir={self.root!r}, suffix={self.suffix!r})"
+
+    @property
+    def shared(self) -> FolderDocuments:
+        """The stages' shared documents (the precompute failure list) as files beside the entries."""
+        return FolderDocuments(self.root)
 
     def _path(self, type: str, key: str) -> str:
         return f"{self.root}/{check_type(type)}.{check_key(key)}{self.suffix}"

@@ -130,6 +130,19 @@ def test_claims_exclude_other_writers_of_a_shared_cache(case) -> None:
     again.release()
 
 
+def test_the_shared_documents_reach_every_user_of_a_cache_that_outlives_the_process(case) -> None:
+    """The failure list goes through `shared`: another instance on the same storage (another process, another
+    node) reads what one wrote, where the entries outlive the process; updates merge."""
+    name, b, root = case
+    assert b.shared.read("list.json") is None
+    b.shared.update("list.json", lambda data: (data or b"") + b"a")
+    b.shared.update("list.json", lambda data: None)  # None keeps the document as it is
+    other = build(name, root).shared
+    other.update("list.json", lambda data: (data or b"") + b"b")
+    assert b.shared.read("list.json") == (b"ab" if b.persists else b"a")
+    assert other.read("list.json") == (b"ab" if b.persists else b"b")
+
+
 def test_stats_clear_and_verify_count_the_entries(case) -> None:
     _, b, _ = case
     for n in range(3):

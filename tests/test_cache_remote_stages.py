@@ -232,7 +232,7 @@ def test_the_precompute_failure_list_is_in_the_bucket_for_a_training_on_another_
     summary = precompute.run(compose("precompute", [*base, *node("a")]), tmp_path / "pre")
     assert [f.id for f in summary.failures] == ["00001"]
     assert not (tmp_path / "a" / "dir" / FILE_NAME).exists()  # not on the node: in the bucket
-    listed = read_failures(tmp_path / "b" / "dir", remote(url, s3, tmp_path / "c"))
+    listed = read_failures(remote(url, s3, tmp_path / "c"))
     assert [v["sample"] for v in listed.values()] == ["00001"]
     monkeypatch.setattr(precompute_work.Encoder, "encode_entries", real)
     training = [*TRAINING, "train.max_steps=1", "cache.on_missing=skip"]

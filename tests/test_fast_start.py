@@ -146,7 +146,7 @@ def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, mo
     source, samples, backend = _cached(tmp_path, path)
     source.backend = backend = SsdBackend(tmp_path / "cache", verify_reads=True, startup_check=check)
     run = tmp_path / "run"
-    assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples  # stamps the set
+    assert ready_samples(source, samples, run, "stop") == samples  # stamps the set
     with monkeypatch.context() as mp:
         # Remembered keys: the set is checked in bulk, under the stamp the sample-by-sample check wrote (one
         # stat per folder of the set, or per distinct entry file; no header read).
@@ -159,7 +159,7 @@ def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, mo
         stats: list[str] = []
         real_stat = os.stat
         mp.setattr(os, "stat", lambda p, *a, **k: stats.append(os.fspath(p)) or real_stat(p, *a, **k))
-        assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples
+        assert ready_samples(source, samples, run, "stop") == samples
     entry_files = [p for p in stats if p.endswith(".safetensors") and "/sample_keys/" not in p]
     keys = [source.keys(s) for s in samples]
     distinct = {(t, k[t]) for k in keys for t in TYPES}
@@ -177,9 +177,9 @@ def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, mo
     shared.write_bytes(good[:40])
     if check == "files":
         with pytest.raises(CacheMissError, match="3 of 6 samples"):
-            ready_samples(source, samples, run, "stop", str(tmp_path / "cache"))
+            ready_samples(source, samples, run, "stop")
     else:
-        assert ready_samples(source, samples, run, "stop", str(tmp_path / "cache")) == samples
+        assert ready_samples(source, samples, run, "stop") == samples
     with pytest.raises(CacheMissError, match="(?s)'s0_0' .* a damaged cached control_latent .* cache.repair=true"):
         source.get(samples[:1])
     shared.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # the same size: only the checksum can tell
@@ -190,7 +190,7 @@ def test_a_removed_or_rewritten_entry_file_is_refused_by_name(tmp_path: Path, mo
     # An entry removed changes its shard folder: the set is looked at file by file, the rewrite found too.
     backend.path("prompt_embed", keys[4]["prompt_embed"]).unlink()
     with pytest.raises(CacheMissError, match="4 of 6 samples .* the first is 's1_1' \\(prompt_embed\\)"):
-        ready_samples(source, samples, run, "stop", str(tmp_path / "cache"))
+        ready_samples(source, samples, run, "stop")
     report = json.loads((run / "cache_report.json").read_text())
     assert report["missing"] == [{"id": "s1_1", "types": ["prompt_embed"]}]
     assert [r["id"] for r in report["damaged"]] == ["s0_0", "s0_1", "s0_2"]

@@ -15,6 +15,7 @@ import pytest
 import safetensors.torch
 
 from qie.cache.failures import read_failures
+from qie.cache.ssd import SsdBackend
 from qie.components import fingerprint
 from qie.config import compose
 from qie.demo.synthetic import make_dataset
@@ -73,11 +74,11 @@ def test_non_finite_values_are_refused_and_named(tiny_path: Path, tmp_path: Path
     (failure,) = summary.failures
     assert failure.id == "00001" and "prompt_embed/embed hold NaN or infinite values: not written" in failure.reason
     assert new(summary) == {"pixel_latent": 3, "control_latent": 3, "empty_prompt_embed": 3, "prompt_embed": 2}
-    recorded = read_failures(tmp_path / "cache")
+    recorded = read_failures(SsdBackend(tmp_path / "cache"))
     assert [v["sample"] for v in recorded.values()] == ["00001"] and list(recorded)[0].startswith("prompt_embed/")
     monkeypatch.setattr(precompute_work.Encoder, "encode_entries", real)
     again = run(ds, tmp_path / "cache", tmp_path / "run2")
-    assert new(again)["prompt_embed"] == 1 and read_failures(tmp_path / "cache") == {}  # written: unlisted
+    assert new(again)["prompt_embed"] == 1 and read_failures(SsdBackend(tmp_path / "cache")) == {}  # written: unlisted
 
 
 @pytest.mark.subprocess

@@ -160,7 +160,7 @@ def test_the_whole_cache_is_checked_while_the_model_loads_before_training(data: 
     backend.path("control_latent", keys[1]["control_latent"]).unlink()  # missing
     path = backend.path("empty_prompt_embed", keys[4]["empty_prompt_embed"])
     path.write_bytes(path.read_bytes()[:-3])  # damaged (and its prompt entry with it)
-    update_failures(root / "cache", [("pixel_latent", keys[2]["pixel_latent"], samples[2].id, "bad image")], [])
+    update_failures(backend, [("pixel_latent", keys[2]["pixel_latent"], samples[2].id, "bad image")], [])
     backend.path("pixel_latent", keys[2]["pixel_latent"]).unlink()  # one precompute could not encode
 
     with pytest.MonkeyPatch.context() as mp, _model_loads_beside_the_check(mp):

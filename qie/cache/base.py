@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from qie.cache.codec import CorruptError, Entry, cpu_copy, decode, encode
+from qie.cache.documents import Documents, ProcessDocuments
 from qie.types import CACHE_TYPES, SCHEMA_VERSION
 
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,128}")
@@ -107,7 +108,8 @@ class CacheStore(Protocol):
     `get` returns None on a miss and on an entry it cannot read (after logging a warning naming it);
     it never raises for a bad entry. Types are the names in `CACHE_TYPES`. Readers never create anything;
     `check_access(write=True)` prepares a store for writing. Stages ask the store what it is (`stores`, `persists`,
-    `remote_reads`), never its class or its config name. The bulk checks (`intact_all`, `intact_counted`) are given
+    `remote_reads`), never its class or its config name. What the stages share beside the entries goes through
+    `shared`. The bulk checks (`intact_all`, `intact_counted`) are given
     over `intact`; a store with a faster way overrides them.
     """
 
@@ -121,6 +123,16 @@ class CacheStore(Protocol):
     # Whether each `get` may be a round trip to another machine (an object store): readers then fetch a sample's
     # entries at once, from several threads, so the waits overlap.
     remote_reads: bool
+
+    @property
+    def shared(self) -> Documents:
+        """The small documents the stages keep beside the entries (the precompute failure list), shared with every
+        process that uses this cache (`qie.cache.documents`). Given: documents of this process only, for a cache
+        that does not outlive it; a backend whose entries do keeps them where its entries are."""
+        docs = self.__dict__.get("_process_documents")
+        if docs is None:
+            docs = self.__dict__["_process_documents"] = ProcessDocuments()
+        return docs
 
     def get(self, type: str, key: str) -> Entry | None: ...
 

@@ -34,6 +34,7 @@ from qie.cache.base import (
     encode,
 )
 from qie.cache.codec import Header, parse_header, quick_header
+from qie.cache.documents import FolderDocuments
 from qie.cache.files import MMAP_MIN_BYTES, SUFFIX, load_file, read_file, temp_name
 from qie.errors import CacheDirMissing, ConfigError, StorageError
 
@@ -73,6 +74,7 @@ class SsdBackend:
             raise ConfigError(f"cache.startup_check={startup_check!r}: expected one of {', '.join(STARTUP_CHECKS)}")
         self.startup_check = startup_check
         self.root = Path(dir).expanduser().absolute()
+        self.shared = FolderDocuments(self.root)  # the failure list, beside the entries
         self._root = str(self.root)
         self.verify_reads = bool(verify_reads)
 

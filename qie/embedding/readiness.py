@@ -134,7 +134,6 @@ def ready_samples(
     samples: list[Sample],
     run_dir: Path,
     on_missing: str,
-    cache_dir: str | None,
     report: bool = True,
     precompute_command: str = "python -m qie.precompute ...",
     remember: bool | None = None,
@@ -163,7 +162,7 @@ def ready_samples(
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        found = check_entries(cache, samples, read_failures(cache_dir, backend))
+        found = check_entries(cache, samples, read_failures(backend))
     finally:
         if gc_was_on:
             gc.enable()

@@ -147,7 +147,7 @@ class PrecomputeRecipe(Recipe):
         if self.captions is not None and main:  # the main process wrote them (the others read them afterwards)
             c = self.captions.counts
             summary.types[CAPTION_TYPE] = TypeSummary(c.new, c.cached, c.failed, c.bytes_written)
-        summary = finish(state, summary, backend, settings.source.cache_dir, self.run_dir)
+        summary = finish(state, summary, backend, self.run_dir)
         leave_process_group(state)
         if main:
             refuse_if_none_encoded(summary, self.run_dir)
@@ -295,7 +295,7 @@ def encode(groups: dict, summary, settings: Settings, desc: str) -> None:
         )
 
 
-def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path) -> PrecomputeSummary:
+def finish(state, summary: PrecomputeSummary, backend, run_dir: Path) -> PrecomputeSummary:
     """Gather the processes' summaries; the main process writes them, the failure list and the report."""
     from accelerate.utils import gather_object
 
@@ -305,7 +305,7 @@ def finish(state, summary: PrecomputeSummary, backend, cache_dir, run_dir: Path)
             total.merge(part)
         summary = total
     if state.is_main_process:
-        update_failures(cache_dir, summary.failed_entries, summary.written, backend)
+        update_failures(backend, summary.failed_entries, summary.written)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "precompute_summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         write_failures(run_dir, summary.failures)

@@ -124,10 +124,10 @@ def ready_data(
 ) -> tuple[list[Sample], list[Sample]]:
     """The `samples` and the regularisation set's samples whose cache entries are all there (`ready_samples`;
     with reference dropout, their text-only entries too)."""
-    on_missing, cache_dir, command = s.on_missing, s.source.cache_dir, s.source.precompute_command
-    samples = ready_samples(source, samples, run_dir, on_missing, cache_dir, report, command)
+    on_missing, command = s.on_missing, s.source.precompute_command
+    samples = ready_samples(source, samples, run_dir, on_missing, report, command)
     reg = regularization_samples(s.regularization, s.samples, s.spec, captions)
-    reg = ready_samples(source, reg, run_dir, on_missing, cache_dir, False, command, report) if reg else []
+    reg = ready_samples(source, reg, run_dir, on_missing, False, command, report) if reg else []
     if s.dropout:  # the text-only entries too
         kept = {
             x.id
@@ -136,7 +136,6 @@ def ready_data(
                 [without_controls(x) for x in samples + reg],
                 run_dir,
                 on_missing,
-                cache_dir,
                 False,
                 command,
                 report,
