@@ -4,7 +4,7 @@ alone then wires in (`_target_`). docs/extending.md walks through each.
 - an objective: subclass `FlowMatching` (or write a class with the `Objective` protocol's methods), chosen by
   `train.objective._target_=pkg.Cls`; its constructor takes `ObjectiveInputs` and its own keyword settings, and
   `use_problem(ObjectiveUse)` may refuse a run in one line;
-- a cache backend: subclass `CacheBackend`, chosen by `cache._target_=pkg.Cls`;
+- a cache backend: subclass `CacheBackend`, chosen by `cache.backend._target_=pkg.Cls`;
 - a reward (for `qie.eval`, validation and the sweep objective): subclass `Reward`;
 - an extra image per sample: a `SampleField`, named in an objective's `requires`;
 - what an objective receives: a `Batch` (a field's latents in `batch.fields[name]`).

@@ -190,7 +190,12 @@ def upload(cache: Path, endpoint: str, prefix: str, types: tuple[str, ...], serv
 
 def overrides(url: str, endpoint: str, local: Path) -> list[str]:
     """Train-stage overrides reading the cache at `url` through a node-local copy in `local` (fresh per run)."""
-    return ["cache=remote", f"cache.url={url}", f"cache.endpoint_url={endpoint}", f"cache.local_dir={local}"]
+    return [
+        "cache=remote",
+        f"cache.backend.url={url}",
+        f"cache.backend.endpoint_url={endpoint}",
+        f"cache.backend.local_dir={local}",
+    ]
 
 
 if __name__ == "__main__":

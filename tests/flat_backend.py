@@ -1,8 +1,8 @@
 """A cache backend defined outside qie, as a user would write one: every entry is one file in a single folder,
 `<dir>/<type>.<key><suffix>`, the suffix being a constructor parameter of its own.
 
-Configured as `cache._target_=flat_backend.FlatBackend +cache.suffix=.entry cache.dir=FOLDER`; the backend
-battery (tests/test_backend_battery.py) runs the protocol's contract over it beside qie's own backends.
+Configured as `cache.backend._target_=flat_backend.FlatBackend +cache.backend.suffix=.entry cache.dir=FOLDER`; the
+backend battery (tests/test_backend_battery.py) runs the protocol's contract over it beside qie's own backends.
 It reaches qie only through the cache's public pieces: the entry codec, the check helpers and the file helpers.
 """
 
@@ -56,7 +56,7 @@ class FlatBackend(CacheBackend):
         if not dir:
             raise ConfigError("cache.dir is not set: the flat backend keeps its entries in a folder")
         if not suffix.startswith(".") or len(suffix) < 2 or "/" in suffix or suffix in (TEMP_SUFFIX, LOCK_SUFFIX):
-            raise ConfigError(f"cache.suffix={suffix!r}: give a file suffix such as '.entry'")
+            raise ConfigError(f"cache.backend.suffix={suffix!r}: give a file suffix such as '.entry'")
         self.root, self.suffix = os.path.abspath(os.path.expanduser(dir)), suffix
 
     def __repr__(self) -> str:

@@ -31,9 +31,9 @@ BACKENDS = {
     "ssd": ["cache=ssd"],
     "memory": ["cache=memory"],
     "none": ["cache=none"],
-    "flat": ["cache._target_=flat_backend.FlatBackend", "+cache.suffix=.entry"],
+    "flat": ["cache.backend._target_=flat_backend.FlatBackend", "+cache.backend.suffix=.entry"],
     # fsspec's local file system stands in for a bucket here (tests/test_cache_remote.py runs a real S3 server)
-    "remote": ["cache=remote", "cache.url=file://{root}/store", "cache.local_dir={root}/local-copy"],
+    "remote": ["cache=remote", "cache.backend.url=file://{root}/store", "cache.backend.local_dir={root}/local-copy"],
 }
 TESTS = Path(__file__).parent
 
@@ -246,7 +246,7 @@ def test_admin_never_touches_anything_outside_its_own_storage(case) -> None:
 def test_a_backend_from_outside_qie_runs_precompute_and_cached_training(
     cached_data: CachedData, tmp_path: Path
 ) -> None:
-    """`cache._target_` with a parameter of its own: precompute fills it and cached training reads it, with the
+    """`cache.backend._target_` with a parameter of its own: precompute fills it and cached training reads it, with the
     losses the ssd cache gives (tests/test_train.py) and no encoder built."""
     from test_train import LOSSES, TRAINING
 
@@ -268,11 +268,24 @@ def test_a_backend_from_outside_qie_runs_precompute_and_cached_training(
 
 
 def test_a_backends_own_keys_pass_validation_and_others_are_named() -> None:
+    """`cache.backend` holds the class and its own settings; a key its constructor does not take, a stages' key
+    written there, or a backend's key written at the stages' level is refused in one line saying where it goes."""
     from qie.errors import ConfigError
 
-    assert compose("cache", BACKENDS["flat"]).cache.suffix == ".entry"
-    ssd_parameters = "SsdBackend's parameters: dir, startup_check, verify_reads"
-    with pytest.raises(ConfigError, match=rf"unknown key cache\.bucket: .*{ssd_parameters}"):
-        compose("cache", ["+cache.bucket=x"])
-    with pytest.raises(ConfigError, match="flat_backend.FlatBackend's parameters: dir, suffix"):
-        compose("cache", [*BACKENDS["flat"], "+cache.bucket=x"])
+    assert compose("cache", BACKENDS["flat"]).cache.backend.suffix == ".entry"
+
+    def refused(overrides: list[str]) -> str:
+        with pytest.raises(ConfigError) as info:
+            compose("cache", overrides)
+        return str(info.value)
+
+    ssd = "unknown key cache.backend.bucket: qie.cache.ssd.SsdBackend takes startup_check"
+    assert refused(["+cache.backend.bucket=x"]) == ssd
+    flat = "unknown key cache.backend.bucket: flat_backend.FlatBackend takes suffix"
+    assert refused([*BACKENDS["flat"], "+cache.backend.bucket=x"]) == flat
+    assert refused(["+cache.backend.dir=/x"]) == (
+        "cache.backend.dir is the stages' setting: set cache.dir (a backend that takes it is given it)"
+    )
+    assert refused(["cache=remote", "+cache.url=s3://b/p"]) == (
+        "cache.url is a setting of the backend: write cache.backend.url=... (its settings are there)"
+    )

@@ -223,8 +223,8 @@ def test_cli_run_in_process(tmp_path: Path, capsys) -> None:
     assert "total" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="cache.types: unknown cache type 'latents'"):
         run(compose("cache", [f"cache.dir={tmp_path}", "cache.types=[latents]"]))
-    with pytest.raises(ConfigError, match=r"cache\._target_='qie\.cache\.nope\.Backend'"):
-        run(compose("cache", [f"cache.dir={tmp_path}", "cache._target_=qie.cache.nope.Backend"]))
+    with pytest.raises(ConfigError, match=r"cache\.backend\._target_='qie\.cache\.nope\.Backend'"):
+        run(compose("cache", [f"cache.dir={tmp_path}", "cache.backend._target_=qie.cache.nope.Backend"]))
     with pytest.raises(ConfigError, match="cache.dir is not set"):
         run(compose("cache", ["cache.dir=null"]))
     assert run_admin(MemoryBackend(), "verify").exit_code == 0

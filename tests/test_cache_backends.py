@@ -14,7 +14,6 @@ import pytest
 import safetensors.torch
 import torch
 import xxhash
-from omegaconf import OmegaConf
 
 from qie.cache import CACHE_TYPES, SCHEMA_VERSION, CacheBackend
 from qie.cache.keys import entry_key
@@ -272,12 +271,10 @@ def test_misplaced_and_foreign_files(tmp_path: Path) -> None:
 
 
 def node(target: str, dir: str | None = None, **own: object):
-    """A `cache` config node as composed: the schema's keys, `_target_` and `dir` given, and `own` keys."""
+    """A typed `cache` group: `dir` given, and the backend `target` with its `own` settings."""
     from qie.config.cache import CacheConfig
 
-    cfg = OmegaConf.structured(CacheConfig(_target_=target, dir=dir))
-    OmegaConf.set_struct(cfg, False)  # as Hydra composes `+cache.key=value`
-    return OmegaConf.merge(cfg, own)
+    return CacheConfig(dir=dir, backend={"_target_": target, **own})
 
 
 def test_build_backend(tmp_path: Path) -> None:
@@ -291,14 +288,14 @@ def test_build_backend(tmp_path: Path) -> None:
     assert build_backend(node("qie.cache.ssd.SsdBackend", str(tmp_path))).startup_check == "folders"
     files = node("qie.cache.ssd.SsdBackend", str(tmp_path), startup_check="files")
     assert build_backend(files).startup_check == "files"
-    with pytest.raises(ConfigError, match="cache.startup_check='entries': expected one of folders, files"):
+    with pytest.raises(ConfigError, match="cache.backend.startup_check='entries': expected one of folders, files"):
         build_backend(node("qie.cache.ssd.SsdBackend", str(tmp_path), startup_check="entries"))
     for target in ("qie.cache.nope.Backend", "qie.cache.ssd.Nope", "SsdBackend", "qie.cache.ssd.encode"):
-        with pytest.raises(ConfigError, match=rf"cache\._target_='{target}'"):
+        with pytest.raises(ConfigError, match=rf"cache\.backend\._target_='{target}'"):
             build_backend(node(target, str(tmp_path)))
     with pytest.raises(ConfigError, match="does not implement the CacheBackend protocol"):
         build_backend(node("tempfile.TemporaryDirectory", str(tmp_path)))
-    with pytest.raises(ConfigError, match=r"cache\._target_='qie.cache.memory.MemoryBackend' cannot be built"):
+    with pytest.raises(ConfigError, match=r"cache\.backend\._target_='qie.cache.memory.MemoryBackend' cannot be built"):
         build_backend(node("qie.cache.memory.MemoryBackend", None, size=3))
 
 

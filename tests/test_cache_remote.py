@@ -18,7 +18,7 @@ from qie.cache import CACHE_TYPES
 from qie.cache.keys import entry_key
 from qie.cache.local_copy import LocalCopy
 from qie.cache.remote import RemoteBackend
-from qie.errors import CacheDirMissing, StorageError
+from qie.errors import CacheDirMissing, ConfigError, StorageError
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -321,12 +321,25 @@ def test_build_backend_passes_the_remote_settings(s3: str, url: str, tmp_path: P
     from qie.config import compose
     from qie.config.backend import build_backend
 
-    remote = ["cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", f"cache.local_dir={tmp_path / 'l'}"]
-    cfg = compose("train", [*remote, "cache.local_max_gb=0.5", f"cache.dir={tmp_path}"])
+    remote = [
+        "cache=remote",
+        f"cache.backend.url={url}",
+        f"cache.backend.endpoint_url={s3}",
+        f"cache.backend.local_dir={tmp_path / 'l'}",
+    ]
+    cfg = compose("train", [*remote, "cache.backend.local_max_gb=0.5", f"cache.dir={tmp_path}"])
     b = build_backend(cfg.cache)  # as the stages build it: the yaml's keys are the backend's own
     assert isinstance(b, RemoteBackend) and b.local.max_bytes == 2**29
     with pytest.raises(CacheDirMissing, match="nothing is cached"):
         b.check_access()
+    # The node-local copy's limit is the backend's setting: its range is checked when the stage builds it.
+    bad = compose("train", [*remote, "cache.backend.local_max_gb=-1", f"cache.dir={tmp_path}"])
+    with pytest.raises(ConfigError) as refused:
+        build_backend(bad.cache)
+    assert str(refused.value) == (
+        "cache.backend.local_max_gb=-1.0 is out of range: give the node-local copy's limit in GiB, above 0 (e.g. "
+        "500), or leave it unset for no limit"
+    )
 
 
 def test_an_unreachable_endpoint_is_named_in_one_line(url: str, tmp_path: Path) -> None:

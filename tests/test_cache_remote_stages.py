@@ -45,8 +45,13 @@ def test_precompute_into_the_bucket_then_training_gives_the_ssd_losses(
 
     base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}"]
     ssd = train_stage.run(compose("train", [*base, f"cache.dir={cached_data.cache}", *TRAINING]), tmp_path / "ssd")
-    on_bucket = ["cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", "cache.retries=2"]
-    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
+    on_bucket = [
+        "cache=remote",
+        f"cache.backend.url={url}",
+        f"cache.backend.endpoint_url={s3}",
+        "cache.backend.retries=2",
+    ]
+    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.backend.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
     summary = precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre")
     assert summary.samples == 8 and not summary.failures
     indexed_when_the_backend_goes(url, s3, tmp_path / "c")
@@ -73,8 +78,8 @@ def test_a_stage_names_an_unreachable_endpoint_before_building_a_model(
         monkeypatch.setenv(key, v)
     endpoint = f"http://127.0.0.1:{free_port()}"
     overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
-                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2", f"cache.dir={tmp_path}",
-                 *(TRAINING if stage == "train" else [])]  # fmt: skip
+                 f"cache.backend.url={url}", f"cache.backend.endpoint_url={endpoint}", "cache.backend.retries=2",
+                 f"cache.dir={tmp_path}", *(TRAINING if stage == "train" else [])]  # fmt: skip
     with pytest.raises(StorageError, match=f"{endpoint}.*unreachable after 2 tries"):
         run(compose(stage, overrides), tmp_path / "run")
 
@@ -94,7 +99,12 @@ def test_sync_copies_a_cache_to_the_bucket_and_back_verified_and_resumable(
 ) -> None:
     from qie.cache.ssd import SsdBackend
 
-    on_bucket = ["cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", f"cache.local_dir={tmp_path / 'l'}"]
+    on_bucket = [
+        "cache=remote",
+        f"cache.backend.url={url}",
+        f"cache.backend.endpoint_url={s3}",
+        f"cache.backend.local_dir={tmp_path / 'l'}",
+    ]
     assert admin(f"cache.dir={cached_data.cache}", "action=sync", f"sync.to={url}", f"sync.endpoint_url={s3}",
                  f"sync.local_dir={tmp_path / 's'}") == 0  # fmt: skip
     source = SsdBackend(cached_data.cache)
@@ -143,8 +153,8 @@ def test_two_precompute_processes_on_one_bucket_encode_no_entry_twice(
     import sys
 
     on_bucket = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
-                 f"cache.url={url}", f"cache.endpoint_url={s3}", "precompute.batch_size=1",
-                 "cache.retries=2"]  # fmt: skip
+                 f"cache.backend.url={url}", f"cache.backend.endpoint_url={s3}", "precompute.batch_size=1",
+                 "cache.backend.retries=2"]  # fmt: skip
     env = {**os.environ, "TQDM_DISABLE": "1"}
     procs = {
         n: subprocess.Popen(
@@ -154,7 +164,7 @@ def test_two_precompute_processes_on_one_bucket_encode_no_entry_twice(
                 "qie.precompute",
                 *on_bucket,
                 f"cache.dir={tmp_path / n}",
-                f"cache.local_dir={tmp_path / n}/l",
+                f"cache.backend.local_dir={tmp_path / n}/l",
                 f"hydra.run.dir={tmp_path / f'run_{n}'}",
             ],
             env=env,
@@ -191,9 +201,10 @@ def test_training_stops_with_one_error_when_the_server_goes_away_mid_run(
     endpoint = f"http://127.0.0.1:{port}"
     sync(SsdBackend(cached_data.cache), remote(url, endpoint, tmp_path / "upload"))
     overrides = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}", "cache=remote",
-                 f"cache.url={url}", f"cache.endpoint_url={endpoint}", "cache.retries=2", f"cache.dir={tmp_path}",
-                 f"cache.local_dir={tmp_path / 'copy'}", "data.prefetch=0", "train.max_steps=4", "data.batch_size=2",
-                 "logging.report_to=none", "train.checkpoint_every=0", "data.num_workers=0"]  # fmt: skip
+                 f"cache.backend.url={url}", f"cache.backend.endpoint_url={endpoint}", "cache.backend.retries=2",
+                 f"cache.dir={tmp_path}", f"cache.backend.local_dir={tmp_path / 'copy'}", "data.prefetch=0",
+                 "train.max_steps=4", "data.batch_size=2", "logging.report_to=none", "train.checkpoint_every=0",
+                 "data.num_workers=0"]  # fmt: skip
     steps = []
 
     def stop_after_the_first(info) -> None:
@@ -227,8 +238,15 @@ def test_the_precompute_failure_list_is_in_the_bucket_for_a_training_on_another_
 
     monkeypatch.setattr(precompute_work.Encoder, "encode_entries", poisoned)
     model = f"model.pretrained_model_name_or_path={tiny_path}"
-    base = [model, f"data.path={ds}", "cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", "cache.retries=2"]
-    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
+    base = [
+        model,
+        f"data.path={ds}",
+        "cache=remote",
+        f"cache.backend.url={url}",
+        f"cache.backend.endpoint_url={s3}",
+        "cache.backend.retries=2",
+    ]
+    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.backend.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
     summary = precompute.run(compose("precompute", [*base, *node("a")]), tmp_path / "pre")
     assert [f.id for f in summary.failures] == ["00001"]
     assert not (tmp_path / "a" / "dir" / FILE_NAME).exists()  # not on the node: in the bucket

@@ -43,7 +43,7 @@ def test_every_root_composes_with_every_option(stage: str, group: str, option: s
     if group == "model":
         assert cfg.model.name == option
     if group == "cache":
-        assert cfg.cache.name == option and cfg.cache._target_.startswith("qie.cache.")
+        assert cfg.cache.name == option and cfg.cache.backend._target_.startswith("qie.cache.")
     if group == "caption":
         assert cfg.caption.name == option
 
@@ -136,7 +136,7 @@ GROUPS = sorted(
     if p.is_dir() and list(p.glob("*.yaml")) and p.name != "caption"
 )
 # Where a composed train config may name a class to build, and how the stages build it.
-BUILT = {"cache", "train.optimizer", "train.lr_scheduler", "train.objective"}
+BUILT = {"cache.backend", "train.optimizer", "train.lr_scheduler", "train.objective"}
 # Classes an option names besides those (GRPO's reward, built by the objective through the train stage's builder).
 ALSO_BUILT = {("train/objective", "grpo"): {"train.objective.reward"}}
 # Options whose class lives in an optional extra (test_memory checks the error when it is missing).
@@ -144,7 +144,7 @@ EXTRA = {("train/optimizer", "adamw8bit"): "bitsandbytes"}
 # Settings an option needs to build (the remote cache needs a store: fsspec's in-process one will do; the Lightning
 # preset a LoRA file to fuse, of which composing checks only that it is there).
 NEEDS = {
-    ("cache", "remote"): ["cache.url=memory://config-test/cache"],
+    ("cache", "remote"): ["cache.backend.url=memory://config-test/cache"],
     ("experiment", "lightning"): [f"model.fuse_loras=[{__file__}]"],
 }
 

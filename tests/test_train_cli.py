@@ -205,8 +205,9 @@ def test_two_nodes_training_from_a_bucket_give_the_losses_of_one_node_on_ssd_and
 
     sync(SsdBackend(cached_data.cache), remote(url, s3, tmp_path / "upload"))
     model_and_data = [a for a in data["base"] if not a.startswith("cache.dir=")]
-    bucket = [*model_and_data, "cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}",
-              "cache.dir=${oc.env:QIE_NODE}/dir", "cache.local_dir=${oc.env:QIE_NODE}/copy", *SHORT]  # fmt: skip
+    bucket = [*model_and_data, "cache=remote", f"cache.backend.url={url}", f"cache.backend.endpoint_url={s3}",
+              "cache.dir=${oc.env:QIE_NODE}/dir", "cache.backend.local_dir=${oc.env:QIE_NODE}/copy",
+              *SHORT]  # fmt: skip
     nodes = {"QIE_NODE": str(tmp_path / "nodes")}
     _wait_all(_two_nodes([*bucket, f"hydra.run.dir={tmp_path / 'two'}"], tmp_path / "two_logs", nodes),
               tmp_path / "two_logs", 300)  # fmt: skip

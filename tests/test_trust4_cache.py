@@ -1,7 +1,7 @@
 # ruff: noqa: F811 - the tests take the imported fixtures `s3` and `url` as arguments
 """The cache against faults of trust: another entry's file under a key's name (ssd and bucket), links out of a
 `file://` store, objects deleted from the bucket, claims left by an outage and the wait for others' claims, the
-start-up check by files, a sync into its own source, a damaged teacher output, and a `cache.url` without a
+start-up check by files, a sync into its own source, a damaged teacher output, and a `cache.backend.url` without a
 scheme."""
 
 from __future__ import annotations
@@ -132,8 +132,13 @@ def test_a_fresh_node_missing_a_deleted_object_is_told_it_was_deleted_and_how_to
     from qie.stages import train as train_stage
 
     base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}"]
-    on_bucket = ["cache=remote", f"cache.url={url}", f"cache.endpoint_url={s3}", "cache.retries=2"]
-    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
+    on_bucket = [
+        "cache=remote",
+        f"cache.backend.url={url}",
+        f"cache.backend.endpoint_url={s3}",
+        "cache.backend.retries=2",
+    ]
+    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.backend.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
     precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre")
     indexed_when_the_backend_goes(url, s3, tmp_path / "c")
     fs, root = raw_fs(s3), url.removeprefix("s3://")
@@ -313,5 +318,7 @@ def test_a_damaged_teacher_output_is_named_with_the_repair_command(small_cfg, ca
 
 @pytest.mark.parametrize("value", ["bucket/prefix", "/abs/folder", "relative"])
 def test_a_cache_url_without_a_scheme_is_refused_in_one_line(value: str, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"cache.url=.* has no scheme: use s3://BUCKET/PREFIX .*file:///FOLDER"):
+    with pytest.raises(
+        ConfigError, match=r"cache.backend.url=.* has no scheme: use s3://BUCKET/PREFIX .*file:///FOLDER"
+    ):
         RemoteBackend(url=value, local_dir=tmp_path)

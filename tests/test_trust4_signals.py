@@ -220,12 +220,6 @@ REFUSED = [
     ),
     (
         "train",
-        ["cache.local_max_gb=-1"],
-        "cache.local_max_gb=-1.0 is out of range: give the node-local copy's limit in GiB, above 0 (e.g. 500), or "
-        "leave it unset for no limit",
-    ),
-    (
-        "train",
         ["train/objective=dpo", "train.objective.sft_weight=inf"],
         "train.objective.sft_weight=inf is out of range: give a value from 0 to 100",
     ),
@@ -271,5 +265,4 @@ def test_the_edges_of_the_ranges_are_taken(tmp_path: Path) -> None:
     compose("infer", [f"model.fuse_loras=[{lora},{lora}]", "model.fuse_lora_scales=[-100,100]"])
     compose("train", ["train/objective=dpo", "train.objective.beta=1e6", "train.objective.sft_weight=100"])
     compose("train", ["train/objective=distill", "train.objective.student_steps=4", "train.objective.teacher_steps=4"])
-    compose("train", ["cache.local_max_gb=0.5"])
     compose("demo", ["demo.image_size=16", "demo.train_samples=1", "demo.heldout_samples=1"])

@@ -60,12 +60,11 @@ class RemoteBackend:
     """Entries in an object store, read through a node-local copy.
 
     Args:
-        url: where the cache lives, e.g. `s3://BUCKET/PREFIX` (`cache.url`); any fsspec URL works.
-        endpoint_url: the S3 endpoint of MinIO, R2 or a local server (`cache.endpoint_url`).
-        storage_options: anything else for the fsspec file system (`cache.storage_options`); credentials come
+        url: where the cache lives, e.g. `s3://BUCKET/PREFIX` (`cache.backend.url`); any fsspec URL works.
+        endpoint_url: the S3 endpoint of MinIO, R2 or a local server (`cache.backend.endpoint_url`).
+        storage_options: anything else for the fsspec file system (`cache.backend.storage_options`); credentials come
             the standard way (environment, profile) unless given here.
         local_dir: the node-local copy (default `$QIE_HOME/remote/<hash>`); local_max_gb: its size limit.
-        dir: `cache.dir`, the node-local folder of what stages keep beside a cache; not used here.
         verify_reads: check the checksum of local copies on every read too (fetched objects always are).
         lease_seconds: how long a claim holds when its holder dies; retries, backoff, timeout: for each request.
         read_ahead: entry types whose index to start reading now, in the background (a stage's decision: the
@@ -83,7 +82,6 @@ class RemoteBackend:
         storage_options: Mapping | None = None,
         local_dir: str | os.PathLike | None = None,
         local_max_gb: float | None = None,
-        dir: str | os.PathLike | None = None,
         verify_reads: bool = False,
         lease_seconds: float = 600.0,
         retries: int = 4,
@@ -91,13 +89,18 @@ class RemoteBackend:
         timeout: float = 5.0,
         read_ahead: Sequence[str] = (),
     ) -> None:
+        if local_max_gb is not None and not 0 < float(local_max_gb) < float("inf"):
+            raise ConfigError(
+                f"cache.backend.local_max_gb={float(local_max_gb)} is out of range: give the node-local copy's limit "
+                "in GiB, above 0 (e.g. 500), or leave it unset for no limit"
+            )
         if not url:
-            raise ConfigError("cache.url is not set: pass cache=remote cache.url=s3://BUCKET/PREFIX")
+            raise ConfigError("cache.backend.url is not set: pass cache=remote cache.backend.url=s3://BUCKET/PREFIX")
         self.url, self.endpoint_url = str(url).rstrip("/"), endpoint_url or None
         if "://" not in self.url:  # fsspec would take it as a folder of this machine: say which was meant
             raise ConfigError(
-                f"cache.url={self.url!r} has no scheme: use s3://BUCKET/PREFIX (any fsspec URL), file:///FOLDER for "
-                "a folder standing in for a bucket, or cache=ssd cache.dir=FOLDER"
+                f"cache.backend.url={self.url!r} has no scheme: use s3://BUCKET/PREFIX (any fsspec URL), "
+                "file:///FOLDER for a folder standing in for a bucket, or cache=ssd cache.dir=FOLDER"
             )
         self.store = open_store("cache", self.url, self.endpoint_url, storage_options, (retries, backoff, timeout))
         local = Path(local_dir) if local_dir else default_local_dir(self.url, self.endpoint_url)
@@ -314,12 +317,12 @@ class RemoteBackend:
             except FileNotFoundError:
                 raise StorageError(
                     f"object store {self.store.where}: the bucket does not exist: create it (aws s3 mb, mc mb, the "
-                    "store's console) or fix cache.url"
+                    "store's console) or fix cache.backend.url"
                 ) from None
         elif self.store.size(MARKER) is None:
             raise CacheDirMissing(
-                f"nothing is cached at {self.store.where} (no {MARKER}): check cache.url, or fill it with "
-                "python -m qie.precompute cache=remote cache.url=..."
+                f"nothing is cached at {self.store.where} (no {MARKER}): check cache.backend.url, or fill it with "
+                "python -m qie.precompute cache=remote cache.backend.url=..."
             )
 
     # --- admin ---------------------------------------------------------------------------------------------

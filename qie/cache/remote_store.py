@@ -58,14 +58,14 @@ def plain(value: Any) -> Any:
 def open_store(
     group: str, url: str, endpoint_url: str | None, storage_options: Mapping | None, requests: tuple[int, float, float]
 ) -> Store:
-    """The store at `url` (the `<group>.url`-like setting named in errors: `cache.url`, `run.output_url`), its client
-    opened again in forked processes; `requests` is (retries, backoff, timeout) per request.
+    """The store at `url` (the setting named in errors: `cache.backend.url`, `run.output_url`), its client opened
+    again in forked processes; `requests` is (retries, backoff, timeout) per request.
 
     Raises:
         ConfigError: a URL that cannot be opened (no s3fs), or a bucket without a prefix.
     """
     retries, backoff, timeout = requests
-    setting = "cache.url" if group == "cache" else f"{group}.output_url"
+    setting = "cache.backend.url" if group == "cache" else f"{group}.output_url"
     where = url + (f" at {endpoint_url}" if endpoint_url else "")
 
     def reopen():

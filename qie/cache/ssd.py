@@ -51,7 +51,7 @@ class SsdBackend:
     Args:
         dir: the cache folder (`cache.dir`); writers create it (and its subfolders) on their first put.
         verify_reads: check every entry's checksum when it is read (`cache.verify_reads`).
-        startup_check: how a whole set checked whole before is checked again (`cache.startup_check`): "folders",
+        startup_check: how a whole set checked whole before is checked again (`cache.backend.startup_check`): "folders",
             one stat per type and shard folder its entries are in (an entry added, removed or replaced since
             makes it check file by file); "files", one stat per entry file, and a file changed since is read whole
             and its checksum checked, which also finds an entry rewritten in place (any byte of it) before the first
@@ -71,7 +71,9 @@ class SsdBackend:
         if dir is None or str(dir) == "":
             raise ConfigError("cache.dir is not set: pass cache.dir=/path/to/cache for the ssd backend")
         if startup_check not in STARTUP_CHECKS:
-            raise ConfigError(f"cache.startup_check={startup_check!r}: expected one of {', '.join(STARTUP_CHECKS)}")
+            raise ConfigError(
+                f"cache.backend.startup_check={startup_check!r}: expected one of {', '.join(STARTUP_CHECKS)}"
+            )
         self.startup_check = startup_check
         self.root = Path(dir).expanduser().absolute()
         self.shared = FolderDocuments(self.root)  # the failure list, beside the entries

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shlex
-from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -166,17 +165,10 @@ def updated(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
 def typed(node: Any) -> Any:
     """A composed config group as its schema's dataclass (`OmegaConf.to_object`: enums as their `StrEnum` members,
     interpolations resolved), what a stage's edge hands to the code below it; a value that is no config node as it
-    is. A `cache` group keeps its schema's keys only: the backend's own keys go to the backend
-    (`qie.config.backend`), which the stage builds from the node itself."""
+    is."""
     if not OmegaConf.is_config(node):
         return node
-    if OmegaConf.get_type(node) is CacheConfig:
-        schema_keys = {k: node[k] for k in node.keys() if k in _CACHE_KEYS}
-        node = OmegaConf.merge(OmegaConf.structured(CacheConfig), schema_keys)
     return OmegaConf.to_object(node)
-
-
-_CACHE_KEYS = frozenset(f.name for f in fields(CacheConfig))
 
 
 def precompute_command(cfg: DictConfig) -> str:
@@ -204,14 +196,16 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the key, the bad value and what is allowed.
     """
-    from qie.config.backend import backend_problem, own_keys
+    from qie.config.backend import backend_problem, misplaced_problem
 
     for name, node in cfg.items():
         if name == "hydra" or not isinstance(node, DictConfig):
             continue
+        if name == "cache" and (problem := misplaced_problem(node)):
+            raise ConfigError(problem)  # a backend's setting written at the stages' level
+        _check_keys(node, name)
         if name == "cache" and (problem := backend_problem(node)):
-            raise ConfigError(problem)  # a key neither the schema nor the backend's constructor knows
-        _check_keys(node, name, own_keys(node) if name == "cache" else ())
+            raise ConfigError(problem)  # a key of cache.backend its constructor does not take
     if isinstance(cfg.get("train"), DictConfig):
         _check_optimizer(cfg.train.optimizer)
     groups = read_groups(cfg)
@@ -238,15 +232,15 @@ def read_groups(cfg: DictConfig) -> Groups:
         raise ConfigError(f"{e.full_key} is not set: give it a value (the schema has none)") from None
 
 
-def _check_keys(node: DictConfig, path: str, own: Iterable[str] = ()) -> None:
-    """Refuse keys a schema does not have, at any depth (a `+train.lora.use_dora=true` must not pass unused),
-    but for `own` (a `_target_`'s own constructor arguments, checked by their caller). Nodes typed `Any` (an
-    optimizer's `_target_` and its arguments) take any key."""
+def _check_keys(node: DictConfig, path: str) -> None:
+    """Refuse keys a schema does not have, at any depth (a `+train.lora.use_dora=true` must not pass unused).
+    Nodes typed `Any` or as a dict (an optimizer's or a backend's `_target_` and its arguments, checked by their
+    callers) take any key."""
     schema = OmegaConf.get_type(node)
     allowed = {f.name for f in fields(schema)} if is_dataclass(schema) else set()
     if not allowed:
         return
-    extra = sorted(set(node.keys()) - allowed - set(own))
+    extra = sorted(set(node.keys()) - allowed)
     if extra:
         raise ConfigError(f"unknown key {path}.{extra[0]}: valid keys of {path!r} are {', '.join(sorted(allowed))}")
     for key in (k for k in node.keys() if k in allowed):

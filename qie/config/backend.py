@@ -1,10 +1,11 @@
 """The cache backend a `cache` config node names, built by `hydra.utils.instantiate` at a stage's edge.
 
-The node holds two kinds of keys: those of the `CacheConfig` schema (the stages' `mode`, `on_missing`, `types`,
-encoder devices, ...; `dir`, `verify_reads` and the remote backend's settings) and the backend's own. A schema key
-goes to a backend whose constructor names it (`dir` and `verify_reads` also to one that takes `**kwargs`); every
-key the schema does not know is the backend's own, so a backend from outside qie is configured as
-`cache._target_=pkg.Cls +cache.param=value`.
+The node holds the stages' settings (the `CacheConfig` schema: `dir`, `mode`, `verify_reads`, `on_missing`,
+`types`, encoder devices, ...) and, under `cache.backend`, the backend's own: `_target_` names its class and every
+other key is an argument of its constructor, instantiated as written (`cache=remote cache.backend.url=s3://...`;
+a backend from outside qie: `cache.backend._target_=pkg.Cls +cache.backend.param=value`). The stages give two of
+their settings to a constructor that names them (or takes `**kwargs`): `dir` (`cache.dir`, the cache's folder on
+this node) and `verify_reads`, and a stage may decide more (`build_backend`'s `overrides`).
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from qie.config.cache import CacheConfig
 from qie.config.targets import target_class
 from qie.errors import ConfigError, QieError
 
-# Schema keys passed to a constructor that takes any keyword (`**kwargs`); others only where named.
-SHARED_KEYS = ("dir", "verify_reads")
+# The stages' settings a backend's constructor is given when it names them (or takes any keyword).
+STAGE_KEYS = ("dir", "verify_reads")
 SCHEMA_KEYS = frozenset(f.name for f in fields(CacheConfig))
 
 
 def backend_class(target: str) -> type:
-    """The class `cache._target_` names.
+    """The class `cache.backend._target_` names.
 
     Raises:
         ConfigError: no importable class at that dotted path.
     """
-    return target_class("cache._target_", target, "a dotted path such as 'qie.cache.ssd.SsdBackend'")
+    return target_class("cache.backend._target_", target, "a dotted path such as 'qie.cache.ssd.SsdBackend'")
 
 
 def _parameters(cls: type) -> tuple[set[str], bool]:
@@ -41,43 +42,55 @@ def _parameters(cls: type) -> tuple[set[str], bool]:
     return named, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def own_keys(node: DictConfig) -> list[str]:
-    """The keys of a `cache` node that the schema does not know: the backend's own settings."""
-    return [k for k in node.keys() if k not in SCHEMA_KEYS]
+def _own(backend: Any) -> dict[str, Any]:
+    """The backend node's constructor arguments as written (`_target_` aside), resolved to plain values."""
+    node = OmegaConf.to_container(backend, resolve=True) if OmegaConf.is_config(backend) else dict(backend)
+    return {k: v for k, v in node.items() if k != "_target_"}
 
 
 def backend_problem(node: DictConfig) -> str | None:
-    """Why the backend's own keys of `node` do not fit its constructor (one line), or None; builds nothing."""
-    extra = own_keys(node)
-    if not extra:
-        return None
-    target = node.get("_target_")
+    """Why `node` (`cfg.cache`) does not describe a backend that can be built (one line), or None; builds nothing:
+    a key of the schema's place that is the backend's setting, a key of `cache.backend` its constructor does not
+    take, or one the stages give."""
+    target = node.backend.get("_target_")
     named, any_keyword = _parameters(backend_class(target))
-    unknown = [k for k in extra if k not in named and not any_keyword]
+    own = list(node.backend.keys())
+    for key in own:
+        if key in STAGE_KEYS:
+            return f"cache.backend.{key} is the stages' setting: set cache.{key} (a backend that takes it is given it)"
+    unknown = [k for k in own if k != "_target_" and k not in named and not any_keyword]
     if not unknown:
         return None
-    return (
-        f"unknown key cache.{unknown[0]}: valid keys of 'cache' are {', '.join(sorted(SCHEMA_KEYS))}, and "
-        f"{target}'s parameters: {', '.join(sorted(named)) or 'none'}"
-    )
+    takes = ", ".join(sorted(named - set(STAGE_KEYS) - {"read_ahead"})) or "no settings"
+    return f"unknown key cache.backend.{unknown[0]}: {target} takes {takes}"
 
 
-def backend_arguments(node: DictConfig, **overrides: Any) -> dict[str, Any]:
-    """The constructor arguments of the backend `node` names: the schema's keys its constructor names (`dir` and
-    `verify_reads` also for `**kwargs`), the node's own keys, and `overrides` (stage decisions such as precompute's
-    `verify_reads`)."""
-    named, any_keyword = _parameters(backend_class(node.get("_target_")))
-    args = {k: node.get(k) for k in SCHEMA_KEYS if k in named or (any_keyword and k in SHARED_KEYS)}
-    args.update({k: v for k, v in overrides.items() if k in named or any_keyword})
-    args.update({k: node[k] for k in own_keys(node)})
-    return {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in args.items()}
+def misplaced_problem(node: DictConfig) -> str | None:
+    """A key added to `cache` itself (`+cache.url=...`) that is a setting of its backend: where it belongs."""
+    named, _ = _parameters(backend_class(node.backend.get("_target_")))
+    for key in node.keys():
+        if key not in SCHEMA_KEYS and key in named:
+            return f"cache.{key} is a setting of the backend: write cache.backend.{key}=... (its settings are there)"
+    return None
 
 
-def build_backend(node: DictConfig, **overrides: Any) -> CacheBackend:
-    """The backend of a `cache` config node, built with `hydra.utils.instantiate`.
+def backend_arguments(cache: DictConfig | CacheConfig, **overrides: Any) -> dict[str, Any]:
+    """The constructor arguments of the backend `cache` names: its own keys as written, and the stages' `dir` and
+    `verify_reads` and `overrides` (stage decisions such as precompute's `verify_reads`) where it takes them."""
+    backend = cache.backend
+    target = backend.get("_target_")
+    named, any_keyword = _parameters(backend_class(target))
+    given = {"dir": cache.dir, "verify_reads": cache.verify_reads, **overrides}
+    args = {k: v for k, v in given.items() if k in named or any_keyword}
+    args.update(_own(backend))
+    return args
+
+
+def build_backend(cache: DictConfig | CacheConfig, **overrides: Any) -> CacheBackend:
+    """The backend of a `cache` group (`cfg.cache`, or its `CacheConfig`), built with `hydra.utils.instantiate`.
 
     Args:
-        node: `cfg.cache`.
+        cache: the cache group as composed or typed.
         overrides: settings the stage decides (e.g. `verify_reads=True` for precompute's `cache.repair`); passed
             only to a constructor that names them.
 
@@ -88,24 +101,24 @@ def build_backend(node: DictConfig, **overrides: Any) -> CacheBackend:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    target = node.get("_target_")
-    args = backend_arguments(node, **overrides)
+    target = cache.backend.get("_target_")
+    args = backend_arguments(cache, **overrides)
     try:
-        backend = instantiate({"_target_": target, **args})
+        backend = instantiate({"_target_": target, **args}, _convert_="all")
     except InstantiationException as e:
         cause = e.__cause__
         if isinstance(cause, QieError):
             raise cause from None
         shown = ", ".join(f"{k}={v!r}" for k, v in args.items())
-        raise ConfigError(f"cache._target_={target!r} cannot be built with ({shown}): {cause or e}") from None
+        raise ConfigError(f"cache.backend._target_={target!r} cannot be built with ({shown}): {cause or e}") from None
     if not isinstance(backend, CacheBackend):
-        raise ConfigError(f"cache._target_={target!r} does not implement the CacheBackend protocol")
+        raise ConfigError(f"cache.backend._target_={target!r} does not implement the CacheBackend protocol")
     return backend
 
 
 def default_backend(dir: str) -> CacheBackend:
     """The backend the `cache` schema names by default, on the folder `dir` (the notebook API's cache)."""
-    return build_backend(OmegaConf.structured(CacheConfig(dir=str(dir))))
+    return build_backend(CacheConfig(dir=str(dir)))
 
 
-__all__ = ["backend_class", "backend_problem", "build_backend", "default_backend", "own_keys"]
+__all__ = ["backend_class", "backend_problem", "build_backend", "default_backend", "misplaced_problem"]

@@ -36,16 +36,23 @@ class OnMissing(StrEnum):
     skip = "skip"
 
 
+def _ssd() -> dict[str, Any]:
+    return {"_target_": "qie.cache.ssd.SsdBackend"}
+
+
 @dataclass
 class CacheConfig:
-    # The backend class; a new backend is one module and one yaml file.
-    _target_: str = "qie.cache.ssd.SsdBackend"
+    """The stages' cache settings; the backend's own are under `backend`."""
+
     name: str = "ssd"
+    # The cache's folder on this node: the stages keep what they can rebuild there (file hashes, remembered sample
+    # keys, images written from a Hugging Face data set) and give it to a backend that takes `dir` (cache=ssd keeps
+    # its entries there).
     dir: str | None = None
     mode: SourceMode = SourceMode.cached
     # Check each entry's checksum when training reads it (a corrupt entry is then a miss, never data). On by
     # default: it costs ~0.01% of a tiny cached step and ~0.2 ms per Edit 1024² sample (docs/benchmarks.md §8,
-    # scripts/bench_verify_reads.py); false reads the bytes unchecked.
+    # scripts/bench_verify_reads.py); false reads the bytes unchecked. Given to a backend that takes it.
     verify_reads: bool = True
     # Precompute: read every existing entry once and re-encode those whose checksum fails (without it, only
     # missing and truncated entries are written again).
@@ -54,33 +61,13 @@ class CacheConfig:
     # (listing them in cache_report.json with the precompute command), or train on the rest with a warning.
     on_missing: OnMissing = OnMissing.stop
     types: list[str] = field(default_factory=lambda: list(CACHE_TYPES))
-    # cache=ssd: how training checks again a set of entries it found whole before. "folders" stats each type and
-    # shard folder the set's entries are in (an entry added, removed or replaced there since makes it look file by
-    # file); "files" stats every entry file, which also finds one rewritten in place before the first step (else
-    # its read does, by its checksum). Other backends ignore it.
-    startup_check: str = "folders"
-    # cache=remote (`qie.cache.remote.RemoteBackend`): the object store (`s3://BUCKET/PREFIX`, any fsspec URL), its
-    # endpoint (MinIO, R2, a local server), more fsspec options; the node-local copy (default under $QIE_HOME) and
-    # its size limit in GiB; how long a dead precompute's claim holds; tries per request. Other backends ignore them.
-    url: str | None = None
-    endpoint_url: str | None = None
-    storage_options: Any = None
-    local_dir: str | None = None
-    local_max_gb: float | None = None
-    lease_seconds: float = 600.0
-    retries: int = 4
     vae_encoder_device: str = "auto"
     text_encoder_device: str = "auto"
-
-    def problem(self) -> str | None:
-        """`local_max_gb`: unset (no limit) or a size above 0."""
-        size = self.local_max_gb
-        if size is not None and not 0 < size < float("inf"):
-            return (
-                f"cache.local_max_gb={size} is out of range: give the node-local copy's limit in GiB, above 0 (e.g. "
-                "500), or leave it unset for no limit"
-            )
-        return None
+    # The backend, instantiated as written: `_target_` names its class, every other key is its constructor's
+    # (conf/cache/remote.yaml lists the object store's; a backend of your own: `cache.backend._target_=pkg.Cls
+    # +cache.backend.param=value`). cache=ssd's `startup_check` ("folders", or "files": every entry file is
+    # stat-ed, which also finds one rewritten in place): `+cache.backend.startup_check=files`.
+    backend: dict[str, Any] = field(default_factory=_ssd)
 
 
 @dataclass

@@ -33,7 +33,6 @@ def setting_problem(groups: Groups, spec: Any) -> str | None:
         _regularization,
         _memory,
         _precompute,
-        _cache,
         _caption,
         _predict,
         _validation,
@@ -196,11 +195,6 @@ def _precompute(groups: Groups, spec: Any) -> str | None:
         f"precompute.teachers=true computes an objective's targets ahead of training, and {cls.__qualname__} "
         "(train.objective) computes none: give the training run's overrides (e.g. train/objective=distill)"
     )
-
-
-def _cache(groups: Groups, spec: Any) -> str | None:
-    """`cache.local_max_gb`: unset (no limit) or a size above 0."""
-    return None if groups.cache is None else groups.cache.problem()
 
 
 def _demo(groups: Groups, spec: Any) -> str | None:

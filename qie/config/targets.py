@@ -8,7 +8,7 @@ from qie.errors import ConfigError
 
 
 def target_class(setting: str, target: str, expected: str) -> type:
-    """The class at the dotted path `target`, set as `setting` (e.g. `cache._target_`).
+    """The class at the dotted path `target`, set as `setting` (e.g. `cache.backend._target_`).
 
     Raises:
         ConfigError: naming `setting`, when nothing importable is there or it is not a class (`expected` says what

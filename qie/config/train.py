@@ -202,8 +202,8 @@ class RunConfig:
     # there, and train.resume=latest resumes from its newest complete checkpoint. null: the run folder alone.
     output_url: str | None = None
     # The S3 endpoint (MinIO, R2, a local server) and file system options; by default those of cache=remote.
-    endpoint_url: str | None = "${oc.select:cache.endpoint_url,null}"
-    storage_options: Any = "${oc.select:cache.storage_options,null}"
+    endpoint_url: str | None = "${oc.select:cache.backend.endpoint_url,null}"
+    storage_options: Any = "${oc.select:cache.backend.storage_options,null}"
 
 
 @dataclass
