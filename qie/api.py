@@ -62,7 +62,7 @@ class EditDataset:
         # data.auto_caption: samples without a caption get theirs (generated where the source may encode)
         prompts = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
         captions = auto_captions(prompts, settings, spec, self.source.encodes, backend)
-        self.samples = read_data(data_source(data, edge.cache.dir), captions=captions).samples
+        self.samples = read_data(data_source(data, edge.cache.state_folder()), captions=captions).samples
         self.hits = self.misses = 0
 
     def __len__(self) -> int:

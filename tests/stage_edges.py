@@ -33,8 +33,8 @@ def spec_of(cfg: DictConfig) -> ModelSpec:
     return model_spec(typed(cfg.model))
 
 
-def cache_dir_of(cfg: DictConfig) -> str | None:
-    return typed(cfg.cache).dir if "cache" in cfg else None
+def state_dir_of(cfg: DictConfig) -> str | None:
+    return typed(cfg.cache).state_folder() if "cache" in cfg else None
 
 
 def sizes_for(cfg: DictConfig, spec: ModelSpec | None = None) -> ImageSizes:
@@ -42,7 +42,7 @@ def sizes_for(cfg: DictConfig, spec: ModelSpec | None = None) -> ImageSizes:
 
 
 def hasher_for(cfg: DictConfig) -> FileHasher:
-    return file_hasher(cache_dir_of(cfg))
+    return file_hasher(state_dir_of(cfg))
 
 
 def key_context_for(cfg: DictConfig, spec: ModelSpec | None = None) -> KeyContext:
@@ -75,7 +75,7 @@ def source_for(
 def data_for(cfg: DictConfig, require_target: bool = True, path: str | None = None, require_prompt: bool = True,
              captions: Any = None) -> Dataset:  # fmt: skip
     """The samples of `cfg`'s `data.path` (or of `path`, read with the same settings)."""
-    source = data_source(typed(cfg.data), cache_dir_of(cfg), path)
+    source = data_source(typed(cfg.data), state_dir_of(cfg), path)
     return read_data(source, require_target, require_prompt, captions)
 
 

@@ -288,8 +288,8 @@ def test_a_hugging_face_data_set_without_a_prompt_column_gets_a_manifest(tmp_pat
     assert summary.captioned == 1
     out = tmp_path / "ds.captioned.jsonl"
     (row,) = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    # The images qie extracted from the data set (under cache.dir/images), relative to the manifest's folder.
+    # The images qie extracted from the data set (under cache.dir/state/images), relative to the manifest's folder.
     target = out.parent / row["target"]
-    assert target.read_bytes() == images[0] and target.is_relative_to(cache / "images")
+    assert target.read_bytes() == images[0] and target.is_relative_to(cache / "state" / "images")
     (sample,) = scan_dataset(out).samples
     assert sample.prompt == row["prompt"] and sample.controls[0].read_bytes() == images[1]

@@ -94,9 +94,9 @@ def test_images_in_the_data_set_get_the_keys_of_the_same_files(data: dict, tmp_p
     for path in (root / "saved", f"{root}/parquet/*.parquet"):
         hf = data_for(compose("train", data["base"] + [f"data.path={path}"])).samples
         assert [s.prompt for s in hf] == [s.prompt for s in folder]
-        # Written once under cache.dir/images, named by their content: the same bytes as the files.
+        # Written once under the state folder (cache.dir/state/images), named by their content: the same bytes.
         for a, b in zip(hf, folder):
-            assert a.target.parent.parent == root / "cache" / "images"
+            assert a.target.parent.parent == root / "cache" / "state" / "images"
             assert a.target.read_bytes() == b.target.read_bytes()
             assert [c.read_bytes() for c in a.controls] == [c.read_bytes() for c in b.controls]
         # So precompute finds every entry already there: the keys equal the folder's.
@@ -153,4 +153,4 @@ def test_an_imagefolder_uses_its_files_where_they_are(tmp_path: Path) -> None:
     assert [(s.target, s.controls, s.prompt) for s in samples] == [
         (folder / f"{i}_out.png", (folder / f"{i}_in.png",), f"invert {i}") for i in range(3)
     ]
-    assert not (tmp_path / "cache" / "images").exists()  # nothing copied
+    assert not (tmp_path / "cache" / "state" / "images").exists()  # nothing copied

@@ -316,7 +316,7 @@ def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_tra
     cache = tmp_path / "cache"
     data = [f"data.path={targetless}", f"cache.dir={cache}"]
     precompute.run(small_cfg("precompute", *data, *GRPO), tmp_path / "pre")
-    filled = {p.name for p in cache.iterdir() if any(p.rglob("*.safetensors"))} - {"manifests"}
+    filled = {p.name for p in cache.iterdir() if any(p.rglob("*.safetensors"))} - {"state"}
     assert filled == {"prompt_embed", "control_latent", "empty_prompt_embed"}, filled
     plain = tmp_path / "plain"  # a run that trains on targets skips every such row
     with pytest.raises(DataError, match="target"):

@@ -21,6 +21,7 @@ from qie.config import compose
 from qie.demo.synthetic import make_dataset
 from qie.errors import StorageError
 from qie.stages import precompute, precompute_work
+from qie.types import CACHE_TYPES
 
 
 def run(ds: Path, cache: Path, run_dir: Path, *extra: str):
@@ -192,3 +193,19 @@ def test_an_unwritable_run_directory_is_one_error_line(tmp_path: Path) -> None:
         assert out.stderr.strip().splitlines() == [
             f"qie: error: hydra.run.dir '{a_file / 'run'}' is a file (or lies under one): choose a folder"
         ]
+
+
+def test_the_stages_rebuildable_state_has_its_own_folder(tiny_path: Path, tmp_path: Path) -> None:
+    """cache.dir holds the entries (and the failure list the backend shares); the file hashes, remembered keys and
+    folder index go to cache.state_dir (default cache.dir/state), which can be deleted and is rebuilt unchanged."""
+    ds = make_dataset(tmp_path / "data", train=3, heldout=0, size=32) / "train"
+    cache, state = tmp_path / "cache", tmp_path / "state"
+    first = run(ds, cache, tmp_path / "r0", f"cache.state_dir={state}")
+    assert set(new(first).values()) == {3}
+    assert {p.name for p in cache.iterdir()} <= {*CACHE_TYPES, ".checked"}
+    assert "file_hashes.json" in {p.name for p in state.iterdir()}
+    shutil.rmtree(state)  # rebuilt by the next run: every entry is found again, none written
+    again = run(ds, cache, tmp_path / "r1", f"cache.state_dir={state}")
+    assert set(new(again).values()) == {0} and (state / "file_hashes.json").is_file()
+    default = run(ds, cache, tmp_path / "r2")  # without cache.state_dir: cache.dir/state
+    assert set(new(default).values()) == {0} and (cache / "state" / "file_hashes.json").is_file()

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from qie.config.ranges import at_least
@@ -36,6 +37,10 @@ class OnMissing(StrEnum):
     skip = "skip"
 
 
+# The state folder's name inside `cache.dir` when `cache.state_dir` is not set.
+STATE_FOLDER = "state"
+
+
 def _ssd() -> dict[str, Any]:
     return {"_target_": "qie.cache.ssd.SsdBackend"}
 
@@ -45,10 +50,12 @@ class CacheConfig:
     """The stages' cache settings; the backend's own are under `backend`."""
 
     name: str = "ssd"
-    # The cache's folder on this node: the stages keep what they can rebuild there (file hashes, remembered sample
-    # keys, images written from a Hugging Face data set) and give it to a backend that takes `dir` (cache=ssd keeps
-    # its entries there).
+    # The cache's folder on this node, given to a backend that takes `dir` (cache=ssd keeps its entries there).
     dir: str | None = None
+    # The stages' rebuildable state on this node, apart from the entries: file hashes, remembered sample keys and
+    # image sizes, folder indexes, images written from a Hugging Face data set. Deleting it costs a scan again, never
+    # an entry. null: `<cache.dir>/state` (none without a cache folder).
+    state_dir: str | None = None
     mode: SourceMode = SourceMode.cached
     # Check each entry's checksum when training reads it (a corrupt entry is then a miss, never data). On by
     # default: it costs ~0.01% of a tiny cached step and ~0.2 ms per Edit 1024² sample (docs/benchmarks.md §8,
@@ -68,6 +75,12 @@ class CacheConfig:
     # +cache.backend.param=value`). cache=ssd's `startup_check` ("folders", or "files": every entry file is
     # stat-ed, which also finds one rewritten in place): `+cache.backend.startup_check=files`.
     backend: dict[str, Any] = field(default_factory=_ssd)
+
+    def state_folder(self) -> str | None:
+        """Where the stages keep their rebuildable state: `state_dir`, else `<dir>/state`; None without either."""
+        if self.state_dir:
+            return str(self.state_dir)
+        return str(Path(self.dir) / STATE_FOLDER) if self.dir else None
 
 
 @dataclass

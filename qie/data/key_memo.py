@@ -195,7 +195,7 @@ class KeyMemo:
     where a dictionary of them took many); `keys_all` looks every sample up at once.
 
     Args:
-        folder: where the memo files live (`cache.dir/sample_keys`).
+        folder: where the memo files live (`cache.dir/state/sample_keys`).
         context: the key context the keys are computed under (it names the file).
         compute: the sample's keys the slow way (image hashes + entry keys); called on a miss.
     """

@@ -32,7 +32,7 @@ def scan_dataset(
         allow_outside: accept manifest rows naming files outside the manifest's folder (`..`, absolute
             paths), and images of either layout that lead outside its folder through a symbolic link; otherwise
             such a sample is a problem (`data.allow_outside_paths`).
-        index_dir: where scans are remembered (`cache.dir/manifests`), a manifest's by the manifest's signature
+        index_dir: where scans are remembered (`cache.dir/state/manifests`), a manifest's by the manifest's signature
             (`qie.data.manifest_index`), a folder's by its folders' and captions' signatures
             (`qie.data.folder_index`); None: every scan reads the data set.
         fields: the sample fields whose images are read (`qie.data.fields`).

@@ -19,6 +19,7 @@ from qie.cache.base import CacheBackend
 from qie.cache.entries import MASK_OF, read_logical
 from qie.cache.keys import FileHasher, entry_key
 from qie.config.backend import default_backend
+from qie.config.cache import CacheConfig
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import Sample
 from qie.types import FIELD_TYPES, TRAINING_TYPES
@@ -43,7 +44,7 @@ class EmbeddingCacheManager:
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.backend = backend if backend is not None else default_backend(str(self.cache_dir))
-        self.hasher = FileHasher(self.cache_dir / "file_hashes.json")
+        self.hasher = FileHasher(Path(CacheConfig(dir=str(self.cache_dir)).state_folder()) / "file_hashes.json")
         self.context = context
 
     def save_cache(self, cache_type: str, key: str, tensor: torch.Tensor | list[torch.Tensor]) -> int:

@@ -274,7 +274,7 @@ def auto_captions(
     return AutoCaptions(
         settings,
         model_key_context(source.model, spec, source.sizes),
-        hasher or file_hasher(source.cache_dir),
+        hasher or file_hasher(source.state_dir),
         backend if backend.stores else None,
         make,
         spec,

@@ -66,7 +66,7 @@ def gc_setup(model: ModelConfig, data: DataConfig, cache: CacheConfig, gc: GcCon
     return GcSetup(
         spec,
         source,
-        data_source(data, cache.dir),
+        data_source(data, cache.state_folder()),
         tuple(str(p) for p in gc.keep_data),
         captions,
         bool(gc.dry_run),

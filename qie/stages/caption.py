@@ -134,7 +134,7 @@ class CaptionRecipe(Recipe):
         self.spec = prepare_model(self.model)
         self.state = state = PartialState(cpu=not torch.cuda.is_available())  # see qie.stages.precompute
         warn_single_process(state.num_processes, "qie.caption")
-        self.everything = read_data(data_source(self.data, self.cache.dir), require_prompt=False)
+        self.everything = read_data(data_source(self.data, self.cache.state_folder()), require_prompt=False)
         items = sample_range(self.everything, settings.start, settings.end, settings.raise_errors, "caption.on_error")
         self.output = make_output(self.data, settings, state.process_index)
         if not settings.dry_run:

@@ -67,7 +67,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         raise ConfigError("eval.rewards is empty: name at least one metric (see conf/eval.yaml)")
     runs = lora_runs(e.loras, model, p, spec)
     rewards = build_rewards(cfg.eval.rewards, "eval.rewards", model=model)
-    samples, skipped = heldout_rows(data, edge.cache.dir, rewards)
+    samples, skipped = heldout_rows(data, edge.cache.state_folder(), rewards)
     out = resolve_output(e.output_dir, Path(run_dir))
     check_writable(out, "eval.output_dir")
     source = edge.source()
@@ -115,14 +115,14 @@ def lora_runs(loras: list[str], model: ModelConfig, predict: PredictConfig, spec
     return runs
 
 
-def heldout_rows(data: DataConfig, cache_dir: str | None, rewards: dict[str, Reward]) -> tuple[list[Sample], list]:
+def heldout_rows(data: DataConfig, state_dir: str | None, rewards: dict[str, Reward]) -> tuple[list[Sample], list]:
     """The rows of `data.path` (targets optional) and the rows skipped ("id: why").
 
     Raises:
         ConfigError: rows without a target (or, for a reward that needs the edit region, without a target or a
             mask) while such a reward is configured, naming the first row and the rewards.
     """
-    dataset = read_data(data_source(data, cache_dir), require_target=False)
+    dataset = read_data(data_source(data, state_dir), require_target=False)
     skipped = [f"{d.id}: {d.reason}" for d in dataset.problems]
     for line in skipped:
         print(f"eval: skipped {line}")

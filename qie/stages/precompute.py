@@ -169,7 +169,7 @@ class PrecomputeRecipe(Recipe):
     def _setup_samples(self) -> None:
         """The range's samples (captions written where `data.auto_caption` asks), keyed; this process's share."""
         settings, state, backend = self.settings, self.state, self.settings.backend
-        self.hasher = hasher = file_hasher(settings.source.cache_dir)
+        self.hasher = hasher = file_hasher(settings.source.state_dir)
         self.captions = auto_captions(settings.captions, settings.source, settings.model, True, backend, hasher)
         with state.main_process_first():  # the main process writes the missing captions, the others read them
             items = dataset_range(settings, self.captions)
@@ -231,7 +231,7 @@ def read_settings(
         source.sizes,
         functools.partial(build_encoder, model, spec, source.devices),
         source,
-        replace(data_source(data, cache.dir), fields=fields),
+        replace(data_source(data, cache.state_folder()), fields=fields),
         float(data.control_dropout_rate),
         regularization(data),
         captions,

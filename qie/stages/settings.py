@@ -54,7 +54,8 @@ class SourceSettings:
         model: the `model` group (its encoders are built from it; its checkpoint is part of the cache keys).
         sizes: the areas images are encoded at.
         mode: `cache.mode`: cached, lazy or live.
-        cache_dir: `cache.dir` (the image-hash index and the remembered sample keys live there), or None.
+        state_dir: the stages' rebuildable state (`CacheConfig.state_folder()`: the image-hash index, the
+            remembered sample keys and image sizes), or None.
         devices: where the encoders go: `{"vae": ..., "text_encoder": ...}` (`cache.*_encoder_device`).
         masks: `train.mask`, or None when the run has no loss masks.
         precompute_command: the command a cache miss names.
@@ -63,7 +64,7 @@ class SourceSettings:
     model: ModelConfig
     sizes: ImageSizes
     mode: str = "cached"
-    cache_dir: str | None = None
+    state_dir: str | None = None
     devices: Mapping[str, str] = field(default_factory=dict)
     masks: LossMasks | None = None
     precompute_command: str = DEFAULT_PRECOMPUTE_COMMAND
@@ -84,19 +85,20 @@ def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
     )
 
 
-def file_hasher(cache_dir: str | None) -> FileHasher:
-    """The image-hash index, kept in the cache folder when there is one."""
-    return FileHasher(Path(cache_dir) / "file_hashes.json" if cache_dir else None)
+def file_hasher(state_dir: str | None) -> FileHasher:
+    """The image-hash index, kept in the state folder when there is one."""
+    return FileHasher(Path(state_dir) / "file_hashes.json" if state_dir else None)
 
 
-def data_source(data: DataConfig, cache_dir: str | None = None, path: str | None = None) -> DataSource:
+def data_source(data: DataConfig, state_dir: str | None = None, path: str | None = None) -> DataSource:
     """Where `data` (or `path`, read with the same settings) takes its samples from. Images stored inside a
-    Hugging Face data set are written under `cache_dir/images` (or `$QIE_HOME/images`)."""
+    Hugging Face data set are written under `state_dir/images` (or `$QIE_HOME/images`), a folder's index under
+    `state_dir/manifests`."""
     from qie.config import qie_home
 
     c = data.columns
     columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.mask, c.layers, c.rejected)
-    folder = Path(cache_dir) if cache_dir else None
+    folder = Path(state_dir) if state_dir else None
     return DataSource(
         str(path or data.path),
         str(data.format) if path is None else "auto",
@@ -156,7 +158,7 @@ def source_settings(
         model,
         image_sizes(data, spec),
         str(cache.mode),
-        cache.dir,
+        cache.state_folder(),
         encoder_devices(cache),
         masks,
         command or DEFAULT_PRECOMPUTE_COMMAND,

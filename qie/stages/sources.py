@@ -48,7 +48,7 @@ def build_source(
     a lazy variant (`with_encoding()`) that does.
     """
     source, store = _unmasked_source(settings, spec, encoder, backend)
-    return with_masks(source, settings.masks, settings.cache_dir, store)
+    return with_masks(source, settings.masks, settings.state_dir, store)
 
 
 def _unmasked_source(
@@ -66,22 +66,22 @@ def _unmasked_source(
     cached = CachedSource(
         backend,
         model_key_context(settings.model, spec, settings.sizes),
-        file_hasher(settings.cache_dir),
+        file_hasher(settings.state_dir),
         make_encoder,
         settings.sizes,
         settings.precompute_command,
-        str(Path(settings.cache_dir) / "sample_keys") if settings.cache_dir else None,
+        str(Path(settings.state_dir) / "sample_keys") if settings.state_dir else None,
     )
     return (cached if settings.mode == "cached" else cached.with_encoding()), backend
 
 
 def with_masks(
-    source: EmbeddingSource, masks: LossMasks | None, cache_dir: str | None, backend: Any = None
+    source: EmbeddingSource, masks: LossMasks | None, state_dir: str | None, backend: Any = None
 ) -> EmbeddingSource:
     """`source`, adding loss masks to its samples when `masks` (`train.mask`) is set (stored in `backend`)."""
     if masks is None:
         return source
-    return MaskedSource(source, masks.settings, file_hasher(cache_dir), backend, masks.outside_weight)
+    return MaskedSource(source, masks.settings, file_hasher(state_dir), backend, masks.outside_weight)
 
 
 def check_masks(source: EmbeddingSource, samples: list[Sample], report: bool) -> list[Sample]:

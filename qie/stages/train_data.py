@@ -156,9 +156,9 @@ def check_pairs(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], r
     """
     if not any(x.field_images for x in samples):
         return samples
-    cache_dir, sizes = s.source.cache_dir, s.source.sizes
-    index = ImageSizeIndex(Path(cache_dir) / "image_sizes.json" if cache_dir else None) if source.encodes else None
-    check = PairCheck(file_hasher(cache_dir), index, sizes.target_pixels, sizes.multiple_of)
+    state_dir, sizes = s.source.state_dir, s.source.sizes
+    index = ImageSizeIndex(Path(state_dir) / "image_sizes.json" if state_dir else None) if source.encodes else None
+    check = PairCheck(file_hasher(state_dir), index, sizes.target_pixels, sizes.multiple_of)
     kept, problems = [], []
     for sample in samples:
         found = check.problem(sample)
@@ -202,7 +202,7 @@ def make_sampler(
     # Batches of one never mix shapes: skip reading every image header.
     keys: list = [0] * len(samples)
     if batch_size > 1:
-        index = Path(s.source.cache_dir) / "image_sizes.json" if s.source.cache_dir else None
+        index = Path(s.source.state_dir) / "image_sizes.json" if s.source.state_dir else None
         areas = (int(data.target_pixels), int(s.spec.vae_image_pixels), int(data.multiple_of))
         keys = bucket_keys(samples, *areas, index=index)
     sampler = BucketBatchSampler(

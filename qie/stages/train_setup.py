@@ -98,7 +98,7 @@ def train_setup(spec: ModelSpec, groups: Groups, command: str, run_config: dict)
         mode,
         MemorySettings.of(train, spec.family),
         source_settings(model, data, cache, spec, masks, command),
-        data_source(data, cache.dir),
+        data_source(data, cache.state_folder()),
         float(data.control_dropout_rate),
         regularization(data),
         captions,
