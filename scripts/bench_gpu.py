@@ -580,7 +580,9 @@ def precompute_stage(overrides: list[str], setup: Setup, data: Path, samples: in
     t0 = time.perf_counter()
     precompute.run(cfg, Path(tempfile.mkdtemp(prefix="pre_", dir=setup.work)))
     wall = time.perf_counter() - t0
-    written = sorted(p.stat().st_mtime for p in cache.rglob("*.safetensors") if p.parent.name != "sample_keys")
+    written = sorted(
+        p.stat().st_mtime for p in cache.rglob("*.safetensors") if "state" not in p.relative_to(cache).parts
+    )
     batch = int(cfg.precompute.batch_size)
     steady = written[-1] - written[0] if written else 0.0
     steady_rate = (samples - min(batch, samples)) / steady if steady > 0 and samples > batch else math.nan

@@ -93,7 +93,9 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     targets, controls = root / "ds" / "training_images", root / "ds" / "control_images"
     if done.is_file():  # reuse, unless the keys changed since (a new key field, another model...)
         cfg = compose("train", [f"data.path={data}", f"cache.dir={cache}"])
-        keys = sample_keys(_sample(root, 0, per_image), key_context(cfg), FileHasher(cache / "file_hashes.json"))
+        keys = sample_keys(
+            _sample(root, 0, per_image), key_context(cfg), FileHasher(cache / "state" / "file_hashes.json")
+        )
         if all(SsdBackend(cache).exists(t, keys[t]) for t in ENTRY_TYPES):
             return data, cache, json.loads(done.read_text())
         print(f"{n:,} samples: cache keys changed since the last build, rebuilding")
@@ -124,7 +126,7 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     t0 = time.perf_counter()
     cfg = compose("train", [f"data.path={data}", f"cache.dir={cache}"])
     ctx = key_context(cfg)
-    hasher = FileHasher(cache / "file_hashes.json")  # where precompute keeps it (qie.stages.settings.file_hasher)
+    hasher = FileHasher(cache / "state" / "file_hashes.json")  # where precompute keeps it (cache.state_dir)
     backend = SsdBackend(cache)
     first = sample_keys(_sample(root, 0, per_image), ctx, hasher)
     write_entries(backend, first, _entries())
