@@ -24,7 +24,7 @@ from qie.cache import CACHE_TYPES, CacheBackend
 from qie.cache.admin import run_admin
 from qie.cache.codec import checksum
 from qie.cache.keys import entry_key
-from qie.config import compose
+from qie.config import compose, typed
 from qie.config.backend import build_backend
 
 BACKENDS = {
@@ -43,7 +43,7 @@ def build(name: str, root: Path) -> CacheBackend:
     overrides = [o.format(root=root) for o in BACKENDS[name]]
     if name == "remote":  # a bucket exists before the cache in it
         (root / "store").mkdir(parents=True, exist_ok=True)
-    return build_backend(compose("cache", [*overrides, f"cache.dir={root / 'store'}"]).cache)
+    return build_backend(typed(compose("cache", [*overrides, f"cache.dir={root / 'store'}"]).cache))
 
 
 def entry(seed: int, rows: int = 5) -> dict[str, torch.Tensor]:

@@ -318,7 +318,7 @@ def test_admin_actions_stay_inside_the_prefix(s3: str, url: str, tmp_path: Path)
 
 
 def test_build_backend_passes_the_remote_settings(s3: str, url: str, tmp_path: Path) -> None:
-    from qie.config import compose
+    from qie.config import compose, typed
     from qie.config.backend import build_backend
 
     remote = [
@@ -328,14 +328,14 @@ def test_build_backend_passes_the_remote_settings(s3: str, url: str, tmp_path: P
         f"cache.backend.local_dir={tmp_path / 'l'}",
     ]
     cfg = compose("train", [*remote, "cache.backend.local_max_gb=0.5", f"cache.dir={tmp_path}"])
-    b = build_backend(cfg.cache)  # as the stages build it: the yaml's keys are the backend's own
+    b = build_backend(typed(cfg.cache))  # as the stages build it: the yaml's keys are the backend's own
     assert isinstance(b, RemoteBackend) and b.local.max_bytes == 2**29
     with pytest.raises(CacheDirMissing, match="nothing is cached"):
         b.check_access()
     # The node-local copy's limit is the backend's setting: its range is checked when the stage builds it.
     bad = compose("train", [*remote, "cache.backend.local_max_gb=-1", f"cache.dir={tmp_path}"])
     with pytest.raises(ConfigError) as refused:
-        build_backend(bad.cache)
+        build_backend(typed(bad.cache))
     assert str(refused.value) == (
         "cache.backend.local_max_gb=-1.0 is out of range: give the node-local copy's limit in GiB, above 0 (e.g. "
         "500), or leave it unset for no limit"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from qie.config import compose, register
+from qie.config import compose, register, typed
 from qie.config.tree import conf_dir
 from qie.errors import ConfigError
 
@@ -173,7 +173,7 @@ def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_
     cfg = compose("train", [f"{group}={option}", *NEEDS.get((group, option), [])])
     assert set(_targets(OmegaConf.to_container(cfg))) == BUILT | ALSO_BUILT.get((group, option), set())
     cfg.cache.dir = str(tmp_path / "cache")
-    backend = build_backend(cfg.cache)  # as the stages build it
+    backend = build_backend(typed(cfg.cache))  # as the stages build it
     assert isinstance(backend, CacheBackend)
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = instantiate(cfg.train.optimizer)([param], lr=float(cfg.train.learning_rate))

@@ -24,7 +24,7 @@ from qie.cache.entries import STORED_TYPES, read_logical
 from qie.cache.ssd import SsdBackend, temp_name
 from qie.components.processor import load_processor
 from qie.components.tiny import build_tiny_model
-from qie.config import compose
+from qie.config import compose, typed
 from qie.config.backend import build_backend
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
@@ -92,7 +92,7 @@ def _keyed(ds: Path, cache: Path, *extra: str):
     samples = scan_dataset(ds).samples
     ctx = key_context_for(cfg)
     hasher = hasher_for(cfg)
-    return samples, [sample_keys(s, ctx, hasher) for s in samples], build_backend(cfg.cache), cfg
+    return samples, [sample_keys(s, ctx, hasher) for s in samples], build_backend(typed(cfg.cache)), cfg
 
 
 def _pipeline(cls, path: Path):

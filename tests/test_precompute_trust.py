@@ -17,7 +17,7 @@ import safetensors.torch
 from qie.cache.failures import read_failures
 from qie.cache.ssd import SsdBackend
 from qie.components import fingerprint
-from qie.config import compose
+from qie.config import compose, typed
 from qie.demo.synthetic import make_dataset
 from qie.errors import StorageError
 from qie.stages import precompute, precompute_work
@@ -104,7 +104,7 @@ def test_independent_runs_on_one_cache_encode_nothing_twice(tiny_path: Path, tmp
 def test_claims_held_by_another_run_are_waited_for_not_encoded(tiny_path: Path, tmp_path: Path) -> None:
     ds = make_dataset(tmp_path / "data", train=2, heldout=0, size=32) / "train"
     cfg = compose("precompute", [f"data.path={ds}", f"cache.dir={tmp_path / 'cache'}"])
-    backend = precompute.build_backend(cfg.cache)
+    backend = precompute.build_backend(typed(cfg.cache))
     calls = []
     real_claim = backend.claim
 

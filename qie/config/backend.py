@@ -14,7 +14,7 @@ import inspect
 from dataclasses import fields
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qie.cache.base import CacheBackend
 from qie.config.cache import CacheConfig
@@ -40,12 +40,6 @@ def _parameters(cls: type) -> tuple[set[str], bool]:
     params = inspect.signature(cls).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return named, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _own(backend: Any) -> dict[str, Any]:
-    """The backend node's constructor arguments as written (`_target_` aside), resolved to plain values."""
-    node = OmegaConf.to_container(backend, resolve=True) if OmegaConf.is_config(backend) else dict(backend)
-    return {k: v for k, v in node.items() if k != "_target_"}
 
 
 def backend_problem(node: DictConfig) -> str | None:
@@ -74,7 +68,7 @@ def misplaced_problem(node: DictConfig) -> str | None:
     return None
 
 
-def backend_arguments(cache: DictConfig | CacheConfig, **overrides: Any) -> dict[str, Any]:
+def backend_arguments(cache: CacheConfig, **overrides: Any) -> dict[str, Any]:
     """The constructor arguments of the backend `cache` names: its own keys as written, and the stages' `dir` and
     `verify_reads` and `overrides` (stage decisions such as precompute's `verify_reads`) where it takes them."""
     backend = cache.backend
@@ -82,15 +76,15 @@ def backend_arguments(cache: DictConfig | CacheConfig, **overrides: Any) -> dict
     named, any_keyword = _parameters(backend_class(target))
     given = {"dir": cache.dir, "verify_reads": cache.verify_reads, **overrides}
     args = {k: v for k, v in given.items() if k in named or any_keyword}
-    args.update(_own(backend))
+    args.update({k: v for k, v in backend.items() if k != "_target_"})
     return args
 
 
-def build_backend(cache: DictConfig | CacheConfig, **overrides: Any) -> CacheBackend:
-    """The backend of a `cache` group (`cfg.cache`, or its `CacheConfig`), built with `hydra.utils.instantiate`.
+def build_backend(cache: CacheConfig, **overrides: Any) -> CacheBackend:
+    """The backend of a typed `cache` group (`qie.config.typed(cfg.cache)`), built with `hydra.utils.instantiate`.
 
     Args:
-        cache: the cache group as composed or typed.
+        cache: the cache group.
         overrides: settings the stage decides (e.g. `verify_reads=True` for precompute's `cache.repair`); passed
             only to a constructor that names them.
 

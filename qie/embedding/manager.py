@@ -35,7 +35,7 @@ class EmbeddingCacheManager:
     Args:
         cache_dir: the `cache.dir` of precompute and training.
         context: model fingerprints and image sizes; with it, keys equal those precompute writes.
-        backend: where entries are stored (`qie.config.backend.build_backend(cfg.cache)`); None: the `cache`
+        backend: where entries are stored (`qie.config.backend.build_backend(typed(cfg.cache))`); None: the `cache`
             schema's default backend on `cache_dir`.
     """
 

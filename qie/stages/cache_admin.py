@@ -13,7 +13,7 @@ from qie.cache import check_types
 from qie.cache.admin import run_admin
 from qie.config import precompute_command, typed
 from qie.config.backend import build_backend
-from qie.config.cache import SyncConfig
+from qie.config.cache import CacheConfig, SyncConfig
 from qie.errors import ConfigError
 from qie.stages.cache_gc import check_gc_data, collect_garbage, gc_setup
 from qie.stages.recipe import Recipe
@@ -39,19 +39,19 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
         work = gc_setup(typed(cfg.model), data, typed(cfg.cache), typed(cfg.gc), precompute_command(cfg))
     else:
         work = bool(cfg.verify.fix)
-    return CacheAdminRecipe(cfg.cache, action, types, work).execute()
+    return CacheAdminRecipe(typed(cfg.cache), action, types, work).execute()
 
 
 class CacheAdminRecipe(Recipe):
     """The cache admin stage: `setup()` opens the backend, `run()` runs the action and prints its report.
 
     Args:
-        cache: the cache group as composed (its backend reads its own keys: `build_backend`).
+        cache: the cache group (its backend is built from `cache.backend`: `build_backend`).
         action: stats, clear, verify, gc or sync; types: the entry types it covers.
         work: what the action reads besides: sync's `SyncConfig`, gc's `gc_setup`, verify's `fix`.
     """
 
-    def __init__(self, cache: Any, action: str, types: list[str], work: Any) -> None:
+    def __init__(self, cache: CacheConfig, action: str, types: list[str], work: Any) -> None:
         self.cache, self.action, self.types, self.work = cache, action, types, work
 
     def setup(self) -> None:

@@ -36,7 +36,6 @@ class Edge:
     spec: ModelSpec
     data: DataConfig
     cache: CacheConfig
-    cache_node: DictConfig
     masks: LossMasks | None
 
     @classmethod
@@ -51,7 +50,7 @@ class Edge:
         model, data = typed(cfg.model), typed(cfg.data)
         train = typed(cfg.train) if masks and "train" in cfg else None
         spec = spec or prepare_model(model)
-        return cls(model, spec, data, typed(cfg.cache), cfg.cache, loss_masks(train, data))
+        return cls(model, spec, data, typed(cfg.cache), loss_masks(train, data))
 
     def source_settings(self, mode: str | None = None, command: str | None = None) -> SourceSettings:
         """The embedding source's settings (`mode`: another `cache.mode` than the config's; `command`: the
@@ -60,8 +59,8 @@ class Edge:
         return settings.with_mode(mode) if mode else settings
 
     def backend(self, **overrides: Any) -> CacheBackend:
-        """The cache backend the `cache` node names (`overrides`: settings the stage decides)."""
-        return build_backend(self.cache_node, **overrides)
+        """The cache backend the `cache` group names (`overrides`: settings the stage decides)."""
+        return build_backend(self.cache, **overrides)
 
     def source(
         self,

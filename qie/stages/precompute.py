@@ -106,7 +106,7 @@ def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
     groups, command = read_groups(cfg), precompute_command(cfg)
     objective = objective_class(OmegaConf.to_container(cfg.train.objective, resolve=True))
     fields = with_defaults(run_fields(objective.requires))  # the sample fields encoded: every one it requires
-    settings = read_settings(groups, functools.partial(build_backend, cfg.cache), command, fields)
+    settings = read_settings(groups, functools.partial(build_backend, groups.cache), command, fields)
     settings = replace(settings, targets=trains_on_targets(objective))
     teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
     if cfg.precompute.teachers:

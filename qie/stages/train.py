@@ -27,6 +27,7 @@ from qie.cache.base import CacheBackend
 from qie.components import prepare_model
 from qie.config import precompute_command, read_groups, typed, validate
 from qie.config.backend import build_backend
+from qie.config.cache import CacheConfig
 from qie.config.train import TrainConfig
 from qie.data import file_stats
 from qie.data.fields import run_fields, with_defaults
@@ -89,7 +90,7 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
     spec = prepare_model(groups.model)  # first: a checkpoint of another model is named before anything else
     setup = train_setup(spec, groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
     setup = dataclasses.replace(setup, outputs=RunOutputs.of(typed(cfg.run)), run_command=rebuilt_command(cfg))
-    return TrainRecipe(setup, Path(run_dir), cfg.cache, on_step_end).execute()
+    return TrainRecipe(setup, Path(run_dir), groups.cache, on_step_end).execute()
 
 
 class TrainRecipe(Recipe):
@@ -99,12 +100,16 @@ class TrainRecipe(Recipe):
     Args:
         setup: the run's typed settings (`train_setup`).
         run_dir: where the run writes (hydra.run.dir).
-        cache: the cache group as composed (its backend reads its own keys: `build_backend`).
+        cache: the cache group (its backend is built from `cache.backend`: `build_backend`).
         on_step_end: an extra hook after each optimizer step.
     """
 
     def __init__(
-        self, setup: TrainSetup, run_dir: Path, cache: Any, on_step_end: Callable[[StepInfo], None] | None = None
+        self,
+        setup: TrainSetup,
+        run_dir: Path,
+        cache: CacheConfig,
+        on_step_end: Callable[[StepInfo], None] | None = None,
     ) -> None:
         self.s, self.run_dir, self.cache, self.on_step_end = setup, run_dir, cache, on_step_end
         self.accelerator: Any = None
