@@ -41,8 +41,7 @@ def collate(
     for name in dict.fromkeys(name for s in items for name in s.fields):  # in the order the samples give them
         if any(name not in s.fields for s in items):
             lacking = [s.id for s in items if name not in s.fields]
-            what = "rejected latent beside preference pairs" if name == "rejected" else f"{name} latent beside samples"
-            raise ValueError(f"samples {lacking} have no {what} that have one")
+            raise ValueError(f"samples {lacking} have no {name} latent beside samples that have one")
         fields[name] = torch.stack([s.fields[name] for s in items])
     if any(s.loss_mask is not None for s in items):
         ones = torch.ones(1, 1, *latents[0].shape[-2:])

@@ -37,6 +37,17 @@ class SampleField:
 
     name: str
     kind: str = "image"
+    # A folder of its own in the folder layout (`<folder>/<stem>.<ext>`), besides the suffix rule.
+    folder: str | None = None
+    # What one of its images is called in messages (default: "<name> image"), and where a sample gets one (default:
+    # `where`).
+    noun: str | None = None
+    hint: str | None = None
+    # Its image is another result of the edit, as the target is: it must not be the target's bytes (a preference
+    # pair of equal results trains nothing), and an edit-region mask covers where it differs from the control too.
+    result: bool = False
+    # What marks its image in a remembered sample's signature (`qie.data.key_memo`; default "f<name>:").
+    mark: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.name.islower() or self.name.startswith("_"):
@@ -59,21 +70,37 @@ class SampleField:
         return f"_{self.name}"
 
     @property
-    def folder(self) -> str | None:
-        """A folder of its own in the folder layout (`<folder>/<stem>.<ext>`), besides the suffix rule; None for
-        all but the built-in `REJECTED`."""
-        return "rejected_images" if self.name == "rejected" else None
-
-    @property
     def where(self) -> str:
         """Where a data set gives this field, for messages."""
-        return f"manifest key `{self.name}`, folder file `<stem>{self.suffix}.png`, HF column `{self.name}`"
+        return (
+            self.hint or f"manifest key `{self.name}`, folder file `<stem>{self.suffix}.png`, HF column `{self.name}`"
+        )
+
+    @property
+    def called(self) -> str:
+        """What one of its images is called in messages."""
+        return self.noun or f"{self.name} image"
+
+    @property
+    def signature_mark(self) -> str:
+        """What marks its image in a remembered sample's signature."""
+        return self.mark or f"f{self.name}:"
 
 
-# A preference pair's rejected result (`train/objective=dpo`): the same edit done worse than the target.
-REJECTED = SampleField("rejected")
+# A preference pair's rejected result (`train/objective=dpo`): the same edit done worse than the target. Data sets
+# always had its folder, and remembered signatures its mark.
+REJECTED = SampleField(
+    "rejected",
+    folder="rejected_images",
+    noun="rejected result",
+    hint="a manifest row's 'rejected', rejected_images/<stem>.png, data.columns.rejected",
+    result=True,
+    mark="r",
+)
 # The fields a data set is read with when none are named: the built-in ones.
 DEFAULT_FIELDS: tuple[SampleField, ...] = (REJECTED,)
+# The folders of their own the built-in fields have in the folder layout.
+FIELD_FOLDERS: tuple[str, ...] = tuple(f.folder for f in DEFAULT_FIELDS if f.folder)
 
 
 def field_named(name: str) -> SampleField:
@@ -111,9 +138,4 @@ def entry_types(fields: Iterable[SampleField]) -> tuple[str, ...]:
 
 def missing_problem(f: SampleField, why: str = "which the objective trains on") -> str:
     """Why a sample without the field `f`'s image cannot train."""
-    if f is REJECTED:  # the wording runs and tests know
-        return (
-            "it has no rejected result, which train/objective=dpo trains on: give one (a manifest row's "
-            "'rejected', rejected_images/<stem>.png, data.columns.rejected)"
-        )
-    return f"it has no {f.name} image, {why}: give one ({f.where})"
+    return f"it has no {f.called}, {why}: give one ({f.where})"

@@ -26,12 +26,12 @@ import stat
 from pathlib import Path
 
 from qie.data import index_file
-from qie.data.fields import DEFAULT_FIELDS, SampleField
+from qie.data.fields import DEFAULT_FIELDS, FIELD_FOLDERS, SampleField
 from qie.data.samples import CaptionFiles, Dataset, read_folder
 
 FORMAT = "qie-folder-index/3"  # 2: images leading out through links are problems; 3: sample fields' images
 # Every folder a scan of either layout lists or tests, relative to the data set folder ("": the folder itself).
-FOLDERS = ("", "training_images", "control_images", "masks", "rejected_images", "images", "layers")
+FOLDERS = ("", "training_images", "control_images", "masks", *FIELD_FOLDERS, "images", "layers")
 # The signature of a caption path that was no regular file (missing, a folder, unreadable).
 NOT_A_FILE = (-1, 0, 0, 0)
 

@@ -32,6 +32,7 @@ from operator import attrgetter
 from pathlib import Path
 
 from qie.data import file_stats, sample_lists
+from qie.data.fields import field_named
 from qie.data.keys import KeyContext
 from qie.data.samples import Sample
 from qie.types import TRAINING_TYPES
@@ -155,8 +156,8 @@ def list_digest(samples: Sequence[Sample], seen: dict[str, str | OSError] | None
 
 
 def _field_letter(name: str) -> str:
-    """What marks the image of the sample field `name` in a signature ("r" for the built-in rejected result)."""
-    return "r" if name == "rejected" else f"f{name}:"
+    """What marks the image of the sample field `name` in a signature (its declared `signature_mark`)."""
+    return field_named(name).signature_mark
 
 
 def _row(keys: dict[str, str]) -> bytes | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qie.data import index_file, manifest_index
 from qie.data.confine import Confinement
-from qie.data.fields import DEFAULT_FIELDS, REJECTED, SampleField
+from qie.data.fields import DEFAULT_FIELDS, SampleField
 from qie.data.samples import NO_CAPTION_FIX, DataProblem, Dataset, Sample
 from qie.errors import DataError
 
@@ -99,8 +99,7 @@ def _layered_fields(row: dict, fields: tuple[SampleField, ...]) -> RowFields | s
         return f"'prompt' must be text, got {prompt!r}"
     for f in fields:
         if row.get(f.name):
-            what = "a preference pair of layered results" if f is REJECTED else f"a {f.name} image of layered results"
-            return f"has {f.name!r} beside 'layers': {what} is not read; drop one"
+            return f"has {f.name!r} beside 'layers': a {f.called} of layered results is not read; drop one"
     return [image], image, prompt, None, layers, ()
 
 

@@ -15,6 +15,7 @@ an average of averages of equal cells is the area average), so one entry serves 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from qie.cache.keys import FileHasher, entry_key
+from qie.data.fields import field_named
 from qie.data.images import ImageError, center_crop_to, fit_area, open_image, open_mask
 from qie.data.samples import Sample
 
@@ -68,11 +70,16 @@ def mask_key(sample: Sample, settings: MaskSettings, hasher: FileHasher) -> str 
             "threshold": settings.threshold,
             "dilation": settings.dilation,
         }
-        if (rejected := sample.fields.get("rejected")) is not None:  # absent otherwise: other masks keep their keys
-            fields["rejected"] = hasher.hash(rejected)
+        for name, result in _results(sample):  # none for most samples: their masks keep the keys they had
+            fields[name] = hasher.hash(result)
     else:
         return None
     return entry_key(MASK_TYPE, fields)
+
+
+def _results(sample: Sample) -> list[tuple[str, os.PathLike]]:
+    """The images of `sample`'s fields that are other results of its edit (`SampleField.result`: a rejected one)."""
+    return [(name, path) for name, path in sample.field_images if field_named(name).result]
 
 
 def _like_target(img: Image.Image, size: tuple[int, int], settings: MaskSettings) -> Image.Image:
@@ -114,10 +121,9 @@ def make_mask(sample: Sample, settings: MaskSettings) -> torch.Tensor:
                 f"{size[0]}x{size[1]}: a mask must have its target's shape (at any scale)",
             )
         return _grey(mask, size, settings)
-    # edit: where the target (or a rejected result) differs from its control, all at the target's size
+    # edit: where the target (or another result, a rejected one) differs from its control, at the target's size
     control = _pixels(open_image(sample.controls[0]), size, settings)
-    rejected = sample.fields.get("rejected")
-    results = [target] + ([open_image(rejected)] if rejected is not None else [])
+    results = [target] + [open_image(path) for _, path in _results(sample)]
     changed = torch.zeros(control.shape[:2])
     for result in results:
         changed = torch.maximum(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from qie.cache.keys import FileHasher
 from qie.data.buckets import ImageSizeIndex
+from qie.data.fields import field_named
 from qie.data.images import ImageError, fit_area
 from qie.data.samples import Sample
 
@@ -42,9 +43,9 @@ class PairCheck:
 
     def field_problem(self, target: os.PathLike, name: str, image: os.PathLike) -> tuple[str, str] | None:
         """(the file at fault, why) when the image of the field `name` cannot train beside `target`."""
-        if name == "rejected" and self.same_bytes(target, image):
+        if field_named(name).result and self.same_bytes(target, image):
             return str(image), (
-                f"its rejected image {str(image)!r} is its target {str(target)!r} (the same bytes): a pair of "
+                f"its {name} image {str(image)!r} is its target {str(target)!r} (the same bytes): a pair of "
                 "equal results has the loss ln 2 whatever the weights and trains nothing; give a worse result"
             )
         if self.sizes is None:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qie.data.confine import FIX, Confinement
-from qie.data.fields import DEFAULT_FIELDS, SampleField
+from qie.data.fields import DEFAULT_FIELDS, FIELD_FOLDERS, SampleField
 from qie.errors import DataError
 
 # Every folder of either layout that holds images, relative to the data set folder.
-FOLDERS = ("training_images", "control_images", "masks", "rejected_images", "images", "layers")
+FOLDERS = ("training_images", "control_images", "masks", *FIELD_FOLDERS, "images", "layers")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 _CONTROL_SUFFIX = re.compile(r"^(?P<stem>.+)_control_(?P<n>\d+)$")
 

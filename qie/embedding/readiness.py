@@ -22,12 +22,15 @@ import numpy as np
 
 from qie.cache.base import EntryCounts
 from qie.cache.failures import read_failures
+from qie.data.fields import DEFAULT_FIELDS
 from qie.data.samples import Sample
 from qie.embedding.sources import CacheReader, EmbeddingSource, sample_types, types_of_kind
 from qie.errors import CacheDirMissing, CacheMissError, check_writable
 from qie.types import TRAINING_TYPES
 
 REPORT_FILE = "cache_report.json"
+# The sample field the remembered key rows have a column for (`qie.data.key_memo`): the built-in one.
+(ROW_FIELD,) = DEFAULT_FIELDS
 
 
 def check_entries(cache: CacheReader, samples: Sequence[Sample], failures: dict[str, dict]) -> dict:
@@ -79,7 +82,7 @@ def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
     # beyond the rejected result (`qie.data.fields`) has no place in the rows: such samples are checked one by one.
     n, fields = len(samples), [("target", None), ("controls", bool), ("layers", bool)]
     images = list(map(attrgetter("field_images"), samples))
-    if any(images) and {name for x in images for name, _ in x} - {"rejected"}:
+    if any(images) and {name for x in images for name, _ in x} - {ROW_FIELD.name}:
         return False
     has = [
         np.fromiter(
@@ -95,7 +98,7 @@ def _all_whole_at_once(cache: CacheReader, samples: Sequence[Sample]) -> bool:
     code = (has[0] * 8 + has[1] * 4 + has[2] * 2 + has[3]).astype(np.int64)
     masks = np.zeros((16, len(TRAINING_TYPES)), dtype=bool)
     for c in np.unique(code).tolist():
-        types = types_of_kind(bool(c & 8), bool(c & 4), bool(c & 2), ("rejected",) if c & 1 else ())
+        types = types_of_kind(bool(c & 8), bool(c & 4), bool(c & 2), (ROW_FIELD.name,) if c & 1 else ())
         masks[c] = [t in types for t in TRAINING_TYPES]
     needed = masks[code]
     if (needed & ~keys.any(axis=2)).any():  # a needed key not remembered: keyed sample by sample

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from qie.cache.base import CacheStore
 from qie.cache.entries import BASE_TYPE, STORED_TYPES, nonfinite, stored_order, write_entries
+from qie.data.fields import DEFAULT_FIELDS, entry_types
 from qie.data.images import ImageError
 from qie.data.keys import KeyContext, sample_keys
 from qie.data.samples import DataProblem, Sample
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # The stored types only some data sets have: layers (a layered model's), the images of sample fields
 # (`qie.data.fields`: preference pairs' rejected results, ...).
-OPTIONAL_TYPES = ("layer_latent", "rejected_latent")
+OPTIONAL_TYPES = ("layer_latent", *entry_types(DEFAULT_FIELDS))
 
 Keyed = tuple[Sample, dict[str, str]]
 
