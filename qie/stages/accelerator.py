@@ -24,12 +24,12 @@ def make_accelerator(train: TrainConfig, memory: MemorySettings, model_dtype: st
         # is on the CPU; otherwise each process would train alone.
         cpu=not torch.cuda.is_available(),
         mixed_precision=mixed_precision(str(train.mixed_precision), model_dtype),
-        gradient_accumulation_steps=int(train.gradient_accumulation_steps),
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
         project_dir=str(run_dir),
         **memory.accelerator_kwargs(),
     )
     enable_fsdp_on_cpu(accelerator, memory)
-    set_seed(int(train.seed))
+    set_seed(train.seed)
     warn_single_process(accelerator.num_processes, "qie.train")
     return accelerator
 

@@ -81,11 +81,9 @@ def read_settings(c: CaptionConfig) -> Settings:
         ConfigError: a prompt with nothing to ask.
     """
     prompt, generation = prompt_settings(c)
-    dry = int(c.dry_run_samples) if c.dry_run else 0
+    dry = c.dry_run_samples if c.dry_run else 0
     raise_errors = c.on_error == "raise"
-    return Settings(
-        prompt, generation, int(c.batch_size), bool(c.overwrite), dry, raise_errors, int(c.start), c.end, c.output
-    )
+    return Settings(prompt, generation, c.batch_size, c.overwrite, dry, raise_errors, c.start, c.end, c.output)
 
 
 def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings]:
@@ -96,10 +94,8 @@ def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings
     """
     if not c.instruction and not c.pipeline_prompt:
         raise ConfigError("caption.instruction is empty: choose caption=edit_instruction|describe|layered or set it")
-    prompt = CaptionPrompt(str(c.name), c.instruction, c.no_controls, bool(c.show_controls), c.pipeline_prompt)
-    generation = GenerationSettings(
-        int(c.max_new_tokens), bool(c.do_sample), float(c.temperature), float(c.top_p), int(c.seed)
-    )
+    prompt = CaptionPrompt(c.name, c.instruction, c.no_controls, c.show_controls, c.pipeline_prompt)
+    generation = GenerationSettings(c.max_new_tokens, c.do_sample, c.temperature, c.top_p, c.seed)
     return prompt, generation
 
 

@@ -108,7 +108,7 @@ def lora_runs(loras: list[str], model: ModelConfig, predict: PredictConfig, spec
             runs[BASE] = None
             continue
         file = lora_file(entry)
-        if warning := check_lora_base(file, base, bool(predict.allow_other_base)):
+        if warning := check_lora_base(file, base, predict.allow_other_base):
             print(f"eval: warning: {warning}")
         name = file.stem if file.stem not in runs else f"{file.parent.name}_{file.stem}"
         runs[name] = file
@@ -166,7 +166,7 @@ def generate(
     edits = {}
     for name in sorted(runs, key=lambda n: runs[n] is not None):  # the base model before any LoRA is loaded
         if runs[name] is not None:
-            load_lora(parts.transformer, runs[name], float(predict.lora_scale))
+            load_lora(parts.transformer, runs[name], predict.lora_scale)
         edits[name] = []
         for seed in seeds:
             validator = Validator(

@@ -186,17 +186,17 @@ def build_predictor(model: ModelConfig, predict: PredictConfig, spec: ModelSpec)
         ConfigError: a device that does not exist, a checkpoint that is not the configured model;
         ModelLoadError: a part or LoRA that cannot be loaded.
     """
-    base, allow_other = fused_base(model, spec), bool(predict.allow_other_base)
+    base, allow_other = fused_base(model, spec), predict.allow_other_base
     if predict.lora:  # before anything is built
         check_lora_base(predict.lora, base, allow_other)
-    devices, swap = asdict(predict.devices), int(predict.blocks_to_swap)
+    devices, swap = asdict(predict.devices), predict.blocks_to_swap
     device = resolve_device(devices["transformer"])
     if swap:  # built in CPU memory; the swapper moves all but the swapped blocks
         devices["transformer"] = "cpu"
-    parts = load_parts(LoadSettings.of(model), spec, spec.part_names, devices, bool(predict.compile), base.fuse_into)
+    parts = load_parts(LoadSettings.of(model), spec, spec.part_names, devices, predict.compile, base.fuse_into)
     predictor = Predictor(parts, spec, base)
     if predict.lora:
-        predictor.load_lora(predict.lora, float(predict.lora_scale), allow_other)
+        predictor.load_lora(predict.lora, predict.lora_scale, allow_other)
     if swap:
         predictor.swap_blocks(swap, device)
     if predict.compile:  # after the LoRA: the compiled block runs its layers
@@ -300,7 +300,7 @@ def run_batch(
             failures.append(f"{sample.id}: {e}")
             continue
         outputs = spec.family.outputs  # <output_dir>/<id>.png, or a layered model's <output_dir>/<id>/layer_0.png...
-        written += outputs.write(images, out_dir / outputs.row_path(_safe_relative(sample.id)), int(predict.num_images))
+        written += outputs.write(images, out_dir / outputs.row_path(_safe_relative(sample.id)), predict.num_images)
     print(f"infer: wrote {len(written)} image(s) for {len(data.samples)} row(s) to {out_dir}")
     for failure in failures:
         print(f"infer: skipped {failure}")

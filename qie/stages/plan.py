@@ -74,12 +74,12 @@ def transformer_config(model: ModelConfig, spec: ModelSpec) -> tuple[dict, str]:
     from qie.components.fingerprint import part_folder
 
     try:
-        folder = part_folder(str(model.pretrained_model_name_or_path), "transformer", model.revision)
+        folder = part_folder(model.pretrained_model_name_or_path, "transformer", model.revision)
         raw = json.loads((folder / "config.json").read_text())
     except Exception:  # offline, no such repository, no tiny model built yet: the published sizes
         return dict(spec.family.published.transformer), f"{model.name} (published {spec.family.name} sizes)"
     keys = spec.family.part_class("transformer").extract_init_dict(raw)[0]
-    return dict(keys), str(model.name)
+    return dict(keys), model.name
 
 
 def workload(m: ModelConfig, d: DataConfig, spec: ModelSpec) -> Workload:

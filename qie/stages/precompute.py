@@ -209,7 +209,7 @@ def read_settings(
     """
     model, data, cache, p = groups.model, groups.data, groups.cache, groups.precompute
     # `cache.repair`: every existing entry is read once, and those whose checksum fails are encoded again.
-    repair = bool(cache.repair)
+    repair = cache.repair
     backend = make_backend(verify_reads=repair)
     if not backend.persists:
         raise ConfigError(
@@ -221,7 +221,7 @@ def read_settings(
     source = source_settings(model, data, cache, spec, None, command)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
     return Settings(
-        int(p.batch_size),
+        p.batch_size,
         raise_errors,
         p.start,
         p.end,
@@ -232,7 +232,7 @@ def read_settings(
         functools.partial(build_encoder, model, spec, source.devices),
         source,
         replace(data_source(data, cache.state_folder()), fields=fields),
-        float(data.control_dropout_rate),
+        data.control_dropout_rate,
         regularization(data),
         captions,
     )

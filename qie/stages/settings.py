@@ -77,11 +77,11 @@ def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
     """The target area (`data`) and the condition areas (the model's) images are encoded at."""
     return ImageSizes(
         alpha=spec.family.alpha,
-        target_pixels=int(data.target_pixels),
+        target_pixels=data.target_pixels,
         vae_image_pixels=int(spec.vae_image_pixels),
         vl_image_pixels=int(spec.vl_image_pixels),
         resize_mode=str(data.resize_mode),
-        multiple_of=int(data.multiple_of),
+        multiple_of=data.multiple_of,
     )
 
 
@@ -102,10 +102,10 @@ def data_source(data: DataConfig, state_dir: str | None = None, path: str | None
     return DataSource(
         str(path or data.path),
         str(data.format) if path is None else "auto",
-        str(data.split),
+        data.split,
         columns,
         (folder or qie_home()) / "images",
-        bool(data.allow_outside_paths),
+        data.allow_outside_paths,
         folder / "manifests" if folder is not None else None,
     )
 
@@ -124,9 +124,9 @@ def loss_masks(train: TrainConfig | None, data: DataConfig) -> LossMasks | None:
         str(mask.source),
         float(mask.threshold),
         int(mask.dilation),
-        int(data.target_pixels),
+        data.target_pixels,
         str(data.resize_mode),
-        int(data.multiple_of),
+        data.multiple_of,
     )
     return LossMasks(settings, float(mask.outside_weight))
 
@@ -141,7 +141,7 @@ def regularization(data: DataConfig) -> Regularization | None:
 
 def encoder_devices(cache: CacheConfig) -> dict[str, str]:
     """Where the encoders go: the VAE on `cache.vae_encoder_device`, the VL model on `cache.text_encoder_device`."""
-    return {"vae": str(cache.vae_encoder_device), "text_encoder": str(cache.text_encoder_device)}
+    return {"vae": cache.vae_encoder_device, "text_encoder": cache.text_encoder_device}
 
 
 def source_settings(
@@ -177,10 +177,10 @@ def sampling_options(predict: PredictConfig, **overrides: Any) -> SamplingOption
         "negative_prompt": predict.negative_prompt,
         "true_cfg_scale": None if predict.true_cfg_scale is None else float(predict.true_cfg_scale),
         "num_inference_steps": None if predict.num_inference_steps is None else int(predict.num_inference_steps),
-        "seed": int(predict.seed),
+        "seed": predict.seed,
         "height": predict.height,
         "width": predict.width,
-        "num_images": int(predict.num_images),
+        "num_images": predict.num_images,
         "layers": None if predict.layers is None else int(predict.layers),
     }
     base.update({k: v for k, v in overrides.items() if v is not None})

@@ -30,9 +30,7 @@ def model_key_context(model: ModelConfig, spec: ModelSpec, sizes: ImageSizes) ->
     """The cache-key context of `model` (fingerprints, template, dtype, quantization) and the image sizes.
     Reads the checkpoint's configs and weight headers; builds and writes nothing."""
     quantize = str(model.text_encoder_quantize)
-    return key_context(
-        str(model.pretrained_model_name_or_path), model.revision, spec, sizes, str(model.dtype), quantize
-    )
+    return key_context(model.pretrained_model_name_or_path, model.revision, spec, sizes, str(model.dtype), quantize)
 
 
 def build_source(

@@ -211,7 +211,7 @@ class TrainRecipe(Recipe):
                 captions = auto_captions(s.captions, s.source, s.spec, self.source.encodes, self.backend)
             samples = self._read_samples(objective, captions)
             samples, self.reg = ready_data(s, self.source, samples, self.run_dir, accelerator.is_main_process, captions)
-            self.samples, self.heldout_samples = split_heldout(samples, int(s.validation.heldout_samples))
+            self.samples, self.heldout_samples = split_heldout(samples, s.validation.heldout_samples)
             if loading is None:  # the captions are written (for the regularisation data too)
                 loading = in_background(load_model, *load)
         except BaseException:
@@ -232,7 +232,7 @@ class TrainRecipe(Recipe):
                 samples = load_samples(data, s.spec, report, captions, fields, s.on_missing, targets)
             self.records = run_records(s.plan, samples)
         if self.resume_from is not None:
-            warning = check_resume(self.resumed, self.resume_from, *self.records, bool(s.train.resume_inexact))
+            warning = check_resume(self.resumed, self.resume_from, *self.records, s.train.resume_inexact)
             if warning:
                 accelerator.print(f"qie: warning: {warning}")
         return samples
@@ -247,10 +247,10 @@ class TrainRecipe(Recipe):
         self.state, self.scheduler = build_train_state(s.plan, self.accelerator, parts, self.objective)
         self.ema = make_ema(train, self.state.params)
         if self.resume_from is not None:
-            step = ckpt.load_checkpoint(self.state, self.resume_from, bool(train.resume_inexact))["step"]
+            step = ckpt.load_checkpoint(self.state, self.resume_from, train.resume_inexact)["step"]
             self.state.start_step = int(step)
             if self.ema is not None:
-                resume_ema(self.ema, self.resume_from, bool(train.resume_inexact))
+                resume_ema(self.ema, self.resume_from, train.resume_inexact)
             self.accelerator.print(f"qie: resumed from {self.resume_from} at step {self.state.start_step}")
         elif train.resume == "latest":
             where = s.outputs.where(self.run_dir)
@@ -266,15 +266,15 @@ class TrainRecipe(Recipe):
         dataset = EmbeddingDataset(
             samples + reg,
             self.source,
-            float(s.data.caption_dropout_rate),
-            int(train.seed),
+            s.data.caption_dropout_rate,
+            train.seed,
             s.dropout,
             len(samples) if reg else None,
             s.regularization.weight if reg else 1.0,
             self.negatives,
         )
-        workers, prefetch, parallel = loader_settings(int(s.data.num_workers), int(s.data.prefetch), self.source)
-        self.loader = make_loader(dataset, sampler, workers, int(train.seed), prefetch, parallel)
+        workers, prefetch, parallel = loader_settings(s.data.num_workers, s.data.prefetch, self.source)
+        self.loader = make_loader(dataset, sampler, workers, train.seed, prefetch, parallel)
 
     def _setup_hooks(self) -> None:
         """The metrics logger, what runs after each step and how checkpoints are saved."""
@@ -286,8 +286,8 @@ class TrainRecipe(Recipe):
         run = HookInputs(s, state, self.source, trained, self.heldout_samples, self.scheduler, self.logger, run_dir)
         self.hooks = step_hooks(dataclasses.replace(run, ema=self.ema), self.on_step_end)
         self.heldout = HeldOut(state, self.source, self.heldout_samples, self.objective, self.logger, self.negatives)
-        if self.heldout_samples and int(s.validation.every) > 0:
-            self.hooks.append(self.heldout.hook(int(s.validation.every)))
+        if self.heldout_samples and s.validation.every > 0:
+            self.hooks.append(self.heldout.hook(s.validation.every))
         if self.reg:
             self.hooks.append(regularization_logging(self.logger, s.regularization.weight))
         saving = Checkpoints(state, run_dir, s.mode, s.train, self.records, self.ema)
@@ -340,7 +340,7 @@ class Checkpoints:
         exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
         extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
         folder = ckpt.save_checkpoint(state, self.run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
-        if step < int(train.max_steps):
+        if step < train.max_steps:
             refresh_report(self.run_dir, state.accelerator)
         return folder
 

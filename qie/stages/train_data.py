@@ -196,21 +196,21 @@ def make_sampler(
     with `extra` (regularisation samples, after `samples` in the dataset) mixed in by `data.regularization.ratio`."""
     if extra:
         main, other = make_sampler(s, samples, accelerator, 0), make_sampler(s, extra, accelerator, 0)
-        ratio, accumulation = s.regularization.ratio, int(s.train.gradient_accumulation_steps)  # type: ignore[union-attr]
-        return MixedBatchSampler(main, other, len(samples), ratio, int(s.train.seed), accumulation, start)
-    data, batch_size = s.data, int(s.data.batch_size)
+        ratio, accumulation = s.regularization.ratio, s.train.gradient_accumulation_steps  # type: ignore[union-attr]
+        return MixedBatchSampler(main, other, len(samples), ratio, s.train.seed, accumulation, start)
+    data, batch_size = s.data, s.data.batch_size
     # Batches of one never mix shapes: skip reading every image header.
     keys: list = [0] * len(samples)
     if batch_size > 1:
         index = Path(s.source.state_dir) / "image_sizes.json" if s.source.state_dir else None
-        areas = (int(data.target_pixels), int(s.spec.vae_image_pixels), int(data.multiple_of))
+        areas = (data.target_pixels, int(s.spec.vae_image_pixels), data.multiple_of)
         keys = bucket_keys(samples, *areas, index=index)
     sampler = BucketBatchSampler(
         keys,
         [len(x.prompt) for x in samples],
         batch_size,
-        int(s.train.seed),
-        bool(data.shuffle),
+        s.train.seed,
+        data.shuffle,
         accelerator.num_processes,
         accelerator.process_index,
         start=start,

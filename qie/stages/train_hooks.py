@@ -45,7 +45,7 @@ def step_hooks(run: HookInputs, extra: Callable[[StepInfo], None] | None) -> lis
         by_id = {sample.id: sample for sample in run.samples}
         images = ImageLogger(run.logger, by_id, int(log.log_images_every), int(log.log_images_count))
         hooks.append(lambda info: images(info.step, info.batch))
-    if int(s.validation.every) > 0 and run.state.accelerator.is_main_process:
+    if s.validation.every > 0 and run.state.accelerator.is_main_process:
         hooks.append(_validation_hook(run, ema if s.validation.use_ema else None))
     if extra is not None:
         hooks.append(extra)
@@ -73,7 +73,7 @@ def _validation_hook(run: HookInputs, ema: Ema | None):
         seed=v.seed,
     )
     vae_parts = load_parts(LoadSettings.of(s.model), spec, ["vae"], {"vae": str(accelerator.device)})
-    chosen = validation_samples(v, run.samples, int(s.logging.log_images_count))
+    chosen = validation_samples(v, run.samples, s.logging.log_images_count)
     if v.rewards and run.heldout and not v.prompts:  # rewards measure rows kept out of training
         chosen = run.heldout
     inputs, negatives = validation_inputs(run.source, chosen, options.negative_prompt)
@@ -97,7 +97,7 @@ def _validation_hook(run: HookInputs, ema: Ema | None):
     counts = [int(n) for n in v.step_counts or []]
     validators = [validator(replace(options, num_inference_steps=n), f"steps-{n}") for n in counts]
     validators = validators or [validator(options, "")]
-    every, scoring = int(v.every), RewardLog(s, chosen, out) if v.rewards else None
+    every, scoring = v.every, RewardLog(s, chosen, out) if v.rewards else None
 
     def hook(info: StepInfo) -> None:
         if info.step % every == 0:

@@ -56,11 +56,11 @@ def make_objective(
     train, spec, scheduler = plan.train, plan.spec, parts.scheduler
     sigmas = SigmaSampling(
         method=str(train.timestep_sampling),
-        logit_mean=float(train.logit_mean),
-        logit_std=float(train.logit_std),
-        mode_scale=float(train.mode_scale),
-        shift=float(train.shift),
-        dynamic_shift=bool(train.dynamic_shift),
+        logit_mean=train.logit_mean,
+        logit_std=train.logit_std,
+        mode_scale=train.mode_scale,
+        shift=train.shift,
+        dynamic_shift=train.dynamic_shift,
         scheduler_config=dict(scheduler.config),
     )
     inputs = ObjectiveInputs(
@@ -89,17 +89,17 @@ def base_model_key(model: ModelConfig, record: dict) -> dict:
     """What the base transformer computes with: the run's model record but what training changes, and the settings
     that change its outputs at load (weight quantization, `zero_cond_t`)."""
     key = {k: v for k, v in record.items() if k not in ("mode", "lora")}
-    return {**key, "quantize": str(model.quantize), "zero_cond_t": bool(model.zero_cond_t)}
+    return {**key, "quantize": str(model.quantize), "zero_cond_t": model.zero_cond_t}
 
 
 def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objective) -> LoopSettings:
     return LoopSettings(
-        max_steps=int(train.max_steps),
-        seed=int(train.seed),
+        max_steps=train.max_steps,
+        seed=train.seed,
         objective=objective,
-        max_grad_norm=float(train.max_grad_norm),
-        checkpoint_every=int(train.checkpoint_every),
-        log_every=int(logging.log_every),
+        max_grad_norm=train.max_grad_norm,
+        checkpoint_every=train.checkpoint_every,
+        log_every=logging.log_every,
         on_nonfinite=str(train.on_nonfinite),
     )
 
@@ -132,7 +132,7 @@ def build_train_state(plan: ModelPlan, accelerator: Any, parts: Any, objective: 
     place = apply_memory(transformer, plan.memory, accelerator.device)
     if train.compile:
         accelerator.print(compile_blocks(transformer))
-    optimizer = _instantiate(train.optimizer)(params, lr=float(train.learning_rate))
+    optimizer = _instantiate(train.optimizer)(params, lr=train.learning_rate)
     lr_scheduler = _instantiate(train.lr_scheduler)(optimizer)
     # The LR scheduler is not prepared: accelerate would step it once per process. Checkpoints save it.
     prepared, optimizer = accelerator.prepare(transformer, optimizer, device_placement=[place, True])

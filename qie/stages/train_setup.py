@@ -99,7 +99,7 @@ def train_setup(spec: ModelSpec, groups: Groups, command: str, run_config: dict)
         MemorySettings.of(train, spec.family),
         source_settings(model, data, cache, spec, masks, command),
         data_source(data, cache.state_folder()),
-        float(data.control_dropout_rate),
+        data.control_dropout_rate,
         regularization(data),
         captions,
         str(cache.on_missing),
