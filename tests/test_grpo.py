@@ -14,7 +14,9 @@ from stage_edges import parts_of
 from test_step import fixed_batch
 
 from qie.adapters.lora import add_lora
+from qie.data.images import open_image as rows_module_open
 from qie.data.images import rgb
+from qie.data.scan import scan_dataset
 from qie.demo.reward import RecolourReward, named_colour, shape_region
 from qie.errors import ConfigError, DataError
 from qie.evaluation.scoring import Row
@@ -43,7 +45,7 @@ def demo_control(size: int = 64) -> torch.Tensor:
     return image
 
 
-def rows(sample_id: str, size: tuple[int, int]) -> Row:
+def rows(sample_id: str, size: tuple[int, int], needs=()) -> Row:
     """Every sample's row: the demo's blue square to make red (64 px), its target and edit region at `size`
     (square): the square red."""
     at_size = demo_control(size[0])
@@ -212,9 +214,30 @@ def test_a_reward_that_compares_with_the_target_is_given_the_rows_target_and_ref
     expected = -(images.double() - target.double()).abs().flatten(1).mean(1)  # an error: its negative
     torch.testing.assert_close(objective._rewards(batch, 0, latents), expected)
     assert torch.isfinite(objective.loss(policy, batch, torch.Generator().manual_seed(7)))
-    objective.rows = lambda sample_id, size: dataclasses.replace(rows(sample_id, size), target=None, region=None)
+    objective.rows = lambda sample_id, size, needs: dataclasses.replace(rows(sample_id, size), target=None, region=None)
     with pytest.raises(DataError, match=r"sample 's0' has no target, which train.objective.reward \(PixelError\)"):
         objective.rollout(policy, batch, 0, torch.Generator().manual_seed(5))
+
+
+def test_a_rows_target_and_edit_region_are_read_only_for_a_reward_that_needs_them(tiny, tmp_path, monkeypatch) -> None:
+    """GRPO reads a sample's row each step: its target and edit region only where the reward `needs` them."""
+    from qie.demo.synthetic import make_dataset
+    from qie.evaluation import rows as rows_module
+    from qie.stages.train_data import sample_rows
+
+    _, spec, _ = tiny
+    sample = scan_dataset(make_dataset(tmp_path, train=1, heldout=0, size=32) / "train").samples[0]
+    opened = []
+    monkeypatch.setattr(rows_module, "open_image", lambda p: opened.append(Path(p)) or rows_module_open(p))
+    row = sample_rows([sample], spec)
+    bare = row(sample.id, (32, 32), frozenset())
+    assert (bare.target, bare.region) == (None, None) and opened == list(sample.controls)
+    opened.clear()
+    region = row(sample.id, (32, 32), frozenset({"mask"}))
+    assert region.target is None and region.region is not None and region.region.any()
+    assert opened == [*sample.controls, sample.target, sample.controls[0]]  # the region is where they differ
+    whole = row(sample.id, (32, 32), frozenset({"target", "mask"}))
+    assert whole.target.shape == (3, 32, 32) and torch.equal(whole.region, region.region)
 
 
 def test_weighted_rewards_sum_their_parts_values_and_need_what_their_parts_need() -> None:

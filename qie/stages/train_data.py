@@ -3,7 +3,7 @@ stream (bucketed by latent shapes, mixed with the regularisation set)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from operator import attrgetter
 from pathlib import Path
@@ -219,13 +219,13 @@ def make_sampler(
     return sampler
 
 
-def sample_rows(samples: list[Sample], spec: ModelSpec) -> Callable[[str, tuple[int, int]], Row]:
+def sample_rows(samples: list[Sample], spec: ModelSpec) -> Callable[[str, tuple[int, int], Collection[str]], Row]:
     """A sample id's row at an edit's size (width, height), its images read when asked, for an objective that
     scores its own results (`reference_row`: prompt, control images, and the target and edit region where the
-    sample has them); an id of a variant (`#text_only`) is its sample's."""
+    sample has them and the reward `needs` them); an id of a variant (`#text_only`) is its sample's."""
     by_id = {s.id: s for s in samples}
 
-    def row(sample_id: str, size: tuple[int, int]) -> Row:
-        return reference_row(by_id.get(sample_id) or by_id[sample_id.split("#")[0]], size, spec)
+    def row(sample_id: str, size: tuple[int, int], needs: Collection[str]) -> Row:
+        return reference_row(by_id.get(sample_id) or by_id[sample_id.split("#")[0]], size, spec, None, needs)
 
     return row

@@ -24,7 +24,7 @@ Logged: `reward_mean`, `reward_std` (within groups), `reward_best` (the groups' 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -145,7 +145,7 @@ class Grpo:
             raise ValueError(f"train/objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
         self.family, self.scheduler, self.decoder = inputs.family, inputs.scheduler, inputs.decoder
         self.pipeline_config = dict(inputs.pipeline_config or {})
-        self.rows: Callable[[str, tuple[int, int]], Row] | None = inputs.sample_rows
+        self.rows: Callable[[str, tuple[int, int], Collection[str]], Row] | None = inputs.sample_rows
         if inputs.build_reward is None:
             raise ValueError(f"train/objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
         self.reward = inputs.build_reward(s.reward)
@@ -214,7 +214,7 @@ class Grpo:
         images = rgb(self.family.decode(self.decoder, latents, "pt").float().clamp(0, 1))
         n, size = latents.shape[0], (images.shape[-1], images.shape[-2])
         if self.rows is not None:
-            row = self.rows(batch.ids[i], size)
+            row = self.rows(batch.ids[i], size, self.reward.needs)  # the target and region only where needed
         else:  # the controls as their latents decode
             decoded = [self.family.decode(self.decoder, c[i : i + 1], "pt")[0].float() for c in batch.control_latents]
             row = Row(batch.ids[i], "", None, decoded)
