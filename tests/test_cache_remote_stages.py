@@ -21,6 +21,21 @@ TRAINING = ["train.max_steps=2", "train.learning_rate=1e-3", "data.batch_size=2"
             "logging.report_to=none", "train.checkpoint_every=0", "data.num_workers=0"]  # fmt: skip
 
 
+def on_bucket(url: str, endpoint: str) -> list[str]:
+    """The overrides of a cache in the bucket `url` at `endpoint`, two tries per request."""
+    return [
+        "cache=remote",
+        f"cache.backend.url={url}",
+        f"cache.backend.endpoint_url={endpoint}",
+        "cache.backend.retries=2",
+    ]
+
+
+def node(tmp_path: Path, name: str) -> list[str]:
+    """The overrides of node `name`'s own folders: its state and its copy of the bucket's entries."""
+    return [f"cache.dir={tmp_path / name / 'dir'}", f"cache.backend.local_dir={tmp_path / name / 'copy'}"]
+
+
 def indexed_when_the_backend_goes(url: str, s3: str, local: Path) -> None:
     """Every stored entry is in the index once precompute's backend is collected (polled: the collector may hand
     the flush to a thread)."""
@@ -45,19 +60,14 @@ def test_precompute_into_the_bucket_then_training_gives_the_ssd_losses(
 
     base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}"]
     ssd = train_stage.run(compose("train", [*base, f"cache.dir={cached_data.cache}", *TRAINING]), tmp_path / "ssd")
-    on_bucket = [
-        "cache=remote",
-        f"cache.backend.url={url}",
-        f"cache.backend.endpoint_url={s3}",
-        "cache.backend.retries=2",
-    ]
-    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.backend.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
-    summary = precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre")
+    bucket = on_bucket(url, s3)
+    summary = precompute.run(compose("precompute", [*base, *bucket, *node(tmp_path, "a")]), tmp_path / "pre")
     assert summary.samples == 8 and not summary.failures
     indexed_when_the_backend_goes(url, s3, tmp_path / "c")
-    again = precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre2")
+    again = precompute.run(compose("precompute", [*base, *bucket, *node(tmp_path, "a")]), tmp_path / "pre2")
     assert sum(t.new for t in again.types.values()) == 0  # everything found in the bucket
-    remote_run = train_stage.run(compose("train", [*base, *on_bucket, *node("b"), *TRAINING]), tmp_path / "remote")
+    training = [*base, *bucket, *node(tmp_path, "b"), *TRAINING]
+    remote_run = train_stage.run(compose("train", training), tmp_path / "remote")
     assert remote_run["losses"] == ssd["losses"]
 
 
@@ -238,21 +248,13 @@ def test_the_precompute_failure_list_is_in_the_bucket_for_a_training_on_another_
 
     monkeypatch.setattr(precompute_work.Encoder, "encode_entries", poisoned)
     model = f"model.pretrained_model_name_or_path={tiny_path}"
-    base = [
-        model,
-        f"data.path={ds}",
-        "cache=remote",
-        f"cache.backend.url={url}",
-        f"cache.backend.endpoint_url={s3}",
-        "cache.backend.retries=2",
-    ]
-    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.backend.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
-    summary = precompute.run(compose("precompute", [*base, *node("a")]), tmp_path / "pre")
+    base = [model, f"data.path={ds}", *on_bucket(url, s3)]
+    summary = precompute.run(compose("precompute", [*base, *node(tmp_path, "a")]), tmp_path / "pre")
     assert [f.id for f in summary.failures] == ["00001"]
     assert not (tmp_path / "a" / "dir" / FILE_NAME).exists()  # not on the node: in the bucket
     listed = read_failures(remote(url, s3, tmp_path / "c"))
     assert [v["sample"] for v in listed.values()] == ["00001"]
     monkeypatch.setattr(precompute_work.Encoder, "encode_entries", real)
     training = [*TRAINING, "train.max_steps=1", "cache.on_missing=skip"]
-    assert train_stage.run(compose("train", [*base, *node("b"), *training]), tmp_path / "train")["step"] == 1
+    assert train_stage.run(compose("train", [*base, *node(tmp_path, "b"), *training]), tmp_path / "train")["step"] == 1
     assert "skipping sample '00001': precompute could not encode it" in capsys.readouterr().out

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_cache_backends import make_entry
 from test_cache_remote import free_port, moto_server, raw_fs, remote, s3, url, writing  # noqa: F401 - fixtures
-from test_cache_remote_stages import indexed_when_the_backend_goes
+from test_cache_remote_stages import indexed_when_the_backend_goes, node, on_bucket
 
 from qie.cache import folders
 from qie.cache.codec import encode
@@ -132,21 +132,15 @@ def test_a_fresh_node_missing_a_deleted_object_is_told_it_was_deleted_and_how_to
     from qie.stages import train as train_stage
 
     base = [f"model.pretrained_model_name_or_path={tiny_path}", f"data.path={cached_data.data}"]
-    on_bucket = [
-        "cache=remote",
-        f"cache.backend.url={url}",
-        f"cache.backend.endpoint_url={s3}",
-        "cache.backend.retries=2",
-    ]
-    node = lambda n: [f"cache.dir={tmp_path / n / 'dir'}", f"cache.backend.local_dir={tmp_path / n / 'copy'}"]  # noqa: E731
-    precompute.run(compose("precompute", [*base, *on_bucket, *node("a")]), tmp_path / "pre")
+    bucket = on_bucket(url, s3)
+    precompute.run(compose("precompute", [*base, *bucket, *node(tmp_path, "a")]), tmp_path / "pre")
     indexed_when_the_backend_goes(url, s3, tmp_path / "c")
     fs, root = raw_fs(s3), url.removeprefix("s3://")
     for victim in fs.find(f"{root}/pixel_latent"):  # whichever sample comes first
         fs.rm_file(victim)
     training = ["train.max_steps=1", "logging.report_to=none", "train.checkpoint_every=0", "data.num_workers=0"]
     with pytest.raises(CacheMissError) as info:
-        train_stage.run(compose("train", [*base, *on_bucket, *node("b"), *training]), tmp_path / "run")
+        train_stage.run(compose("train", [*base, *bucket, *node(tmp_path, "b"), *training]), tmp_path / "run")
     message = str(info.value)
     assert "no cached pixel_latent (the cache lists it, but its stored object was deleted)" in message
     assert "its bytes changed" not in message and " cache.repair=true\n" in message
