@@ -4,13 +4,15 @@ alone then wires in (`_target_`). docs/extending.md walks through each.
 - an objective: subclass `FlowMatching` (or write a class with the `Objective` protocol's methods), chosen by
   `train.objective._target_=pkg.Cls`; its constructor takes `ObjectiveInputs` and its own keyword settings, and
   `use_problem(ObjectiveUse)` may refuse a run in one line;
-- a cache backend: subclass `CacheBackend`, chosen by `cache.backend._target_=pkg.Cls`;
+- a cache backend: subclass `CacheBackend`, chosen by `cache.backend._target_=pkg.Cls`; its `shared` documents
+  (the precompute failure list) are `FolderDocuments` on its folder, or any `Documents`;
 - a reward (for `qie.eval`, validation and the sweep objective): subclass `Reward`;
 - an extra image per sample: a `SampleField`, named in an objective's `requires`;
 - what an objective receives: a `Batch` (a field's latents in `batch.fields[name]`).
 """
 
 from qie.cache.base import CacheBackend
+from qie.cache.documents import Documents, FolderDocuments
 from qie.data.fields import SampleField
 from qie.evaluation.reward import Reward
 from qie.training.objectives import Objective, ObjectiveInputs, ObjectiveUse, PrecomputesTargets, ScoresOwnResults
@@ -20,6 +22,8 @@ from qie.types import Batch
 __all__ = [
     "Batch",
     "CacheBackend",
+    "Documents",
+    "FolderDocuments",
     "FlowMatching",
     "Objective",
     "ObjectiveInputs",

@@ -29,7 +29,6 @@ from qie.cache.base import (
     encode,
 )
 from qie.cache.codec import CorruptError, checksum
-from qie.cache.documents import FolderDocuments
 from qie.cache.files import (
     LOCK_SUFFIX,
     TEMP_SUFFIX,
@@ -43,6 +42,7 @@ from qie.cache.files import (
     write_atomic,
 )
 from qie.errors import CacheDirMissing, ConfigError
+from qie.extend import FolderDocuments
 
 
 class FlatBackend(CacheBackend):
