@@ -43,9 +43,8 @@ def _parameters(cls: type) -> tuple[set[str], bool]:
 
 
 def backend_problem(node: DictConfig) -> str | None:
-    """Why `node` (`cfg.cache`) does not describe a backend that can be built (one line), or None; builds nothing:
-    a key of the schema's place that is the backend's setting, a key of `cache.backend` its constructor does not
-    take, or one the stages give."""
+    """Why `node.backend` (`cfg.cache.backend`) does not fit its class (one line), or None; builds nothing: a key
+    the stages give (`dir`, `verify_reads`), or a key its constructor does not take."""
     target = node.backend.get("_target_")
     named, any_keyword = _parameters(backend_class(target))
     own = list(node.backend.keys())
