@@ -11,8 +11,8 @@ alone then wires in (`_target_`). docs/extending.md walks through each.
 - what an objective receives: a `Batch` (a field's latents in `batch.fields[name]`).
 """
 
-from qie.cache.base import CacheBackend
-from qie.cache.documents import Documents, FolderDocuments
+from qie.cache.base import CacheBackend, Documents
+from qie.cache.documents import FolderDocuments
 from qie.data.fields import SampleField
 from qie.evaluation.reward import Reward
 from qie.training.objectives import Objective, ObjectiveInputs, ObjectiveUse, PrecomputesTargets, ScoresOwnResults

@@ -77,6 +77,7 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
     from qie.config import compose, typed
+    from qie.config.cache import CacheConfig
     from qie.data.keys import sample_keys
     from qie.models import model_spec
     from qie.stages.settings import image_sizes
@@ -94,7 +95,9 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     if done.is_file():  # reuse, unless the keys changed since (a new key field, another model...)
         cfg = compose("train", [f"data.path={data}", f"cache.dir={cache}"])
         keys = sample_keys(
-            _sample(root, 0, per_image), key_context(cfg), FileHasher(cache / "state" / "file_hashes.json")
+            _sample(root, 0, per_image),
+            key_context(cfg),
+            FileHasher.in_folder(CacheConfig(dir=str(cache)).state_folder()),
         )
         if all(SsdBackend(cache).exists(t, keys[t]) for t in ENTRY_TYPES):
             return data, cache, json.loads(done.read_text())
@@ -126,7 +129,9 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     t0 = time.perf_counter()
     cfg = compose("train", [f"data.path={data}", f"cache.dir={cache}"])
     ctx = key_context(cfg)
-    hasher = FileHasher(cache / "state" / "file_hashes.json")  # where precompute keeps it (cache.state_dir)
+    hasher = FileHasher.in_folder(
+        CacheConfig(dir=str(cache)).state_folder()
+    )  # where precompute keeps it (cache.state_dir)
     backend = SsdBackend(cache)
     first = sample_keys(_sample(root, 0, per_image), ctx, hasher)
     write_entries(backend, first, _entries())

@@ -6,14 +6,13 @@ An entry is stored as the bytes of one safetensors file (`qie.cache.codec`), wha
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from qie.cache.codec import CorruptError, Entry, cpu_copy, decode, encode
-from qie.cache.documents import Documents, ProcessDocuments
 from qie.types import CACHE_TYPES, SCHEMA_VERSION
 
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,128}")
@@ -95,6 +94,45 @@ class VerifyReport:
         return len(self.corrupt) - self.removed
 
 
+# What `Documents.update` is given: the document's bytes (None: there is none); what it returns replaces them
+# (None: keep them).
+Change = Callable[[bytes | None], bytes | None]
+
+
+@runtime_checkable
+class Documents(Protocol):
+    """Named byte documents the stages keep beside a cache's entries (`CacheStore.shared`), each rewritten whole by
+    one writer at a time (other writers wait). Kinds: `ProcessDocuments` below, `qie.cache.documents.FolderDocuments`
+    (files of a folder), `qie.cache.remote_shared.SharedDocuments` (an object store)."""
+
+    def read(self, name: str) -> bytes | None:
+        """The document's bytes, or None when there is none."""
+        ...
+
+    def update(self, name: str, change: Change) -> None:
+        """Replace the document by `change(its bytes or None)` (None: leave it), holding it against other
+        writers, so that several processes merge their changes instead of losing one another's."""
+        ...
+
+
+class ProcessDocuments:
+    """Documents held by this process only: for a cache that does not outlive it (the protocol's default)."""
+
+    def __init__(self) -> None:
+        self._docs: dict[str, bytes] = {}
+
+    def __repr__(self) -> str:
+        return "ProcessDocuments()"
+
+    def read(self, name: str) -> bytes | None:
+        return self._docs.get(name)
+
+    def update(self, name: str, change: Change) -> None:
+        data = change(self._docs.get(name))
+        if data is not None:
+            self._docs[name] = data
+
+
 class Claim(Protocol):
     """A lock on one entry while this process computes it; `release` when written (or given up)."""
 
@@ -127,7 +165,7 @@ class CacheStore(Protocol):
     @property
     def shared(self) -> Documents:
         """The small documents the stages keep beside the entries (the precompute failure list), shared with every
-        process that uses this cache (`qie.cache.documents`). Given: documents of this process only, for a cache
+        process that uses this cache (`Documents`). Given: documents of this process only, for a cache
         that does not outlive it; a backend whose entries do keeps them where its entries are."""
         docs = self.__dict__.get("_process_documents")
         if docs is None:

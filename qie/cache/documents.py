@@ -1,43 +1,21 @@
-"""Small documents the stages keep beside a cache's entries and share with every process that uses the cache: the
-precompute failure list (`qie.cache.failures`). A backend hands them out as `shared` (`qie.cache.base.CacheStore`),
-so a training reads what a precompute wrote wherever the cache is:
-
-- `FolderDocuments`: files in the cache's folder, rewritten under a lock (`cache=ssd`, and a folder backend of
-  your own);
-- `ProcessDocuments`: in this process only (a cache that does not outlive it; the default of the protocol);
-- `qie.cache.remote_shared.SharedDocuments`: in an object store, beside the entries, for every node.
+"""The stages' shared documents (`qie.cache.base.Documents`: the precompute failure list) as files of a folder, for
+a backend whose entries are files there (`cache=ssd`, and a folder backend of your own): each document is written
+atomically (`qie.cache.files.write_atomic`) while its writer holds the document's lock file (`claim_file`), so
+processes on one machine or one shared file system merge their changes. The other kinds: `ProcessDocuments`
+(`qie.cache.base`, this process only) and `qie.cache.remote_shared.SharedDocuments` (an object store).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import secrets
-from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
-# What `update` is given: the document's bytes (None: there is none); what it returns replaces them (None: keep).
-Change = Callable[[bytes | None], bytes | None]
-
-
-@runtime_checkable
-class Documents(Protocol):
-    """Named byte documents, each rewritten whole by one writer at a time (other writers wait)."""
-
-    def read(self, name: str) -> bytes | None:
-        """The document's bytes, or None when there is none."""
-        ...
-
-    def update(self, name: str, change: Change) -> None:
-        """Replace the document by `change(its bytes or None)` (None: leave it), holding it against other
-        writers, so that several processes merge their changes instead of losing one another's."""
-        ...
+from qie.cache.base import Change
+from qie.cache.files import LOCK_SUFFIX, claim_file, write_atomic
 
 
 class FolderDocuments:
-    """Documents as files of `folder` (created on the first write), rewritten atomically under an `fcntl` lock
-    (`<name>.lock` beside it)."""
+    """Documents as files of `folder` (created on the first write); `.<name>.lock` is held while one is rewritten."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
@@ -52,33 +30,13 @@ class FolderDocuments:
             return None
 
     def update(self, name: str, change: Change) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / f"{name}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock = claim_file(str(self.folder / f".{name}{LOCK_SUFFIX}"), wait=True)
+        try:
             data = change(self.read(name))
-            if data is None:
-                return
-            tmp = self.folder / f".{name}.{secrets.token_hex(4)}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, self.folder / name)
+            if data is not None:
+                write_atomic(str(self.folder / name), data, name)
+        finally:
+            lock.release()
 
 
-class ProcessDocuments:
-    """Documents held by this process only: for a cache that does not outlive it."""
-
-    def __init__(self) -> None:
-        self._docs: dict[str, bytes] = {}
-
-    def __repr__(self) -> str:
-        return "ProcessDocuments()"
-
-    def read(self, name: str) -> bytes | None:
-        return self._docs.get(name)
-
-    def update(self, name: str, change: Change) -> None:
-        data = change(self._docs.get(name))
-        if data is not None:
-            self._docs[name] = data
-
-
-__all__ = ["Change", "Documents", "FolderDocuments", "ProcessDocuments"]
+__all__ = ["FolderDocuments"]

@@ -1,5 +1,5 @@
 """The entries precompute could not write (an unreadable image, non-finite values), listed in the cache's shared
-documents (`precompute_failures.json`, `qie.cache.documents`) so that training skips those samples with the reason
+documents (`precompute_failures.json`, `qie.cache.base.Documents`) so that training skips those samples with the reason
 instead of stopping. Every backend keeps the list where its cache is (`cache=ssd`: its folder; `cache=remote`: its
 store, so that a training on any node sees what a precompute on another could not encode).
 

@@ -38,6 +38,11 @@ class FileHasher:
         algorithm: "sha256" (images), or "xxh3_128" (model weights: ~10x faster, for change detection).
     """
 
+    @classmethod
+    def in_folder(cls, folder: str | os.PathLike | None) -> FileHasher:
+        """The image-hash index the stages keep in their state folder (`cache.state_dir`); in memory without one."""
+        return cls(Path(folder) / "file_hashes.json" if folder else None)
+
     def __init__(self, index_path: str | os.PathLike | None = None, algorithm: str = "sha256") -> None:
         self.index_path = Path(index_path) if index_path is not None else None
         self.algorithm = algorithm

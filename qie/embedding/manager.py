@@ -44,7 +44,7 @@ class EmbeddingCacheManager:
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.backend = backend if backend is not None else default_backend(str(self.cache_dir))
-        self.hasher = FileHasher(Path(CacheConfig(dir=str(self.cache_dir)).state_folder()) / "file_hashes.json")
+        self.hasher = FileHasher.in_folder(CacheConfig(dir=str(self.cache_dir)).state_folder())
         self.context = context
 
     def save_cache(self, cache_type: str, key: str, tensor: torch.Tensor | list[torch.Tensor]) -> int:

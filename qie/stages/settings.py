@@ -87,7 +87,7 @@ def image_sizes(data: DataConfig, spec: ModelSpec) -> ImageSizes:
 
 def file_hasher(state_dir: str | None) -> FileHasher:
     """The image-hash index, kept in the state folder when there is one."""
-    return FileHasher(Path(state_dir) / "file_hashes.json" if state_dir else None)
+    return FileHasher.in_folder(state_dir)
 
 
 def data_source(data: DataConfig, state_dir: str | None = None, path: str | None = None) -> DataSource:
