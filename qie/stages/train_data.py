@@ -146,6 +146,11 @@ def ready_data(
     return check_masks(source, samples, report), reg  # each loss mask read and checked at start
 
 
+def size_index_path(state_dir: str | None) -> Path | None:
+    """Where the remembered image sizes are kept in the state folder; None without one."""
+    return Path(state_dir) / "image_sizes.json" if state_dir else None
+
+
 def check_pairs(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], report: bool) -> list[Sample]:
     """The `samples` whose preference pairs can train (`qie.data.pairs`: a rejected image that is its target
     trains nothing; a source that encodes reads each rejected image's header now); the others are skipped with a
@@ -157,7 +162,7 @@ def check_pairs(s: TrainSetup, source: EmbeddingSource, samples: list[Sample], r
     if not any(x.field_images for x in samples):
         return samples
     state_dir, sizes = s.source.state_dir, s.source.sizes
-    index = ImageSizeIndex(Path(state_dir) / "image_sizes.json" if state_dir else None) if source.encodes else None
+    index = ImageSizeIndex(size_index_path(state_dir)) if source.encodes else None
     check = PairCheck(file_hasher(state_dir), index, sizes.target_pixels, sizes.multiple_of)
     kept, problems = [], []
     for sample in samples:
@@ -202,7 +207,7 @@ def make_sampler(
     # Batches of one never mix shapes: skip reading every image header.
     keys: list = [0] * len(samples)
     if batch_size > 1:
-        index = Path(s.source.state_dir) / "image_sizes.json" if s.source.state_dir else None
+        index = size_index_path(s.source.state_dir)
         areas = (data.target_pixels, int(s.spec.vae_image_pixels), data.multiple_of)
         keys = bucket_keys(samples, *areas, index=index)
     sampler = BucketBatchSampler(
