@@ -263,7 +263,7 @@ def _check_objective(groups: Groups, spec: Any) -> None:
     if spec is not None:
         data = groups.data
         regularization = data is not None and bool(data.regularization.path)
-        dropout = float(data.caption_dropout_rate) if data is not None else 0.0
+        dropout = data.caption_dropout_rate if data is not None else 0.0
         lora, defaults = trains_lora(groups.train), spec.call_defaults()
         use = objectives.ObjectiveUse(spec.family, lora, regularization, {}, defaults, dropout)
         objectives.check_use(node, use)
