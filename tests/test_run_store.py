@@ -122,3 +122,19 @@ def test_the_endpoint_comes_from_aws_endpoint_url_as_boto_reads_it(
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
     RunStore(url, retries=1).store.write("probe.json", b"{}")  # no run.endpoint_url: the environment's
     assert store_of(url, s3).store.read("probe.json") == b"{}"
+
+
+@pytest.mark.parametrize("planted", ["../../../PWNED", "/{outside}/PWNED"])
+def test_an_object_whose_key_leaves_its_checkpoint_refuses_that_checkpoint(
+    s3: str, url: str, base: list[str], tmp_path: Path, planted: str
+) -> None:
+    on_bucket = [f"run.output_url={url}", f"run.endpoint_url={s3}", "train.resume=latest"]
+    train(base, tmp_path / "node_a", *on_bucket, "train.max_steps=1")
+    outside = tmp_path / "outside"
+    key = "checkpoints/step-000001/" + planted.format(outside=str(outside).strip("/"))
+    store_of(url, s3).store.write(key, b"import os  # a .pth would run this\n")
+    node_b = tmp_path / "nodes" / "b"
+    with pytest.raises(StorageError, match=r"holds the object .*PWNED.*leads out of its checkpoint folder: "):
+        train(base, node_b, *on_bucket, "train.max_steps=2")
+    assert not list(tmp_path.rglob("PWNED")) and not outside.exists()
+    assert not (node_b / "checkpoints" / "step-000001").exists()

@@ -13,12 +13,14 @@ endpoint and storage options, credentials from the `AWS_*` environment (`AWS_END
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from qie.cache.remote_store import open_store
+from qie.errors import StorageError
 from qie.training import checkpoint as ckpt
 
 COMPLETE = ".complete"
@@ -26,6 +28,10 @@ FOLDER = "checkpoints"
 METRICS = "metrics.jsonl"
 # Never uploaded: the run folder's lock and what is being written (temporary checkpoint folders).
 _LOCAL_ONLY = (".qie-run.lock",)
+# What a checkpoint's name and each part of a stored file's path may be: no `..`, no empty part (`//`), no `/` at
+# the start, so that a file downloaded from the store lands inside its checkpoint folder whatever the store holds.
+_NAME = re.compile(r"step-[0-9]{6,}")
+_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 
 
 class RunStore:
@@ -97,15 +103,26 @@ class RunStore:
 
     def download_checkpoint(self, name: str, run_dir: Path) -> Path:
         """Copy the store's complete checkpoint `name` into `run_dir/checkpoints/name` (written under a temporary
-        name and renamed, replacing a local folder of that name); returns the local folder."""
+        name and renamed, replacing a local folder of that name); returns the local folder.
+
+        Raises:
+            StorageError: an object of the checkpoint whose key would leave its folder (`..`, `//`, a leading `/`):
+                the checkpoint is refused before anything is written.
+        """
         folder = run_dir / FOLDER / name
+        prefix = f"{FOLDER}/{name}/"
+        files = {obj[len(prefix) :]: obj for obj in sorted(self.store.listing(f"{FOLDER}/{name}"))}
+        files.pop(COMPLETE, None)
+        for relative, obj in files.items():
+            if not all(_PART.fullmatch(part) for part in relative.split("/")):
+                raise StorageError(
+                    f"{self.url}/{prefix} holds the object {obj!r}, whose key leads out of its checkpoint folder: "
+                    f"checkpoint {name} is refused; delete that object (or the checkpoint) from the store, or resume "
+                    "from a checkpoint qie wrote"
+                )
         tmp = ckpt.temp_dir(folder)
         shutil.rmtree(tmp, ignore_errors=True)
-        prefix = f"{FOLDER}/{name}/"
-        for obj in sorted(self.store.listing(f"{FOLDER}/{name}")):
-            relative = obj[len(prefix) :]
-            if relative == COMPLETE:
-                continue
+        for relative, obj in files.items():
             target = tmp / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(self.store.read(obj))
@@ -133,7 +150,7 @@ class RunStore:
 def _complete(objects: dict[str, int]) -> list[str]:
     """The checkpoint names with a marker among the `objects` of `checkpoints/`, oldest first."""
     parts = (n.split("/") for n in objects)
-    return sorted(p[1] for p in parts if len(p) == 3 and p[2] == COMPLETE and p[1].startswith("step-"))
+    return sorted(p[1] for p in parts if len(p) == 3 and p[2] == COMPLETE and _NAME.fullmatch(p[1]))
 
 
 __all__ = ["COMPLETE", "RunStore"]
