@@ -7,6 +7,7 @@ these types without importing each other (or Hydra).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,28 @@ def register_field_type(type: str) -> None:
         CACHE_TYPES.append(type)
     if type not in FIELD_TYPES:
         FIELD_TYPES.append(type)
+
+
+# The entry types of what objectives compute ahead of training (`ObjectiveContext.store`): keyed by the tensors
+# training reads, not by a sample's files, so `gc` keeps them. teacher_latent is distillation's.
+STORE_TYPES: list[str] = ["teacher_latent"]
+_STORE_TYPE = re.compile(r"[a-z][a-z_]*")
+
+
+def register_store_type(type: str) -> None:
+    """Make `type` (an objective's store, `ObjectiveContext.store`) a cache type.
+
+    Raises:
+        ValueError: a name that is not lower-case letters and `_`, or the type of a sample's own entries.
+    """
+    if not _STORE_TYPE.fullmatch(type or ""):
+        raise ValueError(f"a store's entry type is lower-case letters and '_' (e.g. my_target), got {type!r}")
+    if type in CACHE_TYPES and type not in STORE_TYPES:
+        raise ValueError(f"{type!r} is the type of a sample's own cache entries: name the store's type otherwise")
+    if type not in CACHE_TYPES:
+        CACHE_TYPES.append(type)
+    if type not in STORE_TYPES:
+        STORE_TYPES.append(type)
 
 
 def field_of_type(type: str) -> str | None:
@@ -142,6 +165,28 @@ class Batch:
     negative_prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds_mask: torch.Tensor | None = None
     negative_prompt_image_mask: torch.Tensor | None = None
+
+    def take(self, indices: Sequence[int]) -> Batch:
+        """The batch of the samples at `indices`, in that order (their padding kept)."""
+        index = list(indices)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return Batch(
+            ids=[self.ids[i] for i in index],
+            latents=self.latents[index],
+            control_latents=[c[index] for c in self.control_latents],
+            prompt_embeds=self.prompt_embeds[index],
+            prompt_embeds_mask=rows(self.prompt_embeds_mask),
+            prompt_image_mask=rows(self.prompt_image_mask),
+            loss_mask=rows(self.loss_mask),
+            loss_weight=self.loss_weight,
+            fields={name: t[index] for name, t in self.fields.items()},
+            negative_prompt_embeds=rows(self.negative_prompt_embeds),
+            negative_prompt_embeds_mask=rows(self.negative_prompt_embeds_mask),
+            negative_prompt_image_mask=rows(self.negative_prompt_image_mask),
+        )
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         if self._placed(torch.device(device), dtype):

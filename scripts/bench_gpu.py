@@ -386,7 +386,7 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     from qie.runtime.memory import MemorySettings
     from qie.stages.accelerator import make_accelerator
     from qie.stages.settings import fused_base
-    from qie.stages.train_model import ModelPlan, build_train_state, loop_settings, make_objective
+    from qie.stages.train_model import ModelPlan, build_train_state, loop_settings, make_objective, objective_context
     from qie.stages.train_setup import train_mode
     from qie.training.logging import MetricsLogger
     from qie.training.loop import fit
@@ -401,8 +401,8 @@ def fit_rows(overrides: list[str], setup: Setup, depth: int | None, recorder: St
     plan = ModelPlan(model, train, memory, train_mode(train, spec, fused), spec, fused)
     parts = build_parts(cfg, plan, setup, accelerator, depth)
     block_params = sum(p.numel() for p in getattr(parts.transformer, spec.family.blocks)[0].parameters())
-    state, _ = build_train_state(plan, accelerator, parts)
-    objective = make_objective(plan, parts)
+    objective_of = make_objective(plan, objective_context(plan, parts))
+    state, objective = build_train_state(plan, accelerator, parts, objective_of)
     del parts
     work = workload(cfg, spec, setup)
     g = torch.Generator().manual_seed(0)

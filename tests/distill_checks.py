@@ -13,7 +13,8 @@ from qie.adapters.lora import add_lora
 from qie.data.collate import collate
 from qie.models import model_spec
 from qie.models.sampling import SamplingOptions
-from qie.training.objectives import ObjectiveInputs, build_objective
+from qie.training.objectives import build_objective
+from qie.training.objectives.context import RunContext
 from qie.training.objectives.distill import seed_noise
 from qie.training.timesteps import SigmaSampling
 
@@ -34,11 +35,20 @@ class DictStore:
         return repr(sorted(fields.items())) in self.entries
 
 
-def distill_objective(spec, parts, options: Mapping, store=None):
-    """The distill objective over `parts`' scheduler and sampling sigmas (`Parts.pipeline_config`)."""
-    inputs = ObjectiveInputs(spec.family, SigmaSampling(method="uniform"), "none", parts.scheduler,
-                             parts.pipeline_config, spec.call_defaults(), store, {"model": "test"})  # fmt: skip
-    return build_objective({"_target_": "qie.training.objectives.distill.Distill", **options}, inputs)
+def distill_objective(spec, parts, policy, options: Mapping, store: DictStore):
+    """The distill objective over `parts`' scheduler and sampling sigmas (`Parts.pipeline_config`), its teacher the
+    `policy` transformer with its adapter off, its teacher outputs kept in `store`."""
+    context = RunContext(
+        family=spec.family,
+        sigmas=SigmaSampling(method="uniform"),
+        scheduler=parts.scheduler,
+        pipeline_config=parts.pipeline_config,
+        sampling_defaults=spec.call_defaults(),
+        model_key={"model": "test"},
+        transformer=policy,
+        stores=lambda entry_type: store,
+    )
+    return build_objective({"_target_": "qie.training.objectives.distill.Distill", **options}, context)
 
 
 def randomised_lora(transformer, targets, seed: int = 1) -> None:
@@ -59,8 +69,7 @@ def check_teacher_and_student(cfg, options: Mapping, seed: int = 1) -> None:
     policy = parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
     randomised_lora(policy.transformer, list(cfg.model.lora_target_modules))
     store = DictStore()
-    objective = distill_objective(spec, base, options, store)
-    objective.prepare(policy.transformer)
+    objective = distill_objective(spec, base, policy.transformer, options, store)
     (item,) = source_for(cfg, mode="cached", spec=spec).get(data_for(cfg).samples[:1])
     batch = collate([item], negatives=True)
     shape = batch.latents.shape[1:]

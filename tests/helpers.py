@@ -206,16 +206,17 @@ def optuna_logs_through_root():
 
 @contextmanager
 def fields_forgotten() -> Iterator[None]:
-    """Within the block, fields may be declared (`SampleField(...)`, or importing tests/plugins/depth.py); after it
-    they are forgotten: declaring a field makes its entry type a cache type, which other tests count."""
+    """Within the block, fields and stores may be declared (`SampleField(...)`, importing tests/plugins/depth.py, an
+    objective's `context.store(TYPE)`); after it they are forgotten: declaring one makes its entry type a cache type,
+    which other tests count."""
     import qie.data.fields as fields
     import qie.types as types
 
-    saved = list(types.CACHE_TYPES), list(types.FIELD_TYPES), dict(fields._DECLARED)
+    saved = list(types.CACHE_TYPES), list(types.FIELD_TYPES), dict(fields._DECLARED), list(types.STORE_TYPES)
     try:
         yield
     finally:
         sys.modules.pop("plugins.depth", None)  # its import declared the field
-        types.CACHE_TYPES[:], types.FIELD_TYPES[:] = saved[0], saved[1]
+        types.CACHE_TYPES[:], types.FIELD_TYPES[:], types.STORE_TYPES[:] = saved[0], saved[1], saved[3]
         fields._DECLARED.clear()
         fields._DECLARED.update(saved[2])

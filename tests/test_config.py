@@ -191,24 +191,31 @@ def test_every_target_of_every_group_option_builds(group: str, option: str, tmp_
 
 def _objective(cfg):
     """The run's objective, built as the train stage builds it (its scheduler, the model's sampling defaults)."""
+    import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
+    from peft import LoraConfig, inject_adapter_in_model
 
     from qie.config import typed
     from qie.models import model_spec
     from qie.stages.train_model import objective_reward
-    from qie.training.objectives import ObjectiveInputs, build_objective
+    from qie.training.objectives import build_objective
+    from qie.training.objectives.context import RunContext
     from qie.training.timesteps import SigmaSampling
 
     spec = model_spec(cfg.model)
-    inputs = ObjectiveInputs(
-        spec.family,
-        SigmaSampling(),
+    # A model with an adapter, for an objective's reference (the adapter switched off) to be prepared on.
+    transformer = inject_adapter_in_model(
+        LoraConfig(r=2, target_modules=["0"]), torch.nn.Sequential(torch.nn.Linear(4, 4))
+    )
+    context = RunContext(
+        family=spec.family,
+        sigmas=SigmaSampling(),
         scheduler=FlowMatchEulerDiscreteScheduler(),
         sampling_defaults=spec.call_defaults(),
-        decoder=object(),  # an objective that decodes (GRPO) is handed the VAE; built here, it decodes nothing
-        build_reward=objective_reward,
+        transformer=transformer,
+        rewards=objective_reward,
     )
-    return build_objective(typed(cfg.train).objective, inputs)
+    return build_objective(typed(cfg.train).objective, context)
 
 
 def test_a_nested_group_preset_named_with_a_dot_says_how_to_choose_it() -> None:

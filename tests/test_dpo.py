@@ -20,9 +20,10 @@ from qie.data.manifest import scan_manifest
 from qie.data.scan import scan_folder
 from qie.errors import ConfigError
 from qie.models import model_spec
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse, build_objective, check_use, field_names
+from qie.training.objectives import ObjectiveUse, build_objective, check_use, field_names
+from qie.training.objectives.context import RunContext
 from qie.training.objectives.dpo import Dpo, DpoSettings, accuracy
-from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
+from qie.training.objectives.flow_matching import FlowMatching
 from qie.training.timesteps import SigmaSampling
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -70,9 +71,9 @@ def tiny(small_cfg):
     return cfg, model_spec(cfg.model).family
 
 
-def objective(family, **options):
-    inputs = ObjectiveInputs(family, SigmaSampling(method="uniform"), "none")
-    return build_objective({**DPO, **options}, inputs)
+def objective(family, policy, **options):
+    context = RunContext(family=family, sigmas=SigmaSampling(method="uniform"), transformer=policy)
+    return build_objective({**DPO, **options}, context)
 
 
 def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_trained_set_alone(tiny) -> None:
@@ -81,12 +82,11 @@ def test_dpo_loss_equals_its_formula_with_the_base_as_reference_and_leaves_the_t
     policy = parts_of(cfg.model, ["transformer"]).transformer
     params = add_lora(policy, 4, 4, TARGETS)
     randomised(policy, 1)
-    dpo = objective(family, beta=500.0, sft_weight=0.3)
-    dpo.prepare(policy)
+    dpo = objective(family, policy, beta=500.0, sft_weight=0.3)
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}
     batch, g = pairs_batch(), torch.Generator().manual_seed(5)
     loss = dpo.loss(policy, batch, g)
-    noise, sigmas = noise_and_sigmas(batch, dpo.sigmas, torch.Generator().manual_seed(5), family.patch_size)
+    noise, sigmas = dpo.context.noise_and_sigmas(batch, torch.Generator().manual_seed(5))
     want = by_hand(policy, base, family, batch, noise, sigmas, 500.0, 0.3)
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=0)  # β magnifies the float rounding of other batchings
     assert abs(loss.item() - math.log(2)) > 1e-3  # the adapter made policy and reference differ
@@ -106,8 +106,7 @@ def test_a_fresh_adapter_is_its_own_reference_so_the_first_loss_is_log_2(tiny) -
     cfg, family = tiny
     policy = parts_of(cfg.model, ["transformer"]).transformer
     add_lora(policy, 4, 4, TARGETS)  # B = 0: the policy is the base
-    dpo = objective(family, beta=2000.0)
-    dpo.prepare(policy)
+    dpo = objective(family, policy, beta=2000.0)
     batch = pairs_batch(1)
     noise, sigmas = torch.randn(batch.latents.shape), torch.tensor([0.3, 0.7])
     out = dpo.evaluate(policy, batch, noise, sigmas)
@@ -126,12 +125,11 @@ def test_a_reference_lora_is_the_base_with_that_lora_and_is_neither_trained_nor_
     add_lora(policy, 4, 4, TARGETS)
     randomised(policy, 3)
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}
-    dpo = objective(family, beta=300.0, reference_lora=str(file))
-    dpo.prepare(policy)
+    dpo = objective(family, policy, beta=300.0, reference_lora=str(file))
     assert {n for n, p in policy.named_parameters() if p.requires_grad} == trained  # the reference is frozen
     batch = pairs_batch(2)
     loss = dpo.loss(policy, batch, torch.Generator().manual_seed(9))
-    noise, sigmas = noise_and_sigmas(batch, dpo.sigmas, torch.Generator().manual_seed(9), family.patch_size)
+    noise, sigmas = dpo.context.noise_and_sigmas(batch, torch.Generator().manual_seed(9))
     torch.testing.assert_close(loss, by_hand(policy, reference, family, batch, noise, sigmas, 300.0), rtol=1e-4,
                                atol=0)  # fmt: skip
     assert {n for n, p in policy.named_parameters() if p.requires_grad} == trained

@@ -80,3 +80,93 @@ def test_a_plugins_own_preset_is_chosen_by_name_once_its_tree_is_on_hydras_searc
     assert tuned.train.objective.depth_weight == 2
     with pytest.raises(ConfigError, match="train/objective"):
         small_config("train", f"data.path={depth_data}", "train/objective=depth")  # without the plug-in's tree
+
+
+# --- objectives that ask their context for more (tests/plugins/weighting.py, ahead.py, best_of_n.py) ------------
+
+
+@pytest.fixture(scope="module")
+def edits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three of the demo's edits (each a control, a target and an instruction)."""
+    root = tmp_path_factory.mktemp("edits")
+    make_dataset(root, train=3, heldout=0, size=64)
+    return root / "train"
+
+
+def _stage(stage: str, data: Path, cache: Path, run: Path, *overrides: str):
+    import importlib
+
+    cfg = small_config(stage, f"data.path={data}", f"cache.dir={cache}", *overrides)
+    return importlib.import_module(f"qie.stages.{stage}").run(cfg, run)
+
+
+def _steps(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_per_sample_weighting_is_three_lines_of_the_context_and_trains_by_configuration(
+    edits: Path, tmp_path: Path
+) -> None:
+    import torch
+    from plugins.weighting import MinSnr
+    from test_step import Recorder, fixed_batch
+
+    from qie.models.qwen_image import FAMILY
+    from qie.training.objectives.context import RunContext
+    from qie.training.timesteps import SigmaSampling
+
+    sigmas = SigmaSampling(method="uniform")
+    objective = MinSnr(RunContext(family=FAMILY, sigmas=sigmas), gamma=2.0)
+    batch = fixed_batch(2)
+    got = objective.loss(Recorder(0.5), batch, torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(4)  # the draws by hand: noise, then the sigmas
+    noise = torch.randn(batch.latents.shape, generator=g)
+    s = sigmas.sample(2, g, (batch.latents.shape[-2] // 2) * (batch.latents.shape[-1] // 2))
+    snr = ((1 - s.double()) / s.double()) ** 2
+    weights = (snr.clamp(max=2.0) / (snr + 1)).float()
+    per_sample = FAMILY.loss(Recorder(0.5), batch, noise, s, "none", per_sample=True)
+    assert torch.equal(got, (weights * per_sample).mean())
+    assert not torch.equal(got, per_sample.mean())  # the weights took part
+
+    cache = tmp_path / "cache"
+    _stage("precompute", edits, cache, tmp_path / "pre")
+    plain, weighted = tmp_path / "plain", tmp_path / "weighted"
+    _stage("train", edits, cache, plain, "cache.mode=cached", *FAST)
+    snr_run = ["train.objective._target_=plugins.weighting.MinSnr", "+train.objective.gamma=1.0"]
+    _stage("train", edits, cache, weighted, "cache.mode=cached", *snr_run, *FAST)
+    assert _steps(weighted)[0]["loss"] < _steps(plain)[0]["loss"]  # every weight is below 1 at gamma 1
+    assert (weighted / "lora").is_dir()
+
+
+def test_targets_computed_ahead_into_a_store_of_its_own_type_are_filled_by_precompute_and_read_by_training(
+    edits: Path, tmp_path: Path
+) -> None:
+    ahead = ["train.objective._target_=plugins.ahead.PriorTarget", "+train.objective.prior_weight=0.5"]
+    cache = tmp_path / "cache"
+    summary = _stage("precompute", edits, cache, tmp_path / "pre", *ahead, "precompute.teachers=true")
+    assert (summary.types["prior_velocity"].new, summary.types["prior_velocity"].failed) == (3, 0)
+    assert len(list((cache / "prior_velocity").rglob("*.safetensors"))) == 3
+    run = tmp_path / "run"
+    _stage("train", edits, cache, run, "cache.mode=cached", *ahead, *FAST)
+    assert [step["prior_computed"] for step in _steps(run)] == [0.0, 0.0]  # every entry read, none computed
+    fresh = tmp_path / "fresh"  # a cache without them: lazy training computes and stores them on first use
+    _stage("precompute", edits, tmp_path / "cache2", tmp_path / "pre2", *ahead)
+    _stage("train", edits, tmp_path / "cache2", fresh, "cache.mode=lazy", *ahead, *FAST)
+    assert [step["prior_computed"] for step in _steps(fresh)] == [1.0, 1.0]
+    assert len(list((tmp_path / "cache2" / "prior_velocity").rglob("*.safetensors"))) == 2
+
+
+def test_rollouts_sampled_decoded_and_scored_by_a_reward_train_by_configuration(edits: Path, tmp_path: Path) -> None:
+    best = [
+        "train.objective._target_=plugins.best_of_n.BestOfN",
+        "+train.objective.reward._target_=plugins.colour.Colour",
+        "+train.objective.copies=3",
+        "+train.objective.steps=2",
+    ]
+    cache = tmp_path / "cache"
+    _stage("precompute", edits, cache, tmp_path / "pre", *best)
+    run = tmp_path / "run"
+    result = _stage("train", edits, cache, run, "cache.mode=cached", *best, *FAST)
+    steps = _steps(run)
+    assert len(result["losses"]) == 2 and all(s["reward_best"] > s["reward_mean"] > 0 for s in steps)
+    assert (run / "lora").is_dir()

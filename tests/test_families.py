@@ -98,11 +98,11 @@ def test_a_missing_or_misspelt_piece_fails_when_the_family_registers() -> None:
     with pytest.raises(TypeError, match="sample"):
         ModelFamily(**fields)
 
-    def loss(transformer, batch, noise, sigma, weighting):  # "sigma": not the interface's name
+    def predict(transformer, batch, noise, sigma):  # "sigma": not the interface's name
         return 0
 
-    with pytest.raises(FamilyError, match="loss.*must take"):
-        ModelFamily(**_without(family, loss=loss))
+    with pytest.raises(FamilyError, match="predict.*must take"):
+        ModelFamily(**_without(family, predict=predict))
     with pytest.raises(FamilyError, match="part_classes lacks"):
         ModelFamily(**_without(family, part_classes={"vae": "x:Y"}))
 

@@ -23,7 +23,8 @@ from qie.evaluation.scoring import Row
 from qie.models import model_spec
 from qie.stages.train_model import objective_reward
 from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse, check_use
+from qie.training.objectives import ObjectiveUse, check_use
+from qie.training.objectives.context import RunContext
 from qie.training.objectives.grpo import Grpo
 from qie.training.timesteps import SigmaSampling
 
@@ -61,19 +62,19 @@ def tiny(small_cfg):
     return cfg, spec, parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
 
 
-def grpo_objective(spec, parts, **options) -> Grpo:
-    inputs = ObjectiveInputs(
-        spec.family,
-        SigmaSampling(method="uniform"),
-        "none",
-        parts.scheduler,
-        parts.pipeline_config,
-        spec.call_defaults(),
-        decoder=parts.vae,
-        sample_rows=rows,
-        build_reward=objective_reward,
+def grpo_objective(spec, parts, policy, **options) -> Grpo:
+    context = RunContext(
+        family=spec.family,
+        sigmas=SigmaSampling(method="uniform"),
+        scheduler=parts.scheduler,
+        pipeline_config=parts.pipeline_config,
+        sampling_defaults=spec.call_defaults(),
+        transformer=policy,
+        decoder=lambda: parts.vae,
+        rows=rows,
+        rewards=objective_reward,
     )
-    return Grpo(inputs, **{**SETTINGS, **options})
+    return Grpo(context, **{**SETTINGS, **options})
 
 
 def rollout_batch(batch_size: int = 1, seed: int = 0):
@@ -159,8 +160,7 @@ def test_the_demo_reward_reads_the_instruction_and_the_control() -> None:
 def test_the_first_loss_of_the_edit_family_is_pinned_and_trains_the_lora_only(tiny) -> None:
     cfg, spec, parts = tiny
     policy = lora_model(cfg)
-    objective = grpo_objective(spec, parts)
-    objective.prepare(policy)
+    objective = grpo_objective(spec, parts, policy)
     loss = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(7))
     loss.backward()
     assert all(p.grad is not None for n, p in policy.named_parameters() if "lora_B" in n)
@@ -179,8 +179,7 @@ def test_the_first_loss_of_the_edit_family_is_pinned_and_trains_the_lora_only(ti
 def test_the_same_generator_gives_the_same_loss(tiny) -> None:
     cfg, spec, parts = tiny
     policy = lora_model(cfg)
-    objective = grpo_objective(spec, parts)
-    objective.prepare(policy)
+    objective = grpo_objective(spec, parts, policy)
     first = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(3))
     again = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(3))
     assert float(first.detach()) == float(again.detach())
@@ -189,8 +188,7 @@ def test_the_same_generator_gives_the_same_loss(tiny) -> None:
 def test_with_noise_only_at_the_trained_steps_a_shared_start_group_differs_only_there(tiny) -> None:
     cfg, spec, parts = tiny
     policy = lora_model(cfg)
-    objective = grpo_objective(spec, parts, noisy_steps="trained", shared_start=True, train_timesteps=1)
-    objective.prepare(policy)
+    objective = grpo_objective(spec, parts, policy, noisy_steps="trained", shared_start=True, train_timesteps=1)
     run, rewards = objective.rollout(policy, rollout_batch(), 0, torch.Generator().manual_seed(5), noisy=[1])
     start, after_first, after_second = run.states[0], run.states[1], run.states[2]
     assert all(torch.equal(start[0], start[k]) for k in range(3))  # one starting noise for the group
@@ -205,16 +203,19 @@ def test_with_noise_only_at_the_trained_steps_a_shared_start_group_differs_only_
 def test_a_reward_that_compares_with_the_target_is_given_the_rows_target_and_refused_without_one(tiny) -> None:
     cfg, spec, parts = tiny
     policy = lora_model(cfg)
-    objective = grpo_objective(spec, parts, reward={"_target_": PIXEL})
-    objective.prepare(policy)
+    objective = grpo_objective(spec, parts, policy, reward={"_target_": PIXEL})
     batch = rollout_batch()
     latents = torch.randn((3, *batch.latents.shape[1:]), generator=torch.Generator().manual_seed(2))
     images = rgb(spec.family.decode(parts.vae, latents, "pt").float().clamp(0, 1))
     target = rows("0", (images.shape[-1], images.shape[-2])).target
     expected = -(images.double() - target.double()).abs().flatten(1).mean(1)  # an error: its negative
-    torch.testing.assert_close(objective._rewards(batch, 0, latents), expected)
+    torch.testing.assert_close(objective._rewards(batch, latents), expected)
     assert torch.isfinite(objective.loss(policy, batch, torch.Generator().manual_seed(7)))
-    objective.rows = lambda sample_id, size, needs: dataclasses.replace(rows(sample_id, size), target=None, region=None)
+
+    def without_target(sample_id, size, needs):
+        return dataclasses.replace(rows(sample_id, size), target=None, region=None)
+
+    objective.context.rows = without_target
     with pytest.raises(DataError, match=r"sample 's0' has no target, which train.objective.reward \(PixelError\)"):
         objective.rollout(policy, batch, 0, torch.Generator().manual_seed(5))
 
@@ -345,20 +346,20 @@ def test_rows_without_targets_fill_only_their_prompt_and_control_entries_and_tra
     with pytest.raises(DataError, match="target"):
         precompute.run(small_cfg("precompute", f"data.path={targetless}", f"cache.dir={plain}"), tmp_path / "pre2")
 
-    loaded = []
+    loaded, built = [], []
     real = train_model.load_parts
-    monkeypatch.setattr(
-        train_model,
-        "load_parts",
-        lambda load, spec, names, *a: loaded.append(list(names)) or real(load, spec, names, *a),
-    )
+
+    def load_parts(load, spec, names, *args):
+        loaded.append(list(names))
+        built.append(real(load, spec, names, *args))
+        return built[-1]
+
+    monkeypatch.setattr(train_model, "load_parts", load_parts)
     monkeypatch.setattr(sources, "build_encoder", lambda *a: pytest.fail("built the encoders"))
-    built = []
-    load_model = train.load_model
-    monkeypatch.setattr(train, "load_model", lambda *a: built.append(load_model(*a)) or built[-1])
     result = train.run(small_cfg("train", *data, *GRPO), tmp_path / "run")
-    assert loaded == [["transformer", "scheduler", "vae"]] and len(result["losses"]) == 2
-    vae = built[0].vae  # the decoder alone: the encoder's weights dropped
+    # The decoder is built when the objective first decodes, after the transformer.
+    assert loaded == [["transformer", "scheduler"], ["vae"]] and len(result["losses"]) == 2
+    vae = built[1].vae  # the decoder alone: the encoder's weights dropped
     assert not list(vae.encoder.parameters()) and list(vae.decoder.parameters())
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction"} <= set(logged[-1])

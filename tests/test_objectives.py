@@ -11,9 +11,9 @@ from test_step import Recorder, fixed_batch
 from qie.config import compose
 from qie.errors import ConfigError
 from qie.models import model_spec
-from qie.models.qwen_image import flow_matching_loss
-from qie.training.objectives import DEFAULT_TARGET, ObjectiveInputs, build_objective
-from qie.training.objectives.flow_matching import noise_and_sigmas
+from qie.models.qwen_image import FAMILY
+from qie.training.objectives import DEFAULT_TARGET, build_objective
+from qie.training.objectives.context import RunContext
 from qie.training.timesteps import SigmaSampling
 
 
@@ -26,8 +26,8 @@ def test_an_objective_is_a_component_chosen_by_its_group_and_odd_ones_are_refuse
         (["train.objective._target_=qie.training.objectives.nothing.Nothing"],
          "train.objective._target_='qie.training.objectives.nothing.Nothing' cannot be imported"),
         (
-            ["train.objective._target_=qie.training.objectives.flow_matching.noise_and_sigmas"],
-            "train.objective._target_='qie.training.objectives.flow_matching.noise_and_sigmas' is not a class",
+            ["train.objective._target_=qie.training.objectives.context.sample_inputs"],
+            "train.objective._target_='qie.training.objectives.context.sample_inputs' is not a class",
         ),
         (["+train.objective.beta=1"], "unknown key train.objective.beta: "
          "qie.training.objectives.flow_matching.FlowMatching takes no settings"),
@@ -41,11 +41,15 @@ def test_an_objective_is_a_component_chosen_by_its_group_and_odd_ones_are_refuse
 def test_flow_matching_draws_noise_then_sigmas_from_the_batch_generator_and_weighs_regularisation() -> None:
     family = model_spec(compose("train", []).model).family
     sigmas = SigmaSampling(method="uniform")
-    objective = build_objective({"_target_": DEFAULT_TARGET}, ObjectiveInputs(family, sigmas, "sigma_sqrt"))
+    context = RunContext(family=family, sigmas=sigmas, loss_weighting="sigma_sqrt")
+    objective = build_objective({"_target_": DEFAULT_TARGET}, context)
     batch = fixed_batch()
     got = objective.loss(Recorder(0.5), batch, torch.Generator().manual_seed(3))
-    noise, s = noise_and_sigmas(batch, sigmas, torch.Generator().manual_seed(3), family.patch_size)
-    want = flow_matching_loss(Recorder(0.5), batch, noise, s, "sigma_sqrt")
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(batch.latents.shape, generator=g)  # noise first, then the sigmas: what the loss draws
+    tokens = (batch.latents.shape[-2] // family.patch_size) * (batch.latents.shape[-1] // family.patch_size)
+    s = sigmas.sample(batch.latents.shape[0], g, tokens)
+    want = FAMILY.loss(Recorder(0.5), batch, noise, s, "sigma_sqrt")
     assert torch.equal(got, want)
     heavy = dataclasses.replace(batch, loss_weight=0.25)  # a regularisation batch
     assert torch.equal(objective.loss(Recorder(0.5), heavy, torch.Generator().manual_seed(3)), want * 0.25)

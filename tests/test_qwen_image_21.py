@@ -113,7 +113,7 @@ def test_training_step_predicts_what_the_sampling_loop_predicts(pipe: QwenImage2
                   call["img_mask"][:, : call["encoder_hidden_states"].shape[1]])  # fmt: skip
     calls, hook = captured_calls(pipe.transformer)
     try:
-        loss = q21.flow_matching_loss(pipe.transformer, batch, noise, sigma)
+        loss = q21.FAMILY.loss(pipe.transformer, batch, noise, sigma)
     finally:
         hook.remove()
     (step_call, step_output) = calls[0]

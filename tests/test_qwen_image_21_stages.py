@@ -176,7 +176,7 @@ def test_resume_with_fp8_and_gradient_checkpointing_continues_exactly(data: dict
 def test_batch_of_equal_prompt_lengths_equals_single_samples(data: dict, pipe) -> None:
     """Padding moves the target's rotary position (the transformer places it after the padded prompt), so a
     batch equals its samples one by one only for prompts of one length; other batches differ slightly."""
-    from qie.models.qwen_image_21 import flow_matching_loss
+    from qie.models.qwen_image_21 import FAMILY
 
     cfg = compose("train", data["base"])
     samples = {s.id: s for s in scan_dataset(data["manifest"]).samples}
@@ -189,8 +189,8 @@ def test_batch_of_equal_prompt_lengths_equals_single_samples(data: dict, pipe) -
     def per_sample(pair) -> list[float]:
         batch = collate(pair)
         with torch.no_grad():
-            joint = [flow_matching_loss(pipe.transformer, batch, noise, sigmas, "none").item()]
-            alone = [flow_matching_loss(pipe.transformer, collate([s]), noise[i : i + 1], sigmas[i : i + 1]).item()
+            joint = [FAMILY.loss(pipe.transformer, batch, noise, sigmas, "none").item()]
+            alone = [FAMILY.loss(pipe.transformer, collate([s]), noise[i : i + 1], sigmas[i : i + 1]).item()
                      for i, s in enumerate(pair)]  # fmt: skip
         return joint + [sum(alone) / 2]
 

@@ -79,7 +79,7 @@ def test_loss_packs_every_frame_and_the_condition_as_the_pipeline(tiny_layered_p
     embeds = torch.randn(1, 5, 16, generator=g)
     sigma = torch.tensor([0.4])
     batch = Batch(["a"], x0, [control], embeds, None)
-    loss = layered.layered_loss(transformer, batch, noise, sigma)
+    loss = layered.FAMILY.loss(transformer, batch, noise, sigma)
 
     pack = QwenImageLayeredPipeline._pack_latents
     tokens = pack(((1 - 0.4) * x0 + 0.4 * noise).permute(0, 2, 1, 3, 4), 1, 8, 4, 6, 3)
@@ -94,7 +94,7 @@ def test_loss_packs_every_frame_and_the_condition_as_the_pipeline(tiny_layered_p
 def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies_output(
     tiny_layered_path: Path, tmp_path: Path
 ) -> None:
-    """A LoRA trained a few steps on `layered_loss` and written by qie loads with the Layered pipeline's
+    """A LoRA trained a few steps on the layered loss and written by qie loads with the Layered pipeline's
     `load_lora_weights`, and the pipeline's output then equals qie's inference with `predict.lora`."""
     from diffusers import QwenImageTransformer2DModel
     from stage_edges import predictor_for
@@ -111,7 +111,7 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     x0, control = torch.randn(1, 8, 3, 4, 4, generator=g), torch.randn(1, 8, 1, 4, 4, generator=g)
     batch = Batch(["a"], x0, [control], torch.randn(1, 5, 16, generator=g), None)
     for _ in range(3):
-        loss = layered.layered_loss(transformer, batch, torch.randn(x0.shape, generator=g), torch.tensor([0.6]))
+        loss = layered.FAMILY.loss(transformer, batch, torch.randn(x0.shape, generator=g), torch.tensor([0.6]))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -11,7 +11,7 @@ from stage_edges import parts_of
 
 from qie.adapters.lora import add_lora
 from qie.data.collate import collate
-from qie.models.qwen_image import flow_matching_loss, pack_latents, packed
+from qie.models.qwen_image import FAMILY, pack_latents, packed
 from qie.training.timesteps import SigmaSampling, loss_weights
 from qie.types import Batch, SampleEmbeddings, pad_prompt_embeds
 
@@ -51,7 +51,7 @@ def test_transformer_gets_target_then_control_tokens_and_their_shapes() -> None:
     noise = torch.randn_like(batch.latents)
     sigmas = torch.tensor([0.25, 0.8])
     model = Recorder()
-    loss = flow_matching_loss(model, batch, noise, sigmas)
+    loss = FAMILY.loss(model, batch, noise, sigmas)
     call = model.calls[0]
     target_tokens, control_tokens = (H // 2) * (W // 2), (H // 2) * (2 * W // 2)
     assert call["hidden_states"].shape == (2, target_tokens + control_tokens, 4 * C)
@@ -78,7 +78,7 @@ def test_the_loss_reads_the_target_tokens_and_nothing_else() -> None:
     g = torch.Generator().manual_seed(3)
     noise = torch.randn(batch.latents.shape, generator=g)
     sigmas = torch.tensor([0.25, 0.8])
-    loss = flow_matching_loss(Echo(), batch, noise, sigmas)
+    loss = FAMILY.loss(Echo(), batch, noise, sigmas)
     # The echoed prediction for the target's tokens is x_t itself; the velocity target is noise - x0, so the
     # error is x_t - (noise - x0) = (2 - σ)·x0 - (1 - σ)·noise, in every latent value of the target.
     s = sigmas.view(-1, 1, 1, 1, 1)
@@ -87,9 +87,9 @@ def test_the_loss_reads_the_target_tokens_and_nothing_else() -> None:
     # The control tokens, also echoed, count for nothing; any change to the target does.
     other = Batch(batch.ids, batch.latents, [torch.randn(batch.control_latents[0].shape, generator=g) * 9],
                   batch.prompt_embeds, batch.prompt_embeds_mask)  # fmt: skip
-    assert flow_matching_loss(Echo(), other, noise, sigmas).item() == loss.item()
+    assert FAMILY.loss(Echo(), other, noise, sigmas).item() == loss.item()
     shifted = Batch(batch.ids, batch.latents + 1, batch.control_latents, batch.prompt_embeds, batch.prompt_embeds_mask)
-    assert flow_matching_loss(Echo(), shifted, noise, sigmas).item() != pytest.approx(loss.item(), rel=1e-3)
+    assert FAMILY.loss(Echo(), shifted, noise, sigmas).item() != pytest.approx(loss.item(), rel=1e-3)
 
 
 def test_a_padded_sample_gives_the_transformer_output_it_gives_alone(tiny_path: Path) -> None:
@@ -131,8 +131,8 @@ def test_loss_weighting_scales_each_sample() -> None:
     batch = fixed_batch()
     noise = torch.randn_like(batch.latents)
     sigmas = torch.tensor([0.5, 0.5])
-    plain = flow_matching_loss(Recorder(), batch, noise, sigmas, "none")
-    weighted = flow_matching_loss(Recorder(), batch, noise, sigmas, "sigma_sqrt")
+    plain = FAMILY.loss(Recorder(), batch, noise, sigmas, "none")
+    weighted = FAMILY.loss(Recorder(), batch, noise, sigmas, "sigma_sqrt")
     assert weighted.item() == pytest.approx(4.0 * plain.item(), rel=1e-6)  # σ^-2 = 4
     assert torch.allclose(loss_weights("cosmap", sigmas), torch.full((2,), 2 / (math.pi * 0.5)))
 
@@ -167,7 +167,7 @@ def test_loss_falls_on_a_fixed_batch_and_only_lora_changes(small_cfg) -> None:
     noise, sigmas = torch.randn(batch.latents.shape, generator=g), torch.tensor([0.3, 0.7])
     losses = []
     for _ in range(20):
-        loss = flow_matching_loss(transformer, batch, noise, sigmas)
+        loss = FAMILY.loss(transformer, batch, noise, sigmas)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

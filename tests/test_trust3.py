@@ -84,7 +84,7 @@ def test_a_long_caption_is_refused_by_precompute_skipped_by_training_refused_by_
 def test_a_long_prompt_reaching_the_transformer_is_refused_naming_the_sample(tiny_path: Path) -> None:
     from diffusers import QwenImageTransformer2DModel
 
-    from qie.models.qwen_image import flow_matching_loss
+    from qie.models.qwen_image import FAMILY
     from qie.types import Batch
 
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_path, subfolder="transformer")
@@ -95,13 +95,13 @@ def test_a_long_prompt_reaching_the_transformer_is_refused_naming_the_sample(tin
     mask[0, 10:] = 0
     batch = Batch(["short", "long"], latents, [latents.clone()], embeds, mask)
     with pytest.raises(PromptTooLong) as info:
-        flow_matching_loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5))
+        FAMILY.loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5))
     assert str(info.value) == (
         "sample 'long': its prompt (caption) is 4,095 tokens, more than the 4,094 text positions the transformer "
         "has beside its images at this size: shorten it (and run precompute again for a cached sample)"
     )
     batch = Batch(["short", "long"], latents, [latents.clone()], embeds[:, :4094], None)
-    assert torch.isfinite(flow_matching_loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5)))
+    assert torch.isfinite(FAMILY.loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5)))
 
 
 def test_infer_refuses_a_prompt_longer_than_the_text_positions(tiny_path: Path, tmp_path: Path) -> None:

@@ -14,15 +14,15 @@ from qie.models import ModelSpec
 
 def reference_row(
     sample: Sample,
-    size: tuple[int, int],
+    size: tuple[int, int] | None,
     spec: ModelSpec,
     category: str | None = None,
     needs: Collection[str] = ("target", "mask"),
 ) -> Row:
-    """What a row's edits (of `size`, width x height) are scored against: its controls, its target at that size
-    and its edit region (the row's mask, else where target and the control the output follows differ). `needs`
-    (a reward's): "target" and "mask" read what they name; without them the row has neither, and no image but the
-    controls is read."""
+    """What a row's edits (of `size`, width x height; None where `needs` names nothing) are scored against: its
+    controls, its target at that size and its edit region (the row's mask, else where target and the control the
+    output follows differ). `needs` (a reward's): "target" and "mask" read what they name; without them the row has
+    neither, and no image but the controls is read."""
     controls = [to_tensor(open_image(c)).float() for c in sample.controls]
     with_target = "target" in needs or ("mask" in needs and sample.mask is None)
     target = to_tensor(open_image(sample.target), size).float() if with_target and sample.target else None

@@ -74,7 +74,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "default_size": ("spec", "vae_scale"),
     "encode_prompts": ("pipeline", "spec", "prompts", "images", "device"),
     "encode_latents": ("vae", "pixels"),
-    "loss": ("transformer", "batch", "noise", "sigmas", "weighting", "per_sample"),
+    "predict": ("transformer", "batch", "noise", "sigmas"),
     "sample": ("parts", "prompt", "negative", "controls", "size", "options", "progress"),
     "denoise": (
         "transformer",
@@ -131,7 +131,8 @@ class ModelFamily:
         default_size: (height, width) made without a size or an image.
         encode_prompts: prompts seen with their images -> one {"embed", ["image_mask"]} per prompt, unpadded, CPU.
         encode_latents: same-size pixel batch (B, C, 1, H, W) on the VAE -> normalised latents (B, C', 1, h, w).
-        loss: the flow-matching loss of one batch, or of each sample with `per_sample` (see `qie.models.flow`).
+        predict: the transformer's velocity prediction for the batch noised to `sigmas`, beside the true velocity
+            (a `qie.models.flow.FlowPrediction`): what the flow-matching loss (`loss`) compares.
         sample: one sample's encoded inputs -> latents of `options.num_images` images.
         denoise: the sampler's loop from given noise (B, C, F, h, w) over batched prompts (`PromptInputs`) and
             controls (B, C, 1, h, w): what `sample` runs after drawing its noise (`qie.models.sampling.initial_noise`),
@@ -165,7 +166,7 @@ class ModelFamily:
     default_size: Callable[..., tuple[int, int]]
     encode_prompts: Callable[..., list[dict]]
     encode_latents: Callable[..., Any]
-    loss: Callable[..., Any]
+    predict: Callable[..., Any]
     sample: Callable[..., Any]
     denoise: Callable[..., Any]
     decode: Callable[..., Any]
@@ -191,6 +192,19 @@ class ModelFamily:
         for f in fields(self):
             if f.name in SIGNATURES:
                 _check_piece(self.name, f.name, getattr(self, f.name))
+
+    def loss(
+        self,
+        transformer: Any,
+        batch: Any,
+        noise: Any,
+        sigmas: Any,
+        weighting: str = "none",
+        per_sample: bool = False,
+    ) -> Any:
+        """The flow-matching loss of the batch noised to `sigmas`: the mean weighted squared error of the predicted
+        velocity (`predict`), with the batch's loss masks; with `per_sample`, each sample's (B,)."""
+        return self.predict(transformer, batch, noise, sigmas).error(weighting=weighting, per_sample=per_sample)
 
     @property
     def published(self) -> Flavour:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,33 @@ def velocity_loss(
         w = element_weights.to(error.device, torch.float32).expand_as(error)
         losses = (error * w).reshape(batch, -1).mean(dim=1) / w.reshape(batch, -1).mean(dim=1).clamp_min(1e-12)
     return losses if per_sample else losses.mean()
+
+
+@dataclass(frozen=True)
+class FlowPrediction:
+    """A transformer's velocity prediction for a noisy batch beside the true velocity (noise - x0), in the family's
+    token layout (B, tokens, features), with the batch's loss-mask weights in that layout (None: every element 1):
+    what the flow-matching loss compares, and what an objective combines predictions in (DiffusionNFT's implicit
+    policies are sums of predictions, compared with the same target).
+
+    Args:
+        prediction, target: (B, tokens, features).
+        sigmas: (B,) the noise levels the prediction was made at.
+        weights: like `target` (or broadcastable to it), a weight per element; None: every element 1.
+    """
+
+    prediction: torch.Tensor
+    target: torch.Tensor
+    sigmas: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def error(
+        self, prediction: torch.Tensor | None = None, weighting: str = "none", per_sample: bool = True
+    ) -> torch.Tensor:
+        """The weighted squared error of `prediction` (default: this one, same layout) to the true velocity: each
+        sample's (B,), float32, or with `per_sample=False` their mean (see `velocity_loss`)."""
+        pred = self.prediction if prediction is None else prediction
+        return velocity_loss(pred, self.target, self.sigmas, weighting, self.weights, per_sample)
 
 
 def inference_sigmas(schedule: str, steps: int) -> np.ndarray:

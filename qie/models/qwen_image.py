@@ -26,7 +26,7 @@ from diffusers import QwenImageEditPipeline
 from qie.models import pipeline_parts, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour, Tiny
-from qie.models.flow import noisy_latents, velocity_loss
+from qie.models.flow import FlowPrediction, noisy_latents
 from qie.models.outputs import IMAGES
 from qie.models.qwen_image_sampling import QwenImageLoop, decode_latents, pack_latents, sample, vae_scale
 from qie.types import Batch
@@ -116,22 +116,19 @@ def packed(latents: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, in
     return pack_latents(latents[:, :, 0], b, c, h, w), [(1, h // 2, w // 2)]
 
 
-def packed_loss(
+def packed_prediction(
     transformer: torch.nn.Module,
     batch: Batch,
     noise: torch.Tensor,
     sigmas: torch.Tensor,
-    weighting: str,
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, list[tuple[int, int, int]]]],
-    per_sample: bool = False,
     **conditions: Any,
-) -> torch.Tensor:
-    """Mean weighted squared error between the predicted and the true velocity (noise - x0), for a transformer
-    that reads the noisy target's tokens, then the controls', as one sequence.
+) -> FlowPrediction:
+    """The predicted and the true velocity (noise - x0) of the noisy batch, for a transformer that reads the noisy
+    target's tokens, then the controls', as one sequence.
 
     Args:
         pack: (B, C, F, h, w) latents -> (tokens, one rotary-embedding shape per frame).
-        per_sample: each sample's loss (B,) instead of their mean.
         conditions: further transformer inputs (a Layered transformer's `additional_t_cond`).
     """
     x0 = batch.latents
@@ -150,27 +147,21 @@ def packed_loss(
     )[0][:, : noisy.shape[1]]
     target, _ = pack(noise - x0)
     mask = None if batch.loss_mask is None else pack(batch.loss_mask.expand_as(x0))[0]
-    return velocity_loss(pred, target, sigmas, weighting, mask, per_sample)
+    return FlowPrediction(pred, target, sigmas, mask)
 
 
-def flow_matching_loss(
-    transformer: torch.nn.Module,
-    batch: Batch,
-    noise: torch.Tensor,
-    sigmas: torch.Tensor,
-    weighting: str = "none",
-    per_sample: bool = False,
-) -> torch.Tensor:
-    """Mean weighted squared error between the predicted and the true velocity (noise - x0).
+def flow_prediction(
+    transformer: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+) -> FlowPrediction:
+    """The predicted and the true velocity (noise - x0) of the batch noised to `sigmas`.
 
     Args:
         transformer: QwenImageTransformer2DModel (with or without LoRA), on the batch's device.
         batch: latents and prompt embeddings, on the transformer's device.
         noise: like batch.latents.
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
-        per_sample: each sample's loss (B,) instead of their mean.
     """
-    return packed_loss(transformer, batch, noise, sigmas, weighting, packed, per_sample)
+    return packed_prediction(transformer, batch, noise, sigmas, packed)
 
 
 # --- rules and planner facts ----------------------------------------------------------------------------
@@ -376,7 +367,7 @@ FAMILY = ModelFamily(
     default_size=default_size,
     encode_prompts=encode_prompts,
     encode_latents=encode_latents,
-    loss=flow_matching_loss,
+    predict=flow_prediction,
     sample=sample,
     denoise=QwenImageLoop.denoise,
     decode=decode_latents,

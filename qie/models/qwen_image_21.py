@@ -28,7 +28,7 @@ from diffusers import QwenImage21Pipeline
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour, Tiny
-from qie.models.flow import noisy_latents, velocity_loss
+from qie.models.flow import FlowPrediction, noisy_latents
 from qie.models.outputs import IMAGES
 from qie.models.qwen_image_21_pipeline import (
     TOKENS_PER_SLOT,
@@ -93,16 +93,10 @@ def vae_scale(vae: Any) -> int:
     return VAE_SCALE
 
 
-def flow_matching_loss(
-    transformer: torch.nn.Module,
-    batch: Batch,
-    noise: torch.Tensor,
-    sigmas: torch.Tensor,
-    weighting: str = "none",
-    per_sample: bool = False,
-) -> torch.Tensor:
-    """Mean weighted squared error between the predicted and the true velocity (noise - x0); with `per_sample`
-    each sample's (B,).
+def flow_prediction(
+    transformer: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+) -> FlowPrediction:
+    """The predicted and the true velocity (noise - x0) of the batch noised to `sigmas`.
 
     Args:
         transformer: QwenImage21Transformer2DModel (with or without LoRA), on the batch's device.
@@ -127,7 +121,7 @@ def flow_matching_loss(
     )[0][:, -noisy.shape[1] :]
     target, _ = packed(noise - x0)
     mask = None if batch.loss_mask is None else packed(batch.loss_mask.expand_as(x0))[0]
-    return velocity_loss(pred, target, sigmas, weighting, mask, per_sample)
+    return FlowPrediction(pred, target, sigmas, mask)
 
 
 # --- rules and planner facts ----------------------------------------------------------------------------
@@ -329,7 +323,7 @@ FAMILY = ModelFamily(
     default_size=default_size,
     encode_prompts=encode_prompts,
     encode_latents=encode_latents,
-    loss=flow_matching_loss,
+    predict=flow_prediction,
     sample=sample,
     denoise=QwenImage21Loop.denoise,
     decode=decode_latents,

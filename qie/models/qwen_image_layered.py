@@ -27,7 +27,7 @@ from diffusers.image_processor import VaeImageProcessor
 from qie.models import qwen_image, real_size, text_positions
 from qie.models.family import ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour
-from qie.models.flow import predict
+from qie.models.flow import FlowPrediction, predict
 from qie.models.flow_family import FlowLoop
 from qie.models.outputs import LAYERS
 from qie.models.sampling import Prediction, PromptInputs, SamplingOptions, initial_noise
@@ -67,16 +67,10 @@ def packed_frames(latents: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, 
     return tokens, [(1, h // 2, w // 2)] * f
 
 
-def layered_loss(
-    transformer: torch.nn.Module,
-    batch: Batch,
-    noise: torch.Tensor,
-    sigmas: torch.Tensor,
-    weighting: str = "none",
-    per_sample: bool = False,
-) -> torch.Tensor:
-    """Mean weighted squared error between the predicted and the true velocity (noise - x0) of every frame;
-    with `per_sample` each sample's (B,).
+def layered_prediction(
+    transformer: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor
+) -> FlowPrediction:
+    """The predicted and the true velocity (noise - x0) of every frame.
 
     Args:
         transformer: QwenImageTransformer2DModel with layer-aware rope (with or without LoRA).
@@ -86,9 +80,8 @@ def layered_loss(
         sigmas: (B,) noise levels in (0, 1]; the transformer is given σ as its timestep.
     """
     zeros = torch.zeros(batch.latents.shape[0], dtype=torch.long, device=batch.latents.device)
-    return qwen_image.packed_loss(
-        transformer, batch, noise, sigmas, weighting, packed_frames, per_sample, additional_t_cond=zeros
-    )  # 0: RGBA, as sampled
+    # additional_t_cond 0: RGBA, as sampled
+    return qwen_image.packed_prediction(transformer, batch, noise, sigmas, packed_frames, additional_t_cond=zeros)
 
 
 # --- sampling -------------------------------------------------------------------------------------------
@@ -296,7 +289,7 @@ FAMILY = ModelFamily(
     default_size=default_size,
     encode_prompts=encode_prompts,
     encode_latents=qwen_image.encode_latents,
-    loss=layered_loss,
+    predict=layered_prediction,
     sample=sample,
     denoise=LayeredLoop.denoise,
     decode=decode_layers,

@@ -25,11 +25,13 @@ from qie.stages.auto_caption import CAPTION_TYPE, CaptionSettings, auto_captions
 from qie.stages.datasets import read_data
 from qie.stages.settings import SourceSettings, at_path, data_source, source_settings
 from qie.stages.sources import build_source
-from qie.types import CACHE_TYPES
+from qie.types import CACHE_TYPES, STORE_TYPES
 
-# Types no sample's keys name: never collected.
-KEPT_TYPES = ("teacher_latent",)
-COLLECTED_TYPES = [t for t in CACHE_TYPES if t not in KEPT_TYPES]
+
+def collected_types() -> list[str]:
+    """The types gc may remove entries of: those a sample's keys name (never an objective's stores, `STORE_TYPES`:
+    no sample's keys name them)."""
+    return [t for t in CACHE_TYPES if t not in STORE_TYPES]
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,9 @@ def collect_garbage(setup: GcSetup, backend: CacheBackend) -> AdminReport:
     """
     keep, samples = used_keys(setup, backend)
     remove = not setup.dry_run
-    unused = backend.unused(keep, COLLECTED_TYPES, remove=False)
-    total = backend.stats(COLLECTED_TYPES)
+    collected = collected_types()
+    unused = backend.unused(keep, collected, remove=False)
+    total = backend.stats(collected)
     kept = sum(s["count"] for s in total.values()) - sum(s["count"] for s in unused.values())
     # Each type the data sets use and the cache holds must match some entry: a type none of whose entries match
     # says the settings differ from precompute's (another text encoder: every prompt entry; another VAE area:
@@ -121,7 +124,7 @@ def collect_garbage(setup: GcSetup, backend: CacheBackend) -> AdminReport:
             "gc.force=true to remove them all the same)"
         )
     if remove:
-        unused = backend.unused(keep, COLLECTED_TYPES, remove=True)
+        unused = backend.unused(keep, collected, remove=True)
     count, size = sum(s["count"] for s in unused.values()), sum(s["bytes"] for s in unused.values())
     verb = "removed" if remove else "would remove"
     lines = [f"cache: {backend!r}", f"{samples} samples of model={setup.spec.name} use {kept:,} entries"]

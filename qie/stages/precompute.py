@@ -59,7 +59,6 @@ from qie.stages.settings import (
     source_settings,
 )
 from qie.stages.sources import build_encoder, model_key_context
-from qie.stages.teacher_fill import ENTRY_TYPE as TEACHER_TYPE
 from qie.stages.teacher_fill import check_processes, fill_teachers
 from qie.stages.train_extras import regularization_samples
 from qie.stages.train_setup import TrainSetup, train_setup
@@ -141,7 +140,8 @@ class PrecomputeRecipe(Recipe):
         self.hasher.save()
         if self.teachers is not None:  # this process's share is encoded: its embeddings are in the cache
             mine = [s for s, _ in self.mine]
-            summary.types[TEACHER_TYPE] = fill_teachers(self.teachers, mine, backend, self.run_dir, desc)
+            filled, counts = fill_teachers(self.teachers, mine, backend, self.run_dir, desc)
+            summary.types[filled] = counts
         totals = {k: sum(getattr(s, k) for s in summary.types.values()) for k in ("new", "bytes_written")}
         summary.processes = [{"process": state.process_index, "samples": summary.samples, **totals}]
         if self.captions is not None and main:  # the main process wrote them (the others read them afterwards)

@@ -1,5 +1,5 @@
-"""Targets an objective computes from the base model ahead of training (`PrecomputesTargets`: distillation's teacher
-outputs), computed by the precompute stage (`precompute.teachers=true`).
+"""Targets an objective computes ahead of training (`PrecomputesTargets`: distillation's teacher outputs, a plug-in's
+targets) into the stores it asks its context for, computed by the precompute stage (`precompute.teachers=true`).
 
 The precompute run takes the training run's overrides; the objective's model is built exactly as that run builds it
 (its setup, the base with its fused LoRAs, quantization, memory levers and mixed precision, the adapter added and
@@ -11,8 +11,8 @@ A cached training run then reads them all instead of sampling the teacher on fir
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any
 
 from qie.cache.base import CacheStore
 from qie.data.collate import collate
@@ -20,20 +20,21 @@ from qie.data.samples import Sample
 from qie.errors import ConfigError, QieError
 from qie.progress import progress
 from qie.stages.accelerator import make_accelerator
+from qie.stages.objective_store import objective_store
 from qie.stages.precompute_work import TypeSummary
 from qie.stages.sources import build_source
-from qie.stages.teacher_store import ENTRY_TYPE, BackendTeacherStore
 from qie.stages.train_model import (
     base_model_key,
     build_train_state,
     load_model,
     make_objective,
+    objective_context,
     run_records,
 )
 from qie.stages.train_setup import TrainSetup
-from qie.training.objectives import PrecomputesTargets
+from qie.training.objectives import PrecomputesTargets, objective_class
 
-__all__ = ["ENTRY_TYPE", "check_processes", "fill_teachers"]
+__all__ = ["check_processes", "fill_teachers"]
 
 
 def check_processes(setup: TrainSetup, processes: int) -> None:
@@ -53,26 +54,27 @@ def check_processes(setup: TrainSetup, processes: int) -> None:
 
 def fill_teachers(
     setup: TrainSetup, samples: list[Sample], backend: CacheStore, run_dir: Path, desc: str = ""
-) -> TypeSummary:
-    """Compute the missing teacher outputs of `samples` into `backend` (their embeddings are cached by now) with
-    the training run's `setup` (`train_setup`, `check_processes`); returns their counts: new (computed), skipped
-    (present), failed (a sample whose embeddings cannot be read)."""
+) -> tuple[str, TypeSummary]:
+    """Compute the missing targets of `samples` into `backend` (their embeddings are cached by now) with the training
+    run's `setup` (`train_setup`, `check_processes`); returns the entry types filled (the stores the objective asked
+    for, joined by ", ") and their counts: new (computed), skipped (present), failed (a sample whose embeddings
+    cannot be read)."""
+    cls = objective_class(setup.train.objective)
+    if not issubclass(cls, PrecomputesTargets):
+        raise ConfigError(f"precompute.teachers=true: {cls.__qualname__} computes no targets ahead of training")
     accelerator = make_accelerator(setup.train, setup.memory, str(setup.model.dtype), run_dir)
     source = build_source(setup.source.with_mode("cached"), setup.spec, backend)
     parts = load_model(setup.plan, accelerator)
     record = run_records(setup.plan, [])[0]
-    store = BackendTeacherStore(backend, fills=True)
-    objective: Any = make_objective(setup.plan, parts, store, base_model_key(setup.model, record))
-    state, _ = build_train_state(setup.plan, accelerator, parts, objective)
+    stores = functools.partial(objective_store, backend, mode="lazy")  # every missing one computed and written
+    context = objective_context(setup.plan, parts, stores, base_model_key(setup.model, record))
+    state, objective = build_train_state(setup.plan, accelerator, parts, make_objective(setup.plan, context))
+    context.sealed = True
     # The model under its mixed-precision autocast as training calls it, without the data-parallel wrapper: its
     # forward would sync buffers with the other processes, which fill shares of other lengths.
     model = accelerator.unwrap_model(state.model)
     model.train()  # as in a training step
     drops = [False, True] if float(setup.data.caption_dropout_rate) > 0 else [False]
-    if not isinstance(objective, PrecomputesTargets):
-        raise ConfigError(
-            f"precompute.teachers=true: {type(objective).__qualname__} computes no targets ahead of training"
-        )
     seeds = objective.fills_per_sample()
     summary = TypeSummary()
     with progress(len(samples) * len(drops), desc or "teacher outputs", unit="sample") as bar:
@@ -90,4 +92,4 @@ def fill_teachers(
                 summary.bytes_written += computed * batch.latents[0].numel() * batch.prompt_embeds.element_size()
                 summary.skipped += seeds - computed
                 bar.update()
-    return summary
+    return ", ".join(context.built.get("stores", {})) or "targets", summary

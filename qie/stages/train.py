@@ -12,6 +12,7 @@ add `hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 hydra.launcher
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 from collections.abc import Callable, Iterator
@@ -37,10 +38,10 @@ from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
 from qie.stages.heldout import HeldOut, split_heldout
+from qie.stages.objective_store import objective_store
 from qie.stages.recipe import Recipe
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
-from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_rows
 from qie.stages.train_extras import lora_exports, make_ema, regularization_logging
 from qie.stages.train_hooks import HookInputs, search_result, step_hooks
@@ -50,6 +51,7 @@ from qie.stages.train_model import (
     load_model,
     loop_settings,
     make_objective,
+    objective_context,
     run_records,
 )
 from qie.stages.train_report import rebuilt_command, record_run, refresh_report
@@ -60,7 +62,7 @@ from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.logging import MetricsLogger
 from qie.training.loop import StepInfo, TrainState, fit
 from qie.training.modes import TrainMode
-from qie.training.objectives import field_names, needs_decoder, objective_class, trains_on_targets
+from qie.training.objectives import field_names, objective_class, trains_on_targets
 from qie.training.run_record import check_resume
 from qie.types import TRAINING_TYPES
 
@@ -202,7 +204,7 @@ class TrainRecipe(Recipe):
         # which a model built meanwhile would catch).
         writes_captions = s.captions is not None and self.source.encodes
         self.objective_type = objective = objective_class(s.train.objective)
-        load = (s.plan, accelerator, needs_decoder(objective))
+        load = (s.plan, accelerator)
         loading = None if writes_captions else in_background(load_model, *load)
         try:
             # data.auto_caption: cached training reads captions only; live and lazy write the missing ones (the main
@@ -240,11 +242,13 @@ class TrainRecipe(Recipe):
     def _setup_state(self) -> None:
         """The objective, the training state over the model (resumed where a checkpoint is given) and the EMA."""
         s, train, parts = self.s, self.s.train, self.parts
-        teachers = teacher_store(self.backend, s.source.mode)
+        stores = functools.partial(objective_store, self.backend, mode=str(s.source.mode))
         key = base_model_key(s.model, self.records[0])
         rows = sample_rows(self.samples + self.heldout_samples, s.spec)
-        self.objective = make_objective(s.plan, parts, teachers, key, rows)
-        self.state, self.scheduler = build_train_state(s.plan, self.accelerator, parts, self.objective)
+        context = objective_context(s.plan, parts, stores, key, rows)
+        self.state, self.objective = build_train_state(s.plan, self.accelerator, parts, make_objective(s.plan, context))
+        context.sealed = True  # the model is wrapped: nothing more is added to it
+        self.scheduler = parts.scheduler
         self.ema = make_ema(train, self.state.params)
         if self.resume_from is not None:
             step = ckpt.load_checkpoint(self.state, self.resume_from, train.resume_inexact)["step"]

@@ -224,13 +224,18 @@ def make_sampler(
     return sampler
 
 
-def sample_rows(samples: list[Sample], spec: ModelSpec) -> Callable[[str, tuple[int, int], Collection[str]], Row]:
+def sample_rows(
+    samples: list[Sample], spec: ModelSpec
+) -> Callable[[str, tuple[int, int] | None, Collection[str]], Row]:
     """A sample id's row at an edit's size (width, height), its images read when asked, for an objective that
     scores its own results (`reference_row`: prompt, control images, and the target and edit region where the
-    sample has them and the reward `needs` them); an id of a variant (`#text_only`) is its sample's."""
-    by_id = {s.id: s for s in samples}
+    sample has them and the reward `needs` them); an id of a variant (`#text_only`) is its sample's. The samples are
+    indexed by id on the first call (a run whose objective reads no rows indexes nothing)."""
+    by_id: dict[str, Sample] = {}
 
-    def row(sample_id: str, size: tuple[int, int], needs: Collection[str]) -> Row:
+    def row(sample_id: str, size: tuple[int, int] | None, needs: Collection[str]) -> Row:
+        if not by_id:
+            by_id.update((s.id, s) for s in samples)
         return reference_row(by_id.get(sample_id) or by_id[sample_id.split("#")[0]], size, spec, None, needs)
 
     return row

@@ -1,11 +1,13 @@
-"""What the train stage builds besides its data: the transformer and noise scheduler (`load_model`), the training
-state over them (`build_train_state`: what the mode trains, the objective's additions, the memory levers, the optimizer
-and LR schedule), the objective (`make_objective`) and the records checkpoints keep (`run_records`). Precompute's
+"""What the train stage builds besides its data: the transformer and noise scheduler (`load_model`), the objective's
+context (`objective_context`: what an objective may ask the run for, each service built when first asked), the
+training state over them (`build_train_state`: what the mode trains, the objective built on the model with its adapter,
+the memory levers, the optimizer and LR schedule) and the records checkpoints keep (`run_records`). Precompute's
 target filling (`qie.stages.teacher_fill`) builds the same pieces, so its model is the training run's."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,8 @@ from qie.runtime.compile import compile_blocks
 from qie.runtime.memory import MemorySettings, apply_memory
 from qie.training.loop import LoopSettings, TrainState
 from qie.training.modes import TrainMode
-from qie.training.objectives import Objective, ObjectiveInputs, build_objective
+from qie.training.objectives import Objective, build_objective
+from qie.training.objectives.context import ObjectiveStore, RunContext
 from qie.training.run_record import data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 
@@ -40,17 +43,21 @@ class ModelPlan:
     fused: FusedBase
 
 
-def make_objective(
-    plan: ModelPlan, parts: Any, teachers: Any = None, model_key: dict | None = None, rows: Any = None
-) -> Objective:
-    """The objective `train.objective` names (its `_target_` and settings), with the run's noise-level sampling
-    (the scheduler's shift).
+def objective_context(
+    plan: ModelPlan,
+    parts: Any,
+    stores: Callable[[str], ObjectiveStore] | None = None,
+    model_key: dict | None = None,
+    rows: Any = None,
+) -> RunContext:
+    """What the run's objective may ask for (`ObjectiveContext`), with the run's noise-level sampling (the
+    scheduler's shift); the decoder, rows, rewards and stores are built when the objective first asks.
 
     Args:
         plan: the run's model and train groups and its spec (a reward's judge is built from the model group).
-        parts: what `load_model` gave: the scheduler, the checkpoint's model_index.json (for an objective that
-            samples) and the VAE where it was loaded (its decoder alone, for an objective that decodes).
-        teachers: where distillation keeps its teacher outputs (`teacher_store`); model_key: what the base is.
+        parts: what `load_model` gave: the transformer (its adapter added by `build_train_state` before the objective
+            is built), the scheduler and the checkpoint's model_index.json.
+        stores: the store of an entry type over the run's cache (`objective_store`); model_key: what the base is.
         rows: a sample id's row at an edit's size (`train_data.sample_rows`), for an objective that scores its edits.
     """
     train, spec, scheduler = plan.train, plan.spec, parts.scheduler
@@ -63,20 +70,26 @@ def make_objective(
         dynamic_shift=train.dynamic_shift,
         scheduler_config=dict(scheduler.config),
     )
-    inputs = ObjectiveInputs(
-        spec.family,
-        sigmas,
-        str(train.loss_weighting),
-        scheduler,
-        parts.pipeline_config or {},
-        spec.call_defaults(),
-        teachers,
-        model_key or {},
-        parts.vae,
-        rows,
-        functools.partial(objective_reward, model=plan.model),
+    return RunContext(
+        family=spec.family,
+        sigmas=sigmas,
+        loss_weighting=str(train.loss_weighting),
+        scheduler=scheduler,
+        pipeline_config=parts.pipeline_config or {},
+        sampling_defaults=spec.call_defaults(),
+        model_key=model_key or {},
+        transformer=parts.transformer,
+        decoder=functools.partial(load_decoder, plan),
+        rows=rows,
+        rewards=functools.partial(objective_reward, model=plan.model),
+        stores=stores,
     )
-    return build_objective(train.objective, inputs)
+
+
+def make_objective(plan: ModelPlan, context: RunContext) -> Callable[[], Objective]:
+    """What builds the objective `train.objective` names (its `_target_` and settings) over `context`: called by
+    `build_train_state` once the model has its adapter."""
+    return functools.partial(build_objective, plan.train.objective, context)
 
 
 def objective_reward(node: Any, model: ModelConfig | None = None) -> Any:
@@ -104,31 +117,39 @@ def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objecti
     )
 
 
-def load_model(plan: ModelPlan, accelerator: Any, decoder: bool = False) -> Any:
+def load_model(plan: ModelPlan, accelerator: Any) -> Any:
     """The transformer, with the plan's fused LoRAs (`model.fuse_loras`) fused into it, and the noise scheduler,
-    built where the plan's memory settings build them (compiled where `train.compile` says); with `decoder`, the
-    VAE without its encoder (an objective that decodes its samples)."""
+    built where the plan's memory settings build them (compiled where `train.compile` says)."""
     device = plan.memory.build_device(accelerator.device)
-    names = ["transformer", "scheduler", *(["vae"] if decoder else [])]
     compiled, fuse = bool(plan.train.compile), plan.fused.fuse_into
-    parts = load_parts(LoadSettings.of(plan.model), plan.spec, names, {"transformer": device}, compiled, fuse)
-    if decoder:
-        parts.vae.encoder = torch.nn.Module()  # latents are decoded, never encoded: its weights freed
-    return parts
+    names = ["transformer", "scheduler"]
+    return load_parts(LoadSettings.of(plan.model), plan.spec, names, {"transformer": device}, compiled, fuse)
 
 
-def build_train_state(plan: ModelPlan, accelerator: Any, parts: Any, objective: Objective | None = None) -> tuple:
-    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the noise scheduler.
+def load_decoder(plan: ModelPlan) -> Any:
+    """The VAE without its encoder (latents are decoded, never encoded: its weights freed), for an objective that
+    decodes its samples (`ObjectiveContext.decode`)."""
+    vae = load_parts(LoadSettings.of(plan.model), plan.spec, ["vae"]).vae
+    vae.encoder = torch.nn.Module()
+    return vae
+
+
+def build_train_state(
+    plan: ModelPlan, accelerator: Any, parts: Any, objective: Callable[[], Objective] | None = None
+) -> tuple[TrainState, Objective | None]:
+    """The prepared transformer with what `mode` trains, its optimizer and LR schedule; and the objective.
 
     Args:
         plan: the model, train group, memory levers (checked against the mode) and mode.
         parts: what `load_model` gave.
-        objective: adds what it needs to the model (`Objective.prepare`) before it is wrapped.
+        objective: builds the objective (`make_objective`), called once the model has its adapter and before it is
+            wrapped: what the objective asks of its context then (a reference adapter) is added to the model.
     """
     transformer, train = parts.transformer, plan.train
     params = plan.mode.trainable(transformer)
-    if objective is not None:
-        objective.prepare(transformer)
+    built = objective() if objective is not None else None
+    if built is not None:
+        built.prepare(transformer)
     place = apply_memory(transformer, plan.memory, accelerator.device)
     if train.compile:
         accelerator.print(compile_blocks(transformer))
@@ -138,7 +159,7 @@ def build_train_state(plan: ModelPlan, accelerator: Any, parts: Any, objective: 
     prepared, optimizer = accelerator.prepare(transformer, optimizer, device_placement=[place, True])
     params = [p for p in prepared.parameters() if p.requires_grad]  # FSDP replaces them by their shards
     dtype = resolve_dtype(str(plan.model.dtype))
-    return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), parts.scheduler
+    return TrainState(accelerator, prepared, params, optimizer, lr_scheduler, dtype), built
 
 
 def run_records(plan: ModelPlan, samples: list[Sample]) -> tuple[dict, dict]:

@@ -6,18 +6,18 @@ objective is a component, as an optimizer is: `train/objective=<name>` picks `co
 whose `_target_` names the class and whose other keys are the objective's own settings (`train.objective.beta=...`);
 an objective from outside qie is `train.objective._target_=pkg.Cls +train.objective.key=value`. The class:
 
-- is built as `cls(inputs, **settings)` (`ObjectiveInputs`: the family's pieces and the step's settings); its
-  settings are keyword parameters of `__init__`, checked against it when the config is composed;
+- is built as `cls(context, **settings)`: the `ObjectiveContext` (`qie.training.objectives.context`) is what it asks
+  the run for, when it needs it (noise and sigmas, the flow loss and prediction, the sampler, the decoder, rows,
+  rewards, the reference model, a store of its own entry type); its settings are keyword parameters of `__init__`,
+  checked against it when the config is composed;
 - `requires`: the sample fields it trains on (names or `SampleField`s; the train stage refuses samples without
   them, and precompute fills every one); without "target", rows without a target train (an objective that samples
   its own results);
-- `ScoresOwnResults` (optional, a capability): the train stage loads the VAE's decoder and hands it over
-  (`ObjectiveInputs`);
 - `use_problem(use)` (a class method): why it cannot train this run (`ObjectiveUse`, known before any model loads:
   `qie.config.validate` asks it when the config is composed), or None.
 
-An objective that computes targets ahead of training from the base model (distillation's teacher outputs) also
-implements `PrecomputesTargets`; `precompute.teachers=true` asks for it.
+An objective that computes targets ahead of training into a store (distillation's teacher outputs) also implements
+`PrecomputesTargets`; `precompute.teachers=true` asks for it.
 
 `FlowMatching` (the default) is the family's flow-matching loss with loss masks and regularisation weights and the
 base class a new objective usually extends; `Dpo` is Diffusion-DPO carried to flow matching on preference pairs;
@@ -37,7 +37,7 @@ from qie.errors import ConfigError
 if TYPE_CHECKING:  # names for annotations only: config validation reads the classes without loading the models
     import torch
 
-    from qie.training.timesteps import SigmaSampling
+    from qie.training.objectives.context import ObjectiveContext
     from qie.types import Batch
 
 # Where a run's objective is set, and the class `train/objective=flow_matching` names.
@@ -50,7 +50,7 @@ class Objective(Protocol):
 
     def prepare(self, transformer: torch.nn.Module) -> None:
         """Add what the objective needs to the model with its trained adapter, before the model is wrapped for
-        training (a reference adapter); most objectives add nothing."""
+        training; most objectives add nothing (the reference model comes from `ObjectiveContext.reference`)."""
         ...
 
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
@@ -89,16 +89,6 @@ class PrecomputesTargets(Protocol):
         ...
 
 
-@runtime_checkable
-class ScoresOwnResults(Protocol):
-    """An objective that samples its own results and scores them (online RL): it is handed the VAE's decoder to
-    turn them into images (`ObjectiveInputs.decoder`)."""
-
-    def rollout(self, model: torch.nn.Module, batch: Batch, i: int, generator: torch.Generator) -> Any:
-        """Sample and score sample `i`'s results under `model`, without a gradient."""
-        ...
-
-
 class StepMeans:
     """What an objective measures on its batches, averaged for `step_metrics()`: `add` once per batch, `pop` the
     means since the last pop ({} when nothing was added) and start afresh."""
@@ -130,31 +120,6 @@ class ObjectiveUse:
     caption_dropout: float = 0.0  # `data.caption_dropout_rate`
 
 
-@dataclass(frozen=True)
-class ObjectiveInputs:
-    """What the train stage hands an objective's constructor: the model family's pieces and the step's settings."""
-
-    family: Any  # the ModelFamily: its loss pieces, patch size and sampling loop
-    sigmas: SigmaSampling
-    loss_weighting: str = "none"
-    # What an objective that samples needs (distillation): the model's noise scheduler, the checkpoint's
-    # model_index.json (`Parts.pipeline_config`), the model's sampling defaults (`ModelSpec.call_defaults()`).
-    scheduler: Any = None
-    pipeline_config: Mapping[str, Any] = field(default_factory=dict)
-    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
-    # Where an objective keeps what it computes from the base model (distillation's teacher outputs, in the cache
-    # backend; None: kept nowhere), and what the base model is (the run's model record, part of their keys).
-    teacher_store: Any = None
-    model_key: Mapping[str, Any] = field(default_factory=dict)
-    # What an objective that scores its own samples needs (`needs_decoder`): the VAE (its decoder), a sample id's
-    # row at an edit's size (width, height) for its reward (`qie.evaluation.rows.reference_row`: prompt, control
-    # images, and the target and edit region where the sample has them), and what builds a reward from its config
-    # node (`qie.evaluation.build`); None where not asked for.
-    decoder: Any = None
-    sample_rows: Any = None
-    build_reward: Any = None
-
-
 def objective_class(node: Any) -> type:
     """The class a `train.objective` node names (its `_target_`).
 
@@ -181,14 +146,14 @@ def settings_of(node: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def accepted_settings(cls: type) -> set[str] | None:
-    """The keyword settings `cls(inputs, **settings)` takes: the named parameters of each constructor along the
+    """The keyword settings `cls(context, **settings)` takes: the named parameters of each constructor along the
     class's bases while one passes `**kwargs` on; None when the last one takes any keyword."""
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        params = list(inspect.signature(init).parameters.values())[2:]  # self, inputs
+        params = list(inspect.signature(init).parameters.values())[2:]  # self, context
         names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             return names
@@ -220,12 +185,6 @@ def trains_on_targets(cls: type) -> bool:
     return "target" in field_names(cls)
 
 
-def needs_decoder(cls: type) -> bool:
-    """Whether the objective class samples and scores its own results (`ScoresOwnResults`): the train stage then
-    loads the VAE's decoder (`ObjectiveInputs.decoder`)."""
-    return issubclass(cls, ScoresOwnResults)
-
-
 def check_use(node: Mapping[str, Any], use: ObjectiveUse) -> None:
     """Raise ConfigError (one line, naming the setting) when the objective `node` names cannot train as `use` says:
     a setting its constructor does not take, or its `use_problem`."""
@@ -236,8 +195,9 @@ def check_use(node: Mapping[str, Any], use: ObjectiveUse) -> None:
         raise ConfigError(problem)
 
 
-def build_objective(node: Mapping[str, Any], inputs: ObjectiveInputs) -> Objective:
-    """The objective `node` (`train.objective`, plain values) names, built from `inputs` and its settings.
+def build_objective(node: Mapping[str, Any], context: ObjectiveContext) -> Objective:
+    """The objective `node` (`train.objective`, plain values) names, built from the run's `context` and its
+    settings.
 
     Raises:
         ConfigError: no objective there, or settings it refuses.
@@ -246,22 +206,19 @@ def build_objective(node: Mapping[str, Any], inputs: ObjectiveInputs) -> Objecti
     settings = settings_of(node)
     if problem := settings_problem(cls, settings):
         raise ConfigError(problem)
-    return cls(inputs, **settings)
+    return cls(context, **settings)
 
 
 __all__ = [
     "DEFAULT_TARGET",
     "Objective",
-    "ObjectiveInputs",
     "ObjectiveUse",
     "PrecomputesTargets",
-    "ScoresOwnResults",
     "StepMeans",
     "accepted_settings",
     "build_objective",
     "check_use",
     "field_names",
-    "needs_decoder",
     "objective_class",
     "settings_of",
     "settings_problem",

@@ -12,8 +12,9 @@ noise and a resumed run draws the same.
 Teacher outputs are kept as cache entries (`teacher_latent`, the teacher's final latents) keyed by the base model
 (the run's model record and quantization), the teacher's settings (steps, scale, the scheduler's config and the
 checkpoint's sampling sigmas), the seed, the latent shape and dtype, and the bytes of the sample's prompt,
-empty-prompt and control tensors as the step reads them (`TeacherStore`). `cache.mode=lazy` computes and writes a
-missing one on first use, `cached` only reads them (a miss names the sample), `live` computes them every step.
+empty-prompt and control tensors as the step reads them, in the store the objective asks its context for
+(`ObjectiveContext.store`). `cache.mode=lazy` computes and writes a missing one on first use, `cached` only reads them
+(a miss names the sample), `live` computes them every step.
 """
 
 from __future__ import annotations
@@ -22,15 +23,21 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from qie.errors import CacheMissError, ConfigError
-from qie.models.sampling import PromptInputs, initial_noise
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse
-from qie.training.objectives.dpo import Reference
+from qie.models.sampling import initial_noise
+from qie.training.objectives import ObjectiveUse
+from qie.training.objectives.context import sample_inputs
 from qie.types import Batch
+
+if TYPE_CHECKING:
+    from qie.training.objectives.context import ObjectiveContext
+
+# The store's entry type: a teacher's final latents for one seed.
+ENTRY_TYPE = "teacher_latent"
 
 
 @dataclass(frozen=True)
@@ -78,44 +85,6 @@ class DistillSettings:
         return s
 
 
-class TeacherStore(Protocol):
-    """Where teacher outputs are kept (the train stage's cache backend): entries named by their key fields."""
-
-    # Whether a missing output is computed and written (cache.mode=lazy); otherwise a miss is an error.
-    fills: bool
-
-    def read(self, fields: Mapping[str, Any]) -> torch.Tensor | None:
-        """The stored latents (C, F, h, w) under `fields`, or None."""
-        ...
-
-    def write(self, fields: Mapping[str, Any], latents: torch.Tensor) -> None: ...
-
-    def holds(self, fields: Mapping[str, Any]) -> bool:
-        """Whether something is stored under `fields`, readable or not (a `read` of None then means damaged)."""
-        ...
-
-
-def sample_inputs(batch: Batch, i: int) -> tuple[PromptInputs, PromptInputs, list[torch.Tensor]]:
-    """Sample `i` of `batch` as the sampler takes one sample: its prompt and empty prompt unpadded (no mask), its
-    controls, each with a batch of one.
-
-    Raises:
-        ValueError: the batch holds no empty-prompt embeddings (`collate(negatives=True)`).
-    """
-    if batch.negative_prompt_embeds is None:
-        raise ValueError(f"batch {batch.ids} holds no empty-prompt embeddings: train/objective=distill needs them")
-
-    def unpadded(embeds: torch.Tensor, mask: torch.Tensor | None, image_mask: torch.Tensor | None) -> PromptInputs:
-        n = embeds.shape[1] if mask is None else int(mask[i].sum())
-        return PromptInputs(embeds[i : i + 1, :n], None, None if image_mask is None else image_mask[i : i + 1, :n])
-
-    prompt = unpadded(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
-    negative = unpadded(
-        batch.negative_prompt_embeds, batch.negative_prompt_embeds_mask, batch.negative_prompt_image_mask
-    )
-    return prompt, negative, [c[i : i + 1] for c in batch.control_latents]
-
-
 def digest(tensors: Sequence[torch.Tensor | None]) -> str:
     """sha256 of the tensors' dtypes, shapes and bytes, in order."""
     h = hashlib.sha256()
@@ -149,9 +118,9 @@ class Distill:
     """The distillation objective (see the module's text).
 
     Args:
-        inputs: the family (its `denoise`), the model's noise scheduler and the checkpoint's model_index.json, the
-            model's sampling defaults, where teacher outputs are kept (None: computed every time, kept nowhere)
-            and what the base model is (the run's model record: part of every teacher entry's key).
+        context: the family's sampling loop, the model's noise scheduler and the checkpoint's model_index.json, the
+            model's sampling defaults, what the base model is (part of every teacher entry's key), the store of
+            teacher outputs and the reference (the base, the adapter off) the teacher samples with.
         student_steps, teacher_steps, teacher_cfg, seeds: `DistillSettings`.
     """
 
@@ -161,33 +130,30 @@ class Distill:
 
     def __init__(
         self,
-        inputs: ObjectiveInputs,
+        context: ObjectiveContext,
         student_steps: int = 4,
         teacher_steps: int | None = None,
         teacher_cfg: float | None = None,
         seeds: int = 2,
     ) -> None:
-        settings = DistillSettings(student_steps, teacher_steps, teacher_cfg, seeds).resolved(inputs.sampling_defaults)
+        settings = DistillSettings(student_steps, teacher_steps, teacher_cfg, seeds).resolved(context.sampling_defaults)
         if settings.teacher_steps is None or settings.teacher_cfg is None:
             raise ConfigError(
                 "train.objective.teacher_steps and teacher_cfg are not set and the model names no pipeline defaults: "
                 "set both (e.g. train.objective.teacher_steps=20 train.objective.teacher_cfg=4)"
             )
-        if inputs.scheduler is None:
-            raise ValueError("train/objective=distill needs the model's scheduler (ObjectiveInputs.scheduler)")
-        self.family, self.scheduler = inputs.family, inputs.scheduler
-        self.pipeline_config = dict(inputs.pipeline_config or {})
-        self.settings, self.store = settings, inputs.teacher_store
-        scheduler_config = {k: v for k, v in dict(self.scheduler.config).items() if not k.startswith("_")}
+        self.context, self.settings = context, settings
+        self.store = context.store(ENTRY_TYPE)
+        scheduler_config = {k: v for k, v in dict(context.scheduler.config).items() if not k.startswith("_")}
         key = {
-            "model": dict(inputs.model_key),
+            "model": dict(context.model_key),
             "steps": settings.teacher_steps,
             "cfg": settings.teacher_cfg,
             "scheduler": scheduler_config,
-            "sigmas": self.pipeline_config.get("sample_sigmas"),
+            "sigmas": dict(context.pipeline_config or {}).get("sample_sigmas"),
         }
         self.teacher_key = json.loads(json.dumps(key, default=str))
-        self.reference = Reference(objective="distill")
+        self.reference = context.reference()
         self.computed = self.samples = 0
 
     @classmethod
@@ -210,11 +176,11 @@ class Distill:
         return int(self.settings.seeds)
 
     def prepare(self, transformer: torch.nn.Module) -> None:
-        self.reference.prepare(transformer)
+        pass  # the reference is the context's
 
     def key_fields(self, batch: Batch, i: int, seed: int, noise: torch.Tensor) -> dict[str, Any]:
         """The fields of sample `i`'s teacher entry for `seed` (`noise` its starting noise)."""
-        prompt, negative, controls = sample_inputs(batch, i)
+        prompt, negative, controls = sample_inputs(batch, i, negatives=True)
         inputs = digest([prompt.embeds, prompt.image_mask, negative.embeds, negative.image_mask, *controls])
         return {
             **self.teacher_key,
@@ -227,21 +193,10 @@ class Distill:
     def teach(self, model: torch.nn.Module, batch: Batch, i: int, noise: torch.Tensor) -> torch.Tensor:
         """The teacher's latents (1, C, F, h, w) of sample `i` from `noise`: the base model sampling with
         `teacher_steps` steps and true CFG at `teacher_cfg` against the empty prompt, without a gradient."""
-        prompt, negative, controls = sample_inputs(batch, i)
         cfg = float(self.settings.teacher_cfg or 1.0)
+        steps = int(self.settings.teacher_steps)
         with torch.no_grad(), self.reference.active():
-            return self.family.denoise(
-                model,
-                self.scheduler,
-                noise,
-                prompt,
-                negative if cfg > 1 else None,
-                controls,
-                int(self.settings.teacher_steps),
-                cfg,
-                False,
-                self.pipeline_config,
-            )
+            return self.context.sample(model, batch.take([i]), noise=noise, steps=steps, true_cfg_scale=cfg)
 
     def teacher(
         self, model: torch.nn.Module, batch: Batch, i: int, seed: int, noise: torch.Tensor, fill: bool = True
@@ -253,31 +208,28 @@ class Distill:
             CacheMissError: the store holds no such entry and does not fill (cache.mode=cached).
         """
         self.samples += 1
-        fields = self.key_fields(batch, i, seed, noise) if self.store is not None else {}
-        if self.store is not None:
-            found = self.store.read(fields)
-            if found is not None:
-                return found.to(noise.device, noise.dtype).unsqueeze(0)
-            if fill and not self.store.fills:
-                damaged = self.store.holds(fields)
-                raise CacheMissError(
-                    f"sample {batch.ids[i]!r}: its teacher output (seed {seed}) is "
-                    f"{'damaged in the cache (its bytes changed)' if damaged else 'not in the cache'}: "
-                    f"{'write them again' if damaged else 'fill them'} with this run's overrides and `python -m "
-                    f"qie.precompute precompute.teachers=true{' cache.repair=true' if damaged else ''}`, or train with "
-                    "cache.mode=lazy once to compute and store them (or keep training lazy)"
-                )
+        fields = self.key_fields(batch, i, seed, noise)
+        found = self.store.read(fields)
+        if found is not None:
+            return found.to(noise.device, noise.dtype).unsqueeze(0)
+        if fill and not self.store.fills:
+            damaged = self.store.holds(fields)
+            raise CacheMissError(
+                f"sample {batch.ids[i]!r}: its teacher output (seed {seed}) is "
+                f"{'damaged in the cache (its bytes changed)' if damaged else 'not in the cache'}: "
+                f"{'write them again' if damaged else 'fill them'} with this run's overrides and `python -m "
+                f"qie.precompute precompute.teachers=true{' cache.repair=true' if damaged else ''}`, or train with "
+                "cache.mode=lazy once to compute and store them (or keep training lazy)"
+            )
         latents = self.teach(model, batch, i, noise)
         self.computed += 1
-        if self.store is not None and self.store.fills:
+        if self.store.fills:
             self.store.write(fields, latents[0])
         return latents
 
     def fill(self, model: torch.nn.Module, batch: Batch) -> int:
         """Make sure every sample of `batch` has its teacher output for each of the `seeds` seeds in the store,
         computing the missing ones (`precompute.teachers=true`); returns how many were computed."""
-        if self.store is None:
-            raise ValueError("Distill.fill needs a store to fill")
         shape, device, dtype = batch.latents.shape[1:], batch.latents.device, batch.prompt_embeds.dtype
         computed, samples = self.computed, self.samples
         for seed in range(int(self.settings.seeds)):
@@ -291,19 +243,8 @@ class Distill:
     def student(self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor) -> torch.Tensor:
         """The student's latents (B, C, F, h, w) from `noise`: `student_steps` steps without CFG, with the gradient
         where it is on (each prediction recomputed in the backward pass)."""
-        prompt = PromptInputs(batch.prompt_embeds, batch.prompt_embeds_mask, batch.prompt_image_mask)
-        return self.family.denoise(
-            model,
-            self.scheduler,
-            noise,
-            prompt,
-            None,
-            batch.control_latents,
-            int(self.settings.student_steps),
-            1.0,
-            True,
-            self.pipeline_config,
-        )
+        steps = int(self.settings.student_steps)
+        return self.context.denoise(model, batch, noise, steps=steps, checkpoint=True)
 
     def _errors(self, model: torch.nn.Module, batch: Batch, seeds: Sequence[int], fill: bool) -> torch.Tensor:
         shape, device, dtype = batch.latents.shape[1:], batch.latents.device, batch.prompt_embeds.dtype

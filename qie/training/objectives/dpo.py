@@ -16,22 +16,20 @@ reference pass runs without a gradient.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from qie.errors import ConfigError
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse, StepMeans
-from qie.training.objectives.flow_matching import FlowMatching, noise_and_sigmas
+from qie.training.objectives import ObjectiveUse, StepMeans
+from qie.training.objectives.flow_matching import FlowMatching
 from qie.types import Batch
 
-REFERENCE_ADAPTER = "reference"
+if TYPE_CHECKING:
+    from qie.training.objectives.context import ObjectiveContext
 # The largest settings taken: 500 times the default beta (z grows with it; a huge one turns the step's gradient into
 # inf), and an SFT term 100 times the DPO loss's own weight.
 BETA_MAX = 1e6
@@ -104,76 +102,28 @@ def accuracy(z: torch.Tensor) -> torch.Tensor:
     return (z > 0).float().mean() + 0.5 * (z == 0).float().mean()
 
 
-class Reference:
-    """The reference model inside the trained one: its adapter layers turned off (the base), or switched to the
-    adapter of `lora` loaded beside the trained one (`prepare`). `objective` names the objective in errors."""
-
-    def __init__(self, lora: str | None = None, objective: str = "dpo") -> None:
-        self.lora, self.objective = lora, objective
-        self.layers: list[Any] = []
-        self.trained: list[str] = []
-        self.flags: list[tuple[torch.nn.Parameter, bool]] = []
-
-    def prepare(self, transformer: torch.nn.Module) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        from qie.adapters.lora import load_lora
-
-        before = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
-        if not before:
-            raise ConfigError(
-                f"train/objective={self.objective} needs the trained adapter on the transformer: train.mode=lora"
-            )
-        self.trained = list(before[0].active_adapters)
-        flags = {p: p.requires_grad for p in transformer.parameters()}
-        if self.lora:
-            with warnings.catch_warnings():  # peft's note that the model now holds two adapters: it is meant to
-                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-                load_lora(transformer, self.lora, adapter_name=REFERENCE_ADAPTER)
-        self.layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
-        for layer in self.layers:
-            layer.set_adapter(self.trained)
-        for p in transformer.parameters():  # the reference's weights are frozen, the trained ones as they were
-            p.requires_grad_(flags.get(p, False))
-        self.flags = [(p, p.requires_grad) for layer in self.layers for p in layer.parameters()]
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """The model computes as the reference inside this block (without a gradient)."""
-        try:
-            for layer in self.layers:
-                if self.lora:
-                    layer.set_adapter(REFERENCE_ADAPTER)
-                else:
-                    layer.enable_adapters(False)
-            yield
-        finally:
-            for layer in self.layers:
-                if self.lora:
-                    layer.set_adapter(self.trained)
-                else:
-                    layer.enable_adapters(True)
-            for p, flag in self.flags:  # peft's switches set requires_grad; the trained set stays as it was
-                p.requires_grad_(flag)
-
-
 class Dpo(FlowMatching):
-    """The Flow-DPO objective (see the module's text): the family's loss (`ModelFamily.loss`, called with
-    `per_sample=True`) and the loss weighting over sigmas (`train.loss_weighting`) applied to every error.
+    """The Flow-DPO objective (see the module's text): the flow loss of each sample (`ObjectiveContext.flow_loss`)
+    under the loss weighting over sigmas (`train.loss_weighting`), for the policy and the reference
+    (`ObjectiveContext.reference`).
 
     Args:
-        inputs: as `FlowMatching` takes them.
+        context: as `FlowMatching` takes it.
         beta, sft_weight, reference_lora: `DpoSettings`.
     """
 
     requires: ClassVar[frozenset[Any]] = FlowMatching.requires | {"rejected"}
 
     def __init__(
-        self, inputs: ObjectiveInputs, beta: float = 2000.0, sft_weight: float = 0.0, reference_lora: str | None = None
+        self,
+        context: ObjectiveContext,
+        beta: float = 2000.0,
+        sft_weight: float = 0.0,
+        reference_lora: str | None = None,
     ) -> None:
-        super().__init__(inputs)
+        super().__init__(context)
         self.settings = DpoSettings(float(beta), float(sft_weight), reference_lora).checked()
-        self.reference = Reference(self.settings.reference_lora)
+        self.reference = context.reference(self.settings.reference_lora)
         self.means = StepMeans()
 
     @classmethod
@@ -198,17 +148,14 @@ class Dpo(FlowMatching):
         ).checked()
         return None
 
-    def prepare(self, transformer: torch.nn.Module) -> None:
-        self.reference.prepare(transformer)
-
     def _terms(
         self, model: torch.nn.Module, batch: Batch, noise: torch.Tensor, sigmas: torch.Tensor, weighting: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, margins z, the policy's per-sample errors) of a batch of pairs at the given noise."""
         pairs, noise2, sigmas2 = paired(batch), torch.cat([noise, noise]), torch.cat([sigmas, sigmas])
         with torch.no_grad(), self.reference.active():
-            reference = self.family_loss(model, pairs, noise2, sigmas2, weighting, per_sample=True)
-        policy = self.family_loss(model, pairs, noise2, sigmas2, weighting, per_sample=True)
+            reference = self.context.flow_loss(model, pairs, noise2, sigmas2, weighting)
+        policy = self.context.flow_loss(model, pairs, noise2, sigmas2, weighting)
         z = margins(policy, reference, self.settings.beta)
         loss = -F.logsigmoid(z).mean()
         if self.settings.sft_weight:
@@ -216,8 +163,8 @@ class Dpo(FlowMatching):
         return loss, z.detach(), policy.detach()
 
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
-        noise, sigmas = noise_and_sigmas(batch, self.sigmas, generator, self.patch_size)
-        loss, z, _ = self._terms(model, batch, noise, sigmas, self.weighting)
+        noise, sigmas = self.context.noise_and_sigmas(batch, generator)
+        loss, z, _ = self._terms(model, batch, noise, sigmas, self.context.loss_weighting)
         self.means.add(reward_accuracy=accuracy(z), reward_margin=z.mean())
         return loss
 

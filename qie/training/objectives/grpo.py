@@ -24,23 +24,21 @@ Logged: `reward_mean`, `reward_std` (within groups), `reward_best` (the groups' 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from qie.data.images import rgb
-from qie.errors import ConfigError, DataError
-from qie.evaluation.reward import needed_arguments, reward_value
-from qie.evaluation.scoring import Row
-from qie.models.sampling import PromptInputs, initial_noise
+from qie.errors import ConfigError
+from qie.models.sampling import initial_noise
 from qie.training.flow_sde import SdeRun, clipped_loss, group_advantages, unwrapped
-from qie.training.objectives import ObjectiveInputs, ObjectiveUse, StepMeans
-from qie.training.objectives.distill import sample_inputs
-from qie.training.objectives.dpo import Reference
+from qie.training.objectives import ObjectiveUse, StepMeans
 from qie.types import Batch
+
+if TYPE_CHECKING:
+    from qie.training.objectives.context import ObjectiveContext
 
 NAME = "grpo"
 NOISY_STEPS = ("all", "trained")
@@ -105,9 +103,8 @@ class Grpo:
     """The Flow-GRPO objective (see the module's text).
 
     Args:
-        inputs: the family (its `denoise` and `decode`), the scheduler, the decoder (it `ScoresOwnResults`) and
-            `sample_rows` (a sample id's row for the reward: prompt, controls, target), `build_reward` (the reward
-            of the `reward` node).
+        context: the family's sampling loop and the model's scheduler (`sample`), the decoder (`decode`), the rows
+            and the reward of the `reward` setting (`reward`, `score`), the reference model (`reference`).
         group_size, ...: the settings (`GrpoSettings`, `conf/train/objective/grpo.yaml`).
     """
 
@@ -115,7 +112,7 @@ class Grpo:
 
     def __init__(
         self,
-        inputs: ObjectiveInputs,
+        context: ObjectiveContext,
         group_size: int = 4,
         sampling_steps: int = 10,
         noise_level: float = 0.7,
@@ -141,15 +138,9 @@ class Grpo:
             noisy_steps,
             bool(shared_start),
         ).checked()
-        if inputs.scheduler is None or inputs.decoder is None:
-            raise ValueError(f"train/objective={NAME} needs the model's scheduler and decoder (ObjectiveInputs)")
-        self.family, self.scheduler, self.decoder = inputs.family, inputs.scheduler, inputs.decoder
-        self.pipeline_config = dict(inputs.pipeline_config or {})
-        self.rows: Callable[[str, tuple[int, int], Collection[str]], Row] | None = inputs.sample_rows
-        if inputs.build_reward is None:
-            raise ValueError(f"train/objective={NAME} needs a reward builder (ObjectiveInputs.build_reward)")
-        self.reward = inputs.build_reward(s.reward)
-        self.reference = Reference(s.reference_lora, objective=NAME)
+        self.context = context
+        self.reward = context.reward(s.reward)
+        self.reference = context.reference(s.reference_lora)
         self.means = StepMeans()
 
     @classmethod
@@ -179,82 +170,48 @@ class Grpo:
         return None
 
     def prepare(self, transformer: torch.nn.Module) -> None:
-        self.reference.prepare(transformer)
+        pass  # the reference is the context's
 
-    def _inputs(self, batch: Batch, i: int, copies: int) -> tuple[PromptInputs, PromptInputs | None, list]:
-        prompt, negative, controls = sample_inputs(batch, i)
-
-        def repeated(p: PromptInputs) -> PromptInputs:
-            image_mask = None if p.image_mask is None else p.image_mask.expand(copies, -1)
-            return PromptInputs(p.embeds.expand(copies, -1, -1), None, image_mask)
-
-        cfg = self.settings.true_cfg_scale > 1
-        return (
-            repeated(prompt),
-            (repeated(negative) if cfg else None),
-            [c.expand(copies, -1, -1, -1, -1) for c in controls],
+    def _sample(self, model: Any, batch: Batch, noise: torch.Tensor, scheduler: Any = None) -> torch.Tensor:
+        """`batch`'s edits through the family's loop from `noise` (its samples' groups, sample-major), at the
+        rollouts' settings; `scheduler` replaces the model's (an SDE run's)."""
+        s = self.settings
+        copies = noise.shape[0] // len(batch.ids)
+        return self.context.sample(
+            model,
+            batch,
+            noise=noise,
+            steps=s.sampling_steps,
+            copies=copies,
+            true_cfg_scale=s.true_cfg_scale,
+            scheduler=scheduler,
         )
 
-    def _denoise(self, model: Any, scheduler: Any, noise: torch.Tensor, inputs: tuple) -> torch.Tensor:
-        """The family's loop over `inputs` (prompt, negative, controls) from `noise`, at the rollouts' settings."""
-        prompt, negative, controls = inputs
-        steps, scale = int(self.settings.sampling_steps), float(self.settings.true_cfg_scale)
-        return self.family.denoise(
-            model, scheduler, noise, prompt, negative, controls, steps, scale, False, self.pipeline_config
-        )
-
-    def _run(self, model: Any, run: SdeRun, noise: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    def _run(self, model: Any, run: SdeRun, batch: Batch, noise: torch.Tensor) -> torch.Tensor:
         """`run` through the family's loop: a rollout calls the module itself (no gradient: a data-parallel wrapper
         has nothing to do), a replay calls it as `SdeRun.skipping` says."""
         caller = run.skipping(model) if run.mode == "replay" else unwrapped(model)
-        return self._denoise(caller, run.scheduler(self.scheduler), noise, inputs)
+        return self._sample(caller, batch, noise, run.scheduler(self.context.scheduler))
 
-    def _rewards(self, batch: Batch, i: int, latents: torch.Tensor) -> torch.Tensor:
-        """The group's rewards (higher is better) of its final latents."""
-        images = rgb(self.family.decode(self.decoder, latents, "pt").float().clamp(0, 1))
-        n, size = latents.shape[0], (images.shape[-1], images.shape[-2])
-        if self.rows is not None:
-            row = self.rows(batch.ids[i], size, self.reward.needs)  # the target and region only where needed
-        else:  # the controls as their latents decode
-            decoded = [self.family.decode(self.decoder, c[i : i + 1], "pt")[0].float() for c in batch.control_latents]
-            row = Row(batch.ids[i], "", None, decoded)
-        needed = needed_arguments(self.reward, *self._references(row, n))
-        scores = self.reward(images, [[rgb(c) for c in row.controls]] * n, [row.prompt] * n, **needed)
-        return reward_value(self.reward, torch.as_tensor(scores, dtype=torch.float64).reshape(n))
-
-    def _references(self, row: Row, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The row's target and edit region for each of its `n` edits, where the reward needs them.
-
-        Raises:
-            DataError: the reward needs what the row lacks (a row without a target).
-        """
-        have = {"target": row.target, "mask": row.region}
-        missing = [{"mask": "edit region"}.get(k, k) for k in sorted(self.reward.needs) if have.get(k) is None]
-        if missing:
-            raise DataError(
-                f"sample {row.id!r} has no {' or '.join(missing)}, which train.objective.reward "
-                f"({type(self.reward).__name__}) compares each edit with: give it rows with targets, or choose a "
-                "reward that reads the edit, its controls and its prompt"
-            )
-        targets = None if row.target is None else rgb(row.target)[None].expand(n, -1, -1, -1)
-        masks = None if row.region is None else row.region[None].expand(n, -1, -1)
-        return targets, masks
+    def _rewards(self, batch: Batch, latents: torch.Tensor) -> torch.Tensor:
+        """The rewards (higher is better) of the final latents of each of `batch`'s samples' edits."""
+        copies = latents.shape[0] // len(batch.ids)
+        return self.context.score(self.reward, self.context.decode(latents), batch, copies)
 
     def rollout(
         self, model: Any, batch: Batch, i: int, generator: torch.Generator, noisy: list[int] | None = None
     ) -> tuple[SdeRun, torch.Tensor]:
         """Sample `i`'s group of edits under `model` (no gradient), with noise in the steps `noisy` (None: all):
         the recorded run and the rewards."""
-        g = int(self.settings.group_size)
-        inputs = self._inputs(batch, i, g)
+        g, one = int(self.settings.group_size), batch.take([i])
         shape, device = batch.latents.shape[1:], batch.latents.device
         starts = 1 if self.settings.shared_start else g
         noise = initial_noise((starts, *shape), generator, device, batch.prompt_embeds.dtype).expand(g, *shape)
         run = SdeRun("rollout", self.settings.noise_level, generator, noisy=noisy)
         run.start = noise  # where a replay starts
         with torch.no_grad():
-            latents = self._run(model, run, noise, inputs)
-        return run, self._rewards(batch, i, latents)
+            latents = self._run(model, run, one, noise)
+        return run, self._rewards(one, latents)
 
     def _chosen(self, generator: torch.Generator) -> list[int]:
         """The steps of one sample's rollouts that get a gradient, drawn at random."""
@@ -270,12 +227,12 @@ class Grpo:
             rollout, rewards = self.rollout(model, batch, i, generator)
             chosen = self._chosen(generator)
         advantages = group_advantages(rewards, s.group_size).to(batch.latents.device)
-        inputs, noise = self._inputs(batch, i, s.group_size), rollout.start
+        one, noise = batch.take([i]), rollout.start
         policy = SdeRun("replay", s.noise_level, states=rollout.states, chosen=chosen)
-        self._run(model, policy, noise, inputs)
+        self._run(model, policy, one, noise)
         reference = SdeRun("replay", s.noise_level, states=rollout.states, chosen=chosen)
         with torch.no_grad(), self.reference.active():
-            self._run(unwrapped(model), reference, noise, inputs)
+            self._run(unwrapped(model), reference, one, noise)
         new = torch.stack([policy.log_probs[c] for c in chosen], 1)
         old = torch.stack([rollout.log_probs[c] for c in chosen], 1)
         pg, clipped = clipped_loss(advantages, new, old, float(s.clip_range))
@@ -308,9 +265,6 @@ class Grpo:
     ) -> dict[str, float]:
         """The reward of each sample's edit sampled without noise in its steps (the family's ODE loop) from
         `noise`; "loss" is its negative (lower is better, as every objective's). `sigmas` is not used."""
-        rewards = []
-        for i in range(len(batch.ids)):
-            latents = self._denoise(model, self.scheduler, noise[i : i + 1], self._inputs(batch, i, 1))
-            rewards.append(self._rewards(batch, i, latents))
-        reward = float(torch.cat(rewards).mean())
+        rewards = self._rewards(batch, self._sample(model, batch, noise))
+        reward = float(rewards.mean())
         return {"loss": -reward, "reward": reward}
