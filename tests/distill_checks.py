@@ -14,8 +14,8 @@ from qie.data.collate import collate
 from qie.models import model_spec
 from qie.models.sampling import SamplingOptions
 from qie.training.objectives import build_objective
-from qie.training.objectives.context import RunContext
 from qie.training.objectives.distill import seed_noise
+from qie.training.objectives.run_context import RunContext
 from qie.training.timesteps import SigmaSampling
 
 

@@ -199,7 +199,7 @@ def _objective(cfg):
     from qie.models import model_spec
     from qie.stages.train_model import objective_reward
     from qie.training.objectives import build_objective
-    from qie.training.objectives.context import RunContext
+    from qie.training.objectives.run_context import RunContext
     from qie.training.timesteps import SigmaSampling
 
     spec = model_spec(cfg.model)

@@ -21,9 +21,9 @@ from qie.data.scan import scan_folder
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.training.objectives import ObjectiveUse, build_objective, check_use, field_names
-from qie.training.objectives.context import RunContext
 from qie.training.objectives.dpo import Dpo, DpoSettings, accuracy
 from qie.training.objectives.flow_matching import FlowMatching
+from qie.training.objectives.run_context import RunContext
 from qie.training.timesteps import SigmaSampling
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]

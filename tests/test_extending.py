@@ -112,7 +112,7 @@ def test_a_per_sample_weighting_is_three_lines_of_the_context_and_trains_by_conf
     from test_step import Recorder, fixed_batch
 
     from qie.models.qwen_image import FAMILY
-    from qie.training.objectives.context import RunContext
+    from qie.training.objectives.run_context import RunContext
     from qie.training.timesteps import SigmaSampling
 
     sigmas = SigmaSampling(method="uniform")

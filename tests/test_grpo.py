@@ -24,8 +24,8 @@ from qie.models import model_spec
 from qie.stages.train_model import objective_reward
 from qie.training.flow_sde import SdeRun, clipped_loss, gaussian_log_prob, group_advantages, sde_mean, sde_std
 from qie.training.objectives import ObjectiveUse, check_use
-from qie.training.objectives.context import RunContext
 from qie.training.objectives.grpo import Grpo
+from qie.training.objectives.run_context import RunContext
 from qie.training.timesteps import SigmaSampling
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]

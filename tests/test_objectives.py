@@ -13,7 +13,7 @@ from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.models.qwen_image import FAMILY
 from qie.training.objectives import DEFAULT_TARGET, build_objective
-from qie.training.objectives.context import RunContext
+from qie.training.objectives.run_context import RunContext
 from qie.training.timesteps import SigmaSampling
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import gc
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from qie.training.ema import Ema, export_ema, resume_ema, write_ema
 from qie.training.logging import MetricsLogger
 from qie.training.loop import StepInfo, TrainState, fit
 from qie.training.modes import TrainMode
+from qie.training.objective_state import restore_kept, write_kept
 from qie.training.objectives import field_names, objective_class, trains_on_targets
 from qie.training.run_record import check_resume
 from qie.types import TRAINING_TYPES
@@ -245,13 +246,14 @@ class TrainRecipe(Recipe):
         stores = functools.partial(objective_store, self.backend, mode=str(s.source.mode))
         key = base_model_key(s.model, self.records[0])
         rows = sample_rows(self.samples + self.heldout_samples, s.spec)
-        context = objective_context(s.plan, parts, stores, key, rows)
+        self.context = context = objective_context(s.plan, parts, stores, key, rows)
         self.state, self.objective = build_train_state(s.plan, self.accelerator, parts, make_objective(s.plan, context))
         context.sealed = True  # the model is wrapped: nothing more is added to it
         self.scheduler = parts.scheduler
         self.ema = make_ema(train, self.state.params)
         if self.resume_from is not None:
             step = ckpt.load_checkpoint(self.state, self.resume_from, train.resume_inexact)["step"]
+            restore_kept(self.resume_from, context.kept())
             self.state.start_step = int(step)
             if self.ema is not None:
                 resume_ema(self.ema, self.resume_from, train.resume_inexact)
@@ -294,7 +296,7 @@ class TrainRecipe(Recipe):
             self.hooks.append(self.heldout.hook(s.validation.every))
         if self.reg:
             self.hooks.append(regularization_logging(self.logger, s.regularization.weight))
-        saving = Checkpoints(state, run_dir, s.mode, s.train, self.records, self.ema)
+        saving = Checkpoints(state, run_dir, s.mode, s.train, self.records, self.ema, self.context.kept())
         self.save = s.outputs.saving(saving.save, self.accelerator, run_dir, s.train.checkpoints_total_limit)
 
     def _close_logger(self) -> None:
@@ -331,6 +333,7 @@ class Checkpoints:
     train: TrainConfig
     records: tuple[dict, dict]
     ema: Ema | None
+    kept: Mapping[str, Mapping[str, torch.Tensor]]  # the objective's own state (`ObjectiveContext.keep`)
 
     def save(self, step: int, consumed: int) -> Path:
         state, ema, mode, train = self.state, self.ema, self.mode, self.train
@@ -342,7 +345,12 @@ class Checkpoints:
             "data": self.records[1],
         }
         exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
-        extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
+
+        def extra(folder: Path) -> None:
+            write_kept(folder, self.kept)
+            if ema is not None:
+                write_ema(ema, folder, model, exports, mode.base)
+
         folder = ckpt.save_checkpoint(state, self.run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
         if step < train.max_steps:
             refresh_report(self.run_dir, state.accelerator)

@@ -25,7 +25,8 @@ from qie.runtime.memory import MemorySettings, apply_memory
 from qie.training.loop import LoopSettings, TrainState
 from qie.training.modes import TrainMode
 from qie.training.objectives import Objective, build_objective
-from qie.training.objectives.context import ObjectiveStore, RunContext
+from qie.training.objectives.context import ObjectiveStore
+from qie.training.objectives.run_context import RunContext
 from qie.training.run_record import data_record, model_record, transformer_fingerprint
 from qie.training.timesteps import SigmaSampling
 

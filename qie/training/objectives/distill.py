@@ -30,7 +30,7 @@ import torch
 from qie.errors import CacheMissError, ConfigError
 from qie.models.sampling import initial_noise
 from qie.training.objectives import ObjectiveUse
-from qie.training.objectives.context import sample_inputs
+from qie.training.objectives.run_context import sample_inputs
 from qie.types import Batch
 
 if TYPE_CHECKING:

@@ -70,4 +70,47 @@ class Reference:
                 p.requires_grad_(flag)
 
 
-__all__ = ["REFERENCE_ADAPTER", "Reference"]
+class FrozenCopy:
+    """A frozen copy of the trained weights (DiffusionNFT's sampling policy): its own tensors beside the trained
+    parameters, swapped in while `active()` (a swap of storage, nothing copied) and moved towards the trained ones by
+    `follow(decay)` (copy <- decay * copy + (1 - decay) * trained). Its tensors are what a checkpoint keeps of it.
+
+    Raises:
+        ConfigError: the trained weights are sharded across processes (train.fsdp=true): each process would keep
+            a copy of its shard alone.
+    """
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise ConfigError("a frozen copy of the trained weights needs trained weights: none require a gradient")
+        if any(isinstance(p, DTensor) for p in self.params.values()):
+            raise ConfigError(
+                "train.objective keeps a frozen copy of the trained weights, which train.fsdp=true shards across "
+                "processes: train without train.fsdp (several processes copy the model whole)"
+            )
+        self.tensors = {n: p.detach().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def follow(self, decay: float) -> None:
+        """Move the copy towards the trained weights: decay 0 makes it equal to them, 1 leaves it as it is."""
+        for name, p in self.params.items():
+            self.tensors[name].lerp_(p.detach(), 1.0 - float(decay))
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The model computes with the copy's weights inside this block (use it without a gradient)."""
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
+
+    def _swap(self) -> None:
+        for name, p in self.params.items():
+            p.data, self.tensors[name] = self.tensors[name], p.data
+
+
+__all__ = ["REFERENCE_ADAPTER", "FrozenCopy", "Reference"]
