@@ -120,6 +120,9 @@ class TrainConfig:
     # lora, loha or lokr (LyCORIS' LoHa / LoKr through peft), of train.lora's rank, alpha and modules
     adapter: Adapter = Adapter.lora
     max_steps: int = 1000
+    # A wall-clock budget from the run's start, in minutes: training stops at the first step boundary past it,
+    # saves and exports as at the end (train.resume=latest goes on); null: none.
+    max_minutes: float | None = None
     seed: int = 42
     learning_rate: float = 1e-4
     gradient_accumulation_steps: int = 1
@@ -186,6 +189,7 @@ class TrainConfig:
         """The first of the step counts, the learning rate and the swapped blocks out of range, as one line."""
         return first(
             out_of_range("train.max_steps", self.max_steps, 0),
+            None if self.max_minutes is None else out_of_range("train.max_minutes", self.max_minutes, 1e-6),
             out_of_range("train.gradient_accumulation_steps", self.gradient_accumulation_steps, 1),
             out_of_range(
                 "train.learning_rate", self.learning_rate, 0.0, 3.4e38

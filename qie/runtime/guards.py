@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +21,40 @@ class NonFiniteLoss(QieError):
     """A training step gave a NaN or infinite loss or gradient (`train.on_nonfinite=stop`)."""
 
 
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every process decides alike about an optimizer step (`agree_on_step`)."""
+
+    finite: bool  # every process's window loss and the gradient norm are finite
+    loss: float  # the window loss averaged over processes
+    stop: bool  # a process was asked to stop (a signal)
+    out_of_time: bool  # a process is past the run's wall-clock budget (`train.max_minutes`)
+    metrics: dict[str, float]  # the objective's measures averaged over processes
+
+
 def agree_on_step(
-    accelerator: Any, window_loss: float, grad_norm: Any, stop: bool, metrics: dict[str, float] | None = None
-) -> tuple[bool, float, bool, dict[str, float]]:
-    """What every process decides alike about this optimizer step, from one collective (none with one process):
-    whether every process's window loss and the gradient norm are finite, the window loss averaged over
-    processes, whether any process was asked to stop, and `metrics` averaged over processes.
+    accelerator: Any,
+    window_loss: float,
+    grad_norm: Any,
+    stop: bool,
+    metrics: dict[str, float] | None = None,
+    out_of_time: bool = False,
+) -> StepAgreement:
+    """What every process decides alike about this optimizer step, from one collective (none with one process).
 
     Args:
         window_loss: this process's loss over the step's batches (NaN or infinite when one of them was).
         stop: whether this process got a stop signal.
         metrics: the objective's measures of this process's window (the same names on every process).
+        out_of_time: whether this process is past the run's wall-clock budget.
     """
     metrics = metrics or {}
     ok = math.isfinite(window_loss) and (grad_norm is None or math.isfinite(float(grad_norm)))
-    local = torch.tensor([window_loss, float(stop), 0.0 if ok else 1.0, *metrics.values()])
+    local = torch.tensor([window_loss, float(stop), 0.0 if ok else 1.0, float(out_of_time), *metrics.values()])
     n = accelerator.num_processes
     totals = local if n == 1 else accelerator.reduce(local.to(accelerator.device), "sum").cpu()
-    loss, stops, bad, *sums = totals.tolist()
-    return bad == 0, loss / n, stops > 0, {name: s / n for name, s in zip(metrics, sums)}
+    loss, stops, bad, late, *sums = totals.tolist()
+    return StepAgreement(bad == 0, loss / n, stops > 0, late > 0, {name: s / n for name, s in zip(metrics, sums)})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

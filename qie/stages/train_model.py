@@ -106,8 +106,13 @@ def base_model_key(model: ModelConfig, record: dict) -> dict:
     return {**key, "quantize": str(model.quantize), "zero_cond_t": model.zero_cond_t}
 
 
-def loop_settings(train: TrainConfig, logging: LoggingConfig, objective: Objective) -> LoopSettings:
+def loop_settings(
+    train: TrainConfig, logging: LoggingConfig, objective: Objective, started: float | None = None
+) -> LoopSettings:
+    """The loop's settings; `started` (`time.monotonic()` when the run started) counts `train.max_minutes`."""
+    deadline = None if train.max_minutes is None or started is None else started + 60 * train.max_minutes
     return LoopSettings(
+        deadline=deadline,
         max_steps=train.max_steps,
         seed=train.seed,
         objective=objective,

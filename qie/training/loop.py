@@ -39,6 +39,9 @@ class LoopSettings:
     # A NaN/inf loss or gradient: "stop" (save the last good state) or "skip". Non-finite weights or optimizer
     # state after an update (checked on logged steps and before every save) always stop: the update is applied.
     on_nonfinite: str = "stop"
+    # The wall-clock budget (`train.max_minutes`): `time.monotonic()` past which training stops at the next step
+    # boundary and saves, as at the end; None: none.
+    deadline: float | None = None
 
 
 @dataclass
@@ -125,7 +128,8 @@ def fit(
         last_saved: the checkpoint this run resumed from (the last good state until this run saves one).
 
     Returns:
-        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "signal", "skipped_nonfinite"}.
+        {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "signal",
+        "stopped_by_time" (the budget `settings.deadline` was spent), "skipped_nonfinite"}.
 
     Raises:
         NonFiniteLoss: a NaN or infinite loss or gradient with `on_nonfinite="stop"` (after saving the last
@@ -138,7 +142,7 @@ def fit(
     step, consumed = state.start_step, None
     losses: list[float] = []
     stream = iter(batches)
-    stopping = False
+    stopping = late = False
     state.model.train()  # once: a step sets it again only when a hook left the model in eval mode
     bar = progress(settings.max_steps, "train", initial=step, disable=not accelerator.is_main_process)
     with StopSignal() as stop, bar:
@@ -164,7 +168,7 @@ def fit(
             step += 1
             # Every process stops after the same step (decided with the step's one collective), or the
             # checkpoint's collectives would pair with another process's training step.
-            stopping = window["stop"]
+            stopping, late = window["stop"], window["late"] and not window["stop"]
             nonfinite.audit(step, settings.max_steps, checkpoints.last_good)
             losses.append(mean_loss)
             bar.set_postfix(loss=f"{mean_loss:.4f}")
@@ -179,11 +183,14 @@ def fit(
             if on_step_end is not None:
                 on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
             checkpoints.after_step(step, consumed)
+            if late:
+                break
         checkpoints.at_end(step, consumed)
-    return _result(step, losses, nonfinite.skipped, stop.received if stopping else None, stopping)
+    signalled = stopping and not late
+    return _result(step, losses, nonfinite.skipped, stop.received if signalled else None, signalled, late)
 
 
-def _result(step: int, losses: list[float], skipped: list, received: int | None, stopping: bool) -> dict:
+def _result(step: int, losses: list[float], skipped: list, received: int | None, stopping: bool, late: bool) -> dict:
     """What `fit` returns; a stop another process's signal decided is reported as SIGTERM (a scheduler's)."""
     signum = int(received or signal.SIGTERM) if stopping else None
     last = losses[-1] if losses else math.nan
@@ -193,6 +200,7 @@ def _result(step: int, losses: list[float], skipped: list, received: int | None,
         "losses": losses,
         "stopped_by_signal": stopping,
         "signal": signum,
+        "stopped_by_time": late,
         "skipped_nonfinite": skipped,
     }
 
@@ -213,6 +221,7 @@ def _optimizer_step(
     if not model.training:  # train() walks every module: not on every step
         model.train()
     window_loss, grad_norm, waited, finite, ids, mean_loss, stopping = 0.0, None, 0.0, True, [], math.nan, False
+    late = False
     metrics: dict[str, float] = {}
     micro_steps = accelerator.gradient_accumulation_steps
     for _ in range(micro_steps):
@@ -230,8 +239,21 @@ def _optimizer_step(
                 # An infinite bound measures the norm without clipping, so grad_norm is always logged.
                 max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
                 grad_norm = accelerator.clip_grad_norm_(state.params, max_norm)
-                finite, mean_loss, stopping, metrics = agree_on_step(
-                    accelerator, window_loss, grad_norm, stop.received is not None, settings.objective.step_metrics()
+                out_of_time = settings.deadline is not None and time.monotonic() >= settings.deadline
+                agreed = agree_on_step(
+                    accelerator,
+                    window_loss,
+                    grad_norm,
+                    stop.received is not None,
+                    settings.objective.step_metrics(),
+                    out_of_time,
+                )
+                finite, mean_loss, stopping, late, metrics = (
+                    agreed.finite,
+                    agreed.loss,
+                    agreed.stop,
+                    agreed.out_of_time,
+                    agreed.metrics,
                 )
             # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
             if finite:
@@ -245,6 +267,7 @@ def _optimizer_step(
         "ids": ids,
         "waited": waited,
         "stop": stopping,
+        "late": late,
         "metrics": metrics,
     }
     return mean_loss, grad_norm, batch, window
