@@ -166,7 +166,8 @@ def test_the_first_loss_of_the_edit_family_is_pinned_and_trains_the_lora_only(ti
     assert all(p.grad is not None for n, p in policy.named_parameters() if "lora_B" in n)
     assert all(p.grad is None for n, p in policy.named_parameters() if "lora" not in n)
     metrics = objective.step_metrics()
-    assert set(metrics) == {"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction"}
+    timing = {"rollout_seconds", "reward_seconds", "rewards_per_second"}
+    assert set(metrics) == {"reward_mean", "reward_std", "reward_best", "kl", "clip_fraction", *timing}
     assert metrics["clip_fraction"] == 0.0 and metrics["kl"] > 0  # one optimisation per rollout: the ratio is 1
     # The policy-gradient term is -mean(A) = 0 up to rounding at the first optimisation; the KL term is the loss.
     assert loss.item() == pytest.approx(0.04 * metrics["kl"], abs=1e-7)
@@ -420,3 +421,55 @@ def test_the_trained_lora_loads_in_the_diffusers_pipeline_and_a_reward_from_outs
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     tuned = pipe(generator=torch.Generator().manual_seed(3), **sampling).images
     assert np.abs(tuned - base).max() > 1e-6
+
+
+# --- cheaper rollouts ---------------------------------------------------------------------------------------------
+
+
+def calls_of(model) -> list[int]:
+    """The batch size of each call of `model`, from now on."""
+    sizes: list[int] = []
+    model.register_forward_pre_hook(lambda m, a, k: sizes.append(k["hidden_states"].shape[0]), with_kwargs=True)
+    return sizes
+
+
+def test_a_groups_shared_prefix_is_sampled_once_and_gives_the_same_step(tiny) -> None:
+    cfg, spec, parts = tiny
+    late = {"sampling_steps": 4, "train_timesteps": 1, "window": [2, 4]}  # the noisy step is the third or fourth
+    policy = lora_model(cfg)
+    plain = grpo_objective(spec, parts, policy, shared_prefix=False, **late)
+    plain_calls = calls_of(policy)
+    want = plain.loss(policy, rollout_batch(), torch.Generator().manual_seed(7))
+    assert plain_calls == [3] * 6  # 4 rollout steps, then the trained step under the policy and the reference
+    policy = lora_model(cfg)
+    shared = grpo_objective(spec, parts, policy, **late)
+    shared_calls = calls_of(policy)
+    got = shared.loss(policy, rollout_batch(), torch.Generator().manual_seed(7))
+    assert shared_calls[:2] == [1, 1] and len(shared_calls) == 6  # the first two steps once, for one edit
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)  # the same edits, up to the batch's rounding
+    assert shared.step_metrics()["reward_mean"] == pytest.approx(plain.step_metrics()["reward_mean"], rel=1e-5)
+
+
+def test_the_trained_steps_are_drawn_from_the_window(tiny) -> None:
+    cfg, spec, parts = tiny
+    objective = grpo_objective(spec, parts, lora_model(cfg), sampling_steps=6, train_timesteps=2, window=[1, 4])
+    g = torch.Generator().manual_seed(0)
+    drawn = [objective._chosen(g) for _ in range(50)]
+    assert {tuple(d) for d in drawn} == {(1, 2), (1, 3), (2, 3)}  # every pair of the window, none outside
+
+
+def test_rollouts_at_their_own_size_are_scored_at_it_and_scoring_beside_sampling_changes_nothing(tiny) -> None:
+    cfg, spec, parts = tiny
+    policy = lora_model(cfg)
+    objective = grpo_objective(spec, parts, policy, rollout_pixels=32 * 32)
+    sizes = []
+    score = objective.context.score
+    objective.context.score = lambda reward, images, *a: (
+        sizes.append(tuple(images.shape[-2:])) or score(reward, images, *a)
+    )
+    loss = objective.loss(policy, rollout_batch(), torch.Generator().manual_seed(7))
+    assert torch.isfinite(loss) and sizes == [(32, 32)]  # the batch's edits are 64 px: a quarter of the area
+    alone = grpo_objective(spec, parts, policy, rollout_pixels=32 * 32, overlap_rewards=False)
+    assert torch.equal(alone.loss(policy, rollout_batch(), torch.Generator().manual_seed(7)), loss)
+    metrics = objective.step_metrics()
+    assert metrics["rollout_seconds"] > 0 and metrics["reward_seconds"] > 0 and metrics["rewards_per_second"] > 0

@@ -96,6 +96,7 @@ class FlowLoop:
         pipeline_config: Mapping[str, Any] | None = None,
         sigmas: Sequence[float] | None = None,
         progress: bool = False,
+        span: tuple[int, int | None] | None = None,
     ) -> torch.Tensor:
         """The pipeline's denoising loop from `noise` (the family's `denoise`, `qie.models.family`): what the
         family's sampler runs after drawing its noise, and what distillation trains through (with the gradient on
@@ -111,20 +112,24 @@ class FlowLoop:
             steps: denoising steps (unused where `sigmas` or the checkpoint's `sample_sigmas` give them).
             pipeline_config: the checkpoint's model_index.json (its `sample_sigmas`, for a family that reads them).
             sigmas: sampling sigmas, before any other.
+            span: the steps (start, stop) of the schedule to run, `noise` being the latents at `start` (the rest of
+                a run whose first steps were taken elsewhere: a group's shared prefix); stop None: to the end; None:
+                every step.
 
         Returns:
-            Normalised latents in the noise's layout.
+            Normalised latents in the noise's layout (after step `stop - 1`).
         """
         run = cls(sampled(transformer), noise, controls)
         scheduler = type(scheduler).from_config(scheduler.config)
         chosen = cls.sigmas(steps, pipeline_config, sigmas)
         timesteps, _ = retrieve_timesteps(scheduler, None, noise.device, sigmas=chosen, mu=run.mu(scheduler.config))
-        scheduler.set_begin_index(0)
+        start, stop = span or (0, None)
+        scheduler.set_begin_index(start)
         do_cfg = true_cfg_enabled(true_cfg_scale, negative is not None)
         uncond = run.prediction(negative, "uncond") if do_cfg else None
         latents = denoise(
             scheduler,
-            timesteps,
+            timesteps[start:stop],
             run.latents,
             run.prediction(prompt, "cond"),
             uncond,

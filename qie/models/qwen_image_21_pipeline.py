@@ -157,7 +157,8 @@ def sample_latents(
 class QwenImage21Loop(FlowLoop):
     """The pipeline's denoising run (`FlowLoop.denoise` is the family's `denoise`): reference tokens, then the
     target's; the checkpoint's `sample_sigmas` where set; true CFG without rescale; with a causal-condition
-    transformer, each branch's text and reference keys and values extracted at the first step and reused after."""
+    transformer, each branch's text and reference keys and values extracted by its first transformer call and reused
+    after (a replay that calls the transformer at a few steps alone extracts them at the first of those)."""
 
     sigma_schedule = "linspace_to_1_over_n"  # where the checkpoint has no `sample_sigmas`
     reads_sample_sigmas = True
@@ -177,7 +178,9 @@ class QwenImage21Loop(FlowLoop):
         kv_cache = QwenImage21KVCache(len(self.transformer.transformer_blocks)) if self.cached else None
 
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            kv_mode = ("extract" if i == 0 else "cached") if self.cached else None
+            # The condition's keys and values do not depend on the step (it sits at t = 0): whichever call runs first
+            # extracts them.
+            kv_mode = ("cached" if kv_cache.layer_caches[0].k is not None else "extract") if self.cached else None
             model_input = latents if self.ref_tokens is None else torch.cat([self.ref_tokens, latents], dim=1)
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
             return _predict(

@@ -14,7 +14,8 @@ The loop is the family's (`ModelFamily.denoise`): `SdeRun` gives it a scheduler 
 rollout (`mode="rollout"`) draws eps from a generator and records every state and log-probability; a replay
 (`mode="replay"`) walks the recorded states again, runs the model only at the chosen steps (elsewhere `skipping`
 answers zeros, which the replayed step ignores) and gives the log-probability, under the model now, of the recorded
-step and its mean.
+step and its mean. A rollout whose first steps are the same for a whole group (one starting noise, the ODE's step
+before the first noisy one) may take them once for one edit and `broadcast` them to the group before going on.
 """
 
 from __future__ import annotations
@@ -124,19 +125,23 @@ class SdeRun:
         self.log_probs[i], self.scales[i] = gaussian_log_prob(taken, mean, scale).detach(), scale
         return taken
 
-    def skipping(self, model: Any) -> Any:
-        """`model` as a replay calls it: run at the chosen steps and at the first (a loop may keep what the model
-        computes there: Qwen-Image-2.1's key/value cache of its condition); elsewhere zeros shaped as its input. Its
-        attributes are the model's (a loop reads its config).
+    def broadcast(self, copies: int) -> None:
+        """Repeat the states recorded so far (one edit's) for `copies` edits: a group's shared first steps."""
+        self.states = [s.expand(copies, *s.shape[1:]) for s in self.states]
 
-        Where `model` is a data-parallel wrapper, the first call goes through it and the others through the module
-        it wraps: one wrapper call per replay on every process, however many steps each draws, so the wrapper's
-        per-call exchanges match across processes, and the backward pass still averages the gradients."""
-        run, inner = self, unwrapped(model)
+    def skipping(self, model: Any) -> Any:
+        """`model` as a replay calls it: run at the chosen steps alone; elsewhere zeros shaped as its input. Its
+        attributes are the model's (a loop reads its config). A loop that keeps what the model computes at its first
+        call (Qwen-Image-2.1's key/value cache of its condition) keeps it from the first chosen step.
+
+        Where `model` is a data-parallel wrapper, the first chosen step's call goes through it and the others through
+        the module it wraps: one wrapper call per replay on every process, however many steps each draws, so the
+        wrapper's per-call exchanges match across processes, and the backward pass still averages the gradients."""
+        run, inner, first = self, unwrapped(model), min(self.chosen, default=None)
 
         class Skipping:
             def __call__(self, *args: Any, hidden_states: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor]:
-                if run.index == 0:
+                if run.index == first:
                     return model(*args, hidden_states=hidden_states, **kwargs)
                 if run.index in run.chosen:
                     return inner(*args, hidden_states=hidden_states, **kwargs)

@@ -106,12 +106,14 @@ class ObjectiveContext(Protocol):
         true_cfg_scale: float = 1.0,
         scheduler: Any = None,
         shared_start: bool = False,
+        span: tuple[int, int | None] | None = None,
     ) -> torch.Tensor:
         """`copies` results of each sample (B * copies, ...) shaped as `batch.latents`, sample-major, sampled by the
         family's loop from the batch's cached embeddings (each prompt unpadded), without CFG unless
-        `true_cfg_scale` > 1 (against the empty prompt). Starting noise: `noise`, else drawn from `generator` per
-        sample (one shared by its copies with `shared_start`). `scheduler` replaces the model's (its `step`: an SDE
-        step); `steps` defaults to the pipeline's. The gradient is on where the caller has it on."""
+        `true_cfg_scale` > 1 (against the empty prompt). Starting noise: `noise` (of any latent size), else drawn
+        from `generator` per sample (one shared by its copies with `shared_start`). `scheduler` replaces the model's
+        (its `step`: an SDE step); `steps` defaults to the pipeline's; `span` (start, stop) runs those steps alone,
+        `noise` being the latents at `start`. The gradient is on where the caller has it on."""
         ...
 
     def denoise(
@@ -131,6 +133,10 @@ class ObjectiveContext(Protocol):
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images (N, 3, H, W) in [0, 1] of normalised latents (the VAE's decoder, loaded on first use)."""
+        ...
+
+    def pixels_per_latent(self) -> int:
+        """Image pixels per latent pixel along a side (the VAE's scale; the decoder is loaded to read it)."""
         ...
 
     def row(self, sample_id: str, size: tuple[int, int] | None = None, needs: Collection[str] = ()) -> Row:

@@ -85,6 +85,7 @@ class RunContext:
         true_cfg_scale: float = 1.0,
         scheduler: Any = None,
         shared_start: bool = False,
+        span: tuple[int, int | None] | None = None,
     ) -> torch.Tensor:
         steps = int(steps or self.sampling_defaults.get("num_inference_steps") or 1)
         shape, device, dtype = batch.latents.shape[1:], batch.latents.device, batch.prompt_embeds.dtype
@@ -108,6 +109,7 @@ class RunContext:
                     float(true_cfg_scale),
                     False,
                     self.pipeline_config,
+                    span=span,
                 )
             )
         return torch.cat(out)
@@ -137,11 +139,17 @@ class RunContext:
         )
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return rgb(self.family.decode(self._decoder(), latents, "pt").float().clamp(0, 1))
+
+    def pixels_per_latent(self) -> int:
+        return int(self.family.vae_scale(self._decoder()))
+
+    def _decoder(self) -> Any:
         if "decoder" not in self.built:
             if self.decoder is None:
                 raise ValueError("this run builds no decoder (RunContext.decoder)")
             self.built["decoder"] = self.decoder()
-        return rgb(self.family.decode(self.built["decoder"], latents, "pt").float().clamp(0, 1))
+        return self.built["decoder"]
 
     # --- rows and rewards -------------------------------------------------------------------------------------
 
