@@ -77,6 +77,18 @@ PINNED_GRPO: dict[str, list[float]] = {
     "tiny_t2i": [0.5299047827720642, 0.5316125154495239, 2.7666538926496287e-07],
     "tiny_qwen_image_21": [0.43088921904563904, 0.4475215673446655, 1.6344881004215495e-09],
 }
+# Each family's forward-process RL run (`train/objective=nft` with NFT): the mean reward of its first two steps'
+# rollouts and its first two losses. Taken as PINNED_LOSSES are.
+PINNED_NFT: dict[str, list[float]] = {
+    "tiny": [0.5292760729789734, 0.5319585800170898, 4.112846374511719, 6.902175426483154],
+    "tiny_plus": [0.5292630195617676, 0.5320432782173157, 4.11271333694458, 6.901096820831299],
+    "tiny_edit_2511": [0.5292668342590332, 0.5320430397987366, 4.112730979919434, 6.901091575622559],
+    "tiny_t2i": [0.5293666124343872, 0.5320075154304504, 4.110219478607178, 6.901528835296631],
+    "tiny_qwen_image_21": [0.4382614195346832, 0.4257434010505676, 4.184105396270752, 6.602688312530518],
+}
+# Groups of two edits in two ODE steps by the sampling policy (on-policy at first, then lagging), scored as GRPO's.
+NFT = ["train/objective=nft", "train.objective.group_size=2", "train.objective.sampling_steps=2",
+       "train.objective.decay_rate=0.25", "train.objective.reward._target_=plugins.colour.Colour"]  # fmt: skip
 # Groups of two edits in two SDE steps, one of them trained, scored by a reward outside qie that reads the image
 # alone (the battery's prompts name no colour for the demo's reward).
 GRPO = ["train/objective=grpo", "train.objective.group_size=2", "train.objective.sampling_steps=2",
@@ -281,6 +293,31 @@ def test_online_rl_is_pinned_and_resumes_exactly(battery: Battery, family: str) 
     measured = [steps[0]["reward_mean"], steps[1]["reward_mean"], steps[1]["kl"]]
     assert family in PINNED_GRPO, f"pin {family!r}: {measured}"
     np.testing.assert_allclose(measured, PINNED_GRPO[family], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("family", families("nft"))
+def test_forward_process_rl_is_pinned_and_resumes_exactly(battery: Battery, family: str) -> None:
+    """`train/objective=nft` on the family's cache: rollouts of the sampling policy through the family's own loop,
+    the flow-matching loss on them, the first rewards and losses pinned, and a resume from step 2 (the frozen copy
+    and its schedule restored) repeating the rest and the adapter bit for bit; Layered is refused in one line."""
+    from qie.errors import ConfigError
+
+    prepared = battery[family]
+    if prepared.spec.family.outputs.layers:
+        with pytest.raises(ConfigError, match="train/objective=nft does not train a layered model") as info:
+            prepared.train("nft_refused", *NFT)
+        assert "\n" not in str(info.value)
+        return
+    cached = prepared.train("nft", *NFT, "train.max_steps=4", "train.checkpoint_every=2")
+    checkpoint = cached["dir"] / "checkpoints" / "step-000002"
+    resumed = prepared.train("nft_resumed", *NFT, "train.max_steps=4", f"train.resume={checkpoint}")
+    assert resumed["losses"] == cached["losses"][2:] and resumed["param_checksums"] == cached["param_checksums"]
+    steps = [json.loads(line) for line in (cached["dir"] / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [r["decay"] for r in steps] == pytest.approx([0.0, 0.25, 0.5, 0.5])
+    measured = [steps[0]["reward_mean"], steps[1]["reward_mean"], *cached["losses"][:2]]
+    assert family in PINNED_NFT, f"pin {family!r}: {measured}"
+    np.testing.assert_allclose(measured, PINNED_NFT[family], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("family", families("distill"))
@@ -510,6 +547,7 @@ def test_plan_prints_a_table(family: str, capsys: pytest.CaptureFixture) -> None
 # data-parallel runs go first: accelerate's state, reset after an FSDP run, lacks what a data-parallel one reads.
 TWO_PROCESS_CASES = {
     "grpo": ("test_online_rl_on_two_processes", GRPO),
+    "nft": ("test_forward_process_rl_on_two_processes", NFT),
     "fsdp": ("test_fsdp_on_two_processes", ["train.fsdp=true"]),
 }
 
@@ -569,3 +607,16 @@ def test_online_rl_on_two_processes(two_process_results: dict, family: str) -> N
     steps = result["steps"]
     assert len(steps) == 2 and all(0 < r["reward_mean"] <= 1 and r["reward_std"] >= 0 for r in steps)
     assert steps[1]["kl"] > 0  # the step-1 update moved the adapter away from its reference on both processes
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "tiny_qwen_image_layered"])  # refused: see above
+def test_forward_process_rl_on_two_processes(two_process_results: dict, family: str) -> None:
+    """`train/objective=nft` data-parallel: each process samples and scores its own sample's group with the frozen
+    copy, the adapters (and so the copies that follow them) stay identical, and every step logs its measures."""
+    result = two_process_results[f"nft:{family}"]
+    assert "error" not in result, result.get("error")
+    assert len(result["losses"]) == 2 and all(map(math.isfinite, result["losses"]))
+    assert result["ranks_agree"] and Path(result["lora"]).is_file()
+    steps = result["steps"]
+    assert len(steps) == 2 and all(0 < r["reward_mean"] <= 1 and r["rollout_seconds"] > 0 for r in steps)

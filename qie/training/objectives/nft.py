@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from qie.errors import ConfigError
+from qie.models.sampling import initial_noise
 from qie.training.flow_sde import clipped_loss, group_advantages, unwrapped
 from qie.training.objectives import ObjectiveUse, StepMeans
+from qie.training.objectives.rollouts import Scoring, rollout_shape
 from qie.types import Batch
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ class NftSettings:
     kl_weight: float = 0.0
     decay_rate: float = 0.001
     decay_max: float = 0.5
+    rollout_pixels: int | None = None  # the rollouts' area in pixels; None: the batch's
+    overlap_rewards: bool = True  # each group scored while the next one samples
 
     def checked(self) -> NftSettings:
         """These settings, or ConfigError (one line) for one out of range or a missing reward."""
@@ -81,6 +85,7 @@ class NftSettings:
             ("kl_weight", s.kl_weight >= 0, "give 0 or more"),
             ("decay_rate", s.decay_rate >= 0, "give 0 or more (e.g. 0.001)"),
             ("decay_max", 0 <= s.decay_max < 1, "give a value from 0 to below 1 (e.g. 0.5)"),
+            ("rollout_pixels", s.rollout_pixels is None or s.rollout_pixels >= 256, "give 256 or more, or null"),
         ]
         for name, ok, hint in checks:
             if not ok:  # NaN fails every comparison
@@ -121,21 +126,11 @@ class Nft:
         kl_weight: float = 0.0,
         decay_rate: float = 0.001,
         decay_max: float = 0.5,
+        rollout_pixels: int | None = None,
+        overlap_rewards: bool = True,
     ) -> None:
-        self.settings = NftSettings(
-            loss=loss,
-            group_size=group_size,
-            sampling_steps=sampling_steps,
-            true_cfg_scale=true_cfg_scale,
-            reward=reward,
-            beta=beta,
-            adv_clip=adv_clip,
-            adaptive_weight=adaptive_weight,
-            clip_range=clip_range,
-            kl_weight=kl_weight,
-            decay_rate=decay_rate,
-            decay_max=decay_max,
-        ).checked()
+        settings = {k: v for k, v in locals().items() if k not in ("self", "context")}
+        self.settings = NftSettings(**settings).checked()
         self.context = context
         self.reward = context.reward(self.settings.reward)
         self.policy = context.frozen_copy()
@@ -175,28 +170,30 @@ class Nft:
         return min(s.decay_rate * int(self.count), s.decay_max)
 
     def rollout(self, model: Any, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """`group_size` edits of each sample by the sampling policy (no gradient), sample-major: their clean
-        latents, rewards (higher is better) and how long sampling and scoring took."""
-        s, started = self.settings, time.perf_counter()
-        with torch.no_grad(), self.policy.active():
-            latents = self.context.sample(
-                unwrapped(model),
-                batch,
-                generator,
-                steps=s.sampling_steps,
-                copies=s.group_size,
-                true_cfg_scale=s.true_cfg_scale,
-            )
-        sampled = time.perf_counter()
-        with torch.no_grad():
-            rewards = self.context.score(self.reward, self.context.decode(latents), batch, s.group_size)
-        done = time.perf_counter()
-        times = {
-            "rollout_seconds": sampled - started,
-            "reward_seconds": done - sampled,
-            "rewards_per_second": len(rewards) / max(done - sampled, 1e-9),
-        }
-        return latents, rewards, times
+        """`group_size` edits of each sample by the sampling policy (no gradient), sample-major, at `rollout_pixels`
+        where set, each group scored while the next samples: their clean latents, rewards (higher is better) and how
+        long sampling and scoring took."""
+        s, g = self.settings, self.settings.group_size
+        shape = rollout_shape(self.context, batch, s.rollout_pixels)
+        latents, rewards = [], []
+        with Scoring(self.context, self.reward, s.overlap_rewards) as scoring:
+            for i in range(len(batch.ids)):
+                one, started = batch.take([i]), time.perf_counter()
+                noise = initial_noise((g, *shape), generator, batch.latents.device, batch.prompt_embeds.dtype)
+                with torch.no_grad(), self.policy.active():
+                    sampled = self.context.sample(
+                        unwrapped(model),
+                        one,
+                        noise=noise,
+                        steps=s.sampling_steps,
+                        copies=g,
+                        true_cfg_scale=s.true_cfg_scale,
+                    )
+                scoring.sampled(time.perf_counter() - started)
+                latents.append(sampled)
+                rewards.append(scoring.submit(one, sampled))
+            rewards = [r.result() for r in rewards]
+        return torch.cat(latents), torch.cat(rewards), scoring.measures()
 
     def loss(self, model: torch.nn.Module, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         s = self.settings
