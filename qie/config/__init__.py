@@ -22,7 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from qie.config.cache import (
-    CACHE_TYPES,
     CacheAction,
     CacheConfig,
     GcConfig,
@@ -313,7 +312,6 @@ def _check_optimizer(node: Any) -> None:
 
 
 __all__ = [
-    "CACHE_TYPES",
     "STAGES",
     "compose",
     "for_stage",
