@@ -107,16 +107,26 @@ def latest_pictures(folder: Path) -> dict:
     return out
 
 
-def validation_measures(folder: Path) -> dict[str, list[dict]]:
-    """The measures of each validation (`validation/metrics.jsonl` per validation set, `validation/rewards.jsonl`):
-    name -> its rows by step."""
-    out = {}
+def measures(folder: Path) -> dict[str, list[dict]]:
+    """What a training measured besides each step's line: the held-out measures (`heldout.jsonl`) and each
+    validation's (`validation/metrics.jsonl` per validation set, `validation/rewards.jsonl`; their means over the
+    samples): name -> rows of a step and its numbers."""
+    files = {"held-out": folder / HELDOUT}
     for name, sub in validation_folders(folder / "validation").items():
         for file in ("metrics.jsonl", "rewards.jsonl"):
-            rows = [r for r in read_lines(sub / file) if isinstance(r.get("step"), int)]
-            if rows:
-                out["/".join(p for p in ("validation", name, file.split(".")[0]) if p)] = rows
+            files["/".join(p for p in ("validation", name, file.split(".")[0]) if p)] = sub / file
+    out = {}
+    for name, path in files.items():
+        rows = [_numbers(r) for r in read_lines(path) if isinstance(r.get("step"), int)]
+        if rows:
+            out[name] = rows
     return out
+
+
+def _numbers(row: dict) -> dict:
+    """A measures line's step and numbers: its own, or its means over the samples (`mean`)."""
+    values = row["mean"] if isinstance(row.get("mean"), dict) else row
+    return {"step": row["step"], **{k: v for k, v in values.items() if k != "step" and _number(v)}}
 
 
 def log_tail(path: Path, lines: int = 60, window: int = 32768) -> list[str]:
@@ -192,7 +202,8 @@ def curves(folder: Path) -> dict:
     step = max(1, len(rows) // CURVE_POINTS)
     kept = rows[::step] + ([rows[-1]] if rows and (len(rows) - 1) % step else [])
     out = {name: [[r["step"], r[name]] for r in kept if _number(r.get(name))] for name in ("loss", "lr")}
-    out["heldout_loss"] = [[r["step"], r["loss"]] for r in read_lines(train / HELDOUT) if _number(r.get("loss"))]
+    heldout = [(r["step"], r.get("heldout/loss", r.get("loss"))) for r in read_lines(train / HELDOUT)]
+    out["heldout_loss"] = [[step, loss] for step, loss in heldout if _number(loss)]
     return out
 
 

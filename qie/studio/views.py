@@ -12,7 +12,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from qie.errors import QieError
-from qie.reporting.run_files import HELDOUT, METRICS, read_lines
+from qie.reporting.run_files import METRICS
 from qie.studio import runs
 from qie.studio.datasets import Page, browse, folder_of, thumbnail
 from qie.studio.guard import inside, within
@@ -73,8 +73,7 @@ def _watched(job: Job, folder: Path, offset: int) -> dict:
         "metrics": rows,
         "offset": offset,
         "reset": reset,
-        "heldout": read_lines(train / HELDOUT),
-        "validation": runs.validation_measures(train),
+        "measures": runs.measures(train),
         "progress": runs.progress(train) if job.stage in runs.TRAINING_STAGES else {"step": 0, "max_steps": None},
         "pictures": pictures,
         "log": runs.log_tail(run_dir / LOG),

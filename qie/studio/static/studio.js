@@ -90,7 +90,7 @@ function renderForm(form) {
   const presets = $("#presets");
   presets.replaceChildren(...form.presets.map((p) => {
     const select = el("select", { name: p.group, "data-preset": p.group },
-      el("option", { value: "", text: `(default${p.default ? ": " + p.default : ""})` }),
+      el("option", { value: "", text: `(default${p.default && !studio.presets.has("experiment") ? ": " + p.default : ""})` }),
       ...p.choices.map((c) => el("option", { value: c, text: c })));
     select.value = studio.presets.get(p.group) || "";
     select.addEventListener("change", () => {
@@ -184,6 +184,18 @@ async function prefill(stage, given) {
   await loadForm();
 }
 
+// The demo as a training job: the tiny demo model on the built-in data set, its cache filled as it trains.
+const DEMO = { presets: [["experiment", "demo"]], edits: [["train.max_steps", "120"], ["cache.mode", "lazy"]] };
+
+async function fillDemo() {
+  $("#stage").value = "train";
+  studio.presets = new Map(DEMO.presets);
+  studio.edits = new Map(DEMO.edits.map(([k, v]) => [k, `${k}=${v}`]));
+  $("#extra").value = "";
+  $("#multirun").checked = false;
+  await loadForm();
+}
+
 // ---- the job list ------------------------------------------------------------------------------------------
 
 function progressText(job) {
@@ -241,6 +253,7 @@ async function start() {
   $("#multirun").addEventListener("change", scheduleCheck);
   $("#extra").addEventListener("input", scheduleCheck);
   $("#job-form").addEventListener("submit", queueJob);
+  $("#demo").addEventListener("click", fillDemo);
   for (const b of document.querySelectorAll("nav button")) b.addEventListener("click", () => showTab(b.dataset.tab));
   await Promise.all([loadForm(), refreshJobs()]);
   setInterval(refreshJobs, 2000);

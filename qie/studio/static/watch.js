@@ -49,8 +49,12 @@ function chart(title, series, width = 360, height = 180) {
     const pts = s.points.filter((p) => isFinite(p[1]));
     if (!pts.length) return;
     const d = pts.map((p, j) => `${j ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
-    svg.append(svgEl("path", { d, fill: "none", stroke: COLORS[i % COLORS.length], "stroke-width": 1.5,
-      "data-series": s.name, "data-points": pts.length }));
+    const color = COLORS[i % COLORS.length];
+    svg.append(svgEl("path", { d, fill: "none", stroke: color, "stroke-width": 1.5, "data-series": s.name,
+      "data-points": pts.length }));
+    if (pts.length <= 40) {  // few points (a measure taken now and then): each one shown
+      for (const p of pts) svg.append(svgEl("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: color }));
+    }
     if (series.length > 1) label(width - pad.r - 2, pad.t + 12 + 11 * i, s.name, "end", COLORS[i % COLORS.length]);
   });
   return svg;
@@ -97,9 +101,7 @@ function renderWatch(w) {
   if (w.outputs.report) report.href = `/files/run/${job.id}/${w.outputs.report}`;
   $("#run-lora").textContent = w.outputs.lora ? `LoRA: ${w.outputs.lora}` : "";
   const charts = [...watching.series].map(([k, byStep]) => chart(k, [{ name: k, points: points(byStep) }]));
-  if (w.heldout.length) charts.push(chart("held-out loss", [{ name: "held-out", points: w.heldout
-    .filter((r) => typeof r.loss === "number").map((r) => [r.step, r.loss]) }]));
-  for (const [set, rows] of Object.entries(w.validation)) {
+  for (const [set, rows] of Object.entries(w.measures)) {
     const keys = [...new Set(rows.flatMap((r) => Object.keys(r)))].filter((k) => k !== "step");
     for (const k of keys) charts.push(chart(`${set}: ${k}`, [{ name: k, points: rows
       .filter((r) => typeof r[k] === "number").map((r) => [r.step, r[k]]) }]));
