@@ -22,7 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from qie.config.cache import (
-    CACHE_TYPES,
     CacheAction,
     CacheConfig,
     GcConfig,
@@ -39,12 +38,25 @@ from qie.config.predict import PredictConfig
 from qie.config.rewards import reward_settings_problem
 from qie.config.roots import DemoRoot, PrecomputeRoot, TrainRoot
 from qie.config.rules import late_problem, setting_problem, trains_lora
+from qie.config.studio import StudioRoot
 from qie.config.train import TrainConfig
 from qie.config.tree import conf_dir
 from qie.config.weights import weight_problem
 from qie.errors import ConfigError
 
-STAGES = ("precompute", "train", "infer", "cache", "demo", "plan", "caption", "export", "extract_lora", "eval")
+STAGES = (
+    "precompute",
+    "train",
+    "infer",
+    "cache",
+    "demo",
+    "plan",
+    "caption",
+    "export",
+    "extract_lora",
+    "eval",
+    "studio",
+)
 
 
 def qie_home() -> Path:
@@ -144,6 +156,7 @@ ROOTS = {
     "export": ExportRoot,
     "extract_lora": ExtractRoot,
     "eval": EvalRoot,
+    "studio": StudioRoot,
 }
 
 
@@ -313,7 +326,6 @@ def _check_optimizer(node: Any) -> None:
 
 
 __all__ = [
-    "CACHE_TYPES",
     "STAGES",
     "compose",
     "for_stage",

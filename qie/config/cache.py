@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from qie.config.ranges import at_least
-from qie.types import CACHE_TYPES
 
 
 class SourceMode(StrEnum):
@@ -45,6 +44,14 @@ def _ssd() -> dict[str, Any]:
     return {"_target_": "qie.cache.ssd.SsdBackend"}
 
 
+def _all_types() -> list[str]:
+    """Every cache entry type, sample fields' included. `qie.types` imports torch: read when a cache node is built,
+    so that the schemas import without it."""
+    from qie.types import CACHE_TYPES
+
+    return list(CACHE_TYPES)
+
+
 @dataclass
 class CacheConfig:
     """The stages' cache settings; the backend's own are under `backend`."""
@@ -67,7 +74,7 @@ class CacheConfig:
     # Cached training with samples whose entries are missing or damaged: stop before building the model
     # (listing them in cache_report.json with the precompute command), or train on the rest with a warning.
     on_missing: OnMissing = OnMissing.stop
-    types: list[str] = field(default_factory=lambda: list(CACHE_TYPES))
+    types: list[str] = field(default_factory=_all_types)
     vae_encoder_device: str = "auto"
     text_encoder_device: str = "auto"
     # The backend, instantiated as written: `_target_` names its class, every other key is its constructor's
