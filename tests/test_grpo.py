@@ -473,3 +473,22 @@ def test_rollouts_at_their_own_size_are_scored_at_it_and_scoring_beside_sampling
     assert torch.equal(alone.loss(policy, rollout_batch(), torch.Generator().manual_seed(7)), loss)
     metrics = objective.step_metrics()
     assert metrics["rollout_seconds"] > 0 and metrics["reward_seconds"] > 0 and metrics["rewards_per_second"] > 0
+
+
+def test_a_reward_that_scores_a_groups_edits_alike_is_said_then_stops_the_run_with_its_state_kept(
+    small_cfg, targetless_cache, tmp_path, capsys
+) -> None:
+    from qie.errors import QieError
+    from qie.stages import train
+    from qie.stages.train_hooks import ZERO_SPREAD_STEPS
+
+    broken = ["train.objective.reward._target_=plugins.colour.Constant", "train.checkpoint_every=1000"]
+    run = [*targetless_cache, *GRPO, *broken, "train.max_steps=40"]
+    with pytest.raises(
+        QieError, match=r"train.objective.reward \(plugins.colour.Constant\) scored every edit of"
+    ) as info:
+        train.run(small_cfg("train", *run), tmp_path / "run")
+    assert f"for {ZERO_SPREAD_STEPS} steps in a row" in str(info.value) and "\n" not in str(info.value)
+    out = capsys.readouterr().out
+    assert "qie: warning: step 1: train.objective.reward (plugins.colour.Constant) scored every edit" in out
+    assert (tmp_path / "run" / "checkpoints" / f"step-{ZERO_SPREAD_STEPS:06d}").is_dir()  # the state is kept

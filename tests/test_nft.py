@@ -135,6 +135,7 @@ def test_the_sampling_policy_follows_the_trained_weights_on_policy_at_first(tiny
     [
         ({"loss": "dpo"}, {}, r"train.objective.loss=dpo is out of range: give one of nft, awm"),
         ({"group_size": 1}, {}, r"group_size=1 is out of range"),
+        ({"sampling_steps": 1}, {}, r"sampling_steps=1 is out of range: give 2 or more \(one step's sigmas are NaN"),
         ({"decay_max": 1.0}, {}, r"decay_max=1.0 is out of range"),
         ({"reward": None}, {}, r"train/objective=nft needs a reward"),
         ({}, {"regularization": True}, r"does not mix in data.regularization"),

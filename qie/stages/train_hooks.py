@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qie.components import LoadSettings, load_parts
+from qie.errors import QieError
 from qie.training.ema import Ema
 from qie.training.logging import ImageLogger
 from qie.training.loop import StepInfo, TrainState
 
 REWARDS_FILE = "rewards.jsonl"  # in the validation folder: the rewards' means at each validation
+# Steps in a row whose groups of edits all scored alike (`reward_std` 0) after which online RL stops: it learns nothing.
+ZERO_SPREAD_STEPS = 20
 
 if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
@@ -37,9 +40,11 @@ class HookInputs:
 
 
 def step_hooks(run: HookInputs, extra: Callable[[StepInfo], None] | None) -> list:
-    """What runs after each optimizer step: the EMA update, image logging, validation sampling, and `extra`."""
+    """What runs after each optimizer step: the EMA update, the check that an online-RL reward tells edits apart,
+    image logging, validation sampling, and `extra`."""
     s, ema = run.setup, run.ema
     hooks = [lambda info: ema.update(info.step)] if ema is not None else []
+    hooks.append(ZeroSpread(reward_named(s.train.objective)))
     log = s.logging
     if log.log_images:
         by_id = {sample.id: sample for sample in run.samples}
@@ -50,6 +55,41 @@ def step_hooks(run: HookInputs, extra: Callable[[StepInfo], None] | None) -> lis
     if extra is not None:
         hooks.append(extra)
     return hooks
+
+
+def reward_named(objective: Any) -> str:
+    """How messages name the objective's reward: its `_target_` where the objective has one."""
+    reward = objective.get("reward") if isinstance(objective, dict) else None
+    target = reward.get("_target_") if isinstance(reward, dict) else None
+    return f"train.objective.reward ({target})" if target else "the objective's reward"
+
+
+class ZeroSpread:
+    """Online RL learns only from rewards that differ within a group (its advantages): a step whose groups all scored
+    alike (`reward_std` 0 in the objective's measures, alike on every process) is said once, and after
+    `ZERO_SPREAD_STEPS` such steps in a row the run stops (its state kept) naming the reward."""
+
+    def __init__(self, reward: str, limit: int = ZERO_SPREAD_STEPS) -> None:
+        self.reward, self.limit, self.run, self.warned = reward, limit, 0, False
+
+    def __call__(self, info: StepInfo) -> None:
+        spread = info.metrics.get("reward_std")
+        if spread is None:
+            return
+        self.run = self.run + 1 if spread == 0 else 0
+        if self.run == 1 and not self.warned:
+            self.warned = True
+            print(
+                f"qie: warning: step {info.step}: {self.reward} scored every edit of each group alike, so this step "
+                "learned nothing (its advantages are 0)",
+                flush=True,
+            )
+        if self.run >= self.limit:
+            raise QieError(
+                f"{self.reward} scored every edit of each group alike for {self.run} steps in a row (reward_std 0): "
+                "online RL learns nothing from it; check that the reward reads the edits (a constant or a broken "
+                "reward), or draw more varied edits (a larger train.objective.group_size or noise_level)"
+            )
 
 
 def _validation_hook(run: HookInputs, ema: Ema | None):

@@ -12,7 +12,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ class StepInfo:
     loss: float  # mean over processes
     seconds: float  # wall time of the step, data wait included
     data_seconds: float = 0.0  # time this process waited for the step's batches
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's measures, alike on every process
 
 
 def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
@@ -181,7 +182,12 @@ def fit(
                     step, {"loss": mean_loss, "lr": lr, "grad_norm": norm, "seconds": seconds, **window["metrics"]}
                 )
             if on_step_end is not None:
-                on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"]))
+                try:
+                    on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"], window["metrics"]))
+                except QieError:  # a hook's verdict (every process's alike): the state after this step is kept
+                    if checkpoints.before_stopping(step, consumed):
+                        print(f"qie: saved the state after step {step} before stopping")
+                    raise
             checkpoints.after_step(step, consumed)
             if late:
                 break

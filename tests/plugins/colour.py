@@ -23,3 +23,12 @@ class Colour(Reward):
 
     def describe(self) -> dict[str, Any]:
         return {"rgb": [round(float(c) * 255) for c in self.rgb]}
+
+
+class Constant(Reward):
+    """A broken reward: the same score for every edit, whatever it shows."""
+
+    def __call__(
+        self, images: torch.Tensor, controls: list[list[torch.Tensor]], prompts: list[str], **needed: Any
+    ) -> torch.Tensor:
+        return torch.full((images.shape[0],), 0.5)

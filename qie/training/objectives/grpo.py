@@ -86,7 +86,11 @@ class GrpoSettings:
         first, last = s.span() if s.window is None or len(s.window) == 2 else (0, -1)
         checks = [
             ("group_size", s.group_size >= 2, "give 2 or more (advantages compare edits within a group)"),
-            ("sampling_steps", s.sampling_steps >= 1, "give 1 or more"),
+            (
+                "sampling_steps",
+                s.sampling_steps >= 2,
+                "give 2 or more (one step's sigmas are NaN once the scheduler stretches its shift to shift_terminal)",
+            ),
             ("window", 0 <= first < last <= s.sampling_steps, f"give [first, last] within 0..{s.sampling_steps}"),
             (
                 "train_timesteps",

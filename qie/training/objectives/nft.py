@@ -77,7 +77,11 @@ class NftSettings:
         checks = [
             ("loss", s.loss in LOSSES, f"give one of {', '.join(LOSSES)}"),
             ("group_size", s.group_size >= 2, "give 2 or more (advantages compare edits within a group)"),
-            ("sampling_steps", s.sampling_steps >= 1, "give 1 or more"),
+            (
+                "sampling_steps",
+                s.sampling_steps >= 2,
+                "give 2 or more (one step's sigmas are NaN once the scheduler stretches its shift to shift_terminal)",
+            ),
             ("true_cfg_scale", s.true_cfg_scale >= 1, "give 1 (no CFG) or more"),
             ("beta", 0 < s.beta <= 10, "give a value above 0 and at most 10 (e.g. 1)"),
             ("adv_clip", s.adv_clip > 0, "give a value above 0 (e.g. 5)"),
