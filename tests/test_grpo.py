@@ -492,3 +492,10 @@ def test_a_reward_that_scores_a_groups_edits_alike_is_said_then_stops_the_run_wi
     out = capsys.readouterr().out
     assert "qie: warning: step 1: train.objective.reward (plugins.colour.Constant) scored every edit" in out
     assert (tmp_path / "run" / "checkpoints" / f"step-{ZERO_SPREAD_STEPS:06d}").is_dir()  # the state is kept
+
+
+def test_the_progress_line_shows_a_loss_near_zero_and_the_mean_reward() -> None:
+    from qie.training.loop import progress_measures
+
+    assert progress_measures(3.1e-7, {"reward_mean": 0.61234, "kl": 1.0}) == {"loss": "3.1e-07", "reward": "0.6123"}
+    assert progress_measures(1.29347, {}) == {"loss": "1.293"}  # was 0.0000 for GRPO's, with no reward

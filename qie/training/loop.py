@@ -172,7 +172,7 @@ def fit(
             stopping, late = window["stop"], window["late"] and not window["stop"]
             nonfinite.audit(step, settings.max_steps, checkpoints.last_good)
             losses.append(mean_loss)
-            bar.set_postfix(loss=f"{mean_loss:.4f}")
+            bar.set_postfix(**progress_measures(mean_loss, window["metrics"]))
             bar.update(1)
             seconds = time.perf_counter() - t0
             if step % settings.log_every == 0 or step == settings.max_steps:
@@ -194,6 +194,15 @@ def fit(
         checkpoints.at_end(step, consumed)
     signalled = stopping and not late
     return _result(step, losses, nonfinite.skipped, stop.received if signalled else None, signalled, late)
+
+
+def progress_measures(loss: float, metrics: dict[str, float]) -> dict[str, str]:
+    """What the progress line shows of a step: its loss (4 significant digits: an online-RL loss is near 0) and, for
+    an objective that scores its own results, their mean reward."""
+    shown = {"loss": f"{loss:.4g}"}
+    if "reward_mean" in metrics:
+        shown["reward"] = f"{metrics['reward_mean']:.4f}"
+    return shown
 
 
 def _result(step: int, losses: list[float], skipped: list, received: int | None, stopping: bool, late: bool) -> dict:
