@@ -80,7 +80,7 @@ def finish(
         how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
         if result.get("stopped_by_time"):
             how = "stopped by the time budget (train.max_minutes)"
-        last = f"last loss {result['loss']:.4f}" if result["losses"] else "no step left (train.max_steps reached)"
+        last = f"last loss {result['loss']:.4g}" if result["losses"] else "no step left (train.max_steps reached)"
         print(f"qie: {how} at step {result['step']}, {last}; weights: {path}")
         if result["stopped_by_signal"] or result.get("stopped_by_time"):
             print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
