@@ -48,8 +48,8 @@ REWARD = "qie.demo.reward.RecolourReward"
 ARMS = ("grpo_plain", "grpo", "nft", "awm")
 
 
-def arm_overrides(arm: str, args: argparse.Namespace, budget_minutes: float | None) -> list[str]:
-    """The objective's overrides of one arm."""
+def arm_overrides(arm: str, args: argparse.Namespace, budget_minutes: float | None, start: str) -> list[str]:
+    """The objective's overrides of one arm going on from the LoRA `start` (also its KL's reference)."""
     reward = f"train.objective.reward._target_={REWARD}"
     if arm.startswith("grpo"):
         grpo = [
@@ -61,6 +61,7 @@ def arm_overrides(arm: str, args: argparse.Namespace, budget_minutes: float | No
             f"train.max_steps={args.grpo_steps}",
             f"train.checkpoint_every={args.every}",
             f"train.learning_rate={args.lr}",
+            f"train.objective.reference_lora={start}",
         ]
         if arm == "grpo_plain":
             return [*grpo, "train.objective.shared_prefix=false", "train.objective.overlap_rewards=false"]
@@ -74,6 +75,7 @@ def arm_overrides(arm: str, args: argparse.Namespace, budget_minutes: float | No
         f"train.max_minutes={budget_minutes}",
         f"train.checkpoint_every={args.every_nft}",
         f"train.learning_rate={args.nft_lr}",
+        f"train.objective.reference_lora={start}",
         *args.nft_set,
     ]
 
@@ -180,13 +182,13 @@ def main() -> None:
     rows = targetless_manifest(data)
     precompute.run(compose("precompute", [*base, f"data.path={rows}", "train/objective=grpo"]), out / "pre_rows")
     shared = [*common, f"data.path={rows}", f"train.init_lora={start}", f"data.batch_size={args.batch_size}"]
-    shared += [f"train.objective.reference_lora={start}", "train.lr_scheduler.num_warmup_steps=0"]
+    shared += ["train.lr_scheduler.num_warmup_steps=0"]
     arms, results, budget = args.arms.split(","), {}, args.budget_minutes
     for arm in arms:
         if arm in ("nft", "awm") and budget is None:
             budget = results["grpo_plain"]["wall_seconds"] / 4 / 60
         t0 = time.perf_counter()
-        train.run(compose("train", [*shared, *arm_overrides(arm, args, budget)]), out / arm)
+        train.run(compose("train", [*shared, *arm_overrides(arm, args, budget, start)]), out / arm)
         results[arm] = {"wall_seconds": time.perf_counter() - t0, **step_split(out / arm)}
         print(f"{arm}: {results[arm]}", flush=True)
     report(args, out, data, start, arms, results, budget)

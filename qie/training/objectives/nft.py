@@ -66,6 +66,7 @@ class NftSettings:
     adaptive_weight: bool = True
     clip_range: float = 0.2
     kl_weight: float = 0.0
+    reference_lora: str | None = None  # a LoRA file as the KL's reference (else the base with the adapter off)
     decay_rate: float = 0.001
     decay_max: float = 0.5
     rollout_pixels: int | None = None  # the rollouts' area in pixels; None: the batch's
@@ -128,6 +129,7 @@ class Nft:
         adaptive_weight: bool = True,
         clip_range: float = 0.2,
         kl_weight: float = 0.0,
+        reference_lora: str | None = None,
         decay_rate: float = 0.001,
         decay_max: float = 0.5,
         rollout_pixels: int | None = None,
@@ -140,7 +142,8 @@ class Nft:
         self.policy = context.frozen_copy()
         self.count = torch.zeros((), dtype=torch.int64)  # batches trained: the soft update's schedule
         context.keep("nft", {"batches": self.count})
-        self.reference = context.reference() if self.settings.kl_weight > 0 else None
+        kl = self.settings.kl_weight > 0
+        self.reference = context.reference(self.settings.reference_lora) if kl else None
         self.means = StepMeans()
 
     @classmethod
