@@ -38,8 +38,6 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     for key in ("run_dir", "out"):
         if not getattr(settings, key):
             raise ConfigError(f"export.{key} is not set: python -m qie.export RUN_DIR OUT (or export.{key}=...)")
-    if settings.samples < 0:
-        raise ConfigError(f"export.samples={settings.samples} is out of range: it must be 0 or more")
     run, out = Path(settings.run_dir).expanduser(), Path(settings.out).expanduser()
     if out.resolve() == run.resolve():
         raise ConfigError(f"export.out={settings.out!r} is the run folder itself: give a new folder")
