@@ -72,3 +72,54 @@ def test_a_negative_limit_set_in_code_stops_the_train_stage_before_it_writes(
     with pytest.raises(ConfigError, match="train.checkpoints_total_limit=-1 is out of range"):
         train.run(cfg, run)
     assert not run.exists()
+
+
+@pytest.mark.parametrize("target", ["torch.nn.Linear", "qie.evaluation.metrics.PixelError"])
+def test_a_class_that_is_no_objective_is_refused_in_one_line(target: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose("train", [f"train.objective._target_={target}"])
+    message = str(info.value)
+    assert message.startswith(f"train.objective._target_={target!r} is not an objective (it has no evaluate, loss")
+    assert "qie.extend.FlowMatching" in message and "\n" not in message
+
+
+PLUGIN = """
+from qie.extend import FlowMatching, SampleField
+
+FIELD = SampleField({name!r})
+
+
+class Objective(FlowMatching):
+    requires = FlowMatching.requires | {{FIELD}}
+"""
+
+
+@pytest.mark.parametrize("name", ["target", "prompt", "mask", "controls", "pixel"])
+def test_a_plugin_field_named_like_a_built_in_key_is_refused(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers import fields_forgotten
+
+    module = f"field_named_{name}"
+    (tmp_path / f"{module}.py").write_text(PLUGIN.format(name=name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with fields_forgotten(), pytest.raises(ConfigError) as info:
+        compose("train", [f"train.objective._target_={module}.Objective"])
+    message = str(info.value)
+    assert f"cannot be imported: a sample field cannot be named {name!r} (" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("raised", ["RuntimeError('no GPU here')", "KeyError('HOME')", "SystemError('x')"])
+def test_a_plugin_module_that_fails_as_it_is_imported_is_named_in_one_line(
+    raised: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"broken_{abs(hash(raised))}"
+    (tmp_path / f"{module}.py").write_text(f"x = 1\nraise {raised}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for stage, key in (("train", "train.objective._target_"), ("eval", "eval.rewards.mine._target_")):
+        with pytest.raises(ConfigError) as info:
+            compose(stage, [f"{'+' if stage == 'eval' else ''}{key}={module}.Thing"])
+        message = str(info.value)
+        kind = raised.split("(")[0]
+        assert message.startswith(f"{key}='{module}.Thing' cannot be imported: its module {module} raised {kind}: ")
+        assert f"{module}.py:2)" in message and "\n" not in message
