@@ -113,7 +113,7 @@ class TrainRecipe(Recipe):
     ) -> None:
         self.s, self.run_dir, self.cache, self.on_step_end = setup, run_dir, cache, on_step_end
         self.accelerator: Any = None
-        self.locked = self.frozen = False
+        self.locked = self.frozen = self.claimed = False
         self.logger: MetricsLogger | None = None
 
     def setup(self) -> None:
@@ -122,6 +122,8 @@ class TrainRecipe(Recipe):
         batches, the logger and the step hooks."""
         s = self.s
         self._setup_accelerator()
+        s.outputs.claim(s.train.resume, self.accelerator)  # the store checked (and taken) before anything loads
+        self.claimed = True
         record_run(self.run_dir, s.run_command, s.run_config, self.accelerator)
         # A backend whose start-up check reads an index starts reading it now, beside the data set's scan.
         ahead = TRAINING_TYPES if str(s.source.mode) == "cached" else ()
@@ -162,6 +164,9 @@ class TrainRecipe(Recipe):
         """Close the logger, let the collector see the run's objects again and release the run folder's lock."""
         self._close_logger()
         self._unfreeze()
+        if self.claimed:
+            self.s.outputs.release()
+            self.claimed = False
         if self.locked:
             run_lock.release(self.run_dir)
             self.locked = False
@@ -290,7 +295,15 @@ class TrainRecipe(Recipe):
             self.hooks.append(self.heldout.hook(s.validation.every))
         if self.reg:
             self.hooks.append(regularization_logging(self.logger, s.regularization.weight))
-        saving = Checkpoints(state, run_dir, s.mode, s.train, self.records, self.ema)
+        saving = Checkpoints(
+            state=state,
+            run_dir=run_dir,
+            mode=s.mode,
+            train=s.train,
+            records=self.records,
+            ema=self.ema,
+            run_id=s.outputs.run_id,
+        )
         self.save = s.outputs.saving(saving.save, self.accelerator, run_dir, s.train.checkpoints_total_limit)
 
     def _close_logger(self) -> None:
@@ -316,10 +329,11 @@ def collecting() -> Iterator[None]:
             gc.disable()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Checkpoints:
     """How the run saves a checkpoint: the state with its mode's exports, the records resume compares, the EMA
-    weights; the run's report refreshed but at the last step (written by `finish`, with the run's result)."""
+    weights, the run's id in its output store; the run's report refreshed but at the last step (written by
+    `finish`, with the run's result)."""
 
     state: TrainState
     run_dir: Path
@@ -327,6 +341,7 @@ class Checkpoints:
     train: TrainConfig
     records: tuple[dict, dict]
     ema: Ema | None
+    run_id: str | None = None  # the run's id in its output store (`run.output_url`), recorded in each checkpoint
 
     def save(self, step: int, consumed: int) -> Path:
         state, ema, mode, train = self.state, self.ema, self.mode, self.train
@@ -336,6 +351,7 @@ class Checkpoints:
             "num_processes": state.accelerator.num_processes,
             "model": self.records[0],
             "data": self.records[1],
+            **({"run": self.run_id} if self.run_id is not None else {}),
         }
         exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
         extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
