@@ -18,7 +18,8 @@ from qie.adapters.lora_files import recorded_base
 from qie.config import register, typed, validate
 from qie.errors import ConfigError, check_writable
 from qie.models import model_spec, variants
-from qie.publish.folder import Export, write_export
+from qie.output_files import inputs_problem
+from qie.publish.folder import Export, input_files, planned_files, write_export
 from qie.publish.hub import push_folder
 from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
 
@@ -30,7 +31,8 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     {"folder", "files", "missing", "url"}. The stage's edge: the one place that reads `cfg`.
 
     Raises:
-        ConfigError: `export.run_dir` or `export.out` unset, or a run folder without a LoRA to export.
+        ConfigError: `export.run_dir` or `export.out` unset, a run folder without a LoRA to export, an `export.out`
+            that holds files already (without `export.overwrite=true`) or one of the export's inputs.
         HubError: the upload cannot be made (offline included): the folder is kept.
     """
     validate(cfg)
@@ -44,6 +46,15 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     config = run_config(run)
     facts = read_run(run, config, settings.lora, settings.samples)
     facts.instructions = dataset_instructions((config.get("data") or {}).get("path"))
+    if problem := inputs_problem(planned_files(facts, out), input_files(facts), "export.out"):
+        raise ConfigError(problem)
+    held = sorted(out.iterdir()) if out.is_dir() else []
+    if held and not settings.overwrite:
+        raise ConfigError(
+            f"export.out={settings.out!r} holds files already (first: {held[0].name}): set export.overwrite=true to "
+            "replace the export's files there (links among them are replaced, not written through), or choose an "
+            "empty or new folder"
+        )
     check_writable(out, "export.out")
     written = export_folder(facts, out, settings.license, settings.push_to_hub)
     url = push_folder(out, settings.push_to_hub, settings.private) if settings.push_to_hub else None
