@@ -144,6 +144,16 @@ def test_an_extracted_lora_with_capped_ranks_loads_as_extracted(tiny_path: Path,
     assert pipe.transformer.transformer_blocks[0].attn.to_q.scaling["default_0"] == 1.0
 
 
+def test_a_tuned_file_that_is_no_safetensors_file_is_named_in_one_line(tmp_path: Path) -> None:
+    from qie.errors import ModelLoadError
+
+    broken = tmp_path / "tuned.safetensors"
+    broken.write_bytes(b"garbage")
+    with pytest.raises(ModelLoadError) as info:
+        extract(broken, tmp_path / "out" / "lora.safetensors", "extract.rank=4")
+    assert str(info.value).startswith(f"extract.tuned={str(broken)!r} is not a readable safetensors file (")
+
+
 # --- qie.export --------------------------------------------------------------------------------------------------
 
 
