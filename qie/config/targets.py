@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from qie.errors import ConfigError
+from qie.errors import ConfigError, raised_at
 
 
 def target_class(setting: str, target: str, expected: str) -> type:
@@ -21,7 +21,7 @@ def target_class(setting: str, target: str, expected: str) -> type:
     except (ImportError, ValueError) as e:
         raise ConfigError(f"{setting}={target!r} cannot be imported: {e}") from None
     except Exception as e:  # the module's own code failed as it ran: a plug-in's fault, named in one line
-        where = _raised_at(e)
+        where = raised_at(e)
         raise ConfigError(
             f"{setting}={target!r} cannot be imported: its module {module_name} raised {e.__class__.__name__}: "
             f"{e}{where}; fix that module"
@@ -29,11 +29,3 @@ def target_class(setting: str, target: str, expected: str) -> type:
     if not isinstance(cls, type):
         raise ConfigError(f"{setting}={target!r} is not a class: expected {expected}")
     return cls
-
-
-def _raised_at(e: BaseException) -> str:
-    """` (at FILE:LINE)` of the innermost frame of `e`'s traceback, or ""."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return "" if tb is None else f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from qie import run_lock
@@ -28,11 +27,9 @@ from qie.components import prepare_model
 from qie.config import precompute_command, read_groups, typed, validate
 from qie.config.backend import build_backend
 from qie.config.cache import CacheConfig
-from qie.config.train import TrainConfig
 from qie.data import file_stats
 from qie.data.fields import run_fields, with_defaults
-from qie.errors import ConfigError, Interrupted, check_writable
-from qie.runtime.memory import full_tensor
+from qie.errors import ConfigError, Interrupted, PluginError, QieError, check_writable
 from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
@@ -42,6 +39,7 @@ from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.teacher_store import teacher_store
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_rows
+from qie.stages.train_end import RESULT_FILE, Checkpoints, finish
 from qie.stages.train_extras import lora_exports, make_ema, regularization_logging
 from qie.stages.train_hooks import HookInputs, search_result, step_hooks
 from qie.stages.train_model import (
@@ -52,19 +50,18 @@ from qie.stages.train_model import (
     make_objective,
     run_records,
 )
-from qie.stages.train_report import rebuilt_command, record_run, refresh_report
+from qie.stages.train_report import rebuilt_command, record_run
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training import checkpoint as ckpt
 from qie.training.batches import EmbeddingDataset, make_loader, raise_failures
-from qie.training.ema import Ema, export_ema, resume_ema, write_ema
+from qie.training.ema import resume_ema
 from qie.training.logging import MetricsLogger
-from qie.training.loop import StepInfo, TrainState, fit
-from qie.training.modes import TrainMode
+from qie.training.loop import StepInfo, fit
 from qie.training.objectives import field_names, needs_decoder, objective_class, trains_on_targets
 from qie.training.run_record import check_resume
 from qie.types import TRAINING_TYPES
 
-RESULT_FILE = "train_result.json"
+TRACEBACK_FILE = "error_traceback.txt"  # where a failure of user code (an objective, a reward) keeps its traceback
 
 
 def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] | None = None) -> dict:
@@ -136,7 +133,14 @@ class TrainRecipe(Recipe):
         self._setup_hooks()
 
     def run(self) -> dict:
-        """Train, measure the held-out samples, export the weights and publish the run's outputs."""
+        """Train, measure the held-out samples, export the weights and publish the run's outputs. A step hook or
+        the held-out measures failing (a validation reward of one's own) ends the run as a stop does, its weights
+        exported and its state saved, then raises that error.
+
+        Raises:
+            PluginError: the objective's code failed (the last finished step saved first), or a step hook's or the
+                held-out measures' did (after the export); its traceback is written to `TRACEBACK_FILE`.
+        """
         s, state = self.s, self.state
         try:
             settings = loop_settings(s.train, s.logging, self.objective)
@@ -149,16 +153,46 @@ class TrainRecipe(Recipe):
                 on_step_end=lambda info: [hook(info) for hook in self.hooks],
                 last_saved=self.resume_from,
             )
-            self.heldout.measure_into(result)
-            result.update(search_result(s.validation, self.run_dir))
+            failure = result.pop("failure")
+            if failure is None:
+                failure = self._measure(result)
         except Interrupted as e:  # a second stop signal: name what is kept, now that an unfinished save is removed
             raise Interrupted(ckpt.kept_after_interrupt(self.run_dir, self.resume_from), e.signum) from None
+        except PluginError as e:  # the objective's own code: its state before the step is saved
+            self._failed(e)
+            raise
         finally:
             self._close_logger()
         self._unfreeze()
+        if failure is not None:
+            result["error"] = str(failure)
         finish(state, s.mode, self.run_dir, result, lora_exports(s.train), self.ema)
         s.outputs.publish(self.run_dir, self.accelerator)
+        if failure is not None:
+            self._failed(failure)
+            raise failure
         return result
+
+    def _measure(self, result: dict) -> QieError | None:
+        """Add the held-out measures and the search metric to `result`; the QieError that stopped them, or None."""
+        try:
+            self.heldout.measure_into(result)
+            result.update(search_result(self.s.validation, self.run_dir))
+        except QieError as e:
+            return e
+        return None
+
+    def _failed(self, e: BaseException) -> None:
+        """Write the traceback of a failure of user code (`PluginError`: its cause's) into the run folder and say
+        how to go on (the main process)."""
+        if not self.accelerator.is_main_process:
+            return
+        if isinstance(e, PluginError):
+            text = "".join(traceback.format_exception(e))
+            (self.run_dir / TRACEBACK_FILE).write_text(text, encoding="utf-8")
+            print(f"qie: the traceback of the error: {self.run_dir / TRACEBACK_FILE}", flush=True)
+        if ckpt.complete_checkpoints(self.run_dir):
+            print(f"qie: once it is fixed, continue with train.resume=latest hydra.run.dir={self.run_dir}", flush=True)
 
     def cleanup(self) -> None:
         """Close the logger, let the collector see the run's objects again and release the run folder's lock."""
@@ -329,76 +363,4 @@ def collecting() -> Iterator[None]:
             gc.disable()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Checkpoints:
-    """How the run saves a checkpoint: the state with its mode's exports, the records resume compares, the EMA
-    weights, the run's id in its output store; the run's report refreshed but at the last step (written by
-    `finish`, with the run's result)."""
-
-    state: TrainState
-    run_dir: Path
-    mode: TrainMode
-    train: TrainConfig
-    records: tuple[dict, dict]
-    ema: Ema | None
-    run_id: str | None = None  # the run's id in its output store (`run.output_url`), recorded in each checkpoint
-
-    def save(self, step: int, consumed: int) -> Path:
-        state, ema, mode, train = self.state, self.ema, self.mode, self.train
-        info = {
-            "step": step,
-            "batches_consumed": consumed,
-            "num_processes": state.accelerator.num_processes,
-            "model": self.records[0],
-            "data": self.records[1],
-            **({"run": self.run_id} if self.run_id is not None else {}),
-        }
-        exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
-        extra = (lambda folder: write_ema(ema, folder, model, exports, mode.base)) if ema is not None else None
-        folder = ckpt.save_checkpoint(state, self.run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
-        if step < train.max_steps:
-            refresh_report(self.run_dir, state.accelerator)
-        return folder
-
-
-def finish(
-    state: TrainState, mode: TrainMode, run_dir: Path, result: dict, exports: tuple[str, ...], ema: Ema | None = None
-) -> None:
-    """Check the replicas agree, export the trained weights and write train_result.json (main process)."""
-    accelerator = state.accelerator
-    result["param_checksums"] = _gather_checksums(accelerator, state.params)
-    result["ranks_agree"] = all(c == result["param_checksums"][0] for c in result["param_checksums"])
-    key, path = mode.export(accelerator.unwrap_model(state.model), run_dir, exports, write=accelerator.is_main_process)
-    if accelerator.is_main_process:
-        result[key] = str(path)
-        if ema is not None:  # beside the raw LoRA: lora/ema/
-            model = accelerator.unwrap_model(state.model)
-            result["ema_lora"] = str(export_ema(ema, path.parent, model, exports, mode.base))
-        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2))
-        report = refresh_report(run_dir, accelerator)
-        if not result["ranks_agree"]:
-            print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
-        how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
-        last = f"last loss {result['loss']:.4f}" if result["losses"] else "no step left (train.max_steps reached)"
-        print(f"qie: {how} at step {result['step']}, {last}; weights: {path}")
-        if result["stopped_by_signal"]:
-            print(f"qie: continue with train.resume=latest hydra.run.dir={run_dir}")
-        print(f"qie: metrics {run_dir / 'metrics.jsonl'}, TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
-        if report is not None:
-            print(f"qie: report {report}")
-    # Free the DDP wrapper while the process group is still registered: a gloo group whose last owner is
-    # DDP's reducer is destroyed holding the GIL, which deadlocks with gloo's threads (pytorch#56297).
-    state.model = None
-    accelerator.free_memory()
-    accelerator.end_training()
-
-
-def _gather_checksums(accelerator: Any, params: list[torch.nn.Parameter]) -> list[list[float]]:
-    """Per process, the sum and the sum of squares of the trained weights: equal when replicas agree."""
-    trained = [full_tensor(p.detach()).double() for p in params if p.requires_grad]
-    local = torch.stack([torch.stack([p.sum(), p.pow(2).sum()]) for p in trained]).sum(0)
-    gathered = accelerator.gather(local.to(accelerator.device).unsqueeze(0))
-    return gathered.cpu().tolist()
-
-
-__all__ = ["RESULT_FILE", "TrainRecipe", "run"]
+__all__ = ["RESULT_FILE", "TRACEBACK_FILE", "TrainRecipe", "run"]
