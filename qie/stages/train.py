@@ -34,6 +34,7 @@ from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
 from qie.stages.heldout import HeldOut, split_heldout
+from qie.stages.processes import elastic_problem
 from qie.stages.recipe import Recipe
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
@@ -207,6 +208,8 @@ class TrainRecipe(Recipe):
 
     def _setup_accelerator(self) -> None:
         s = self.s
+        if problem := elastic_problem():  # before the process group: a restart would hang in its rendezvous
+            raise ConfigError(problem)
         self.accelerator = make_accelerator(s.train, s.memory, str(s.model.dtype), self.run_dir)
         if self.accelerator.is_main_process:
             check_writable(self.run_dir, "the run directory (hydra.run.dir)")
