@@ -19,9 +19,14 @@ from qie.errors import ConfigError
 
 
 def user_mode() -> int:
-    """The mode a new file of this process gets from the shell's habits: 0666 less the umask."""
-    mask = os.umask(0o022)
-    os.umask(mask)
+    """The mode a new file of this process gets from the shell's habits: 0666 less the umask (read from
+    /proc/self/status where Linux gives it; else set and set back, which other threads could see for a moment)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
     return 0o666 & ~mask
 
 
