@@ -37,6 +37,11 @@ class CacheDirMissing(StorageError):
     """The cache folder a reader needs does not exist (to training: every entry is missing)."""
 
 
+class PluginError(QieError):
+    """User code a `_target_` names (an objective, a reward, a plug-in module) raised, or returned what its protocol
+    does not allow: the message names the component, its `_target_` and what it did."""
+
+
 class Interrupted(KeyboardInterrupt):
     """A stop signal a stage could not end cleanly on (a second signal before training's stop save finished): its
     message says what was kept. The CLI prints it in one line and exits 128 + the signal."""
@@ -44,6 +49,21 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
         super().__init__(message)
         self.signum = int(signum)
+
+
+def raised_at(e: BaseException) -> str:
+    """` (at FILE:LINE)` of where `e` was raised: the innermost frame of its traceback outside the Python libraries
+    (the user's or qie's own code, not torch's), else the innermost; "" without a traceback."""
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    if not frames:
+        return ""
+    own = [f for f in frames if "site-packages" not in f[0] and "/lib/python" not in f[0]]
+    file, line = (own or frames)[-1]
+    return f" (at {file}:{line})"
 
 
 def describe_os_error(e: OSError) -> str:

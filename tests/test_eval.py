@@ -75,8 +75,8 @@ def _edit(picture: Path, row: int, column: int, tile: int = 64) -> Image.Image:
 def test_eval_writes_runs_side_by_side_with_every_metric(tmp_path: Path, rows: Path, lora: Path) -> None:
     report = _eval(tmp_path, f"data.path={rows}", f"eval.loras=[none,{lora}]", *COLOUR)
     on_disk = json.loads((tmp_path / "eval.json").read_text())
-    assert list(on_disk["runs"]) == ["base", "pytorch_lora_weights"]
-    assert on_disk["runs"]["pytorch_lora_weights"]["lora"] == str(lora)
+    assert list(on_disk["runs"]) == ["base", "random_lora"]
+    assert on_disk["runs"]["random_lora"]["lora"] == str(lora)
     assert on_disk["directions"] == {
         **{n: "higher" for n in BUILT_IN + ["colour"]},
         "pixel_error": "lower",
@@ -107,7 +107,7 @@ def test_eval_writes_runs_side_by_side_with_every_metric(tmp_path: Path, rows: P
     assert len(judge["fingerprint"]) == 64 and judge["text_encoder"].endswith("text_encoder")
     assert on_disk == json.loads(json.dumps(report))
     table = (tmp_path / "eval.md").read_text()
-    assert "| metric | better | base | pytorch_lora_weights |" in table and "## colour (2 row(s))" in table
+    assert "| metric | better | base | random_lora |" in table and "## colour (2 row(s))" in table
     assert f"| pixel_error | lower | {base['pixel_error']:.4f} | {tuned['pixel_error']:.4f} |" in table
     assert Image.open(tmp_path / "eval.png").size == grid.grid_size(3, 4, 64)
 
@@ -124,7 +124,7 @@ def test_a_lora_closer_to_the_targets_scores_a_lower_pixel_error(tmp_path: Path,
         "".join(json.dumps({**r, "target": f"training_images/lora_{i:05d}.png"}) + "\n" for i, r in enumerate(lines))
     )
     report = _eval(tmp_path / "second", f"data.path={manifest}", f"eval.loras=[none,{lora}]", *NO_JUDGE)
-    assert report["runs"]["pytorch_lora_weights"]["metrics"]["pixel_error"] == 0.0
+    assert report["runs"]["random_lora"]["metrics"]["pixel_error"] == 0.0
     assert report["runs"]["base"]["metrics"]["pixel_error"] > 0.02
 
 

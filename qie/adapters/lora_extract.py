@@ -12,6 +12,9 @@ reported with its relative change, so a user sees what the LoRA leaves out.
 
 from __future__ import annotations
 
+import functools
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +23,7 @@ import torch
 
 from qie.adapters.lora_files import stamp_base, write_exports
 from qie.errors import ModelLoadError
+from qie.output_files import replace_file
 
 REPORT_FILE = "extract_report.json"  # beside the files: each layer's error, what is not carried
 
@@ -62,9 +66,9 @@ class Extraction:
 def low_rank(
     change: torch.Tensor, rank: int, device: str | torch.device = "cpu", niter: int = 0
 ) -> tuple[torch.Tensor, ...]:
-    """(down (rank x in), up (out x rank), relative error) of the best rank-`rank` factoring of `change`, computed
-    in float32 on `device`, returned on the CPU. A layer of fewer than `rank` dimensions gets zero rows and columns up
-    to `rank` (one rank for the whole file).
+    """(down (r x in), up (out x r), relative error) of the best rank-r factoring of `change`, r = `rank` capped at
+    the layer's smaller side (a larger rank would only add zeros), computed in float32 on `device`, returned on the
+    CPU.
 
     Args:
         niter: 0: the exact SVD (`torch.linalg.svd`); else a randomized one of `niter` subspace iterations
@@ -88,9 +92,6 @@ def low_rank(
         error = (matrix - up @ down).norm() / total
     else:  # Eckart-Young: the dropped singular values make the whole error (exact, no cancellation)
         error = s[kept:].norm() / total
-    if kept < rank:
-        up = torch.cat([up, up.new_zeros(up.shape[0], rank - kept)], dim=1)
-        down = torch.cat([down, down.new_zeros(rank - kept, down.shape[1])], dim=0)
     return down.cpu().contiguous(), up.cpu().contiguous(), error.cpu()
 
 
@@ -119,12 +120,18 @@ def extract_lora(
             down, up, error = low_rank(change, rank, device, niter)
             out.state[f"{linear[key]}.lora_A.weight"] = down
             out.state[f"{linear[key]}.lora_B.weight"] = up
-            out.layers.append(LayerFit(linear[key], min(rank, *change.shape), float(error)))
+            out.layers.append(LayerFit(linear[key], down.shape[0], float(error)))
         elif bool(change.any()):
             size = weight.detach().float().norm()
             relative = float(change.norm() / size) if size > 0 else float("inf")
             out.not_carried[key] = {"relative_change": relative, "kind": _kind(key, kinds)}
     return out
+
+
+def full_rank(base: torch.nn.Module) -> int:
+    """The largest rank a linear layer of `base` has (its smaller side): a LoRA of that rank stores every layer's
+    change whole, in more numbers than the change itself."""
+    return max((min(m.weight.shape) for m in base.modules() if isinstance(m, torch.nn.Linear)), default=0)
 
 
 def _kind(key: str, kinds: dict[str, str]) -> str:
@@ -154,22 +161,28 @@ def write_extraction(
     """Write the LoRA as `out` (diffusers format, read by `load_lora_weights`), the files `exports` names
     ("comfyui", "kohya") beside it, all naming the fused `base` in their headers. Returns the files written."""
     modules = sorted({key.rpartition(".lora_")[0] for key in extraction.state})
+    # A layer whose rank was capped at its size keeps it in the patterns; alpha = rank everywhere (scale 1).
+    pattern = {fit.name: fit.rank for fit in extraction.layers if fit.rank != extraction.rank}
     metadata = {
         "r": extraction.rank,
         "lora_alpha": float(extraction.rank),
         "lora_dropout": 0.0,
         "target_modules": modules,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": pattern,
+        "alpha_pattern": {name: float(rank) for name, rank in pattern.items()},
         "use_dora": False,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    loader.save_lora_weights(
-        out.parent,
-        transformer_lora_layers=extraction.state,
-        weight_name=out.name,
-        safe_serialization=True,
-        transformer_lora_adapter_metadata=metadata,
-    )
-    stamp_base(out, base)
-    return [out, *write_exports(out.parent, extraction.state, exports, None, base)]
+    with tempfile.TemporaryDirectory(prefix=".qie-extract.", dir=out.parent) as folder:
+        staged = Path(folder)
+        loader.save_lora_weights(
+            staged,
+            transformer_lora_layers=extraction.state,
+            weight_name=out.name,
+            safe_serialization=True,
+            transformer_lora_adapter_metadata=metadata,
+        )
+        stamp_base(staged / out.name, base)
+        written = [staged / out.name, *write_exports(staged, extraction.state, exports, None, base)]
+        # Each renamed onto its place: a link there is replaced, never written through.
+        return [replace_file(out.parent / f.name, functools.partial(shutil.move, f), "extract.out") for f in written]

@@ -41,7 +41,15 @@ from qie.cache.base import (
 )
 from qie.cache.codec import quick_header
 from qie.cache.local_copy import LocalCopy, default_local_dir
-from qie.cache.remote_claims import Lease, holder, note_unreleased, release_noted, sweep_leases, take_lease
+from qie.cache.remote_claims import (
+    Lease,
+    holder,
+    lease_name,
+    note_unreleased,
+    release_noted,
+    sweep_leases,
+    take_lease,
+)
 from qie.cache.remote_index import RemoteIndex, flush_at_exit, flush_quietly
 from qie.cache.remote_segments import Record
 from qie.cache.remote_shared import SharedDocuments
@@ -278,7 +286,7 @@ class RemoteBackend:
 
         waited = False
         while True:
-            lease = take_lease(self.store, type, key, self.owner, self.lease_seconds, released)
+            lease = take_lease(self.store, lease_name(type, key), self.owner, self.lease_seconds, released)
             if lease is not None:
                 self._held.add((type, key))
                 lease.on_failure = self._unreleased

@@ -59,6 +59,14 @@ class Lease:
                 self.on_failure(self, e)
             raise
 
+    def renew(self, seconds: float) -> bool:
+        """Extend the lease to `seconds` from now while it is still this holder's; False when it is not."""
+        held = read_lease(self.store, self.name)
+        if held.get("nonce") != self.nonce:
+            return False
+        self.store.write(self.name, json.dumps({**held, "expires": time.time() + seconds}).encode())
+        return True
+
     def drop(self) -> None:
         """Delete the lease (when it is still this holder's) and its takeover marker."""
         if read_lease(self.store, self.name).get("nonce") == self.nonce:
@@ -79,11 +87,16 @@ def read_lease(store: Store, name: str) -> dict:
 
 
 def take_lease(
-    store: Store, type: str, key: str, owner: str, seconds: float, before_release: Callable | None = None
+    store: Store,
+    name: str,
+    owner: str,
+    seconds: float,
+    before_release: Callable | None = None,
+    dead: Callable[[dict], bool] | None = None,
 ) -> Lease | None:
-    """The lease on (type, key), or None while another holder's lease has not expired. `before_release` runs
-    when the holder releases it."""
-    name = lease_name(type, key)
+    """The lease object `name` (`lease_name(type, key)`), or None while another holder's lease has not expired.
+    `before_release` runs when the holder releases it; `dead(lease)` says whether a lease not yet expired was left
+    by a holder known to have died (it is then taken over as an expired one is)."""
     for _ in range(3):
         nonce = secrets.token_hex(8)
         doc = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "nonce": nonce}
@@ -93,7 +106,7 @@ def take_lease(
         held = read_lease(store, name)
         if not held:
             continue  # released meanwhile: try again
-        if float(held.get("expires", 0)) > time.time():
+        if float(held.get("expires", 0)) > time.time() and not (dead is not None and dead(held)):
             return None
         marker = f"{name}.{held.get('nonce', 'unreadable')}.takeover"
         if not store.create(marker, body):

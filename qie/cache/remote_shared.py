@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from qie.cache.remote_claims import take_lease
+from qie.cache.remote_claims import lease_name, take_lease
 from qie.cache.remote_store import Store
 
 FOLDER = ".shared"
@@ -31,7 +31,7 @@ class SharedDocuments:
 
     def update(self, name: str, change: Callable[[bytes | None], bytes | None]) -> None:
         """Replace the document by `change(its bytes or None)` (None: leave it as it is), holding its lease."""
-        while (lease := take_lease(self.store, "shared", name, self.owner, self.lease_seconds)) is None:
+        while (lease := take_lease(self.store, lease_name("shared", name), self.owner, self.lease_seconds)) is None:
             time.sleep(0.2)  # another node is rewriting it: a read and a write
         try:
             data = change(self.read(name))

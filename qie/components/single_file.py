@@ -98,26 +98,38 @@ def read_state(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     one tensor at a time, so the host holds the fp8 file's bytes once at most, not beside the upcast copy).
 
     Raises:
-        ModelLoadError: a scale that fits neither a whole tensor nor one value per row.
+        ModelLoadError: a file that is no readable safetensors file; a scale that fits neither a whole tensor nor
+            one value per row.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(Path(path).expanduser()), framework="pt") as f:
+            return _read_tensors(f, path, dtype)
+    except SafetensorError as e:
+        raise ModelLoadError(
+            f"model.transformer_path={str(path)!r} is not a readable safetensors file ({e}): give the transformer's "
+            "diffusers folder or a whole .safetensors file of it"
+        ) from None
+
+
+def _read_tensors(f: Any, path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`read_state` of the open safetensors file `f`."""
     state = {}
-    with safe_open(str(Path(path).expanduser()), framework="pt") as f:
-        keys = set(f.keys())
-        for key in sorted(keys):
-            if _is_marker(key) or key.endswith(SCALE_SUFFIXES):
-                continue
-            value = f.get_tensor(key)
-            if value.dtype in FP8_DTYPES:
-                base = key.removesuffix(".weight")
-                scale = next((f.get_tensor(base + s) for s in SCALE_SUFFIXES if base + s in keys), None)
-                value = value.to(torch.float32)
-                if scale is not None:
-                    column = _scale_column(scale.float(), value.shape[0], key, path) if value.ndim == 2 else scale
-                    value = value * column.float()
-                value = value.to(dtype)
-            state[module_name(key)] = value
+    keys = set(f.keys())
+    for key in sorted(keys):
+        if _is_marker(key) or key.endswith(SCALE_SUFFIXES):
+            continue
+        value = f.get_tensor(key)
+        if value.dtype in FP8_DTYPES:
+            base = key.removesuffix(".weight")
+            scale = next((f.get_tensor(base + s) for s in SCALE_SUFFIXES if base + s in keys), None)
+            value = value.to(torch.float32)
+            if scale is not None:
+                column = _scale_column(scale.float(), value.shape[0], key, path) if value.ndim == 2 else scale
+                value = value * column.float()
+            value = value.to(dtype)
+        state[module_name(key)] = value
     return state
 
 

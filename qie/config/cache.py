@@ -103,8 +103,10 @@ class PrecomputeConfig:
     teachers: bool = False
 
     def problem(self) -> str | None:
-        """`batch_size` from 1."""
-        return at_least("precompute", [("batch_size", self.batch_size, 1)])
+        """`batch_size` from 1, a range of samples from `start` (0 or more) to an `end` not before it."""
+        return at_least("precompute", [("batch_size", self.batch_size, 1), ("start", self.start, 0)]) or (
+            None if self.end is None else at_least("precompute", [("end", self.end, self.start)])
+        )
 
 
 @dataclass

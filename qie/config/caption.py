@@ -42,15 +42,16 @@ class CaptionConfig:
     output: str | None = None
 
     def problem(self) -> str | None:
-        """The counts: each at least 1."""
+        """The counts: each at least 1; a range of samples from `start` (0 or more) to an `end` not before it."""
         return at_least(
             "caption",
             [
                 ("batch_size", self.batch_size, 1),
                 ("max_new_tokens", self.max_new_tokens, 1),
                 ("dry_run_samples", self.dry_run_samples, 1),
+                ("start", self.start, 0),
             ],
-        )
+        ) or (None if self.end is None else at_least("caption", [("end", self.end, self.start)]))
 
 
 @dataclass

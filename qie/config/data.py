@@ -107,4 +107,6 @@ class DataConfig:
             out_of_range("data.batch_size", self.batch_size, 1),
             out_of_range("data.num_workers", self.num_workers, 0),
             out_of_range("data.prefetch", self.prefetch, 0),
+            out_of_range("data.target_pixels", self.target_pixels, 1),
+            out_of_range("data.multiple_of", self.multiple_of, 1),
         )

@@ -6,12 +6,14 @@ keys of eval.json's `metrics`.
 """
 
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from qie.config.cache import CacheConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
+from qie.config.ranges import at_least, out_of_range
 from qie.config.train import TrainConfig
 
 
@@ -27,6 +29,23 @@ class EvalConfig:
     output_dir: str = "."
     # The picture's tile size in pixels.
     tile: int = 128
+    # Seconds a reward may take to score one edit (null: no limit); Ctrl-C or a stop signal never waits for a
+    # reward (`qie.evaluation.reward`).
+    reward_timeout: float | None = None
+
+    def problem(self) -> str | None:
+        """At least one seed, a tile of 16 px or more, outputs inside the run folder, a reward timeout from 0."""
+        if not self.seeds:
+            return "eval.seeds is empty: give at least one seed, e.g. 'eval.seeds=[0]'"
+        where = PurePath(str(self.output_dir))
+        if where.is_absolute() or ".." in where.parts:
+            return (
+                f"eval.output_dir={self.output_dir!r} leaves the run folder: give a folder inside it (e.g. "
+                "eval.output_dir=scores), or choose the run folder itself with hydra.run.dir"
+            )
+        return at_least("eval", [("tile", self.tile, 16)]) or out_of_range(
+            "eval.reward_timeout", self.reward_timeout, 0.0
+        )
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from qie.config.model import ModelConfig
+from qie.config.ranges import at_least
 
 
 @dataclass
@@ -19,6 +20,16 @@ class ExportConfig:
     license: str = "apache-2.0"
     # At most this many sample edits (the run's last validation images) go into the folder and the card.
     samples: int = 8
+    # Write into an `out` folder that holds files already (files of the export's names are replaced, a link among
+    # them replaced by the file, never written through); by default such a folder is refused.
+    overwrite: bool = False
+    # The card's `base_model` (a Hub id) for a run whose model is a local folder that is not a Hugging Face cache
+    # snapshot (`.../models--Org--Name/snapshots/...`, read as Org/Name); null: read from the run.
+    base_model: str | None = None
+
+    def problem(self) -> str | None:
+        """`samples` from 0."""
+        return at_least("export", [("samples", self.samples, 0)])
 
 
 @dataclass
@@ -40,6 +51,12 @@ class ExtractConfig:
     # 0: each layer's exact SVD; N > 0: a randomized SVD of N subspace iterations (torch.svd_lowrank), far quicker on
     # a real model's large layers, its error reported the same way.
     niter: int = 0
+    # Replace an `out` file that exists already (by default refused: it may be another extraction's, or an input).
+    overwrite: bool = False
+
+    def problem(self) -> str | None:
+        """`rank` from 1, `niter` from 0."""
+        return at_least("extract", [("rank", self.rank, 1), ("niter", self.niter, 0)])
 
 
 @dataclass

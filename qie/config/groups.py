@@ -13,6 +13,7 @@ from qie.config.cache import CacheConfig, PrecomputeConfig
 from qie.config.caption import CaptionConfig
 from qie.config.data import DataConfig
 from qie.config.evaluation import EvalConfig
+from qie.config.export import ExportConfig, ExtractConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.roots import DemoConfig
@@ -34,6 +35,8 @@ class Groups:
     caption: CaptionConfig | None = None
     demo: DemoConfig | None = None
     eval: EvalConfig | None = None
+    export: ExportConfig | None = None
+    extract: ExtractConfig | None = None
 
 
 # The names of the groups `Groups` holds: the keys of a composed config that are read into it.

@@ -130,4 +130,5 @@ class ModelConfig:
             out_of_range("model.vl_image_pixels", self.vl_image_pixels, 28 * 28),
             out_of_range("model.min_control_images", self.min_control_images, 0),
             out_of_range("model.max_control_images", self.max_control_images, self.min_control_images),
+            out_of_range("model.num_inference_steps", self.num_inference_steps, 1),
         )

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from qie.config.ranges import out_of_range
+from qie.config.ranges import first, out_of_range
 
 
 @dataclass
@@ -48,5 +48,11 @@ class PredictConfig:
     compile: bool = False
 
     def problem(self) -> str | None:
-        """`blocks_to_swap` from 0."""
-        return out_of_range("predict.blocks_to_swap", self.blocks_to_swap, 0)
+        """`blocks_to_swap` from 0; the step and image counts and the output's sides from 1."""
+        return first(
+            out_of_range("predict.blocks_to_swap", self.blocks_to_swap, 0),
+            out_of_range("predict.num_inference_steps", self.num_inference_steps, 1),
+            out_of_range("predict.num_images", self.num_images, 1),
+            out_of_range("predict.height", self.height, 1),
+            out_of_range("predict.width", self.width, 1),
+        )

@@ -37,6 +37,7 @@ def setting_problem(groups: Groups, spec: Any) -> str | None:
         _predict,
         _validation,
         _demo,
+        _ranges,
     )
     return next((problem for check in checks if (problem := check(groups, spec))), None)
 
@@ -200,6 +201,12 @@ def _precompute(groups: Groups, spec: Any) -> str | None:
 def _demo(groups: Groups, spec: Any) -> str | None:
     """The demo's data set: its sample counts, image size and threads."""
     return None if groups.demo is None else groups.demo.problem()
+
+
+def _ranges(groups: Groups, spec: Any) -> str | None:
+    """The ranges of the groups no other rule checks: logging, eval, export and extract."""
+    own = (groups.logging, groups.eval, groups.export, groups.extract)
+    return next((problem for group in own if group is not None and (problem := group.problem())), None)
 
 
 def _caption(groups: Groups, spec: Any) -> str | None:

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from qie.config.ranges import first, out_of_range
+from qie.config.ranges import at_least, first, out_of_range
 
 
 class TrainMode(StrEnum):
@@ -186,7 +186,9 @@ class TrainConfig:
     )
 
     def problem(self) -> str | None:
-        """The first of the step counts, the learning rate and the swapped blocks out of range, as one line."""
+        """The first of the step counts, the learning rate, the swapped blocks, the checkpoints kept and the LoRA's
+        sizes out of range, as one line."""
+        limit = self.checkpoints_total_limit
         return first(
             out_of_range("train.max_steps", self.max_steps, 0),
             None if self.max_minutes is None else out_of_range("train.max_minutes", self.max_minutes, 1e-6),
@@ -194,7 +196,19 @@ class TrainConfig:
             out_of_range(
                 "train.learning_rate", self.learning_rate, 0.0, 3.4e38
             ),  # what a float32 optimizer state holds
+            out_of_range("train.max_grad_norm", self.max_grad_norm, 0.0),
             out_of_range("train.blocks_to_swap", self.blocks_to_swap, 0),
+            out_of_range("train.checkpoint_every", self.checkpoint_every, 0),
+            # Below 1 would delete every checkpoint as it is written: null keeps them all.
+            (
+                f"train.checkpoints_total_limit={limit} is out of range: keep 1 or more checkpoints, or null to keep "
+                "every one"
+                if limit is not None and limit < 1
+                else None
+            ),
+            out_of_range("train.lora.rank", self.lora.rank, 1),
+            out_of_range("train.lora.alpha", self.lora.alpha, 1),
+            out_of_range("train.lora.dropout", self.lora.dropout, 0.0, 0.99),
         )
 
 
@@ -217,6 +231,11 @@ class LoggingConfig:
     log_images: bool = False
     log_images_every: int = 100
     log_images_count: int = 4
+
+    def problem(self) -> str | None:
+        """Step counts and the image count from 1."""
+        counts = [("log_every", self.log_every, 1), ("log_images_every", self.log_images_every, 1)]
+        return at_least("logging", [*counts, ("log_images_count", self.log_images_count, 1)])
 
 
 @dataclass
@@ -245,11 +264,20 @@ class ValidationConfig:
     # The reward whose last validation the train stage returns to a sweeper (`hydra/sweeper=optuna` minimises it;
     # a higher-is-better one negated), instead of the held-out loss.
     search_metric: str | None = None
+    # Seconds a reward may take to score one validation's images (null: no limit); a stop signal never waits for
+    # a reward (`qie.evaluation.reward`).
+    reward_timeout: float | None = None
 
     def problem(self) -> str | None:
-        """`heldout_samples` from 0; `step_counts` whole numbers from 1, instead of `num_inference_steps` (not beside
-        it)."""
-        if problem := out_of_range("validation.heldout_samples", self.heldout_samples, 0):
+        """`every` and `heldout_samples` from 0, step counts from 1 (`step_counts` instead of `num_inference_steps`,
+        not beside it), a reward timeout from 0."""
+        problem = first(
+            out_of_range("validation.every", self.every, 0),
+            out_of_range("validation.heldout_samples", self.heldout_samples, 0),
+            out_of_range("validation.num_inference_steps", self.num_inference_steps, 1),
+            out_of_range("validation.reward_timeout", self.reward_timeout, 0.0),
+        )
+        if problem:
             return problem
         if self.step_counts and self.num_inference_steps is not None:
             return (

@@ -23,11 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from qie.types import register_field_type
+from qie.types import CACHE_TYPES, FIELD_TYPES, register_field_type
 
 KINDS = ("image",)
 # What an objective may require that is no field of a sample (every sample has it).
 NOT_FIELDS = ("target", "empty_prompt")
+# What a manifest row, a folder data set or a Hugging Face data set already means by these names: a field named so
+# would read the target, the controls, the prompt, ... as its image.
+BUILT_IN_KEYS = ("target", "controls", "control", "prompt", "mask", "layers", "image", "id", "empty_prompt")
 _DECLARED: dict[str, SampleField] = {}
 
 
@@ -52,6 +55,13 @@ class SampleField:
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.name.islower() or self.name.startswith("_"):
             raise ValueError(f"a sample field's name is lower-case letters, digits and '_', got {self.name!r}")
+        if self.name in BUILT_IN_KEYS or (self.entry_type in CACHE_TYPES and self.entry_type not in FIELD_TYPES):
+            built_in = f"its cache type {self.entry_type} is built in"
+            what = "a built-in manifest key" if self.name in BUILT_IN_KEYS else built_in
+            raise ValueError(
+                f"a sample field cannot be named {self.name!r} ({what}, read as what qie means by it): name it after "
+                f"what its image is, e.g. {self.name}_map"
+            )
         if self.kind not in KINDS:
             raise ValueError(f"sample field {self.name!r}: unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
         known = _DECLARED.setdefault(self.name, self)

@@ -11,7 +11,7 @@ with each term a mean absolute difference in [0, 1] over its pixels and channels
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,6 +38,8 @@ def shape_region(control: torch.Tensor) -> torch.Tensor:
 
 class RecolourReward(Reward):
     """The demo's recolour reward (see the module's text); higher is better, 1 at most."""
+
+    nan_when_unmeasured: ClassVar[bool] = True  # no control image, or a prompt naming no colour
 
     def __init__(self, colour_weight: float = 0.5) -> None:
         if not 0 <= colour_weight <= 1:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -54,6 +54,8 @@ class VlmJudge(Reward):
             model's own).
         device: where the VL model runs ("auto": the GPU when there is one).
     """
+
+    nan_when_unmeasured: ClassVar[bool] = True  # preservation with no control image to compare with
 
     def __init__(
         self, model: Any, question: str = "instruction", text_encoder_path: str | None = None, device: str = "auto"

@@ -35,6 +35,7 @@ class EditPsnr(Reward):
     """PSNR (dB, at most `image_metrics.PSNR_CAP`) of the image against the target inside the edit region."""
 
     needs: ClassVar[frozenset[str]] = frozenset({"target", "mask"})
+    nan_when_unmeasured: ClassVar[bool] = True  # an empty edit region
 
     def __call__(
         self, images: torch.Tensor, controls: list[list[torch.Tensor]], prompts: list[str], **needed: Any
@@ -48,6 +49,7 @@ class EditSsim(Reward):
     the image: outside it, the target's)."""
 
     needs: ClassVar[frozenset[str]] = frozenset({"target", "mask"})
+    nan_when_unmeasured: ClassVar[bool] = True  # an empty edit region
 
     def __call__(
         self, images: torch.Tensor, controls: list[list[torch.Tensor]], prompts: list[str], **needed: Any
@@ -64,6 +66,7 @@ class OutsideChange(Reward):
 
     needs: ClassVar[frozenset[str]] = frozenset({"mask"})
     higher_is_better: ClassVar[bool] = False
+    nan_when_unmeasured: ClassVar[bool] = True  # no control image, or an edit region that covers it all
 
     def __call__(
         self, images: torch.Tensor, controls: list[list[torch.Tensor]], prompts: list[str], **needed: Any

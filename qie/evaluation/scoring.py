@@ -2,7 +2,8 @@
 per value of the rows' category (`categories`), and per row (`samples`).
 
 A row is scored alone (a batch of one): rows of different sizes need no common size. A score that is nan (nothing
-to measure, e.g. an empty edit region) is left out of every mean; a mean of no number is None (null in JSON).
+to measure, e.g. an empty edit region: only from a reward that declares `nan_when_unmeasured`, any other NaN is
+refused by `reward.score`) is left out of every mean; a mean of no number is None (null in JSON).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from qie.data.images import rgb
-from qie.evaluation.reward import Reward, needed_arguments
+from qie.evaluation.reward import Reward, RewardCall, score
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,15 @@ class Row:
     region: torch.Tensor | None = None
 
 
-def score_row(rewards: Mapping[str, Reward], image: torch.Tensor, row: Row) -> dict[str, float]:
-    """Every reward's score of one edit (3, H, W) of `row`, by name."""
+def score_row(
+    rewards: Mapping[str, Reward], image: torch.Tensor, row: Row, setting: str = "eval.rewards", timeout=None
+) -> dict[str, float]:
+    """Every reward's score of one edit (3, H, W) of `row`, by name, each called and checked by `reward.score`
+    (`setting`: the node naming the rewards, for messages; `timeout`: seconds each may take, None: no limit).
+
+    Raises:
+        PluginError: a reward that raised, returned no number for the edit or a NaN it may not give, or took too long.
+    """
     targets = None if row.target is None else row.target[None]
     masks = None if row.region is None else row.region[None]
     scores = {}
@@ -40,8 +48,15 @@ def score_row(rewards: Mapping[str, Reward], image: torch.Tensor, row: Row) -> d
             scores[name] = math.nan  # nothing to compare with: left out of the means
             continue
         controls = [rgb(c) for c in row.controls]
-        value = reward(rgb(image)[None], [controls], [row.prompt], **needed_arguments(reward, targets, masks))
-        scores[name] = float(torch.as_tensor(value).reshape(-1)[0])
+        call = RewardCall(
+            setting=f"{setting}.{name}",
+            images=rgb(image)[None],
+            controls=[controls],
+            prompts=[row.prompt],
+            targets=targets,
+            masks=masks,
+        )
+        scores[name] = float(score(reward, call, timeout)[0])
     return scores
 
 

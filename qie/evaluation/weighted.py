@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from qie.evaluation.reward import Reward, needed_arguments, reward_value
+from qie.evaluation.reward import Reward, checked, named, needed_arguments, reward_value
 
 
 class Weighted(Reward):
@@ -46,6 +46,7 @@ class Weighted(Reward):
         self.parts = build_rewards(rewards, "rewards", **stage)
         self.weights = {name: float(weights.get(name, 1.0)) for name in self.parts}
         self.needs = frozenset().union(*(part.needs for part in self.parts.values()))
+        self.nan_when_unmeasured = any(part.nan_when_unmeasured for part in self.parts.values())
 
     def __call__(
         self, images: torch.Tensor, controls: list[list[torch.Tensor]], prompts: list[str], **needed: Any
@@ -54,7 +55,8 @@ class Weighted(Reward):
         targets, masks = needed.get("targets"), needed.get("masks")
         for name, part in self.parts.items():
             scores = part(images, controls, prompts, **needed_arguments(part, targets, masks))
-            value = reward_value(part, torch.as_tensor(scores, dtype=torch.float64).reshape(-1))
+            scores = checked(scores, f"rewards.{name} ({named(part)})", prompts, part.nan_when_unmeasured)
+            value = reward_value(part, scores)
             total = total + self.weights[name] * value
         return total
 

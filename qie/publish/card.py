@@ -165,6 +165,9 @@ def _usage(base: BaseModel, where: str) -> str:
         for file, scale in base.fused
     )
     call = 'pipe(image=load_image("in.png"), prompt="...")' if base.task == "image-to-image" else 'pipe(prompt="...")'
+    image = "predict.image=in.png " if base.task == "image-to-image" else ""
+    infer = f"python -m qie.infer model={base.name} {image}predict.lora=pytorch_lora_weights.safetensors"
+    infer += ' predict.prompt="..."'
     return f"""## Use it
 
 With diffusers:
@@ -183,7 +186,7 @@ In ComfyUI: copy `comfyui_lora.safetensors` into `ComfyUI/models/loras/` and app
 model with a `LoraLoaderModelOnly` node at strength 1.0. musubi-tuner and kohya-style loaders read
 `kohya_lora.safetensors`.
 
-With qie: `python -m qie.infer model={base.name} predict.lora=pytorch_lora_weights.safetensors predict.prompt="..."`."""
+With qie: `{infer}`."""
 
 
 def _fused(base: BaseModel) -> str:

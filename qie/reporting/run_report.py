@@ -7,11 +7,11 @@ alone (`qie.reporting.run_files`): the train stage rewrites it at each checkpoin
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from qie.output_files import replace_file
 from qie.reporting import charts as ch
 from qie.reporting.page import charts, details, esc, page, preformatted, section, strip, table
 from qie.reporting.run_files import REPORT, RunFiles, read_run
@@ -33,10 +33,7 @@ def write_report(folder: Path, out: Path | None = None, extra: Sequence[str] = (
     folder = Path(folder)
     out = Path(out) if out is not None else folder / REPORT
     text = render(read_run(folder), extra, title)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    return replace_file(out, lambda tmp: tmp.write_text(text, encoding="utf-8"), "the report")
 
 
 def render(run: RunFiles, extra: Sequence[str] = (), title: str = "") -> str:

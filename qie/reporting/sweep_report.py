@@ -6,12 +6,12 @@ Built from the summary and the job folders' files, linking each job's own `repor
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from qie.output_files import replace_file
 from qie.reporting import charts as ch
 from qie.reporting.page import Raw, charts, esc, page, section, strip, table
 from qie.reporting.run_files import REPORT, read_lines, read_run
@@ -21,11 +21,8 @@ SWEEP_REPORT = "sweep_report.html"
 
 def write_sweep_report(sweep: Path, summary: dict[str, Any]) -> Path:
     """Write `sweep/sweep_report.html` of `summary` (`qie.reporting.sweep_summary.summarize`) atomically; its path."""
-    out = Path(sweep) / SWEEP_REPORT
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(render_sweep(Path(sweep), summary), encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    text = render_sweep(Path(sweep), summary)
+    return replace_file(Path(sweep) / SWEEP_REPORT, lambda tmp: tmp.write_text(text, encoding="utf-8"), "the report")
 
 
 def render_sweep(sweep: Path, summary: dict[str, Any]) -> str:

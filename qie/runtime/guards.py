@@ -127,14 +127,39 @@ def damaged_weights(part: str, names: Sequence[str]) -> str:
     )
 
 
-def nonfinite_message(step: int, ids: list[str], saved: Path | None, model: torch.nn.Module | None = None) -> str:
+@dataclass(frozen=True)
+class NonfiniteCause:
+    """Where a step's NaN or infinite number came from, as the loop saw it: `inputs_finite` False when a batch of a
+    non-finite loss held non-finite inputs (its cache entries), True when its inputs were finite (what computed the
+    loss from them: the objective, a reward it calls), None when every loss was finite and the gradient was not;
+    `objective` the objective's class."""
+
+    inputs_finite: bool | None
+    objective: type
+
+
+def nonfinite_message(
+    step: int,
+    ids: list[str],
+    saved: Path | None,
+    model: torch.nn.Module | None = None,
+    cause: NonfiniteCause | None = None,
+) -> str:
     where = f"; the last good state is saved in {saved}" if saved else ""
     said = f"step {step} gave a NaN or infinite loss or gradient on samples {', '.join(map(repr, ids))}{where}"
     if model is not None and (bad := nonfinite_weights(model)):
         return f"{said}: {damaged_weights('base model', bad)}"
+    skip = "train.on_nonfinite=skip skips such steps instead."
+    if cause is not None and cause.inputs_finite is not False:
+        name = f"train.objective ({cause.objective.__module__}.{cause.objective.__qualname__})"
+        if cause.inputs_finite:
+            return (
+                f"{said}. The batch's inputs (their cache entries) were finite: the loss {name} computed from them "
+                f"was not; check that objective (and any reward it calls) and the learning rate; {skip}"
+            )
+        return f"{said}. The loss was finite, its gradient not: check {name} and the learning rate; {skip}"
     return (
-        f"{said}. Check those samples' cache entries (python -m qie.cache action=verify) and the learning rate; "
-        "train.on_nonfinite=skip skips such steps instead."
+        f"{said}. Check those samples' cache entries (python -m qie.cache action=verify) and the learning rate; {skip}"
     )
 
 

@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from qie.adapters.fused_base import check_lora_base
-from qie.adapters.lora import load_lora, lora_file
+from qie.adapters.lora import LORA_FILE, load_lora, lora_file
+from qie.adapters.lora_files import COMFYUI_FILE, KOHYA_FILE
 from qie.components import LoadSettings, load_parts
 from qie.config import typed, validate
 from qie.config.data import DataConfig
@@ -84,7 +85,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         "directions": {name: direction(r) for name, r in rewards.items()},
         "rewards": {name: describe(cfg.eval.rewards[name], r) for name, r in rewards.items()},
         "runs": {
-            name: {"lora": None if lora is None else str(lora), **score_run(rewards, rows, edits[name], e.seeds)}
+            name: {"lora": None if lora is None else str(lora), **score_run(rewards, rows, edits[name], e)}
             for name, lora in runs.items()
         },
     }
@@ -93,8 +94,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def lora_runs(loras: list[str], model: ModelConfig, predict: PredictConfig, spec: ModelSpec) -> dict[str, Path | None]:
-    """Run name -> LoRA file (None: the base model), in the order of `eval.loras`; a LoRA's name is its file's stem
-    (with its folder's name where two stems are the same).
+    """Run name -> LoRA file (None: the base model), in the order of `eval.loras`; a LoRA's name is the shortest end
+    of its path that tells it from the others, qie's own file names left out (`lora` for a run's final
+    `lora/pytorch_lora_weights.safetensors`, `step-000100` for a checkpoint's, `a/lora` and `b/lora` for two runs').
 
     Raises:
         ConfigError: no runs, a LoRA trained on another fused base (unless `predict.allow_other_base`);
@@ -102,17 +104,37 @@ def lora_runs(loras: list[str], model: ModelConfig, predict: PredictConfig, spec
     """
     if not loras:
         raise ConfigError("eval.loras is empty: list the runs, e.g. 'eval.loras=[none,lora.safetensors]'")
-    base, runs = fused_base(model, spec), {}
+    base, files = fused_base(model, spec), []
     for entry in loras:
-        if str(entry).lower() in ("none", "base"):
-            runs[BASE] = None
-            continue
-        file = lora_file(entry)
-        if warning := check_lora_base(file, base, predict.allow_other_base):
+        file = None if str(entry).lower() in ("none", "base") else lora_file(entry)
+        if file is not None and (warning := check_lora_base(file, base, predict.allow_other_base)):
             print(f"eval: warning: {warning}")
-        name = file.stem if file.stem not in runs else f"{file.parent.name}_{file.stem}"
-        runs[name] = file
-    return runs
+        files.append(file)
+    return dict(zip(run_names(files), files))
+
+
+def run_names(files: list[Path | None]) -> list[str]:
+    """Each LoRA file's name among `files` (None: the base model, `BASE`): the fewest last parts of its path, its
+    suffix and qie's own file names (`pytorch_lora_weights`, ...) left out, that no other file's name shares."""
+    generic = {Path(name).stem for name in (LORA_FILE, COMFYUI_FILE, KOHYA_FILE)}
+    whole = [None if f is None else [*f.parent.resolve().parts[1:], f.stem] for f in files]
+    short = [None if p is None else p[:-1] + [s for s in p[-1:] if s not in generic] for p in whole]
+    # Two files of one folder, both of qie's own names: their stems tell them apart.
+    parts = [
+        p if p is None or not any(q == p and w != whole[i] for q, w in zip(short, whole)) else whole[i]
+        for i, p in enumerate(short)
+    ]
+    names = []
+    for i, own in enumerate(parts):
+        if own is None:
+            names.append(BASE)
+            continue
+        others = [p for j, p in enumerate(parts) if j != i and p is not None and p != own]
+        depth = 1
+        while depth < len(own) and any(o[-depth:] == own[-depth:] for o in others):
+            depth += 1
+        names.append("/".join(own[-depth:]))
+    return names
 
 
 def heldout_rows(data: DataConfig, state_dir: str | None, rewards: dict[str, Reward]) -> tuple[list[Sample], list]:
@@ -153,7 +175,8 @@ def generate(
     model samples first, then each LoRA loaded in turn; the transformer is freed afterwards."""
     source, samples = held
     options = eval_options(predict, spec)
-    inputs, negatives = validation_inputs(source, samples, options.negative_prompt)
+    # cache.mode=cached reads the cache only: a miss is refused, naming the precompute command (lazy: encoded).
+    inputs, negatives = validation_inputs(source, samples, options.negative_prompt, encode=source.encodes)
     devices = {"transformer": predict.devices.transformer, "vae": predict.devices.vae}
     parts = load_parts(
         LoadSettings.of(model),
@@ -193,12 +216,15 @@ def eval_options(predict: PredictConfig, spec: ModelSpec) -> SamplingOptions:
     return sampling_options(predict).resolved(spec.call_defaults())
 
 
-def score_run(rewards: dict[str, Reward], rows: list[Row], edits: list[list[Image.Image]], seeds: list[int]) -> dict:
-    """A run's `metrics`, `categories` and `samples` (`qie.evaluation.scoring.summarize`)."""
+def score_run(rewards: dict[str, Reward], rows: list[Row], edits: list[list[Image.Image]], e: EvalConfig) -> dict:
+    """A run's `metrics`, `categories` and `samples` (`qie.evaluation.scoring.summarize`), each reward given at
+    most `eval.reward_timeout` seconds per edit."""
+    timeout = e.reward_timeout
     scores = [
-        [score_row(rewards, to_tensor(image).float(), row) for image, row in zip(images, rows)] for images in edits
+        [score_row(rewards, to_tensor(image).float(), row, "eval.rewards", timeout) for image, row in zip(images, rows)]
+        for images in edits
     ]
-    return summarize(rows, scores, [int(s) for s in seeds], list(rewards))
+    return summarize(rows, scores, [int(s) for s in e.seeds], list(rewards))
 
 
 def describe(node: DictConfig, reward: Reward) -> dict[str, Any]:

@@ -18,11 +18,16 @@ from qie.adapters.lora_files import recorded_base
 from qie.config import register, typed, validate
 from qie.errors import ConfigError, check_writable
 from qie.models import model_spec, variants
-from qie.publish.folder import Export, write_export
+from qie.output_files import inputs_problem
+from qie.publish.folder import Export, input_files, planned_files, write_export
 from qie.publish.hub import push_folder
 from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
+from qie.reporting.environment import RUN_INFO
+from qie.reporting.run_files import read_json
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# A snapshot folder of the Hugging Face cache: `.../models--Org--Name/snapshots/REV`.
+HF_CACHE = re.compile(r"(?:^|/)models--([A-Za-z0-9][\w.-]*?)--([A-Za-z0-9][\w.-]*)/snapshots(?:/|$)")
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
@@ -30,7 +35,8 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     {"folder", "files", "missing", "url"}. The stage's edge: the one place that reads `cfg`.
 
     Raises:
-        ConfigError: `export.run_dir` or `export.out` unset, or a run folder without a LoRA to export.
+        ConfigError: `export.run_dir` or `export.out` unset, a run folder without a LoRA to export, an `export.out`
+            that holds files already (without `export.overwrite=true`) or one of the export's inputs.
         HubError: the upload cannot be made (offline included): the folder is kept.
     """
     validate(cfg)
@@ -38,25 +44,35 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     for key in ("run_dir", "out"):
         if not getattr(settings, key):
             raise ConfigError(f"export.{key} is not set: python -m qie.export RUN_DIR OUT (or export.{key}=...)")
-    if settings.samples < 0:
-        raise ConfigError(f"export.samples={settings.samples} is out of range: it must be 0 or more")
     run, out = Path(settings.run_dir).expanduser(), Path(settings.out).expanduser()
     if out.resolve() == run.resolve():
         raise ConfigError(f"export.out={settings.out!r} is the run folder itself: give a new folder")
     config = run_config(run)
     facts = read_run(run, config, settings.lora, settings.samples)
     facts.instructions = dataset_instructions((config.get("data") or {}).get("path"))
+    if problem := inputs_problem(planned_files(facts, out), input_files(facts), "export.out"):
+        raise ConfigError(problem)
+    held = sorted(out.iterdir()) if out.is_dir() else []
+    if held and not settings.overwrite:
+        raise ConfigError(
+            f"export.out={settings.out!r} holds files already (first: {held[0].name}): set export.overwrite=true to "
+            "replace the export's files there (links among them are replaced, not written through), or choose an "
+            "empty or new folder"
+        )
     check_writable(out, "export.out")
-    written = export_folder(facts, out, settings.license, settings.push_to_hub)
+    written = export_folder(facts, out, settings.license, settings.push_to_hub, settings.base_model)
     url = push_folder(out, settings.push_to_hub, settings.private) if settings.push_to_hub else None
     if url:
         print(f"qie: uploaded to {url}")
     return {"folder": str(out), "files": [str(f) for f in written.files], "missing": written.missing, "url": url}
 
 
-def export_folder(facts: RunFacts, out: Path, license: str = "apache-2.0", repo_id: str | None = None) -> Export:
-    """Write the export folder of `facts` into `out` (the demo's entry too) and print what it holds."""
-    written = write_export(facts, base_model(facts.config, facts.lora), out, license, repo_id)
+def export_folder(
+    facts: RunFacts, out: Path, license: str = "apache-2.0", repo_id: str | None = None, hub_id: str | None = None
+) -> Export:
+    """Write the export folder of `facts` into `out` (the demo's entry too) and print what it holds; `hub_id`
+    (`export.base_model`) names the base's Hub repo where the run's model source does not."""
+    written = write_export(facts, base_model(facts.config, facts.lora, hub_id), out, license, repo_id)
     pictures = len(facts.samples) + len(facts.pictures)
     names = ", ".join(f.name for f in written.files)
     print(f"qie: exported {facts.lora} to {out}: {names}, README.md (model card), {pictures} sample picture(s)")
@@ -67,17 +83,32 @@ def export_folder(facts: RunFacts, out: Path, license: str = "apache-2.0", repo_
 
 def run_config(run: Path) -> dict:
     """The run's config as plain values: Hydra's record in the run folder (or in the demo run holding it); {} when
-    none is there (a run started from Python)."""
+    none is there (a run started from Python). A run of a tiny model on the built-in data set, which Hydra recorded
+    without `data.path`, gets the path the run itself recorded (`run_info.json`)."""
     for folder in (run, run.parent) if run.name == "train" else (run,):
         file = folder / ".hydra" / "config.yaml"
         if file.is_file():
             register()  # the `qie_home` resolver its model paths use
-            return OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+            config = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+            recorded = ((read_json(run / RUN_INFO) or {}).get("config") or {}).get("data") or {}
+            if isinstance(config.get("data"), dict) and not config["data"].get("path") and recorded.get("path"):
+                config["data"]["path"] = recorded["path"]
+            return config
     return {}
 
 
-def base_model(config: dict, lora: Path) -> BaseModel:
-    """The base the LoRA belongs to, from the run's `model` config (else the checkpoints' record of it)."""
+def hub_id_of(source: str) -> str | None:
+    """The Hub id a model source names: itself (`Org/Name`, not a local folder), or the repo of a Hugging Face cache
+    snapshot it lies in (`.../models--Org--Name/snapshots/REV`); None for another local folder."""
+    if HUB_ID.match(source) and not Path(source).expanduser().exists():
+        return source
+    found = HF_CACHE.search(Path(source).expanduser().as_posix())
+    return f"{found.group(1)}/{found.group(2)}" if found else None
+
+
+def base_model(config: dict, lora: Path, hub_id: str | None = None) -> BaseModel:
+    """The base the LoRA belongs to, from the run's `model` config (else the checkpoints' record of it); `hub_id`
+    (`export.base_model`) names its Hub repo where its source does not."""
     fused = tuple((str(r.get("file")), float(r.get("scale", 1.0))) for r in recorded_base(lora) or [])
     model = config.get("model")
     if not model:
@@ -85,10 +116,10 @@ def base_model(config: dict, lora: Path) -> BaseModel:
         pipeline = str(record.get("pipeline", "DiffusionPipeline"))
         takes_images = [v.output_image is not None for _, v in variants().values() if v.pipeline_class == pipeline]
         task = "image-to-image" if any(takes_images) or not takes_images else "text-to-image"
-        return BaseModel("(not recorded)", None, pipeline, task, str(record.get("name", "...")), fused)
+        return BaseModel("(not recorded)", hub_id, pipeline, task, str(record.get("name", "...")), fused)
     spec = model_spec(OmegaConf.create(model))
     source = str(model.get("pretrained_model_name_or_path"))
-    hub_id = source if HUB_ID.match(source) and not Path(source).expanduser().exists() else None
+    hub_id = hub_id or hub_id_of(source)
     task = "text-to-image" if spec.family.outputs.demo_data(spec) == "t2i" else "image-to-image"
     return BaseModel(source, hub_id, spec.pipeline_class, task, spec.name, fused)
 

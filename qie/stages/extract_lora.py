@@ -14,11 +14,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from qie.adapters.lora_extract import REPORT_FILE, Extraction, extract_lora, write_extraction
+from qie.adapters.lora_extract import REPORT_FILE, Extraction, extract_lora, full_rank, write_extraction
+from qie.adapters.lora_files import EXPORT_FILES
 from qie.components import LoadSettings, load_parts, prepare_model
 from qie.config import typed, validate
 from qie.config.export import ExtractConfig
+from qie.config.model import ModelConfig
 from qie.errors import ConfigError, ModelLoadError, check_writable
+from qie.output_files import existing_problem, inputs_problem, replace_file
 from qie.stages.settings import fused_base
 
 
@@ -27,12 +30,14 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     report. The stage's edge: the one place that reads `cfg`.
 
     Raises:
-        ConfigError: `extract.tuned` or `extract.out` unset, a rank below 1, an output that is no .safetensors file.
+        ConfigError: `extract.tuned` or `extract.out` unset, a rank below 1 or one that makes every layer full, an
+            output that is no .safetensors file, is (or lies inside) an input, or exists (without
+            `extract.overwrite=true`).
         ModelLoadError: a transformer that cannot be loaded, or a tuned one of another architecture.
     """
     validate(cfg)
     model, settings = typed(cfg.model), typed(cfg.extract)
-    out = _check(settings)
+    out = _check(settings, model)
     # Plain weights to subtract: no quantization on either side.
     model = replace(model, quantize="none", single_file_fp8="upcast")
     spec = prepare_model(model)
@@ -40,6 +45,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     base = load_parts(
         LoadSettings.of(model), spec, ["transformer"], {"transformer": "cpu"}, fuse=fused.fuse_into
     ).transformer
+    settings = replace(settings, rank=_capped_rank(settings.rank, full_rank(base)))
     tuned_model = replace(model, transformer_path=settings.tuned, fuse_loras=[], fuse_lora_scales=[])
     try:
         tuned = load_parts(LoadSettings.of(tuned_model), spec, ["transformer"], {"transformer": "cpu"}).transformer
@@ -55,13 +61,42 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
     written = write_extraction(extraction, out, spec.family.lora_loader_class(), exports, fused.record())
     report = {"base": model.pretrained_model_name_or_path, "tuned": settings.tuned, **extraction.report()}
     report["files"] = [str(p) for p in written]
-    (out.parent / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    text = json.dumps(report, indent=2)
+    replace_file(out.parent / REPORT_FILE, lambda tmp: tmp.write_text(text, encoding="utf-8"), "extract.out's")
     print(summary(extraction, written, out.parent / REPORT_FILE))
     return report
 
 
-def _check(settings: ExtractConfig) -> Path:
-    """The output file, its folder writable; the settings that cannot work named."""
+def _capped_rank(rank: int, full: int) -> int:
+    """`extract.rank`, refused when it makes every layer full rank (`full`: the largest layer's); each layer's rank
+    is capped at its own size as it is extracted, which is said once here."""
+    if rank >= full:
+        raise ConfigError(
+            f"extract.rank={rank} makes every layer full rank (the largest linear layer's rank is {full}): a LoRA of "
+            f"that rank stores more numbers than the weights' change itself; give a rank below {full}"
+        )
+    return rank
+
+
+def _outputs(settings: ExtractConfig, out: Path) -> list[Path]:
+    """The files the stage writes: the LoRA, the other tools' files beside it and the report."""
+    beside = [EXPORT_FILES[name] for name in ("comfyui", "kohya") if getattr(settings, name)]
+    return [out, *(out.parent / name for name in (*beside, REPORT_FILE))]
+
+
+def _inputs(settings: ExtractConfig, model: ModelConfig) -> dict[str, Path | None]:
+    """The local files and folders the stage reads, by the setting that names them."""
+    found = {"extract.tuned": Path(settings.tuned).expanduser()}
+    for key in ("pretrained_model_name_or_path", "transformer_path"):
+        value = getattr(model, key)
+        found[f"model.{key}"] = Path(value).expanduser() if value else None
+    found.update({f"model.fuse_loras[{i}]": Path(f).expanduser() for i, f in enumerate(model.fuse_loras)})
+    return found
+
+
+def _check(settings: ExtractConfig, model: ModelConfig) -> Path:
+    """The output file, its folder writable, none of its files an input, none there already unless replaced on
+    purpose (`extract.overwrite`); the settings that cannot work named."""
     if not settings.tuned:
         raise ConfigError(
             "extract.tuned is not set: give the tuned transformer, a diffusers folder (a full "
@@ -72,12 +107,14 @@ def _check(settings: ExtractConfig) -> Path:
             "extract.out is not set: give the LoRA file to write, e.g. "
             "extract.out=extracted/pytorch_lora_weights.safetensors"
         )
-    for key, low in (("rank", 1), ("niter", 0)):
-        if getattr(settings, key) < low:
-            raise ConfigError(f"extract.{key}={getattr(settings, key)} is out of range: it must be {low} or more")
     out = Path(settings.out).expanduser()
     if out.suffix != ".safetensors":
         raise ConfigError(f"extract.out={settings.out!r} is not a .safetensors file name: end it in .safetensors")
+    outputs = _outputs(settings, out)
+    if problem := inputs_problem(outputs, _inputs(settings, model), "extract.out"):
+        raise ConfigError(problem)
+    if not settings.overwrite and (problem := existing_problem(outputs, "extract.out", "extract.overwrite")):
+        raise ConfigError(problem)
     check_writable(out.parent, "extract.out's folder")
     return out
 
@@ -91,6 +128,13 @@ def summary(extraction: Extraction, written: list[Path], report: Path) -> str:
         f"({len(extraction.unchanged)} unchanged); relative error of each layer's reconstruction: mean "
         f"{r['mean_relative_error']:.4g}, worst {worst.relative_error:.4g} ({worst.name})",
     ]
+    capped = [fit for fit in extraction.layers if fit.rank < extraction.rank]
+    if capped:
+        lines.append(
+            f"qie: extract.rank={extraction.rank} is above the size of {len(capped)} of the changed layers: each of "
+            f"those keeps its full rank (from {min(f.rank for f in capped)} to {max(f.rank for f in capped)}), "
+            "recorded in the file's rank pattern"
+        )
     if extraction.not_carried:
         name, worst_change = max(extraction.not_carried.items(), key=lambda kv: kv[1]["relative_change"])
         lines.append(

@@ -24,6 +24,21 @@ def launch_problem(num_processes: int, env: Mapping[str, str] | None = None) -> 
     return None
 
 
+def elastic_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """Why torchrun's elastic restarts of this run would fail, or None: `--max-restarts` above 0 without
+    `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, where a restarted process may read its peer's address of the attempt
+    before from the rendezvous' shared store and wait for it until the process group's timeout (pytorch#135712)."""
+    env = os.environ if env is None else env
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    if restarts <= 0 or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return None
+    return (
+        f"torchrun --max-restarts={restarts} needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment: without "
+        "it a restarted process may wait for a peer of the attempt before until the timeout (pytorch#135712); set "
+        "it and start again (docs/cluster.md)"
+    )
+
+
 def leave_process_group(state: Any) -> None:
     """Leave the process group of a several-process run (torchrun) once every process is done: gloo's threads
     torn down during interpreter exit can abort a process ("terminate called without an active exception")

@@ -1,6 +1,7 @@
 """Where a training run's outputs go besides its run folder (`run.output_url`), and where `train.resume=latest`
 resumes from: the object store when one is set (every node of every restart sees the same checkpoints), the
-run folder otherwise.
+run folder otherwise. The store is opened and taken for the run (its lease: one writer per output URL) before
+anything loads.
 
 The writing process uploads each checkpoint once it is saved, every process waiting for the upload (a worker
 that dies right after a save leaves that checkpoint complete in the store); on resume the newest complete
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qie.config.train import RunConfig
+from qie.errors import StorageError
 from qie.training import checkpoint as ckpt
 from qie.training.run_store import RunStore
 
@@ -35,6 +37,38 @@ class RunOutputs:
         if not run.output_url:
             return cls()
         return cls(RunStore(str(run.output_url), run.endpoint_url, run.storage_options))
+
+    @property
+    def run_id(self) -> str | None:
+        """This run's id in the store (in each checkpoint's marker and trainer state); None without a store."""
+        return None if self.store is None else self.store.run_id
+
+    def claim(self, resume: str | None, accelerator: Any) -> None:
+        """Open and check the store before anything loads: its writer process takes the store's lease (one run writes
+        an output URL at a time), which reaches the store; every process raises when it could not.
+
+        Raises:
+            StorageError: the store is down, refuses the credentials, has no bucket, is written by another run, or
+                holds another run's checkpoints while this run does not resume (`RunStore.claim`).
+        """
+        if self.store is None:
+            return
+        error = None
+        if accelerator.is_main_process:
+            try:
+                self.store.claim(resuming=bool(resume))
+            except StorageError as e:
+                error = e
+        failed = _agree(accelerator, int(error is not None))
+        if error is not None:
+            raise error
+        if failed:
+            raise StorageError(f"run.output_url={self.store.url}: the first process could not take it (it says why)")
+
+    def release(self) -> None:
+        """Let other runs write the store (the writing process's lease)."""
+        if self.store is not None:
+            self.store.release()
 
     def where(self, run_dir: Path) -> str:
         """Where checkpoints are looked for: the store's checkpoints/ or the run folder."""

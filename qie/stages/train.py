@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,18 +31,19 @@ from qie.config.backend import build_backend
 from qie.config.cache import CacheConfig
 from qie.data import file_stats
 from qie.data.fields import run_fields, with_defaults
-from qie.errors import ConfigError, Interrupted, check_writable
+from qie.errors import ConfigError, Interrupted, PluginError, QieError, check_writable
 from qie.stages.accelerator import make_accelerator
 from qie.stages.auto_caption import auto_captions
 from qie.stages.background import in_background
 from qie.stages.heldout import HeldOut, split_heldout
 from qie.stages.objective_store import objective_store
+from qie.stages.processes import elastic_problem
 from qie.stages.recipe import Recipe
 from qie.stages.run_outputs import RunOutputs
 from qie.stages.sources import build_source
 from qie.stages.train_data import load_samples, loader_settings, make_sampler, ready_data, sample_rows
+from qie.stages.train_end import RESULT_FILE, Checkpoints, finish
 from qie.stages.train_extras import lora_exports, make_ema, regularization_logging
-from qie.stages.train_finish import RESULT_FILE, Checkpoints, finish
 from qie.stages.train_hooks import HookInputs, search_result, step_hooks
 from qie.stages.train_model import (
     base_model_key,
@@ -63,6 +65,8 @@ from qie.training.objective_state import restore_kept
 from qie.training.objectives import field_names, objective_class, trains_on_targets
 from qie.training.run_record import check_resume
 from qie.types import TRAINING_TYPES
+
+TRACEBACK_FILE = "error_traceback.txt"  # where a failure of user code (an objective, a reward) keeps its traceback
 
 
 def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] | None = None) -> dict:
@@ -112,7 +116,7 @@ class TrainRecipe(Recipe):
         self.s, self.run_dir, self.cache, self.on_step_end = setup, run_dir, cache, on_step_end
         self.started = time.monotonic()  # train.max_minutes counts from here
         self.accelerator: Any = None
-        self.locked = self.frozen = False
+        self.locked = self.frozen = self.claimed = False
         self.logger: MetricsLogger | None = None
 
     def setup(self) -> None:
@@ -121,6 +125,8 @@ class TrainRecipe(Recipe):
         batches, the logger and the step hooks."""
         s = self.s
         self._setup_accelerator()
+        s.outputs.claim(s.train.resume, self.accelerator)  # the store checked (and taken) before anything loads
+        self.claimed = True
         record_run(self.run_dir, s.run_command, s.run_config, self.accelerator)
         # A backend whose start-up check reads an index starts reading it now, beside the data set's scan.
         ahead = TRAINING_TYPES if str(s.source.mode) == "cached" else ()
@@ -133,7 +139,14 @@ class TrainRecipe(Recipe):
         self._setup_hooks()
 
     def run(self) -> dict:
-        """Train, measure the held-out samples, export the weights and publish the run's outputs."""
+        """Train, measure the held-out samples, export the weights and publish the run's outputs. A step hook or
+        the held-out measures failing (a validation reward of one's own) ends the run as a stop does, its weights
+        exported and its state saved, then raises that error.
+
+        Raises:
+            PluginError: the objective's code failed (the last finished step saved first), or a step hook's or the
+                held-out measures' did (after the export); its traceback is written to `TRACEBACK_FILE`.
+        """
         s, state = self.s, self.state
         try:
             settings = loop_settings(s.train, s.logging, self.objective, self.started)
@@ -146,27 +159,62 @@ class TrainRecipe(Recipe):
                 on_step_end=lambda info: [hook(info) for hook in self.hooks],
                 last_saved=self.resume_from,
             )
-            self.heldout.measure_into(result)
-            result.update(search_result(s.validation, self.run_dir))
+            failure = result.pop("failure")
+            if failure is None:
+                failure = self._measure(result)
         except Interrupted as e:  # a second stop signal: name what is kept, now that an unfinished save is removed
             raise Interrupted(ckpt.kept_after_interrupt(self.run_dir, self.resume_from), e.signum) from None
+        except PluginError as e:  # the objective's own code: its state before the step is saved
+            self._failed(e)
+            raise
         finally:
             self._close_logger()
         self._unfreeze()
+        if failure is not None:
+            result["error"] = str(failure)
         finish(state, s.mode, self.run_dir, result, lora_exports(s.train), self.ema)
         s.outputs.publish(self.run_dir, self.accelerator)
+        if failure is not None:
+            self._failed(failure)
+            raise failure
         return result
+
+    def _measure(self, result: dict) -> QieError | None:
+        """Add the held-out measures and the search metric to `result`; the QieError that stopped them, or None."""
+        try:
+            self.heldout.measure_into(result)
+            result.update(search_result(self.s.validation, self.run_dir))
+        except QieError as e:
+            return e
+        return None
+
+    def _failed(self, e: BaseException) -> None:
+        """Write the traceback of a failure of user code (`PluginError`: its cause's) into the run folder and say
+        how to go on (the main process)."""
+        if not self.accelerator.is_main_process:
+            return
+        if isinstance(e, PluginError):
+            text = "".join(traceback.format_exception(e))
+            (self.run_dir / TRACEBACK_FILE).write_text(text, encoding="utf-8")
+            print(f"qie: the traceback of the error: {self.run_dir / TRACEBACK_FILE}", flush=True)
+        if ckpt.complete_checkpoints(self.run_dir):
+            print(f"qie: once it is fixed, continue with train.resume=latest hydra.run.dir={self.run_dir}", flush=True)
 
     def cleanup(self) -> None:
         """Close the logger, let the collector see the run's objects again and release the run folder's lock."""
         self._close_logger()
         self._unfreeze()
+        if self.claimed:
+            self.s.outputs.release()
+            self.claimed = False
         if self.locked:
             run_lock.release(self.run_dir)
             self.locked = False
 
     def _setup_accelerator(self) -> None:
         s = self.s
+        if problem := elastic_problem():  # before the process group: a restart would hang in its rendezvous
+            raise ConfigError(problem)
         self.accelerator = make_accelerator(s.train, s.memory, str(s.model.dtype), self.run_dir)
         if self.accelerator.is_main_process:
             check_writable(self.run_dir, "the run directory (hydra.run.dir)")
@@ -292,7 +340,16 @@ class TrainRecipe(Recipe):
             self.hooks.append(self.heldout.hook(s.validation.every))
         if self.reg:
             self.hooks.append(regularization_logging(self.logger, s.regularization.weight))
-        saving = Checkpoints(state, run_dir, s.mode, s.train, self.records, self.ema, self.context.kept())
+        saving = Checkpoints(
+            state=state,
+            run_dir=run_dir,
+            mode=s.mode,
+            train=s.train,
+            records=self.records,
+            ema=self.ema,
+            run_id=s.outputs.run_id,
+            kept=self.context.kept(),
+        )
         self.save = s.outputs.saving(saving.save, self.accelerator, run_dir, s.train.checkpoints_total_limit)
 
     def _close_logger(self) -> None:
@@ -318,4 +375,4 @@ def collecting() -> Iterator[None]:
             gc.disable()
 
 
-__all__ = ["RESULT_FILE", "TrainRecipe", "run"]
+__all__ = ["RESULT_FILE", "TRACEBACK_FILE", "TrainRecipe", "run"]

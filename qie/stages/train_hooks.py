@@ -160,6 +160,7 @@ class RewardLog:
 
         self.rewards = build_rewards(s.validation.rewards, "validation.rewards", model=s.model)
         self.samples, self.spec, self.file = samples, s.spec, folder / REWARDS_FILE
+        self.timeout = s.validation.reward_timeout
 
     def __call__(self, step: int, images: list, logger) -> dict[str, float | None]:
         from qie.evaluation.image_metrics import to_tensor
@@ -170,7 +171,7 @@ class RewardLog:
         scores = []
         for sample, image in zip(self.samples, images):
             row = reference_row(sample, image.size, self.spec, None)
-            scores.append(score_row(self.rewards, to_tensor(image).float(), row))
+            scores.append(score_row(self.rewards, to_tensor(image).float(), row, "validation.rewards", self.timeout))
         means = {name: mean([score[name] for score in scores]) for name in self.rewards}
         logger.log_scalars({f"validation/{k}": v for k, v in means.items() if v is not None}, step)
         directions = {name: direction(reward) for name, reward in self.rewards.items()}

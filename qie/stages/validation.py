@@ -38,14 +38,19 @@ def validation_samples(v: ValidationConfig, training: list[Sample], count: int) 
 
 
 def validation_inputs(
-    source: EmbeddingSource, samples: list[Sample], negative_prompt: str | None
+    source: EmbeddingSource, samples: list[Sample], negative_prompt: str | None, encode: bool = True
 ) -> tuple[list[SampleEmbeddings], list[tuple[torch.Tensor, torch.Tensor | None] | None]]:
     """The encoded inputs of `samples` and, per sample, the negative prompt as (embedding, image mask).
 
     The empty negative prompt is the sample's own empty-prompt embedding; another one is encoded (and
-    cached) as a prompt with the sample's control images; None gives None (no CFG).
+    cached) as a prompt with the sample's control images; None gives None (no CFG). Without `encode`, what
+    `source` does not hold is not encoded either: a cached source then refuses a miss (the eval stage's
+    `cache.mode=cached`).
+
+    Raises:
+        CacheMissError: without `encode`, a sample whose entries `source` (a cached one) does not hold.
     """
-    encoding = source.with_encoding()
+    encoding = source.with_encoding() if encode else source
     # Sampling starts from the controls and the prompt; a target stays only where no control gives the size.
     samples = [replace(s, target=None) if s.controls else s for s in samples]
     inputs = encoding.get(samples)

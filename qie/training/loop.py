@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from qie.errors import Interrupted, QieError
+from qie import stop_request
+from qie.errors import Interrupted, PluginError, QieError, raised_at
 from qie.progress import progress
-from qie.runtime.guards import agree_on_step
+from qie.runtime.guards import NonfiniteCause, agree_on_step
 from qie.training.logging import MetricsLogger
 from qie.training.objectives import Objective
 from qie.training.policies import CheckpointSchedule, NonfinitePolicy
@@ -86,13 +87,22 @@ def batch_generator(seed: int, batch_number: int, rank: int) -> torch.Generator:
 
 
 class StopSignal:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then it saves and exits)."""
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then it saves and exits), and says so to
+    code waiting on a plug-in (`qie.stop_request`: a reward is not waited for). A step hook that failed asks for the
+    same stop (`failed`): every process stops after the same step."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.failed: BaseException | None = None
         self._previous: dict[int, object] = {}
 
+    @property
+    def asked(self) -> bool:
+        """Whether this process asks to stop: a signal, or a failed step hook."""
+        return self.received is not None or self.failed is not None
+
     def __enter__(self) -> StopSignal:
+        stop_request.clear()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -104,10 +114,12 @@ class StopSignal:
         if self.received is not None:  # a second signal: the user does not want to wait for the step or the save
             raise Interrupted("a second signal stopped training without its stop save", signum)
         self.received = signum
+        stop_request.request()
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        stop_request.clear()
 
 
 def fit(
@@ -130,12 +142,14 @@ def fit(
 
     Returns:
         {"step", "loss" (last), "losses" (per step of this run), "stopped_by_signal", "signal",
-        "stopped_by_time" (the budget `settings.deadline` was spent), "skipped_nonfinite"}.
+        "stopped_by_time" (the budget `settings.deadline` was spent), "skipped_nonfinite",
+        "failure": the exception a step hook raised (training stopped after that step, its state saved) or None}.
 
     Raises:
         NonFiniteLoss: a NaN or infinite loss or gradient with `on_nonfinite="stop"` (after saving the last
             good state), or non-finite weights or optimizer state after an update (nothing saved after it);
-            a QieError of the batch stream (after saving, in a single-process run).
+            PluginError: the objective's loss raised or returned no scalar tensor with a gradient; these and a
+            QieError of the batch stream after saving the last finished step, in a single-process run.
     """
     accelerator = state.accelerator
     checkpoints = CheckpointSchedule(save_checkpoint, settings.checkpoint_every, state, last_saved)
@@ -162,7 +176,8 @@ def fit(
                 stopping = True
                 break
             if not window["finite"]:
-                nonfinite.skip_or_stop(step, window["ids"], checkpoints, consumed)
+                cause = NonfiniteCause(window["inputs_finite"], type(settings.objective))
+                nonfinite.skip_or_stop(step, window["ids"], checkpoints, consumed, cause)
                 consumed = window["consumed"]
                 continue
             consumed = window["consumed"]
@@ -182,18 +197,13 @@ def fit(
                     step, {"loss": mean_loss, "lr": lr, "grad_norm": norm, "seconds": seconds, **window["metrics"]}
                 )
             if on_step_end is not None:
-                try:
-                    on_step_end(StepInfo(step, batch, mean_loss, seconds, window["waited"], window["metrics"]))
-                except QieError:  # a hook's verdict (every process's alike): the state after this step is kept
-                    if checkpoints.before_stopping(step, consumed):
-                        print(f"qie: saved the state after step {step} before stopping")
-                    raise
+                info = StepInfo(step, batch, mean_loss, seconds, window["waited"], window["metrics"])
+                stopping = _after_step(on_step_end, info, stop, accelerator.num_processes) or stopping
             checkpoints.after_step(step, consumed)
             if late:
                 break
         checkpoints.at_end(step, consumed)
-    signalled = stopping and not late
-    return _result(step, losses, nonfinite.skipped, stop.received if signalled else None, signalled, late)
+    return _result(step, losses, nonfinite.skipped, stop, stopping and not late) | {"stopped_by_time": late}
 
 
 def progress_measures(loss: float, metrics: dict[str, float]) -> dict[str, str]:
@@ -205,19 +215,73 @@ def progress_measures(loss: float, metrics: dict[str, float]) -> dict[str, str]:
     return shown
 
 
-def _result(step: int, losses: list[float], skipped: list, received: int | None, stopping: bool, late: bool) -> dict:
+def _after_step(hook: Callable[[StepInfo], None], info: StepInfo, stop: StopSignal, processes: int) -> bool:
+    """Run the step hooks; True when training stops after this step: a hook failed (validation's reward, a
+    plug-in's hook), or a stop signal cut a hook short (a reward not waited for). The step itself is complete, so
+    its state is saved as at any end. With several processes a failure is shared at the next step's collective."""
+    try:
+        hook(info)
+    except Exception as e:
+        if stop.received is not None:
+            print(f"qie: stopping; the step hooks after step {info.step} were cut short: {e}", flush=True)
+            return True
+        if stop.failed is None:
+            stop.failed = e
+            print(f"qie: stopping after step {info.step}: {e}", flush=True)
+        return processes == 1
+    return False
+
+
+def _result(step: int, losses: list[float], skipped: list, stop: StopSignal, stopping: bool) -> dict:
     """What `fit` returns; a stop another process's signal decided is reported as SIGTERM (a scheduler's)."""
-    signum = int(received or signal.SIGTERM) if stopping else None
+    by_signal = stopping and stop.failed is None
+    signum = int(stop.received or signal.SIGTERM) if by_signal else None
     last = losses[-1] if losses else math.nan
     return {
         "step": step,
         "loss": last,
         "losses": losses,
-        "stopped_by_signal": stopping,
+        "stopped_by_signal": by_signal,
         "signal": signum,
-        "stopped_by_time": late,
         "skipped_nonfinite": skipped,
+        "failure": stop.failed,
     }
+
+
+def objective_loss(
+    objective: Objective, model: torch.nn.Module, batch: Batch, generator: torch.Generator
+) -> torch.Tensor:
+    """`objective.loss(model, batch, generator)`, checked: what the objective's own code raises, or a loss that is
+    no one-number tensor with a gradient (a float, a detached tensor, several numbers), is a PluginError naming
+    the objective by its class (its `_target_`); qie's errors and running out of memory pass as they are."""
+    name = f"train.objective ({type(objective).__module__}.{type(objective).__qualname__})"
+    try:
+        loss = objective.loss(model, batch, generator)
+    except (QieError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:
+        raise PluginError(
+            f"{name} raised {e.__class__.__name__} in the loss of samples {', '.join(batch.ids)}: {e}{raised_at(e)}"
+        ) from e
+    if not isinstance(loss, torch.Tensor):
+        what = f"a {type(loss).__name__}"
+    elif loss.numel() != 1:
+        what = f"a tensor of {loss.numel()} numbers"
+    elif not loss.requires_grad:
+        what = "a tensor without a gradient (detached, or computed under no_grad)"
+    else:
+        return loss
+    raise PluginError(
+        f"{name}'s loss returned {what}: return one number as a tensor computed from the model's output, so that "
+        "its gradient trains the model"
+    )
+
+
+def inputs_finite(batch: Batch) -> bool:
+    """Whether every floating tensor the batch holds (latents, embeddings, fields, its loss mask) is finite."""
+    tensors = [batch.latents, batch.prompt_embeds, *batch.control_latents, *batch.fields.values()]
+    tensors += [t for t in (batch.negative_prompt_embeds, batch.loss_mask) if t is not None]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 def _optimizer_step(
@@ -230,13 +294,14 @@ def _optimizer_step(
         (loss of the window averaged over processes, grad norm before clipping, last batch,
         {"consumed": batches consumed, "finite": whether the step was taken, "ids": the window's samples,
         "waited": seconds spent waiting for the batches, "stop": whether a process was asked to stop,
-        "metrics": the objective's measures of the window, averaged over processes}).
+        "metrics": the objective's measures of the window, averaged over processes, "inputs_finite": whether this
+        process's batches of a non-finite loss were finite (None: its losses were finite)}).
     """
     accelerator, model = state.accelerator, state.model
     if not model.training:  # train() walks every module: not on every step
         model.train()
     window_loss, grad_norm, waited, finite, ids, mean_loss, stopping = 0.0, None, 0.0, True, [], math.nan, False
-    late = False
+    inputs_ok, late = True, False
     metrics: dict[str, float] = {}
     micro_steps = accelerator.gradient_accumulation_steps
     for _ in range(micro_steps):
@@ -246,30 +311,23 @@ def _optimizer_step(
         with accelerator.accumulate(model):
             batch = batch.to(accelerator.device, state.dtype)
             g = batch_generator(settings.seed, number, accelerator.process_index)
-            loss = settings.objective.loss(model, batch, g)
+            loss = objective_loss(settings.objective, model, batch, g)
             accelerator.backward(loss)
             ids += batch.ids
-            window_loss += loss.detach().float().item() / micro_steps
+            value = loss.detach().float().item()
+            if not math.isfinite(value):  # whose fault: the cache's entries, or what computed the loss from them
+                inputs_ok = inputs_ok and inputs_finite(batch)
+            window_loss += value / micro_steps
             if accelerator.sync_gradients:
                 # An infinite bound measures the norm without clipping, so grad_norm is always logged.
                 max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
                 grad_norm = accelerator.clip_grad_norm_(state.params, max_norm)
                 out_of_time = settings.deadline is not None and time.monotonic() >= settings.deadline
                 agreed = agree_on_step(
-                    accelerator,
-                    window_loss,
-                    grad_norm,
-                    stop.received is not None,
-                    settings.objective.step_metrics(),
-                    out_of_time,
+                    accelerator, window_loss, grad_norm, stop.asked, settings.objective.step_metrics(), out_of_time
                 )
-                finite, mean_loss, stopping, late, metrics = (
-                    agreed.finite,
-                    agreed.loss,
-                    agreed.stop,
-                    agreed.out_of_time,
-                    agreed.metrics,
-                )
+                finite, mean_loss, stopping, late = agreed.finite, agreed.loss, agreed.stop, agreed.out_of_time
+                metrics = agreed.metrics
             # accelerate's wrapped optimizer skips step and zero_grad until the window's last batch
             if finite:
                 state.optimizer.step()
@@ -284,5 +342,7 @@ def _optimizer_step(
         "stop": stopping,
         "late": late,
         "metrics": metrics,
+        # None: every loss of the window was finite; False: a non-finite one came with non-finite inputs.
+        "inputs_finite": None if math.isfinite(window_loss) else inputs_ok,
     }
     return mean_loss, grad_norm, batch, window

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from qie.runtime.guards import (
+    NonfiniteCause,
     NonFiniteLoss,
     all_ids,
     nonfinite_message,
@@ -77,16 +78,25 @@ class NonfinitePolicy:
         self.on_nonfinite, self.state = on_nonfinite, state
         self.skipped: list[list[str]] = []
 
-    def skip_or_stop(self, step: int, ids: list[str], checkpoints: CheckpointSchedule, consumed: int | None) -> None:
-        """Record a skipped step `step + 1` of samples `ids` (this process's), or save and raise NonFiniteLoss."""
+    def skip_or_stop(
+        self,
+        step: int,
+        ids: list[str],
+        checkpoints: CheckpointSchedule,
+        consumed: int | None,
+        cause: NonfiniteCause | None = None,
+    ) -> None:
+        """Record a skipped step `step + 1` of samples `ids` (this process's), or save and raise NonFiniteLoss;
+        `cause` says where the non-finite number came from (the inputs, or what computed the loss from them)."""
         accelerator = self.state.accelerator
         ids = all_ids(accelerator, ids)
         if self.on_nonfinite == "skip":
-            accelerator.print(f"qie: warning: {nonfinite_message(step + 1, ids, None)} Skipped.")
+            accelerator.print(f"qie: warning: {nonfinite_message(step + 1, ids, None, cause=cause)} Skipped.")
             self.skipped.append(ids)
             return
         saved = checkpoints.before_stopping(step, consumed)
-        raise NonFiniteLoss(nonfinite_message(step + 1, ids, saved or checkpoints.last_good, self.state.model))
+        last = saved or checkpoints.last_good
+        raise NonFiniteLoss(nonfinite_message(step + 1, ids, last, self.state.model, cause))
 
     def audit(self, step: int, max_steps: int, last_good: Path | None) -> None:
         """Raise NonFiniteLoss when the update of `step` left NaN or infinite weights or optimizer state. Between

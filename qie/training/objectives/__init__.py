@@ -125,7 +125,7 @@ def objective_class(node: Any) -> type:
 
     Raises:
         ConfigError: a plain name instead of a node (`train/objective=dpo`: the group is chosen as
-            `train/objective=dpo`), no `_target_`, or nothing importable there.
+            `train/objective=dpo`), no `_target_`, nothing importable there, or a class that is no objective.
     """
     if not isinstance(node, Mapping):
         raise ConfigError(
@@ -137,7 +137,15 @@ def objective_class(node: Any) -> type:
     target = node.get("_target_")
     if not target:
         raise ConfigError(f"{SETTING} has no _target_: give the objective's class, e.g. {DEFAULT_TARGET}")
-    return target_class(f"{SETTING}._target_", str(target), f"an objective class such as {DEFAULT_TARGET}")
+    cls = target_class(f"{SETTING}._target_", str(target), f"an objective class such as {DEFAULT_TARGET}")
+    # A class, but not an objective (torch.nn.Linear, a reward): what the stages and the checks call of one.
+    lacks = sorted({"requires", "use_problem", "prepare", "loss", "step_metrics", "evaluate"} - set(dir(cls)))
+    if lacks:
+        raise ConfigError(
+            f"{SETTING}._target_={target!r} is not an objective (it has no {', '.join(lacks)}): give a subclass of "
+            "qie.extend.FlowMatching, or a class with the qie.extend.Objective protocol's methods"
+        )
+    return cls
 
 
 def settings_of(node: Mapping[str, Any]) -> dict[str, Any]:

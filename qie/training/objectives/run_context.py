@@ -12,11 +12,13 @@ import torch
 
 from qie.data.images import rgb
 from qie.errors import DataError
-from qie.evaluation.reward import Reward, needed_arguments, reward_value
+from qie.evaluation.reward import Reward, RewardCall, reward_value, score
 from qie.models.sampling import PromptInputs, initial_noise
 from qie.training.objectives.context import NoStore, ObjectiveStore
 from qie.training.objectives.reference import FrozenCopy, Reference
 from qie.types import Batch
+
+REWARD_SETTING = "train.objective.reward"  # where an objective's reward is set, for messages
 
 if TYPE_CHECKING:
     from qie.evaluation.scoring import Row
@@ -175,10 +177,17 @@ class RunContext:
         out = []
         for i, sample_id in enumerate(batch.ids):
             row = self.row(sample_id, size, reward.needs)  # the target and region only where needed
-            edits = images[i * copies : (i + 1) * copies]
-            needed = needed_arguments(reward, *references(reward, row, copies))
-            scores = reward(edits, [[rgb(c) for c in row.controls]] * copies, [row.prompt] * copies, **needed)
-            out.append(reward_value(reward, torch.as_tensor(scores, dtype=torch.float64).reshape(copies)))
+            targets, masks = references(reward, row, copies)
+            call = RewardCall(
+                setting=REWARD_SETTING,
+                images=images[i * copies : (i + 1) * copies],
+                controls=[[rgb(c) for c in row.controls]] * copies,
+                prompts=[row.prompt] * copies,
+                targets=targets,
+                masks=masks,
+            )
+            # one finite score per edit, or one line naming the reward; a stop signal does not wait for it
+            out.append(reward_value(reward, score(reward, call, unmeasured=False)))
         return torch.cat(out)
 
     # --- the reference model and stores -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""How a training run saves and ends: each checkpoint (the state, its mode's exports, the records resume compares,
-the EMA weights and what the objective keeps), and at the end the replicas' agreement, the exported weights,
-train_result.json and the lines that say how the run ended and how to go on."""
+"""How a training run saves its state and ends: the checkpoints it saves (`Checkpoints`: the state, its mode's exports,
+the records resume compares, the EMA weights and what the objective keeps), and at its end the trained weights
+exported, `train_result.json` and the report written, and the replicas compared (`finish`)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from qie.training.objective_state import write_kept
 RESULT_FILE = "train_result.json"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Checkpoints:
     """How the run saves a checkpoint: the state with its mode's exports, the records resume compares, the EMA
-    weights; the run's report refreshed but at the last step (written by `finish`, with the run's result)."""
+    weights, the run's id in its output store; the run's report refreshed but at the last step (written by
+    `finish`, with the run's result)."""
 
     state: TrainState
     run_dir: Path
@@ -36,7 +37,8 @@ class Checkpoints:
     train: TrainConfig
     records: tuple[dict, dict]
     ema: Ema | None
-    kept: Mapping[str, Mapping[str, torch.Tensor]]  # the objective's own state (`ObjectiveContext.keep`)
+    run_id: str | None = None  # the run's id in its output store (`run.output_url`), recorded in each checkpoint
+    kept: Mapping[str, Mapping[str, torch.Tensor]] = dataclasses.field(default_factory=dict)  # `ObjectiveContext.keep`
 
     def save(self, step: int, consumed: int) -> Path:
         state, ema, mode, train = self.state, self.ema, self.mode, self.train
@@ -46,6 +48,7 @@ class Checkpoints:
             "num_processes": state.accelerator.num_processes,
             "model": self.records[0],
             "data": self.records[1],
+            **({"run": self.run_id} if self.run_id is not None else {}),
         }
         exports, model = lora_exports(train), state.accelerator.unwrap_model(state.model)
 
@@ -78,6 +81,7 @@ def finish(
         if not result["ranks_agree"]:
             print(f"qie: warning: the processes' weights differ at the end: {result['param_checksums']}")
         how = f"stopped by signal {result['signal']}" if result["stopped_by_signal"] else "trained"
+        how = "stopped by an error" if result.get("error") else how
         if result.get("stopped_by_time"):
             how = "stopped by the time budget (train.max_minutes)"
         last = f"last loss {result['loss']:.4g}" if result["losses"] else "no step left (train.max_steps reached)"
