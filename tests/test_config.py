@@ -138,7 +138,8 @@ GROUPS = sorted(
 # Where a composed train config may name a class to build, and how the stages build it.
 BUILT = {"cache.backend", "train.optimizer", "train.lr_scheduler", "train.objective"}
 # Classes an option names besides those (GRPO's reward, built by the objective through the train stage's builder).
-ALSO_BUILT = {("train/objective", "grpo"): {"train.objective.reward"}}
+# The online objectives build their reward.
+ALSO_BUILT = {("train/objective", o): {"train.objective.reward"} for o in ("grpo", "nft", "awm")}
 # Options whose class lives in an optional extra (test_memory checks the error when it is missing).
 EXTRA = {("train/optimizer", "adamw8bit"): "bitsandbytes"}
 # Settings an option needs to build (the remote cache needs a store: fsspec's in-process one will do; the Lightning

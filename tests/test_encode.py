@@ -13,10 +13,9 @@ from helpers import small_config, tiny_pipeline, write_noise_image
 from PIL import Image
 from stage_edges import encoder_for
 
-from qie.config.cache import CACHE_TYPES
 from qie.data.samples import Sample
 from qie.embedding.encode import EMPTY_PROMPT, Encoder, ImageSizes, prepare_sample
-from qie.types import TRAINING_TYPES
+from qie.types import CACHE_TYPES, TRAINING_TYPES
 
 AREA = 64 * 64
 SIZES = ImageSizes(target_pixels=AREA, vae_image_pixels=AREA, vl_image_pixels=AREA)

@@ -176,14 +176,16 @@ class QwenImage21Loop(FlowLoop):
     def prediction(self, inputs: PromptInputs, name: str) -> Prediction:
         image_mask = with_target_slots(inputs.image_mask, self.latents.shape[1])
         kv_cache = QwenImage21KVCache(len(self.transformer.transformer_blocks)) if self.cached else None
+        extracting: list[int] = []  # the step whose call filled the cache
 
         def call(i: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            # The condition's keys and values do not depend on the step (it sits at t = 0): whichever call runs first
-            # extracts them.
-            kv_mode = ("cached" if kv_cache.layer_caches[0].k is not None else "extract") if self.cached else None
+            # The condition's keys and values do not depend on the step (it sits at t = 0): the first call that runs
+            # the transformer (a replay skips some) extracts them, and so does its recomputation under gradient
+            # checkpointing (which must save the same tensors); every other call reads them.
+            kv_mode = ("extract" if i in (extracting or [i]) else "cached") if self.cached else None
             model_input = latents if self.ref_tokens is None else torch.cat([self.ref_tokens, latents], dim=1)
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-            return _predict(
+            out = _predict(
                 self.transformer,
                 model_input,
                 timestep,
@@ -196,6 +198,9 @@ class QwenImage21Loop(FlowLoop):
                 kv_cache,
                 name,
             )
+            if self.cached and not extracting and kv_cache.layer_caches[0].k is not None:
+                extracting.append(i)
+            return out
 
         return call
 

@@ -73,17 +73,18 @@ def folder_of(path: str) -> Path:
 
 
 def thumbnail(path: Path, size: int = THUMBNAIL) -> tuple[bytes, str]:
-    """The image at `path` shrunk to `size` pixels on its longer side: PNG bytes and their media type.
+    """The image at `path`, read as training reads it (upright, alpha kept), shrunk to `size` pixels on its longer
+    side: PNG bytes and their media type.
 
     Raises:
-        OSError: the image cannot be read (Pillow's `UnidentifiedImageError` included).
+        ImageError: naming the file when it cannot be read as an image.
     """
-    from PIL import Image
+    from qie.data.images import open_image
 
-    with Image.open(path) as image:
-        image.thumbnail((size, size))
-        out = io.BytesIO()
-        image.save(out, format="PNG")
+    image = open_image(path, alpha=True)
+    image.thumbnail((size, size))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
     return out.getvalue(), "image/png"
 
 

@@ -68,7 +68,9 @@ def field_bounds(cls: type) -> dict[str, Bounds]:
         elif call.func.id == "at_least" and len(call.args) == 2:
             prefix, rows = _literal(call.args[0]), call.args[1]
             for row in rows.elts if isinstance(rows, ast.List | ast.Tuple) else []:
-                name, low = (_literal(row.elts[0]), _literal(row.elts[2])) if len(row.elts) == 3 else (None, None)
+                if not (isinstance(row, ast.Tuple) and len(row.elts) == 3):
+                    continue  # a starred list of rows built elsewhere has no literal bounds
+                name, low = _literal(row.elts[0]), _literal(row.elts[2])
                 if isinstance(prefix, str) and isinstance(name, str):
                     bounds[f"{prefix}.{name}"] = (_number(low), None)
     return bounds

@@ -175,8 +175,8 @@ async def data_file(request: Request) -> Response:
     if request.query_params.get("thumb"):
         try:
             body, media = await run_in_threadpool(thumbnail, path)
-        except OSError as e:
-            raise Refused(400, f"{path} cannot be read as an image: {e}") from None
+        except QieError as e:  # the image module's ImageError, naming the file
+            raise Refused(400, str(e)) from None
         return Response(body, media_type=media, headers=_SANDBOX)
     return FileResponse(path, headers=_SANDBOX)
 
