@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 # How a pipeline spaces the sigmas of `steps` inference steps, from 1 down (before the scheduler's shift), by name:
 # each family's loop names its pipeline's (its `FlowLoop.sigma_schedule`). Both give 1, 1 - 1/N, ..., 1/N,
@@ -35,6 +34,8 @@ def noisy_latents(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -
 
 def loss_weights(method: str, sigmas: torch.Tensor) -> torch.Tensor:
     """Per-sample loss weights by noise level: "none", "sigma_sqrt" or "cosmap" (SD3's)."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3  # loads diffusers' models: on first use
+
     return compute_loss_weighting_for_sd3(method, sigmas)
 
 
