@@ -1,5 +1,10 @@
-"""What the stage entry points share: the Hydra run directory, turning user errors into messages, and the
-end-of-sweep summary."""
+"""What the stage entry points share: checking the composed config before the stage is imported (`run_stage`), the
+Hydra run directory, turning user errors into messages, and the end-of-sweep summary.
+
+An entry point imports Hydra, OmegaConf, the schemas and the checker only (`qie.checks`); the stage's module, and
+with it torch, diffusers and transformers, is imported once the config passed its checks. A mistake on the command
+line is then answered in the time Hydra takes to start.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Any, NoReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from qie.config import validate
+from qie.checks import Checked, check
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
 from qie.reporting.sweep_summary import (
     ERROR_FILE,  # where a sweep job's user error is written, in that job's run directory
@@ -51,28 +56,37 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+# What a stage's module gives its entry point: the stage from a checked config and its run directory.
+Start = Callable[[Checked, Path], Any]
+
+
 def run_stage(
-    run: Callable[[DictConfig, Path], Any],
+    stage: str,
+    load: Callable[[], Start],
     cfg: DictConfig,
-    prepare: Callable[[DictConfig], DictConfig] | None = None,
+    prepare: Callable[[Checked], Checked] | None = None,
 ) -> Any:
-    """Validate `cfg` (then let `prepare` complete it, e.g. with the built-in data set), run the stage in the
-    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line; Ctrl-C
-    (or training's second stop signal) exits 128 + the signal with one `qie: interrupted` line saying what is kept.
+    """Check `cfg` once (`qie.checks.check`: no model library is imported until its plain checks pass), let `prepare`
+    complete it (e.g. with the built-in data set), then import the stage (`load`: its `start`) and run it in the
+    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line; Ctrl-C (or
+    training's second stop signal) exits 128 + the signal with one `qie: interrupted` line saying what is kept.
 
     In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
     on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
-    """
-    from qie.progress import quiet_library_bars
 
-    quiet_library_bars()
+    Args:
+        stage: the stage's name, for the line a Ctrl-C prints (what it keeps).
+    """
     try:
-        validate(cfg)
+        checked = check(cfg)
+        from qie.progress import quiet_library_bars  # loads the libraries' logging: once the config is checked
+
+        quiet_library_bars()
         if prepare is not None:
-            cfg = prepare(cfg)
-        return run(cfg, run_dir())
+            checked = prepare(checked)
+        return load()(checked, run_dir())
     except KeyboardInterrupt as e:
-        exit_interrupted(e, run.__module__.rsplit(".", 1)[-1])
+        exit_interrupted(e, stage)
     except (QieError, OSError) as e:
         if isinstance(e, OSError) and e.errno not in _STORAGE_ERRNOS:
             raise

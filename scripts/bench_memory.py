@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> None:
     import diffusers
     import transformers
 
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train
 
     classes: dict[str, int] = {}
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.demo.synthetic import make_dataset
     from qie.stages import precompute
 

@@ -50,7 +50,7 @@ def prepare(work: Path, samples: int, size: int) -> tuple[Path, Path]:
     import numpy as np
     from PIL import Image
 
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import precompute
 
     data, cache = work / "ds", work / "cache"

@@ -76,7 +76,8 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     from qie.cache.entries import write_entries
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
-    from qie.config import compose, typed
+    from qie.checks import compose
+    from qie.config import typed
     from qie.config.cache import CacheConfig
     from qie.data.keys import sample_keys
     from qie.models import model_spec
@@ -211,7 +212,7 @@ def child(args: argparse.Namespace) -> None:
 def measure(overrides: list[str], run_dir: Path, profile_out: str | None = None) -> dict:
     """Seconds from calling `qie.stages.train.run` to its loop start, its first batch and the end of its
     first step (the stage's `on_step_end` hook reports the step), and to its return."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train
 
     marks: dict[str, float] = {}

@@ -417,7 +417,7 @@ def test_startup_bench_writes_entries_as_the_cache_writes_them(tiny_path: Path, 
     from qie.cache.entries import write_entries
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
-    from qie.config import compose
+    from qie.checks import compose
     from qie.data.keys import sample_keys
     from qie.data.scan import scan_dataset
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from qie.config import compose, register, typed
+from qie.checks import compose, register
+from qie.config import typed
 from qie.config.tree import conf_dir
 from qie.errors import ConfigError
 
@@ -199,7 +200,7 @@ def _objective(cfg):
     from qie.training.objectives import ObjectiveInputs, build_objective
     from qie.training.timesteps import SigmaSampling
 
-    spec = model_spec(cfg.model)
+    spec = model_spec(typed(cfg.model))
     inputs = ObjectiveInputs(
         spec.family,
         SigmaSampling(),

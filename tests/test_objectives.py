@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_step import Recorder, fixed_batch
 
-from qie.config import compose
+from qie.checks import compose
+from qie.config import typed
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.models.qwen_image import flow_matching_loss
@@ -39,7 +40,7 @@ def test_an_objective_is_a_component_chosen_by_its_group_and_odd_ones_are_refuse
 
 
 def test_flow_matching_draws_noise_then_sigmas_from_the_batch_generator_and_weighs_regularisation() -> None:
-    family = model_spec(compose("train", []).model).family
+    family = model_spec(typed(compose("train", []).model)).family
     sigmas = SigmaSampling(method="uniform")
     objective = build_objective({"_target_": DEFAULT_TARGET}, ObjectiveInputs(family, sigmas, "sigma_sqrt"))
     batch = fixed_batch()

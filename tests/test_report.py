@@ -90,7 +90,7 @@ def test_the_report_is_rewritten_at_each_checkpoint(reported_run: dict) -> None:
 
 
 def test_the_command_and_config_of_the_report_compose_the_run_again(reported_run: dict) -> None:
-    from qie.config import compose
+    from qie.checks import compose
 
     info = json.loads((reported_run["dir"] / "run_info.json").read_text())
     command = shlex.split(info["command"])
@@ -227,8 +227,9 @@ def test_the_train_stage_starts_without_matplotlib() -> None:
 def test_the_rebuilt_command_composes_the_same_config() -> None:
     """Outside the Hydra CLI the overrides are rebuilt from the config: odd values quoted, another stage's own
     section (the demo's, in the config its training runs with) left out."""
-    from qie.config import compose, for_stage
-    from qie.config.command import rebuilt_overrides
+    from qie.checks import compose
+    from qie.checks.command import rebuilt_overrides
+    from qie.config import for_stage
 
     odd = [
         "model=tiny_plus",
@@ -237,13 +238,13 @@ def test_the_rebuilt_command_composes_the_same_config() -> None:
         "validation.step_counts=[2,4]",
     ]
     cfg = compose("train", odd + ["logging.report_to=none"])
-    overrides = rebuilt_overrides(cfg, "train")
+    overrides = rebuilt_overrides(OmegaConf.to_container(cfg, resolve=True), "train")
     assert overrides[0] == "model=tiny_plus" and "train.learning_rate=0.0003" in overrides
     assert OmegaConf.to_container(compose("train", overrides), resolve=True) == OmegaConf.to_container(
         cfg, resolve=True
     )
     demo = compose("demo", ["demo.train_samples=3", "train.max_steps=7"])
-    overrides = rebuilt_overrides(demo, "train")
+    overrides = rebuilt_overrides(OmegaConf.to_container(demo, resolve=True), "train")
     assert not [o for o in overrides if "demo." in o] and "train.max_steps=7" in overrides
     again = OmegaConf.to_container(compose("train", overrides), resolve=True)
     assert again == OmegaConf.to_container(for_stage(demo, "train"), resolve=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from qie.config.ranges import at_least
-from qie.types import CACHE_TYPES
+from qie.entry_types import CACHE_TYPES
 
 
 class SourceMode(StrEnum):

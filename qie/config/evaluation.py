@@ -1,7 +1,7 @@
 """Schema of the eval stage (`python -m qie.eval`): its root and its own `eval` node.
 
 `eval.rewards` maps a metric's name to a component built by `hydra.utils.instantiate` (`_target_` and the class's
-own keys, checked against its constructor when the config is composed: `qie.config.rewards`); the names are the
+own keys, checked against its constructor when the config is composed: `qie.checks.rewards`); the names are the
 keys of eval.json's `metrics`.
 """
 

@@ -15,43 +15,68 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from qie.adapters.lora_files import recorded_base
-from qie.config import register, typed, validate
+from qie.checks import Checked, check, register
+from qie.config.export import ExportConfig
+from qie.config.model import ModelConfig
 from qie.errors import ConfigError, check_writable
 from qie.models import model_spec, variants
 from qie.publish.folder import Export, write_export
 from qie.publish.hub import push_folder
 from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
+from qie.stages.recipe import Recipe
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
-    """Write the export folder, print what it holds, and upload it with `export.push_to_hub`; returns
-    {"folder", "files", "missing", "url"}. The stage's edge: the one place that reads `cfg`.
+    """Write the export folder, print what it holds, and upload it with `export.push_to_hub` (the stage from code:
+    `cfg` checked once, `qie.checks.check`, then `start`); returns {"folder", "files", "missing", "url"}.
 
     Raises:
         ConfigError: `export.run_dir` or `export.out` unset, or a run folder without a LoRA to export.
         HubError: the upload cannot be made (offline included): the folder is kept.
     """
-    validate(cfg)
-    settings = typed(cfg.export)
-    for key in ("run_dir", "out"):
-        if not getattr(settings, key):
-            raise ConfigError(f"export.{key} is not set: python -m qie.export RUN_DIR OUT (or export.{key}=...)")
-    if settings.samples < 0:
-        raise ConfigError(f"export.samples={settings.samples} is out of range: it must be 0 or more")
-    run, out = Path(settings.run_dir).expanduser(), Path(settings.out).expanduser()
-    if out.resolve() == run.resolve():
-        raise ConfigError(f"export.out={settings.out!r} is the run folder itself: give a new folder")
-    config = run_config(run)
-    facts = read_run(run, config, settings.lora, settings.samples)
-    facts.instructions = dataset_instructions((config.get("data") or {}).get("path"))
-    check_writable(out, "export.out")
-    written = export_folder(facts, out, settings.license, settings.push_to_hub)
-    url = push_folder(out, settings.push_to_hub, settings.private) if settings.push_to_hub else None
-    if url:
-        print(f"qie: uploaded to {url}")
-    return {"folder": str(out), "files": [str(f) for f in written.files], "missing": written.missing, "url": url}
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path | None = None) -> dict:
+    """The stage's edge: the checked config's `export` group handed to the `ExportRecipe`. See `run`."""
+    return ExportRecipe(checked.root.export).execute()
+
+
+class ExportRecipe(Recipe):
+    """The export stage: `setup()` checks the settings and reads the run folder (its config, LoRA and pictures),
+    `run()` writes the export folder and uploads it when asked.
+
+    Args:
+        settings: the `export` group.
+    """
+
+    def __init__(self, settings: ExportConfig) -> None:
+        self.settings = settings
+
+    def setup(self) -> None:
+        settings = self.settings
+        for key, value in (("run_dir", settings.run_dir), ("out", settings.out)):
+            if not value:
+                raise ConfigError(f"export.{key} is not set: python -m qie.export RUN_DIR OUT (or export.{key}=...)")
+        if settings.samples < 0:
+            raise ConfigError(f"export.samples={settings.samples} is out of range: it must be 0 or more")
+        run, self.out = Path(settings.run_dir).expanduser(), Path(settings.out).expanduser()
+        if self.out.resolve() == run.resolve():
+            raise ConfigError(f"export.out={settings.out!r} is the run folder itself: give a new folder")
+        config = run_config(run)
+        self.facts = read_run(run, config, settings.lora, settings.samples)
+        self.facts.instructions = dataset_instructions((config.get("data") or {}).get("path"))
+
+    def run(self) -> dict:
+        settings, out = self.settings, self.out
+        check_writable(out, "export.out")
+        written = export_folder(self.facts, out, settings.license, settings.push_to_hub)
+        url = push_folder(out, settings.push_to_hub, settings.private) if settings.push_to_hub else None
+        if url:
+            print(f"qie: uploaded to {url}")
+        return {"folder": str(out), "files": [str(f) for f in written.files], "missing": written.missing, "url": url}
 
 
 def export_folder(facts: RunFacts, out: Path, license: str = "apache-2.0", repo_id: str | None = None) -> Export:
@@ -86,7 +111,7 @@ def base_model(config: dict, lora: Path) -> BaseModel:
         takes_images = [v.output_image is not None for _, v in variants().values() if v.pipeline_class == pipeline]
         task = "image-to-image" if any(takes_images) or not takes_images else "text-to-image"
         return BaseModel("(not recorded)", None, pipeline, task, str(record.get("name", "...")), fused)
-    spec = model_spec(OmegaConf.create(model))
+    spec = model_spec(ModelConfig.of_values(model))
     source = str(model.get("pretrained_model_name_or_path"))
     hub_id = source if HUB_ID.match(source) and not Path(source).expanduser().exists() else None
     task = "text-to-image" if spec.family.outputs.demo_data(spec) == "t2i" else "image-to-image"
