@@ -1,5 +1,6 @@
-"""What the stage entry points share: checking the composed config before the stage is imported (`run_stage`), the
-Hydra run directory, turning user errors into messages, and the end-of-sweep summary.
+"""What the stage entry points share: answering the command line in one line (`main_of`: an old spelling, Hydra's
+composition errors), checking the composed config before the stage is imported (`run_stage`), the Hydra run
+directory, turning user errors into messages, and the end-of-sweep summary.
 
 An entry point imports Hydra, OmegaConf, the schemas and the checker only (`qie.checks`); the stage's module, and
 with it torch, diffusers and transformers, is imported once the config passed its checks. A mistake on the command
@@ -10,17 +11,23 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf.errors import OmegaConfBaseException
 
 from qie.checks import Checked, check
+from qie.checks.hydra_errors import one_line
+from qie.checks.spellings import old_spelling_problem
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
 from qie.reporting.sweep_summary import (
     ERROR_FILE,  # where a sweep job's user error is written, in that job's run directory
@@ -77,6 +84,7 @@ def run_stage(
     Args:
         stage: the stage's name, for the line a Ctrl-C prints (what it keeps).
     """
+    _give_back_hydra_errors()
     try:
         checked = check(cfg)
         from qie.progress import quiet_library_bars  # loads the libraries' logging: once the config is checked
@@ -99,6 +107,78 @@ def run_stage(
         (folder / ERROR_FILE).write_text(f"{message}\n", encoding="utf-8")
         print(f"qie: error in job {folder}: {message}\nqie: the sweep goes on with the next job", file=sys.stderr)
         return None
+
+
+# Set by `main_of` while Hydra composes (when the user has not set it): Hydra then raises its composition errors,
+# which `main_of` prints in one line, instead of printing them itself over several lines and exiting 1.
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_composing = {"set": False}
+
+
+def main_of(hydra_main: Callable[[], Any], argv: list[str] | None = None) -> None:
+    """Run an entry point's `@hydra.main` function with qie's answers to the command line: an old spelling of a key
+    (`qie.checks.spellings`) and Hydra's composition errors (an unknown key, a preset that does not exist, a value of
+    the wrong type) each end in one `qie: error:` line and exit 2, before anything is imported for the stage.
+    `HYDRA_FULL_ERROR=1` set by the user keeps Hydra's own report."""
+    args = sys.argv[1:] if argv is None else argv
+    if problem := old_spelling_problem(overrides_of(args)):
+        _exit_error(problem)
+    if os.environ.get(_FULL_ERROR) is None:
+        os.environ[_FULL_ERROR] = "1"
+        _composing["set"] = True
+    try:
+        with _mode_from_the_command_line(overrides_of(args)):
+            hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if not _composing["set"]:  # the user's HYDRA_FULL_ERROR, or raised while a stage ran
+            raise
+        _give_back_hydra_errors()
+        _exit_error(one_line(e) if isinstance(e, HydraException) else str(e).splitlines()[0])
+    finally:
+        _give_back_hydra_errors()
+
+
+@contextmanager
+def _mode_from_the_command_line(overrides: list[str]) -> Iterator[None]:
+    """Hydra 1.3's `@hydra.main` composes the whole config once only to read `hydra.mode` (`Hydra.get_mode`), then
+    again to run. qie's tree never sets the mode, so unless the command line does (`hydra.mode=...`), the mode is
+    what Hydra takes when the config sets none: a sweep with `-m`, else one run; the first composition (a quarter of
+    a second, more than the rest of an entry point's own work) is skipped."""
+    if any(o.lstrip("+~").startswith("hydra.mode") for o in overrides):
+        yield
+        return
+    from hydra._internal.hydra import Hydra
+
+    asked = Hydra.get_mode
+    Hydra.get_mode = lambda self, config_name, overrides: None  # Hydra's answer for a config without a mode
+    try:
+        yield
+    finally:
+        Hydra.get_mode = asked
+
+
+def _give_back_hydra_errors() -> None:
+    """Hydra reports errors its own way again (once the config is composed: the stage's own errors, a sweep's later
+    jobs), and a process the stage starts inherits the user's environment."""
+    if _composing["set"]:
+        os.environ.pop(_FULL_ERROR, None)
+        _composing["set"] = False
+
+
+def _exit_error(message: str) -> NoReturn:
+    print(f"qie: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The overrides of a command line (`key=value`, `+key=value`, `~key`), without Hydra's options and their
+    values (`--cfg job`, `-cn NAME`)."""
+    out, after_option = [], False
+    for arg in argv:
+        if not after_option and not arg.startswith("-"):
+            out.append(arg)
+        after_option = arg in _HYDRA_VALUE_OPTIONS
+    return out
 
 
 def exit_interrupted(e: KeyboardInterrupt, stage: str) -> NoReturn:

@@ -9,7 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.checks import register
-from qie.cli import keyed_positionals, run_stage
+from qie.cli import keyed_positionals, main_of, run_stage
 from qie.config.tree import conf_path
 
 register("export")  # its schema, known to Hydra before @hydra.main composes
@@ -28,4 +28,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv[1:] = keyed_positionals(sys.argv[1:], ("export.run_dir", "export.out"))
-    main()
+    main_of(main)

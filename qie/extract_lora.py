@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.checks import register
-from qie.cli import run_stage
+from qie.cli import main_of, run_stage
 from qie.config.tree import conf_path
 
 register("extract_lora")  # its schema, known to Hydra before @hydra.main composes
@@ -22,4 +22,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main)

@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from qie.checks import Checked, register
-from qie.cli import exit_after_signal, run_stage, search_value
+from qie.cli import exit_after_signal, main_of, run_stage, search_value
 from qie.config.tree import conf_path
 
 register("train")  # its schema, known to Hydra before @hydra.main composes
@@ -32,4 +32,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main)

@@ -68,11 +68,11 @@ def test_the_precompute_a_preset_names_composes_with_it(option: str) -> None:
 @pytest.mark.parametrize(
     "override,expected",
     [
-        ("cache=nvme", "Available options in 'cache'"),
+        ("cache=nvme", "cache=nvme is not a preset of cache: choose one of memory, none, remote, ssd"),
         ("train.learning_rate=abc", "could not be converted to Float"),
         ("model.quantize=fp7", "expected one of [none, fp8, int8, int4, nf4]"),
         ("model.dtype=float8", "expected one of [bfloat16, float16, float32]"),
-        ("model.foo=1", "Could not override 'model.foo'"),
+        ("model.foo=1", "unknown key model.foo: valid keys of 'model' are check, dtype"),
         ("+model.foo=1", "unknown key model.foo"),
         ("data.caption_dropout_rate=1.5", "data.caption_dropout_rate=1.5 is out of range"),
         ("train.mixed_precision=fp4", "expected one of [auto, no, bf16, fp16]"),
@@ -213,5 +213,5 @@ def _objective(cfg):
 
 
 def test_a_nested_group_preset_named_with_a_dot_says_how_to_choose_it() -> None:
-    with pytest.raises(ConfigError, match=r"train\.optimizer=adafactor is not a config: .* train/optimizer=adafactor"):
+    with pytest.raises(ConfigError, match=r"train\.optimizer=adafactor is an old spelling: .* train/optimizer=adafac"):
         compose("train", ["train.optimizer=adafactor"])

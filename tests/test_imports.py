@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -53,6 +54,53 @@ def test_the_plugin_surface_loads_torch_alone() -> None:
     loaded = _loaded("qie.extend", libs, ("qie.",))
     assert not [m for m in loaded if m.split(".")[0] in libs or m.startswith(("qie.config", "qie.stages"))], loaded
     assert {"qie.training.objectives.flow_matching", "qie.evaluation.reward", "qie.cache.base"} <= set(loaded)
+
+
+# One process: every entry point imported, then a typo, an out-of-range value, a bad choice, `--help` and `--cfg job`
+# each run through `python -m qie.train`'s main, and what was loaded after each.
+ENTRY_POINTS = """
+import contextlib, io, json, sys
+HEAVY = ("torch", "diffusers", "transformers")
+def heavy():
+    return sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+import qie.train
+out = {"import qie.train": heavy()}
+for name in ("precompute", "infer", "eval", "caption", "plan", "export", "extract_lora", "cache_admin", "demo"):
+    __import__(f"qie.{name}" if name != "demo" else "qie.demo.__main__")
+out["import every entry point"] = heavy()
+for case in (["train.max_step=5"], ["train.max_steps=-5"], ["cache=nvme"], ["--help"], ["--cfg", "job"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        sys.argv = ["qie.train", *case]
+        try:
+            qie.train.main_of(qie.train.main)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    out[" ".join(case)] = {"exit": code, "stderr": err.getvalue().strip().splitlines(), "heavy": heavy()}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.subprocess
+def test_an_entry_point_answers_a_mistake_before_importing_the_model_libraries(tmp_path: Path) -> None:
+    """The entry points import Hydra, OmegaConf, the schemas and the checker only: a typo (Hydra's unknown key), an
+    out-of-range value (qie's range check) and a bad choice (a preset that does not exist) each end in one
+    `qie: error:` line and exit 2 with none of torch, diffusers or transformers imported; `--help` and `--cfg job`
+    answer without them too."""
+    run = subprocess.run([sys.executable, "-c", ENTRY_POINTS], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["import qie.train"] == [] and out["import every entry point"] == []
+    expected = {
+        "train.max_step=5": "qie: error: unknown key train.max_step: did you mean train.max_steps?",
+        "train.max_steps=-5": "qie: error: train.max_steps=-5 is out of range: it must lie in [0, inf]",
+        "cache=nvme": "qie: error: cache=nvme is not a preset of cache: choose one of memory, none, remote, ssd",
+    }
+    for case, line in expected.items():
+        assert out[case] == {"exit": 2, "stderr": [line], "heavy": []}, case
+    for case in ("--help", "--cfg job"):
+        assert out[case]["exit"] == 0 and out[case]["heavy"] == [], (case, out[case])
 
 
 def _package(module: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from qie.checks.plain import plain_checks, read_config
+from qie.checks.spellings import old_spelling_problem
 from qie.config import ROOTS, STAGES, qie_home
 from qie.config.groups import GROUP_NAMES, Groups
 from qie.config.tree import conf_dir
@@ -82,24 +83,27 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
         The composed config (interpolations unresolved, as in the CLI).
 
     Raises:
-        ConfigError: an unknown stage, Hydra's errors for unknown keys, groups or bad values, and every check of
-            `validate`.
+        ConfigError: an unknown stage, an old spelling of a key (naming the new one), Hydra's errors for unknown
+            keys, groups or bad values (one line), and every check of `validate`.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
+    from qie.checks.hydra_errors import one_line
+
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
+    if problem := old_spelling_problem(list(overrides or [])):
+        raise ConfigError(problem)
     register(stage)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
     except HydraException as e:
-        detail = f"\n{e.__cause__}" if e.__cause__ else ""
-        raise ConfigError(f"{e}{detail}") from None
+        raise ConfigError(one_line(e)) from None
     finally:
         GlobalHydra.instance().clear()
     validate(cfg)

@@ -1,0 +1,97 @@
+"""What the command line answers before anything is built, in qie's one style: one `qie: error:` line and exit 2 for
+an old spelling of a renamed key, and for Hydra's own composition errors (an unknown key, a preset that does not
+exist, a value of the wrong type or outside an enum, an override the grammar cannot read)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import HydraException
+
+from qie.checks import compose
+from qie.errors import ConfigError
+
+CASES = [
+    # old spellings of the last releases, each answered with the new one
+    (
+        ["train.objective=dpo"],
+        "train.objective=dpo is an old spelling: the preset is chosen as train/objective=dpo "
+        "(its settings are train.objective.KEY)",
+    ),
+    (["train.dpo.beta=500"], "train.dpo.beta is an old spelling: write train/objective=dpo train.objective.beta=500"),
+    (
+        ["train.distill.student_steps=2"],
+        "train.distill.student_steps is an old spelling: write train/objective=distill train.objective.student_steps=2",
+    ),
+    (
+        ["cache.url=s3://bucket/cache"],
+        "cache.url is an old spelling: write cache=remote cache.backend.url=s3://bucket/cache",
+    ),
+    (
+        ["+cache.local_dir=/node/cache"],
+        "cache.local_dir is an old spelling: write cache=remote cache.backend.local_dir=/node/cache",
+    ),
+    (["cache.startup_check=files"], "cache.startup_check is an old spelling: write +cache.backend.startup_check=files"),
+    (
+        ["train.optimizer=adafactor"],
+        "train.optimizer=adafactor is an old spelling: the preset is chosen as "
+        "train/optimizer=adafactor (its settings are train.optimizer.KEY)",
+    ),
+    # Hydra's composition errors
+    (["train.max_step=5"], "unknown key train.max_step: did you mean train.max_steps?"),
+    (["cache=nvme"], "cache=nvme is not a preset of cache: choose one of memory, none, remote, ssd"),
+    (
+        ["train/objective=dop"],
+        "train/objective=dop is not a preset of train/objective: choose one of distill, dpo, "
+        "flow_matching, grpo (did you mean train/objective=dpo?)",
+    ),
+    (["train.learning_rate=abc"], "train.learning_rate: Value 'abc' of type 'str' could not be converted to Float"),
+    (["model.quantize=fp7"], "model.quantize: Invalid value 'fp7', expected one of [none, fp8, int8, int4, nf4]"),
+    (
+        ["train.lora.rank=[1"],
+        "the override 'train.lora.rank=[1' cannot be read: no viable alternative at input "
+        "'[1' (Hydra's override grammar)",
+    ),
+]
+
+
+@pytest.mark.parametrize("args,line", CASES, ids=[c[0][0] for c in CASES])
+def test_the_command_line_answers_in_one_line(args: list[str], line: str, monkeypatch, capsys) -> None:
+    from qie import train as cli
+
+    monkeypatch.setattr(sys, "argv", ["qie.train", *args])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as end:
+        cli.main_of(cli.main)
+    assert end.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"qie: error: {line}"]
+    assert "HYDRA_FULL_ERROR" not in os.environ  # given back: a stage's own processes see the user's environment
+
+
+def test_compose_answers_old_spellings_and_hydras_errors_alike(tmp_path: Path) -> None:
+    """`compose()` (code and notebooks) raises the same one line; an old key in a config file of one's own is named
+    with its file."""
+    with pytest.raises(ConfigError, match=r"^train\.dpo\.beta is an old spelling: write train/objective=dpo"):
+        compose("train", ["train.dpo.beta=500"])
+    with pytest.raises(ConfigError, match=r"^unknown key train\.max_step: did you mean train\.max_steps\?$"):
+        compose("train", ["train.max_step=5"])
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ntrain:\n  dpo:\n    beta: 3\n")
+    with pytest.raises(ConfigError) as err:
+        compose("train", [f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine"])
+    assert str(err.value) == (
+        "experiment/mine.yaml: train.dpo is an old spelling: it is train.objective now (with train/objective=dpo)"
+    )
+
+
+def test_hydra_full_error_set_by_the_user_keeps_hydras_report(monkeypatch) -> None:
+    from qie import train as cli
+
+    monkeypatch.setattr(sys, "argv", ["qie.train", "train.max_step=5"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(HydraException, match="Could not override 'train.max_step'"):
+        cli.main_of(cli.main)
+    assert os.environ["HYDRA_FULL_ERROR"] == "1"
