@@ -77,16 +77,16 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
     from qie.checks import compose
+    from qie.components import prepare_model
     from qie.config import typed
     from qie.config.cache import CacheConfig
     from qie.data.keys import sample_keys
-    from qie.models import model_spec
     from qie.stages.settings import image_sizes
     from qie.stages.sources import model_key_context
 
-    def key_context(cfg):  # the train stage's, for `cfg`
+    def key_context(cfg):  # the train stage's, for `cfg`; the tiny model built first (a fresh QIE_HOME has none)
         model = typed(cfg.model)
-        spec = model_spec(model)
+        spec = prepare_model(model)
         return model_key_context(model, spec, image_sizes(typed(cfg.data), spec))
 
     done = root / "complete.json"

@@ -500,3 +500,12 @@ def test_a_bucket_filled_by_the_server_process_is_the_one_put_requests_fill(
         assert all(fill.intact_all(items)) and fill.index.all_whole(items)
     finally:
         server.stop()
+
+
+def test_startup_bench_builds_its_sets_on_a_fresh_qie_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keys are the tiny model's: on a QIE_HOME where it was never built, the bench builds it first."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("QIE_HOME", str(home))
+    data, cache, info = script("bench_startup").build(tmp_path / "set", 3, "folder")
+    assert info["entries"] == 12 and len(list((cache / "pixel_latent").rglob("*.safetensors"))) == 3
+    assert (home / "tiny" / "edit-v1" / "model_index.json").is_file()
