@@ -10,6 +10,7 @@ line is then answered in the time Hydra takes to start.
 from __future__ import annotations
 
 import errno
+import gc
 import importlib.util
 import os
 import signal
@@ -92,7 +93,12 @@ def run_stage(
         quiet_library_bars()
         if prepare is not None:
             checked = prepare(checked)
-        return load()(checked, run_dir())
+        result = load()(checked, run_dir())
+        if not _in_sweep():
+            # The process ends with the stage: the interpreter's last collection would walk every object the model
+            # libraries made (seconds, most of what follows the stage's end); frozen, they are left to the exit.
+            gc.freeze()
+        return result
     except KeyboardInterrupt as e:
         exit_interrupted(e, stage)
     except (QieError, OSError) as e:

@@ -95,3 +95,19 @@ def test_hydra_full_error_set_by_the_user_keeps_hydras_report(monkeypatch) -> No
     with pytest.raises(HydraException, match="Could not override 'train.max_step'"):
         cli.main_of(cli.main)
     assert os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
+def test_a_stage_run_from_the_command_line_leaves_its_objects_to_the_exit(monkeypatch, tmp_path: Path) -> None:
+    """Once a stage returns, its process ends: the objects it made are frozen out of the collector, so the
+    interpreter's last collection does not walk them all (seconds after a training's last step)."""
+    import gc
+
+    from qie import cli
+
+    monkeypatch.setattr(cli, "run_dir", lambda: tmp_path)  # outside Hydra's CLI: no job folder to ask it for
+    before = gc.get_freeze_count()
+    try:
+        assert cli.run_stage("plan", lambda: lambda checked, run_dir: run_dir, compose("plan", [])) == tmp_path
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
