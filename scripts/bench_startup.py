@@ -232,7 +232,7 @@ def measure(overrides: list[str], run_dir: Path, profile_out: str | None = None)
     t0 = time.perf_counter()
     if profiler:
         profiler.enable()
-    train.run(compose("train", overrides), run_dir, on_step_end=first_step)
+    train.run(compose("train", overrides, checked=False), run_dir, on_step_end=first_step)  # checked once, by run
     if profiler:
         profiler.disable()
         profiler.dump_stats(profile_out)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from qie.checks import compose, register
+from qie.checks import compose, register, validate
 from qie.config import typed
 from qie.config.tree import conf_dir
 from qie.errors import ConfigError
@@ -215,3 +215,14 @@ def _objective(cfg):
 def test_a_nested_group_preset_named_with_a_dot_says_how_to_choose_it() -> None:
     with pytest.raises(ConfigError, match=r"train\.optimizer=adafactor is an old spelling: .* train/optimizer=adafac"):
         compose("train", ["train.optimizer=adafactor"])
+
+
+def test_compose_can_leave_the_checks_to_the_stage_that_runs_the_config() -> None:
+    """`checked=False` composes as Hydra does and checks nothing more: the stage's `run` checks it once (the CLI's
+    order), and the rebuilt command of a run from code composes its defaults that way."""
+    cfg = compose("train", ["train.max_steps=-5"], checked=False)
+    assert cfg.train.max_steps == -5
+    with pytest.raises(ConfigError, match=r"train\.max_steps=-5 is out of range"):
+        validate(cfg)
+    with pytest.raises(ConfigError, match="unknown key train.max_step"):
+        compose("train", ["train.max_step=5"], checked=False)  # Hydra's own errors stay

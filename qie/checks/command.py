@@ -37,10 +37,10 @@ def rebuilt_overrides(values: dict[str, Any], stage: str) -> list[str]:
     from qie.checks import compose  # the package this module is part of: its composing, read at call time
 
     groups = [f"{g}={values[g]['name']}" for g in NAMED_GROUPS if (values.get(g) or {}).get("name") is not None]
-    try:
-        base = compose(stage, groups)
+    try:  # the stage's defaults: composed, not checked (a stage checks the config it runs)
+        base = compose(stage, groups, checked=False)
     except Exception:  # a group chosen from code that no yaml names: every key is written out
-        groups, base = [], compose(stage)
+        groups, base = [], compose(stage, checked=False)
     now, before = _leaves(values), _leaves(OmegaConf.to_container(base, resolve=True))
     changed = [f"{k}={_value(v)}" for k, v in now.items() if k in before and before[k] != v]
     # A section the stage does not have (the demo's own, in the config it trains with) is not the stage's to read.
