@@ -125,10 +125,16 @@ def main_of(hydra_main: Callable[[], Any], argv: list[str] | None = None) -> Non
     """Run an entry point's `@hydra.main` function with qie's answers to the command line: an old spelling of a key
     (`qie.checks.spellings`) and Hydra's composition errors (an unknown key, a preset that does not exist, a value of
     the wrong type) each end in one `qie: error:` line and exit 2, before anything is imported for the stage.
-    `HYDRA_FULL_ERROR=1` set by the user keeps Hydra's own report."""
+    `HYDRA_FULL_ERROR=1` set by the user keeps Hydra's own report.
+
+    torch's CPU threads wait for each other passively (`OMP_WAIT_POLICY=PASSIVE`, unless the environment says
+    otherwise; read when torch loads, after this): spinning at every parallel region, OpenMP's default, takes the cores
+    another job on the machine (or the stage's own read-ahead thread) needs, and a cached step of the tiny model took
+    5-10x longer beside one (docs/benchmarks.md §17)."""
     args = sys.argv[1:] if argv is None else argv
     if problem := old_spelling_problem(overrides_of(args)):
         _exit_error(problem)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if os.environ.get(_FULL_ERROR) is None:
         os.environ[_FULL_ERROR] = "1"
         _composing["set"] = True

@@ -14,6 +14,13 @@ from hydra.errors import HydraException
 from qie.checks import compose
 from qie.errors import ConfigError
 
+
+@pytest.fixture(autouse=True)
+def _wait_policy_kept(monkeypatch) -> None:
+    """`main_of` sets OMP_WAIT_POLICY for the stage's process: given back after each test (monkeypatch's undo)."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+
+
 CASES = [
     # old spellings of the last releases, each answered with the new one
     (
@@ -111,3 +118,14 @@ def test_a_stage_run_from_the_command_line_leaves_its_objects_to_the_exit(monkey
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def test_the_entry_points_have_torchs_threads_wait_passively_unless_told(monkeypatch) -> None:
+    from qie import cli
+
+    seen = []
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cli.main_of(lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")), argv=[])
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli.main_of(lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")), argv=[])
+    assert seen == ["PASSIVE", "ACTIVE"]
