@@ -93,7 +93,9 @@ def watch(cmd: list[str], env: dict, log: Path, cwd: str | None = None) -> dict:
             time.sleep(0.02)
     if proc.returncode:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
-    return {"wall": time.time() - start, "peak rss": peak, **clock_steps(clock.read_text(), start)}
+    end = time.time()
+    steps = clock_steps(clock.read_text(), start)
+    return {"wall": end - start, "peak rss": peak, "after last step": end - steps.pop("last"), **steps}
 
 
 def clock_steps(text: str, start: float) -> dict:
@@ -101,7 +103,7 @@ def clock_steps(text: str, start: float) -> dict:
     marks = [float(line) for line in text.split()]
     if not marks:
         raise SystemExit("the trainer ran no optimizer step (no step clock mark)")
-    return {"first step": marks[0] - start, "steps": [b - a for a, b in zip(marks, marks[1:])]}
+    return {"first step": marks[0] - start, "last": marks[-1], "steps": [b - a for a, b in zip(marks, marks[1:])]}
 
 
 def tree_rss(pid: int) -> int:
@@ -358,6 +360,7 @@ def report(runs: dict[str, list[dict]], warmup: int, repeats: int) -> dict:
         summary[name] = {"step": median([median(r["steps"][warmup:]) for r in rs]),
                          "per run": [median(r["steps"][warmup:]) for r in rs],
                          "first": median([r["first step"] for r in rs]),
+                         "end": median([r["after last step"] for r in rs]),
                          "peak": max(r["peak rss"] for r in rs)}  # fmt: skip
     fastest = min(s["step"] for s in summary.values())
     base = summary[next(iter(summary))]["step"]
@@ -365,19 +368,21 @@ def report(runs: dict[str, list[dict]], warmup: int, repeats: int) -> dict:
     for name, s in summary.items():
         per_run = ", ".join(f"{1e3 * x:.1f}" for x in s["per run"])
         rows.append([name, f"{1e3 * s['step']:.2f}", per_run, f"{s['step'] / base:.2f}x", f"{s['step'] / fastest:.2f}x",
-                     f"{s['first']:.2f}", f"{s['peak'] / 2**20:,.0f}"])  # fmt: skip
+                     f"{s['first']:.2f}", f"{s['end']:.2f}", f"{s['peak'] / 2**20:,.0f}"])  # fmt: skip
     print(f"\nmedian step after {warmup} warm-up steps (between optimizer steps), {repeats} interleaved run(s)")
     print(table(["trainer", "step (ms)", "per run (ms)", "vs first row", "vs fastest", "start to first step (s)",
-                 "peak RSS of the process tree (MiB)"], rows))  # fmt: skip
+                 "last step to exit (s)", "peak RSS of the process tree (MiB)"], rows))  # fmt: skip
     peers = {n: s for n, s in summary.items() if n in (DIFFUSERS, MUSUBI)}
     qie = summary.get("qie, defaults")
     if peers and qie is not None:
         step = min(s["step"] for s in peers.values())
         first = min(s["first"] for s in peers.values())
         peak = min(s["peak"] for s in peers.values())
-        target_line("step at the defaults / fastest peer's", qie["step"] / step, "<=", 1)
+        target_line("step at the defaults / fastest peer's", qie["step"] / step, "<=", 0.9)
         target_line("peak RSS / lowest peer's", qie["peak"] / peak, "<=", 1)
         target_line("start to first step / fastest peer's", qie["first"] / first, "<=", 1)
+        end = min(s["end"] for s in peers.values())
+        target_line("last step to exit / fastest peer's", qie["end"] / end, "<=", 1)
     return summary
 
 

@@ -372,16 +372,18 @@ def test_peers_report_targets_compare_qie_with_the_best_peer(capsys: pytest.Capt
     peers = script("bench_peers")
 
     def run(step: float, first: float, peak_mib: int) -> dict:
-        return {"steps": [1.0] * 2 + [step] * 5, "first step": first, "peak rss": peak_mib * 2**20}
+        peak = peak_mib * 2**20
+        return {"steps": [1.0] * 2 + [step] * 5, "first step": first, "peak rss": peak, "after last step": 1.0}
 
     runs = {"qie, defaults": [run(0.010, 4.0, 400), run(0.012, 5.0, 420)],
             peers.DIFFUSERS: [run(0.009, 30.0, 700)], peers.MUSUBI: [run(0.020, 6.0, 1000)]}  # fmt: skip
     summary = peers.report(runs, warmup=2, repeats=2)
     out = capsys.readouterr().out
     assert summary["qie, defaults"]["step"] == pytest.approx(0.011) and summary["qie, defaults"]["first"] == 4.5
-    assert "step at the defaults / fastest peer's = 1.22x (target <= 1x) FAIL" in out
+    assert "step at the defaults / fastest peer's = 1.22x (target <= 0.9x) FAIL" in out
     assert "peak RSS / lowest peer's = 0.6x (target <= 1x) PASS" in out
     assert "start to first step / fastest peer's = 0.75x (target <= 1x) PASS" in out
+    assert "last step to exit / fastest peer's = 1x (target <= 1x) PASS" in out
     peers.report({"qie, defaults": runs["qie, defaults"]}, warmup=2, repeats=2)
     assert "target" not in capsys.readouterr().out  # no peer, no target lines
 
