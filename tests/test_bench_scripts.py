@@ -511,3 +511,15 @@ def test_startup_bench_builds_its_sets_on_a_fresh_qie_home(tmp_path: Path, monke
     data, cache, info = script("bench_startup").build(tmp_path / "set", 3, "folder")
     assert info["entries"] == 12 and len(list((cache / "pixel_latent").rglob("*.safetensors"))) == 3
     assert (home / "tiny" / "edit-v1" / "model_index.json").is_file()
+
+
+def test_the_gate_fails_a_figure_worse_than_its_allowance(capsys: pytest.CaptureFixture) -> None:
+    gate = script("bench_gate")
+    figures = {"error_s": 1.0, "first_step_s": 4.0, "step_ms": 10.0, "peak_mib": 400.0, "precompute_per_s": 2.0}
+    last = {"figures": figures, "when": "2026-12-02T03:00:00", "commit": "abc1234", "load": [1.0] * 6}
+    assert gate.compare({**figures, "peak_mib": 419.0, "step_ms": 12.0}, last)  # +4.75 % memory, +20 % step
+    assert not gate.compare({**figures, "peak_mib": 421.0}, last)  # memory: more than 5 %
+    assert not gate.compare({**figures, "precompute_per_s": 1.4}, last)  # throughput: 30 % lower
+    assert gate.compare(figures, None)  # nothing recorded yet: the first line
+    out = capsys.readouterr().out
+    assert "FAIL (allowed 5% higher)" in out and "FAIL (allowed 25% lower)" in out and "first record" in out
