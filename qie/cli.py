@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from qie.checks import Checked, check
 from qie.checks.hydra_errors import one_line
+from qie.checks.overrides import override_problem
 from qie.checks.spellings import old_spelling_problem
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
 from qie.reporting.sweep_summary import (
@@ -121,10 +122,14 @@ _FULL_ERROR = "HYDRA_FULL_ERROR"
 _composing = {"set": False}
 
 
-def main_of(hydra_main: Callable[[], Any], argv: list[str] | None = None) -> None:
+def main_of(hydra_main: Callable[[], Any], stage: str, argv: list[str] | None = None) -> None:
     """Run an entry point's `@hydra.main` function with qie's answers to the command line: an old spelling of a key
     (`qie.checks.spellings`) and Hydra's composition errors (an unknown key, a preset that does not exist, a value of
-    the wrong type) each end in one `qie: error:` line and exit 2, before anything is imported for the stage.
+    the wrong type) each end in one `qie: error:` line and exit 2, before anything is imported for the stage; an
+    unknown key or preset of the command line is answered before Hydra composes (`qie.checks.overrides`).
+
+    Args:
+        stage: the stage's config name (`conf/<stage>.yaml`), whose schema the overrides are read against.
     `HYDRA_FULL_ERROR=1` set by the user keeps Hydra's own report.
 
     torch's CPU threads wait for each other passively (`OMP_WAIT_POLICY=PASSIVE`, unless the environment says
@@ -132,7 +137,10 @@ def main_of(hydra_main: Callable[[], Any], argv: list[str] | None = None) -> Non
     another job on the machine (or the stage's own read-ahead thread) needs, and a cached step of the tiny model took
     5-10x longer beside one (docs/benchmarks.md §17)."""
     args = sys.argv[1:] if argv is None else argv
-    if problem := old_spelling_problem(overrides_of(args)):
+    # Answered before Hydra composes: an old spelling, a key the stage's schema lacks, a preset its group lacks (the
+    # last two are Hydra's to report with the user's HYDRA_FULL_ERROR=1).
+    hydras = os.environ.get(_FULL_ERROR) is not None
+    if problem := old_spelling_problem(overrides_of(args)) or (not hydras and override_problem(stage, args)):
         _exit_error(problem)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if os.environ.get(_FULL_ERROR) is None:

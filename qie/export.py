@@ -28,4 +28,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv[1:] = keyed_positionals(sys.argv[1:], ("export.run_dir", "export.out"))
-    main_of(main)
+    main_of(main, "export")

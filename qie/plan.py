@@ -22,4 +22,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main_of(main)
+    main_of(main, "plan")

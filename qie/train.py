@@ -32,4 +32,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main_of(main)
+    main_of(main, "train")

@@ -72,7 +72,7 @@ def test_the_command_line_answers_in_one_line(args: list[str], line: str, monkey
     monkeypatch.setattr(sys, "argv", ["qie.train", *args])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as end:
-        cli.main_of(cli.main)
+        cli.main_of(cli.main, "train")
     assert end.value.code == 2
     assert capsys.readouterr().err.splitlines() == [f"qie: error: {line}"]
     assert "HYDRA_FULL_ERROR" not in os.environ  # given back: a stage's own processes see the user's environment
@@ -100,7 +100,7 @@ def test_hydra_full_error_set_by_the_user_keeps_hydras_report(monkeypatch) -> No
     monkeypatch.setattr(sys, "argv", ["qie.train", "train.max_step=5"])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(HydraException, match="Could not override 'train.max_step'"):
-        cli.main_of(cli.main)
+        cli.main_of(cli.main, "train")
     assert os.environ["HYDRA_FULL_ERROR"] == "1"
 
 
@@ -125,7 +125,36 @@ def test_the_entry_points_have_torchs_threads_wait_passively_unless_told(monkeyp
 
     seen = []
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    cli.main_of(lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")), argv=[])
+    cli.main_of(lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")), "train", argv=[])
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    cli.main_of(lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")), argv=[])
+    cli.main_of(lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")), "train", argv=[])
     assert seen == ["PASSIVE", "ACTIVE"]
+
+
+@pytest.mark.parametrize(
+    "stage,args,line",
+    [
+        ("train", ["train.lora.rnk=3"], "unknown key train.lora.rnk: did you mean train.lora.rank?"),
+        ("train", ["trian.max_steps=3"], "unknown key trian: did you mean train?"),
+        ("eval", ["eval.tiles=3"], "unknown key eval.tiles: did you mean eval.tile?"),
+        ("plan", ["gpu_memory=24"], "unknown key gpu_memory: did you mean gpu_memory_gb?"),
+        ("train", ["model=tiny_t2", "train.max_steps=3"], "model=tiny_t2 is not a preset of model: choose one of"),
+        ("train", ["train/optimizer=adam"], "train/optimizer=adam is not a preset of train/optimizer: choose one of"),
+        # left to Hydra or to the component's class: any key under a node that takes any, +/~/++, sweeps, own trees
+        ("train", ["train.optimizer.betas=[0.9,0.99]", "cache.backend.url=s3://b"], None),
+        ("eval", ["eval.rewards.mine._target_=pkg.Cls"], None),
+        ("train", ["+train.extra=1", "~validation.prompts", "++train.max_steps=2", "model=tiny,tiny_t2i"], None),
+        ("train", ["hydra.searchpath=[file:///x]", "model=mine"], None),
+        ("train", ["--cfg", "job", "model=tiny"], None),
+    ],
+)
+def test_overrides_are_read_against_the_schema_and_the_tree_before_hydra_composes(stage, args, line) -> None:
+    """The answers are Hydra's (as `compose` raises them): only sooner."""
+    from qie.checks.overrides import override_problem
+
+    found = override_problem(stage, args)
+    assert found == line if line is None or line.endswith("?") else found.startswith(line)
+    if line is not None:
+        with pytest.raises(ConfigError) as hydras:  # the same words when Hydra finds it
+            compose(stage, ["hydra.searchpath=[]", *args])
+        assert str(hydras.value) == found

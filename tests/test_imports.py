@@ -73,7 +73,7 @@ for case in (["train.max_step=5"], ["train.max_steps=-5"], ["cache=nvme"], ["--h
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         sys.argv = ["qie.train", *case]
         try:
-            qie.train.main_of(qie.train.main)
+            qie.train.main_of(qie.train.main, "train")
             code = 0
         except SystemExit as e:
             code = e.code

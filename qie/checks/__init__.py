@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from qie.checks.overrides import override_problem
 from qie.checks.plain import plain_checks, read_config
 from qie.checks.spellings import old_spelling_problem
 from qie.config import ROOTS, STAGES, qie_home
@@ -97,7 +98,7 @@ def compose(stage: str, overrides: list[str] | None = None, checked: bool = True
 
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
-    if problem := old_spelling_problem(list(overrides or [])):
+    if problem := old_spelling_problem(list(overrides or [])) or override_problem(stage, list(overrides or [])):
         raise ConfigError(problem)
     register(stage)
     GlobalHydra.instance().clear()

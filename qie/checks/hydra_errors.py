@@ -45,7 +45,7 @@ def _unknown_key(key: str, cause: OmegaConfBaseException) -> str:
     valid = sorted(f.name for f in fields(schema)) if is_dataclass(schema) else []
     close = difflib.get_close_matches(name, valid, n=1)
     if close:
-        return f"unknown key {key}: did you mean {parent}.{close[0]}?"
+        return f"unknown key {key}: did you mean {parent + '.' if parent else ''}{close[0]}?"
     listed = f": valid keys of {parent!r} are {', '.join(valid)}" if valid else ""
     return f"unknown key {key}{listed}"
 
