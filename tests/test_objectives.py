@@ -22,8 +22,8 @@ def test_an_objective_is_a_component_chosen_by_its_group_and_odd_ones_are_refuse
     assert compose("train", []).train.objective == {"_target_": DEFAULT_TARGET}
     assert compose("train", ["train/objective=dpo"]).train.objective._target_ == "qie.training.objectives.dpo.Dpo"
     cases = [
-        (["train.objective=dpo"], "train.objective='dpo' is not an objective node: choose a preset with "
-         "train/objective=NAME"),
+        (["train.objective=dpo"], "train.objective=dpo is an old spelling: the preset is chosen as "
+         "train/objective=dpo"),
         (["train.objective._target_=qie.training.objectives.nothing.Nothing"],
          "train.objective._target_='qie.training.objectives.nothing.Nothing' cannot be imported"),
         (
