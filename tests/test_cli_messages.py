@@ -158,3 +158,21 @@ def test_overrides_are_read_against_the_schema_and_the_tree_before_hydra_compose
         with pytest.raises(ConfigError) as hydras:  # the same words when Hydra finds it
             compose(stage, ["hydra.searchpath=[]", *args])
         assert str(hydras.value) == found
+
+
+def test_every_key_of_every_stages_composed_config_reads_well_before_hydra_composes() -> None:
+    """The early reading refuses no key Hydra takes: each leaf of each stage's composed defaults passes it."""
+    from omegaconf import OmegaConf
+
+    from qie.checks.overrides import override_problem
+    from qie.config import STAGES
+
+    def leaves(node, prefix: str = "") -> list[str]:
+        if not isinstance(node, dict) or not node:
+            return [prefix]
+        return [k for key, value in node.items() for k in leaves(value, f"{prefix}.{key}" if prefix else key)]
+
+    for stage in STAGES:
+        keys = leaves(OmegaConf.to_container(compose(stage, checked=False), resolve=False))
+        assert len(keys) > 3, stage
+        assert [(k, p) for k in keys if (p := override_problem(stage, [f"{k}=1"]))] == [], stage
