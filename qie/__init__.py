@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "compose":
-        from qie.config import compose
+        from qie.checks import compose
 
         return compose
     if name in ("Trainer", "EditDataset", "cache_manager"):

@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig
 from PIL import Image
 
+from qie.checks import read_groups
 from qie.config import for_stage, typed
 from qie.embedding.manager import EmbeddingCacheManager
 from qie.errors import ConfigError
@@ -38,7 +39,7 @@ def cache_manager(cfg: DictConfig) -> EmbeddingCacheManager:
     from qie.stages.edge import Edge
     from qie.stages.sources import model_key_context
 
-    edge = Edge.of(cfg, masks=False)
+    edge = Edge.of(read_groups(cfg), masks=False)
     context = model_key_context(edge.model, edge.spec, edge.source_settings().sizes)
     return EmbeddingCacheManager(edge.cache.dir, context, edge.backend())
 
@@ -56,7 +57,7 @@ class EditDataset:
         from qie.stages.edge import Edge
         from qie.stages.settings import data_source
 
-        edge = Edge.of(cfg)
+        edge = Edge.of(read_groups(cfg))
         settings, backend, data, spec = edge.source_settings(), edge.backend(), edge.data, edge.spec
         self.source = edge.source(settings, backend)
         # data.auto_caption: samples without a caption get theirs (generated where the source may encode)

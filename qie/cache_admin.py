@@ -7,20 +7,25 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from qie.cli import run_stage
-from qie.config import register
+from qie.checks import register
+from qie.cli import main_of, run_stage
 from qie.config.tree import conf_path
-from qie.stages import cache_admin
 
 register("cache")  # its schema, known to Hydra before @hydra.main composes
 
 
+def _stage():  # imported once the config is checked: torch, diffusers and transformers come with the stage
+    from qie.stages import cache_admin
+
+    return cache_admin.start
+
+
 @hydra.main(config_path=conf_path(), config_name="cache", version_base=None)
 def main(cfg: DictConfig) -> None:
-    code = run_stage(cache_admin.run, cfg)
+    code = run_stage("cache", _stage, cfg)
     if code:
         sys.exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main, "cache")

@@ -1,21 +1,35 @@
-"""What the stage entry points share: the Hydra run directory, turning user errors into messages, and the
-end-of-sweep summary."""
+"""What the stage entry points share: answering the command line in one line (`main_of`: an old spelling, Hydra's
+composition errors), checking the composed config before the stage is imported (`run_stage`), the Hydra run
+directory, turning user errors into messages, and the end-of-sweep summary.
+
+An entry point imports Hydra, OmegaConf, the schemas and the checker only (`qie.checks`); the stage's module, and
+with it torch, diffusers and transformers, is imported once the config passed its checks. A mistake on the command
+line is then answered in the time Hydra takes to start.
+"""
 
 from __future__ import annotations
 
 import errno
+import gc
 import importlib.util
+import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf.errors import OmegaConfBaseException
 
-from qie.config import validate
+from qie.checks import Checked, check
+from qie.checks.hydra_errors import one_line
+from qie.checks.overrides import override_problem
+from qie.checks.spellings import old_spelling_problem
 from qie.errors import QieError, StorageError, check_writable, describe_os_error
 from qie.reporting.sweep_summary import (
     ERROR_FILE,  # where a sweep job's user error is written, in that job's run directory
@@ -51,28 +65,43 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+# What a stage's module gives its entry point: the stage from a checked config and its run directory.
+Start = Callable[[Checked, Path], Any]
+
+
 def run_stage(
-    run: Callable[[DictConfig, Path], Any],
+    stage: str,
+    load: Callable[[], Start],
     cfg: DictConfig,
-    prepare: Callable[[DictConfig], DictConfig] | None = None,
+    prepare: Callable[[Checked], Checked] | None = None,
 ) -> Any:
-    """Validate `cfg` (then let `prepare` complete it, e.g. with the built-in data set), run the stage in the
-    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line; Ctrl-C
-    (or training's second stop signal) exits 128 + the signal with one `qie: interrupted` line saying what is kept.
+    """Check `cfg` once (`qie.checks.check`: no model library is imported until its plain checks pass), let `prepare`
+    complete it (e.g. with the built-in data set), then import the stage (`load`: its `start`) and run it in the
+    Hydra run directory; a QieError, or a full or unwritable disk, exits 2 with one `qie: error:` line; Ctrl-C (or
+    training's second stop signal) exits 128 + the signal with one `qie: interrupted` line saying what is kept.
 
     In a sweep (`-m`), a job's QieError is written to `error.txt` in its run directory and the sweep goes
     on with the next job; `SweepSummary` lists the failed jobs at the end and exits non-zero.
-    """
-    from qie.progress import quiet_library_bars
 
-    quiet_library_bars()
+    Args:
+        stage: the stage's name, for the line a Ctrl-C prints (what it keeps).
+    """
+    _give_back_hydra_errors()
     try:
-        validate(cfg)
+        checked = check(cfg)
+        from qie.progress import quiet_library_bars  # loads the libraries' logging: once the config is checked
+
+        quiet_library_bars()
         if prepare is not None:
-            cfg = prepare(cfg)
-        return run(cfg, run_dir())
+            checked = prepare(checked)
+        result = load()(checked, run_dir())
+        if not _in_sweep():
+            # The process ends with the stage: the interpreter's last collection would walk every object the model
+            # libraries made (seconds, most of what follows the stage's end); frozen, they are left to the exit.
+            gc.freeze()
+        return result
     except KeyboardInterrupt as e:
-        exit_interrupted(e, run.__module__.rsplit(".", 1)[-1])
+        exit_interrupted(e, stage)
     except (QieError, OSError) as e:
         if isinstance(e, OSError) and e.errno not in _STORAGE_ERRNOS:
             raise
@@ -85,6 +114,91 @@ def run_stage(
         (folder / ERROR_FILE).write_text(f"{message}\n", encoding="utf-8")
         print(f"qie: error in job {folder}: {message}\nqie: the sweep goes on with the next job", file=sys.stderr)
         return None
+
+
+# Set by `main_of` while Hydra composes (when the user has not set it): Hydra then raises its composition errors,
+# which `main_of` prints in one line, instead of printing them itself over several lines and exiting 1.
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_composing = {"set": False}
+
+
+def main_of(hydra_main: Callable[[], Any], stage: str, argv: list[str] | None = None) -> None:
+    """Run an entry point's `@hydra.main` function with qie's answers to the command line: an old spelling of a key
+    (`qie.checks.spellings`) and Hydra's composition errors (an unknown key, a preset that does not exist, a value of
+    the wrong type) each end in one `qie: error:` line and exit 2, before anything is imported for the stage; an
+    unknown key or preset of the command line is answered before Hydra composes (`qie.checks.overrides`).
+
+    Args:
+        stage: the stage's config name (`conf/<stage>.yaml`), whose schema the overrides are read against.
+    `HYDRA_FULL_ERROR=1` set by the user keeps Hydra's own report.
+
+    torch's CPU threads wait for each other passively (`OMP_WAIT_POLICY=PASSIVE`, unless the environment says
+    otherwise; read when torch loads, after this): spinning at every parallel region, OpenMP's default, takes the cores
+    another job on the machine (or the stage's own read-ahead thread) needs, and a cached step of the tiny model took
+    5-10x longer beside one (docs/benchmarks.md §17)."""
+    args = sys.argv[1:] if argv is None else argv
+    # Answered before Hydra composes: an old spelling, a key the stage's schema lacks, a preset its group lacks (the
+    # last two are Hydra's to report with the user's HYDRA_FULL_ERROR=1).
+    hydras = os.environ.get(_FULL_ERROR) is not None
+    if problem := old_spelling_problem(overrides_of(args)) or (not hydras and override_problem(stage, args)):
+        _exit_error(problem)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if os.environ.get(_FULL_ERROR) is None:
+        os.environ[_FULL_ERROR] = "1"
+        _composing["set"] = True
+    try:
+        with _mode_from_the_command_line(overrides_of(args)):
+            hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if not _composing["set"]:  # the user's HYDRA_FULL_ERROR, or raised while a stage ran
+            raise
+        _give_back_hydra_errors()
+        _exit_error(one_line(e) if isinstance(e, HydraException) else str(e).splitlines()[0])
+    finally:
+        _give_back_hydra_errors()
+
+
+@contextmanager
+def _mode_from_the_command_line(overrides: list[str]) -> Iterator[None]:
+    """Hydra 1.3's `@hydra.main` composes the whole config once only to read `hydra.mode` (`Hydra.get_mode`), then
+    again to run. qie's tree never sets the mode, so unless the command line does (`hydra.mode=...`), the mode is
+    what Hydra takes when the config sets none: a sweep with `-m`, else one run; the first composition (a quarter of
+    a second, more than the rest of an entry point's own work) is skipped."""
+    if any(o.lstrip("+~").startswith("hydra.mode") for o in overrides):
+        yield
+        return
+    from hydra._internal.hydra import Hydra
+
+    asked = Hydra.get_mode
+    Hydra.get_mode = lambda self, config_name, overrides: None  # Hydra's answer for a config without a mode
+    try:
+        yield
+    finally:
+        Hydra.get_mode = asked
+
+
+def _give_back_hydra_errors() -> None:
+    """Hydra reports errors its own way again (once the config is composed: the stage's own errors, a sweep's later
+    jobs), and a process the stage starts inherits the user's environment."""
+    if _composing["set"]:
+        os.environ.pop(_FULL_ERROR, None)
+        _composing["set"] = False
+
+
+def _exit_error(message: str) -> NoReturn:
+    print(f"qie: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The overrides of a command line (`key=value`, `+key=value`, `~key`), without Hydra's options and their
+    values (`--cfg job`, `-cn NAME`)."""
+    out, after_option = [], False
+    for arg in argv:
+        if not after_option and not arg.startswith("-"):
+            out.append(arg)
+        after_option = arg in _HYDRA_VALUE_OPTIONS
+    return out
 
 
 def exit_interrupted(e: KeyboardInterrupt, stage: str) -> NoReturn:

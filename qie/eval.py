@@ -3,19 +3,29 @@
 import hydra
 from omegaconf import DictConfig
 
-from qie.cli import run_stage
-from qie.config import register
+from qie.checks import Checked, register
+from qie.cli import main_of, run_stage
 from qie.config.tree import conf_path
-from qie.demo.builtin import with_builtin_data
-from qie.stages import evaluation
 
 register("eval")  # its schema, known to Hydra before @hydra.main composes
 
 
+def _stage():  # imported once the config is checked: torch, diffusers and transformers come with the stage
+    from qie.stages import evaluation
+
+    return evaluation.start
+
+
+def _builtin_data(checked: Checked) -> Checked:  # a tiny model without data.path: the built-in demo data set
+    from qie.demo.builtin import with_builtin_data
+
+    return with_builtin_data(checked)
+
+
 @hydra.main(config_path=conf_path(), config_name="eval", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_stage(evaluation.run, cfg, with_builtin_data)
+    run_stage("eval", _stage, cfg, _builtin_data)
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main, "eval")

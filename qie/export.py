@@ -8,19 +8,24 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from qie.cli import keyed_positionals, run_stage
-from qie.config import register
+from qie.checks import register
+from qie.cli import keyed_positionals, main_of, run_stage
 from qie.config.tree import conf_path
-from qie.stages import export
 
 register("export")  # its schema, known to Hydra before @hydra.main composes
 
 
+def _stage():  # imported once the config is checked: torch, diffusers and transformers come with the stage
+    from qie.stages import export
+
+    return export.start
+
+
 @hydra.main(config_path=conf_path(), config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_stage(export.run, cfg)
+    run_stage("export", _stage, cfg)
 
 
 if __name__ == "__main__":
     sys.argv[1:] = keyed_positionals(sys.argv[1:], ("export.run_dir", "export.out"))
-    main()
+    main_of(main, "export")

@@ -41,7 +41,7 @@ REMOTE_TARGET = 0.05
 def prepare(work: Path, samples: int, image_size: int, overrides: list[str] = ()) -> tuple[Path, Path]:
     """A synthetic data set and a cache filled by the precompute stage (skipped when already there);
     `overrides` pick another model."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.demo.synthetic import make_dataset
     from qie.stages import precompute
 
@@ -59,7 +59,7 @@ def prepare(work: Path, samples: int, image_size: int, overrides: list[str] = ()
 def measure(overrides: list[str], run_dir: Path, step_s: float = 0.0) -> dict:
     """Run the train stage once in this process; per step, the data wait and the wall time (seconds), each step
     lasting at least `step_s` (slept out after it ends, counted in its time)."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train
 
     waits: list[float] = []

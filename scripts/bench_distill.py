@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from qie.checks import compose
 from qie.components import prepare_model
-from qie.config import compose, typed
+from qie.config import typed
 from qie.demo.synthetic import make_dataset
 from qie.evaluation.grid import captioned_grid
 from qie.stages import precompute, train

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from qie.config import compose
+from qie.checks import compose
 from qie.demo.synthetic import COLORS, make_dataset
 from qie.stages import precompute, train
 from qie.stages.heldout import HELDOUT_FILE

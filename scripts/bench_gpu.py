@@ -234,7 +234,7 @@ def make_setup(args: argparse.Namespace, work: Path) -> Setup:
 
 @functools.cache
 def _composed(stage: str, base: tuple[str, ...]):
-    from qie.config import compose
+    from qie.checks import compose
 
     return compose(stage, list(base))
 
@@ -244,7 +244,7 @@ def stage_config(stage: str, base: list[str], overrides: list[str] = ()):
     or more per composition on a busy machine), the row's keys merged in and checked as `compose` checks them."""
     from omegaconf import OmegaConf
 
-    from qie.config import validate
+    from qie.checks import validate
 
     cfg = _composed(stage, tuple(base))
     if overrides:
@@ -443,7 +443,9 @@ def num_blocks(setup: Setup, depth: int | None) -> int:
     from qie.models import model_spec
 
     cfg = stage_config("train", setup.train)
-    spec = model_spec(cfg.model) if setup.real else prepare_model(cfg.model)
+    from qie.config import typed
+
+    spec = model_spec(typed(cfg.model)) if setup.real else prepare_model(typed(cfg.model))
     return int(transformer_config(cfg, spec, setup, depth)["num_layers"])
 
 
@@ -514,7 +516,9 @@ def dataset(setup: Setup, args: argparse.Namespace) -> Path | dict:
     from qie.models import model_spec
 
     cfg = stage_config("precompute", setup.base)
-    spec = model_spec(cfg.model)
+    from qie.config import typed
+
+    spec = model_spec(typed(cfg.model))
     if spec.family.outputs.layers:
         return {"error": "skipped", "detail": "the synthetic data set has no layers (a layered model trains on them)"}
     if setup.real and (why := no_checkpoint(cfg.model)):
@@ -668,7 +672,9 @@ def model_flops(setup: Setup, depth: int | None) -> float | None:
     from qie.stages.memory_plan import step_flops
 
     cfg = stage_config("train", setup.train)
-    spec = model_spec(cfg.model) if setup.real else prepare_model(cfg.model)
+    from qie.config import typed
+
+    spec = model_spec(typed(cfg.model)) if setup.real else prepare_model(typed(cfg.model))
     work = workload(cfg, spec, setup)
     if setup.real:  # bf16 weights under bf16 autocast, as accelerate's mixed precision runs them
         import dataclasses

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qie.config import compose
+from qie.checks import compose
 from qie.demo.reward import RecolourReward
 from qie.demo.synthetic import make_dataset
 from qie.stages import precompute, train

@@ -8,6 +8,10 @@ the component registry reports building (its DEBUG log records), so the report s
 never builds the text encoder or the VAE.
 
     python scripts/bench_memory.py --samples 16 --steps 20
+
+The cached run's peak is held to the one recorded in `scripts/bench_memory_baseline.json` (at the default sizes):
+more than 5 % above it fails the run (exit 1). `--record-baseline` writes the figure just measured there, for a
+change that adds memory on purpose (say why in its commit).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import check_line, child_env, fmt_bytes, header, run_in_work_dir, table  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
+BASELINE = Path(SCRIPT).with_name("bench_memory_baseline.json")
+ALLOWED_GROWTH = 0.05  # the cached run's peak may exceed the recorded one by this share
 ENCODER_MARKERS = ("Qwen2_5_VL", "Qwen2VL", "AutoencoderKL")
 
 
@@ -36,7 +42,7 @@ def child(args: argparse.Namespace) -> None:
     import diffusers
     import transformers
 
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train
 
     classes: dict[str, int] = {}
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
     p.add_argument("--modes", nargs="+", default=["cached", "live"], choices=["cached", "live", "lazy"])
     p.add_argument("--work", default=None, help="work folder (default: a temp folder, removed at the end)")
+    p.add_argument("--record-baseline", action="store_true", help=f"write the cached run's peak to {BASELINE.name}")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.demo.synthetic import make_dataset
     from qie.stages import precompute
 
@@ -178,8 +185,35 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     if "cached" in results and "live" in results:
         c, live = results["cached"]["children_maxrss_kib"], results["live"]["children_maxrss_kib"]
         print(f"peak RSS: cached / live = {c / live:.3f} ({fmt_bytes(c * 1024)} vs {fmt_bytes(live * 1024)})")
+    if "cached" in results:
+        ok &= against_baseline(results["cached"]["children_maxrss_kib"] / 1024, args)
     return {"results": results, "passed": ok}
 
 
+def against_baseline(peak_mib: float, args: argparse.Namespace) -> bool:
+    """The cached run's peak against the recorded one (at the default sizes only); with `--record-baseline`, write
+    it instead."""
+    defaults = (args.samples, args.image_size, args.steps, args.overrides) == (16, 64, 20, [])
+    if args.record_baseline:
+        import subprocess as sp
+
+        commit = sp.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=BASELINE.parent)
+        record = {"cached_peak_mib": round(peak_mib, 1), "commit": commit.stdout.strip(), "when": time.strftime("%F")}
+        BASELINE.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"recorded {peak_mib:.1f} MiB in {BASELINE}")
+        return True
+    if not defaults or not BASELINE.is_file():
+        print(f"no baseline to compare with ({'other sizes' if not defaults else f'no {BASELINE.name}'})")
+        return True
+    recorded = json.loads(BASELINE.read_text())
+    limit = recorded["cached_peak_mib"] * (1 + ALLOWED_GROWTH)
+    return check_line(
+        f"cached peak within {ALLOWED_GROWTH:.0%} of the recorded {recorded['cached_peak_mib']} MiB "
+        f"({recorded['commit']})",
+        peak_mib <= limit,
+        f"{peak_mib:.1f} MiB, limit {limit:.1f} MiB",
+    )
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main().get("passed", True) else 1)

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_grpo import targetless_manifest  # noqa: E402
 
-from qie.config import compose  # noqa: E402
+from qie.checks import compose  # noqa: E402
 from qie.demo.synthetic import make_dataset  # noqa: E402
 from qie.stages import precompute, train  # noqa: E402
 
@@ -85,7 +85,7 @@ def pipeline(path: Path):
     from diffusers import QwenImageEditPipeline
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
-    from qie.components.processor import QwenImageProcessorNoVideo, load_processor
+    from qie.models.processor import QwenImageProcessorNoVideo, load_processor
 
     full = pipeline_qwenimage_edit.calculate_dimensions
     pipeline_qwenimage_edit.calculate_dimensions = lambda _, ratio: full(64 * 64, ratio)

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from qie.config import typed
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import child_env, header, run_in_work_dir, table, target_line  # noqa: E402
 
@@ -35,7 +37,7 @@ SCRIPT = os.path.abspath(__file__)
 def child(out_dir: str, overrides: list[str]) -> None:
     """Run the precompute stage in this process (one of torchrun's, or alone); its times and share go to
     out_dir/rank<N>.json."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import precompute
 
     rank = int(os.environ.get("RANK", "0"))
@@ -113,14 +115,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
+    from qie.checks import compose
     from qie.components import prepare_model
-    from qie.config import compose
     from qie.demo.synthetic import make_dataset
 
     data = work / "ds" / "train"
     if not data.is_dir():
         make_dataset(work / "ds", args.samples, 0, size=args.image_size)
-    prepare_model(compose("precompute").model)  # build the tiny model once, outside the timed runs
+    prepare_model(typed(compose("precompute").model))  # build the tiny model once, outside the timed runs
     runs = {
         "1 process, batch 1": (1, 1),
         f"1 process, batch {args.batch_size}": (args.batch_size, 1),

@@ -76,16 +76,17 @@ def build(root: Path, n: int, layout: str, per_image: int = 1) -> tuple[Path, Pa
     from qie.cache.entries import write_entries
     from qie.cache.keys import FileHasher
     from qie.cache.ssd import SsdBackend
-    from qie.config import compose, typed
+    from qie.checks import compose
+    from qie.components import prepare_model
+    from qie.config import typed
     from qie.config.cache import CacheConfig
     from qie.data.keys import sample_keys
-    from qie.models import model_spec
     from qie.stages.settings import image_sizes
     from qie.stages.sources import model_key_context
 
-    def key_context(cfg):  # the train stage's, for `cfg`
+    def key_context(cfg):  # the train stage's, for `cfg`; the tiny model built first (a fresh QIE_HOME has none)
         model = typed(cfg.model)
-        spec = model_spec(model)
+        spec = prepare_model(model)
         return model_key_context(model, spec, image_sizes(typed(cfg.data), spec))
 
     done = root / "complete.json"
@@ -211,7 +212,7 @@ def child(args: argparse.Namespace) -> None:
 def measure(overrides: list[str], run_dir: Path, profile_out: str | None = None) -> dict:
     """Seconds from calling `qie.stages.train.run` to its loop start, its first batch and the end of its
     first step (the stage's `on_step_end` hook reports the step), and to its return."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train
 
     marks: dict[str, float] = {}
@@ -231,7 +232,7 @@ def measure(overrides: list[str], run_dir: Path, profile_out: str | None = None)
     t0 = time.perf_counter()
     if profiler:
         profiler.enable()
-    train.run(compose("train", overrides), run_dir, on_step_end=first_step)
+    train.run(compose("train", overrides, checked=False), run_dir, on_step_end=first_step)  # checked once, by run
     if profiler:
         profiler.disable()
         profiler.dump_stats(profile_out)

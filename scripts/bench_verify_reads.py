@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO))
 
 def build(root: Path) -> list[str]:
     """A cached tiny data set under `root`; returns the train overrides pointing at it."""
+    from qie.checks import compose
     from qie.components.tiny import default_tiny_path, ensure_tiny_model
-    from qie.config import compose
     from qie.demo.synthetic import make_dataset
     from qie.stages import precompute
 
@@ -55,7 +55,7 @@ def read_times(cache: Path, rounds: int) -> dict[bool, float]:
 
 def step_times(base: list[str], work: Path, steps: int, rounds: int) -> dict[bool, float]:
     """Median seconds of a cached training step (the first of each run left out), without and with the checksum."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train
 
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -22,17 +22,20 @@ from pathlib import Path
 
 import torch
 
+from qie.config import typed
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def encode_all(source: str, variant: str, quantize: str, samples: list, sizes) -> list[torch.Tensor]:
+    from qie.checks import compose
     from qie.components import build_parts, resolve_device
     from qie.components.registry import Placement
-    from qie.config import compose
     from qie.embedding.encode import Encoder, prepare_sample
     from qie.models import model_spec
 
-    spec = model_spec(compose("precompute", [{"edit": "model=tiny", "edit_plus": "model=tiny_plus"}[variant]]).model)
+    choice = {"edit": "model=tiny", "edit_plus": "model=tiny_plus"}[variant]
+    spec = model_spec(typed(compose("precompute", [choice]).model))
 
     device = resolve_device("auto")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

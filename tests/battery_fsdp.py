@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def train_one(job: dict) -> dict:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train
 
     run_dir = Path(job["run_dir"])

@@ -10,6 +10,7 @@ import torch
 from stage_edges import data_for, parts_of, source_for
 
 from qie.adapters.lora import add_lora
+from qie.config import typed
 from qie.data.collate import collate
 from qie.models import model_spec
 from qie.models.sampling import SamplingOptions
@@ -63,7 +64,7 @@ def randomised_lora(transformer, targets, seed: int = 1) -> None:
 def check_teacher_and_student(cfg, options: Mapping, seed: int = 1) -> None:
     """For the first sample of `cfg`'s data (its cache read as training reads it) and `seed`, assert the teacher and
     the student are the family's sampler (exactly) and the loss trains the LoRA."""
-    spec = model_spec(cfg.model)
+    spec = model_spec(typed(cfg.model))
     family = spec.family
     base = parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
     policy = parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)

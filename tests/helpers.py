@@ -45,7 +45,7 @@ def small_overrides(stage: str, *overrides: str) -> list[str]:
 
 def small_config(stage: str, *overrides: str) -> DictConfig:
     """`stage`'s real composed config (as the CLI composes it), shrunk for tests, with `overrides`."""
-    from qie.config import compose
+    from qie.checks import compose
 
     return compose(stage, small_overrides(stage, *overrides))
 
@@ -116,7 +116,7 @@ def _counting(init, cls: type, label: str, counts: Counter):
 
 def tiny_pipeline(cls: type, path: Path):
     """A diffusers pipeline of class `cls` from a tiny model folder, with qie's processor, quiet."""
-    from qie.components.processor import load_processor
+    from qie.models.processor import load_processor
 
     pipe = cls.from_pretrained(path, processor=load_processor(path))
     pipe.set_progress_bar_config(disable=True)
@@ -126,7 +126,7 @@ def tiny_pipeline(cls: type, path: Path):
 def cached_set(tiny_path: Path, root: Path, train: int) -> dict:
     """`train` 64 px samples of the synthetic task in `root`, precomputed for the tiny model at `tiny_path`:
     {"root", "base": the overrides that train on them}."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.demo.synthetic import make_dataset
     from qie.stages import precompute
 

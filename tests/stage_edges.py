@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from qie.cache.keys import FileHasher
+from qie.checks import read_groups
 from qie.config import typed
 from qie.data.keys import KeyContext
 from qie.data.samples import Dataset
@@ -56,7 +57,7 @@ def encoder_for(cfg: DictConfig, spec: ModelSpec | None = None) -> Encoder:
 
 def source_settings_for(cfg: DictConfig, spec: ModelSpec | None = None, mode: str | None = None) -> SourceSettings:
     """The embedding source's settings a stage makes of `cfg` (loss masks from `train.mask` where it has one)."""
-    return Edge.of(cfg, spec or spec_of(cfg)).source_settings(mode)
+    return Edge.of(read_groups(cfg), spec or spec_of(cfg)).source_settings(mode)
 
 
 def source_for(
@@ -68,7 +69,7 @@ def source_for(
 ) -> EmbeddingSource:
     """The EmbeddingSource `cache.mode` (or `mode`) names for `cfg`, over `backend` (built from `cfg.cache` when None
     and the source reads a cache)."""
-    edge = Edge.of(cfg, spec or spec_of(cfg))
+    edge = Edge.of(read_groups(cfg), spec or spec_of(cfg))
     return edge.source(edge.source_settings(mode), backend, encoder)
 
 

@@ -100,11 +100,11 @@ def test_every_model_captions_with_a_preset_that_exists() -> None:
     presets = auto_caption.presets()
     assert {v.caption for _, v in variants().values()} <= set(presets)
     cfg = small_config("precompute", "model=tiny_qwen_image_layered")
-    settings = auto_caption.caption_settings(cfg.data.auto_caption_prompt, model_spec(cfg.model))
+    settings = auto_caption.caption_settings(cfg.data.auto_caption_prompt, model_spec(typed(cfg.model)))
     assert settings.prompt.pipeline_prompt == "QwenImageLayeredPipeline.image_caption_prompt_en"
     cfg = small_config("precompute", "model=tiny_t2i", "data.auto_caption_prompt=nope")
     with pytest.raises(ConfigError, match="'nope' is no caption preset: choose one of describe, edit_instruction"):
-        auto_caption.caption_settings(cfg.data.auto_caption_prompt, model_spec(cfg.model))
+        auto_caption.caption_settings(cfg.data.auto_caption_prompt, model_spec(typed(cfg.model)))
 
 
 def test_layered_auto_caption_is_generated_once_cached_and_keys_the_prompt(
@@ -127,7 +127,7 @@ def test_layered_auto_caption_is_generated_once_cached_and_keys_the_prompt(
     assert first.failures == [] and calls == [1]
     c = first.types["caption"]
     assert (c.new, c.skipped, c.failed) == (1, 0, 0) and c.bytes_written > 0
-    spec = model_spec(cfg.model)
+    spec = model_spec(typed(cfg.model))
     settings = auto_caption.caption_settings(cfg.data.auto_caption_prompt, spec)
     assert settings.generation.do_sample is False and settings.generation.max_new_tokens == 6
     (sample,) = scan_dataset(manifest, require_prompt=False).samples
@@ -188,7 +188,7 @@ def test_lazy_training_captions_and_cached_training_needs_no_text_encoder(
     warm = train_stage.run(cached, tmp_path / "warm")
     assert warm["losses"] == pytest.approx(lazy["losses"], rel=1e-6) and sum(calls) == 2
     # The cache's garbage collection keeps the captions (and the prompt embeddings keyed by them).
-    from qie.config import precompute_command
+    from qie.checks import precompute_command
     from qie.stages.cache_gc import gc_setup, used_keys
 
     gc = small_config("cache", "action=gc", *base[:5])

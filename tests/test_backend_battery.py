@@ -24,7 +24,8 @@ from qie.cache import CACHE_TYPES, CacheBackend
 from qie.cache.admin import run_admin
 from qie.cache.codec import checksum
 from qie.cache.keys import entry_key
-from qie.config import compose, typed
+from qie.checks import compose
+from qie.config import typed
 from qie.config.backend import build_backend
 
 BACKENDS = {

@@ -21,7 +21,7 @@ from qie.cache.admin import cache_stats, clear_cache, format_bytes, run_admin, v
 from qie.cache.keys import FileHasher, entry_key
 from qie.cache.memory import MemoryBackend
 from qie.cache.ssd import SsdBackend
-from qie.config import compose
+from qie.checks import compose
 from qie.errors import ConfigError
 from qie.stages.cache_admin import run
 

@@ -318,7 +318,8 @@ def test_admin_actions_stay_inside_the_prefix(s3: str, url: str, tmp_path: Path)
 
 
 def test_build_backend_passes_the_remote_settings(s3: str, url: str, tmp_path: Path) -> None:
-    from qie.config import compose, typed
+    from qie.checks import compose
+    from qie.config import typed
     from qie.config.backend import build_backend
 
     remote = [

@@ -54,7 +54,7 @@ def indexed_when_the_backend_goes(url: str, s3: str, local: Path) -> None:
 def test_precompute_into_the_bucket_then_training_gives_the_ssd_losses(
     s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path
 ) -> None:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import precompute
     from qie.stages import train as train_stage
 
@@ -75,7 +75,7 @@ def test_precompute_into_the_bucket_then_training_gives_the_ssd_losses(
 def test_a_stage_names_an_unreachable_endpoint_before_building_a_model(
     stage: str, url: str, tiny_path: Path, cached_data, tmp_path: Path, monkeypatch
 ) -> None:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import precompute, train_model
     from qie.stages import train as train_stage
 
@@ -98,7 +98,7 @@ def test_a_stage_names_an_unreachable_endpoint_before_building_a_model(
 
 
 def admin(*overrides: str) -> int:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages.cache_admin import run
 
     return run(compose("cache", list(overrides)))
@@ -202,7 +202,7 @@ def test_training_stops_with_one_error_when_the_server_goes_away_mid_run(
 
     from qie.cache.ssd import SsdBackend
     from qie.cache.sync import sync
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train as train_stage
 
     port = free_port()  # a server of its own, stopped after the first step
@@ -231,7 +231,7 @@ def test_the_precompute_failure_list_is_in_the_bucket_for_a_training_on_another_
     s3: str, url: str, tiny_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     from qie.cache.failures import FILE_NAME, read_failures
-    from qie.config import compose
+    from qie.checks import compose
     from qie.demo.synthetic import make_dataset
     from qie.stages import precompute, precompute_work
     from qie.stages import train as train_stage

@@ -15,8 +15,8 @@ from helpers import CachedData
 from qie.adapters.lora import read_lora
 from qie.cache.memory import MemoryBackend
 from qie.cache.ssd import SsdBackend
+from qie.checks import compose
 from qie.components import fingerprint
-from qie.config import compose
 from qie.errors import ConfigError, ModelLoadError
 from qie.models import families
 from qie.stages import precompute

@@ -53,7 +53,7 @@ def config(family: str, data: Path, *overrides: str) -> DictConfig:
 
 def captioner(cfg: DictConfig) -> Captioner:
     device = str(cfg.cache.text_encoder_device)
-    return caption_stage.build_captioner(typed(cfg.model), model_spec(cfg.model), device, settings_of(cfg))
+    return caption_stage.build_captioner(typed(cfg.model), model_spec(typed(cfg.model)), device, settings_of(cfg))
 
 
 def settings_of(cfg: DictConfig) -> caption_stage.Settings:
@@ -88,7 +88,8 @@ def test_the_vl_model_receives_the_chat_template_and_the_images_in_order(family,
     calls = spy_generate(monkeypatch, cap.text_encoder)
     (sample,) = scan_dataset(data, require_prompt=False).samples
     dry = dataclasses.replace(settings_of(cfg), dry_run=1)  # writes nothing: no output needed
-    caption_stage.caption_all(cap, [sample], model_spec(cfg.model), dry, None, caption_stage.CaptionSummary(), {})
+    spec = model_spec(typed(cfg.model))
+    caption_stage.caption_all(cap, [sample], spec, dry, None, caption_stage.CaptionSummary(), {})
     # What the chat template makes of it, spelled out: each image labelled when there are several, the
     # controls first, the target last, the instruction naming them.
     names = [f"Picture {i}" for i in range(1, controls + 2)]
@@ -121,7 +122,7 @@ def test_greedy_captions_are_deterministic_and_a_batch_equals_single_samples(fam
     cap = captioner(cfg)
     samples = scan_dataset(data, require_prompt=False).samples
     images = [
-        caption_stage.shown_images(s, cap, model_spec(cfg.model), int(cfg.model.vl_image_pixels)) for s in samples
+        caption_stage.shown_images(s, cap, model_spec(typed(cfg.model)), cfg.model.vl_image_pixels) for s in samples
     ]
     batch = cap.caption(images)
     assert all(batch) and cap.caption(images) == batch

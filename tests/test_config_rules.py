@@ -1,5 +1,5 @@
-"""The rules a config's settings keep that need no model loaded (`qie.config.rules`, and an objective's `use_problem`):
-`qie.config.validate` refuses a config that breaks one, in one line, before any stage builds anything."""
+"""The rules a config's settings keep that need no model loaded (`qie.checks.rules`, and an objective's `use_problem`):
+`qie.checks.validate` refuses a config that breaks one, in one line, before any stage builds anything."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from functools import cache
 import pytest
 from omegaconf import DictConfig
 
-from qie.config import compose, updated, validate
+from qie.checks import compose, validate
+from qie.config import updated
 from qie.errors import ConfigError
 
 INITS = "['true', 'false', 'gaussian', 'eva', 'olora', 'pissa', 'corda', 'loftq', 'orthogonal', 'mica']"
@@ -346,10 +347,10 @@ def test_each_schema_checks_its_own_ranges_without_a_config() -> None:
 def test_a_stage_without_a_group_skips_its_rules() -> None:
     """The rules read the groups a stage has (`Groups`: None for the others): an extract config has no `train`,
     `predict` or `validation`, and passes with the settings of the ones it has."""
+    from qie.checks.rules import setting_problem
+    from qie.checks.weights import weight_problem
     from qie.config.groups import Groups
     from qie.config.model import ModelConfig, Quantize
-    from qie.config.rules import setting_problem
-    from qie.config.weights import weight_problem
 
     groups = Groups(model=ModelConfig(name="m", pretrained_model_name_or_path="hub/id", quantize=Quantize.int4))
     assert weight_problem(groups) is None and setting_problem(groups, None) is None

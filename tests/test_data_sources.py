@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from stage_edges import data_for
 
-from qie.config import compose
+from qie.checks import compose
 from qie.data.formats import Columns, DataSource, detect_format, read_dataset
 from qie.data.scan import scan_dataset
 from qie.demo.synthetic import make_dataset

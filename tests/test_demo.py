@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from qie import report as report_cli
-from qie.config import compose
+from qie.checks import compose
 from qie.demo import synthetic
 from qie.demo.measure import layer_error
 from qie.demo.run import COLUMNS, GRID_TAG, TILE, run

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from stage_edges import predictor_for
 
 from qie.cache.ssd import SsdBackend
-from qie.config import compose
+from qie.checks import compose
+from qie.config import typed
 from qie.errors import CacheMissError, ConfigError
 from qie.models import model_spec
 from qie.stages import precompute, train
@@ -103,7 +104,7 @@ def test_precompute_teachers_refuses_fsdp_over_several_processes_before_encoding
     ],
 )
 def test_what_distillation_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:
-    family = model_spec(small_cfg("train").model).family
+    family = model_spec(typed(small_cfg("train").model)).family
     with pytest.raises(ConfigError, match=message) as info:
         check_use(
             {"_target_": "qie.training.objectives.distill.Distill", **options},
@@ -113,7 +114,7 @@ def test_what_distillation_refuses_in_one_line(small_cfg, lora, regularization, 
 
 
 def test_a_full_model_run_is_refused_before_anything_loads(small_cfg, cached_data) -> None:
-    """Refused when the config is composed (`qie.config.validate` asks the objective), before the stage runs."""
+    """Refused when the config is composed (`qie.checks.validate` asks the objective), before the stage runs."""
     with pytest.raises(ConfigError, match="train/objective=distill needs train.mode=lora"):
         small_cfg("train", *cached_data.overrides, *DISTILL, "train.mode=full")
 

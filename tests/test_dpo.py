@@ -15,7 +15,8 @@ from stage_edges import parts_of
 from test_step import fixed_batch
 
 from qie.adapters.lora import add_lora, load_lora, save_lora
-from qie.config import compose
+from qie.checks import compose
+from qie.config import typed
 from qie.data.manifest import scan_manifest
 from qie.data.scan import scan_folder
 from qie.errors import ConfigError
@@ -68,7 +69,7 @@ FLOW_MATCHING = {"_target_": "qie.training.objectives.flow_matching.FlowMatching
 @pytest.fixture(scope="module")
 def tiny(small_cfg):
     cfg = small_cfg("train")
-    return cfg, model_spec(cfg.model).family
+    return cfg, model_spec(typed(cfg.model)).family
 
 
 def objective(family, policy, **options):
@@ -147,7 +148,7 @@ def test_dpo_settings_and_uses_are_refused_in_one_line(tiny, tmp_path: Path) -> 
     assert compose("train", ["train/objective=dpo"]).train.objective.beta == DpoSettings().beta
     assert field_names(Dpo) == {"target", "rejected"} and field_names(FlowMatching) == {"target"}
     check_use(DPO, ObjectiveUse(family, lora=True, regularization=False))
-    layered = model_spec(compose("train", ["model=tiny_qwen_image_layered"]).model).family
+    layered = model_spec(typed(compose("train", ["model=tiny_qwen_image_layered"]).model)).family
     cases = [
         (ObjectiveUse(family, False, False), "train/objective=dpo needs train.mode=lora"),
         (ObjectiveUse(layered, True, False), "train/objective=dpo does not train a layered model"),

@@ -16,12 +16,12 @@ from PIL import Image
 from safetensors.torch import load_file
 from stage_edges import hasher_for, key_context_for, predictor_for, source_for
 
-from qie.components.processor import load_processor
-from qie.config import compose
+from qie.checks import compose
 from qie.data.buckets import bucket_keys
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.errors import ConfigError
+from qie.models.processor import load_processor
 from qie.stages import infer, precompute
 
 AREA = 64 * 64

@@ -199,7 +199,7 @@ def test_reward_keys_are_checked_against_the_constructor_when_composed(overrides
 def test_a_reward_without_a_constructor_of_its_own_takes_no_keys_before_its_first_instance() -> None:
     """typing gives a Protocol's subclass a `(*args, **kwargs)` placeholder until it is first instantiated: the key
     check must not take that for a constructor that accepts anything."""
-    from qie.config.rewards import constructor_parameters
+    from qie.evaluation.build import constructor_parameters
     from qie.extend import Reward
 
     class Plain(Reward):
@@ -240,7 +240,7 @@ def test_the_cli_names_a_missing_lora_in_one_line(tmp_path: Path, rows: Path) ->
 
 def test_the_demo_preset_composes_for_eval() -> None:
     """The guide's `python -m qie.eval experiment=demo ...`: the demo's model and sampling settings."""
-    from qie.config import compose
+    from qie.checks import compose
 
     cfg = compose("eval", ["experiment=demo"])
     assert (cfg.model.name, cfg.predict.num_inference_steps, cfg.predict.true_cfg_scale) == ("tiny_demo", 20, 1.0)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from qie.checks import compose
 from qie.cli import keyed_positionals
-from qie.config import compose
 from qie.errors import ConfigError
 
 

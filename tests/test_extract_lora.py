@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import tiny_pipeline
 
-from qie.config import compose
+from qie.checks import compose
 from qie.errors import ConfigError, ModelLoadError
 from qie.stages import extract_lora
 

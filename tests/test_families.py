@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import small_config
 
-from qie.config import compose
+from qie.checks import compose
+from qie.config import typed
 from qie.errors import ConfigError
 from qie.models import FamilyError, families, model_spec, tiny_presets, variants
 from qie.models.family import ModelFamily
@@ -140,7 +141,7 @@ def test_a_processor_that_resizes_again_is_refused_before_anything_is_built(
     cfg = compose("infer", ["model=qwen_image_21", f"model.pretrained_model_name_or_path={folder}",
                             "model.vae_image_pixels=4096", "model.vl_image_pixels=4096"])  # fmt: skip
     with pytest.raises(ConfigError, match="max_pixels=1024 pixels, below the condition area"):
-        prepare_model(cfg.model)
+        prepare_model(typed(cfg.model))
 
 
 def test_a_step_count_the_checkpoint_fixes_is_named(
@@ -159,7 +160,7 @@ def test_fsdp_and_swap_take_the_familys_blocks() -> None:
 
     for name, block in (("tiny", "QwenImageTransformerBlock"), ("tiny_qwen_image_21", "QwenImage21TransformerBlock")):
         cfg = compose("train", [f"model={name}", "train.fsdp=true", "validation.every=0"])
-        settings = MemorySettings.of(cfg.train, model_spec(cfg.model).family)
+        settings = MemorySettings.of(cfg.train, model_spec(typed(cfg.model)).family)
         plugin = settings.accelerator_kwargs()["fsdp_plugin"]
         assert plugin.transformer_cls_names_to_wrap == [block] and settings.blocks == "transformer_blocks"
 

@@ -29,6 +29,8 @@ from helpers import small_config
 from PIL import Image
 from safetensors.torch import load_file
 
+from qie.config import typed
+
 FAMILIES = ["tiny", "tiny_plus", "tiny_edit_2511", "tiny_t2i", "tiny_qwen_image_21", "tiny_qwen_image_layered"]
 
 # case -> {family: why it fails today}; each becomes a strict xfail for that family only.
@@ -186,7 +188,7 @@ class Battery:
         from qie.stages import precompute
 
         root = self.root / family
-        spec = model_spec(small_config("precompute", f"model={family}").model)
+        spec = model_spec(typed(small_config("precompute", f"model={family}").model))
         data = write_dataset(root / "data", spec)
         base = [f"model={family}", f"data.path={data}", f"cache.dir={root / 'cache'}"]
         if spec.family.outputs.layers:  # the frames at the condition's size, as the pipeline makes them
@@ -236,7 +238,7 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
     from qie.stages import precompute
 
     prepared = battery[family]
-    spec = model_spec(small_config("precompute", f"model={family}").model)
+    spec = model_spec(typed(small_config("precompute", f"model={family}").model))
     if spec.family.outputs.layers:
         with pytest.raises(ConfigError, match="train/objective=dpo does not train a layered model") as info:
             prepared.train("dpo_refused", "train/objective=dpo")
@@ -261,7 +263,7 @@ def test_preference_pairs_train_cached_as_live_pinned_and_resume_exactly(battery
     logged = [json.loads(line) for line in (cached["dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_accuracy"] for r in logged if "loss" in r][0] == 0.5  # a tie at the first step
     # The trained LoRA (no reference adapter in it) loads whole into the family's diffusers pipeline.
-    from qie.config import compose
+    from qie.checks import compose
 
     lora = Path(cached["lora"])
     pipe = pipeline_of(Path(compose("infer", [f"model={family}"]).model.pretrained_model_name_or_path))
@@ -413,7 +415,7 @@ def test_validation_saves_images_and_metrics(battery: Battery, family: str) -> N
 def test_logs_to_a_file_hold_no_carriage_returns(battery: Battery, family: str, tmp_path: Path) -> None:
     """Cached training with validation sampling, live training (encoders loaded) and the infer stage (which
     shows sampling progress), each writing to files: plain lines only."""
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import infer
 
     prepared = battery[family]
@@ -440,7 +442,7 @@ def pipeline_of(path: Path):
     """The diffusers pipeline model_index.json names, from `path`, with a processor that needs no torchvision."""
     import diffusers
 
-    from qie.components.processor import Qwen3VLProcessorNoVideo, QwenImageProcessorNoVideo, load_processor
+    from qie.models.processor import Qwen3VLProcessorNoVideo, QwenImageProcessorNoVideo, load_processor
 
     index = json.loads((path / "model_index.json").read_text())
     extra = {}
@@ -479,7 +481,7 @@ def test_infer_and_the_trained_lora_equal_the_diffusers_pipeline(battery: Batter
     the trained LoRA equals the pipeline after `load_lora_weights` of the file qie wrote."""
     from stage_edges import predictor_for
 
-    from qie.config import compose
+    from qie.checks import compose
 
     prepared = battery[family]
     images = reference_images(tmp_path, prepared.spec)
@@ -510,7 +512,8 @@ def test_fused_base_equals_the_pipelines_fuse_lora(battery: Battery, family: str
     does with `load_lora_weights` and `fuse_lora` at the same scale (the transformer every stage then builds)."""
     from stage_edges import parts_of
 
-    from qie.config import compose, typed
+    from qie.checks import compose
+    from qie.config import typed
     from qie.stages.settings import fused_base
 
     prepared = battery[family]
@@ -534,7 +537,7 @@ def test_fused_base_equals_the_pipelines_fuse_lora(battery: Battery, family: str
 
 @pytest.mark.parametrize("family", families("plan"))
 def test_plan_prints_a_table(family: str, capsys: pytest.CaptureFixture) -> None:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import plan
 
     rows = plan.run(compose("plan", [f"model={family}", "gpu_memory_gb=24"]))

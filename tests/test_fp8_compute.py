@@ -14,9 +14,9 @@ import torch
 from helpers import CachedData
 from stage_edges import parts_of
 
+from qie.checks import compose
 from qie.components.fp8_compute import fp8_compute_wanted
 from qie.components.quantize import is_quantized, quantize_weights
-from qie.config import compose
 from qie.errors import ConfigError
 from qie.stages import train as train_stage
 

@@ -20,8 +20,9 @@ from qie.adapters.fused_base import FusedBase
 from qie.adapters.lora import LORA_FILE
 from qie.adapters.lora_files import BASE_KEY, write_exports
 from qie.cache.keys import FileHasher
+from qie.checks import compose
 from qie.components import prepare_model
-from qie.config import compose, typed
+from qie.config import typed
 from qie.errors import ConfigError, ModelLoadError
 from qie.stages import train
 from qie.stages.settings import fused_base
@@ -66,7 +67,7 @@ def _infer(*overrides: str):
 def _transformer(*overrides: str) -> dict[str, torch.Tensor]:
     """The tiny transformer's weights as the stages build it, with `overrides`."""
     cfg = _infer(*overrides)
-    spec = prepare_model(cfg.model)
+    spec = prepare_model(typed(cfg.model))
     parts = parts_of(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
     return parts.transformer.state_dict()
 
@@ -109,7 +110,7 @@ def test_two_fused_loras_add_up_and_a_quantized_base_is_fused_first(loras: dict[
     torch.testing.assert_close(both[key] - plain[key], (first[key] - plain[key]) + (second[key] - plain[key]))
     # int8: quantized after fusing, so its weights are near the fused ones, not the plain ones
     cfg = _infer(f"model.fuse_loras=[{loras['first']}]", "model.fuse_lora_scales=[0.5]", "model.quantize=int8")
-    spec = prepare_model(cfg.model)
+    spec = prepare_model(typed(cfg.model))
     quantized = parts_of(cfg.model, ["transformer"], spec=spec, fuse=fused_base(typed(cfg.model), spec).fuse_into)
     weight = quantized.transformer.get_submodule("transformer_blocks.0.attn.to_q").weight.dequantize()
     error, change = (weight - first[key]).abs().max(), (first[key] - plain[key]).abs().max()

@@ -14,6 +14,7 @@ from stage_edges import parts_of
 from test_step import fixed_batch
 
 from qie.adapters.lora import add_lora
+from qie.config import typed
 from qie.data.images import open_image as rows_module_open
 from qie.data.images import rgb
 from qie.data.scan import scan_dataset
@@ -58,7 +59,7 @@ def rows(sample_id: str, size: tuple[int, int], needs=()) -> Row:
 @pytest.fixture(scope="module")
 def tiny(small_cfg):
     cfg = small_cfg("train")
-    spec = model_spec(cfg.model)
+    spec = model_spec(typed(cfg.model))
     return cfg, spec, parts_of(cfg.model, ["transformer", "scheduler", "vae"], spec=spec)
 
 
@@ -290,7 +291,7 @@ def test_a_judge_is_built_from_the_runs_model_alone_and_inside_a_weighted_reward
     ],
 )
 def test_what_grpo_refuses_in_one_line(small_cfg, lora, regularization, options, message) -> None:
-    family = model_spec(small_cfg("train").model).family
+    family = model_spec(typed(small_cfg("train").model)).family
     with pytest.raises(ConfigError, match=message) as info:
         check_use(
             {"_target_": "qie.training.objectives.grpo.Grpo", **options}, ObjectiveUse(family, lora, regularization)

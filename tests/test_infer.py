@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from stage_edges import predictor_for
 
 from qie.adapters.lora import LORA_FILE, load_lora, merge_lora
+from qie.config import typed
 from qie.errors import ConfigError, DataError, ModelLoadError
 from qie.stages import infer
 from qie.stages.infer import Predictor
@@ -231,7 +232,7 @@ def test_infer_api_and_validation_give_the_same_image(images: dict[str, Path], t
     assert sampling_options(cfg.predict, negative_prompt=v.negative_prompt, true_cfg_scale=v.true_cfg_scale,
                             num_inference_steps=v.num_inference_steps, seed=v.seed) == options  # fmt: skip
     assert options.guidance and options == sampling_options(run.predict)
-    spec = model_spec(cfg.model)
+    spec = model_spec(typed(cfg.model))
     samples = validation_samples(v, [], 0)
     inputs, negatives = validation_inputs(source_for(cfg), samples, options.negative_prompt)
     parts = parts_of(cfg.model, ["transformer", "scheduler", "vae"])

@@ -109,7 +109,7 @@ def test_edit_region_loss_trains_and_caches_its_masks(data_copy: CachedData, tmp
 
 
 def test_edit_masks_need_control_images(cached_data: CachedData) -> None:
-    """Refused when the config is composed (`qie.config.validate`), before the stage reads anything."""
+    """Refused when the config is composed (`qie.checks.validate`), before the stage reads anything."""
     with pytest.raises(ConfigError, match="train.mask.source=edit compares each target with its control"):
         small_config("train", *cached_data.overrides, "model=tiny_t2i", "train.mask.source=edit")
     with pytest.raises(ConfigError, match="outside_weight=2.0 is out of range"):

@@ -13,7 +13,7 @@ import torch
 from helpers import CachedData
 from stage_edges import hasher_for, key_context_for, source_for
 
-from qie.config import compose
+from qie.checks import compose
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ConfigError
@@ -122,7 +122,7 @@ def test_a_block_the_schedule_did_not_bring_in_cannot_be_used(tiny_path: Path) -
     ],
 )
 def test_combinations_that_cannot_work_are_refused(overrides: list[str], message: str) -> None:
-    """Refused when the config is composed (`qie.config.validate`), before the stage builds anything."""
+    """Refused when the config is composed (`qie.checks.validate`), before the stage builds anything."""
     with pytest.raises(ConfigError, match=message):
         compose("train", overrides)
 

@@ -12,8 +12,9 @@ from helpers import count_constructions
 from stage_edges import predictor_for
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+from qie.checks import compose
 from qie.components import check, fingerprint, prepare_model
-from qie.config import compose
+from qie.config import typed
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.stages import train as train_stage
@@ -52,7 +53,7 @@ def test_edit_config_with_a_text_to_image_checkpoint(tiny_t2i_path: Path, tmp_pa
     assert constructions == Counter()  # failed before any part was built
     # A real-model config gets the real models' names; the train stage stops as early.
     with pytest.raises(ConfigError, match="model=qwen_image_edit_plus does not match"):
-        prepare_model(_infer("qwen_image_edit_plus", tiny_t2i_path).model)
+        prepare_model(typed(_infer("qwen_image_edit_plus", tiny_t2i_path).model))
     model = ["model=tiny", "model.tiny=null", f"model.pretrained_model_name_or_path={tiny_t2i_path}"]
     cfg = compose("train", [*model, f"data.path={_edit_folder(tmp_path / 'data')}", f"cache.dir={tmp_path / 'c'}"])
     with pytest.raises(ConfigError, match="QwenImagePipeline"):
@@ -77,8 +78,8 @@ def test_the_reverse_pairing_and_a_fitting_pair(tiny_plus_path: Path, tiny_2511_
     with pytest.raises(
         ConfigError, match="(?s)zero_cond_t=False.*expects True.*use model=qwen_image_edit_plus or model=tiny_plus"
     ):
-        prepare_model(_infer("tiny_edit_2511", tiny_plus_path).model)
-    assert prepare_model(_infer("qwen_image_edit_2511", tiny_2511_path).model).name == "qwen_image_edit_2511"
+        prepare_model(typed(_infer("tiny_edit_2511", tiny_plus_path).model))
+    assert prepare_model(typed(_infer("qwen_image_edit_2511", tiny_2511_path).model)).name == "qwen_image_edit_2511"
 
 
 def test_a_hub_id_is_checked_from_its_json_files_alone(monkeypatch: pytest.MonkeyPatch, tiny_t2i_path: Path) -> None:
@@ -94,7 +95,7 @@ def test_a_hub_id_is_checked_from_its_json_files_alone(monkeypatch: pytest.Monke
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     check._hub_text.cache_clear()  # hub files are read once per process
     with pytest.raises(ConfigError, match="Qwen/Qwen-Image-Edit-2511.*QwenImagePipeline"):
-        prepare_model(compose("infer", ["model=qwen_image_edit_2511"]).model)
+        prepare_model(typed(compose("infer", ["model=qwen_image_edit_2511"]).model))
     assert asked and all(p.endswith(".json") for patterns in asked for p in patterns)
     check._hub_text.cache_clear()
 
@@ -110,7 +111,7 @@ def test_an_unreachable_hub_is_not_reported_as_a_mismatch(monkeypatch: pytest.Mo
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     check._hub_text.cache_clear()
     fingerprint._hub_snapshot.cache_clear()  # an earlier test's "hub" snapshot
-    model = compose("infer", ["model=qwen_image_edit_2511"]).model
+    model = typed(compose("infer", ["model=qwen_image_edit_2511"]).model)
     found = check.read_facts("Qwen/Qwen-Image-Edit-2511")
     assert found.pipeline_class is None and found.zero_cond_t is None
     assert model_spec(model).mismatches(found) == []
@@ -121,7 +122,7 @@ def test_an_unreachable_hub_is_not_reported_as_a_mismatch(monkeypatch: pytest.Mo
 
 def test_model_descriptions_come_from_the_yaml() -> None:
     names = ("qwen_image_edit", "qwen_image_edit_plus", "qwen_image_edit_2511", "qwen_image", "qwen_image_2512")
-    specs = {name: model_spec(compose("infer", [f"model={name}"]).model) for name in names}
+    specs = {name: model_spec(typed(compose("infer", [f"model={name}"]).model)) for name in names}
     assert specs["qwen_image_edit_2511"].pipeline_class == "QwenImageEditPlusPipeline"
     assert specs["qwen_image_edit_2511"].zero_cond_t and not specs["qwen_image_edit_plus"].zero_cond_t
     assert specs["qwen_image"].pipeline_class == specs["qwen_image_2512"].pipeline_class == "QwenImagePipeline"
@@ -156,7 +157,7 @@ def test_validation_inputs_follow_the_models_control_counts() -> None:
         ("validation_0", (), "a cat"),
         ("validation_1", (), "a dog"),
     ]
-    # Refused when the config is composed (`qie.config.validate`).
+    # Refused when the config is composed (`qie.checks.validate`).
     with pytest.raises(ConfigError, match=r"validation.prompts\[0\].*needs at least 1"):
         compose("train", ["model=tiny", "validation.prompts=[a cat]"])
     with pytest.raises(ConfigError, match="takes none"):
@@ -166,7 +167,7 @@ def test_validation_inputs_follow_the_models_control_counts() -> None:
 def test_channel_counts_are_checked() -> None:
     from qie.models import CheckpointFacts
 
-    spec = model_spec(compose("infer", ["model=qwen_image_edit_2511"]).model)
+    spec = model_spec(typed(compose("infer", ["model=qwen_image_edit_2511"]).model))
     real = CheckpointFacts("QwenImageEditPlusPipeline", True, patch_size=2, in_channels=64, out_channels=16,
                            latent_channels=16)  # fmt: skip
     assert spec.mismatches(real) == []

@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_step import Recorder, fixed_batch
 
-from qie.config import compose
+from qie.checks import compose
+from qie.config import typed
 from qie.errors import ConfigError
 from qie.models import model_spec
 from qie.models.qwen_image import FAMILY
@@ -21,8 +22,8 @@ def test_an_objective_is_a_component_chosen_by_its_group_and_odd_ones_are_refuse
     assert compose("train", []).train.objective == {"_target_": DEFAULT_TARGET}
     assert compose("train", ["train/objective=dpo"]).train.objective._target_ == "qie.training.objectives.dpo.Dpo"
     cases = [
-        (["train.objective=dpo"], "train.objective='dpo' is not an objective node: choose a preset with "
-         "train/objective=NAME"),
+        (["train.objective=dpo"], "train.objective=dpo is an old spelling: the preset is chosen as "
+         "train/objective=dpo"),
         (["train.objective._target_=qie.training.objectives.nothing.Nothing"],
          "train.objective._target_='qie.training.objectives.nothing.Nothing' cannot be imported"),
         (
@@ -39,7 +40,7 @@ def test_an_objective_is_a_component_chosen_by_its_group_and_odd_ones_are_refuse
 
 
 def test_flow_matching_draws_noise_then_sigmas_from_the_batch_generator_and_weighs_regularisation() -> None:
-    family = model_spec(compose("train", []).model).family
+    family = model_spec(typed(compose("train", []).model)).family
     sigmas = SigmaSampling(method="uniform")
     context = RunContext(family=family, sigmas=sigmas, loss_weighting="sigma_sqrt")
     objective = build_objective({"_target_": DEFAULT_TARGET}, context)

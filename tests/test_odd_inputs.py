@@ -22,7 +22,7 @@ from PIL import Image
 from stage_edges import data_for, predictor_for, source_for
 
 from qie.cache.ssd import SsdBackend
-from qie.config import compose
+from qie.checks import compose
 from qie.data.buckets import ImageSizeIndex
 from qie.data.images import open_image
 from qie.data.samples import MAX_PROMPT_CHARS

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from qie.config import compose
+from qie.checks import compose
 from qie.config.model import ModelConfig
 from qie.models import families
 from qie.stages import plan

@@ -22,14 +22,15 @@ from stage_edges import encoder_for, hasher_for, key_context_for, sizes_for
 from qie.cache.admin import run_admin
 from qie.cache.entries import STORED_TYPES, read_logical
 from qie.cache.ssd import SsdBackend, temp_name
-from qie.components.processor import load_processor
+from qie.checks import compose
 from qie.components.tiny import build_tiny_model
-from qie.config import compose, typed
+from qie.config import typed
 from qie.config.backend import build_backend
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.embedding.encode import prepare_sample
 from qie.errors import DataError
+from qie.models.processor import load_processor
 from qie.stages import precompute
 from qie.stages.precompute_work import OPTIONAL_TYPES
 

@@ -16,8 +16,9 @@ import safetensors.torch
 
 from qie.cache.failures import read_failures
 from qie.cache.ssd import SsdBackend
+from qie.checks import compose
 from qie.components import fingerprint
-from qie.config import compose, typed
+from qie.config import typed
 from qie.demo.synthetic import make_dataset
 from qie.errors import StorageError
 from qie.stages import precompute, precompute_work
@@ -118,7 +119,7 @@ def test_claims_held_by_another_run_are_waited_for_not_encoded(tiny_path: Path, 
 
     from qie.components import prepare_model
 
-    spec = prepare_model(cfg.model)
+    spec = prepare_model(typed(cfg.model))
     keyed = [(s, precompute_work.keys_of(s, key_context_for(cfg, spec), hasher_for(cfg), spec))
              for s in data_for(cfg).samples]  # fmt: skip
     groups = precompute_work.plan(keyed, backend, summary)

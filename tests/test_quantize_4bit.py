@@ -52,7 +52,7 @@ def test_int4_trains_resumes_exactly_and_infers(cached_data: CachedData, tmp_pat
 
 
 def test_nf4_is_refused_without_a_gpu_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qie.config.weights import nf4_problem
+    from qie.checks.weights import nf4_problem
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError) as err:

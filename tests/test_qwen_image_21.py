@@ -11,10 +11,11 @@ import torch
 from diffusers import QwenImage21Pipeline
 from PIL import Image
 
-from qie.components.processor import Qwen3VLProcessorNoVideo, load_processor
+from qie.config import typed
 from qie.data.images import condition_images, fit_area
 from qie.models import qwen_image_21 as q21
 from qie.models import qwen_image_21_pipeline
+from qie.models.processor import Qwen3VLProcessorNoVideo, load_processor
 from qie.types import Batch
 
 RES = 64  # the pipeline's output_resolution: condition area and text-to-image size
@@ -126,8 +127,8 @@ def test_training_step_predicts_what_the_sampling_loop_predicts(pipe: QwenImage2
 
 
 def test_tiny_cli_is_deterministic_and_the_check_tells_the_families_apart(tiny21_path: Path, tmp_path: Path) -> None:
+    from qie.checks import compose
     from qie.components.check import read_facts
-    from qie.config import compose
     from qie.models import model_spec
     from qie.tiny import main
 
@@ -136,8 +137,8 @@ def test_tiny_cli_is_deterministic_and_the_check_tells_the_families_apart(tiny21
         for file in (tiny21_path / part).glob("*.safetensors"):
             assert file.read_bytes() == (tmp_path / "a" / part / file.name).read_bytes()
     facts = read_facts(str(tiny21_path))
-    assert model_spec(compose("infer", ["model=tiny_qwen_image_21"]).model).mismatches(facts) == []
-    problems = model_spec(compose("infer", ["model=tiny_plus"]).model).mismatches(facts)
+    assert model_spec(typed(compose("infer", ["model=tiny_qwen_image_21"]).model)).mismatches(facts) == []
+    problems = model_spec(typed(compose("infer", ["model=tiny_plus"]).model)).mismatches(facts)
     # Another pipeline is named as such, alone: its transformer's details would only confuse.
     assert len(problems) == 1 and "the checkpoint is a QwenImage21Pipeline" in problems[0]
 
@@ -146,7 +147,7 @@ def test_every_model_yaml_samples_with_its_pipelines_defaults() -> None:
     """The `predict` group defaults to the model's CFG scale and step count: each yaml's are its pipeline's."""
     import inspect
 
-    from qie.config import compose
+    from qie.checks import compose
     from qie.config.tree import conf_dir
     from qie.models import model_spec
 
@@ -154,6 +155,6 @@ def test_every_model_yaml_samples_with_its_pipelines_defaults() -> None:
     assert "qwen_image_21" in names
     for name in names:
         cfg = compose("infer", [f"model={name}"])
-        params = inspect.signature(model_spec(cfg.model).pipeline_cls().__call__).parameters
+        params = inspect.signature(model_spec(typed(cfg.model)).pipeline_cls().__call__).parameters
         assert cfg.predict.true_cfg_scale == params["true_cfg_scale"].default, name
         assert cfg.predict.num_inference_steps == params["num_inference_steps"].default, name

@@ -17,13 +17,14 @@ from stage_edges import hasher_for, key_context_for, parts_of, predictor_for, si
 
 from qie.cache.entries import STORED_TYPES
 from qie.cache.ssd import SsdBackend
-from qie.components.processor import Qwen3VLProcessorNoVideo, load_processor
-from qie.config import compose
+from qie.checks import compose
+from qie.config import typed
 from qie.data.collate import collate
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.embedding.encode import prepare_sample
 from qie.models import model_spec
+from qie.models.processor import Qwen3VLProcessorNoVideo, load_processor
 from qie.stages import infer as infer_stage
 from qie.stages import precompute
 from qie.stages import train as train_stage
@@ -211,7 +212,7 @@ def test_validation_samples_the_cached_inputs_as_the_pipeline_does(data: dict, p
     inputs, negatives = validation_inputs(source_for(cfg, mode="cached"), chosen, "")
     parts = parts_of(cfg.model, ["vae", "transformer", "scheduler"])
     options = sampling_options(cfg.predict)
-    validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, model_spec(cfg.model),
+    validator = Validator(inputs, negatives, parts.scheduler, parts.vae, None, options, model_spec(typed(cfg.model)),
                           pipeline_config=parts.pipeline_config)  # fmt: skip
     (image,) = validator.images(parts.transformer)
     refs = [Image.open(p) for p in sample.controls]

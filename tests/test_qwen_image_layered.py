@@ -31,7 +31,7 @@ def test_infer_writes_the_pipelines_layers(tiny_layered_path: Path, tmp_path: Pa
     non-square input keeps its aspect (the pipeline's 640-bucket size, 704x576)."""
     from stage_edges import predictor_for
 
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import infer
 
     image = tmp_path / "in.png"
@@ -100,7 +100,7 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     from stage_edges import predictor_for
 
     from qie.adapters.lora import add_lora, save_lora
-    from qie.config import compose
+    from qie.checks import compose
     from qie.config.model import ModelConfig
 
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     ],
 )
 def test_config_outside_the_pipelines_rules_is_refused(override: str, message: str) -> None:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
@@ -151,8 +151,8 @@ def test_config_outside_the_pipelines_rules_is_refused(override: str, message: s
 
 
 def test_layers_on_a_model_without_layers_is_refused() -> None:
-    """Refused when the config is composed (`qie.config.validate`), before the stage builds anything."""
-    from qie.config import compose
+    """Refused when the config is composed (`qie.checks.validate`), before the stage builds anything."""
+    from qie.checks import compose
     from qie.errors import ConfigError
 
     with pytest.raises(ConfigError, match="makes one image, not layers"):

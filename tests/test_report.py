@@ -12,6 +12,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 from helpers import CachedData, small_config
@@ -30,7 +33,7 @@ SECTIONS = (
     "config",
     "environment",
 )
-IMAGE = re.compile(r'<img src="data:image/(png|jpeg);base64,([A-Za-z0-9+/=]+)" alt="([^"]*)"')
+IMAGE = re.compile(r'<img src="data:image/(png|jpeg|svg\+xml);base64,([A-Za-z0-9+/=]+)" alt="([^"]*)"')
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +60,17 @@ def reported_run(cached_data: CachedData, tmp_path_factory: pytest.TempPathFacto
     return {"dir": run_dir, "cfg": cfg, "result": result, "mid": seen["after_checkpoint"]}
 
 
-def images(text: str) -> list[tuple[str, Image.Image]]:
-    """(alt text, decoded picture) of each inline <img> of a page."""
-    return [(alt, Image.open(io.BytesIO(base64.b64decode(data)))) for _, data, alt in IMAGE.findall(text)]
+def images(text: str) -> list[tuple[str, Any]]:
+    """(alt text, decoded picture) of each inline <img> of a page: a PIL image, or a chart's parsed SVG (its
+    `.size` read from its root's width and height)."""
+    return [(alt, _decoded(kind, base64.b64decode(data))) for kind, data, alt in IMAGE.findall(text)]
+
+
+def _decoded(kind: str, data: bytes) -> Any:
+    if kind != "svg+xml":
+        return Image.open(io.BytesIO(data))
+    root = ElementTree.fromstring(data)  # well-formed, or this raises
+    return SimpleNamespace(size=(int(root.attrib["width"]), int(root.attrib["height"])), svg=root)
 
 
 def test_the_report_holds_its_sections_and_inline_pictures(reported_run: dict) -> None:
@@ -90,7 +101,7 @@ def test_the_report_is_rewritten_at_each_checkpoint(reported_run: dict) -> None:
 
 
 def test_the_command_and_config_of_the_report_compose_the_run_again(reported_run: dict) -> None:
-    from qie.config import compose
+    from qie.checks import compose
 
     info = json.loads((reported_run["dir"] / "run_info.json").read_text())
     command = shlex.split(info["command"])
@@ -196,8 +207,6 @@ def test_chromium_renders_the_reports_with_every_picture(reported_run: dict, tmp
 
 
 def test_a_report_that_cannot_be_written_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from types import SimpleNamespace
-
     from qie.stages.train_report import refresh_report
 
     (tmp_path / "report.html").mkdir()  # where the page would go: a folder, not a file
@@ -218,17 +227,29 @@ def test_long_curves_are_thinned_to_what_a_chart_shows() -> None:
 
 
 @pytest.mark.subprocess
-def test_the_train_stage_starts_without_matplotlib() -> None:
-    code = "import sys, qie.stages.train; print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"
+def test_a_report_is_written_without_a_plotting_library(reported_run: dict) -> None:
+    """The train stage rewrites the report at each checkpoint and at the end, in the training process: its charts
+    are written as SVG text, so no plotting library adds its memory and import time to the run's end."""
+    code = (
+        "import sys; from pathlib import Path; import qie.stages.train; "
+        "from qie.reporting.run_report import write_report; "
+        f"write_report(Path({str(reported_run['dir'])!r})); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'plotly', 'seaborn'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+    charts = [image for alt, image in images((reported_run["dir"] / "report.html").read_text()) if alt == "loss"]
+    assert len(charts) == 1 and charts[0].size == (640, 300)
+    lines = charts[0].svg.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 1 and len(lines[0].attrib["points"].split()) == 4  # the 4 steps' losses
 
 
 def test_the_rebuilt_command_composes_the_same_config() -> None:
     """Outside the Hydra CLI the overrides are rebuilt from the config: odd values quoted, another stage's own
     section (the demo's, in the config its training runs with) left out."""
-    from qie.config import compose, for_stage
-    from qie.config.command import rebuilt_overrides
+    from qie.checks import compose
+    from qie.checks.command import rebuilt_overrides
+    from qie.config import for_stage
 
     odd = [
         "model=tiny_plus",
@@ -237,13 +258,13 @@ def test_the_rebuilt_command_composes_the_same_config() -> None:
         "validation.step_counts=[2,4]",
     ]
     cfg = compose("train", odd + ["logging.report_to=none"])
-    overrides = rebuilt_overrides(cfg, "train")
+    overrides = rebuilt_overrides(OmegaConf.to_container(cfg, resolve=True), "train")
     assert overrides[0] == "model=tiny_plus" and "train.learning_rate=0.0003" in overrides
     assert OmegaConf.to_container(compose("train", overrides), resolve=True) == OmegaConf.to_container(
         cfg, resolve=True
     )
     demo = compose("demo", ["demo.train_samples=3", "train.max_steps=7"])
-    overrides = rebuilt_overrides(demo, "train")
+    overrides = rebuilt_overrides(OmegaConf.to_container(demo, resolve=True), "train")
     assert not [o for o in overrides if "demo." in o] and "train.max_steps=7" in overrides
     again = OmegaConf.to_container(compose("train", overrides), resolve=True)
     assert again == OmegaConf.to_container(for_stage(demo, "train"), resolve=True)

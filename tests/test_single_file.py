@@ -11,6 +11,7 @@ import torch
 from helpers import CachedData, small_config
 from safetensors.torch import load_file, save_file
 
+from qie.config import typed
 from qie.errors import ConfigError, ModelLoadError
 
 FAMILY_MODELS = {"qwen_image": ("tiny", "tiny_path"), "qwen_image_21": ("tiny_qwen_image_21", "tiny21_path")}
@@ -86,13 +87,13 @@ def test_a_single_file_in_every_layout_loads_like_the_folder(
     model, fixture = FAMILY_MODELS[family]
     request.getfixturevalue(fixture)
     cfg = small_config("train", f"model={model}")
-    spec = prepare_model(cfg.model)
+    spec = prepare_model(typed(cfg.model))
     folder = parts_of(cfg.model, ["transformer"], spec=spec).transformer
     want = step_loss(spec, folder)
     for layout in LAYOUTS:
         path = write_layout(folder.state_dict(), layout, tmp_path / f"{layout}.safetensors")
         cfg = small_config("train", f"model={model}", f"model.transformer_path={path}")
-        prepare_model(cfg.model)  # the start-up check recognises the family from the file's keys
+        prepare_model(typed(cfg.model))  # the start-up check recognises the family from the file's keys
         loaded = parts_of(cfg.model, ["transformer"], spec=spec).transformer
         config = {k: v for k, v in folder.config.items() if k != "_name_or_path"}
         assert type(loaded) is type(folder) and {k: loaded.config[k] for k in config} == config
@@ -123,14 +124,14 @@ def test_a_file_of_another_family_is_refused_naming_the_right_model(
         tmp_path / "q21.safetensors",
     )
     with pytest.raises(ConfigError, match=r"qwen_image_21 transformer.*use model=qwen_image_21, model=tiny_qwen"):
-        prepare_model(small_config("train", f"model.transformer_path={f21}").model)
+        prepare_model(typed(small_config("train", f"model.transformer_path={f21}").model))
     edit = write_layout(
         QwenImageTransformer2DModel.from_pretrained(tiny_path / "transformer").state_dict(),
         "comfyui_fp8_scaled",
         tmp_path / "edit.safetensors",
     )
     with pytest.raises(ConfigError, match=r"qwen_image transformer.*use model=qwen_image, model=qwen_image_2512, "):
-        prepare_model(small_config("train", "model=tiny_qwen_image_21", f"model.transformer_path={edit}").model)
+        prepare_model(typed(small_config("train", "model=tiny_qwen_image_21", f"model.transformer_path={edit}").model))
 
 
 def test_a_file_that_is_not_a_whole_transformer_is_one_line(tiny_path: Path, tmp_path: Path) -> None:
@@ -143,12 +144,12 @@ def test_a_file_that_is_not_a_whole_transformer_is_one_line(tiny_path: Path, tmp
     part = {k: v for k, v in state.items() if "transformer_blocks.1." not in k}
     path = write_layout(part, "diffusers", tmp_path / "part.safetensors")
     cfg = small_config("train", f"model.transformer_path={path}")
-    prepare_model(cfg.model)
+    prepare_model(typed(cfg.model))
     with pytest.raises(ModelLoadError, match=r"lacks \d+ weight\(s\).*transformer_blocks\.1\."):
         parts_of(cfg.model, ["transformer"])
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="is not a safetensors file"):
-        prepare_model(small_config("train", f"model.transformer_path={tmp_path / 'junk.safetensors'}").model)
+        prepare_model(typed(small_config("train", f"model.transformer_path={tmp_path / 'junk.safetensors'}").model))
 
 
 @pytest.mark.parametrize(
@@ -185,7 +186,7 @@ def test_fp8_files_can_keep_their_fp8_bytes_and_scales(
     model, fixture = FAMILY_MODELS[family]
     request.getfixturevalue(fixture)
     cfg = small_config("train", f"model={model}")
-    spec = prepare_model(cfg.model)
+    spec = prepare_model(typed(cfg.model))
     state = parts_of(cfg.model, ["transformer"], spec=spec).transformer.state_dict()
     for layout in ("comfyui_fp8", "comfyui_fp8_scaled", "comfyui_fp8_scaled_rows"):
         path = write_layout(state, layout, tmp_path / f"{layout}.safetensors")

@@ -16,8 +16,9 @@ from PIL import Image
 from stage_edges import encoder_for, hasher_for, key_context_for, predictor_for, source_for
 from transformers import Qwen2Tokenizer
 
+from qie.checks import compose
 from qie.components.tiny import system_prefix
-from qie.config import compose
+from qie.config import typed
 from qie.data.keys import sample_keys
 from qie.data.scan import scan_dataset
 from qie.errors import ConfigError
@@ -80,7 +81,7 @@ def test_the_tiny_model_is_a_text_to_image_pipeline(tiny_t2i_path: Path) -> None
     prefix, drop_idx = system_prefix(QwenImagePipeline)
     assert drop_idx == 34 and len(tokenizer(prefix)["input_ids"]) == 34
     pipe = _pipeline(tiny_t2i_path)
-    spec = model_spec(compose("infer", ["model=tiny_t2i"]).model)
+    spec = model_spec(typed(compose("infer", ["model=tiny_t2i"]).model))
     assert (
         spec.family.default_size(spec, pipe.vae_scale_factor) == (pipe.default_sample_size * pipe.vae_scale_factor,) * 2
     )

@@ -13,7 +13,7 @@ STEPS = ["train.learning_rate=1e-3", "data.batch_size=2", "logging.report_to=non
 
 
 def train(base: list[str], run_dir: Path, *overrides: str) -> dict:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train as train_stage
 
     return train_stage.run(compose("train", [*base, *STEPS, *overrides]), run_dir)
@@ -37,7 +37,7 @@ def test_a_spent_budget_stops_after_the_step_saves_and_a_resume_goes_on(
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan"])
 def test_a_budget_that_is_no_time_is_refused_when_composed(value: str) -> None:
-    from qie.config import compose
+    from qie.checks import compose
 
     with pytest.raises(ConfigError, match=rf"train.max_minutes={value}.* is out of range"):
         compose("train", [f"train.max_minutes={value}"])

@@ -15,7 +15,6 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import Qwen2Tokenizer
 
-from qie.components.processor import QwenImageProcessorNoVideo, load_processor
 from qie.components.tiny import build_tiny_model, default_tiny_path, ensure_tiny_model, system_prefix
 from qie.components.tiny_presets import (
     DEMO_LAYERED_VAE_CONFIG,
@@ -27,6 +26,7 @@ from qie.components.tiny_presets import (
 )
 from qie.errors import ModelLoadError
 from qie.models import qwen_image
+from qie.models.processor import QwenImageProcessorNoVideo, load_processor
 
 WEIGHT_FILES = (
     "transformer/diffusion_pytorch_model.safetensors",

@@ -19,7 +19,7 @@ import pytest
 from helpers import CachedData
 from test_cache_remote import remote, s3, url  # noqa: F401 - fixtures, used as arguments
 
-from qie.config import compose
+from qie.checks import compose
 from qie.stages import train as train_stage
 
 pytestmark = pytest.mark.subprocess

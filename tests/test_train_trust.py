@@ -19,7 +19,7 @@ from stage_edges import source_for
 from qie.cache.entries import write_entries
 from qie.cache.failures import update_failures
 from qie.cache.ssd import SsdBackend
-from qie.config import compose
+from qie.checks import compose
 from qie.data.scan import scan_dataset
 from qie.errors import CacheMissError, ModelLoadError, StorageError
 from qie.runtime.guards import NonFiniteLoss

@@ -18,7 +18,7 @@ import torch
 from helpers import cached_set, held_run_lock
 from safetensors import SafetensorError
 
-from qie.config import compose
+from qie.checks import compose
 from qie.errors import ConfigError, ModelLoadError, StorageError
 from qie.runtime.guards import NonFiniteLoss
 from qie.stages import train as train_stage

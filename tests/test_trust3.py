@@ -16,7 +16,7 @@ import torch
 from helpers import CachedData, cached_set, held_run_lock, small_config, write_noise_image
 
 from qie.cache.ssd import SsdBackend
-from qie.config import compose
+from qie.checks import compose
 from qie.models import text_positions
 from qie.models.text_positions import PromptTooLong
 from qie.stages import precompute
@@ -361,9 +361,9 @@ def test_odd_values_and_files_end_in_one_line_not_a_traceback(tiny_path: Path, t
     import json
 
     from qie import run_lock
+    from qie.checks import validate
     from qie.components.check import read_facts
     from qie.components.tiny import _check_existing
-    from qie.config import validate
     from qie.errors import ConfigError, ModelLoadError, StorageError
 
     for lr, shown in (("1e39", "1e+39"), ("nan", "nan"), ("-1e-4", "-0.0001")):

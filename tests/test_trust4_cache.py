@@ -23,7 +23,7 @@ from qie.cache.codec import encode
 from qie.cache.keys import entry_key
 from qie.cache.remote import RemoteBackend
 from qie.cache.ssd import SsdBackend
-from qie.config import compose
+from qie.checks import compose
 from qie.errors import CacheMissError, ConfigError, StorageError
 from qie.stages.cache_admin import run as cache_cli
 

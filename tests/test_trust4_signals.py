@@ -233,7 +233,7 @@ REFUSED = [
 
 @pytest.mark.parametrize(("stage", "overrides", "message"), REFUSED)
 def test_an_odd_value_is_refused_at_compose_time_naming_its_key(stage: str, overrides: list, message: str) -> None:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.errors import ConfigError
 
     with pytest.raises(ConfigError) as refused:
@@ -243,7 +243,7 @@ def test_an_odd_value_is_refused_at_compose_time_naming_its_key(stage: str, over
 
 @pytest.mark.parametrize("scale", ["nan", "1e30", "-inf", "100.5"])
 def test_a_fused_lora_scale_out_of_range_is_refused_at_compose_time(scale: str, tmp_path: Path) -> None:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.errors import ConfigError
 
     lora = tmp_path / "lora.safetensors"
@@ -258,7 +258,7 @@ def test_a_fused_lora_scale_out_of_range_is_refused_at_compose_time(scale: str, 
 
 
 def test_the_edges_of_the_ranges_are_taken(tmp_path: Path) -> None:
-    from qie.config import compose
+    from qie.checks import compose
 
     lora = tmp_path / "lora.safetensors"
     lora.write_bytes(b"")

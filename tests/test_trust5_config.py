@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qie.config import compose, updated
+from qie.checks import compose
+from qie.config import updated
 from qie.errors import ConfigError
 
 REFUSED = [

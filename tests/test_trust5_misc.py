@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from qie.config import compose
+from qie.checks import compose
 from qie.errors import ConfigError
 
 

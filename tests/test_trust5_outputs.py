@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qie.config import compose
+from qie.checks import compose
 from qie.errors import ConfigError
 
 

@@ -21,7 +21,7 @@ from qie.errors import StorageError
 
 
 def train(base: list[str], run_dir: Path, *overrides: str) -> dict:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train as train_stage
 
     return train_stage.run(compose("train", [*base, *STEPS, *overrides]), run_dir)

@@ -93,7 +93,7 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> str:
 
 
 def train(tiny_path: Path, cached_data, run: Path, *overrides: str) -> dict:
-    from qie.config import compose
+    from qie.checks import compose
     from qie.stages import train as train_stage
 
     base = [f"model.pretrained_model_name_or_path={tiny_path}", *cached_data.overrides]

@@ -17,6 +17,7 @@ from qie.components.registry import (
     resolve_dtype,
 )
 from qie.components.single_file import check_transformer_file, is_single_file
+from qie.config.model import ModelConfig
 from qie.models import ModelSpec, model_spec
 
 
@@ -38,35 +39,35 @@ class LoadSettings:
     check: bool = True  # check a transformer file against the model before loading it
 
     @classmethod
-    def of(cls, model: Any) -> LoadSettings:
-        """The settings of a `model` group (its schema's dataclass, or the config node)."""
+    def of(cls, model: ModelConfig) -> LoadSettings:
+        """The settings of a `model` group (its schema's dataclass)."""
         return cls(
-            str(model.pretrained_model_name_or_path),
+            model.pretrained_model_name_or_path,
             model.revision,
-            str(model.dtype),
-            str(model.quantize),
+            model.dtype,
+            model.quantize,
             model.transformer_path,
-            str(model.text_encoder_quantize),
-            str(model.single_file_fp8),
-            str(model.fp8_compute),
+            model.text_encoder_quantize,
+            model.single_file_fp8,
+            model.fp8_compute,
             model.tiny,
             bool(model.fuse_loras),
-            bool(model.check),
+            model.check,
         )
 
 
-def prepare_model(model_cfg: Any) -> ModelSpec:
+def prepare_model(model: ModelConfig) -> ModelSpec:
     """The model's description, once its checkpoint is there and checked: what a stage calls first, once.
 
     Builds qie's tiny model at `model.pretrained_model_name_or_path` when `model.tiny` names a preset and it is
     not there yet, then compares the checkpoint with the config (`check_checkpoint`, reading JSON files only).
 
     Raises:
-        ConfigError: the checkpoint is not the model `model_cfg` describes.
+        ConfigError: the checkpoint is not the model `model` describes.
     """
-    spec = model_spec(model_cfg)
-    load = LoadSettings.of(model_cfg)
-    check_checkpoint(spec, model_cfg, ensure_model(load))
+    spec = model_spec(model)
+    load = LoadSettings.of(model)
+    check_checkpoint(spec, model, ensure_model(load))
     if load.transformer_path and load.check and is_single_file(load.transformer_path):
         check_transformer_file(spec, load.transformer_path)
     return spec

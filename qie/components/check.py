@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from qie.components.fingerprint import config_file
+from qie.config.model import ModelConfig
 from qie.errors import ConfigError, ModelLoadError
 from qie.models import CheckpointFacts, ModelSpec, model_spec
 
@@ -38,7 +38,7 @@ def read_facts(source: str, revision: str | None = None) -> CheckpointFacts:
     )
 
 
-def check_checkpoint(spec: ModelSpec, model_cfg: Any, source: str) -> None:
+def check_checkpoint(spec: ModelSpec, model: ModelConfig, source: str) -> None:
     """Compare the checkpoint at `source` with the model `spec` describes (skipped when `model.check=false`):
     first whether it is that pipeline at all, then the transformer's facts, then the family's own rules on the
     checkpoint's files (`ModelFamily.checkpoint_problems`).
@@ -46,9 +46,9 @@ def check_checkpoint(spec: ModelSpec, model_cfg: Any, source: str) -> None:
     Raises:
         ConfigError: naming the config, what the checkpoint is, the `model=` that fits it, and the override.
     """
-    if not getattr(model_cfg, "check", True):
+    if not model.check:
         return
-    revision = getattr(model_cfg, "revision", None)
+    revision = model.revision
     found = read_facts(source, revision)
     problems = spec.mismatches(found)
     if not problems:
@@ -86,9 +86,9 @@ def fitting_models(found: CheckpointFacts) -> list[str]:
     fits = []
     for path in conf_dir().joinpath("model").iterdir():
         if path.name.endswith(".yaml"):
-            node = OmegaConf.create(path.read_text(encoding="utf-8"))
-            if not model_spec(node).mismatches(found):
-                fits.append((bool(node.get("tiny")), str(node.name)))
+            model = ModelConfig.of_values(OmegaConf.to_container(OmegaConf.create(path.read_text(encoding="utf-8"))))
+            if not model_spec(model).mismatches(found):
+                fits.append((bool(model.tiny), model.name))
     return [name for _, name in sorted(fits)]
 
 

@@ -112,7 +112,7 @@ def _load_plain(cls: type, source: str, subfolder: str | None, revision: str | N
 
 
 def _load_processor(cls: type, source: str, subfolder: str | None, revision: str | None, dtype: torch.dtype):
-    from qie.components.processor import load_processor
+    from qie.models.processor import load_processor
 
     return load_processor(source, subfolder=subfolder or "", revision=revision, processor_class=cls)
 

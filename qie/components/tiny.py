@@ -24,11 +24,11 @@ import diffusers
 import torch
 
 from qie.components.tiny_presets import load_shipped_vae
-from qie.components.tiny_tokenizer import system_prefix
 from qie.errors import ModelLoadError
 from qie.models import ModelFamily, pipeline_parts, tiny_presets
 from qie.models.family import import_named
 from qie.models.flavour import Flavour
+from qie.models.tiny_tokenizer import system_prefix
 
 TINY_VERSION = "v1"
 VISION_TOKENS = {

@@ -5,7 +5,8 @@ The node holds the stages' settings (the `CacheConfig` schema: `dir`, `mode`, `v
 other key is an argument of its constructor, instantiated as written (`cache=remote cache.backend.url=s3://...`;
 a backend from outside qie: `cache.backend._target_=pkg.Cls +cache.backend.param=value`). The stages give two of
 their settings to a constructor that names them (or takes `**kwargs`): `dir` (`cache.dir`, the cache's folder on
-this node) and `verify_reads`, and a stage may decide more (`build_backend`'s `overrides`).
+this node) and `verify_reads`, and a stage may decide more (`build_backend`'s `overrides`). Its keys are checked
+against the class's constructor when the config is (`qie.checks.backend`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import inspect
 from dataclasses import fields
 from typing import Any
 
-from omegaconf import DictConfig
-
 from qie.cache.base import CacheBackend
 from qie.config.cache import CacheConfig
 from qie.config.targets import target_class
@@ -23,7 +22,7 @@ from qie.errors import ConfigError, QieError
 
 # The stages' settings a backend's constructor is given when it names them (or takes any keyword).
 STAGE_KEYS = ("dir", "verify_reads")
-SCHEMA_KEYS = frozenset(f.name for f in fields(CacheConfig))
+SCHEMA_KEYS = frozenset(f.name for f in fields(CacheConfig))  # the stages' own settings
 
 
 def backend_class(target: str) -> type:
@@ -35,36 +34,11 @@ def backend_class(target: str) -> type:
     return target_class("cache.backend._target_", target, "a dotted path such as 'qie.cache.ssd.SsdBackend'")
 
 
-def _parameters(cls: type) -> tuple[set[str], bool]:
+def constructor_keywords(cls: type) -> tuple[set[str], bool]:
     """The keyword parameters of `cls`'s constructor, and whether it takes any keyword (`**kwargs`)."""
     params = inspect.signature(cls).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return named, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def backend_problem(node: DictConfig) -> str | None:
-    """Why `node.backend` (`cfg.cache.backend`) does not fit its class (one line), or None; builds nothing: a key
-    the stages give (`dir`, `verify_reads`), or a key its constructor does not take."""
-    target = node.backend.get("_target_")
-    named, any_keyword = _parameters(backend_class(target))
-    own = list(node.backend.keys())
-    for key in own:
-        if key in STAGE_KEYS:
-            return f"cache.backend.{key} is the stages' setting: set cache.{key} (a backend that takes it is given it)"
-    unknown = [k for k in own if k != "_target_" and k not in named and not any_keyword]
-    if not unknown:
-        return None
-    takes = ", ".join(sorted(named - set(STAGE_KEYS) - {"read_ahead"})) or "no settings"
-    return f"unknown key cache.backend.{unknown[0]}: {target} takes {takes}"
-
-
-def misplaced_problem(node: DictConfig) -> str | None:
-    """A key added to `cache` itself (`+cache.url=...`) that is a setting of its backend: where it belongs."""
-    named, _ = _parameters(backend_class(node.backend.get("_target_")))
-    for key in node.keys():
-        if key not in SCHEMA_KEYS and key in named:
-            return f"cache.{key} is a setting of the backend: write cache.backend.{key}=... (its settings are there)"
-    return None
 
 
 def backend_arguments(cache: CacheConfig, **overrides: Any) -> dict[str, Any]:
@@ -72,7 +46,7 @@ def backend_arguments(cache: CacheConfig, **overrides: Any) -> dict[str, Any]:
     `verify_reads` and `overrides` (stage decisions such as precompute's `verify_reads`) where it takes them."""
     backend = cache.backend
     target = backend.get("_target_")
-    named, any_keyword = _parameters(backend_class(target))
+    named, any_keyword = constructor_keywords(backend_class(target))
     given = {"dir": cache.dir, "verify_reads": cache.verify_reads, **overrides}
     args = {k: v for k, v in given.items() if k in named or any_keyword}
     args.update({k: v for k, v in backend.items() if k != "_target_"})
@@ -114,4 +88,11 @@ def default_backend(dir: str) -> CacheBackend:
     return build_backend(CacheConfig(dir=str(dir)))
 
 
-__all__ = ["backend_class", "backend_problem", "build_backend", "default_backend", "misplaced_problem"]
+__all__ = [
+    "SCHEMA_KEYS",
+    "STAGE_KEYS",
+    "backend_class",
+    "build_backend",
+    "constructor_keywords",
+    "default_backend",
+]

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from qie.config.ranges import at_least
+from qie.entry_types import CACHE_TYPES
 
 
 class SourceMode(StrEnum):
@@ -45,10 +46,8 @@ def _ssd() -> dict[str, Any]:
 
 
 def _all_types() -> list[str]:
-    """Every cache entry type, sample fields' included. `qie.types` imports torch: read when a cache node is built,
-    so that the schemas import without it."""
-    from qie.types import CACHE_TYPES
-
+    """Every cache entry type, sample fields' and stores' included (registered as they are declared): read when a
+    cache node is built."""
     return list(CACHE_TYPES)
 
 

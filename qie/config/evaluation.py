@@ -1,7 +1,7 @@
 """Schema of the eval stage (`python -m qie.eval`): its root and its own `eval` node.
 
 `eval.rewards` maps a metric's name to a component built by `hydra.utils.instantiate` (`_target_` and the class's
-own keys, checked against its constructor when the config is composed: `qie.config.rewards`); the names are the
+own keys, checked against its constructor when the config is composed: `qie.checks.rewards`); the names are the
 keys of eval.json's `metrics`.
 """
 
@@ -15,6 +15,10 @@ from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.ranges import at_least, out_of_range
 from qie.config.train import TrainConfig
+
+# The settings a reward's constructor gets from the stage, never from its config node (`model`: the run's
+# `ModelConfig`, what a judge builds its VL model from).
+REWARD_STAGE_KEYS = ("model",)
 
 
 @dataclass

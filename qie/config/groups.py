@@ -1,4 +1,4 @@
-"""A composed config read once into its groups' schema dataclasses: what the rules of `qie.config.validate` check.
+"""A composed config read once into its groups' schema dataclasses: what the rules of `qie.checks.validate` check.
 
 The stages' roots (`qie.config.ROOTS`) hold different groups: a train config has `train` and `validation`, an infer
 config neither, a caption config its `caption` group. `Groups` holds each group a rule reads, None where the stage

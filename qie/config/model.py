@@ -4,8 +4,12 @@ One yaml per model (`model=NAME`) fills it; `qie.models.model_spec` turns it int
 every stage reads (pipeline class, prompt template, control counts, output size, parts to build).
 """
 
-from dataclasses import dataclass, field
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -122,6 +126,14 @@ class ModelConfig:
     num_inference_steps: int = 50
     # Compare the checkpoint's model_index.json and transformer config with this description at start-up.
     check: bool = True
+
+    @classmethod
+    def of_values(cls, values: Mapping[str, Any]) -> ModelConfig:
+        """A model config from plain values read without Hydra (a model yaml's, a run's recorded config): its own
+        keys over the schema's defaults, each as written (interpolations unresolved); keys the schema lacks are left
+        out."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in values.items() if key in names})
 
     def problem(self) -> str | None:
         """The first of the image areas and control-image counts out of range, as one line."""

@@ -1,12 +1,17 @@
-"""The typed roots of the stages that read a whole training run's groups: train, precompute and the demo."""
+"""The typed roots of the stages: a composed config of a stage is its root's dataclass (`OmegaConf.to_object`), with
+its groups as their schemas' dataclasses."""
 
 from dataclasses import dataclass, field
 
-from qie.config.cache import CacheConfig, PrecomputeConfig
+from qie.config.cache import CacheAction, CacheConfig, GcConfig, PrecomputeConfig, SyncConfig, VerifyConfig
+from qie.config.caption import CaptionRoot
 from qie.config.data import DataConfig
+from qie.config.evaluation import EvalRoot
+from qie.config.export import ExportRoot, ExtractRoot
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
 from qie.config.ranges import at_least
+from qie.config.studio import StudioRoot
 from qie.config.train import LoggingConfig, RunConfig, TrainConfig, ValidationConfig
 
 
@@ -58,3 +63,49 @@ class DemoConfig:
 @dataclass
 class DemoRoot(TrainRoot):
     demo: DemoConfig = field(default_factory=DemoConfig)
+
+
+@dataclass
+class InferRoot:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+
+
+@dataclass
+class PlanRoot:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    gpu_memory_gb: float = 24.0
+    # Left for the CUDA context, cuBLAS workspaces and the caching allocator's slack.
+    reserve_gb: float = 1.5
+
+
+@dataclass
+class CacheAdminRoot:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    action: CacheAction = CacheAction.stats
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    # action=gc only: the model and data set(s) whose entries are kept.
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    gc: GcConfig = field(default_factory=GcConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+
+# The stages' roots by config name (`conf/<stage>.yaml`): what Hydra composes each stage's config into.
+ROOTS = {
+    "precompute": PrecomputeRoot,
+    "train": TrainRoot,
+    "infer": InferRoot,
+    "cache": CacheAdminRoot,
+    "demo": DemoRoot,
+    "plan": PlanRoot,
+    "caption": CaptionRoot,
+    "export": ExportRoot,
+    "extract_lora": ExtractRoot,
+    "eval": EvalRoot,
+    "studio": StudioRoot,
+}
+STAGES = tuple(ROOTS)

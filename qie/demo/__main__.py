@@ -3,18 +3,23 @@
 import hydra
 from omegaconf import DictConfig
 
-from qie.cli import run_stage
-from qie.config import register
+from qie.checks import register
+from qie.cli import main_of, run_stage
 from qie.config.tree import conf_path
-from qie.demo.run import run
 
 register("demo")  # its schema, known to Hydra before @hydra.main composes
 
 
+def _stage():  # imported once the config is checked: torch, diffusers and transformers come with the stage
+    from qie.demo import run
+
+    return run.start
+
+
 @hydra.main(config_path=conf_path(), config_name="demo", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_stage(run, cfg)
+    run_stage("demo", _stage, cfg)
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main, "demo")

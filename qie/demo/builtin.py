@@ -8,16 +8,13 @@ generated once into `$QIE_HOME/demo_data/` and read from there afterwards. A rea
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig
-
+from qie.checks import Checked
 from qie.config import qie_home
-from qie.demo.synthetic import make_dataset
 from qie.models import ModelSpec, model_spec
 
 SAMPLES = 64
@@ -36,6 +33,8 @@ def builtin_data(kind: str, samples: int = SAMPLES) -> tuple[Path, bool]:
         return folder, False
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    from qie.demo.synthetic import make_dataset  # PIL's drawing: only when the set is written (an entry imports this)
+
     try:
         root = make_dataset(scratch / "split", samples, 0, IMAGE_SIZE, SEED, kind == "edit", kind == "layered")
         os.replace(root / "train", scratch / "data")
@@ -56,22 +55,21 @@ def data_kind(spec: ModelSpec) -> str:
     return spec.family.outputs.demo_data(spec)
 
 
-def with_builtin_data(cfg: DictConfig) -> DictConfig:
-    """The CLI's step before a stage's edge (`qie.cli.run_stage`'s `prepare`): `cfg` itself, or, on a tiny model
-    (`model.tiny`) without `data.path`, a copy whose `data.path` is the built-in demo data set (said in one line). A
-    real model without `data.path` is left to the stage, which names the missing key."""
-    if cfg.data.get("path") or not cfg.model.get("tiny"):
-        return cfg
-    kind = data_kind(model_spec(cfg.model))
+def with_builtin_data(checked: Checked) -> Checked:
+    """The CLI's step before a stage's edge (`qie.cli.run_stage`'s `prepare`): the checked config itself, or, on a
+    tiny model (`model.tiny`) without `data.path`, a copy whose `data.path` is the built-in demo data set (said in one
+    line). A real model without `data.path` is left to the stage, which names the missing key."""
+    data, model = checked.groups.data, checked.groups.model
+    if data is None or model is None or data.path or not model.tiny:
+        return checked
+    kind = data_kind(model_spec(model))
     folder, written = builtin_data(kind)
     how = "generated in" if written else "in"
     print(
         f"qie: data.path is not set: using the built-in demo data set of the tiny model ({SAMPLES} {kind} samples, "
         f"{how} {folder}); data.path=... names your own"
     )
-    cfg = copy.deepcopy(cfg)
-    cfg.data.path = str(folder)
-    return cfg
+    return checked.replaced("data", path=str(folder))
 
 
 __all__ = ["SAMPLES", "builtin_data", "data_kind", "with_builtin_data"]

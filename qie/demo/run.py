@@ -29,11 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from PIL import Image
 
+from qie.checks import Checked, check
 from qie.components import prepare_model
-from qie.config import for_stage, typed, updated
+from qie.config.cache import PrecomputeConfig
 from qie.data.images import open_image, prepare_target
 from qie.data.samples import Sample
 from qie.data.scan import scan_dataset
@@ -61,24 +62,29 @@ GRID_TAG = "demo/heldout"
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Run the demo in `run_dir`; returns the report also written to `run_dir/demo_report.json`.
+    """Run the demo in `run_dir` (from code: `cfg` checked once, `qie.checks.check`, then `start`); returns the report
+    also written to `run_dir/demo_report.json`."""
+    return start(check(cfg), run_dir)
 
-    The demo's edge: it reads `cfg` here, and runs the precompute and train stages on configs made of it (each
-    stage's `run` its own edge)."""
-    return DemoRecipe(cfg, Path(run_dir)).execute()
+
+def start(checked: Checked, run_dir: Path) -> dict:
+    """The demo's edge: the checked config handed to the `DemoRecipe`, which runs the precompute and train stages on
+    typed groups made of it (each stage's `start`). See `run`."""
+    return DemoRecipe(checked, Path(run_dir)).execute()
 
 
 class DemoRecipe(Recipe):
-    """The demo: `setup()` sets torch's thread count (`demo.threads`), makes the data set and the stages' configs;
+    """The demo: `setup()` sets torch's thread count (`demo.threads`), makes the data set and the stages' settings;
     `run()` precomputes, trains, measures and exports; `cleanup()` restores the thread count.
 
     Args:
-        cfg: the demo's composed config: the stages' configs are made of it.
+        checked: the demo's checked config (`DemoRoot`): the stages' settings are made of its groups.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
-        self.cfg, self.run_dir = cfg, run_dir
-        self.d, self.model, self.predict = typed(cfg.demo), typed(cfg.model), typed(cfg.predict)
+    def __init__(self, checked: Checked, run_dir: Path) -> None:
+        self.checked, self.run_dir = checked, run_dir
+        groups = checked.groups
+        self.d, self.model, self.predict = groups.demo, groups.model, groups.predict
         self.threads: int | None = None
 
     def setup(self) -> None:
@@ -98,18 +104,20 @@ class DemoRecipe(Recipe):
             kind == "edit",
             kind == "layered",
         )
-        at = {"data.path": str(self.data_root / "train"), "cache.dir": str(run_dir / "cache"), "cache.mode": "cached"}
-        self.train_cfg = updated(self.cfg, at)
-        self.heldout_cfg = updated(self.train_cfg, {"data.path": str(self.data_root / "heldout")})
+        cache = self.checked.replaced("cache", dir=str(run_dir / "cache"), mode="cached")
+        self.train = cache.replaced("data", path=str(self.data_root / "train"))
+        self.heldout = self.train.replaced("data", path=str(self.data_root / "heldout"))
 
     def run(self) -> dict:
         run_dir = self.run_dir
-        for split_cfg, name in ((self.train_cfg, "train"), (self.heldout_cfg, "heldout")):
-            precompute.run(for_stage(split_cfg, "precompute"), run_dir / f"precompute_{name}")
-        result = train.run(self.train_cfg, run_dir / "train")
+        for split, name in ((self.train, "train"), (self.heldout, "heldout")):
+            # precompute's own settings at their defaults, as `python -m qie.precompute` has them
+            groups = replace(split.groups, precompute=PrecomputeConfig())
+            precompute.start(replace(split, groups=groups), run_dir / f"precompute_{name}")
+        result = train.start(self.train, run_dir / "train")
         report = self._measure(result)
         # the Hub-ready folder beside the run: run_dir/export
-        export_demo(run_dir, OmegaConf.to_container(self.train_cfg, resolve=True), report)
+        export_demo(run_dir, self.train.values, report)
         return report
 
     def cleanup(self) -> None:
@@ -120,7 +128,7 @@ class DemoRecipe(Recipe):
         """Measure the base model and the LoRA on the held-out samples; write the picture (logged where
         `logging.report_to` says) and the report."""
         spec, d, run_dir = self.spec, self.d, self.run_dir
-        edge = Edge.of(self.heldout_cfg, spec)
+        edge = Edge.of(self.heldout.groups, spec)
         source = edge.source(edge.source_settings(mode="cached"))
         predictor = infer.build_predictor(self.model, replace(self.predict, lora=None), spec)
         pixels = int(edge.data.target_pixels)
@@ -142,7 +150,7 @@ class DemoRecipe(Recipe):
         predictor.load_lora(result["lora"])
         lora = _evaluate(heldout, self.output, run_dir / "predictions" / "lora")
         compared = self.output.compare(heldout, base, lora)
-        report_to, step = str(self.cfg.logging.report_to), int(result["step"])
+        report_to, step = str(self.checked.groups.logging.report_to), int(result["step"])
         picture = _picture(report_to, run_dir, compared.rows, compared.captions, compared.titles, step)
         report = _report(base.loss, lora.loss, psnr, compared, result, picture, run_dir)
         (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))

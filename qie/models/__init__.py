@@ -15,13 +15,16 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qie.errors import ConfigError
 from qie.models.family import FamilyError, ModelFamily, PlannerFacts, Variant
 from qie.models.flavour import Flavour
+
+if TYPE_CHECKING:  # the schema for annotations only: a family's step code loads no config library
+    from qie.config.model import ModelConfig
 
 # The model families qie knows, by module. The only list of family names: variants and tiny presets are
 # read off the families.
@@ -220,8 +223,9 @@ class ModelSpec:
         return problems
 
 
-def model_spec(model: Any) -> ModelSpec:
-    """The description of the `model` config node (a composed `model` group).
+def model_spec(model: ModelConfig) -> ModelSpec:
+    """The description of a `model` group (its schema's dataclass: `Checked.groups.model`, or
+    `ModelConfig.of_values` for a model yaml read without Hydra).
 
     Raises:
         ConfigError: for a variant qie does not know, naming the ones it does.
@@ -236,16 +240,14 @@ def model_spec(model: Any) -> ModelSpec:
         variant=variant,
         family=family,
         pipe=pipe,
-        min_control_images=int(model.min_control_images),
-        max_control_images=int(model.max_control_images),
-        vae_image_pixels=int(model.vae_image_pixels),
-        vl_image_pixels=int(model.vl_image_pixels),
-        # A model yaml read without the schema (the start-up check's hint) may leave these out: the spec's defaults.
-        **{key: kind(getattr(model, key, default)) for key, (kind, default) in _SPEC_DEFAULTS.items()},
+        min_control_images=model.min_control_images,
+        max_control_images=model.max_control_images,
+        vae_image_pixels=model.vae_image_pixels,
+        vl_image_pixels=model.vl_image_pixels,
+        zero_cond_t=model.zero_cond_t,
+        true_cfg_scale=model.true_cfg_scale,
+        num_inference_steps=model.num_inference_steps,
     )
-
-
-_SPEC_DEFAULTS = {f.name: (type(f.default), f.default) for f in fields(ModelSpec) if f.default is not MISSING}
 
 
 @cache

@@ -299,7 +299,7 @@ TINY = Flavour(
     TINY_TEXT_ENCODER,
     Tiny(
         pipeline="QwenImageEditPipeline",
-        tokenizer="qie.components.tiny_tokenizer:build_tokenizer",
+        tokenizer="qie.models.tiny_tokenizer:build_tokenizer",
         tokenizer_pipelines=EDIT_PIPELINES,
         text_tokens={"bos_token_id": "pad_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"},
         scheduler=SCHEDULER_CONFIG,
@@ -343,7 +343,7 @@ FAMILY = ModelFamily(
         "vae": "diffusers:AutoencoderKLQwenImage",
         "text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
         "tokenizer": "transformers:Qwen2Tokenizer",
-        "processor": "qie.components.processor:QwenImageProcessorNoVideo",
+        "processor": "qie.models.processor:QwenImageProcessorNoVideo",
         "transformer": "diffusers:QwenImageTransformer2DModel",
         "scheduler": "diffusers:FlowMatchEulerDiscreteScheduler",
     },

@@ -268,7 +268,7 @@ TINY_PROCESSOR: dict[str, Any] = {
 FLAVOURS = {
     # Qwen-Image-2.1: diffusers 0.42.1's default transformer and VAE, Qwen3-VL-8B.
     "published": Flavour(real_size.TRANSFORMER_21, real_size.VAE_21, real_size.TEXT_ENCODER_21),
-    # The tokenizer is trained on 2.1's templates (written out in `qie.components.tiny_tokenizer`); four steps of the
+    # The tokenizer is trained on 2.1's templates (written out in `qie.models.tiny_tokenizer`); four steps of the
     # pipeline's default-sigma path (`sample_sigmas` in model_index.json).
     "qwen_image_21": Flavour(
         TINY_TRANSFORMER,
@@ -276,7 +276,7 @@ FLAVOURS = {
         TINY_TEXT_ENCODER,
         Tiny(
             pipeline="QwenImage21Pipeline",
-            tokenizer="qie.components.tiny_tokenizer:build_tokenizer_21",
+            tokenizer="qie.models.tiny_tokenizer:build_tokenizer_21",
             tokenizer_pipelines=(),
             text_tokens={"pad_token_id": "pad_token_id"},
             scheduler=qwen_image.SCHEDULER_CONFIG,
@@ -300,7 +300,7 @@ FAMILY = ModelFamily(
         "vae": "diffusers:AutoencoderKLQwenImage21",
         "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
         "tokenizer": "transformers:Qwen2Tokenizer",
-        "processor": "qie.components.processor:Qwen3VLProcessorNoVideo",
+        "processor": "qie.models.processor:Qwen3VLProcessorNoVideo",
         "transformer": "diffusers:QwenImage21Transformer2DModel",
         "scheduler": "diffusers:FlowMatchEulerDiscreteScheduler",
     },

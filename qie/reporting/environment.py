@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,8 @@ PACKAGES = ("qie", "torch", "diffusers", "transformers", "peft", "accelerate", "
 
 def environment(device: str, processes: int, mixed_precision: str) -> dict[str, Any]:
     """Versions of Python and the packages a run depends on, the platform, and the device the run trains on."""
+    from importlib import metadata  # a tenth of a second: only when a run records its environment
+
     import torch
 
     versions = {"python": platform.python_version()}

@@ -99,7 +99,7 @@ def write_summary(sweep: Path, folders: list[Path]) -> dict[str, Any]:
     (sweep / SUMMARY_JSON).write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     print(f"qie: sweep summary ({sweep / SUMMARY_MD}, {SUMMARY_JSON}):\n{text}", end="")
     try:
-        from qie.reporting.sweep_report import write_sweep_report  # draws with matplotlib: only when a sweep ends
+        from qie.reporting.sweep_report import write_sweep_report  # only when a sweep ends
 
         print(f"qie: sweep report {write_sweep_report(sweep, summary)}")
     except Exception as e:  # the summary is written; a report that cannot be drawn must not hide it

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from qie.cache import check_types
 from qie.cache.admin import run_admin
-from qie.config import precompute_command, typed
+from qie.checks import Checked, check
 from qie.config.backend import build_backend
 from qie.config.cache import CacheConfig, SyncConfig
 from qie.errors import ConfigError
@@ -20,26 +20,32 @@ from qie.stages.recipe import Recipe
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> int:
-    """Run the admin action of a composed `cache` config, print its report, return the exit code. The stage's
-    edge: the one place that reads `cfg`, then run by the `CacheAdminRecipe`.
+    """Run the admin action of a composed `cache` config, print its report, return the exit code (the stage from
+    code: `cfg` checked once, `qie.checks.check`, then `start`).
 
     Raises:
         ConfigError: an unknown type or backend; StorageError: a cache folder that is missing or a file.
     """
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path | None = None) -> int:
+    """The stage's edge: the checked config's typed root (`CacheAdminRoot`) read into what its action needs, then run
+    by the `CacheAdminRecipe`. See `run`."""
+    root = checked.root
     try:
-        types = check_types(list(cfg.cache.types))
+        types = check_types(list(root.cache.types))
     except ValueError as e:
         raise ConfigError(f"cache.types: {e}") from None
-    action = str(cfg.action)
+    action = str(root.action)
     if action == "sync":
-        work: Any = typed(cfg.sync)
+        work: Any = root.sync
     elif action == "gc":
-        data = typed(cfg.data)
-        check_gc_data(data)
-        work = gc_setup(typed(cfg.model), data, typed(cfg.cache), typed(cfg.gc), precompute_command(cfg))
+        check_gc_data(root.data)
+        work = gc_setup(root.model, root.data, root.cache, root.gc, checked.precompute_command)
     else:
-        work = bool(cfg.verify.fix)
-    return CacheAdminRecipe(typed(cfg.cache), action, types, work).execute()
+        work = bool(root.verify.fix)
+    return CacheAdminRecipe(root.cache, action, types, work).execute()
 
 
 class CacheAdminRecipe(Recipe):

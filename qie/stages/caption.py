@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from qie.checks import Checked, check
 from qie.components import LoadSettings, load_parts, prepare_model
-from qie.config import typed, validate
 from qie.config.cache import CacheConfig
 from qie.config.caption import CaptionConfig
 from qie.config.data import DataConfig
@@ -100,18 +100,22 @@ def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings
 
 
 def run(cfg: DictConfig, run_dir: Path) -> CaptionSummary:
-    """Caption `cfg.data` with `cfg.model`'s text encoder; returns (and, unless a dry run, writes) the summary. The
-    stage's edge: the one place that reads `cfg`, then run by the `CaptionRecipe`.
+    """Caption `cfg.data` with `cfg.model`'s text encoder (the stage from code: `cfg` checked once,
+    `qie.checks.check`, then `start`); returns (and, unless a dry run, writes) the summary.
 
     Raises:
         ConfigError: bad settings. DataError: no usable sample; with on_error=raise, the first bad sample.
         StorageError: an output or run folder that cannot be written (found before any model is built).
     """
-    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    if not cfg.data.path:
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path) -> CaptionSummary:
+    """The stage's edge: a checked config's typed groups handed to the `CaptionRecipe`. See `run`."""
+    g = checked.groups
+    if not g.data.path:
         raise ConfigError("data.path is not set: point it at the data set folder or manifest to caption")
-    model, data, cache = typed(cfg.model), typed(cfg.data), typed(cfg.cache)
-    return CaptionRecipe(model, data, cache, read_settings(typed(cfg.caption)), Path(run_dir)).execute()
+    return CaptionRecipe(g.model, g.data, g.cache, read_settings(g.caption), Path(run_dir)).execute()
 
 
 class CaptionRecipe(Recipe):

@@ -11,14 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
-
 from qie.cache.base import CacheBackend, CacheStore
 from qie.components import prepare_model
-from qie.config import typed
 from qie.config.backend import build_backend
 from qie.config.cache import CacheConfig
 from qie.config.data import DataConfig
+from qie.config.groups import Groups
 from qie.config.model import ModelConfig
 from qie.embedding.encode import Encoder
 from qie.embedding.sources import EmbeddingSource
@@ -30,7 +28,7 @@ from qie.stages.sources import build_source
 @dataclass(frozen=True)
 class Edge:
     """A config's model, data and cache groups as their schemas' dataclasses, with the model's spec and the loss
-    masks; the `cache` node stays as composed, for the backend's own keys."""
+    masks."""
 
     model: ModelConfig
     spec: ModelSpec
@@ -39,18 +37,18 @@ class Edge:
     masks: LossMasks | None
 
     @classmethod
-    def of(cls, cfg: DictConfig, spec: ModelSpec | None = None, masks: bool = True) -> Edge:
-        """The edge of `cfg` (a stage's composed config with `model`, `data` and `cache` groups).
+    def of(cls, groups: Groups, spec: ModelSpec | None = None, masks: bool = True) -> Edge:
+        """The edge of a stage's config with `model`, `data` and `cache` groups, read as `groups` (`Checked.groups`).
 
         Args:
             spec: the model's spec when the caller made it already; else `prepare_model` (the checkpoint built or
                 checked).
-            masks: read `train.mask`'s loss masks (where `cfg` has a `train` group); False: none.
+            masks: read `train.mask`'s loss masks (where the config has a `train` group); False: none.
         """
-        model, data = typed(cfg.model), typed(cfg.data)
-        train = typed(cfg.train) if masks and "train" in cfg else None
+        model, data = groups.model, groups.data
+        train = groups.train if masks else None
         spec = spec or prepare_model(model)
-        return cls(model, spec, data, typed(cfg.cache), loss_masks(train, data))
+        return cls(model, spec, data, groups.cache, loss_masks(train, data))
 
     def source_settings(self, mode: str | None = None, command: str | None = None) -> SourceSettings:
         """The embedding source's settings (`mode`: another `cache.mode` than the config's; `command`: the

@@ -11,6 +11,7 @@ at seed + i. The transformer is freed before the rewards are built: a judge's VL
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,8 @@ from PIL import Image
 from qie.adapters.fused_base import check_lora_base
 from qie.adapters.lora import LORA_FILE, load_lora, lora_file
 from qie.adapters.lora_files import COMFYUI_FILE, KOHYA_FILE
+from qie.checks import Checked, check
 from qie.components import LoadSettings, load_parts
-from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.evaluation import EvalConfig
 from qie.config.model import ModelConfig
@@ -43,6 +44,7 @@ from qie.models.sampling import SamplingOptions
 from qie.stages.datasets import read_data
 from qie.stages.edge import Edge
 from qie.stages.infer import resolve_output
+from qie.stages.recipe import Recipe
 from qie.stages.settings import data_source, fused_base, sampling_options
 from qie.stages.validation import validation_inputs
 from qie.training.validation import Validator
@@ -51,46 +53,74 @@ BASE = "base"
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Evaluate as `cfg` says; returns the report also written to eval.json.
+    """Evaluate as `cfg` says (the stage from code: `cfg` checked once, `qie.checks.check`, then `start`); returns the
+    report also written to eval.json.
 
     Raises:
         QieError subclasses naming the key, file or row at fault (before any model is built where the config or
         the data says it).
     """
-    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    edge = Edge.of(cfg, masks=False)  # first: a checkpoint of another model is named before anything else
-    model, data, spec, e, p = edge.model, edge.data, edge.spec, typed(cfg.eval), typed(cfg.predict)
-    if spec.family.outputs.demo_data(spec) == "layered":
-        raise ConfigError(f"model {model.name!r} splits images into layers: the eval stage scores single edits")
-    if not data.path:
-        raise ConfigError("data.path is not set: point it at the held-out rows (a data set folder or manifest)")
-    if not cfg.eval.rewards:
-        raise ConfigError("eval.rewards is empty: name at least one metric (see conf/eval.yaml)")
-    runs = lora_runs(e.loras, model, p, spec)
-    rewards = build_rewards(cfg.eval.rewards, "eval.rewards", model=model)
-    samples, skipped = heldout_rows(data, edge.cache.state_folder(), rewards)
-    out = resolve_output(e.output_dir, Path(run_dir))
-    check_writable(out, "eval.output_dir")
-    source = edge.source()
-    options = eval_options(p, spec)
-    edits = generate(model, p, spec, (source, samples), runs, [int(s) for s in e.seeds])
-    categories = row_categories(data.path, samples)
-    rows = [
-        reference_row(s, edits[next(iter(runs))][0][i].size, spec, categories.get(s.id)) for i, s in enumerate(samples)
-    ]
-    report = {
-        "data": {"path": str(data.path), "rows": len(samples), "skipped": skipped},
-        "seeds": [int(s) for s in e.seeds],
-        "sampling": asdict(options),
-        "directions": {name: direction(r) for name, r in rewards.items()},
-        "rewards": {name: describe(cfg.eval.rewards[name], r) for name, r in rewards.items()},
-        "runs": {
-            name: {"lora": None if lora is None else str(lora), **score_run(rewards, rows, edits[name], e)}
-            for name, lora in runs.items()
-        },
-    }
-    write_outputs(report, rows, edits, samples, e, out)
-    return report
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path) -> dict:
+    """The stage's edge: a checked config's typed groups handed to the `EvalRecipe`. See `run`."""
+    groups = checked.groups
+    edge = Edge.of(groups, masks=False)  # first: a checkpoint of another model is named before anything else
+    return EvalRecipe(edge, groups.eval, groups.predict, Path(run_dir)).execute()
+
+
+class EvalRecipe(Recipe):
+    """The eval stage: `setup()` checks the settings, reads the LoRAs, builds the rewards and reads the rows (before
+    any model is built); `run()` edits the rows with each run, scores the edits and writes the outputs.
+
+    Args:
+        edge: the model, data and cache groups with the model's spec (`Edge`).
+        settings: the `eval` group; predict: the `predict` group (the sampling settings).
+    """
+
+    def __init__(self, edge: Edge, settings: EvalConfig, predict: PredictConfig, run_dir: Path) -> None:
+        self.edge, self.e, self.p, self.run_dir = edge, settings, predict, run_dir
+
+    def setup(self) -> None:
+        edge, e = self.edge, self.e
+        model, data, spec = edge.model, edge.data, edge.spec
+        if spec.family.outputs.demo_data(spec) == "layered":
+            raise ConfigError(f"model {model.name!r} splits images into layers: the eval stage scores single edits")
+        if not data.path:
+            raise ConfigError("data.path is not set: point it at the held-out rows (a data set folder or manifest)")
+        if not e.rewards:
+            raise ConfigError("eval.rewards is empty: name at least one metric (see conf/eval.yaml)")
+        self.runs = lora_runs(e.loras, model, self.p, spec)
+        self.rewards = build_rewards(e.rewards, "eval.rewards", model=model)
+        self.samples, self.skipped = heldout_rows(data, edge.cache.state_folder(), self.rewards)
+        self.out = resolve_output(e.output_dir, self.run_dir)
+        check_writable(self.out, "eval.output_dir")
+
+    def run(self) -> dict:
+        edge, e, p, rewards, runs, samples = self.edge, self.e, self.p, self.rewards, self.runs, self.samples
+        model, data, spec = edge.model, edge.data, edge.spec
+        source = edge.source()
+        options = eval_options(p, spec)
+        edits = generate(model, p, spec, (source, samples), runs, [int(s) for s in e.seeds])
+        categories = row_categories(data.path, samples)
+        rows = [
+            reference_row(s, edits[next(iter(runs))][0][i].size, spec, categories.get(s.id))
+            for i, s in enumerate(samples)
+        ]
+        report = {
+            "data": {"path": str(data.path), "rows": len(samples), "skipped": self.skipped},
+            "seeds": [int(s) for s in e.seeds],
+            "sampling": asdict(options),
+            "directions": {name: direction(r) for name, r in rewards.items()},
+            "rewards": {name: describe(e.rewards[name], r) for name, r in rewards.items()},
+            "runs": {
+                name: {"lora": None if lora is None else str(lora), **score_run(rewards, rows, edits[name], e)}
+                for name, lora in runs.items()
+            },
+        }
+        write_outputs(report, rows, edits, samples, e, self.out)
+        return report
 
 
 def lora_runs(loras: list[str], model: ModelConfig, predict: PredictConfig, spec: ModelSpec) -> dict[str, Path | None]:
@@ -227,8 +257,9 @@ def score_run(rewards: dict[str, Reward], rows: list[Row], edits: list[list[Imag
     return summarize(rows, scores, [int(s) for s in e.seeds], list(rewards))
 
 
-def describe(node: DictConfig, reward: Reward) -> dict[str, Any]:
-    """What eval.json records of a reward: its class, which way is better, what it compares with, `describe()`."""
+def describe(node: Mapping[str, Any], reward: Reward) -> dict[str, Any]:
+    """What eval.json records of a reward: its class (`node`: its settings in the typed `eval` group), which way is
+    better, what it compares with, `describe()`."""
     return {
         "target": str(node["_target_"]),
         "higher_is_better": bool(reward.higher_is_better),

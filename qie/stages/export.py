@@ -15,7 +15,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from qie.adapters.lora_files import recorded_base
-from qie.config import register, typed, validate
+from qie.checks import Checked, check, register
+from qie.config.export import ExportConfig
+from qie.config.model import ModelConfig
 from qie.errors import ConfigError, check_writable
 from qie.models import model_spec, variants
 from qie.output_files import inputs_problem
@@ -24,6 +26,7 @@ from qie.publish.hub import push_folder
 from qie.publish.run_facts import BaseModel, RunFacts, dataset_instructions, read_run
 from qie.reporting.environment import RUN_INFO
 from qie.reporting.run_files import read_json
+from qie.stages.recipe import Recipe
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # A snapshot folder of the Hugging Face cache: `.../models--Org--Name/snapshots/REV`.
@@ -31,40 +34,64 @@ HF_CACHE = re.compile(r"(?:^|/)models--([A-Za-z0-9][\w.-]*?)--([A-Za-z0-9][\w.-]
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
-    """Write the export folder, print what it holds, and upload it with `export.push_to_hub`; returns
-    {"folder", "files", "missing", "url"}. The stage's edge: the one place that reads `cfg`.
+    """Write the export folder, print what it holds, and upload it with `export.push_to_hub` (the stage from code:
+    `cfg` checked once, `qie.checks.check`, then `start`); returns {"folder", "files", "missing", "url"}.
 
     Raises:
         ConfigError: `export.run_dir` or `export.out` unset, a run folder without a LoRA to export, an `export.out`
             that holds files already (without `export.overwrite=true`) or one of the export's inputs.
         HubError: the upload cannot be made (offline included): the folder is kept.
     """
-    validate(cfg)
-    settings = typed(cfg.export)
-    for key in ("run_dir", "out"):
-        if not getattr(settings, key):
-            raise ConfigError(f"export.{key} is not set: python -m qie.export RUN_DIR OUT (or export.{key}=...)")
-    run, out = Path(settings.run_dir).expanduser(), Path(settings.out).expanduser()
-    if out.resolve() == run.resolve():
-        raise ConfigError(f"export.out={settings.out!r} is the run folder itself: give a new folder")
-    config = run_config(run)
-    facts = read_run(run, config, settings.lora, settings.samples)
-    facts.instructions = dataset_instructions((config.get("data") or {}).get("path"))
-    if problem := inputs_problem(planned_files(facts, out), input_files(facts), "export.out"):
-        raise ConfigError(problem)
-    held = sorted(out.iterdir()) if out.is_dir() else []
-    if held and not settings.overwrite:
-        raise ConfigError(
-            f"export.out={settings.out!r} holds files already (first: {held[0].name}): set export.overwrite=true to "
-            "replace the export's files there (links among them are replaced, not written through), or choose an "
-            "empty or new folder"
-        )
-    check_writable(out, "export.out")
-    written = export_folder(facts, out, settings.license, settings.push_to_hub, settings.base_model)
-    url = push_folder(out, settings.push_to_hub, settings.private) if settings.push_to_hub else None
-    if url:
-        print(f"qie: uploaded to {url}")
-    return {"folder": str(out), "files": [str(f) for f in written.files], "missing": written.missing, "url": url}
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path | None = None) -> dict:
+    """The stage's edge: the checked config's `export` group handed to the `ExportRecipe`. See `run`."""
+    return ExportRecipe(checked.root.export).execute()
+
+
+class ExportRecipe(Recipe):
+    """The export stage: `setup()` checks the settings and reads the run folder (its config, LoRA and pictures), and
+    refuses an `export.out` that is one of the export's inputs or holds files already (without
+    `export.overwrite=true`); `run()` writes the export folder and uploads it when asked.
+
+    Args:
+        settings: the `export` group.
+    """
+
+    def __init__(self, settings: ExportConfig) -> None:
+        self.settings = settings
+
+    def setup(self) -> None:
+        settings = self.settings
+        for key, value in (("run_dir", settings.run_dir), ("out", settings.out)):
+            if not value:
+                raise ConfigError(f"export.{key} is not set: python -m qie.export RUN_DIR OUT (or export.{key}=...)")
+        run, out = Path(settings.run_dir).expanduser(), Path(settings.out).expanduser()
+        if out.resolve() == run.resolve():
+            raise ConfigError(f"export.out={settings.out!r} is the run folder itself: give a new folder")
+        config = run_config(run)
+        facts = read_run(run, config, settings.lora, settings.samples)
+        facts.instructions = dataset_instructions((config.get("data") or {}).get("path"))
+        if problem := inputs_problem(planned_files(facts, out), input_files(facts), "export.out"):
+            raise ConfigError(problem)
+        held = sorted(out.iterdir()) if out.is_dir() else []
+        if held and not settings.overwrite:
+            raise ConfigError(
+                f"export.out={settings.out!r} holds files already (first: {held[0].name}): set export.overwrite=true "
+                "to replace the export's files there (links among them are replaced, not written through), or choose "
+                "an empty or new folder"
+            )
+        self.out, self.facts = out, facts
+
+    def run(self) -> dict:
+        settings, out = self.settings, self.out
+        check_writable(out, "export.out")
+        written = export_folder(self.facts, out, settings.license, settings.push_to_hub, settings.base_model)
+        url = push_folder(out, settings.push_to_hub, settings.private) if settings.push_to_hub else None
+        if url:
+            print(f"qie: uploaded to {url}")
+        return {"folder": str(out), "files": [str(f) for f in written.files], "missing": written.missing, "url": url}
 
 
 def export_folder(
@@ -117,7 +144,7 @@ def base_model(config: dict, lora: Path, hub_id: str | None = None) -> BaseModel
         takes_images = [v.output_image is not None for _, v in variants().values() if v.pipeline_class == pipeline]
         task = "image-to-image" if any(takes_images) or not takes_images else "text-to-image"
         return BaseModel("(not recorded)", hub_id, pipeline, task, str(record.get("name", "...")), fused)
-    spec = model_spec(OmegaConf.create(model))
+    spec = model_spec(ModelConfig.of_values(model))
     source = str(model.get("pretrained_model_name_or_path"))
     hub_id = hub_id or hub_id_of(source)
     task = "text-to-image" if spec.family.outputs.demo_data(spec) == "t2i" else "image-to-image"

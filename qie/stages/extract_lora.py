@@ -16,18 +16,19 @@ from omegaconf import DictConfig
 
 from qie.adapters.lora_extract import REPORT_FILE, Extraction, extract_lora, full_rank, write_extraction
 from qie.adapters.lora_files import EXPORT_FILES
+from qie.checks import Checked, check
 from qie.components import LoadSettings, load_parts, prepare_model
-from qie.config import typed, validate
 from qie.config.export import ExtractConfig
 from qie.config.model import ModelConfig
 from qie.errors import ConfigError, ModelLoadError, check_writable
 from qie.output_files import existing_problem, inputs_problem, replace_file
+from qie.stages.recipe import Recipe
 from qie.stages.settings import fused_base
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
-    """Extract, write the LoRA files and `extract_report.json` beside `extract.out`, print a summary; returns the
-    report. The stage's edge: the one place that reads `cfg`.
+    """Extract, write the LoRA files and `extract_report.json` beside `extract.out`, print a summary (the stage from
+    code: `cfg` checked once, `qie.checks.check`, then `start`); returns the report.
 
     Raises:
         ConfigError: `extract.tuned` or `extract.out` unset, a rank below 1 or one that makes every layer full, an
@@ -35,36 +36,61 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict:
             `extract.overwrite=true`).
         ModelLoadError: a transformer that cannot be loaded, or a tuned one of another architecture.
     """
-    validate(cfg)
-    model, settings = typed(cfg.model), typed(cfg.extract)
-    out = _check(settings, model)
-    # Plain weights to subtract: no quantization on either side.
-    model = replace(model, quantize="none", single_file_fp8="upcast")
-    spec = prepare_model(model)
-    fused = fused_base(model, spec)
-    base = load_parts(
-        LoadSettings.of(model), spec, ["transformer"], {"transformer": "cpu"}, fuse=fused.fuse_into
-    ).transformer
-    settings = replace(settings, rank=_capped_rank(settings.rank, full_rank(base)))
-    tuned_model = replace(model, transformer_path=settings.tuned, fuse_loras=[], fuse_lora_scales=[])
-    try:
-        tuned = load_parts(LoadSettings.of(tuned_model), spec, ["transformer"], {"transformer": "cpu"}).transformer
-    except ModelLoadError as e:  # it is read as model.transformer_path: name the key the user set
-        raise ModelLoadError(str(e).replace("model.transformer_path=", "extract.tuned=")) from None
-    extraction = extract_lora(base, tuned, settings.rank, settings.device, settings.niter)
-    if not extraction.layers:
-        raise ConfigError(
-            f"extract.tuned={settings.tuned!r} has the base's linear weights (model="
-            f"{model.name}): nothing to extract; is it the tuned transformer?"
-        )
-    exports = [name for name in ("comfyui", "kohya") if getattr(settings, name)]
-    written = write_extraction(extraction, out, spec.family.lora_loader_class(), exports, fused.record())
-    report = {"base": model.pretrained_model_name_or_path, "tuned": settings.tuned, **extraction.report()}
-    report["files"] = [str(p) for p in written]
-    text = json.dumps(report, indent=2)
-    replace_file(out.parent / REPORT_FILE, lambda tmp: tmp.write_text(text, encoding="utf-8"), "extract.out's")
-    print(summary(extraction, written, out.parent / REPORT_FILE))
-    return report
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path | None = None) -> dict:
+    """The stage's edge: the checked config's `model` and `extract` groups handed to the `ExtractRecipe`. See
+    `run`."""
+    return ExtractRecipe(checked.root.model, checked.root.extract).execute()
+
+
+class ExtractRecipe(Recipe):
+    """The extract stage: `setup()` checks the settings and where it writes (no output an input, none replaced
+    unless asked), loads both transformers and caps the rank; `run()` extracts the LoRA by SVD and writes its files
+    and report.
+
+    Args:
+        model: the base's model group; settings: the `extract` group.
+    """
+
+    def __init__(self, model: ModelConfig, settings: ExtractConfig) -> None:
+        self.model, self.settings = model, settings
+
+    def setup(self) -> None:
+        settings = self.settings
+        self.out = _check(settings, self.model)
+        # Plain weights to subtract: no quantization on either side.
+        model = self.model = replace(self.model, quantize="none", single_file_fp8="upcast")
+        self.spec = spec = prepare_model(model)
+        self.fused = fused = fused_base(model, spec)
+        self.base = load_parts(
+            LoadSettings.of(model), spec, ["transformer"], {"transformer": "cpu"}, fuse=fused.fuse_into
+        ).transformer
+        self.settings = replace(settings, rank=_capped_rank(settings.rank, full_rank(self.base)))
+        tuned_model = replace(model, transformer_path=settings.tuned, fuse_loras=[], fuse_lora_scales=[])
+        try:
+            parts = load_parts(LoadSettings.of(tuned_model), spec, ["transformer"], {"transformer": "cpu"})
+        except ModelLoadError as e:  # it is read as model.transformer_path: name the key the user set
+            raise ModelLoadError(str(e).replace("model.transformer_path=", "extract.tuned=")) from None
+        self.tuned = parts.transformer
+
+    def run(self) -> dict:
+        model, settings, spec, out = self.model, self.settings, self.spec, self.out
+        extraction = extract_lora(self.base, self.tuned, settings.rank, settings.device, settings.niter)
+        if not extraction.layers:
+            raise ConfigError(
+                f"extract.tuned={settings.tuned!r} has the base's linear weights (model="
+                f"{model.name}): nothing to extract; is it the tuned transformer?"
+            )
+        exports = [name for name, wanted in (("comfyui", settings.comfyui), ("kohya", settings.kohya)) if wanted]
+        written = write_extraction(extraction, out, spec.family.lora_loader_class(), exports, self.fused.record())
+        report = {"base": model.pretrained_model_name_or_path, "tuned": settings.tuned, **extraction.report()}
+        report["files"] = [str(p) for p in written]
+        text = json.dumps(report, indent=2)
+        replace_file(out.parent / REPORT_FILE, lambda tmp: tmp.write_text(text, encoding="utf-8"), "extract.out's")
+        print(summary(extraction, written, out.parent / REPORT_FILE))
+        return report
 
 
 def _capped_rank(rank: int, full: int) -> int:

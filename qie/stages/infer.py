@@ -21,8 +21,8 @@ from PIL import Image
 
 from qie.adapters.fused_base import FusedBase, check_lora_base
 from qie.adapters.lora import load_lora, merge_lora, save_transformer
+from qie.checks import Checked, check
 from qie.components import LoadSettings, Parts, load_parts, pipeline_config, prepare_model, resolve_device
-from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
 from qie.config.predict import PredictConfig
@@ -213,7 +213,8 @@ def resolve_output(path: str, run_dir: Path) -> Path:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    """Run inference (single image, or batch with `predict.input`) or the LoRA merge (`predict.merge_to`).
+    """Run inference (single image, or batch with `predict.input`) or the LoRA merge (`predict.merge_to`): the stage
+    from code, `cfg` checked once (`qie.checks.check`), then `start`.
 
     Returns:
         The files written (images, or the merged transformer folder).
@@ -221,10 +222,14 @@ def run(cfg: DictConfig, run_dir: Path) -> list[Path]:
     Raises:
         QieError subclasses naming the key, file or device at fault.
     """
-    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    model, p = typed(cfg.model), typed(cfg.predict)  # the stage's edge: the one place that reads `cfg`
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path) -> list[Path]:
+    """The stage's edge: a checked config's typed groups handed to the `InferRecipe`. See `run`."""
+    model, p = checked.groups.model, checked.groups.predict
     spec = prepare_model(model)  # first: a checkpoint of another model is named before anything else
-    data = typed(cfg.data) if p.input else None
+    data = checked.groups.data if p.input else None
     return InferRecipe(model, p, spec, Path(run_dir), data).execute()
 
 
@@ -315,7 +320,7 @@ def _safe_relative(sample_id: str) -> Path:
 
 def merge(model: ModelConfig, p: PredictConfig, run_dir: Path, spec: ModelSpec) -> Path:
     """Fuse `predict.lora` into the transformer (the LoRAs of `model.fuse_loras` fused first) and save it to
-    `<merge_to>/transformer` (a config `qie.config.validate` passed: it names a LoRA, the weights unquantized)."""
+    `<merge_to>/transformer` (a config `qie.checks.validate` passed: it names a LoRA, the weights unquantized)."""
     base = fused_base(model, spec)
     if warning := check_lora_base(p.lora, base, bool(p.allow_other_base)):
         print(f"infer: warning: {warning}")

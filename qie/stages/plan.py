@@ -14,10 +14,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from qie.checks import Checked, check
 from qie.components import resolve_dtype
-from qie.config import typed, validate
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
+from qie.config.roots import PlanRoot
 from qie.models import ModelSpec, model_spec
 from qie.stages.memory_plan import (
     GIB,
@@ -29,43 +30,66 @@ from qie.stages.memory_plan import (
     text_encoder_bytes,
     weight_bytes,
 )
+from qie.stages.recipe import Recipe
 
 # The transformer's weight quantizations the planner tries, most precise first (the recommendation's tie-break).
 QUANTIZE = ("none", "fp8", "int4", "nf4")
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> list[Estimate]:
-    """Print the plan; returns one Estimate per combination of levers tried. The stage's edge: the one place that
-    reads `cfg`."""
-    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    model, train = typed(cfg.model), typed(cfg.train)
-    spec = model_spec(model)
-    family = spec.family
-    config, where = transformer_config(model, spec)
-    work = workload(model, typed(cfg.data), spec)
-    rank, targets = int(train.lora.rank), list(train.lora.target_modules)
-    state = OPTIMIZER_STATE_BYTES.get(str(train.optimizer.get("_target_")), 8)
-    weights = {q: weight_bytes(family, config, work.dtype, q, rank, targets) for q in QUANTIZE}
-    step = {
-        (gc, off): step_memory(family, config, work, rank, targets, gc, off)
-        for gc, off in ((False, False), (True, False), (True, True))
-    }
-    budget, reserve = int(float(cfg.gpu_memory_gb) * GIB), int(float(cfg.reserve_gb) * GIB)
-    rows = plan(weights, step, budget, state, reserve)
-    print(
-        f"qie plan: LoRA training of {where}, {config['num_layers']} blocks, batch {work.batch}: "
-        f"{work.target_tokens} target + {sum(work.control_tokens)} control + {work.prompt_tokens} prompt tokens; "
-        f"GPU {cfg.gpu_memory_gb} GiB"
-    )
-    print(report(rows, budget))
-    text_config = family.published.text_encoder
-    te = {q: text_encoder_bytes(family, text_config, q) / GIB for q in ("none", "fp8")}
-    print(
-        f"precompute / caption / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB in "
-        f"bf16, {te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8 (caption: plus its key/value "
-        "cache, see the guide)"
-    )
-    return rows
+    """Print the plan (the stage from code: `cfg` checked once, `qie.checks.check`, then `start`); returns one Estimate
+    per combination of levers tried."""
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path | None = None) -> list[Estimate]:
+    """The stage's edge: a checked config's typed root (`PlanRoot`) handed to the `PlanRecipe`. See `run`."""
+    return PlanRecipe(checked.root).execute()
+
+
+class PlanRecipe(Recipe):
+    """The plan stage: `setup()` reads the transformer's sizes and the step's token counts, `run()` tries the levers
+    and prints the table.
+
+    Args:
+        root: the plan config (`PlanRoot`): the model, data and train groups and the GPU's memory.
+    """
+
+    def __init__(self, root: PlanRoot) -> None:
+        self.root = root
+
+    def setup(self) -> None:
+        model = self.root.model
+        self.spec = model_spec(model)
+        self.config, self.where = transformer_config(model, self.spec)
+        self.work = workload(model, self.root.data, self.spec)
+
+    def run(self) -> list[Estimate]:
+        root, family, config, work = self.root, self.spec.family, self.config, self.work
+        train = root.train
+        rank, targets = int(train.lora.rank), list(train.lora.target_modules)
+        state = OPTIMIZER_STATE_BYTES.get(str(train.optimizer.get("_target_")), 8)
+        weights = {q: weight_bytes(family, config, work.dtype, q, rank, targets) for q in QUANTIZE}
+        step = {
+            (gc, off): step_memory(family, config, work, rank, targets, gc, off)
+            for gc, off in ((False, False), (True, False), (True, True))
+        }
+        budget, reserve = int(float(root.gpu_memory_gb) * GIB), int(float(root.reserve_gb) * GIB)
+        rows = plan(weights, step, budget, state, reserve)
+        print(
+            f"qie plan: LoRA training of {self.where}, {config['num_layers']} blocks, batch {work.batch}: "
+            f"{work.target_tokens} target + {sum(work.control_tokens)} control + {work.prompt_tokens} prompt "
+            f"tokens; GPU {root.gpu_memory_gb} GiB"
+        )
+        print(report(rows, budget))
+        text_config = family.published.text_encoder
+        te = {q: text_encoder_bytes(family, text_config, q) / GIB for q in ("none", "fp8")}
+        print(
+            f"precompute / caption / lazy / live also hold {family.planner.text_encoder_label}: {te['none']:.1f} GiB "
+            f"in bf16, {te['fp8']:.1f} GiB with model.text_encoder_quantize=fp8 or int8 (caption: plus its key/value "
+            "cache, see the guide)"
+        )
+        return rows
 
 
 def transformer_config(model: ModelConfig, spec: ModelSpec) -> tuple[dict, str]:

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qie.cache.base import CacheBackend
 from qie.cache.failures import update_failures
+from qie.checks import Checked, check
 from qie.components import prepare_model
-from qie.config import precompute_command, read_groups, validate
 from qie.config.backend import build_backend
 from qie.config.groups import Groups
 from qie.data.fields import SampleField, run_fields, with_defaults
@@ -64,7 +64,7 @@ from qie.stages.train_extras import regularization_samples
 from qie.stages.train_setup import TrainSetup, train_setup
 from qie.training.objectives import objective_class, trains_on_targets
 
-__all__ = ["PrecomputeRecipe", "PrecomputeSummary", "TypeSummary", "format_summary", "run", "share"]
+__all__ = ["PrecomputeRecipe", "PrecomputeSummary", "TypeSummary", "format_summary", "run", "share", "start"]
 
 
 @dataclass(frozen=True)
@@ -91,24 +91,29 @@ class Settings:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> PrecomputeSummary:
-    """Fill the cache for `cfg.data` with `cfg.model`; returns (and writes) the summary. The stage's edge: the one
-    place that reads `cfg` (`read_settings`), then run by the `PrecomputeRecipe`.
+    """Fill the cache for `cfg.data` with `cfg.model` (the stage from code: `cfg` checked once, `qie.checks.check`,
+    then `start`); returns (and writes) the summary.
 
     Raises:
         ConfigError: no data.path, no persistent cache.
         DataError: no usable sample, or none could be encoded; with on_error=raise, the first unreadable sample.
         StorageError: a cache or run folder that cannot be written (found before any model is built).
     """
-    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    if not cfg.data.path:
+    return start(check(cfg), run_dir)
+
+
+def start(checked: Checked, run_dir: Path) -> PrecomputeSummary:
+    """The stage's edge: a checked config's typed groups read into its settings (`read_settings`), then run by the
+    `PrecomputeRecipe`. See `run`."""
+    groups, command = checked.groups, checked.precompute_command
+    if not groups.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
-    groups, command = read_groups(cfg), precompute_command(cfg)
-    objective = objective_class(OmegaConf.to_container(cfg.train.objective, resolve=True))
+    objective = objective_class(groups.train.objective)
     fields = with_defaults(run_fields(objective.requires))  # the sample fields encoded: every one it requires
     settings = read_settings(groups, functools.partial(build_backend, groups.cache), command, fields)
     settings = replace(settings, targets=trains_on_targets(objective))
     teachers = None  # `precompute.teachers`: the training run's setup, checked before anything is encoded
-    if cfg.precompute.teachers:
+    if groups.precompute.teachers:
         teachers = train_setup(settings.model, groups, command, {})
     return PrecomputeRecipe(settings, Path(run_dir), teachers).execute()
 
@@ -203,7 +208,7 @@ def read_settings(
     ConfigError for a cache that does not outlive the process, or a caption prompt that cannot be read.
 
     Args:
-        groups: the config's groups (`qie.config.read_groups`): model, data, cache and precompute are read.
+        groups: the config's groups (`qie.checks.read_groups`): model, data, cache and precompute are read.
         command: the precompute command that fills this cache (what a training run's miss names).
         fields: the sample fields whose images are read and encoded (`qie.data.fields`).
     """

@@ -3,8 +3,8 @@
 A stage's `run(cfg, run_dir)` is its edge: it turns the config groups into their schemas' dataclasses
 (`qie.config.typed`) and, with the functions here, into the settings its parts take (image sizes, where the samples
 come from, loss masks, the embedding source's settings, the fused base, sampling options). The rules these settings
-must keep that need no model loaded were checked when the config was composed (`qie.config.validate`, with
-`qie.config.rules`); the code below takes the settings, never a config.
+must keep that need no model loaded were checked when the config was composed (`qie.checks.validate`, with
+`qie.checks.rules`); the code below takes the settings, never a config.
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qie import run_lock
 from qie.cache.base import CacheBackend
+from qie.checks import Checked, check
 from qie.components import prepare_model
-from qie.config import precompute_command, read_groups, typed, validate
 from qie.config.backend import build_backend
 from qie.config.cache import CacheConfig
 from qie.data import file_stats
@@ -70,10 +70,8 @@ TRACEBACK_FILE = "error_traceback.txt"  # where a failure of user code (an objec
 
 
 def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] | None = None) -> dict:
-    """Train as `cfg` says, writing metrics, TensorBoard logs, checkpoints and the weights under `run_dir`.
-
-    The stage's edge: the one place that reads `cfg`, turned into a `TrainSetup` (checked before anything loads),
-    then run by the `TrainRecipe`.
+    """Train as `cfg` says (the stage from code: `cfg` checked once, `qie.checks.check`, then `start`), writing metrics,
+    TensorBoard logs, checkpoints and the weights under `run_dir`.
 
     Args:
         on_step_end: an extra hook after each optimizer step (benchmarks time steps with it).
@@ -85,13 +83,19 @@ def run(cfg: DictConfig, run_dir: Path, on_step_end: Callable[[StepInfo], None] 
         QieError subclasses for what a user can fix (config, data, cache misses, models), and StorageError when
         another process trains in `run_dir` (one writer per run folder, see `qie.run_lock`).
     """
-    validate(cfg)  # the config-only rules, for a config changed in code after it was composed too
-    if not cfg.data.path:
+    return start(check(cfg), run_dir, on_step_end)
+
+
+def start(checked: Checked, run_dir: Path, on_step_end: Callable[[StepInfo], None] | None = None) -> dict:
+    """The stage's edge: a checked config's typed groups read into a `TrainSetup` (what reads files checked before
+    anything loads), run by the `TrainRecipe`. See `run`."""
+    groups = checked.groups
+    if not groups.data.path:
         raise ConfigError("data.path is not set: point it at a data set folder or manifest")
-    groups = read_groups(cfg)
     spec = prepare_model(groups.model)  # first: a checkpoint of another model is named before anything else
-    setup = train_setup(spec, groups, precompute_command(cfg), OmegaConf.to_container(cfg, resolve=True))
-    setup = dataclasses.replace(setup, outputs=RunOutputs.of(typed(cfg.run)), run_command=rebuilt_command(cfg))
+    setup = train_setup(spec, groups, checked.precompute_command, checked.values)
+    outputs, command = RunOutputs.of(checked.root.run), rebuilt_command(checked.values)
+    setup = dataclasses.replace(setup, outputs=outputs, run_command=command)
     return TrainRecipe(setup, Path(run_dir), groups.cache, on_step_end).execute()
 
 
@@ -375,4 +379,4 @@ def collecting() -> Iterator[None]:
             gc.disable()
 
 
-__all__ = ["RESULT_FILE", "TRACEBACK_FILE", "TrainRecipe", "run"]
+__all__ = ["RESULT_FILE", "TRACEBACK_FILE", "TrainRecipe", "run", "start"]

@@ -92,9 +92,11 @@ def finish(
         if report is not None:
             print(f"qie: report {report}")
     # Free the DDP wrapper while the process group is still registered: a gloo group whose last owner is
-    # DDP's reducer is destroyed holding the GIL, which deadlocks with gloo's threads (pytorch#56297).
+    # DDP's reducer is destroyed holding the GIL, which deadlocks with gloo's threads (pytorch#56297). A single
+    # process has no group: its collector pass over every object (half a second) is not needed.
     state.model = None
-    accelerator.free_memory()
+    if accelerator.num_processes > 1:
+        accelerator.free_memory()
     accelerator.end_training()
 
 

@@ -1,7 +1,7 @@
 """What the train and precompute stages add to plain training: the EMA, the LoRA exports, and regularisation
 data (`data.regularization`: its samples and its own loss in the logs). `train.mask` and `data.regularization`'s
 settings are read in `qie.stages.settings`; their rules, and `train.ema`'s, are checked when the config is composed
-(`qie.config.rules`)."""
+(`qie.checks.rules`)."""
 
 from __future__ import annotations
 

@@ -8,20 +8,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from qie.config.command import run_command
+from qie.checks.command import run_command
 from qie.reporting.environment import environment, write_run_info
 from qie.reporting.run_report import write_report
 
 log = logging.getLogger(__name__)
 
 
-def rebuilt_command(cfg: DictConfig) -> str:
-    """The command line that composes `cfg` again, or "" (with a warning) for a config made in code that the
-    stage's CLI cannot compose: the run goes on without it."""
+def rebuilt_command(values: dict[str, Any]) -> str:
+    """The command line that composes the config of plain `values` (`Checked.values`) again, or "" (with a warning)
+    for a config made in code that the stage's CLI cannot compose: the run goes on without it."""
     try:
-        return run_command(cfg, "train")
+        return run_command(values, "train")
     except Exception as e:
         log.warning("qie: no command line rebuilds this run's config (%s: %s)", e.__class__.__name__, e)
         return ""

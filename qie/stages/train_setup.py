@@ -4,7 +4,7 @@
 (`qie.components.prepare_model`), and gives the `TrainSetup` the stage's parts take: the fused base, the training
 mode, the memory settings, the embedding source's settings (loss masks included), the reference dropout rate, the
 regularisation set and the caption settings. The rules that need only the config were checked when it was composed
-(`qie.config.validate`); those that read files (a LoRA to fuse or go on training, a caption prompt's file) are
+(`qie.checks.validate`); those that read files (a LoRA to fuse or go on training, a caption prompt's file) are
 checked here.
 """
 
@@ -69,13 +69,13 @@ class TrainSetup:
 
 
 def train_setup(spec: ModelSpec, groups: Groups, command: str, run_config: dict) -> TrainSetup:
-    """The run's setup, of a config `qie.config.validate` passed: the fused base and the mode (a LoRA file that
+    """The run's setup, of a config `qie.checks.validate` passed: the fused base and the mode (a LoRA file that
     cannot be read is refused), the loss masks, the regularisation set, the caption prompt and the memory levers.
 
     Args:
-        groups: the config's groups (`qie.config.read_groups`): model, data, cache, train, predict, logging and
+        groups: the config's groups (`qie.checks.read_groups`): model, data, cache, train, predict, logging and
             validation are read.
-        command: the precompute command that fills the cache the run reads (`qie.config.precompute_command`).
+        command: the precompute command that fills the cache the run reads (`qie.checks.precompute_command`).
 
     Raises:
         ConfigError, ModelLoadError: an unreadable `train.init_lora` or `model.fuse_loras` file, a caption prompt

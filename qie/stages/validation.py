@@ -26,7 +26,7 @@ def validation_samples(v: ValidationConfig, training: list[Sample], count: int) 
     images for text to image), or, when none are given, the first `count` training samples. Those keep
     their targets: for the metrics, and, without a control image, for the output size (`validation_inputs`
     encodes the others without theirs). One entry per prompt, each with as many images as the model takes, was
-    checked when the config was composed (`qie.config.validate`).
+    checked when the config was composed (`qie.checks.validate`).
     """
     if not v.prompts:
         return list(training[:count])

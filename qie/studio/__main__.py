@@ -5,7 +5,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from qie.config import register, typed
+from qie.checks import register
+from qie.cli import main_of
+from qie.config import typed
 from qie.config.tree import conf_path
 from qie.errors import QieError
 from qie.studio.server import serve
@@ -28,4 +30,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main, "studio")

@@ -94,7 +94,7 @@ def mapping_fields(node: DictConfig, prefix: str) -> list[dict]:
 def component_fields(node: DictConfig, prefix: str) -> list[dict]:
     """A component's settings (an objective, a reward) from its class's constructor: each keyword parameter with its
     annotation and default, valued from `node`; one the node lacks is added with `+` (Hydra's new key)."""
-    from qie.config.rewards import STAGE_KEYS
+    from qie.config.evaluation import REWARD_STAGE_KEYS as STAGE_KEYS
     from qie.config.targets import target_class
 
     target = str(node.get("_target_") or "")

@@ -14,6 +14,7 @@ import os
 import queue
 import resource
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,12 @@ from qie.data.samples import Sample
 from qie.types import Batch
 
 log = logging.getLogger(__name__)
+
+# The training steps' scalars reach the tracker's thread in batches: every HAND_OVER_STEPS steps, or sooner once
+# HAND_OVER_SECONDS have passed (a slow model's steps show in TensorBoard as they come), and whenever anything else
+# is logged or the logger is flushed or closed.
+HAND_OVER_STEPS = 25
+HAND_OVER_SECONDS = 2.0
 
 
 def memory_gib() -> dict[str, float]:
@@ -69,6 +76,8 @@ class MetricsLogger:
         self.wandb = None
         self._file = None
         self._tracker: _TrackerThread | None = None
+        self._steps: list[tuple[dict[str, float], int]] = []  # each step's scalars, handed over in batches
+        self._handed = time.monotonic()
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +109,22 @@ class MetricsLogger:
         self._file.write(json.dumps({"step": step, **metrics, **memory}) + "\n")
         scalars = {f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
         scalars.update(memory)
-        self.log_scalars(scalars, step)
+        if self._tracker is None:
+            return
+        # Handed to the tracker's thread in batches: waking it every step cost the step a thread switch, a large
+        # share of a small model's step on a busy machine.
+        self._steps.append((scalars, step))
+        if len(self._steps) >= HAND_OVER_STEPS or time.monotonic() - self._handed >= HAND_OVER_SECONDS:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._steps and self._tracker is not None:
+            self._tracker.submit(self._send_steps, self._steps)
+        self._steps, self._handed = [], time.monotonic()
+
+    def _send_steps(self, steps: list[tuple[dict[str, float], int]]) -> None:
+        for scalars, step in steps:
+            self._send_scalars(scalars, step)
 
     def log_file(self, name: str, step: int, scalars: dict[str, float]) -> None:
         """Append `scalars` (full tags) with the step to the run directory's file `name` (a JSON line each call)
@@ -114,6 +138,7 @@ class MetricsLogger:
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         """Send scalars (full tags, e.g. "validation/psnr_keep") to the tracker only, not to metrics.jsonl."""
         if self.enabled and self._tracker is not None:
+            self._hand_over()  # the steps logged before these go first
             self._tracker.submit(self._send_scalars, dict(scalars), step)
 
     def _send_scalars(self, scalars: dict[str, float], step: int) -> None:
@@ -125,6 +150,7 @@ class MetricsLogger:
 
     def log_image(self, tag: str, image: Image.Image, step: int) -> None:
         if self.enabled and self._tracker is not None:
+            self._hand_over()
             self._tracker.submit(self._send_image, tag, image, step)
 
     def _send_image(self, tag: str, image: Image.Image, step: int) -> None:
@@ -143,12 +169,14 @@ class MetricsLogger:
     def flush(self) -> None:
         """Wait until everything logged so far has reached the tracker."""
         if self._tracker is not None:
+            self._hand_over()
             self._tracker.wait()
         if self.tb is not None:
             self.tb.flush()
 
     def close(self) -> None:
         if self._tracker is not None:
+            self._hand_over()
             self._tracker.wait()
             self._tracker = None
         if self._file is not None:

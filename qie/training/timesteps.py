@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from diffusers.training_utils import compute_density_for_timestep_sampling
 
 from qie.models.flow import loss_weights, shift_mu
 
@@ -38,6 +37,10 @@ class SigmaSampling:
 
     def sample(self, batch_size: int, generator: torch.Generator, image_seq_len: int = 4096) -> torch.Tensor:
         """`batch_size` sigmas in (0, 1] for targets of `image_seq_len` packed tokens, drawn from `generator`."""
+        # diffusers' training utilities load its models and pipelines: imported where sigmas are drawn, not when
+        # a stage's modules are (an entry point answers a config mistake without them).
+        from diffusers.training_utils import compute_density_for_timestep_sampling
+
         scheme = "uniform" if self.method == "shift" else self.method
         u = compute_density_for_timestep_sampling(
             scheme,

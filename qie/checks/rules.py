@@ -1,15 +1,16 @@
-"""How a composed config's settings go together, and with the model's family: the rules `qie.config.validate` checks
+"""How a composed config's settings go together, and with the model's family: the rules `qie.checks.validate` checks
 beyond the schema and each group's own ranges (its `problem()`), with nothing loaded and no file read.
 
-The rules are functions over the config's groups read once (`qie.config.groups.Groups`). The model's family and
-control-image counts come from its spec (`qie.models.model_spec`), which is made of the `model` group alone. Each
-rule gives the first problem it finds as one line, the message a user sees, or None; a group a stage does not have
-is not checked. Rules that need the data, a file's contents or the built model stay where those are read.
+The rules are functions over the config's groups read once (`qie.config.groups.Groups`) and plain values: this
+module imports no model library. They are asked twice: first without the model's spec (before any model library is
+imported, so a mistake is answered in the time Hydra takes; a rule that needs the spec skips that part), then with
+it (`qie.models.model_spec`: the model's family and control-image counts, made of the `model` group alone). Each rule
+gives the first problem it finds as one line, the message a user sees, or None; a group a stage does not have is not
+checked. Rules that need the data, a file's contents or the built model stay where those are read.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from qie.config.groups import Groups
@@ -49,8 +50,8 @@ def trains_lora(train: TrainConfig | None) -> bool:
 
 
 def late_problem(groups: Groups) -> str | None:
-    """The rules checked once the objective and the rewards are known: fp8 compute against the memory levers, the
-    `validation` group's ranges, and validation against FSDP."""
+    """The rules checked after the others: fp8 compute against the memory levers, the `validation` group's ranges,
+    validation against FSDP, and the searched metric (`search_problem`)."""
     model, train, validation = groups.model, groups.train, groups.validation
     if (
         model is not None
@@ -70,6 +71,24 @@ def late_problem(groups: Groups) -> str | None:
     for key, value in measured.items():
         if train is not None and train.fsdp and value:
             return f"{key} needs an unsharded model (the main process measures alone): set {key}=0 with train.fsdp=true"
+    return search_problem(groups)
+
+
+def search_problem(groups: Groups) -> str | None:
+    """Why `validation.search_metric` cannot be searched on (one line), or None: it names a reward of
+    `validation.rewards`, measured by validation (`validation.every`) at the last step."""
+    validation, train = groups.validation, groups.train
+    if validation is None or validation.search_metric is None or train is None:
+        return None
+    name, rewards = validation.search_metric, list(validation.rewards)
+    if name not in rewards:
+        return f"validation.search_metric={name} is not a reward of validation.rewards ({', '.join(rewards) or 'none'})"
+    every, steps = validation.every, train.max_steps
+    if every <= 0 or steps % every:
+        return (
+            f"validation.search_metric={name} is read from the last validation: set validation.every to a "
+            f"divisor of train.max_steps={steps} (now {every})"
+        )
     return None
 
 
@@ -179,23 +198,9 @@ def _memory(groups: Groups, spec: Any) -> str | None:
 
 
 def _precompute(groups: Groups, spec: Any) -> str | None:
-    """`precompute.batch_size`; `precompute.teachers` only with an objective that computes targets ahead of training
-    (`PrecomputesTargets`: distillation's teacher outputs)."""
-    precompute = groups.precompute
-    if precompute is None:
-        return None
-    if problem := precompute.problem():
-        return problem
-    if not precompute.teachers or groups.train is None:
-        return None
-    objectives = importlib.import_module("qie.training.objectives")
-    cls = objectives.objective_class(groups.train.objective)
-    if issubclass(cls, objectives.PrecomputesTargets):
-        return None
-    return (
-        f"precompute.teachers=true computes an objective's targets ahead of training, and {cls.__qualname__} "
-        "(train.objective) computes none: give the training run's overrides (e.g. train/objective=distill)"
-    )
+    """`precompute.batch_size` and the group's other ranges (`precompute.teachers` against the objective's class is
+    checked with the objective, `qie.checks.components`)."""
+    return None if groups.precompute is None else groups.precompute.problem()
 
 
 def _demo(groups: Groups, spec: Any) -> str | None:

@@ -12,7 +12,7 @@ import shlex
 import sys
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 # The groups whose choice a config names (`<group>.name`): chosen on the rebuilt command line, so that the keys
 # they set are not each written out.
@@ -20,30 +20,28 @@ NAMED_GROUPS = ("model", "cache")
 _PLAIN = re.compile(r"^[\w./@-]*$")
 
 
-def run_command(cfg: DictConfig, stage: str) -> str:
-    """`python -m <entry point> <overrides>` that composes `cfg` again (`stage`: the stage run outside the CLI)."""
+def run_command(values: dict[str, Any], stage: str) -> str:
+    """`python -m <entry point> <overrides>` that composes the config whose plain values (resolved) are `values` again
+    (`stage`: the stage run outside the CLI)."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         overrides = list(HydraConfig.get().overrides.task)
         return " ".join(["python -m", _entry_point(f"qie.{stage}"), *(shlex.quote(o) for o in overrides)])
-    return " ".join([f"python -m qie.{stage}", *(shlex.quote(o) for o in rebuilt_overrides(cfg, stage))])
+    return " ".join([f"python -m qie.{stage}", *(shlex.quote(o) for o in rebuilt_overrides(values, stage))])
 
 
-def rebuilt_overrides(cfg: DictConfig, stage: str) -> list[str]:
-    """The overrides that turn the stage's composed defaults into `cfg`: its group choices, then each key whose
-    value differs (`+key=` where the defaults lack it, `~key` where `cfg` does)."""
-    from qie.config import compose
+def rebuilt_overrides(values: dict[str, Any], stage: str) -> list[str]:
+    """The overrides that turn the stage's composed defaults into the config of plain `values`: its group choices,
+    then each key whose value differs (`+key=` where the defaults lack it, `~key` where `values` does)."""
+    from qie.checks import compose  # the package this module is part of: its composing, read at call time
 
-    groups = [f"{g}={cfg[g].name}" for g in NAMED_GROUPS if OmegaConf.select(cfg, f"{g}.name") is not None]
-    try:
-        base = compose(stage, groups)
+    groups = [f"{g}={values[g]['name']}" for g in NAMED_GROUPS if (values.get(g) or {}).get("name") is not None]
+    try:  # the stage's defaults: composed, not checked (a stage checks the config it runs)
+        base = compose(stage, groups, checked=False)
     except Exception:  # a group chosen from code that no yaml names: every key is written out
-        groups, base = [], compose(stage)
-    now, before = (
-        _leaves(OmegaConf.to_container(cfg, resolve=True)),
-        _leaves(OmegaConf.to_container(base, resolve=True)),
-    )
+        groups, base = [], compose(stage, checked=False)
+    now, before = _leaves(values), _leaves(OmegaConf.to_container(base, resolve=True))
     changed = [f"{k}={_value(v)}" for k, v in now.items() if k in before and before[k] != v]
     # A section the stage does not have (the demo's own, in the config it trains with) is not the stage's to read.
     sections = {k.split(".")[0] for k in before}
