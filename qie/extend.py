@@ -25,6 +25,13 @@ from qie.training.objectives.context import ObjectiveContext, ObjectiveStore
 from qie.training.objectives.flow_matching import FlowMatching
 from qie.types import Batch
 
+
+def __getattr__(name: str) -> object:
+    from qie.training.objectives.renamed import renamed_error
+
+    raise renamed_error(__name__, name)
+
+
 __all__ = [
     "Batch",
     "CacheBackend",

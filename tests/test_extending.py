@@ -170,3 +170,14 @@ def test_rollouts_sampled_decoded_and_scored_by_a_reward_train_by_configuration(
     steps = _steps(run)
     assert len(result["losses"]) == 2 and all(s["reward_best"] > s["reward_mean"] > 0 for s in steps)
     assert (run / "lora").is_dir()
+
+
+def test_the_objective_seams_old_names_are_answered_with_their_replacements() -> None:
+    import qie.extend
+
+    for module in ("qie.extend", "qie.training.objectives"):
+        with pytest.raises(ImportError, match=rf"^{module}.ObjectiveInputs was replaced: use ObjectiveContext "):
+            exec(f"from {module} import ObjectiveInputs")
+    with pytest.raises(ImportError, match=r"ScoresOwnResults was replaced: use ObjectiveContext.score "):
+        exec("from qie.extend import ScoresOwnResults")
+    assert not hasattr(qie.extend, "NoSuchName")  # any other name is the plain missing attribute

@@ -217,6 +217,12 @@ def build_objective(node: Mapping[str, Any], context: ObjectiveContext) -> Objec
     return cls(context, **settings)
 
 
+def __getattr__(name: str) -> object:
+    from qie.training.objectives.renamed import renamed_error
+
+    raise renamed_error(__name__, name)
+
+
 __all__ = [
     "DEFAULT_TARGET",
     "Objective",
