@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -187,9 +188,10 @@ def main() -> None:
     for arm in arms:
         if arm in ("nft", "awm") and budget is None:
             budget = results["grpo_plain"]["wall_seconds"] / 4 / 60
-        t0 = time.perf_counter()
+        t0, load = time.perf_counter(), os.getloadavg()[0]
         train.run(compose("train", [*shared, *arm_overrides(arm, args, budget, start)]), out / arm)
         results[arm] = {"wall_seconds": time.perf_counter() - t0, **step_split(out / arm)}
+        results[arm]["load"] = [round(load, 1), round(os.getloadavg()[0], 1)]  # 1-minute load at its start and end
         print(f"{arm}: {results[arm]}", flush=True)
     report(args, out, data, start, arms, results, budget)
 
