@@ -215,10 +215,20 @@ def test_loader_strings_are_edges_of_the_import_graph() -> None:
 
 def test_no_module_below_the_stages_imports_the_config_checker() -> None:
     """`qie.checks` (compose, the rules, the components' checks) is imported by the entry points, the stages, the
-    demo and the Python API only; the schemas (`qie.config`) import nothing of qie above them."""
+    demo, the studio (which checks a job's config before it queues it) and the Python API only; the schemas
+    (`qie.config`) import nothing of qie above them."""
     graph = _imports()
     users = sorted(p for p, targets in graph.items() if "checks" in targets)
-    above = {"stages", "demo", "api", "cli", "qie", "qie.demo.__main__"} | ENTRY_MODULES
+    above = {
+        "stages",
+        "demo",
+        "studio",
+        "api",
+        "cli",
+        "qie",
+        "qie.demo.__main__",
+        "qie.studio.__main__",
+    } | ENTRY_MODULES
     assert [p for p in users if p not in above] == []
     assert graph["config"] <= {"errors", "entry_types", "cache"}, graph["config"]
 

@@ -285,7 +285,7 @@ def test_a_signal_stop_saves_the_state_and_exits_128_plus_the_signal(data: dict,
     assert info.value.code == 143
     exit_after_signal({"signal": None, "step": 6})  # a finished run: no exit
     # The entry point exits with it (SIGINT: 130).
-    monkeypatch.setattr(train_stage, "run", lambda cfg, run_dir: {"signal": int(signal.SIGINT)})
+    monkeypatch.setattr(train_stage, "start", lambda checked, run_dir: {"signal": int(signal.SIGINT)})
     monkeypatch.setattr(sys, "argv", ["qie.train", *data["base"], f"hydra.run.dir={tmp_path / 'cli'}"])
     with pytest.raises(SystemExit) as info:
         train_entry.main()

@@ -1,5 +1,5 @@
 """A job's command line and its checks: only qie's own stages, overrides alone (no Hydra options), the run folder
-the studio's to set, and the config composed and validated as the CLI would (`qie.config.compose`) before it is
+the studio's to set, and the config composed and validated as the CLI would (`qie.checks.compose`) before it is
 queued. The command is an argument list, never a shell string: a value is one argument, whatever it holds.
 """
 
@@ -154,18 +154,18 @@ def sweep_members(parsed: list[Any]) -> list[list[str]]:
 
 
 def compose(stage: str, overrides: list[str]) -> Any:
-    """`qie.config.compose`, one at a time, its message in one line.
+    """`qie.checks.compose`, one at a time, its message in one line.
 
     Raises:
         ConfigError: what the config refuses.
     """
     from omegaconf.errors import OmegaConfBaseException
 
-    from qie import config
+    from qie import checks
 
     with _COMPOSING:
         try:
-            return config.compose(stage, overrides)
+            return checks.compose(stage, overrides)
         except ConfigError as e:
             raise ConfigError(one_line(str(e))) from None
         except OmegaConfBaseException as e:

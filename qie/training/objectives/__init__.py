@@ -14,7 +14,7 @@ an objective from outside qie is `train.objective._target_=pkg.Cls +train.object
   them, and precompute fills every one); without "target", rows without a target train (an objective that samples
   its own results);
 - `use_problem(use)` (a class method): why it cannot train this run (`ObjectiveUse`, known before any model loads:
-  `qie.config.validate` asks it when the config is composed), or None.
+  `qie.checks.validate` asks it when the config is composed), or None.
 
 An objective that computes targets ahead of training into a store (distillation's teacher outputs) also implements
 `PrecomputesTargets`; `precompute.teachers=true` asks for it.
