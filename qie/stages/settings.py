@@ -46,7 +46,7 @@ class Regularization:
     ratio: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SourceSettings:
     """What an embedding source is built from (`qie.stages.sources.build_source`).
 
@@ -97,16 +97,24 @@ def data_source(data: DataConfig, state_dir: str | None = None, path: str | None
     from qie.config import qie_home
 
     c = data.columns
-    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.mask, c.layers, c.rejected)
+    columns = Columns(
+        target=c.target,
+        controls=tuple(c.controls),
+        prompt=c.prompt,
+        id=c.id,
+        mask=c.mask,
+        layers=c.layers,
+        rejected=c.rejected,
+    )
     folder = Path(state_dir) if state_dir else None
     return DataSource(
-        str(path or data.path),
-        str(data.format) if path is None else "auto",
-        data.split,
-        columns,
-        (folder or qie_home()) / "images",
-        data.allow_outside_paths,
-        folder / "manifests" if folder is not None else None,
+        path=str(path or data.path),
+        format=str(data.format) if path is None else "auto",
+        split=data.split,
+        columns=columns,
+        images_dir=(folder or qie_home()) / "images",
+        allow_outside=data.allow_outside_paths,
+        index_dir=folder / "manifests" if folder is not None else None,
     )
 
 
@@ -155,13 +163,13 @@ def source_settings(
     """The embedding source's settings of a stage's `model`, `data` and `cache` groups (`masks`: `loss_masks`'s;
     `command`: the precompute command a miss names)."""
     return SourceSettings(
-        model,
-        image_sizes(data, spec),
-        str(cache.mode),
-        cache.state_folder(),
-        encoder_devices(cache),
-        masks,
-        command or DEFAULT_PRECOMPUTE_COMMAND,
+        model=model,
+        sizes=image_sizes(data, spec),
+        mode=str(cache.mode),
+        state_dir=cache.state_folder(),
+        devices=encoder_devices(cache),
+        masks=masks,
+        precompute_command=command or DEFAULT_PRECOMPUTE_COMMAND,
     )
 
 
