@@ -12,8 +12,32 @@ class PredictDevices:
     transformer: str = "auto"
 
 
+@dataclass(kw_only=True)
+class SamplingFields:
+    """How an image is sampled: the fields the `predict` group sets (`predict.seed`, ...) and
+    `qie.models.sampling.SamplingOptions` carries, spelled once here.
+
+    The empty negative prompt is the one the cache stores, so CFG runs where the scale is above 1 (validation
+    from cached inputs too); set negative_prompt=null to turn CFG off. The scale and the step count left None are
+    the model's (`model.true_cfg_scale`, `model.num_inference_steps`: its pipeline's own; 2.1 samples its
+    checkpoint's `sample_sigmas` where it has them), filled in by `SamplingOptions.resolved`."""
+
+    negative_prompt: str | None = ""
+    true_cfg_scale: float | None = None
+    num_inference_steps: int | None = None
+    seed: int = 0
+    # Output size; None: the model's rule (the condition size of its output image, see ModelSpec.output_size).
+    height: int | None = None
+    width: int | None = None
+    num_images: int = 1
+    # Layers to split the input into (a layered model, e.g. Qwen-Image-Layered; its default 4; other models refuse
+    # it); `predict.output` is then a folder of layer_0.png, layer_1.png, ...
+    layers: int | None = None
+
+
 @dataclass
-class PredictConfig:
+class PredictConfig(SamplingFields):
+    # The sampling options come first, from `SamplingFields`.
     image: str | None = None
     # Several control images (Edit-Plus); takes precedence over `image`.
     images: list[str] | None = None
@@ -22,20 +46,6 @@ class PredictConfig:
     input: str | None = None
     output: str = "output.png"
     output_dir: str = "predictions"
-    # Sampling options (qie.models.sampling.SamplingOptions); the empty negative prompt is the one the cache
-    # stores, so CFG runs where the scale is above 1; set negative_prompt=null to turn CFG off. The scale and
-    # the step count default to the model's (`model.true_cfg_scale`, `model.num_inference_steps`: its
-    # pipeline's own; 2.1 samples its checkpoint's `sample_sigmas` where it has them).
-    negative_prompt: str | None = ""
-    true_cfg_scale: float | None = None
-    num_inference_steps: int | None = None
-    seed: int = 0
-    height: int | None = None
-    width: int | None = None
-    num_images: int = 1
-    # Layers to split the input into (a layered model, e.g. Qwen-Image-Layered; its default 4); `output` is then
-    # a folder of layer_0.png, layer_1.png, ...
-    layers: int | None = None
     lora: str | None = None
     lora_scale: float = 1.0
     # Use `lora` although its run fused other LoRAs into the base than `model.fuse_loras` does (by default refused).

@@ -10,7 +10,7 @@ must keep that need no model loaded were checked when the config was composed (`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from qie.cache.keys import FileHasher
 from qie.config.cache import CacheConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
-from qie.config.predict import PredictConfig
+from qie.config.predict import PredictConfig, SamplingFields
 from qie.config.train import TrainConfig
 from qie.data.formats import Columns, DataSource
 from qie.data.masks import MaskSettings
@@ -181,15 +181,8 @@ def fused_base(model: ModelConfig, spec: ModelSpec) -> FusedBase:
 
 def sampling_options(predict: PredictConfig, **overrides: Any) -> SamplingOptions:
     """SamplingOptions from the `predict` group; `overrides` whose value is None keep predict's value."""
-    base = {
-        "negative_prompt": predict.negative_prompt,
-        "true_cfg_scale": None if predict.true_cfg_scale is None else float(predict.true_cfg_scale),
-        "num_inference_steps": None if predict.num_inference_steps is None else int(predict.num_inference_steps),
-        "seed": predict.seed,
-        "height": predict.height,
-        "width": predict.width,
-        "num_images": predict.num_images,
-        "layers": None if predict.layers is None else int(predict.layers),
-    }
+    base = {f.name: getattr(predict, f.name) for f in fields(SamplingFields)}
+    for name, kind in (("true_cfg_scale", float), ("num_inference_steps", int), ("layers", int)):
+        base[name] = None if base[name] is None else kind(base[name])
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingOptions(**base)
