@@ -6,10 +6,11 @@ from dataclasses import fields
 
 import pytest
 
-from qie.config.predict import PredictConfig, SamplingFields
+from qie.config.predict import PredictConfig
 from qie.data.formats import DataSource
 from qie.data.samples import Sample
 from qie.models.sampling import SamplingOptions
+from qie.sampling_fields import SamplingFields
 from qie.stages.settings import sampling_options
 from qie.stages.train_setup import TrainSetup
 from qie.types import Batch

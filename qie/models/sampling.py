@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qie.config.predict import SamplingFields
+from qie.sampling_fields import SamplingFields
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from qie.cache.keys import FileHasher
 from qie.config.cache import CacheConfig
 from qie.config.data import DataConfig
 from qie.config.model import ModelConfig
-from qie.config.predict import PredictConfig, SamplingFields
+from qie.config.predict import PredictConfig
 from qie.config.train import TrainConfig
 from qie.data.formats import Columns, DataSource
 from qie.data.masks import MaskSettings
@@ -27,6 +27,7 @@ from qie.embedding.encode import ImageSizes
 from qie.embedding.sources import DEFAULT_PRECOMPUTE_COMMAND
 from qie.models import ModelSpec
 from qie.models.sampling import SamplingOptions
+from qie.sampling_fields import SamplingFields
 
 
 @dataclass(frozen=True)
