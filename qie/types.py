@@ -80,7 +80,7 @@ def _pieces(embed: Embed) -> tuple[torch.Tensor, ...]:
     return tuple(embed) if isinstance(embed, (tuple, list)) else (embed,)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Batch:
     """A collated batch. All samples share their latent shapes (buckets keep it so)."""
 
@@ -136,18 +136,18 @@ class Batch:
             return None if t is None else t.to(device, dtype)
 
         return Batch(
-            self.ids,
-            self.latents.to(device, dtype),
-            [c.to(device, dtype) for c in self.control_latents],
-            self.prompt_embeds.to(device, dtype),
-            mask,
-            image_mask,
-            loss_mask,
-            self.loss_weight,
-            {name: t.to(device, dtype) for name, t in self.fields.items()},
-            moved(self.negative_prompt_embeds, dtype),
-            moved(self.negative_prompt_embeds_mask),
-            moved(self.negative_prompt_image_mask),
+            ids=self.ids,
+            latents=self.latents.to(device, dtype),
+            control_latents=[c.to(device, dtype) for c in self.control_latents],
+            prompt_embeds=self.prompt_embeds.to(device, dtype),
+            prompt_embeds_mask=mask,
+            prompt_image_mask=image_mask,
+            loss_mask=loss_mask,
+            loss_weight=self.loss_weight,
+            fields={name: t.to(device, dtype) for name, t in self.fields.items()},
+            negative_prompt_embeds=moved(self.negative_prompt_embeds, dtype),
+            negative_prompt_embeds_mask=moved(self.negative_prompt_embeds_mask),
+            negative_prompt_image_mask=moved(self.negative_prompt_image_mask),
         )
 
     def _placed(self, device: torch.device, dtype: torch.dtype) -> bool:

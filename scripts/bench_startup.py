@@ -165,7 +165,12 @@ def _sample(root: Path, i: int, per_image: int):
 
     stem, image = f"{i:07d}", f"{i // per_image:07d}.png"
     prompt = f"{PROMPTS[i % 3]} {i}"
-    return Sample(stem, root / "ds" / "training_images" / image, (root / "ds" / "control_images" / image,), prompt)
+    return Sample(
+        id=stem,
+        target=root / "ds" / "training_images" / image,
+        controls=(root / "ds" / "control_images" / image,),
+        prompt=prompt,
+    )
 
 
 def _entries() -> dict:

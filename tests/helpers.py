@@ -174,7 +174,7 @@ def hf_extra_image_column(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field
             "extra": [images["x"], None]}  # fmt: skip
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
     columns = Columns(**{field: "extra"})
-    return images["x"], read_dataset(DataSource(str(tmp_path / "ds"), "hf", columns=columns,
+    return images["x"], read_dataset(DataSource(path=str(tmp_path / "ds"), format="hf", columns=columns,
                                                 images_dir=tmp_path / "img")).samples  # fmt: skip
 
 

@@ -304,7 +304,10 @@ ALL = {"pixel_latent", "control_latent"} | TEXT_TYPES
 )
 def test_keys_change_exactly_with_what_they_depend_on(tmp_path: Path, change: dict, expected: set) -> None:
     sample = Sample(
-        "a", write_solid_image(tmp_path / "t.png"), (write_solid_image(tmp_path / "c.png", (1, 2, 3)),), "p"
+        id="a",
+        target=write_solid_image(tmp_path / "t.png"),
+        controls=(write_solid_image(tmp_path / "c.png", (1, 2, 3)),),
+        prompt="p",
     )
     hasher = FileHasher()
     before, after = sample_keys(sample, _ctx(), hasher), sample_keys(sample, _ctx(**change), hasher)
@@ -315,7 +318,7 @@ def test_keys_follow_file_bytes_and_prompt(tmp_path: Path) -> None:
     t, c = write_solid_image(tmp_path / "t.png"), write_solid_image(tmp_path / "c.png", (1, 2, 3))
     c2 = write_solid_image(tmp_path / "c2.png", (9, 9, 9))
     hasher, ctx = FileHasher(), _ctx()
-    base = sample_keys(Sample("a", t, (c,), "p"), ctx, hasher)
+    base = sample_keys(Sample(id="a", target=t, controls=(c,), prompt="p"), ctx, hasher)
     assert set(base) == ALL and len(set(base.values())) == 4  # a mask shares its embedding's key
     assert base["prompt_embeds_mask"] == base["prompt_embed"] != base["empty_prompt_embed"]
     assert base["empty_prompt_embeds_mask"] == base["empty_prompt_embed"]
@@ -324,17 +327,17 @@ def test_keys_follow_file_bytes_and_prompt(tmp_path: Path) -> None:
         keys = sample_keys(sample, ctx, hasher)
         return {k for k in base if base[k] != keys[k]}
 
-    assert changed(Sample("other-id", t, (c,), "p")) == set()  # the id is not content
-    assert changed(Sample("a", t, (c,), "q")) == PROMPT_TYPES
-    assert changed(Sample("a", c2, (c,), "p")) == {"pixel_latent"}
-    assert changed(Sample("a", t, (c2,), "p")) == ALL - {"pixel_latent"}
-    assert changed(Sample("a", t, (c, c2), "p")) == ALL - {"pixel_latent"}
+    assert changed(Sample(id="other-id", target=t, controls=(c,), prompt="p")) == set()  # the id is not content
+    assert changed(Sample(id="a", target=t, controls=(c,), prompt="q")) == PROMPT_TYPES
+    assert changed(Sample(id="a", target=c2, controls=(c,), prompt="p")) == {"pixel_latent"}
+    assert changed(Sample(id="a", target=t, controls=(c2,), prompt="p")) == ALL - {"pixel_latent"}
+    assert changed(Sample(id="a", target=t, controls=(c, c2), prompt="p")) == ALL - {"pixel_latent"}
     # Same bytes under another name: same keys. New bytes under the same name: new keys.
     (tmp_path / "copy.png").write_bytes(c.read_bytes())
-    assert changed(Sample("a", t, (tmp_path / "copy.png",), "p")) == set()
+    assert changed(Sample(id="a", target=t, controls=(tmp_path / "copy.png",), prompt="p")) == set()
     write_solid_image(tmp_path / "c.png", (4, 5, 6))
-    assert changed(Sample("a", t, (c,), "p")) == ALL - {"pixel_latent"}
-    assert "pixel_latent" not in sample_keys(Sample("a", None, (c,), "p"), ctx, hasher)
+    assert changed(Sample(id="a", target=t, controls=(c,), prompt="p")) == ALL - {"pixel_latent"}
+    assert "pixel_latent" not in sample_keys(Sample(id="a", target=None, controls=(c,), prompt="p"), ctx, hasher)
 
 
 def test_manifest_rows_without_control_images(tmp_path: Path) -> None:

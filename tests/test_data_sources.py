@@ -126,14 +126,16 @@ def test_columns_lists_of_columns_and_problem_rows(tmp_path: Path) -> None:
             "text": ["recolour", None], "key": ["x", "y"]}  # fmt: skip
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
     columns = Columns(target="out", controls=("a", "b"), prompt="text", id="key")
-    data = read_dataset(DataSource(str(tmp_path / "ds"), "hf", columns=columns, images_dir=tmp_path / "img"))
+    data = read_dataset(
+        DataSource(path=str(tmp_path / "ds"), format="hf", columns=columns, images_dir=tmp_path / "img")
+    )
     (sample,) = data.samples
     assert sample.id == "x" and sample.prompt == "recolour"
     assert [c.read_bytes() for c in sample.controls] == [images["c0"], images["c1"]]
     (problem,) = data.problems
     assert problem.id == "y" and "no prompt" in problem.reason
     with pytest.raises(DataError, match=r"no column 'prompt' \(columns: out, a, b, text, key\)"):
-        read_dataset(DataSource(str(tmp_path / "ds"), "hf", images_dir=tmp_path / "img",
+        read_dataset(DataSource(path=str(tmp_path / "ds"), format="hf", images_dir=tmp_path / "img",
                                 columns=Columns(target="out", controls=("a",))))  # fmt: skip
 
 

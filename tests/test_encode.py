@@ -44,7 +44,7 @@ def _pipeline_inputs(pipe, path: Path, area: int = AREA) -> tuple[Image.Image, t
 def test_prepared_images_are_the_pipelines(edit, tmp_path: Path) -> None:
     _, pipe = edit
     path = write_noise_image(tmp_path / "c.png", 0, (80, 48))
-    prepared = prepare_sample(Sample("s", path, (path,), "p"), SIZES)
+    prepared = prepare_sample(Sample(id="s", target=path, controls=(path,), prompt="p"), SIZES)
     vl_image, vae_input = _pipeline_inputs(pipe, path)
     assert prepared.control_pixels[0].shape == (3, 64, 96)
     assert torch.equal(prepared.control_pixels[0], vae_input[0, :, 0])
@@ -94,7 +94,10 @@ def test_prompt_embeddings_equal_encode_prompt(edit, tmp_path: Path) -> None:
 def test_same_prompt_other_image_other_embedding(edit, tmp_path: Path) -> None:
     encoder, _ = edit
     a, b = (
-        prepare_sample(Sample("s", None, (write_noise_image(tmp_path / f"{i}.png", i),), "x"), SIZES) for i in (1, 2)
+        prepare_sample(
+            Sample(id="s", target=None, controls=(write_noise_image(tmp_path / f"{i}.png", i),), prompt="x"), SIZES
+        )
+        for i in (1, 2)
     )
     ea, eb = encoder.encode_prompts(["Make it red."] * 2, [a.vl_images, b.vl_images])
     assert ea.shape == eb.shape and not torch.allclose(ea, eb)
@@ -113,10 +116,10 @@ def test_encode_entries_gives_every_type(edit, tmp_path: Path) -> None:
     encoder, _ = edit
     samples = [
         Sample(
-            f"s{i}",
-            write_noise_image(tmp_path / f"t{i}.png", i),
-            (write_noise_image(tmp_path / f"c{i}.png", 50 + i),),
-            f"edit {i}",
+            id=f"s{i}",
+            target=write_noise_image(tmp_path / f"t{i}.png", i),
+            controls=(write_noise_image(tmp_path / f"c{i}.png", 50 + i),),
+            prompt=f"edit {i}",
             # a preference pair: the other sample's target is rejected
             field_images=(("rejected", tmp_path / f"t{1 - i}.png"),),
         )
@@ -143,7 +146,9 @@ def test_encode_entries_gives_every_type(edit, tmp_path: Path) -> None:
 def test_edit_plus_multi_image_prompt(plus, tmp_path: Path) -> None:
     encoder, pipe = plus
     paths = [write_noise_image(tmp_path / f"{i}.png", 20 + i, size) for i, size in enumerate([(64, 64), (80, 48)])]
-    sample = Sample("s", None, tuple(paths), "Put the object from picture 2 on the table in picture 1.")
+    sample = Sample(
+        id="s", target=None, controls=tuple(paths), prompt="Put the object from picture 2 on the table in picture 1."
+    )
     prepared = prepare_sample(sample, SIZES)
     conditions = [_pipeline_inputs(pipe, p)[0] for p in paths]
     for got, want in zip(prepared.vl_images, conditions):
@@ -164,10 +169,10 @@ def test_a_batch_shares_encoder_calls_and_one_sample_is_encoded_alone(edit, tmp_
     encoder, pipe = edit
     samples = [
         Sample(
-            f"b{i}",
-            write_noise_image(tmp_path / f"t{i}.png", 70 + i),
-            (write_noise_image(tmp_path / f"c{i}.png", 80 + i),),
-            f"edit {i}",
+            id=f"b{i}",
+            target=write_noise_image(tmp_path / f"t{i}.png", 70 + i),
+            controls=(write_noise_image(tmp_path / f"c{i}.png", 80 + i),),
+            prompt=f"edit {i}",
         )
         for i in range(2)
     ]

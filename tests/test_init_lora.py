@@ -92,6 +92,6 @@ def test_bad_start_is_refused_before_a_model_is_built(
 ) -> None:
     save_file({"text_encoder.layers.0.q_proj.lora_A.weight": torch.zeros(2, 4)}, str(tmp_path / "te.safetensors"))
     monkeypatch.setattr(train_stage, "build_train_state", lambda *a: pytest.fail("a model was built"))
-    monkeypatch.setattr(train_stage, "load_samples", lambda *a: pytest.fail("the data was read first"))
+    monkeypatch.setattr(train_stage, "load_samples", lambda *a, **k: pytest.fail("the data was read first"))
     with pytest.raises(error, match=match):  # a name peft does not know: when the config is composed
         train_stage.run(small_config("train", *cached_data.overrides, override.format(tmp=tmp_path)), tmp_path / "run")

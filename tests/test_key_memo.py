@@ -21,8 +21,8 @@ def _samples(root: Path, n: int) -> list[Sample]:
     for i in range(n):
         target = write_solid_image(root / f"t{i}.png", (i, 0, 0))
         control = write_solid_image(root / f"c{i}.png", (0, i, 0))
-        out.append(Sample(f"s{i}", target, (control,), f"prompt {i}"))
-    out.append(Sample("t2i", root / "t0.png", (), "text only"))
+        out.append(Sample(id=f"s{i}", target=target, controls=(control,), prompt=f"prompt {i}"))
+    out.append(Sample(id="t2i", target=root / "t0.png", controls=(), prompt="text only"))
     return out
 
 
@@ -64,7 +64,7 @@ def test_a_changed_image_or_prompt_is_a_miss_with_its_new_keys(tmp_path: Path) -
     st = os.stat(control)
     write_solid_image(control, (99, 99, 99))
     os.utime(control, ns=(st.st_atime_ns, st.st_mtime_ns))
-    reworded = Sample("s1", samples[1].target, samples[1].controls, "another prompt")
+    reworded = Sample(id="s1", target=samples[1].target, controls=samples[1].controls, prompt="another prompt")
     warm, _ = _memo(cache)
     assert warm.keys(samples[0]) == sample_keys(samples[0], CTX, FileHasher())
     assert warm.keys(reworded) == sample_keys(reworded, CTX, FileHasher())
@@ -143,7 +143,11 @@ def test_a_whole_list_found_again_takes_no_signature_per_sample(tmp_path: Path, 
     shuffled = samples[::-1]
     assert np.array_equal(again.rows_all(shuffled), _rows_of(expected[::-1])) and calls == [5]
     # A sample naming another image in a role (the target as its control): another list.
-    swapped = [*samples[:-2], Sample("s3", samples[3].target, (samples[3].target,), samples[3].prompt), samples[-1]]
+    swapped = [
+        *samples[:-2],
+        Sample(id="s3", target=samples[3].target, controls=(samples[3].target,), prompt=samples[3].prompt),
+        samples[-1],
+    ]
     assert again.rows_all(swapped) is None and calls == [5, 5]
     # An image rewritten in place, its size and mtime put back: its ctime moves, so the list is looked up again
     # and the sample naming it is no longer remembered.

@@ -47,7 +47,7 @@ def test_a_mask_file_reaches_the_latent_grid_by_area(tmp_path: Path) -> None:
     mask = Image.new("L", (64, 64), 0)
     mask.paste(255, (0, 0, 20, 64))  # the left 20 columns white
     mask.save(tmp_path / "mask.png")
-    sample = Sample("a", target, (), "p", tmp_path / "mask.png")
+    sample = Sample(id="a", target=target, controls=(), prompt="p", mask=tmp_path / "mask.png")
     pixels = make_mask(sample, MaskSettings("file", **SETTINGS))
     assert pixels.shape == (64, 64) and pixels[:, :20].eq(1).all() and pixels[:, 20:].eq(0).all()
     latent = to_latent(to_grid(pixels), 4, 4)  # a 16x latent grid (Qwen-Image-2.1's)
@@ -58,7 +58,7 @@ def test_a_mask_file_reaches_the_latent_grid_by_area(tmp_path: Path) -> None:
 
 def test_the_edit_region_is_where_target_and_control_differ_grown_by_the_dilation(tmp_path: Path) -> None:
     target, control = _images(tmp_path)
-    sample = Sample("a", target, (control,), "p")
+    sample = Sample(id="a", target=target, controls=(control,), prompt="p")
     changed = make_mask(sample, MaskSettings("edit", threshold=0.05, dilation=0, **SETTINGS))
     assert changed.sum() == 64 and changed[24:32, 24:32].eq(1).all()
     grown = make_mask(sample, MaskSettings("edit", threshold=0.05, dilation=4, **SETTINGS))
@@ -71,11 +71,22 @@ def test_mask_entries_are_keyed_by_bytes(tmp_path: Path) -> None:
     hasher = FileHasher()
     shutil.copy(target, tmp_path / "elsewhere.png")
     edit = MaskSettings("edit", **SETTINGS)
-    key = mask_key(Sample("a", target, (control,), "p"), edit, hasher)
-    assert key == mask_key(Sample("b", tmp_path / "elsewhere.png", (control,), "q"), edit, hasher)
-    assert key != mask_key(Sample("a", target, (control,), "p"), MaskSettings("edit", dilation=3, **SETTINGS), hasher)
-    assert mask_key(Sample("a", target, (), "p"), edit, hasher) is None  # nothing to compare with: no mask
-    assert mask_key(Sample("a", target, (), "p"), MaskSettings("file", **SETTINGS), hasher) is None  # no file
+    key = mask_key(Sample(id="a", target=target, controls=(control,), prompt="p"), edit, hasher)
+    assert key == mask_key(
+        Sample(id="b", target=tmp_path / "elsewhere.png", controls=(control,), prompt="q"), edit, hasher
+    )
+    assert key != mask_key(
+        Sample(id="a", target=target, controls=(control,), prompt="p"),
+        MaskSettings("edit", dilation=3, **SETTINGS),
+        hasher,
+    )
+    assert (
+        mask_key(Sample(id="a", target=target, controls=(), prompt="p"), edit, hasher) is None
+    )  # nothing to compare with: no mask
+    assert (
+        mask_key(Sample(id="a", target=target, controls=(), prompt="p"), MaskSettings("file", **SETTINGS), hasher)
+        is None
+    )  # no file
 
 
 @pytest.fixture

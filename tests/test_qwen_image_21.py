@@ -110,8 +110,14 @@ def test_training_step_predicts_what_the_sampling_loop_predicts(pipe: QwenImage2
     sigma = call["timestep"]
     x0 = torch.randn(1, 64, 1, h, w, generator=torch.Generator().manual_seed(1))
     noise = (unpack(x_t, h, w) - (1 - sigma) * x0) / sigma
-    batch = Batch(["s"], x0, refs, call["encoder_hidden_states"], call["encoder_hidden_states_mask"],
-                  call["img_mask"][:, : call["encoder_hidden_states"].shape[1]])  # fmt: skip
+    batch = Batch(
+        ids=["s"],
+        latents=x0,
+        control_latents=refs,
+        prompt_embeds=call["encoder_hidden_states"],
+        prompt_embeds_mask=call["encoder_hidden_states_mask"],
+        prompt_image_mask=call["img_mask"][:, : call["encoder_hidden_states"].shape[1]],
+    )
     calls, hook = captured_calls(pipe.transformer)
     try:
         loss = q21.FAMILY.loss(pipe.transformer, batch, noise, sigma)

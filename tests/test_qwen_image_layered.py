@@ -78,7 +78,7 @@ def test_loss_packs_every_frame_and_the_condition_as_the_pipeline(tiny_layered_p
     control = torch.randn(1, 8, 1, 4, 6, generator=g)
     embeds = torch.randn(1, 5, 16, generator=g)
     sigma = torch.tensor([0.4])
-    batch = Batch(["a"], x0, [control], embeds, None)
+    batch = Batch(ids=["a"], latents=x0, control_latents=[control], prompt_embeds=embeds, prompt_embeds_mask=None)
     loss = layered.FAMILY.loss(transformer, batch, noise, sigma)
 
     pack = QwenImageLayeredPipeline._pack_latents
@@ -109,7 +109,13 @@ def test_a_lora_trained_on_the_layered_loss_loads_in_the_pipeline_and_gives_qies
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     g = torch.Generator().manual_seed(1)
     x0, control = torch.randn(1, 8, 3, 4, 4, generator=g), torch.randn(1, 8, 1, 4, 4, generator=g)
-    batch = Batch(["a"], x0, [control], torch.randn(1, 5, 16, generator=g), None)
+    batch = Batch(
+        ids=["a"],
+        latents=x0,
+        control_latents=[control],
+        prompt_embeds=torch.randn(1, 5, 16, generator=g),
+        prompt_embeds_mask=None,
+    )
     for _ in range(3):
         loss = layered.FAMILY.loss(transformer, batch, torch.randn(x0.shape, generator=g), torch.tensor([0.6]))
         loss.backward()
@@ -243,7 +249,9 @@ def test_a_hugging_face_data_set_names_its_layers_column(tmp_path: Path) -> None
     rows = {"image": [png(0), png(4)], "layers": [layers, []], "prompt": ["three shapes", "none"]}
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
     columns = Columns(target="image", controls=("image",), prompt="prompt", layers="layers")
-    data = read_dataset(DataSource(str(tmp_path / "ds"), "hf", columns=columns, images_dir=tmp_path / "img"))
+    data = read_dataset(
+        DataSource(path=str(tmp_path / "ds"), format="hf", columns=columns, images_dir=tmp_path / "img")
+    )
     (sample,) = data.samples
     assert sample.target == sample.controls[0] and sample.target.read_bytes() == rows["image"][0]
     assert [p.read_bytes() for p in sample.layers] == layers

@@ -168,7 +168,7 @@ def test_a_hugging_face_data_set_gives_depth_images_from_its_column(
         "depth": [images["d"], None],
     }
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
-    source = DataSource(str(tmp_path / "ds"), "hf", images_dir=tmp_path / "img", fields=(REJECTED, DEPTH))
+    source = DataSource(path=str(tmp_path / "ds"), format="hf", images_dir=tmp_path / "img", fields=(REJECTED, DEPTH))
     first, second = read_dataset(source).samples
     assert first.fields["depth"].read_bytes() == images["d"] and second.fields == {}
 
@@ -179,7 +179,7 @@ def test_a_sample_without_a_required_field_is_left_out_naming_it(tiny_path: Path
 
     manifest = _manifest(tmp_path / "ds", count=3, depth=False)  # the first row has no depth image
     spec = spec_of(_config(manifest, tmp_path / "cache"))
-    source = DataSource(str(manifest), fields=(REJECTED, DEPTH))
+    source = DataSource(path=str(manifest), fields=(REJECTED, DEPTH))
     samples = load_samples(source, spec, True, None, (DEPTH,))
     assert [s.id for s in samples] == ["t1", "t2"]
     assert (
@@ -196,7 +196,9 @@ def test_rejected_entries_keep_their_cache_key(tmp_path: Path) -> None:
     (tmp_path / "t.png").write_bytes(b"target-bytes")
     (tmp_path / "r.png").write_bytes(b"rejected-bytes")
     ctx = KeyContext("vae-fp", "te-fp", "tmpl", 65536, "fit", 16, 1024 * 1024, 384 * 384, "bfloat16")
-    sample = Sample("a", tmp_path / "t.png", (), "p", field_images=(("rejected", tmp_path / "r.png"),))
+    sample = Sample(
+        id="a", target=tmp_path / "t.png", controls=(), prompt="p", field_images=(("rejected", tmp_path / "r.png"),)
+    )
     keys = sample_keys(sample, ctx, FileHasher())
     assert keys["rejected_latent"] == "86f9bac88559749a52ea54f6f6bd9878002a175ece8d26debfc923b9e0a66446"
     assert keys["pixel_latent"] == "348b96688efe33300718af052d39c2ab0c821ee4a676a0629606fa55b81f6547"

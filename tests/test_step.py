@@ -85,10 +85,21 @@ def test_the_loss_reads_the_target_tokens_and_nothing_else() -> None:
     x0 = batch.latents
     assert loss.item() == pytest.approx((((2 - s) * x0 - (1 - s) * noise) ** 2).mean().item(), rel=1e-6)
     # The control tokens, also echoed, count for nothing; any change to the target does.
-    other = Batch(batch.ids, batch.latents, [torch.randn(batch.control_latents[0].shape, generator=g) * 9],
-                  batch.prompt_embeds, batch.prompt_embeds_mask)  # fmt: skip
+    other = Batch(
+        ids=batch.ids,
+        latents=batch.latents,
+        control_latents=[torch.randn(batch.control_latents[0].shape, generator=g) * 9],
+        prompt_embeds=batch.prompt_embeds,
+        prompt_embeds_mask=batch.prompt_embeds_mask,
+    )
     assert FAMILY.loss(Echo(), other, noise, sigmas).item() == loss.item()
-    shifted = Batch(batch.ids, batch.latents + 1, batch.control_latents, batch.prompt_embeds, batch.prompt_embeds_mask)
+    shifted = Batch(
+        ids=batch.ids,
+        latents=batch.latents + 1,
+        control_latents=batch.control_latents,
+        prompt_embeds=batch.prompt_embeds,
+        prompt_embeds_mask=batch.prompt_embeds_mask,
+    )
     assert FAMILY.loss(Echo(), shifted, noise, sigmas).item() != pytest.approx(loss.item(), rel=1e-3)
 
 

@@ -15,7 +15,7 @@ from qie.stages.heldout import split_heldout
 
 
 def _samples(ids: list[str]) -> list[Sample]:
-    return [Sample(i, Path(f"{i}.png"), (), "p") for i in ids]
+    return [Sample(id=i, target=Path(f"{i}.png"), controls=(), prompt="p") for i in ids]
 
 
 def test_the_heldout_samples_follow_their_ids_not_the_order() -> None:

@@ -93,14 +93,26 @@ def test_a_long_prompt_reaching_the_transformer_is_refused_naming_the_sample(tin
     embeds = torch.zeros(2, 4095, dim)
     mask = torch.ones(2, 4095, dtype=torch.long)
     mask[0, 10:] = 0
-    batch = Batch(["short", "long"], latents, [latents.clone()], embeds, mask)
+    batch = Batch(
+        ids=["short", "long"],
+        latents=latents,
+        control_latents=[latents.clone()],
+        prompt_embeds=embeds,
+        prompt_embeds_mask=mask,
+    )
     with pytest.raises(PromptTooLong) as info:
         FAMILY.loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5))
     assert str(info.value) == (
         "sample 'long': its prompt (caption) is 4,095 tokens, more than the 4,094 text positions the transformer "
         "has beside its images at this size: shorten it (and run precompute again for a cached sample)"
     )
-    batch = Batch(["short", "long"], latents, [latents.clone()], embeds[:, :4094], None)
+    batch = Batch(
+        ids=["short", "long"],
+        latents=latents,
+        control_latents=[latents.clone()],
+        prompt_embeds=embeds[:, :4094],
+        prompt_embeds_mask=None,
+    )
     assert torch.isfinite(FAMILY.loss(transformer, batch, torch.zeros_like(latents), torch.full((2,), 0.5)))
 
 

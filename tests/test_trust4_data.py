@@ -160,7 +160,7 @@ def test_a_hugging_face_data_set_refuses_image_paths_leading_out(tmp_path: Path,
     (ds / "linked.png").symlink_to(elsewhere)
     from qie.data.hf import Columns
 
-    source = DataSource(str(ds), "hf", columns=Columns(rejected="rejected"), images_dir=tmp_path / "img")
+    source = DataSource(path=str(ds), format="hf", columns=Columns(rejected="rejected"), images_dir=tmp_path / "img")
     data = read_dataset(source)
     assert [s.id for s in data.samples] == ["row000000", "row000001"]
     assert {p.id: p.reason for p in data.problems} == {

@@ -90,7 +90,16 @@ def add_lora(
         if any(name == d or name.startswith(f"{d}.") for d in dead)
         and any(name == t or name.endswith(f".{t}") for t in target_modules)
     ]
-    config = peft_config(adapter, rank, alpha, target_modules, exclude, dropout, _init_value(init), use_dora)
+    config = peft_config(
+        adapter,
+        rank=rank,
+        alpha=alpha,
+        target_modules=target_modules,
+        exclude=exclude,
+        dropout=dropout,
+        init=_init_value(init),
+        use_dora=use_dora,
+    )
     transformer.add_adapter(config)
     return lora_parameters(transformer)
 

@@ -21,7 +21,7 @@ from qie.config.model import ModelConfig
 from qie.models import ModelSpec, model_spec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadSettings:
     """What building a model's parts reads of its `model` group (`LoadSettings.of`): where the checkpoint is and how
     its weights are loaded, quantized and computed."""
@@ -42,17 +42,17 @@ class LoadSettings:
     def of(cls, model: ModelConfig) -> LoadSettings:
         """The settings of a `model` group (its schema's dataclass)."""
         return cls(
-            model.pretrained_model_name_or_path,
-            model.revision,
-            model.dtype,
-            model.quantize,
-            model.transformer_path,
-            model.text_encoder_quantize,
-            model.single_file_fp8,
-            model.fp8_compute,
-            model.tiny,
-            bool(model.fuse_loras),
-            model.check,
+            source=model.pretrained_model_name_or_path,
+            revision=model.revision,
+            dtype=model.dtype,
+            quantize=model.quantize,
+            transformer_path=model.transformer_path,
+            text_encoder_quantize=model.text_encoder_quantize,
+            single_file_fp8=model.single_file_fp8,
+            fp8_compute=model.fp8_compute,
+            tiny=model.tiny,
+            fuses=bool(model.fuse_loras),
+            check=model.check,
         )
 
 

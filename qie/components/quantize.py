@@ -140,6 +140,14 @@ def keep_fp8_weights(model: torch.nn.Module, weights: dict) -> torch.nn.Module:
         assert isinstance(module, QLinear)
         scale = scale.to(device=module.weight.device, dtype=module.weight.dtype)
         data = data.to(module.weight.device).contiguous()
-        qweight = WeightQBytesTensor(qtypes[data.dtype], 0, data.size(), data.stride(), data, scale, None)
+        qweight = WeightQBytesTensor(
+            qtypes[data.dtype],
+            axis=0,
+            size=data.size(),
+            stride=data.stride(),
+            data=data,
+            scale=scale,
+            activation_qtype=None,
+        )
         module.weight = torch.nn.Parameter(qweight, requires_grad=False)
     return _inputs_in_weight_dtype(model)

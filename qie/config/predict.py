@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from qie.config.ranges import first, out_of_range
+from qie.sampling_fields import SamplingFields
 
 
 @dataclass
@@ -13,7 +14,8 @@ class PredictDevices:
 
 
 @dataclass
-class PredictConfig:
+class PredictConfig(SamplingFields):
+    # The sampling options come first, from `SamplingFields`.
     image: str | None = None
     # Several control images (Edit-Plus); takes precedence over `image`.
     images: list[str] | None = None
@@ -22,20 +24,6 @@ class PredictConfig:
     input: str | None = None
     output: str = "output.png"
     output_dir: str = "predictions"
-    # Sampling options (qie.models.sampling.SamplingOptions); the empty negative prompt is the one the cache
-    # stores, so CFG runs where the scale is above 1; set negative_prompt=null to turn CFG off. The scale and
-    # the step count default to the model's (`model.true_cfg_scale`, `model.num_inference_steps`: its
-    # pipeline's own; 2.1 samples its checkpoint's `sample_sigmas` where it has them).
-    negative_prompt: str | None = ""
-    true_cfg_scale: float | None = None
-    num_inference_steps: int | None = None
-    seed: int = 0
-    height: int | None = None
-    width: int | None = None
-    num_images: int = 1
-    # Layers to split the input into (a layered model, e.g. Qwen-Image-Layered; its default 4); `output` is then
-    # a folder of layer_0.png, layer_1.png, ...
-    layers: int | None = None
     lora: str | None = None
     lora_scale: float = 1.0
     # Use `lora` although its run fused other LoRAs into the base than `model.fuse_loras` does (by default refused).

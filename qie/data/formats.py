@@ -20,7 +20,7 @@ MANIFEST_SUFFIXES = (".jsonl", ".json", ".csv")
 HF_FILE_SUFFIXES = (".parquet", ".arrow")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataSource:
     """Where samples come from: `path`, its `format`, and for Hugging Face data sets the split, the columns
     and the folder in-data-set images are written to (content-addressed, so cache keys hash their bytes)."""
@@ -86,19 +86,27 @@ def read_dataset(source: DataSource, require_target: bool = True, require_prompt
         return without_long_prompts(
             scan_dataset(
                 source.path,
-                format,
-                require_target,
-                source.allow_outside,
-                require_prompt,
-                source.index_dir,
-                source.fields,
+                format=format,
+                require_target=require_target,
+                allow_outside=source.allow_outside,
+                require_prompt=require_prompt,
+                index_dir=source.index_dir,
+                fields=source.fields,
             )
         )
     if source.images_dir is None:
         raise ValueError("a Hugging Face data set needs DataSource.images_dir for its in-data-set images")
     images = ImageFolder(source.images_dir, source.allow_outside)
     return without_long_prompts(
-        scan_hf(source.path, source.split, source.columns, images, require_target, require_prompt, source.fields)
+        scan_hf(
+            source.path,
+            split=source.split,
+            columns=source.columns,
+            images=images,
+            require_target=require_target,
+            require_prompt=require_prompt,
+            fields=source.fields,
+        )
     )
 
 

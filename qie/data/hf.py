@@ -35,7 +35,7 @@ _MAGIC = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Columns:
     """Column names of a Hugging Face data set (`data.columns`)."""
 
@@ -197,7 +197,15 @@ def scan_hf(
             out.problems.append(DataProblem(sample_id, f"{path} row {n}", f"row {n} {why}"))
             continue
         out.samples.append(
-            Sample(sample_id, target_path, tuple(controls), prompt.strip(), mask_path, tuple(layers), field_images)
+            Sample(
+                id=sample_id,
+                target=target_path,
+                controls=tuple(controls),
+                prompt=prompt.strip(),
+                mask=mask_path,
+                layers=tuple(layers),
+                field_images=field_images,
+            )
         )
     if not out.samples:
         detail = "".join(f"\n  {p.path}: {p.reason}" for p in out.problems[:5]) or "\n  it has no rows"

@@ -241,13 +241,13 @@ def _scan_rows(
         seen.add(sample_id)
         data.samples.append(
             Sample(
-                sample_id,
-                files.path(target) if target else None,
-                tuple(files.path(c) for c in controls),
-                (prompt or "").strip(),
-                files.path(mask) if mask else None,
-                tuple(files.path(p) for p in layers),
-                tuple((name, files.path(p)) for name, p in extra),
+                id=sample_id,
+                target=files.path(target) if target else None,
+                controls=tuple(files.path(c) for c in controls),
+                prompt=(prompt or "").strip(),
+                mask=files.path(mask) if mask else None,
+                layers=tuple(files.path(p) for p in layers),
+                field_images=tuple((name, files.path(p)) for name, p in extra),
             )
         )
     return data, files

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qie.data.confine import FIX, Confinement
@@ -31,7 +31,7 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 _CONTROL_SUFFIX = re.compile(r"^(?P<stem>.+)_control_(?P<n>\d+)$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sample:
     """One training or inference example. `target` is None for inference-only rows; `controls` is empty for
     a text-to-image sample (or an edit sample trained on the text-only prompt)."""
@@ -230,7 +230,7 @@ def _scan_layered_folder(root: Path, require_prompt: bool, captions: CaptionFile
             )
             continue
         ordered = tuple(p for _, p in numbers)
-        data.samples.append(Sample(stem, image, (image,), prompt, None, ordered))
+        data.samples.append(Sample(id=stem, target=image, controls=(image,), prompt=prompt, mask=None, layers=ordered))
     return data
 
 
@@ -333,7 +333,17 @@ def _scan_edit_folder(
             data.problems.append(DataProblem(stem, str(caption_path), str(e)))
             continue
         extra = tuple((name, images[stem]) for name, images in by_field.items() if stem in images) if by_field else ()
-        data.samples.append(Sample(stem, target, ctrl, prompt, masks.get(stem), (), extra))
+        data.samples.append(
+            Sample(
+                id=stem,
+                target=target,
+                controls=ctrl,
+                prompt=prompt,
+                mask=masks.get(stem),
+                layers=(),
+                field_images=extra,
+            )
+        )
     return data
 
 
@@ -355,4 +365,4 @@ def _field_images(
 def without_controls(sample: Sample, suffix: str = "") -> Sample:
     """`sample` without its control images: trained on the text-only prompt (reference dropout). Its entries
     are keyed by what they hold, so they are cached apart from the sample's own."""
-    return Sample(sample.id + suffix, sample.target, (), sample.prompt, sample.mask, sample.layers, sample.field_images)
+    return replace(sample, id=sample.id + suffix, controls=())

@@ -36,7 +36,15 @@ def builtin_data(kind: str, samples: int = SAMPLES) -> tuple[Path, bool]:
     from qie.demo.synthetic import make_dataset  # PIL's drawing: only when the set is written (an entry imports this)
 
     try:
-        root = make_dataset(scratch / "split", samples, 0, IMAGE_SIZE, SEED, kind == "edit", kind == "layered")
+        root = make_dataset(
+            scratch / "split",
+            train=samples,
+            heldout=0,
+            size=IMAGE_SIZE,
+            seed=SEED,
+            controls=kind == "edit",
+            layered=kind == "layered",
+        )
         os.replace(root / "train", scratch / "data")
         try:
             os.rename(scratch / "data", folder)

@@ -97,12 +97,12 @@ class DemoRecipe(Recipe):
         self.output = OUTPUTS[kind]
         self.data_root = make_dataset(
             run_dir / "data",
-            d.train_samples,
-            d.heldout_samples,
-            d.image_size,
-            d.seed,
-            kind == "edit",
-            kind == "layered",
+            train=d.train_samples,
+            heldout=d.heldout_samples,
+            size=d.image_size,
+            seed=d.seed,
+            controls=kind == "edit",
+            layered=kind == "layered",
         )
         cache = self.checked.replaced("cache", dir=str(run_dir / "cache"), mode="cached")
         self.train = cache.replaced("data", path=str(self.data_root / "train"))
@@ -134,16 +134,16 @@ class DemoRecipe(Recipe):
         pixels = int(edge.data.target_pixels)
         samples = scan_dataset(self.data_root / "heldout").samples
         heldout = Heldout(
-            samples,
-            source,
-            predictor,
-            sampling_options(self.predict),
-            int(d.seed),
-            int(d.image_size),
+            samples=samples,
+            source=source,
+            predictor=predictor,
+            options=sampling_options(self.predict),
+            seed=int(d.seed),
+            image_size=int(d.image_size),
             # Each sample's frames as the model sees them: the target (a layered sample's composite), its layers.
-            [[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in samples],
+            frames=[[_target(path, pixels, spec) for path in (sample.target, *sample.layers)] for sample in samples],
             # The frames' normalised latents (C, frames, h, w) as training sees them: the held-out cache's entries.
-            [embeddings.pixel_latent for embeddings in source.get(samples)],
+            encoded=[embeddings.pixel_latent for embeddings in source.get(samples)],
         )
         psnr = vae_psnr(predictor.parts.vae, heldout.frames, heldout.encoded, spec)
         base = _evaluate(heldout, self.output, run_dir / "predictions" / "base")
@@ -152,13 +152,13 @@ class DemoRecipe(Recipe):
         compared = self.output.compare(heldout, base, lora)
         report_to, step = str(self.checked.groups.logging.report_to), int(result["step"])
         picture = _picture(report_to, run_dir, compared.rows, compared.captions, compared.titles, step)
-        report = _report(base.loss, lora.loss, psnr, compared, result, picture, run_dir)
+        report = _report(base.loss, lora.loss, psnr=psnr, c=compared, result=result, picture=picture, run_dir=run_dir)
         (run_dir / "demo_report.json").write_text(json.dumps(report, indent=2))
         print(format_report(report, run_dir) + f"\n  page:        {write_demo_page(run_dir, report)}")
         return report
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heldout:
     """The held-out samples and what measuring a model on them takes.
 
@@ -191,7 +191,7 @@ class Predictions:
     latent_errors: list[list[float]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Comparison:
     """The base model's and the LoRA's outputs measured against the targets, and the picture's rows."""
 
@@ -262,13 +262,13 @@ def _compare_images(heldout: Heldout, base: Predictions, lora: Predictions) -> C
     base_images, lora_images = [o[0] for o in base.images], [o[0] for o in lora.images]
     rows = [[c, _to_pil(t), b, lo] for c, t, b, lo in zip(controls, targets, base_images, lora_images)]
     return Comparison(
-        pixel_error(base_images, targets),
-        pixel_error(lora_images, targets),
-        pixel_error(controls, targets),
-        {},
-        rows,
-        [sample.prompt for sample in heldout.samples],
-        COLUMNS,
+        error_before=pixel_error(base_images, targets),
+        error_after=pixel_error(lora_images, targets),
+        unedited=pixel_error(controls, targets),
+        extra={},
+        rows=rows,
+        captions=[sample.prompt for sample in heldout.samples],
+        titles=COLUMNS,
     )
 
 
@@ -296,7 +296,15 @@ def _compare_layers(heldout: Heldout, base: Predictions, lora: Predictions) -> C
     titles = LAYERED_COLUMNS + tuple(f"layer {n}" for n in range(len(rows[0]) - 1))
     # The image itself as every layer.
     unedited = mean_of_all([[layer_error(i, t) for i, t in zip(o, e)] for o, e in zip(inputs, expected)])
-    return Comparison(mean_of_all(base_errors), mean_of_all(lora_errors), unedited, extra, rows, captions, titles)
+    return Comparison(
+        error_before=mean_of_all(base_errors),
+        error_after=mean_of_all(lora_errors),
+        unedited=unedited,
+        extra=extra,
+        rows=rows,
+        captions=captions,
+        titles=titles,
+    )
 
 
 # What the model outputs, by the kind of data it trains on.

@@ -88,7 +88,7 @@ class EmbeddingCacheManager:
         """The prompt_embed key of `prompt` seen with the image(s): covers the image content, not only text."""
         paths = image_path if isinstance(image_path, (list, tuple)) else [image_path]
         if self.context is not None:
-            sample = Sample("api", None, tuple(Path(p) for p in paths), prompt)
+            sample = Sample(id="api", target=None, controls=tuple(Path(p) for p in paths), prompt=prompt)
             return sample_keys(sample, self.context, self.hasher)["prompt_embed"]
         return entry_key("prompt_embed", {"prompt": prompt, "controls": [self.hasher.hash(p) for p in paths]})
 
@@ -96,7 +96,9 @@ class EmbeddingCacheManager:
         """All keys of a sample, as precompute computes them. Needs a context."""
         if self.context is None:
             raise ValueError("keys_for needs a KeyContext: build the manager with qie.api.cache_manager(cfg)")
-        sample = Sample("api", Path(target) if target else None, tuple(Path(c) for c in controls), prompt)
+        sample = Sample(
+            id="api", target=Path(target) if target else None, controls=tuple(Path(c) for c in controls), prompt=prompt
+        )
         return sample_keys(sample, self.context, self.hasher)
 
 

@@ -117,11 +117,11 @@ def sample(
         transformer,
         parts.scheduler,
         noise,
-        inputs(prompt[0]),
-        negative_inputs,
-        [control.unsqueeze(0)],
-        options.num_inference_steps,
-        options.true_cfg_scale if options.guidance else 1.0,
+        prompt=inputs(prompt[0]),
+        negative=negative_inputs,
+        controls=[control.unsqueeze(0)],
+        steps=options.num_inference_steps,
+        true_cfg_scale=options.true_cfg_scale if options.guidance else 1.0,
         progress=progress,
     )
 

@@ -81,11 +81,11 @@ def sample_latents(
         transformer,
         scheduler,
         noise,
-        prompt,
-        negative,
-        control_latents,
-        num_inference_steps,
-        true_cfg_scale,
+        prompt=prompt,
+        negative=negative,
+        controls=control_latents,
+        steps=num_inference_steps,
+        true_cfg_scale=true_cfg_scale,
         progress=progress,
     )
 

@@ -17,29 +17,23 @@ from typing import Any
 
 import torch
 
+from qie.sampling_fields import SamplingFields
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
+@dataclass(kw_only=True)
+class SamplingOptions(SamplingFields):
     """How an image is sampled; one set of defaults for `python -m qie.infer`, `Trainer.predict` and
-    validation (the `predict` config group fills it; `validation.*` may override some fields).
+    validation (the `predict` config group fills it, `qie.stages.settings.sampling_options`; `validation.*` may
+    override some fields). Its fields are the `predict` group's sampling fields (`SamplingFields`). It is not
+    frozen (a frozen dataclass cannot share the fields of a schema, which OmegaConf needs writable): it is passed
+    as a value and changed only through `dataclasses.replace`.
 
     The default negative prompt is the empty prompt: its embedding is what the cache stores for every
     sample, so validation runs classifier-free guidance from cached inputs. `None` turns CFG off.
     The CFG scale and the step count left None are the model's pipeline's own defaults (`resolved`).
     """
-
-    negative_prompt: str | None = ""
-    true_cfg_scale: float | None = None
-    num_inference_steps: int | None = None
-    seed: int = 0
-    # Output size; None: the model's rule (the condition size of its output image, see ModelSpec.output_size).
-    height: int | None = None
-    width: int | None = None
-    num_images: int = 1
-    # Layers of a layered model's output (None: its pipeline's default); other models refuse it.
-    layers: int | None = None
 
     @property
     def guidance(self) -> bool:

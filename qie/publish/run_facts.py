@@ -129,7 +129,7 @@ def dataset_instructions(path: str | None, limit: int = 20) -> list[tuple[str, i
     try:
         if detect_format(path) == "hf":
             return []
-        samples = read_dataset(DataSource(str(path))).samples
+        samples = read_dataset(DataSource(path=str(path))).samples
     except (QieError, OSError, ValueError):
         return []
     return Counter(sample.prompt for sample in samples).most_common(limit)

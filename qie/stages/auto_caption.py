@@ -273,10 +273,10 @@ def auto_captions(
     make = build_captioner(source.model, spec, source.devices["text_encoder"]) if generate else None
     return AutoCaptions(
         settings,
-        model_key_context(source.model, spec, source.sizes),
-        hasher or file_hasher(source.state_dir),
-        backend if backend.stores else None,
-        make,
-        spec,
-        hint,
+        context=model_key_context(source.model, spec, source.sizes),
+        hasher=hasher or file_hasher(source.state_dir),
+        backend=backend if backend.stores else None,
+        make_captioner=make,
+        spec=spec,
+        miss_hint=hint,
     )

@@ -34,7 +34,7 @@ def collected_types() -> list[str]:
     return [t for t in CACHE_TYPES if t not in STORE_TYPES]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GcSetup:
     """What `action=gc` reads: the model, how its entries are keyed, the data sets whose entries are kept."""
 
@@ -66,13 +66,13 @@ def gc_setup(model: ModelConfig, data: DataConfig, cache: CacheConfig, gc: GcCon
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
     source = source_settings(model, data, cache, spec, None, command).with_mode("cached")
     return GcSetup(
-        spec,
-        source,
-        data_source(data, cache.state_folder()),
-        tuple(str(p) for p in gc.keep_data),
-        captions,
-        bool(gc.dry_run),
-        bool(gc.force),
+        spec=spec,
+        source=source,
+        samples=data_source(data, cache.state_folder()),
+        keep_data=tuple(str(p) for p in gc.keep_data),
+        captions=captions,
+        dry_run=bool(gc.dry_run),
+        force=bool(gc.force),
     )
 
 

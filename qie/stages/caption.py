@@ -59,7 +59,7 @@ class CaptionSummary:
             getattr(self, name).extend(getattr(other, name))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """The caption stage's own settings, read from the config once."""
 
@@ -83,7 +83,17 @@ def read_settings(c: CaptionConfig) -> Settings:
     prompt, generation = prompt_settings(c)
     dry = c.dry_run_samples if c.dry_run else 0
     raise_errors = c.on_error == "raise"
-    return Settings(prompt, generation, c.batch_size, c.overwrite, dry, raise_errors, c.start, c.end, c.output)
+    return Settings(
+        prompt=prompt,
+        generation=generation,
+        batch_size=c.batch_size,
+        overwrite=c.overwrite,
+        dry_run=dry,
+        raise_errors=raise_errors,
+        start=c.start,
+        end=c.end,
+        output=c.output,
+    )
 
 
 def prompt_settings(c: CaptionConfig) -> tuple[CaptionPrompt, GenerationSettings]:
@@ -153,7 +163,9 @@ class CaptionRecipe(Recipe):
         if mine:
             captioner = build_captioner(self.model, self.spec, str(self.cache.text_encoder_device), settings)
             info = run_info(self.model, settings)
-            caption_all(captioner, mine, self.spec, settings, self.output, summary, info)
+            caption_all(
+                captioner, mine, spec=self.spec, settings=settings, output=self.output, summary=summary, info=info
+            )
         summary.processes = [{"process": state.process_index, "captioned": summary.captioned}]
         summary = finish(state, summary, self.output, self.everything.samples, settings, self.run_dir)
         leave_process_group(state)

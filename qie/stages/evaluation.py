@@ -225,11 +225,11 @@ def generate(
             validator = Validator(
                 inputs,
                 negatives,
-                parts.scheduler,
-                parts.vae,
-                None,
-                replace(options, seed=seed),
-                spec,
+                scheduler=parts.scheduler,
+                vae=parts.vae,
+                logger=None,
+                options=replace(options, seed=seed),
+                spec=spec,
                 pipeline_config=parts.pipeline_config,
             )
             edits[name].append([images[0] for images in validator.sample(parts.transformer)])

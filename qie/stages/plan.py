@@ -71,7 +71,7 @@ class PlanRecipe(Recipe):
         state = OPTIMIZER_STATE_BYTES.get(str(train.optimizer.get("_target_")), 8)
         weights = {q: weight_bytes(family, config, work.dtype, q, rank, targets) for q in QUANTIZE}
         step = {
-            (gc, off): step_memory(family, config, work, rank, targets, gc, off)
+            (gc, off): step_memory(family, config, work=work, rank=rank, targets=targets, checkpointing=gc, offload=off)
             for gc, off in ((False, False), (True, False), (True, True))
         }
         budget, reserve = int(float(root.gpu_memory_gb) * GIB), int(float(root.reserve_gb) * GIB)

@@ -67,7 +67,7 @@ from qie.training.objectives import objective_class, trains_on_targets
 __all__ = ["PrecomputeRecipe", "PrecomputeSummary", "TypeSummary", "format_summary", "run", "share", "start"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """The precompute stage's own settings, read from the config once."""
 
@@ -226,20 +226,20 @@ def read_settings(
     source = source_settings(model, data, cache, spec, None, command)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
     return Settings(
-        p.batch_size,
-        raise_errors,
-        p.start,
-        p.end,
-        spec,
-        backend,
-        repair,
-        source.sizes,
-        functools.partial(build_encoder, model, spec, source.devices),
-        source,
-        replace(data_source(data, cache.state_folder()), fields=fields),
-        data.control_dropout_rate,
-        regularization(data),
-        captions,
+        batch_size=p.batch_size,
+        raise_errors=raise_errors,
+        start=p.start,
+        end=p.end,
+        model=spec,
+        backend=backend,
+        repair=repair,
+        sizes=source.sizes,
+        make_encoder=functools.partial(build_encoder, model, spec, source.devices),
+        source=source,
+        samples=replace(data_source(data, cache.state_folder()), fields=fields),
+        dropout=data.control_dropout_rate,
+        regularization=regularization(data),
+        captions=captions,
     )
 
 
@@ -290,13 +290,13 @@ def encode(groups: dict, summary, settings: Settings, desc: str) -> None:
         encode_groups(
             get_encoder,
             groups,
-            settings.backend,
-            settings.sizes,
-            summary,
-            settings.batch_size,
-            settings.raise_errors,
-            bar.update,
-            settings.repair,
+            backend=settings.backend,
+            sizes=settings.sizes,
+            summary=summary,
+            batch_size=settings.batch_size,
+            raise_errors=settings.raise_errors,
+            progress=bar.update,
+            repair=settings.repair,
         )
 
 

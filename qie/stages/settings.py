@@ -10,7 +10,7 @@ must keep that need no model loaded were checked when the config was composed (`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from qie.embedding.encode import ImageSizes
 from qie.embedding.sources import DEFAULT_PRECOMPUTE_COMMAND
 from qie.models import ModelSpec
 from qie.models.sampling import SamplingOptions
+from qie.sampling_fields import SamplingFields
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Regularization:
     ratio: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SourceSettings:
     """What an embedding source is built from (`qie.stages.sources.build_source`).
 
@@ -97,16 +98,24 @@ def data_source(data: DataConfig, state_dir: str | None = None, path: str | None
     from qie.config import qie_home
 
     c = data.columns
-    columns = Columns(c.target, tuple(c.controls), c.prompt, c.id, c.mask, c.layers, c.rejected)
+    columns = Columns(
+        target=c.target,
+        controls=tuple(c.controls),
+        prompt=c.prompt,
+        id=c.id,
+        mask=c.mask,
+        layers=c.layers,
+        rejected=c.rejected,
+    )
     folder = Path(state_dir) if state_dir else None
     return DataSource(
-        str(path or data.path),
-        str(data.format) if path is None else "auto",
-        data.split,
-        columns,
-        (folder or qie_home()) / "images",
-        data.allow_outside_paths,
-        folder / "manifests" if folder is not None else None,
+        path=str(path or data.path),
+        format=str(data.format) if path is None else "auto",
+        split=data.split,
+        columns=columns,
+        images_dir=(folder or qie_home()) / "images",
+        allow_outside=data.allow_outside_paths,
+        index_dir=folder / "manifests" if folder is not None else None,
     )
 
 
@@ -155,13 +164,13 @@ def source_settings(
     """The embedding source's settings of a stage's `model`, `data` and `cache` groups (`masks`: `loss_masks`'s;
     `command`: the precompute command a miss names)."""
     return SourceSettings(
-        model,
-        image_sizes(data, spec),
-        str(cache.mode),
-        cache.state_folder(),
-        encoder_devices(cache),
-        masks,
-        command or DEFAULT_PRECOMPUTE_COMMAND,
+        model=model,
+        sizes=image_sizes(data, spec),
+        mode=str(cache.mode),
+        state_dir=cache.state_folder(),
+        devices=encoder_devices(cache),
+        masks=masks,
+        precompute_command=command or DEFAULT_PRECOMPUTE_COMMAND,
     )
 
 
@@ -173,15 +182,8 @@ def fused_base(model: ModelConfig, spec: ModelSpec) -> FusedBase:
 
 def sampling_options(predict: PredictConfig, **overrides: Any) -> SamplingOptions:
     """SamplingOptions from the `predict` group; `overrides` whose value is None keep predict's value."""
-    base = {
-        "negative_prompt": predict.negative_prompt,
-        "true_cfg_scale": None if predict.true_cfg_scale is None else float(predict.true_cfg_scale),
-        "num_inference_steps": None if predict.num_inference_steps is None else int(predict.num_inference_steps),
-        "seed": predict.seed,
-        "height": predict.height,
-        "width": predict.width,
-        "num_images": predict.num_images,
-        "layers": None if predict.layers is None else int(predict.layers),
-    }
+    base = {f.name: getattr(predict, f.name) for f in fields(SamplingFields)}
+    for name, kind in (("true_cfg_scale", float), ("num_inference_steps", int), ("layers", int)):
+        base[name] = None if base[name] is None else kind(base[name])
     base.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingOptions(**base)

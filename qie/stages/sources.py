@@ -63,12 +63,12 @@ def _unmasked_source(
         raise ValueError(f"a {settings.mode} source reads a cache: give its backend")
     cached = CachedSource(
         backend,
-        model_key_context(settings.model, spec, settings.sizes),
-        file_hasher(settings.state_dir),
-        make_encoder,
-        settings.sizes,
-        settings.precompute_command,
-        str(Path(settings.state_dir) / "sample_keys") if settings.state_dir else None,
+        context=model_key_context(settings.model, spec, settings.sizes),
+        hasher=file_hasher(settings.state_dir),
+        encoder_factory=make_encoder,
+        sizes=settings.sizes,
+        precompute_command=settings.precompute_command,
+        memo_dir=str(Path(settings.state_dir) / "sample_keys") if settings.state_dir else None,
     )
     return (cached if settings.mode == "cached" else cached.with_encoding()), backend
 

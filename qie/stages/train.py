@@ -280,7 +280,15 @@ class TrainRecipe(Recipe):
             with accelerator.main_process_first():
                 data = dataclasses.replace(s.samples, fields=with_defaults(fields))
                 report, targets = accelerator.is_main_process, trains_on_targets(objective)
-                samples = load_samples(data, s.spec, report, captions, fields, s.on_missing, targets)
+                samples = load_samples(
+                    data,
+                    spec=s.spec,
+                    report=report,
+                    captions=captions,
+                    fields=fields,
+                    on_missing=s.on_missing,
+                    targets=targets,
+                )
             self.records = run_records(s.plan, samples)
         if self.resume_from is not None:
             warning = check_resume(self.resumed, self.resume_from, *self.records, s.train.resume_inexact)
@@ -320,12 +328,12 @@ class TrainRecipe(Recipe):
         dataset = EmbeddingDataset(
             samples + reg,
             self.source,
-            s.data.caption_dropout_rate,
-            train.seed,
-            s.dropout,
-            len(samples) if reg else None,
-            s.regularization.weight if reg else 1.0,
-            self.negatives,
+            caption_dropout_rate=s.data.caption_dropout_rate,
+            seed=train.seed,
+            control_dropout_rate=s.dropout,
+            weighted_from=len(samples) if reg else None,
+            weight=s.regularization.weight if reg else 1.0,
+            negatives=self.negatives,
         )
         workers, prefetch, parallel = loader_settings(s.data.num_workers, s.data.prefetch, self.source)
         self.loader = make_loader(dataset, sampler, workers, train.seed, prefetch, parallel)
@@ -337,7 +345,16 @@ class TrainRecipe(Recipe):
         main = self.accelerator.is_main_process
         self.logger = MetricsLogger(run_dir, str(s.logging.report_to), main, s.run_config, resume_step=resume_step)
         trained = self.samples + self.reg
-        run = HookInputs(s, state, self.source, trained, self.heldout_samples, self.scheduler, self.logger, run_dir)
+        run = HookInputs(
+            setup=s,
+            state=state,
+            source=self.source,
+            samples=trained,
+            heldout=self.heldout_samples,
+            scheduler=self.scheduler,
+            logger=self.logger,
+            run_dir=run_dir,
+        )
         self.hooks = step_hooks(dataclasses.replace(run, ema=self.ema), self.on_step_end)
         self.heldout = HeldOut(state, self.source, self.heldout_samples, self.objective, self.logger, self.negatives)
         if self.heldout_samples and s.validation.every > 0:

@@ -127,18 +127,30 @@ def ready_data(
     on_missing, command = s.on_missing, s.source.precompute_command
     samples = ready_samples(source, samples, run_dir, on_missing, report, command)
     reg = regularization_samples(s.regularization, s.samples, s.spec, captions)
-    reg = ready_samples(source, reg, run_dir, on_missing, False, command, report) if reg else []
+    reg = (
+        ready_samples(
+            source,
+            reg,
+            run_dir=run_dir,
+            on_missing=on_missing,
+            report=False,
+            precompute_command=command,
+            remember=report,
+        )
+        if reg
+        else []
+    )
     if s.dropout:  # the text-only entries too
         kept = {
             x.id
             for x in ready_samples(
                 source,
                 [without_controls(x) for x in samples + reg],
-                run_dir,
-                on_missing,
-                False,
-                command,
-                report,
+                run_dir=run_dir,
+                on_missing=on_missing,
+                report=False,
+                precompute_command=command,
+                remember=report,
             )
         }
         samples, reg = [x for x in samples if x.id in kept], [x for x in reg if x.id in kept]
@@ -202,7 +214,9 @@ def make_sampler(
     if extra:
         main, other = make_sampler(s, samples, accelerator, 0), make_sampler(s, extra, accelerator, 0)
         ratio, accumulation = s.regularization.ratio, s.train.gradient_accumulation_steps  # type: ignore[union-attr]
-        return MixedBatchSampler(main, other, len(samples), ratio, s.train.seed, accumulation, start)
+        return MixedBatchSampler(
+            main, other, offset=len(samples), ratio=ratio, seed=s.train.seed, accumulation=accumulation, start=start
+        )
     data, batch_size = s.data, s.data.batch_size
     # Batches of one never mix shapes: skip reading every image header.
     keys: list = [0] * len(samples)
@@ -214,10 +228,10 @@ def make_sampler(
         keys,
         [len(x.prompt) for x in samples],
         batch_size,
-        s.train.seed,
-        data.shuffle,
-        accelerator.num_processes,
-        accelerator.process_index,
+        seed=s.train.seed,
+        shuffle=data.shuffle,
+        num_replicas=accelerator.num_processes,
+        rank=accelerator.process_index,
         start=start,
     )
     accelerator.print(f"qie: data: {sampler.summary()}")

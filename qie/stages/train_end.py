@@ -57,7 +57,9 @@ class Checkpoints:
             if ema is not None:
                 write_ema(ema, folder, model, exports, mode.base)
 
-        folder = ckpt.save_checkpoint(state, self.run_dir, info, mode, exports, train.checkpoints_total_limit, extra)
+        folder = ckpt.save_checkpoint(
+            state, self.run_dir, state=info, mode=mode, exports=exports, keep=train.checkpoints_total_limit, extra=extra
+        )
         if step < train.max_steps:
             refresh_report(self.run_dir, state.accelerator)
         return folder

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from qie.stages.train_setup import TrainSetup
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HookInputs:
     """What the step hooks read of a training run: its setup, state, embedding source, the samples trained on and
     the held-out ones, the noise scheduler, the metrics logger, the run folder and the EMA weights (or None)."""
@@ -123,15 +123,15 @@ def _validation_hook(run: HookInputs, ema: Ema | None):
         return Validator(
             inputs,
             negatives,
-            run.scheduler,
-            vae_parts.vae,
-            logger,
-            options,
-            spec,
-            out / name,
-            references,
-            vae_parts.pipeline_config,
-            f"validation/{name}" if name else "validation",
+            scheduler=run.scheduler,
+            vae=vae_parts.vae,
+            logger=logger,
+            options=options,
+            spec=spec,
+            out_dir=out / name,
+            references=references,
+            pipeline_config=vae_parts.pipeline_config,
+            tag=f"validation/{name}" if name else "validation",
         )
 
     counts = [int(n) for n in v.step_counts or []]

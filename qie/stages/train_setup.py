@@ -37,7 +37,7 @@ from qie.stages.train_model import ModelPlan
 from qie.training.modes import FullMode, LoraMode, TrainMode
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainSetup:
     """What a training run reads from its config (the groups as their schemas' dataclasses), and what follows
     from them: read once, checked before anything loads."""
@@ -87,23 +87,23 @@ def train_setup(spec: ModelSpec, groups: Groups, command: str, run_config: dict)
     masks = loss_masks(train, data)
     captions = caption_settings(data.auto_caption_prompt, spec) if data.auto_caption else None
     return TrainSetup(
-        model,
-        data,
-        train,
-        groups.predict,
-        groups.logging,
-        groups.validation,
-        spec,
-        fused,
-        mode,
-        MemorySettings.of(train, spec.family),
-        source_settings(model, data, cache, spec, masks, command),
-        data_source(data, cache.state_folder()),
-        data.control_dropout_rate,
-        regularization(data),
-        captions,
-        str(cache.on_missing),
-        run_config,
+        model=model,
+        data=data,
+        train=train,
+        predict=groups.predict,
+        logging=groups.logging,
+        validation=groups.validation,
+        spec=spec,
+        fused=fused,
+        mode=mode,
+        memory=MemorySettings.of(train, spec.family),
+        source=source_settings(model, data, cache, spec, masks, command),
+        samples=data_source(data, cache.state_folder()),
+        dropout=data.control_dropout_rate,
+        regularization=regularization(data),
+        captions=captions,
+        on_missing=str(cache.on_missing),
+        run_config=run_config,
     )
 
 
@@ -121,13 +121,13 @@ def train_mode(train: TrainConfig, spec: ModelSpec, fused: FusedBase) -> TrainMo
     if init_lora:
         check_lora_file(init_lora, spec.family.lora_loader_class())  # before any model is built
     return LoraMode(
-        int(lora.rank),
-        int(lora.alpha),
-        list(lora.target_modules),
-        float(lora.dropout),
-        str(lora.init),
-        str(init_lora) if init_lora else None,
-        adapter,
-        use_dora,
-        tuple(fused.record()),
+        rank=int(lora.rank),
+        alpha=int(lora.alpha),
+        target_modules=list(lora.target_modules),
+        dropout=float(lora.dropout),
+        init=str(lora.init),
+        init_lora=str(init_lora) if init_lora else None,
+        adapter=adapter,
+        use_dora=use_dora,
+        base=tuple(fused.record()),
     )

@@ -32,7 +32,12 @@ def validation_samples(v: ValidationConfig, training: list[Sample], count: int) 
         return list(training[:count])
     images = list(v.images) or [""] * len(v.prompts)
     return [
-        Sample(f"validation_{i}", None, tuple(Path(p) for p in str(image).split("|") if p), str(prompt))
+        Sample(
+            id=f"validation_{i}",
+            target=None,
+            controls=tuple(Path(p) for p in str(image).split("|") if p),
+            prompt=str(prompt),
+        )
         for i, (image, prompt) in enumerate(zip(images, v.prompts))
     ]
 

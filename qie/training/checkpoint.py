@@ -175,7 +175,17 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         try:
-            _write(train, tmp, folder, state, mode, exports, weights, gathered, extra)
+            _write(
+                train,
+                tmp,
+                folder=folder,
+                state=state,
+                mode=mode,
+                exports=exports,
+                weights=weights,
+                gathered=gathered,
+                extra=extra,
+            )
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)  # the earlier checkpoints are untouched
             if isinstance(e, (OSError, SafetensorError)):

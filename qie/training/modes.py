@@ -17,7 +17,7 @@ from qie.errors import ConfigError
 from qie.runtime.memory import full_state_dict
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoraMode:
     """Train a LoRA adapter; checkpoints and the result hold the adapter only."""
 
@@ -43,13 +43,13 @@ class LoraMode:
             return continue_lora(transformer, self.init_lora)
         return add_lora(
             transformer,
-            self.rank,
-            self.alpha,
-            list(self.target_modules),
-            self.dropout,
-            self.init,
-            self.adapter,
-            self.use_dora,
+            rank=self.rank,
+            alpha=self.alpha,
+            target_modules=list(self.target_modules),
+            dropout=self.dropout,
+            init=self.init,
+            adapter=self.adapter,
+            use_dora=self.use_dora,
         )
 
     def export(
