@@ -288,5 +288,5 @@ def test_a_backends_own_keys_pass_validation_and_others_are_named() -> None:
         "cache.backend.dir is the stages' setting: set cache.dir (a backend that takes it is given it)"
     )
     assert refused(["cache=remote", "+cache.url=s3://b/p"]) == (
-        "cache.url is a setting of the backend: write cache.backend.url=... (its settings are there)"
+        "cache.url is an old spelling: write cache=remote cache.backend.url=s3://b/p"
     )

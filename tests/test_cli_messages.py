@@ -52,8 +52,8 @@ CASES = [
     (["cache=nvme"], "cache=nvme is not a preset of cache: choose one of memory, none, remote, ssd"),
     (
         ["train/objective=dop"],
-        "train/objective=dop is not a preset of train/objective: choose one of distill, dpo, "
-        "flow_matching, grpo (did you mean train/objective=dpo?)",
+        "train/objective=dop is not a preset of train/objective: choose one of awm, distill, dpo, "
+        "flow_matching, grpo, nft (did you mean train/objective=dpo?)",
     ),
     (["train.learning_rate=abc"], "train.learning_rate: Value 'abc' of type 'str' could not be converted to Float"),
     (["model.quantize=fp7"], "model.quantize: Invalid value 'fp7', expected one of [none, fp8, int8, int4, nf4]"),

@@ -22,6 +22,7 @@ REL = 1e-4
 COMPILED = [*TRAINING[1:], "train.max_steps=2", "train.compile=true", "train.gradient_checkpointing=true"]
 
 
+@pytest.mark.slow  # compiling on CPU takes minutes
 def test_compiled_blocks_give_the_eager_losses(
     cached_data: CachedData, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -207,7 +207,7 @@ def _weights(path: Path) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-@pytest.mark.parametrize("model", ["tiny_t2i", "tiny_qwen_image_21"])
+@pytest.mark.parametrize("model", [pytest.param("tiny_t2i", marks=pytest.mark.slow), "tiny_qwen_image_21"])
 def test_the_demo_runs_for_the_other_families(model: str, tmp_path: Path) -> None:
     """Text to image draws the shapes from their descriptions (no control image); 2.1 edits RGBA images. Tiny random
     VAEs: no learning is asserted, only that every part of the demo runs and writes what it says."""

@@ -92,6 +92,7 @@ def losses(metrics: str) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in map(json.loads, metrics.splitlines())}
 
 
+@pytest.mark.slow  # a torchrun restart after a kill: minutes on CPU
 def test_a_worker_killed_mid_run_resumes_from_the_bucket_with_the_uninterrupted_losses(
     s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path
 ) -> None:

@@ -70,6 +70,7 @@ def test_fsdp_resumes_exactly(data: dict, lora_runs: dict) -> None:
     assert resumed["param_checksums"] == full["param_checksums"]
 
 
+@pytest.mark.slow  # the LoRA case runs in CI; the full model the same way
 def test_fsdp_full_fine_tuning_matches_ddp(data: dict) -> None:
     from diffusers import QwenImageTransformer2DModel
 

@@ -73,7 +73,12 @@ def measured_step_bytes(family: str, targets: list[str], checkpointing: bool) ->
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize(
-    ("name", "checkpointing"), [("qwen_image", False), ("qwen_image", True), ("qwen_image_21", False)]
+    ("name", "checkpointing"),
+    [
+        pytest.param("qwen_image", False, marks=pytest.mark.slow),
+        ("qwen_image", True),
+        pytest.param("qwen_image_21", False, marks=pytest.mark.slow),
+    ],
 )
 def test_simulated_step_memory_is_within_20_percent_of_the_measured_peak(name: str, checkpointing: bool) -> None:
     """The simulation runs each family's own step: 2.1's masks stay real on the fake tensors (their values decide
@@ -102,6 +107,7 @@ def test_real_size_plan_for_a_24_gib_gpu(capsys: pytest.CaptureFixture) -> None:
     assert "recommended: model.quantize=" in out and "Qwen2.5-VL-7B: 15.4 GiB in bf16" in out
 
 
+@pytest.mark.slow  # the 24 GiB plan runs in CI
 def test_real_size_plan_of_qwen_image_21(capsys: pytest.CaptureFixture) -> None:
     rows = plan.run(compose("plan", ["model=qwen_image_21", "model.max_control_images=1", "gpu_memory_gb=24"]))
     out = capsys.readouterr().out

@@ -52,11 +52,11 @@ def test_ctrl_c_in_a_stage_ends_in_one_line_and_status_130(
 
     entry, stage_module = importlib.import_module(f"qie.{stage}"), importlib.import_module(f"qie.stages.{stage}")
 
-    def interrupted(cfg, run_dir):
+    def interrupted(checked, run_dir):
         raise KeyboardInterrupt
 
     interrupted.__module__ = stage_module.__name__
-    monkeypatch.setattr(stage_module, "run", interrupted)
+    monkeypatch.setattr(stage_module, "start", interrupted)  # what the entry point runs once the config is checked
     argv = [f"qie.{stage}", f"data.path={cached_data.data}", f"hydra.run.dir={tmp_path / 'run'}"]
     monkeypatch.setattr(sys, "argv", argv)
     capsys.readouterr()
@@ -130,10 +130,10 @@ def test_a_second_signal_during_the_stop_save_removes_it_and_names_the_checkpoin
 
     from qie import train as train_entry
 
-    def stopped(cfg, run_dir):
+    def stopped(checked, run_dir):
         raise Interrupted(str(raised), signal.SIGTERM)
 
-    monkeypatch.setattr(train_stage, "run", stopped)
+    monkeypatch.setattr(train_stage, "start", stopped)
     monkeypatch.setattr(sys, "argv", ["qie.train", *cached_data.overrides, f"hydra.run.dir={tmp_path / 'cli'}"])
     assert exit_code(train_entry.main) == 143  # 128 + SIGTERM, the second signal's
 
