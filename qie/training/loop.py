@@ -166,13 +166,7 @@ def fit(
             try:
                 mean_loss, grad_norm, batch, window = _optimizer_step(state, stream, settings, stop)
             except Exception as e:
-                if stop.received is None:
-                    if isinstance(e, QieError) and checkpoints.before_stopping(step, consumed):
-                        print(f"qie: saved the state after step {step} before stopping")
-                    raise
-                # A scheduler signals every process, loader workers included: a step that lost its data
-                # is dropped and the last finished one is saved.
-                print(f"qie: stopping; step {step + 1} not finished: {e}")
+                _step_failed(e, stop, checkpoints, step, consumed)  # raises unless a stop signal cut the step short
                 stopping = True
                 break
             if not window["finite"]:
@@ -204,6 +198,17 @@ def fit(
                 break
         checkpoints.at_end(step, consumed)
     return _result(step, losses, nonfinite.skipped, stop, stopping and not late) | {"stopped_by_time": late}
+
+
+def _step_failed(e: Exception, stop: StopSignal, checkpoints: CheckpointSchedule, step: int, consumed: Any) -> None:
+    """A step that raised `e`: re-raised (a QieError after saving the last finished step), unless a stop signal came
+    first: a scheduler signals every process, loader workers included, so a step that lost its data is dropped and
+    the last finished one is saved as at any stop."""
+    if stop.received is None:
+        if isinstance(e, QieError) and checkpoints.before_stopping(step, consumed):
+            print(f"qie: saved the state after step {step} before stopping")
+        raise e
+    print(f"qie: stopping; step {step + 1} not finished: {e}")
 
 
 def progress_measures(loss: float, metrics: dict[str, float]) -> dict[str, str]:
