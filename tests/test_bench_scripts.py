@@ -55,8 +55,8 @@ def _number(cell: str) -> float:
     return float(cell.strip().rstrip("x%").replace(",", ""))
 
 
-# 2.1 with -m slow: the same sections through another family.
-@pytest.mark.parametrize("model", ["qwen_image_edit_2511", pytest.param("qwen_image_21", marks=pytest.mark.slow)])
+@pytest.mark.slow  # by hand, as the scripts are run
+@pytest.mark.parametrize("model", ["qwen_image_edit_2511", "qwen_image_21"])
 def test_gpu_table_runs_every_section_at_tiny_size(
     model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -152,6 +152,7 @@ def test_sync_copies_a_cache_to_the_bucket_and_back_verified_and_resumable(
     assert remote(url, s3, tmp_path / "x").stats()["pixel_latent"]["count"] == 0
 
 
+@pytest.mark.slow  # the claims are tested in-process in test_cache_remote; this runs two real precomputes
 def test_two_precompute_processes_on_one_bucket_encode_no_entry_twice(
     s3: str, url: str, tiny_path: Path, cached_data, tmp_path: Path
 ) -> None:

@@ -102,6 +102,7 @@ runpy.run_module("qie.train", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # a kill -9 during a save is tested for the plain checkpoint in CI
 def test_kill_9_during_an_fsdp_checkpoint_save_loses_nothing_saved(data: dict, tmp_path: Path) -> None:
     """The writing process is killed (SIGKILL) with step 3's gathered checkpoint half written: torchrun ends the
     run, and steps 1 and 2 stay complete, finite and loadable; the half-written folder is never taken for one."""

@@ -24,6 +24,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
 
 
+@pytest.mark.slow  # int4 on CPU: the slowest quantized run; int8 and fp8 run in the family battery
 def test_int4_trains_resumes_exactly_and_infers(cached_data: CachedData, tmp_path: Path) -> None:
     from optimum.quanto import QLinear, qint4
     from stage_edges import parts_of, predictor_for

@@ -55,9 +55,7 @@ def test_nothing_outside_the_studio_imports_it() -> None:
 def test_refusals_change_nothing(studio) -> None:
     cases = {
         "train.max_steps=-3": "train.max_steps=-3 is out of range: it must lie in [0, inf]",
-        "train.max_steps=abc": (
-            "Error merging override train.max_steps=abc: Value 'abc' of type 'str' could not be converted to Integer"
-        ),
+        "train.max_steps=abc": "train.max_steps: Value 'abc' of type 'str' could not be converted to Integer",
         "train.max_steps=1; rm -rf ~": "LexerNoViableAltException: train.max_steps=1; rm -rf ~",
         "model.pretrained_model_name_or_path=$(touch pwned)": "mismatched input '(' expecting <EOF>",
         "--config-dir=/tmp": "'--config-dir=/tmp' is an option, not a setting",

@@ -122,6 +122,7 @@ def test_two_processes_keep_the_lora_identical(one_node: Path) -> None:
     assert (one_node / "checkpoints" / "step-000003" / "state" / "rng_state_1.safetensors").is_file()
 
 
+@pytest.mark.slow  # two processes of the plain LoRA run in CI, distillation in one in the family battery
 def test_distillation_on_two_processes_keeps_the_lora_identical(data: dict, tmp_path: Path) -> None:
     """`train/objective=distill` under torchrun: two precompute processes fill the teacher outputs of 7 of the 8
     samples (shares of 4 and 3: each process runs the teacher apart), then training, where the student runs the
@@ -194,6 +195,7 @@ def _wait_all(procs: list[subprocess.Popen], logs: Path, timeout: float) -> None
                 proc.wait()
 
 
+@pytest.mark.slow  # two torchrun node agents: a minute; two processes on one node run in CI
 def test_two_nodes_training_from_a_bucket_give_the_losses_of_one_node_on_ssd_and_resume_exactly(
     data: dict, one_node: Path, s3: str, url: str, cached_data: CachedData, tmp_path: Path
 ) -> None:
